@@ -1,0 +1,35 @@
+# tidal developer entry points. `make run` and `make test` set up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tidal-setup
+
+.PHONY: setup run test test-all lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_env.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
+	touch $(STAMP)
+
+## Train the bundled tiny model on reverse-text: real vLLM + orchestrator + trainer, in one command.
+run: setup
+	$(BIN)/tidal grpo
+
+## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
+test: setup
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+## Everything that runs on this machine, including slow tests.
+test-all: setup
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests scripts bench
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

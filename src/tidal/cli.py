@@ -1,0 +1,249 @@
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft`.
+
+Arguments are parsed and configs validated before torch or vLLM is imported, so config mistakes fail fast
+(exit code 2, with a message naming the file and key). Dotted overrides follow the config files:
+`--orch.batch_size 32`, `--train.loss.kl_tau 0.1`, `--infer.port 8001` (and `--sft.X` for `tidal sft`).
+Without a config file a component uses the bundled reverse-text example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
+from tidal.config.base import StrictModel
+
+COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
+
+
+def example_path(component: str) -> Path:
+    return Path(str(resources.files("tidal") / "examples" / "reverse_text" / f"{component}.yaml"))
+
+
+def extract_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate dotted overrides (`--a.b V` / `--a.b=V`) from the rest of argv, before argparse sees them."""
+    rest: list[str] = []
+    extra: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            extra.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                extra.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, extra
+
+
+def split_overrides(extra: list[str], allowed: set[str]) -> dict[str, dict[str, str]]:
+    """`['--orch.batch_size', '32', '--train.lr=1']` -> {'orch': {'batch_size': '32'}, 'train': {'lr': '1'}}."""
+    out: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}' (overrides look like --{sorted(allowed)[0]}.KEY VALUE)")
+        key, _, value = arg[2:].partition("=")
+        if not _:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"override {arg} needs a value")
+            value = extra[i + 1]
+            i += 1
+        prefix, dotted = key.split(".", 1)
+        if prefix == "sft" and "train" in allowed:
+            prefix, dotted = "train", f"sft.{dotted}"
+        if prefix not in allowed:
+            raise ConfigError(f"override --{key}: this command takes overrides for {', '.join(sorted(allowed))}")
+        out.setdefault(prefix, {})[dotted] = value
+        i += 1
+    return out
+
+
+def check_model(name: str, source: str) -> None:
+    """A model must be a bundled `tidal:` name or an existing local directory (nothing is downloaded)."""
+    from tidal.assets import resolve_model
+
+    try:
+        path = resolve_model(name)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{source}: key 'model': {exc}") from None
+    if not Path(path, "config.json").is_file():
+        raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
+                          "give the path of a local Hugging Face model directory or tidal:tiny-reverse")
+
+
+def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:
+    file = Path(path) if path else example_path(component)
+    cfg = load_config(COMPONENTS[component], file, overrides.get(component))
+    if isinstance(cfg, TrainConfig | InferConfig):
+        check_model(cfg.model, str(file))
+    return cfg
+
+
+def dump(cfg: Any) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """A fresh run must not read a previous run's batches: move an old run aside (nothing is deleted)."""
+    if any((run_dir / d).exists() for d in ("rollouts", "broadcasts", "metrics.jsonl")):
+        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        print(f"[tidal] moved the previous run in {run_dir} to {aside}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
+    run_dir = Path(args.output_dir or orch.output_dir)
+    host = infer.host or "127.0.0.1"
+    orch.output_dir = train.output_dir = str(run_dir)
+    orch.client.base_url = [f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"]
+    if args.dry_run:
+        for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
+            print(f"# --- {name} ---\n{dump(cfg)}")
+        return 0
+    from tidal.inference.server import PortInUseError, check_port_free
+
+    try:
+        check_port_free(host, infer.port)
+    except PortInUseError as exc:
+        raise ConfigError(str(exc)) from None
+    prepare_run_dir(run_dir)
+    cfg_dir = run_dir / "configs"
+    cfg_dir.mkdir(exist_ok=True)
+    paths = {}
+    for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
+        paths[name] = cfg_dir / f"{name}.yaml"
+        paths[name].write_text(dump(cfg))
+    from tidal.launcher import run_colocate
+
+    return run_colocate(sys.executable, run_dir, paths, f"{orch.client.base_url[0].removesuffix('/v1')}/health")
+
+
+def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    cfg = load("infer", args.config, ov)
+    if args.dry_run:
+        print(dump(cfg))
+        return 0
+    from tidal.inference.server import PortInUseError, exec_server
+
+    try:
+        exec_server(cfg)  # does not return
+    except PortInUseError as exc:
+        raise ConfigError(str(exc)) from None
+    return 1
+
+
+def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    cfg = load("orch", args.config, ov)
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    if args.dry_run:
+        print(dump(cfg))
+        return 0
+    import asyncio
+
+    from tidal.inference.client import InferenceUnreachable
+    from tidal.orchestrator import loop
+
+    run_dir = Path(cfg.output_dir)
+    if (run_dir / "rollouts").is_dir() and any((run_dir / "rollouts").iterdir()):
+        raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); use another output_dir or "
+                          "move it away (resuming is not supported yet)")
+    setup_logging("[orch]")
+    try:
+        asyncio.run(loop.run(cfg, run_dir))
+    except InferenceUnreachable as exc:
+        logging.getLogger("tidal.orch").error("%s", exc)
+        return 1
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    cfg = load("train", args.config, ov)
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    if args.dry_run:
+        print(dump(cfg))
+        return 0
+    setup_logging("[train]")
+    from tidal.paths import find_run_dir
+    from tidal.trainer import grpo
+
+    run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
+    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    grpo.run(cfg, run_dir)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    cfg = load("train", args.config, ov)
+    if args.dry_run:
+        print(dump(cfg))
+        return 0
+    setup_logging("[sft]")
+    from tidal.assets import resolve_model
+    from tidal.trainer import sft
+
+    cfg.model = resolve_model(cfg.model)
+    sft.run(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidal", description="GRPO training with vLLM rollouts.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("grpo", help="co-locate: run inference, orchestrator and trainer together")
+    for c in ("train", "infer", "orch"):
+        g.add_argument(f"--{c}", metavar="FILE", help=f"{c}.yaml (default: bundled reverse-text example)")
+    for name, help_ in (("grpo-infer", "start the vLLM inference server"),
+                        ("grpo-orch", "run the orchestrator"), ("grpo-train", "run the trainer"),
+                        ("sft", "supervised warm start on an environment's reference completions")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config", nargs="?", help="YAML config (default: bundled reverse-text example)")
+    for s in sub.choices.values():
+        s.add_argument("--dry-run", action="store_true", help="print the resolved configs, start nothing")
+        if s.prog.split()[-1] != "grpo-infer":
+            s.add_argument("--output-dir", help="run directory for every component's output")
+    return p
+
+
+HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
+            "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    rest, extra = extract_overrides(list(sys.argv[1:] if argv is None else argv))
+    args, unknown = build_parser().parse_known_args(rest)
+    extra = unknown + extra
+    handler, allowed = HANDLERS[args.command]
+    try:
+        return handler(args, split_overrides(extra, allowed))
+    except ConfigError as exc:
+        print(f"tidal {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

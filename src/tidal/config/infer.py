@@ -1,0 +1,66 @@
+"""Inference config (`infer.yaml`): how `tidal grpo-infer` starts vLLM's OpenAI-compatible server.
+
+Keys follow the seed's inference table. `host: null` binds to 127.0.0.1 (tidal is stricter than the seed,
+which binds to all interfaces); the API key, if any, comes from the `VLLM_API_KEY` environment variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tidal.config.base import StrictModel
+
+
+class InferConfig(StrictModel):
+    """Everything `tidal grpo-infer` reads from `infer.yaml`."""
+
+    UNSUPPORTED = frozenset({"weight_broadcast_type"})
+
+    model: str
+    """Local Hugging Face model directory to serve, or `tidal:tiny-reverse` (the bundled model)."""
+    host: str | None = None
+    """Bind address; null binds to 127.0.0.1 only."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Bind port."""
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    """Weights/activations dtype (`auto`: the model's dtype; float32 on CPU for the bundled model)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Maximum context length (null: the model's)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    trust_remote_code: bool = False
+    """Allow custom model code from the model directory."""
+    tp: int = Field(1, ge=1)
+    """Tensor parallel degree (vLLM's own)."""
+    dp: int = Field(1, ge=1)
+    """Data parallel degree (vLLM's own)."""
+    enable_lora: bool = True
+    """Serve LoRA adapters and allow loading them at runtime."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Largest LoRA rank to serve; rounded up to a value vLLM accepts (null: 16)."""
+    max_loras: int = Field(8, ge=1)
+    """LoRA adapters active in one batch."""
+    max_cpu_loras: int = Field(100, ge=1)
+    """LoRA adapters cached in CPU memory."""
+    enable_prefix_caching: bool | None = None
+    """Prefix caching (null: vLLM's default)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use."""
+    cpu_kvcache_space_gib: float = Field(1.0, gt=0)
+    """KV-cache size in GiB on CPU machines (VLLM_CPU_KVCACHE_SPACE)."""
+    weight_broadcast_type: Literal["filesystem", "nccl"] = "filesystem"
+    """How weight updates arrive (only `filesystem` so far)."""
+    reasoning_parser: str | None = None
+    """vLLM reasoning parser name."""
+    enable_auto_tool_choice: bool = False
+    """Enable vLLM's auto tool choice (needs `tool_call_parser`)."""
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser name."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE scaling dict passed to vLLM as an hf override."""
+    seed: int = 0
+    """vLLM's global seed."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed to vLLM's server verbatim."""

@@ -1,0 +1,251 @@
+"""Orchestrator config (`orch.yaml`): sampling, environments, client, buffer, advantage and transport.
+
+Keys follow the seed's orchestrator tables. Sections and keys that are declared but not implemented yet
+(`ckpt`, `eval`, `report_to`, `filters`, elastic client pools, zmq/nccl transports, ...) reject any value
+other than their default with "not supported yet".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from tidal.config.base import StrictModel
+
+
+class ModelSection(StrictModel):
+    """Which model the orchestrator asks vLLM for, and the LoRA adapter it trains."""
+
+    name: str | None = None
+    """Model name/path served by vLLM (null: the first model the server lists)."""
+    lora_adapter: str = "default"
+    """Prefix of the adapter names registered in vLLM (`{lora_adapter}-step-{n}`)."""
+    lora_rank: int | None = Field(None, ge=1)
+    """LoRA rank (informational; the trainer's value is authoritative)."""
+    lora_alpha: float | None = Field(None, gt=0)
+    """LoRA alpha (informational; the trainer's value is authoritative)."""
+
+
+class EnvSection(StrictModel):
+    """One environment to sample training examples from."""
+
+    UNSUPPORTED = frozenset({"address"})
+
+    id: str
+    """Environment id from tidal's registry (e.g. `reverse-text`)."""
+    name: str | None = None
+    """Human-readable name."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Environment-specific keyword arguments."""
+    address: str | None = None
+    """Address of an external environment server (not supported yet)."""
+
+
+class TempSchedulerSection(StrictModel):
+    """Temperature schedule (not supported yet)."""
+
+    type: Literal["linear", "cosine"]
+    """Schedule shape."""
+    start_temperature: float
+    """Temperature at step 0."""
+    end_temperature: float
+    """Temperature at the final step."""
+
+
+class SamplingSection(StrictModel):
+    """Sampling parameters sent to vLLM with every rollout request."""
+
+    UNSUPPORTED = frozenset({"temp_scheduler", "repetition_penalty", "min_tokens"})
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Max completion tokens (null: up to `seq_len` minus the prompt)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scores tokens at the same temperature."""
+    temp_scheduler: TempSchedulerSection | None = None
+    """Temperature schedule (not supported yet)."""
+    repetition_penalty: float = 1.0
+    """Repetition penalty (not supported yet: the trainer would have to replicate it)."""
+    min_tokens: int = 0
+    """Minimum completion tokens (not supported yet: it changes the sampled distribution)."""
+    seed: int | None = None
+    """Per-request sampling seed base (request i uses seed + i); null: random."""
+
+
+class ElasticSection(StrictModel):
+    """DNS-discovered inference pool (not supported yet)."""
+
+    hostname: str
+    """DNS hostname for pool discovery."""
+    port: int = 8000
+    """Port of the pool's servers."""
+    sync_interval: float = 5.0
+    """Discovery re-check interval (s)."""
+
+
+class ClientSection(StrictModel):
+    """How the orchestrator reaches inference."""
+
+    UNSUPPORTED = frozenset({"elastic"})
+
+    base_url: list[str] = Field(default_factory=lambda: ["http://localhost:8000/v1"])
+    """Inference server URL(s); requests are spread across them round-robin."""
+    timeout: float = Field(1200, gt=0)
+    """Request timeout (s)."""
+    api_key_var: str = "VLLM_API_KEY"
+    """Environment variable holding the API key."""
+    skip_model_check: bool = False
+    """Skip checking the `/models` endpoint at start-up."""
+    elastic: ElasticSection | None = None
+    """Elastic pool discovery (not supported yet)."""
+    connect_timeout_s: float = Field(300.0, gt=0)
+    """Keep retrying (with backoff) to reach the server for this long before giving up."""
+
+
+class BufferSection(StrictModel):
+    """Example sampling and rollout buffering."""
+
+    UNSUPPORTED = frozenset({"online_difficulty_filtering", "easy_threshold", "hard_threshold",
+                             "easy_fraction", "hard_fraction", "env_ratios"})
+
+    seed: int | None = None
+    """Seed for example sampling (null: the top-level `seed`)."""
+    online_difficulty_filtering: bool = False
+    """Skip rollouts with reward 0 or 1 (not supported yet)."""
+    easy_threshold: float | None = None
+    """Reward above which a problem is easy (not supported yet)."""
+    hard_threshold: float | None = None
+    """Reward below which a problem is hard (not supported yet)."""
+    easy_fraction: float = 0.0
+    """Fraction of easy problems promoted to normal (not supported yet)."""
+    hard_fraction: float = 0.0
+    """Fraction of hard problems promoted to normal (not supported yet)."""
+    hash_keys: list[str] = Field(default_factory=lambda: ["task", "prompt"])
+    """Keys used to deduplicate examples."""
+    skip_verification: bool = False
+    """Skip reward scoring (all rewards 0)."""
+    env_ratios: list[float] | None = None
+    """Per-environment sampling ratios (not supported yet)."""
+
+
+class AdvantageSection(StrictModel):
+    """Group-relative advantage: reward minus the group mean."""
+
+    UNSUPPORTED = frozenset({"length_weighted_mean", "import_path", "kwargs"})
+
+    type: Literal["default"] = "default"
+    """`default` (r - mean of the group). `custom` is not supported yet."""
+    length_weighted_mean: bool = False
+    """Weight the group mean by sequence length (not supported yet)."""
+    import_path: str | None = None
+    """Custom advantage function (not supported yet)."""
+    kwargs: dict[str, Any] | None = None
+    """Custom advantage kwargs (not supported yet)."""
+
+
+class NotYetSection(StrictModel):
+    """A section whose keys are accepted by name but not implemented yet."""
+
+    model_config = StrictModel.model_config | {"extra": "allow"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if data:
+            raise ValueError("this section is not supported yet by tidal; remove it")
+        return data
+
+
+class RolloutTransportSection(StrictModel):
+    """How batches reach the trainer."""
+
+    UNSUPPORTED = frozenset({"type", "host", "port", "hwm"})
+
+    type: Literal["filesystem", "zmq"] = "filesystem"
+    """`filesystem` (temp file + rename under `{output_dir}/rollouts`); `zmq` is not supported yet."""
+    host: str = "localhost"
+    """(zmq) bind host."""
+    port: int = 5555
+    """(zmq) bind port."""
+    hwm: int = 10
+    """(zmq) high-water mark."""
+
+
+class WeightBroadcastSection(StrictModel):
+    """How new weights reach inference."""
+
+    UNSUPPORTED = frozenset({"type", "host", "port", "timeout"})
+
+    type: Literal["filesystem", "nccl"] = "filesystem"
+    """`filesystem` (`{output_dir}/broadcasts/step_n` + STABLE); `nccl` is not supported yet."""
+    host: str = "localhost"
+    """(nccl) rendezvous host."""
+    port: int = 29501
+    """(nccl) rendezvous port."""
+    timeout: float = 1200
+    """(nccl) timeout (s)."""
+
+
+class OrchConfig(StrictModel):
+    """Everything `tidal grpo-orch` reads from `orch.yaml`."""
+
+    UNSUPPORTED = frozenset({"oversampling_factor", "filters"})
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    """Model and adapter naming."""
+    env: list[EnvSection] = Field(default_factory=lambda: [EnvSection(id="reverse-text")])
+    """Training environments (one so far)."""
+    batch_size: int = Field(128, ge=1)
+    """Rollouts per training step; must be a multiple of `rollouts_per_example`."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Completions sampled per prompt (the GRPO group size)."""
+    seq_len: int = Field(2048, ge=16)
+    """Maximum prompt + completion length of one sample."""
+    max_steps: int | None = Field(None, ge=1)
+    """Training steps to produce batches for (null: run until stopped)."""
+    max_async_level: int = Field(1, ge=0)
+    """Batch n may be sampled by a policy at most this many updates older than the one it trains."""
+    max_off_policy_steps: int = Field(8, ge=0)
+    """Rollouts whose policy lag exceeds this are discarded."""
+    oversampling_factor: float = 1.0
+    """Oversample rollout requests (not supported yet)."""
+    output_dir: str = "outputs/run_default"
+    """Run directory: rollouts/, broadcasts/, metrics.jsonl, logs."""
+    seed: int = 42
+    """Random seed (example sampling, and sampling seeds when `sampling.seed` is set)."""
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    """Sampling parameters."""
+    client: ClientSection = Field(default_factory=ClientSection)
+    """Inference client."""
+    buffer: BufferSection = Field(default_factory=BufferSection)
+    """Example buffer."""
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    """Advantage computation."""
+    filters: list[dict[str, Any]] = Field(default_factory=list)
+    """Rollout filters (not supported yet)."""
+    ckpt: NotYetSection | None = None
+    """Checkpointing (not supported yet)."""
+    eval: NotYetSection | None = None
+    """Online evaluation (not supported yet)."""
+    report_to: NotYetSection | None = None
+    """W&B reporting (not supported yet)."""
+    rollout_transport: RolloutTransportSection = Field(default_factory=RolloutTransportSection)
+    """Batch transport to the trainer."""
+    weight_broadcast: WeightBroadcastSection = Field(default_factory=WeightBroadcastSection)
+    """Weight transport to inference."""
+    weights_timeout_s: float = Field(1800.0, gt=0)
+    """Give up (exit 1) when the policy needed for the next batch has not been broadcast in this time."""
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> OrchConfig:
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
+                f"({self.rollouts_per_example}); e.g. batch_size: "
+                f"{max(1, self.batch_size // self.rollouts_per_example) * self.rollouts_per_example}")
+        if len(self.env) != 1:
+            raise ValueError(f"env: exactly one environment is supported so far (got {len(self.env)})")
+        if self.max_async_level > self.max_off_policy_steps:
+            raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
+                             f"max_off_policy_steps ({self.max_off_policy_steps})")
+        return self

@@ -1,0 +1,1 @@
+"""Inference: launching vLLM's OpenAI-compatible server and talking to it."""

@@ -1,0 +1,134 @@
+"""Async client for one or more vLLM servers: readiness with backoff, tokenize, sample, LoRA load/unload.
+
+Requests are spread round-robin over `client.base_url`; adapter loads go to every server. Prompts are
+tokenized by the server itself (`/tokenize` with the chat template), and completions are requested from
+those token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw and
+sampled, never on re-tokenized text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tidal.config.orch import ClientSection
+
+log = logging.getLogger("tidal.client")
+
+
+class InferenceUnreachable(RuntimeError):
+    """No server answered within `client.connect_timeout_s`."""
+
+
+class InferenceError(RuntimeError):
+    """A server answered with an error; the message names the URL and the server's reason."""
+
+
+@dataclass
+class Completion:
+    """One sampled completion: its token ids, their logprobs under the sampling distribution, its text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+def server_root(base_url: str) -> str:
+    """`http://h:p/v1` -> `http://h:p` (vLLM serves /health and /tokenize at the root)."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+class InferenceClient:
+    def __init__(self, cfg: ClientSection) -> None:
+        self.cfg = cfg
+        self.urls = [u.rstrip("/") for u in cfg.base_url]
+        self._rr = itertools.cycle(range(len(self.urls)))
+        key = os.environ.get(cfg.api_key_var)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), headers=headers,
+                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, url: str, payload: dict[str, Any]) -> Any:
+        try:
+            r = await self.http.post(url, json=payload)
+        except httpx.HTTPError as exc:
+            raise InferenceError(f"POST {url} failed: {exc!r}") from exc
+        if r.status_code != 200:
+            raise InferenceError(f"POST {url} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    async def wait_ready(self) -> list[str]:
+        """Wait (exponential backoff) until every server answers; returns the first server's model ids."""
+        models: list[str] = []
+        for url in self.urls:
+            probe = f"{server_root(url)}/health" if self.cfg.skip_model_check else f"{url}/models"
+            start, delay, last = time.monotonic(), 0.5, ""
+            while True:
+                try:
+                    r = await self.http.get(probe, timeout=10.0)
+                    if r.status_code == 200:
+                        if not self.cfg.skip_model_check and not models:
+                            models = [m["id"] for m in r.json().get("data", [])]
+                        break
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+                waited = time.monotonic() - start
+                if waited > self.cfg.connect_timeout_s:
+                    raise InferenceUnreachable(
+                        f"inference server at {url} unreachable after {waited:.0f} s (last error: {last}); "
+                        f"is `tidal grpo-infer` running there? (client.base_url, client.connect_timeout_s)")
+                log.info("waiting for inference server at %s (%.0f s, retry in %.1f s): %s", url, waited,
+                         delay, last)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        return models
+
+    async def tokenize_chat(self, model: str, messages: list[dict[str, str]]) -> list[int]:
+        url = f"{server_root(self.urls[0])}/tokenize"
+        out = await self._post(url, {"model": model, "messages": messages, "add_generation_prompt": True,
+                                     "add_special_tokens": False})
+        return list(out["tokens"])
+
+    async def sample(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                     seed: int | None = None) -> list[Completion]:
+        """`n` completions of `prompt_ids`, with token ids and sampled-token logprobs."""
+        url = f"{self.urls[next(self._rr)]}/completions"
+        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
+                                   "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
+                                   "return_token_ids": True, "skip_special_tokens": True}
+        if seed is not None:
+            payload["seed"] = seed
+        out = await self._post(url, payload)
+        comps = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = list(choice["token_ids"])
+            lps = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if len(ids) != len(lps):
+                raise InferenceError(f"{url}: {len(ids)} token ids but {len(lps)} logprobs")
+            comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or ""))
+        return comps
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter under `name` on every server."""
+        await asyncio.gather(*(self._post(f"{server_root(u)}/v1/load_lora_adapter",
+                                          {"lora_name": name, "lora_path": path}) for u in self.urls))
+
+    async def unload_adapter(self, name: str) -> None:
+        results = await asyncio.gather(*(self._post(f"{server_root(u)}/v1/unload_lora_adapter",
+                                                    {"lora_name": name}) for u in self.urls),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):
+                log.warning("unloading adapter %s: %s", name, r)

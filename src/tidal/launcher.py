@@ -1,0 +1,146 @@
+"""Co-locate mode (`tidal grpo`): run inference, orchestrator and trainer as supervised child processes.
+
+Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`), then the orchestrator and the trainer once
+the server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
+`logs/`. Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is
+stopped. If any component dies first, the others are stopped and the exit code is 1, with a message naming
+the component and its log. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
+(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+STOP_TIMEOUT_S = 20.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Child:
+    """One component process, its log file and (optionally) a console echo."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool) -> None:
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        self._pump = threading.Thread(target=self._copy, args=(echo,), daemon=True)
+        self._pump.start()
+
+    def _copy(self, echo: bool) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "ab") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if echo:
+                    sys.stdout.write(f"[{self.name}] {line.decode(errors='replace')}")
+                    sys.stdout.flush()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def tail(self, lines: int = 25) -> str:
+        self._pump.join(timeout=2)
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def stop_all(children: list[Child]) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after STOP_TIMEOUT_S."""
+    for c in children:
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for c in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for c in children:
+        c.signal_group(signal.SIGKILL)  # also reaps vLLM engine processes left in the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=5)
+
+
+def wait_healthy(url: str, infer: Child, timeout_s: float) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if infer.poll() is not None:
+            raise ComponentFailed(infer, "exited while starting")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise ComponentFailed(infer, f"did not become healthy at {url} within {timeout_s:.0f} s")
+
+
+class ComponentFailed(RuntimeError):
+    def __init__(self, child: Child, what: str) -> None:
+        super().__init__(f"{child.name} {what}")
+        self.child = child
+
+
+def _raise_on_term(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str,
+                 infer_start_timeout_s: float = 600.0) -> int:
+    """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted)."""
+    logs = run_dir / "logs"
+    cli = [python, "-m", "tidal.cli"]
+    children: list[Child] = []
+    previous = signal.signal(signal.SIGTERM, _raise_on_term)
+    try:
+        infer = Child("infer", [*cli, "grpo-infer", str(configs["infer"])], logs / "infer.log", echo=False)
+        children.append(infer)
+        print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
+        wait_healthy(health_url, infer, infer_start_timeout_s)
+        print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
+        orch = Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)],
+                     logs / "orch.log", echo=True)
+        train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
+                      logs / "train.log", echo=True)
+        children += [orch, train]
+        while True:
+            if infer.poll() is not None:
+                raise ComponentFailed(infer, f"exited with code {infer.poll()}")
+            for c in (orch, train):
+                code = c.poll()
+                if code not in (None, 0):
+                    raise ComponentFailed(c, f"exited with code {code}")
+            if orch.poll() == 0 and train.poll() == 0:
+                break
+            time.sleep(0.2)
+        print(f"[tidal] run complete; metrics: {run_dir / 'metrics.jsonl'}", flush=True)
+        return 0
+    except ComponentFailed as exc:
+        names = {"infer": "inference server", "orch": "orchestrator", "train": "trainer"}
+        print(f"[tidal] error: the {names[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
+              f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("[tidal] interrupted; stopping all components", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        stop_all(children)
+        signal.signal(signal.SIGTERM, previous)

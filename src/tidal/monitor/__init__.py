@@ -1,0 +1,1 @@
+"""Run monitoring: the metrics.jsonl sink and console progress lines."""

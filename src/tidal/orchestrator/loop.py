@@ -1,0 +1,159 @@
+"""`tidal grpo-orch`: the asyncio loop that turns prompts into training batches.
+
+For step n = 1, 2, ...:
+  1. Policy lag: batch n may be sampled by a policy at most `max_async_level` (k) updates older than the one
+     it trains, i.e. from policy m >= n - 1 - k (policy 0 is the base model, policy m is
+     `broadcasts/step_m`). The newest STABLE broadcast is loaded into vLLM as LoRA adapter
+     `{lora_adapter}-step-{m}`; the loop waits for one when the newest is too old. With k = 1, batch n+1 is
+     sampled while the trainer trains on batch n.
+  2. Sample `batch_size / rollouts_per_example` examples; for each, one request for `rollouts_per_example`
+     completions (all in flight at once), from server-tokenized prompt ids.
+  3. Score each completion with the environment's reward; advantage = reward - group mean.
+  4. Drop samples whose lag exceeds `max_off_policy_steps`; write `rollouts/step_n` atomically.
+After `max_steps` batches it writes `rollouts/DONE`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import OrchConfig
+from tidal.envs import Example, make_env
+from tidal.inference.client import Completion, InferenceClient
+from tidal.orchestrator.advantage import group_advantages
+from tidal.trainer.broadcast import broadcast_dir, stable_steps
+from tidal.transport.batch import TrainingBatch
+from tidal.transport.filesystem import BatchWriter
+
+log = logging.getLogger("tidal.orch")
+
+
+class PolicyTracker:
+    """Which policy vLLM serves, and loading newer ones as the trainer broadcasts them."""
+
+    def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str) -> None:
+        self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
+        self.step = 0
+        self.model = base_model
+
+    async def ensure(self, required: int, timeout_s: float) -> float:
+        """Serve the newest broadcast, waiting until it is >= `required`; returns seconds waited."""
+        start, noted = time.monotonic(), time.monotonic()
+        while True:
+            steps = stable_steps(self.run_dir)
+            newest = steps[-1] if steps else 0
+            if newest >= required:
+                break
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise TimeoutError(f"policy {required} was not broadcast to {self.run_dir / 'broadcasts'} "
+                                   f"within {timeout_s:.0f} s; is the trainer running? (weights_timeout_s)")
+            if now - noted > 30:
+                log.info("waiting for policy %d from the trainer for %.0f s", required, now - start)
+                noted = now
+            await asyncio.sleep(0.05)
+        if newest > self.step:
+            name = f"{self.prefix}-step-{newest}"
+            await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
+            old, self.model, self.step = self.model, name, newest
+            if old != self.base_model:
+                await self.client.unload_adapter(old)
+        return time.monotonic() - start
+
+
+async def rollout_group(client: InferenceClient, model: str, example: Example, prompt_ids: list[int], n: int,
+                        cfg: OrchConfig, seed: int | None) -> list[Completion]:
+    room = cfg.seq_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
+    max_tokens = min(cfg.sampling.max_tokens or room, room)
+    return await client.sample(model, prompt_ids, n, max_tokens, cfg.sampling.temperature, seed)
+
+
+def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
+                policy_step: int, cfg: OrchConfig) -> tuple[TrainingBatch, dict[str, Any]]:
+    """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion) and its metrics."""
+    g = cfg.rollouts_per_example
+    adv = group_advantages(rewards, g)
+    lag = (step - 1) - policy_step
+    keep = lag <= cfg.max_off_policy_steps
+    tokens: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    lengths: list[int] = []
+    comp_lens: list[int] = []
+    for prompt, comps in zip(prompts, groups, strict=True):
+        for c in comps:
+            tokens += prompt + c.token_ids
+            mask += [0] * len(prompt) + [1] * len(c.token_ids)
+            lps += [0.0] * len(prompt) + c.logprobs
+            lengths.append(len(prompt) + len(c.token_ids))
+            comp_lens.append(len(c.token_ids))
+    n = len(lengths)
+    if not keep:  # every sample of this batch is too stale: an empty batch keeps step numbering intact
+        tokens, mask, lps, lengths = [], [], [], []
+    batch = TrainingBatch(step=step, temperature=cfg.sampling.temperature, tokens=np.array(tokens),
+                          lengths=np.array(lengths), loss_mask=np.array(mask),
+                          inference_logprobs=np.array(lps), advantages=adv if keep else np.zeros(0),
+                          rewards=rewards if keep else np.zeros(0),
+                          policy_steps=np.full(len(lengths), policy_step))
+    truncated = sum(c.finish_reason == "length" for comps in groups for c in comps)
+    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+               "advantage/abs_mean": float(np.abs(adv).mean()), "seq_len/mean": float(np.mean(lengths or [0])),
+               "completion_len/mean": float(np.mean(comp_lens)), "truncated_frac": truncated / max(n, 1),
+               "off_policy_level": lag, "policy_step": policy_step, "samples": n,
+               "dropped_off_policy": 0 if keep else n, "max_steps": cfg.max_steps}
+    return batch, metrics
+
+
+async def run(cfg: OrchConfig, run_dir: Path) -> int:
+    """Produce batches until `max_steps`; returns the number written."""
+    env = make_env(cfg.env[0].id, cfg.env[0].args)
+    rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
+    client = InferenceClient(cfg.client)
+    writer = BatchWriter(run_dir)
+    try:
+        served = await client.wait_ready()
+        base = cfg.model.name or (served[0] if served else None)
+        if base is None:
+            raise ValueError("orch model.name is not set and the server lists no model")
+        if served and base not in served:
+            raise ValueError(f"orch model.name '{base}' is not served at {cfg.client.base_url[0]} "
+                             f"(served: {', '.join(served)})")
+        policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter)
+        prompts_per_step = cfg.batch_size // cfg.rollouts_per_example
+        log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
+                 prompts_per_step, cfg.rollouts_per_example, writer.dir)
+        step = 0
+        while cfg.max_steps is None or step < cfg.max_steps:
+            step += 1
+            waited = await policy.ensure(max(0, step - 1 - cfg.max_async_level), cfg.weights_timeout_s)
+            t0 = time.monotonic()
+            examples = [env.sample(rng) for _ in range(prompts_per_step)]
+            prompts = await asyncio.gather(*(client.tokenize_chat(base, ex.prompt) for ex in examples))
+            seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
+                     for i in range(len(examples))]
+            groups = await asyncio.gather(*(
+                rollout_group(client, policy.model, ex, p, cfg.rollouts_per_example, cfg, s)
+                for ex, p, s in zip(examples, prompts, seeds, strict=True)))
+            rollout_time = time.monotonic() - t0
+            rewards = np.array([0.0 if cfg.buffer.skip_verification else env.reward(ex, c.text)
+                                for ex, comps in zip(examples, groups, strict=True) for c in comps])
+            batch, metrics = build_batch(step, prompts, groups, rewards, policy.step, cfg)
+            gen_tokens = sum(len(c.token_ids) for comps in groups for c in comps)
+            batch.metrics = {**metrics, "rollout_time_s": rollout_time, "weights_wait_s": waited,
+                             "rollout_tokens_per_s": gen_tokens / max(rollout_time, 1e-9)}
+            writer.write(batch)
+            log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
+                     metrics["reward/mean"], policy.step, gen_tokens, rollout_time)
+        writer.finish(step)
+        return step
+    finally:
+        await client.close()

@@ -1,0 +1,1 @@
+"""The PyTorch trainer: model loading (transformers + PEFT), packing, logprobs, GRPO loss, optimizer, broadcast."""

@@ -1,0 +1,94 @@
+"""Pack a TrainingBatch's samples into rows of at most `sequence_len` tokens, grouped into micro-batches.
+
+First-fit decreasing: samples sorted by length go into the first row with room. A sample never spans two
+rows. Within a row every sample restarts its `position_ids` at 0, which makes transformers apply a
+block-diagonal causal mask: no token attends across samples. Each micro-batch is padded only to its longest
+row (not to `sequence_len`), so padding stays small. Padding tokens get their own position run and
+`loss_mask` 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tidal.transport.batch import TrainingBatch
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass: (B, T) tensors; `seq_ids` is the sample index of each token (-1: pad)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    seq_ids: torch.Tensor
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.seq_ids >= 0).sum())
+
+
+def assign_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of sample indices into rows holding at most `capacity` tokens."""
+    too_long = [int(i) for i in np.nonzero(lengths > capacity)[0]]
+    if too_long:
+        raise ValueError(f"sample(s) {too_long[:5]} are longer ({int(lengths.max())} tokens) than train "
+                         f"sequence_len ({capacity}); raise sequence_len or lower orch seq_len")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-int(lengths[j]), j)):
+        n = int(lengths[i])
+        for r, free in enumerate(room):
+            if free >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - n)
+    return rows
+
+
+def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int,
+         pad_id: int = 0) -> list[MicroBatch]:
+    """Pack `batch` into micro-batches of `rows_per_micro_batch` rows (see module doc)."""
+    spans = batch.samples()
+    rows = assign_rows(batch.lengths, sequence_len)
+    out: list[MicroBatch] = []
+    for start in range(0, len(rows), rows_per_micro_batch):
+        group = rows[start:start + rows_per_micro_batch]
+        width = max(int(sum(batch.lengths[i] for i in row)) for row in group)
+        ids = np.full((len(group), width), pad_id, dtype=np.int64)
+        pos = np.zeros((len(group), width), dtype=np.int64)
+        mask = np.zeros((len(group), width), dtype=bool)
+        inf_lp = np.zeros((len(group), width), dtype=np.float32)
+        adv = np.zeros((len(group), width), dtype=np.float32)
+        seq = np.full((len(group), width), -1, dtype=np.int64)
+        for r, row in enumerate(group):
+            at = 0
+            for i in row:
+                s, n = spans[i], int(batch.lengths[i])
+                ids[r, at:at + n] = batch.tokens[s]
+                pos[r, at:at + n] = np.arange(n)
+                mask[r, at:at + n] = batch.loss_mask[s].astype(bool)
+                inf_lp[r, at:at + n] = batch.inference_logprobs[s]
+                adv[r, at:at + n] = batch.advantages[i]
+                seq[r, at:at + n] = i
+                at += n
+            pos[r, at:] = np.arange(width - at)  # padding: its own run of positions
+        out.append(MicroBatch(*(torch.from_numpy(a) for a in (ids, pos, mask, inf_lp, adv, seq))))
+    return out
+
+
+def packing_efficiency(micro_batches: list[MicroBatch]) -> float:
+    """Sample tokens / tokens processed (padding included)."""
+    total = sum(mb.input_ids.numel() for mb in micro_batches)
+    return sum(mb.num_tokens for mb in micro_batches) / max(total, 1)

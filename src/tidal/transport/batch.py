@@ -1,0 +1,88 @@
+"""`TrainingBatch`: the rollouts of one training step, as flat numpy arrays, serialized with safetensors.
+
+Layout: the token ids of all samples (prompt + completion) are concatenated into `tokens`; `lengths` gives
+each sample's length. Per-token arrays (`loss_mask`, `inference_logprobs`) are aligned with `tokens`; a
+token's logprob is the one vLLM reported for sampling it (0 for prompt tokens). Per-sample arrays
+(`advantages`, `rewards`, `policy_steps`) have one entry per sample. Scalars and the orchestrator's step
+metrics travel as JSON in the safetensors metadata. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "inference_logprobs": np.float32,
+           "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32}
+
+
+class BatchFormatError(ValueError):
+    """A batch file is unreadable or inconsistent; the message names the file."""
+
+
+@dataclass
+class TrainingBatch:
+    """Rollouts for training step `step` (see module doc for the layout)."""
+
+    step: int
+    temperature: float
+    tokens: np.ndarray
+    lengths: np.ndarray
+    loss_mask: np.ndarray
+    inference_logprobs: np.ndarray
+    advantages: np.ndarray
+    rewards: np.ndarray
+    policy_steps: np.ndarray
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, dtype in _ARRAYS.items():
+            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        self.validate()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    def validate(self) -> None:
+        """Raise ValueError when array shapes disagree."""
+        n, total = len(self.lengths), int(self.lengths.sum())
+        for name in ("tokens", "loss_mask", "inference_logprobs"):
+            if len(getattr(self, name)) != total:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, lengths sum to {total}")
+        for name in ("advantages", "rewards", "policy_steps"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
+        if n and self.lengths.min() < 1:
+            raise ValueError("every sample needs at least one token")
+
+    def samples(self) -> list[slice]:
+        """Slices of `tokens` (and per-token arrays) for each sample."""
+        ends = np.cumsum(self.lengths)
+        return [slice(int(e - ln), int(e)) for e, ln in zip(ends, self.lengths, strict=True)]
+
+    def save(self, path: Path) -> None:
+        """Write to `path` (callers make it atomic; see `transport.filesystem`)."""
+        from safetensors.numpy import save_file
+
+        meta = {"step": str(self.step), "temperature": repr(self.temperature),
+                "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/1"}
+        save_file({k: getattr(self, k) for k in _ARRAYS}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: Path) -> TrainingBatch:
+        """Read a batch written by `save`; any problem raises BatchFormatError naming the file."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                arrays = {k: f.get_tensor(k) for k in _ARRAYS}
+            return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
+                       metrics=json.loads(meta.get("metrics", "{}")), **arrays)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt file
+            raise BatchFormatError(f"batch file {path} is corrupt or not a tidal batch: {exc}") from exc

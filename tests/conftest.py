@@ -1,0 +1,73 @@
+"""Shared fixtures: free ports, the bundled model, and a real vLLM server (`tidal grpo-infer`) per session."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tidal:tiny-reverse"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tidal(*args: str, **kw) -> subprocess.Popen:
+    """Start `python -m tidal.cli ARGS` in its own process group (so a test can kill it and its children)."""
+    return subprocess.Popen([sys.executable, "-m", "tidal.cli", *args], start_new_session=True,
+                            stdout=kw.pop("stdout", subprocess.PIPE), stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"grpo-infer exited with {proc.returncode}:\n{out[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"vLLM on port {port} not healthy after {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> Iterator[str]:
+    """A real vLLM server on the bundled model (LoRA enabled); yields its base URL (`http://.../v1`)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.port", str(port), stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1"
+        kill_group(proc)

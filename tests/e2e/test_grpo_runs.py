@@ -1,0 +1,169 @@
+"""Short real GRPO runs on the bundled model: co-locate, three processes, and failure handling.
+
+Every run starts a real vLLM server. The runs are small (3 steps of 4 prompts x 4 rollouts) so they check
+wiring, not learning; `tests/e2e/test_learning.py` (slow) checks learning on the default run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from tests.conftest import MODEL, free_port, kill_group, tidal, wait_healthy
+from tidal.monitor.metrics import read_metrics
+from tidal.transport.batch import TrainingBatch
+
+pytestmark = pytest.mark.vllm
+
+ORCH_SMALL = ["--orch.batch_size", "16", "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens", "24",
+              "--orch.sampling.seed", "7"]
+TRAIN_SMALL = ["--train.max_async_level", "8"]  # keep every broadcast, to compare step 1 with the last
+
+
+def small(steps: int = 3) -> list[str]:
+    return ["--orch.max_steps", str(steps), *ORCH_SMALL, *TRAIN_SMALL]
+REQUIRED = ["step", "reward/mean", "reward/std", "seq_len/mean", "mismatch_kl", "masked", "loss", "grad_norm",
+            "tokens", "step_time_s", "rollout_tokens_per_s", "trainer_tokens_per_s", "off_policy_level"]
+
+
+def check_metrics(run_dir: Path, steps: int) -> list[dict]:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        assert r["tokens"] > 0 and np.isfinite(r["loss"]) and r["grad_norm"] >= 0
+    assert abs(rows[0]["mismatch_kl"]) <= 1e-3, "step 1 samples and trains the same policy"
+    assert rows[0]["off_policy_level"] == 0 and rows[-1]["policy_step"] >= 1
+    return rows
+
+
+def adapter_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def assert_adapter_changed(run_dir: Path, last: int) -> None:
+    first, final = adapter_weights(run_dir / "broadcasts/step_1"), adapter_weights(run_dir / f"broadcasts/step_{last}")
+    assert first.keys() == final.keys()
+    assert any(not torch.equal(first[k], final[k]) for k in first), "training must change the adapter"
+
+
+def test_colocate_run_trains_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small())
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "run complete" in out and str(run_dir / "metrics.jsonl") in out
+    check_metrics(run_dir, 3)
+    assert_adapter_changed(run_dir, 3)
+    assert (run_dir / "rollouts" / "DONE").read_text() == "3"
+    assert (run_dir / "configs" / "orch.yaml").is_file()
+
+
+def test_three_process_run_serves_the_trained_adapter(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    infer = tidal("grpo-infer", "--infer.port", str(port))
+    procs = [infer]
+    try:
+        # orchestrator and trainer start before the server is up: they must wait for it / for each other
+        train = tidal("grpo-train", "--output-dir", str(run_dir), *TRAIN_SMALL)
+        orch = tidal("grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{url}]",
+                     "--orch.max_steps", "3", *ORCH_SMALL)
+        procs += [train, orch]
+        wait_healthy(port, infer)
+        orch_out, _ = orch.communicate(timeout=600)
+        train_out, _ = train.communicate(timeout=600)
+        assert orch.returncode == 0, orch_out[-3000:]
+        assert train.returncode == 0, train_out[-3000:]
+        rows = check_metrics(run_dir, 3)
+        assert_adapter_changed(run_dir, 3)
+
+        # The last batch was sampled by a trained adapter, and vLLM really applied it: the logprobs it
+        # reported match PEFT with that adapter and differ from the base model.
+        from peft import PeftModel
+
+        from tidal.trainer.logprobs import forward_logprobs
+        from tidal.trainer.model import load_base_model
+
+        policy = rows[-1]["policy_step"]
+        batch = TrainingBatch.load(run_dir / "rollouts" / "step_3.safetensors")
+        base = load_base_model(MODEL, torch.device("cpu"), torch.float32).eval()
+        served = PeftModel.from_pretrained(load_base_model(MODEL, torch.device("cpu"), torch.float32),
+                                           str(run_dir / f"broadcasts/step_{policy}")).eval()
+        gap_served = gap_base = 0.0
+        for s in batch.samples()[:8]:
+            ids = torch.from_numpy(batch.tokens[s]).long()[None]
+            pos = torch.arange(ids.shape[1])[None]
+            m = torch.from_numpy(batch.loss_mask[s]).bool()
+            ref = torch.from_numpy(batch.inference_logprobs[s])[m]
+            with torch.no_grad():
+                gap_served = max(gap_served, float((forward_logprobs(served, ids, pos)[0][m] - ref).abs().max()))
+                gap_base = max(gap_base, float((forward_logprobs(base, ids, pos)[0][m] - ref).abs().max()))
+        assert gap_served < 1e-3, gap_served
+        assert gap_base > gap_served * 10, (gap_base, gap_served)
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_for_first_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 400) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip():
+            return
+        time.sleep(0.5)
+    raise TimeoutError("no step completed")
+
+
+@pytest.mark.parametrize("how", ["kill-trainer", "ctrl-c"])
+def test_colocate_stops_everything_on_failure_or_interrupt(tmp_path, how):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(50))
+    try:
+        wait_for_first_step(run_dir, proc)
+        family = descendants(proc.pid)
+        assert len(family) >= 3
+        if how == "kill-trainer":
+            trainer = [p for p in family if "grpo-train" in " ".join(p.cmdline())]
+            assert len(trainer) == 1
+            trainer[0].send_signal(signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    if how == "kill-trainer":
+        assert proc.returncode == 1
+        assert "the trainer exited" in out and "train.log" in out
+    else:
+        assert proc.returncode == 130 and "interrupted" in out
+    time.sleep(1)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphans left: {[p.cmdline() for p in alive]}"
+    with pytest.raises(OSError):  # the server is gone
+        __import__("socket").create_connection(("127.0.0.1", port), timeout=1)
