@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all lint bench clean
+.PHONY: setup run test test-all lint clean
 
 setup: $(STAMP)
 
@@ -25,11 +25,8 @@ test-all: setup
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check src tests scripts bench
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
-
-bench: setup
-	$(BIN)/python bench/run.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -117,6 +117,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     run_dir = Path(args.output_dir or orch.output_dir)
     host = infer.host or "127.0.0.1"
     orch.output_dir = train.output_dir = str(run_dir)
+    if train.max_steps == -1 and orch.max_steps:
+        train.max_steps = orch.max_steps  # lets linear/cosine LR schedules know the run's length
     orch.client.base_url = [f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"]
     if args.dry_run:
         for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):

@@ -109,3 +109,15 @@ def test_unreachable_inference_retries_then_names_the_url():
             await client.close()
     with pytest.raises(InferenceUnreachable, match=f"127.0.0.1:{port}/v1"):
         asyncio.run(go())
+
+
+def test_grpo_orch_exits_naming_the_url_when_inference_is_unreachable(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo-orch", "--output-dir", str(tmp_path / "run"),
+                        "--orch.client.base_url", f"[http://127.0.0.1:{port}/v1]",
+                        "--orch.client.connect_timeout_s", "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"http://127.0.0.1:{port}/v1" in r.stdout + r.stderr and "unreachable" in r.stdout + r.stderr
+    assert "retry in" in r.stdout + r.stderr, "it must have retried before giving up"
