@@ -80,6 +80,8 @@ class SftSection(StrictModel):
     """Examples per optimizer step."""
     save_to: str | None = None
     """Where to save the result (null: `{output_dir}/sft`). Full weights when `lora: false`, else the adapter."""
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    """Label smoothing of the SFT targets: loss = (1 - e) * NLL + e * mean over the vocabulary of -log p."""
     save_every: int | None = Field(None, ge=1)
     """Also save a snapshot to `{save_to}/step_{n}` every N steps (null: only the final result)."""
 

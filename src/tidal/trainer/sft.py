@@ -44,6 +44,18 @@ def make_sft_batch(tok: Any, examples: list[Any], completions: list[str], step: 
                          advantages=np.zeros(n), rewards=np.zeros(n), policy_steps=np.zeros(n))
 
 
+def sft_loss(model: torch.nn.Module, mb: Any, label_smoothing: float) -> torch.Tensor:
+    """Summed (label-smoothed) negative log-likelihood of the loss-masked tokens of a packed micro-batch."""
+    if label_smoothing == 0:
+        return -(forward_logprobs(model, mb.input_ids, mb.position_ids) * mb.loss_mask).sum()
+    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V) predicts ids[:, 1:]
+    nll = -logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    smooth = -logp.mean(-1)  # (B, T-1) cross-entropy against the uniform distribution
+    per_token = (1 - label_smoothing) * nll + label_smoothing * smooth
+    return (per_token * mb.loss_mask[:, 1:]).sum()
+
+
 def run(cfg: TrainConfig) -> Path:
     """Train for `max_steps` steps and save; returns the save directory."""
     if cfg.max_steps <= 0:
@@ -62,8 +74,7 @@ def run(cfg: TrainConfig) -> Path:
         total_tokens, nll = float(batch.loss_mask.sum()), 0.0
         for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0):
             mb = mb.to(device)
-            lp = forward_logprobs(model, mb.input_ids, mb.position_ids)  # (B, T)
-            loss = -(lp * mb.loss_mask).sum() / total_tokens
+            loss = sft_loss(model, mb, cfg.sft.label_smoothing) / total_tokens
             loss.backward()
             nll += float(loss.detach())
         params = [p for p in model.parameters() if p.requires_grad]
