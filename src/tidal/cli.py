@@ -112,6 +112,23 @@ def prepare_run_dir(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+def has_nvidia_gpu() -> bool:
+    return Path("/dev/nvidiactl").exists()
+
+
+def split_cpu_cores(train: TrainConfig) -> str | None:
+    """Co-locate on a CPU-only machine: vLLM's OpenMP threads on the first half of the cores, the trainer on
+    the rest, so the two never fight over a core (on 2 cores: vLLM on core 0, trainer on core 1). Returns
+    the vLLM binding, or None when the user chose one (`train.cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if (has_nvidia_gpu() or train.device == "cuda" or len(cores) < 2 or train.cpu_affinity is not None
+            or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return None
+    half = len(cores) // 2
+    train.cpu_affinity = cores[half:]
+    return ",".join(str(c) for c in cores[:half])
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     run_dir = Path(args.output_dir or orch.output_dir)
@@ -130,6 +147,10 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         check_port_free(host, infer.port)
     except PortInUseError as exc:
         raise ConfigError(str(exc)) from None
+    vllm_cores = split_cpu_cores(train)
+    if vllm_cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cores  # inherited by the inference child
+        print(f"[tidal] CPU only: vLLM on cores {vllm_cores}, trainer on cores {train.cpu_affinity}", flush=True)
     prepare_run_dir(run_dir)
     cfg_dir = run_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)

@@ -199,3 +199,27 @@ def test_docs_list_every_seed_orchestrator_key():
     for key in ["sampling.temp_scheduler", "buffer.env_ratios", "advantage.length_weighted_mean", "client.elastic",
                 "rollout_transport.hwm", "weight_broadcast.timeout", "max_off_policy_steps", "env[].address"]:
         assert f"`{key}" in text, key
+
+
+def test_cli_grpo_port_in_use_exits_2_and_starts_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("grpo", "--infer.port", str(port), "--output-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be started or written"
+
+
+def test_colocate_on_cpu_splits_cores_between_vllm_and_trainer(monkeypatch):
+    import tidal.cli as cli
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(cli, "has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    train = TrainConfig(model="m")
+    assert cli.split_cpu_cores(train) == "0,1" and train.cpu_affinity == [2, 3, 4]
+    chosen = TrainConfig(model="m", cpu_affinity=[0])
+    assert cli.split_cpu_cores(chosen) is None and chosen.cpu_affinity == [0]

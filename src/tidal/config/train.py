@@ -152,6 +152,9 @@ class TrainConfig(StrictModel):
     """How batches arrive from the orchestrator (only `filesystem` so far)."""
     seed: int = 42
     """Seed for torch's RNG (LoRA init, dropout)."""
+    cpu_affinity: list[int] | None = None
+    """CPU cores the trainer may run on (Linux; torch uses one thread per core). Null: all cores, except that
+    `tidal grpo` on a CPU-only machine gives the trainer the second half of the cores and vLLM the first."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """Give up (exit 1) when the next batch has not arrived within this many seconds."""
     loss: LossConfig = Field(default_factory=LossConfig)

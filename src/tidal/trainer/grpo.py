@@ -70,7 +70,6 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     tok = load_tokenizer(cfg.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     model, device = load_policy(cfg)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     opt = make_optimizer(model, cfg)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     sched = make_scheduler(opt, cfg, total)

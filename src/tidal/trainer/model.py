@@ -72,8 +72,22 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return get_peft_model(model, lora)
 
 
+def apply_cpu_affinity(cores: list[int] | None) -> None:
+    """Pin this process to `cores` and use one torch thread per core (no-op for None)."""
+    if not cores:
+        return
+    import os
+
+    try:
+        os.sched_setaffinity(0, set(cores))
+    except (AttributeError, OSError) as exc:
+        raise RuntimeError(f"train.cpu_affinity {cores}: cannot pin to these cores ({exc})") from None
+    torch.set_num_threads(len(cores))
+
+
 def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     """Model to train per `cfg` (LoRA-wrapped when `cfg.lora`), and its device."""
+    apply_cpu_affinity(cfg.cpu_affinity)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg)
     model = load_base_model(cfg.model, device, resolve_dtype(cfg, device))
