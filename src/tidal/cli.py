@@ -177,12 +177,20 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     return 1
 
 
-def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
-    cfg = load("orch", args.config, ov)
-    if args.output_dir:
+def load_single(component: str, args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> Any:
+    """Config of a one-component command with `--output-dir` applied; None after printing it for --dry-run."""
+    cfg = load(component, args.config, ov)
+    if getattr(args, "output_dir", None):
         cfg.output_dir = args.output_dir
     if args.dry_run:
         print(dump(cfg))
+        return None
+    return cfg
+
+
+def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    cfg = load_single("orch", args, ov)
+    if cfg is None:
         return 0
     import asyncio
 
@@ -203,11 +211,8 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
-    cfg = load("train", args.config, ov)
-    if args.output_dir:
-        cfg.output_dir = args.output_dir
-    if args.dry_run:
-        print(dump(cfg))
+    cfg = load_single("train", args, ov)
+    if cfg is None:
         return 0
     setup_logging("[train]")
     from tidal.paths import find_run_dir
