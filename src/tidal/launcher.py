@@ -109,7 +109,9 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     logs = run_dir / "logs"
     cli = [python, "-m", "tidal.cli"]
     children: list[Child] = []
-    previous = signal.signal(signal.SIGTERM, _raise_on_term)
+    # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
+    # as ignored, and Ctrl-C / SIGINT must still stop the run.
+    previous = {sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         infer = Child("infer", [*cli, "grpo-infer", str(configs["infer"])], logs / "infer.log", echo=False)
         children.append(infer)
@@ -143,4 +145,5 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         return 130
     finally:
         stop_all(children)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

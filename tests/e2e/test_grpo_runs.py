@@ -143,7 +143,10 @@ def wait_for_first_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 
 def test_colocate_stops_everything_on_failure_or_interrupt(tmp_path, how):
     run_dir = tmp_path / "run"
     port = free_port()
-    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(50))
+    # started with SIGINT ignored, as a background job of a non-interactive shell is: Ctrl-C must still work
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if how == "ctrl-c" else None
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(50),
+                 preexec_fn=ignore_sigint)
     try:
         wait_for_first_step(run_dir, proc)
         family = descendants(proc.pid)
