@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
-from tidal.envs import Example, make_env
+from tidal.envs import make_env
 from tidal.inference.client import Completion, InferenceClient
 from tidal.orchestrator.advantage import group_advantages
 from tidal.trainer.broadcast import broadcast_dir, stable_steps
@@ -68,8 +68,8 @@ class PolicyTracker:
         return time.monotonic() - start
 
 
-async def rollout_group(client: InferenceClient, model: str, example: Example, prompt_ids: list[int], n: int,
-                        cfg: OrchConfig, seed: int | None) -> list[Completion]:
+async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
+                        seed: int | None) -> list[Completion]:
     room = cfg.seq_len - len(prompt_ids)
     if room < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
@@ -141,8 +141,8 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
                      for i in range(len(examples))]
             groups = await asyncio.gather(*(
-                rollout_group(client, policy.model, ex, p, cfg.rollouts_per_example, cfg, s)
-                for ex, p, s in zip(examples, prompts, seeds, strict=True)))
+                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
+                for p, s in zip(prompts, seeds, strict=True)))
             rollout_time = time.monotonic() - t0
             rewards = np.array([0.0 if cfg.buffer.skip_verification else env.reward(ex, c.text)
                                 for ex, comps in zip(examples, groups, strict=True) for c in comps])
