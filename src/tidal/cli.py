@@ -220,7 +220,13 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
     (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-    grpo.run(cfg, run_dir)
+    from tidal.trainer.health import MismatchError
+
+    try:
+        grpo.run(cfg, run_dir)
+    except MismatchError as exc:
+        logging.getLogger("tidal.trainer").error("stopping: %s", exc)
+        return 1
     return 0
 
 

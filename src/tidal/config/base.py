@@ -12,6 +12,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+class ConfigWarning(UserWarning):
+    """A setting that is valid but probably not what the user wants; logged with the file's name."""
+
+
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
 

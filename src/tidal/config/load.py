@@ -8,14 +8,19 @@ keys, the nearest valid key. The CLI turns `ConfigError` into exit code 2.
 from __future__ import annotations
 
 import difflib
+import logging
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tidal.config.base import ConfigWarning
+
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("tidal.config")
 
 
 class ConfigError(Exception):
@@ -85,7 +90,15 @@ def _describe(cls: type[BaseModel], err: Any) -> str:
 def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
     """Validate `data` as `cls`, raising `ConfigError` that names `source` and every bad key."""
     try:
-        return cls.model_validate(data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            model = cls.model_validate(data)
+        for w in caught:
+            if issubclass(w.category, ConfigWarning):
+                log.warning("%s: %s", source, w.message)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return model
     except ValidationError as exc:
         lines = [f"{source}: invalid {cls.__name__}:"]
         lines += [f"  - {_describe(cls, err)}" for err in exc.errors()]

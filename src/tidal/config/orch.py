@@ -129,18 +129,48 @@ class BufferSection(StrictModel):
 
 
 class AdvantageSection(StrictModel):
-    """Group-relative advantage: reward minus the group mean."""
+    """How rewards become advantages (formulas: docs/algorithms.md)."""
 
-    UNSUPPORTED = frozenset({"length_weighted_mean", "import_path", "kwargs"})
-
-    type: Literal["default"] = "default"
-    """`default` (r - mean of the group). `custom` is not supported yet."""
+    type: Literal["default", "custom", "process"] = "default"
+    """`default`: reward minus the group baseline, optionally scaled; `custom`: `import_path(rewards=...,
+    lengths=..., group_size=..., **kwargs)`; `process`: process supervision from the environment's step
+    rewards (DeepSeekMath): normalized over the group, summed from each step's end backwards."""
+    scale_rewards: Literal["group", "batch", "none"] = "none"
+    """Divide by the group's reward std (`group`, TRL's default), the batch's (`batch`) or not at all (`none`,
+    seed 000 and Dr. GRPO)."""
     length_weighted_mean: bool = False
-    """Weight the group mean by sequence length (not supported yet)."""
+    """Baseline = completion-length-weighted mean of the group's rewards instead of the plain mean."""
     import_path: str | None = None
-    """Custom advantage function (not supported yet)."""
+    """(custom) `package.module:function` computing one advantage per rollout."""
     kwargs: dict[str, Any] | None = None
-    """Custom advantage kwargs (not supported yet)."""
+    """(custom) Extra keyword arguments for that function."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdvantageSection:
+        if self.type == "custom" and not self.import_path:
+            raise ValueError("advantage.type 'custom' needs advantage.import_path ('package.module:function')")
+        if self.type != "custom" and (self.import_path or self.kwargs):
+            raise ValueError("advantage.import_path / kwargs only apply with advantage.type 'custom'")
+        if self.type != "default" and ("scale_rewards" in self.model_fields_set
+                                       or "length_weighted_mean" in self.model_fields_set):
+            raise ValueError(f"advantage.scale_rewards / length_weighted_mean apply to advantage.type 'default' "
+                             f"only (type '{self.type}' computes its own normalization)")
+        return self
+
+
+class RewardFuncSection(StrictModel):
+    """An extra reward function (TRL's interface), added to the environment's own reward with a weight."""
+
+    import_path: str
+    """`package.module:function` called as `fn(prompts=..., completions=..., completion_ids=...,
+    trainer_state=..., answer=..., **info columns, **kwargs)` once per group; returns one float or None per
+    completion (None: not applicable, TRL's multi-task semantics)."""
+    weight: float = 1.0
+    """Weight of this function in the total reward."""
+    name: str | None = None
+    """Name in the metrics (`reward/{name}/mean`); null: the function's name."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments."""
 
 
 class NotYetSection(StrictModel):
@@ -221,6 +251,10 @@ class OrchConfig(StrictModel):
     """Example buffer."""
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     """Advantage computation."""
+    env_reward_weight: float = 1.0
+    """Weight of the environment's own reward in the total reward (0 leaves only `reward_funcs`)."""
+    reward_funcs: list[RewardFuncSection] = Field(default_factory=list)
+    """Extra reward functions; total reward = sum of weight x reward over the functions that scored."""
     filters: list[dict[str, Any]] = Field(default_factory=list)
     """Rollout filters (not supported yet)."""
     ckpt: NotYetSection | None = None

@@ -37,6 +37,11 @@ class Environment(ABC):
     def reward(self, example: Example, completion: str) -> float:
         """Score a completion's decoded text in [0, 1]."""
 
+    def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
+        """Process supervision: (character end offset, reward) of each reasoning step of a completion, in
+        order. Used by `advantage.type: process`; environments without step rewards raise."""
+        raise NotImplementedError(f"environment '{self.id}' has no step rewards (advantage.type: process)")
+
     def reference_completion(self, example: Example) -> str:
         """A perfect completion (used for SFT warm starts); environments without one raise."""
         raise NotImplementedError(f"environment '{self.id}' has no reference completions")

@@ -1,7 +1,9 @@
 """reverse-text: reverse a random string character by character, answering inside <reversed_text> tags.
 
 Reward: difflib's SequenceMatcher ratio between the text inside the tags and the reversed input (0 when the
-opening tag is missing; an unclosed tag takes the rest of the completion). Strings are random lowercase
+opening tag is missing; an unclosed tag takes the rest of the completion). Step rewards (process
+supervision): each space-separated word of the answer is a step, rewarded 1 when it equals the target's word
+at the same position, else 0. Strings are random lowercase
 "words" so no example can be memorized.
 """
 
@@ -58,6 +60,20 @@ class ReverseText(Environment):
 
     def reward(self, example: Example, completion: str) -> float:
         return similarity(extract_answer(completion), example.answer)
+
+    def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
+        start = completion.find(OPEN)
+        if start < 0:
+            return [(len(completion), 0.0)]
+        body = extract_answer(completion) or ""
+        offset = start + len(OPEN)
+        targets = example.answer.split(" ")
+        out, pos = [], 0
+        for k, word in enumerate(body.split(" ")):
+            pos += len(word)
+            out.append((offset + pos, float(k < len(targets) and word == targets[k])))
+            pos += 1
+        return out
 
     def reference_completion(self, example: Example) -> str:
         return f"{OPEN}{example.answer}{CLOSE}"

@@ -39,6 +39,8 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
+    token_texts: list[str] | None = None
+    """Each sampled token's text as vLLM detokenized it (maps character offsets to token positions)."""
 
 
 def server_root(base_url: str) -> str:
@@ -117,7 +119,9 @@ class InferenceClient:
             lps = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             if len(ids) != len(lps):
                 raise InferenceError(f"{url}: {len(ids)} token ids but {len(lps)} logprobs")
-            comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or ""))
+            texts = choice["logprobs"].get("tokens")
+            comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or "",
+                                    list(texts) if texts is not None and len(texts) == len(ids) else None))
         return comps
 
     async def load_adapter(self, name: str, path: str) -> None:

@@ -1,14 +1,122 @@
-"""Group-relative advantages: each rollout's reward minus the mean reward of its group (same prompt)."""
+"""Advantages and reward combination: pure numpy functions over one batch (formulas: docs/algorithms.md).
+
+Rollouts are laid out group by group (`group_size` completions of the same prompt in a row).
+
+- Outcome advantages: `A_i = (r_i - b_g) / s`, with `b_g` the group mean (or, with `length_weighted_mean`,
+  the completion-length-weighted group mean) and `s` the group std (`scale_rewards: group`), the batch std
+  (`batch`) or 1 (`none`); stds are unbiased (ddof 1) plus 1e-4, as in TRL.
+- Process supervision (DeepSeekMath, seed 003): every step reward of a group is normalized by the mean/std
+  of all step rewards of that group, and token t's advantage is the sum of the normalized rewards of the
+  steps ending at or after t.
+- Several reward functions: `r = sum_k w_k r_k` over the functions that returned a value (None -> skipped,
+  TRL's semantics for multi-task data); a rollout no function scored gets 0.
+- Custom: `import_path` names `module:function` (or `module.function`) called as
+  `fn(rewards=..., lengths=..., group_size=..., **kwargs)`, returning one advantage per rollout.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import numpy as np
 
+EPS = 1e-4
 
-def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    """(N,) rewards laid out group by group -> (N,) advantages r - mean(group); N % group_size == 0."""
-    r = np.asarray(rewards, dtype=np.float64)
-    if group_size < 1 or r.size % group_size:
-        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
-    groups = r.reshape(-1, group_size)
-    return (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
+
+def _groups(values: np.ndarray, group_size: int) -> np.ndarray:
+    if group_size < 1 or values.size % group_size:
+        raise ValueError(f"{values.size} rewards do not split into groups of {group_size}")
+    return values.reshape(-1, group_size)
+
+
+def _std(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """Unbiased std; 0 where there is a single value."""
+    n = x.shape[axis] if axis is not None else x.size
+    if n < 2:
+        return np.zeros(x.shape[0] if axis == 1 else (), dtype=np.float64)
+    return np.asarray(x.std(axis=axis, ddof=1))
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = "none",
+                     lengths: np.ndarray | None = None, length_weighted_mean: bool = False) -> np.ndarray:
+    """(N,) rewards -> (N,) outcome advantages (see module doc)."""
+    r = _groups(np.asarray(rewards, dtype=np.float64), group_size)
+    if length_weighted_mean:
+        if lengths is None:
+            raise ValueError("length_weighted_mean needs the completion lengths")
+        w = _groups(np.asarray(lengths, dtype=np.float64), group_size)
+        base = (w * r).sum(axis=1, keepdims=True) / np.maximum(w.sum(axis=1, keepdims=True), 1.0)
+    else:
+        base = r.mean(axis=1, keepdims=True)
+    adv = r - base
+    if scale_rewards == "group":
+        adv = adv / (_std(r, axis=1)[:, None] + EPS)
+    elif scale_rewards == "batch":
+        adv = adv / (_std(r.reshape(-1)) + EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    return adv.reshape(-1)
+
+
+def process_advantages(step_rewards: Sequence[Sequence[tuple[int, float]]], completion_lengths: Sequence[int],
+                       group_size: int) -> list[np.ndarray]:
+    """Per-token advantages from step rewards: `step_rewards[i]` lists (end token index, reward) of
+    completion i's steps (0-based index into the completion). Returns one (len_i,) array per completion."""
+    n = len(step_rewards)
+    if n != len(completion_lengths) or group_size < 1 or n % group_size:
+        raise ValueError(f"{n} step-reward lists for {len(completion_lengths)} completions in groups of "
+                         f"{group_size}")
+    out: list[np.ndarray] = []
+    for g in range(0, n, group_size):
+        pooled = np.array([r for i in range(g, g + group_size) for _, r in step_rewards[i]], dtype=np.float64)
+        mean = pooled.mean() if pooled.size else 0.0
+        std = _std(pooled) + EPS
+        for i in range(g, g + group_size):
+            adv = np.zeros(completion_lengths[i], dtype=np.float64)
+            for end, r in step_rewards[i]:
+                if not 0 <= end < completion_lengths[i]:
+                    raise ValueError(f"step end {end} outside completion {i} of {completion_lengths[i]} tokens")
+                adv[: end + 1] += (r - mean) / std
+            out.append(adv)
+    return out
+
+
+def combine_rewards(per_func: np.ndarray, weights: Sequence[float]) -> tuple[np.ndarray, int]:
+    """(N, K) rewards with NaN for None -> ((N,) weighted sums over the non-None entries, rows with none)."""
+    r = np.asarray(per_func, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if r.ndim != 2 or r.shape[1] != len(w):
+        raise ValueError(f"{r.shape} rewards for {len(w)} weights")
+    unscored = int(np.isnan(r).all(axis=1).sum())
+    return np.nansum(r * w, axis=1), unscored
+
+
+def load_function(import_path: str) -> Callable[..., Any]:
+    """`pkg.mod:fn` or `pkg.mod.fn` -> the function; errors name the path."""
+    mod_name, sep, attr = import_path.partition(":")
+    if not sep:
+        mod_name, _, attr = import_path.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"import path {import_path!r} must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {import_path!r}: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"{import_path!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def custom_advantages(fn: Callable[..., Any], import_path: str, rewards: np.ndarray, lengths: np.ndarray,
+                      group_size: int, kwargs: dict[str, Any]) -> np.ndarray:
+    """Call a user advantage function and check it returned one finite value per rollout."""
+    out = np.asarray(fn(rewards=np.asarray(rewards, dtype=np.float64), lengths=np.asarray(lengths),
+                        group_size=group_size, **kwargs), dtype=np.float64)
+    if out.shape != (len(rewards),):
+        raise ValueError(f"advantage function {import_path} returned shape {out.shape}, expected "
+                         f"({len(rewards)},)")
+    if not np.isfinite(out).all():
+        raise ValueError(f"advantage function {import_path} returned non-finite values")
+    return out

@@ -8,7 +8,7 @@ For step n = 1, 2, ...:
      sampled while the trainer trains on batch n.
   2. Sample `batch_size / rollouts_per_example` examples; for each, one request for `rollouts_per_example`
      completions (all in flight at once), from server-tokenized prompt ids.
-  3. Score each completion with the environment's reward; advantage = reward - group mean.
+  3. Score each completion (environment reward + `reward_funcs`, weighted); advantages per `advantage.*`.
   4. Drop samples whose lag exceeds `max_off_policy_steps`; write `rollouts/step_n` atomically.
 After `max_steps` batches it writes `rollouts/DONE`.
 """
@@ -19,6 +19,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,15 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs import make_env
 from tidal.inference.client import Completion, InferenceClient
-from tidal.orchestrator.advantage import group_advantages
+from tidal.orchestrator.advantage import (
+    combine_rewards,
+    custom_advantages,
+    group_advantages,
+    load_function,
+    process_advantages,
+)
+from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.stats import rollout_metrics
 from tidal.trainer.broadcast import broadcast_dir, stable_steps
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchWriter
@@ -77,45 +86,68 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
     return await client.sample(model, prompt_ids, n, max_tokens, cfg.sampling.temperature, seed)
 
 
+def compute_advantages(cfg: OrchConfig, rewards: np.ndarray, comp_lens: np.ndarray,
+                       step_rewards: list[list[tuple[int, float]]] | None,
+                       custom: Callable[..., Any] | None) -> list[np.ndarray]:
+    """One per-token advantage array per completion, following `cfg.advantage`."""
+    a, g = cfg.advantage, cfg.rollouts_per_example
+    if a.type == "process":
+        assert step_rewards is not None
+        return process_advantages(step_rewards, [int(n) for n in comp_lens], g)
+    if a.type == "custom":
+        assert custom is not None and a.import_path is not None
+        adv = custom_advantages(custom, a.import_path, rewards, comp_lens, g, a.kwargs or {})
+    else:
+        adv = group_advantages(rewards, g, a.scale_rewards, comp_lens, a.length_weighted_mean)
+    return [np.full(int(n), v) for v, n in zip(adv, comp_lens, strict=True)]
+
+
 def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
-                policy_step: int, cfg: OrchConfig) -> tuple[TrainingBatch, dict[str, Any]]:
+                advantages: list[np.ndarray], policy_step: int,
+                cfg: OrchConfig) -> tuple[TrainingBatch, dict[str, Any]]:
     """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion) and its metrics."""
-    g = cfg.rollouts_per_example
-    adv = group_advantages(rewards, g)
     lag = (step - 1) - policy_step
     keep = lag <= cfg.max_off_policy_steps
     tokens: list[int] = []
     mask: list[int] = []
     lps: list[float] = []
+    adv: list[np.ndarray] = []
     lengths: list[int] = []
-    comp_lens: list[int] = []
-    for prompt, comps in zip(prompts, groups, strict=True):
-        for c in comps:
-            tokens += prompt + c.token_ids
-            mask += [0] * len(prompt) + [1] * len(c.token_ids)
-            lps += [0.0] * len(prompt) + c.logprobs
-            lengths.append(len(prompt) + len(c.token_ids))
-            comp_lens.append(len(c.token_ids))
+    truncated: list[bool] = []
+    comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
+    for (prompt, c), a in zip(comps, advantages, strict=True):
+        tokens += prompt + c.token_ids
+        mask += [0] * len(prompt) + [1] * len(c.token_ids)
+        lps += [0.0] * len(prompt) + c.logprobs
+        adv += [np.zeros(len(prompt)), a]
+        lengths.append(len(prompt) + len(c.token_ids))
+        truncated.append(c.finish_reason == "length")
     n = len(lengths)
+    flat_adv = np.concatenate(adv) if adv else np.zeros(0)
     if not keep:  # every sample of this batch is too stale: an empty batch keeps step numbering intact
-        tokens, mask, lps, lengths = [], [], [], []
+        tokens, mask, lps, lengths, truncated, flat_adv = [], [], [], [], [], np.zeros(0)
     batch = TrainingBatch(step=step, temperature=cfg.sampling.temperature, tokens=np.array(tokens),
-                          lengths=np.array(lengths), loss_mask=np.array(mask),
-                          inference_logprobs=np.array(lps), advantages=adv if keep else np.zeros(0),
-                          rewards=rewards if keep else np.zeros(0),
-                          policy_steps=np.full(len(lengths), policy_step))
-    truncated = sum(c.finish_reason == "length" for comps in groups for c in comps)
-    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-               "advantage/abs_mean": float(np.abs(adv).mean()), "seq_len/mean": float(np.mean(lengths or [0])),
-               "completion_len/mean": float(np.mean(comp_lens)), "truncated_frac": truncated / max(n, 1),
-               "off_policy_level": lag, "policy_step": policy_step, "samples": n,
-               "dropped_off_policy": 0 if keep else n, "max_steps": cfg.max_steps}
+                          lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
+                          advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
+                          policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
+                          max_tokens=max_completion_tokens(cfg))
+    metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
+               "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
+               "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
+               "max_steps": cfg.max_steps}
     return batch, metrics
+
+
+def max_completion_tokens(cfg: OrchConfig) -> int:
+    """The completion budget (dr_grpo's constant): `sampling.max_tokens`, else `seq_len`."""
+    return cfg.sampling.max_tokens or cfg.seq_len
 
 
 async def run(cfg: OrchConfig, run_dir: Path) -> int:
     """Produce batches until `max_steps`; returns the number written."""
     env = make_env(cfg.env[0].id, cfg.env[0].args)
+    scorer = Scorer(env, cfg)
+    custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
     client = InferenceClient(cfg.client)
     writer = BatchWriter(run_dir)
@@ -144,9 +176,20 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                 rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
                 for p, s in zip(prompts, seeds, strict=True)))
             rollout_time = time.monotonic() - t0
-            rewards = np.array([0.0 if cfg.buffer.skip_verification else env.reward(ex, c.text)
-                                for ex, comps in zip(examples, groups, strict=True) for c in comps])
-            batch, metrics = build_batch(step, prompts, groups, rewards, policy.step, cfg)
+            per_func = np.concatenate([scorer.score(ex, comps, step)
+                                       for ex, comps in zip(examples, groups, strict=True)])
+            rewards, unscored = combine_rewards(per_func, scorer.weights)
+            if unscored:
+                log.warning("step %d: %d completion(s) got None from every reward function; they score 0",
+                            step, unscored)
+            flat = [(ex, c) for ex, comps in zip(examples, groups, strict=True) for c in comps]
+            comp_lens = np.array([len(c.token_ids) for _, c in flat])
+            steps = ([scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None)
+            advantages = compute_advantages(cfg, rewards, comp_lens, steps, custom)
+            batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg)
+            metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
+                                       np.array([c.finish_reason == "length" for _, c in flat]),
+                                       cfg.rollouts_per_example)
             gen_tokens = sum(len(c.token_ids) for comps in groups for c in comps)
             batch.metrics = {**metrics, "rollout_time_s": rollout_time, "weights_wait_s": waited,
                              "rollout_tokens_per_s": gen_tokens / max(rollout_time, 1e-9)}

@@ -14,47 +14,75 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.trainer.broadcast import publish_adapter
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.loss import LossSums, grpo_loss
+from tidal.trainer.health import MismatchGuard
+from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
+from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.model import load_policy
 from tidal.trainer.optim import make_optimizer, make_scheduler
-from tidal.trainer.packing import pack, packing_efficiency
+from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchReader
 
 log = logging.getLogger("tidal.trainer")
 
 
+def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy)."""
+    with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
+        return forward_logprobs(model, mb.input_ids, mb.position_ids, temperature)
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
                device: torch.device, pad_id: int) -> dict[str, Any]:
-    """One optimizer step on `batch`; returns the trainer's metrics for it."""
-    micro = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id)
-    loss_scale = max(float(batch.loss_mask.sum()), 1.0)
-    sums, loss_total = LossSums(), 0.0
-    for mb in micro:
-        mb = mb.to(device)
-        lp = forward_logprobs(model, mb.input_ids, mb.position_ids, batch.temperature)  # (B, T)
-        loss, s = grpo_loss(lp, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids, cfg.loss,
-                            loss_scale)
-        loss.backward()
-        sums += s
-        loss_total += float(loss.detach())
+    """`loss.num_iterations` optimizer steps on `batch`; returns the trainer's metrics for it."""
+    lc = cfg.loss
+    micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
+                                          drop_truncated=lc.mask_truncated_completions)]
+    if lc.teacher_tau and batch.teacher_logprobs is None:
+        raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
+                         f"logprobs; configure the orchestrator's `teacher`")
+    scale = LossScale(step_tokens=max(sum(float(mb.loss_mask.sum()) for mb in micro), 1.0),
+                      step_sequences=batch.num_samples, micro_batches=len(micro),
+                      max_completion_len=batch.max_tokens or int(batch.lengths.max(initial=1)))
+    old: list[torch.Tensor] = []
+    ref: list[torch.Tensor | None] = []
+    sums, loss_total, norms = LossSums(), 0.0, []
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    tokens = max(sums.tokens, 1.0)
-    return {"loss": loss_total, "grad_norm": grad_norm, "tokens": int(sums.tokens),
-            "mismatch_kl": sums.mismatch_kl / tokens, "masked": sums.masked / tokens,
-            "masked/token": sums.masked_token / tokens, "masked/sequence": sums.masked_sequence / tokens,
-            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
-            "processed_tokens": sum(mb.num_tokens for mb in micro)}
+    for it in range(lc.num_iterations):
+        for k, mb in enumerate(micro):
+            lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature)
+            if it == 0:  # the old policy of every iteration is the trainer at the start of the step
+                old.append(lp.detach())
+                ref.append(_ref_logprobs(model, mb, batch.temperature) if lc.beta else None)
+            inputs = LossInputs(logprobs=lp, old_logprobs=old[k], inference_logprobs=mb.inference_logprobs,
+                                advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
+                                ref_logprobs=ref[k], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
+            loss, s = policy_loss(inputs, lc, scale)
+            loss.backward()
+            sums += s
+            loss_total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tokens = max(sums["tokens"], 1.0)
+    trunc = batch.truncated.astype(bool) if batch.truncated is not None else np.zeros(0, dtype=bool)
+    completion_tokens = float(batch.loss_mask.sum())
+    truncated_tokens = sum(int(batch.loss_mask[s].sum()) for s, t in zip(batch.samples(), trunc, strict=True) if t)
+    out: dict[str, Any] = {"loss": loss_total / lc.num_iterations, "grad_norm": float(np.mean(norms)),
+                           "tokens": int(sums["tokens"] / lc.num_iterations),
+                           "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
+                           "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations}
+    out |= {k: v / tokens for k, v in sums.items() if k != "tokens" and (k != "kl" or lc.beta)}
+    out["masked/truncated"] = (truncated_tokens / max(completion_tokens, 1.0)
+                               if lc.mask_truncated_completions else 0.0)
+    return out
 
 
 def _note_wait(step: int, seconds: float) -> None:
@@ -76,6 +104,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     reader, metrics = BatchReader(run_dir), MetricsWriter(run_dir / "metrics.jsonl")
     log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", device,
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}", reader.dir)
+    guard = MismatchGuard(cfg.mismatch_guard)
     step, last_done = 0, time.monotonic()
     while total is None or step < total:
         wait_start = time.monotonic()
@@ -98,6 +127,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                                   "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
         last_done = now
         metrics.write(record)
+        guard.check(step, record)
         if step % cfg.logging_steps == 0 or step == total:
             log.info(progress_line(record, total or batch.metrics.get("max_steps")))
     log.info("trainer finished after %d steps; metrics in %s", step, metrics.path)

@@ -30,3 +30,13 @@ def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_i
     """Run the model on a packed (B, T) batch and return (B, T) logprobs of its own tokens."""
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     return token_logprobs(out.logits, input_ids, temperature)
+
+
+def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `forward_logprobs`, plus the (detached) entropy of each position's distribution."""
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    lp = token_logprobs(out.logits, input_ids, temperature)
+    with torch.no_grad():
+        ent = entropy(out.logits.detach(), temperature)
+    return lp, ent

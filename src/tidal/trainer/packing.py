@@ -10,6 +10,7 @@ row (not to `sequence_len`), so padding stays small. Padding tokens get their ow
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,9 +28,11 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     advantages: torch.Tensor
     seq_ids: torch.Tensor
+    teacher_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+        moved: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        return MicroBatch(**moved)
 
     @property
     def num_tokens(self) -> int:
@@ -57,10 +60,12 @@ def assign_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return rows
 
 
-def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int,
-         pad_id: int = 0) -> list[MicroBatch]:
-    """Pack `batch` into micro-batches of `rows_per_micro_batch` rows (see module doc)."""
+def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
+         drop_truncated: bool = False) -> list[MicroBatch]:
+    """Pack `batch` into micro-batches of `rows_per_micro_batch` rows (see module doc). `drop_truncated`
+    clears the loss mask of samples flagged `truncated` (mask_truncated_completions)."""
     spans = batch.samples()
+    teacher = batch.teacher_logprobs
     rows = assign_rows(batch.lengths, sequence_len)
     out: list[MicroBatch] = []
     for start in range(0, len(rows), rows_per_micro_batch):
@@ -72,19 +77,24 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int,
         inf_lp = np.zeros((len(group), width), dtype=np.float32)
         adv = np.zeros((len(group), width), dtype=np.float32)
         seq = np.full((len(group), width), -1, dtype=np.int64)
+        tlp = np.zeros((len(group), width), dtype=np.float32) if teacher is not None else None
         for r, row in enumerate(group):
             at = 0
             for i in row:
                 s, n = spans[i], int(batch.lengths[i])
                 ids[r, at:at + n] = batch.tokens[s]
                 pos[r, at:at + n] = np.arange(n)
-                mask[r, at:at + n] = batch.loss_mask[s].astype(bool)
+                assert batch.truncated is not None
+                mask[r, at:at + n] = batch.loss_mask[s].astype(bool) & ~(drop_truncated and bool(batch.truncated[i]))
                 inf_lp[r, at:at + n] = batch.inference_logprobs[s]
-                adv[r, at:at + n] = batch.advantages[i]
+                adv[r, at:at + n] = batch.advantages[s]
+                if tlp is not None and teacher is not None:
+                    tlp[r, at:at + n] = teacher[s]
                 seq[r, at:at + n] = i
                 at += n
             pos[r, at:] = np.arange(width - at)  # padding: its own run of positions
-        out.append(MicroBatch(*(torch.from_numpy(a) for a in (ids, pos, mask, inf_lp, adv, seq))))
+        t = [torch.from_numpy(a) for a in (ids, pos, mask, inf_lp, adv, seq)]
+        out.append(MicroBatch(t[0], t[1], t[2], t[3], t[4], t[5], None if tlp is None else torch.from_numpy(tlp)))
     return out
 
 

@@ -41,7 +41,7 @@ def make_sft_batch(tok: Any, examples: list[Any], completions: list[str], step: 
     n = len(lengths)
     return TrainingBatch(step=step, temperature=1.0, tokens=np.array(tokens), lengths=np.array(lengths),
                          loss_mask=np.array(masks), inference_logprobs=np.zeros(len(tokens)),
-                         advantages=np.zeros(n), rewards=np.zeros(n), policy_steps=np.zeros(n))
+                         advantages=np.zeros(len(tokens)), rewards=np.zeros(n), policy_steps=np.zeros(n))
 
 
 def sft_loss(model: torch.nn.Module, mb: Any, label_smoothing: float) -> torch.Tensor:

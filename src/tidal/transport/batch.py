@@ -2,8 +2,11 @@
 
 Layout: the token ids of all samples (prompt + completion) are concatenated into `tokens`; `lengths` gives
 each sample's length. Per-token arrays (`loss_mask`, `inference_logprobs`) are aligned with `tokens`; a
-token's logprob is the one vLLM reported for sampling it (0 for prompt tokens). Per-sample arrays
-(`advantages`, `rewards`, `policy_steps`) have one entry per sample. Scalars and the orchestrator's step
+token's logprob is the one vLLM reported for sampling it (0 for prompt tokens); `advantages` are per token
+too (an outcome advantage repeated over the completion, or process-supervision advantages that vary along
+it); `teacher_logprobs` is optional (present when the orchestrator scored completions with a teacher).
+Per-sample arrays (`rewards`, `policy_steps`, `truncated`) have one entry per sample; `max_tokens` is the
+completion budget the rollouts were sampled with. Scalars and the orchestrator's step
 metrics travel as JSON in the safetensors metadata. No pickle anywhere.
 """
 
@@ -17,7 +20,10 @@ from typing import Any
 import numpy as np
 
 _ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "inference_logprobs": np.float32,
-           "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32}
+           "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32, "truncated": np.uint8}
+_OPTIONAL = {"teacher_logprobs": np.float32}
+_PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs")
+_PER_SAMPLE = ("rewards", "policy_steps", "truncated")
 
 
 class BatchFormatError(ValueError):
@@ -37,11 +43,17 @@ class TrainingBatch:
     advantages: np.ndarray
     rewards: np.ndarray
     policy_steps: np.ndarray
+    truncated: np.ndarray | None = None
+    teacher_logprobs: np.ndarray | None = None
+    max_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, dtype in _ARRAYS.items():
-            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        if self.truncated is None:
+            self.truncated = np.zeros(len(self.lengths), dtype=np.uint8)
+        for name, dtype in (_ARRAYS | _OPTIONAL).items():
+            if getattr(self, name) is not None:
+                setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
         self.validate()
 
     @property
@@ -51,10 +63,10 @@ class TrainingBatch:
     def validate(self) -> None:
         """Raise ValueError when array shapes disagree."""
         n, total = len(self.lengths), int(self.lengths.sum())
-        for name in ("tokens", "loss_mask", "inference_logprobs"):
-            if len(getattr(self, name)) != total:
+        for name in _PER_TOKEN:
+            if getattr(self, name) is not None and len(getattr(self, name)) != total:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, lengths sum to {total}")
-        for name in ("advantages", "rewards", "policy_steps"):
+        for name in _PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
         if n and self.lengths.min() < 1:
@@ -69,9 +81,10 @@ class TrainingBatch:
         """Write to `path` (callers make it atomic; see `transport.filesystem`)."""
         from safetensors.numpy import save_file
 
-        meta = {"step": str(self.step), "temperature": repr(self.temperature),
-                "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/1"}
-        save_file({k: getattr(self, k) for k in _ARRAYS}, str(path), metadata=meta)
+        meta = {"step": str(self.step), "temperature": repr(self.temperature), "max_tokens": str(self.max_tokens),
+                "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/2"}
+        arrays = {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL if getattr(self, k) is not None}
+        save_file(arrays, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: Path) -> TrainingBatch:
@@ -81,8 +94,12 @@ class TrainingBatch:
         try:
             with safe_open(str(path), framework="numpy") as f:
                 meta = f.metadata() or {}
+                if meta.get("format") != "tidal.TrainingBatch/2":
+                    raise ValueError(f"format {meta.get('format')!r}, expected 'tidal.TrainingBatch/2'")
                 arrays = {k: f.get_tensor(k) for k in _ARRAYS}
+                arrays |= {k: f.get_tensor(k) for k in _OPTIONAL if k in f.keys()}  # noqa: SIM118
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
-                       metrics=json.loads(meta.get("metrics", "{}")), **arrays)
+                       max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
+                       **arrays)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt file
             raise BatchFormatError(f"batch file {path} is corrupt or not a tidal batch: {exc}") from exc

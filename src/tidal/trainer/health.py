@@ -1,0 +1,58 @@
+"""The mismatch guard: notice when trainer and inference disagree about the sampled tokens, and say why.
+
+After every step the trainer hands `mismatch_kl` and `token_mult_prob_error` to `MismatchGuard.check`. When
+either stays above its threshold for `patience` consecutive steps the guard logs a warning listing the usual
+causes (once per episode; it re-arms when the metrics come back down) and, with `action: stop`, raises
+`MismatchError`, which ends the trainer with exit code 1. None of the reference systems has one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tidal.config.train import MismatchGuardConfig
+
+log = logging.getLogger("tidal.trainer")
+
+CAUSES = """likely causes:
+  - dtype: trainer and vLLM compute in different precisions (infer `dtype` vs train `recipe`; on CPU both
+    should be float32);
+  - temperature: the trainer scores at the batch's sampling temperature; a sampler that changes the
+    distribution (top_p/top_k, repetition penalty) makes vLLM's logprobs differ from the trainer's;
+  - stale adapter: vLLM still serves an older adapter than the batch says (check `policy_step` and the
+    orchestrator's adapter loads in its log);
+  - tokenization: completions re-tokenized from text instead of the sampled token ids, or a chat template
+    that differs between the trainer and vLLM."""
+
+
+class MismatchError(RuntimeError):
+    """The guard's `action: stop` fired."""
+
+
+class MismatchGuard:
+    def __init__(self, cfg: MismatchGuardConfig) -> None:
+        self.cfg = cfg
+        self.streak = 0
+        self.warned = False
+
+    def check(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """Update with one step's metrics; returns the warning text when it fires (else None)."""
+        if not self.cfg.enabled:
+            return None
+        kl = float(metrics.get("mismatch_kl", 0.0))
+        err = float(metrics.get("token_mult_prob_error", 1.0))
+        high = kl > self.cfg.max_mismatch_kl or err > self.cfg.max_token_mult_prob_error
+        self.streak = self.streak + 1 if high else 0
+        if not high:
+            self.warned = False
+        if self.streak < self.cfg.patience or (self.warned and self.cfg.action == "warn"):
+            return None
+        self.warned = True
+        msg = (f"step {step}: trainer/inference mismatch above threshold for {self.streak} steps "
+               f"(mismatch_kl {kl:.3g} > {self.cfg.max_mismatch_kl:g} or token_mult_prob_error {err:.4f} > "
+               f"{self.cfg.max_token_mult_prob_error:g}); {CAUSES}")
+        log.warning(msg)
+        if self.cfg.action == "stop":
+            raise MismatchError(msg + "\n(train.mismatch_guard.action is 'stop')")
+        return msg
