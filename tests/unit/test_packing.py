@@ -16,8 +16,9 @@ def make_batch(rng: np.random.Generator, n: int, vocab: int, max_len: int) -> Tr
     total = int(lengths.sum())
     mask = np.concatenate([np.r_[np.zeros(2), np.ones(ln - 2)] for ln in lengths])
     return TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(1, vocab, size=total), lengths=lengths,
-                         loss_mask=mask, inference_logprobs=-rng.random(total), advantages=rng.normal(size=n),
-                         rewards=rng.random(n), policy_steps=np.zeros(n))
+                         loss_mask=mask, inference_logprobs=-rng.random(total), advantages=rng.normal(size=total),
+                         rewards=rng.random(n), policy_steps=np.zeros(n), truncated=rng.random(n) < 0.3,
+                         teacher_logprobs=-rng.random(total))
 
 
 def test_assign_rows_respects_capacity_and_uses_every_sample_once():
@@ -36,10 +37,11 @@ def test_sample_longer_than_row_is_a_clear_error():
         assign_rows(np.array([10, 70]), 64)
 
 
-def test_pack_places_tokens_and_per_token_data_exactly():
+@pytest.mark.parametrize("drop", [False, True])
+def test_pack_places_tokens_and_per_token_data_exactly(drop):
     rng = np.random.default_rng()
     batch = make_batch(rng, 37, 100, 40)
-    micro = pack(batch, 64, 3)
+    micro = pack(batch, 64, 3, drop_truncated=drop)
     seen: dict[int, np.ndarray] = {}
     for mb in micro:
         for r in range(mb.input_ids.shape[0]):
@@ -49,9 +51,12 @@ def test_pack_places_tokens_and_per_token_data_exactly():
                 assert mb.position_ids[r][sel].tolist() == list(range(int(sel.sum())))
                 seen[sid] = mb.input_ids[r][sel].numpy()
                 s = batch.samples()[sid]
-                assert mb.loss_mask[r][sel].tolist() == batch.loss_mask[s].astype(bool).tolist()
+                want = batch.loss_mask[s].astype(bool) & ~(drop and bool(batch.truncated[sid]))
+                assert mb.loss_mask[r][sel].tolist() == want.tolist()
                 assert np.allclose(mb.inference_logprobs[r][sel].numpy(), batch.inference_logprobs[s])
-                assert np.allclose(mb.advantages[r][sel].numpy(), batch.advantages[sid])
+                assert np.allclose(mb.advantages[r][sel].numpy(), batch.advantages[s])
+                assert mb.teacher_logprobs is not None
+                assert np.allclose(mb.teacher_logprobs[r][sel].numpy(), batch.teacher_logprobs[s])
             pad = (mb.seq_ids[r] == -1)
             assert not mb.loss_mask[r][pad].any()
     assert sorted(seen) == list(range(37))

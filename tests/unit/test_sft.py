@@ -30,7 +30,7 @@ def test_sft_loss_matches_float64_reference(model, eps):
     total = int(lengths.sum())
     mask = np.concatenate([np.r_[np.zeros(2), np.ones(n - 2)] for n in lengths])
     batch = TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(0, 50, total), lengths=lengths,
-                          loss_mask=mask, inference_logprobs=np.zeros(total), advantages=np.zeros(5),
+                          loss_mask=mask, inference_logprobs=np.zeros(total), advantages=np.zeros(total),
                           rewards=np.zeros(5), policy_steps=np.zeros(5))
     (mb,) = pack(batch, 128, 1)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Advantages, the reverse-text reward, batch transport and the LR schedule."""
+"""The reverse-text reward, batch transport and the LR schedule."""
 
 from __future__ import annotations
 
@@ -8,26 +8,9 @@ import pytest
 from tidal.config.train import TrainConfig
 from tidal.envs import make_env
 from tidal.envs.reverse_text import extract_answer, similarity
-from tidal.orchestrator.advantage import group_advantages
 from tidal.trainer.optim import lr_factor
 from tidal.transport.batch import BatchFormatError, TrainingBatch
 from tidal.transport.filesystem import BatchReader, BatchWriter
-
-
-def test_group_advantages_against_float64_loop():
-    rng = np.random.default_rng()
-    rewards = rng.random(48).astype(np.float32)
-    adv = group_advantages(rewards, 8)
-    for g in range(6):
-        grp = [float(x) for x in rewards[g * 8:(g + 1) * 8]]
-        mean = sum(grp) / 8
-        assert np.allclose(adv[g * 8:(g + 1) * 8], [x - mean for x in grp], atol=1e-12)
-    assert abs(adv.reshape(6, 8).sum(1)).max() < 1e-6
-
-
-def test_group_advantages_rejects_ragged_groups():
-    with pytest.raises(ValueError, match="groups of 8"):
-        group_advantages(np.zeros(12), 8)
 
 
 def test_reverse_text_reward():
@@ -55,7 +38,8 @@ def make_batch(step: int = 3) -> TrainingBatch:
     lengths = np.array([5, 7, 4])
     return TrainingBatch(step=step, temperature=0.9, tokens=rng.integers(0, 100, 16), lengths=lengths,
                          loss_mask=(rng.random(16) > 0.5), inference_logprobs=-rng.random(16),
-                         advantages=rng.normal(size=3), rewards=rng.random(3), policy_steps=np.array([1, 1, 2]),
+                         advantages=rng.normal(size=16), rewards=rng.random(3), policy_steps=np.array([1, 1, 2]),
+                         truncated=np.array([0, 1, 0]), teacher_logprobs=-rng.random(16), max_tokens=48,
                          metrics={"reward/mean": 0.5})
 
 
@@ -65,7 +49,9 @@ def test_batch_roundtrip_through_filesystem_transport(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == [path.name], "no temp files left behind"
     got = BatchReader(tmp_path).wait(3, timeout_s=1)
     assert got is not None and got.step == 3 and got.temperature == 0.9 and got.metrics == {"reward/mean": 0.5}
-    for k in ("tokens", "lengths", "loss_mask", "inference_logprobs", "advantages", "rewards", "policy_steps"):
+    assert got.max_tokens == 48
+    for k in ("tokens", "lengths", "loss_mask", "inference_logprobs", "advantages", "rewards", "policy_steps",
+              "truncated", "teacher_logprobs"):
         assert np.array_equal(getattr(got, k), getattr(batch, k)), k
 
 
@@ -88,7 +74,7 @@ def test_corrupt_batch_file_error_names_the_file(tmp_path):
 def test_inconsistent_batch_is_rejected():
     with pytest.raises(ValueError, match="lengths sum"):
         TrainingBatch(step=1, temperature=1.0, tokens=np.zeros(3), lengths=np.array([2, 2]), loss_mask=np.zeros(3),
-                      inference_logprobs=np.zeros(3), advantages=np.zeros(2), rewards=np.zeros(2),
+                      inference_logprobs=np.zeros(3), advantages=np.zeros(3), rewards=np.zeros(2),
                       policy_steps=np.zeros(2))
 
 
