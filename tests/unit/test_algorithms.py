@@ -44,7 +44,7 @@ def test_group_advantages_against_float64_loop(scale, weighted):
     for k in range(n):
         grp = allr[k * g:(k + 1) * g]
         lens = [int(x) for x in lengths[k * g:(k + 1) * g]]
-        base = sum(r * ln for r, ln in zip(grp, lens)) / sum(lens) if weighted else sum(grp) / g
+        base = sum(r * ln for r, ln in zip(grp, lens, strict=True)) / sum(lens) if weighted else sum(grp) / g
         div = {"none": 1.0, "group": statistics.stdev(grp) + 1e-4, "batch": batch_std + 1e-4}[scale]
         assert np.allclose(adv[k * g:(k + 1) * g], [(r - base) / div for r in grp], rtol=1e-12, atol=1e-12)
     assert np.all(adv[:g] == 0), "a zero-variance group has no signal"
@@ -141,7 +141,7 @@ def test_loss_metric_sums_hand_case():
                    ref_logprobs=lp + math.log(2), entropy=torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=torch.float64))
     cfg = LossConfig(loss_type="dapo", top_entropy_quantile=0.5, beta=0.1)
     _, s = policy_loss(x, cfg, LossScale(4, 1, 1, 4))
-    assert s["clip_ratio/low"] == 1 and s["clip_ratio/high"] == 1 and s["clip_ratio/region"] == 2
+    assert s["clip_ratio/low_mean"] == 1 and s["clip_ratio/high_mean"] == 1 and s["clip_ratio/region_mean"] == 2
     assert s["masked/entropy"] == 2 and s["masked"] == 2 and s["entropy"] == 6.0
     assert s["kl"] == pytest.approx(4 * (2 - math.log(2) - 1))  # k3 with ref/pi = 2 on every token
     cfg = LossConfig(token_mask_high=1.2)  # aipo: inference = lp / 2 on token 3 -> ratio 2 masked
@@ -168,7 +168,7 @@ def test_mismatch_guard_warns_after_patience_then_rearms():
 def math_only(prompts, completions, completion_ids, trainer_state, answer, text, **kw):
     assert len(prompts) == len(completions) == len(completion_ids) == len(answer) == len(text)
     assert trainer_state == {"global_step": 1}
-    return [None if "x" in t else float(len(c[0]["content"])) * kw["k"] for t, c in zip(text, completions)]
+    return [None if "x" in t else float(len(c[0]["content"])) * kw["k"] for t, c in zip(text, completions, strict=True)]
 
 
 def test_scorer_calls_reward_funcs_trl_style(monkeypatch):

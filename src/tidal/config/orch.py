@@ -151,8 +151,7 @@ class AdvantageSection(StrictModel):
             raise ValueError("advantage.type 'custom' needs advantage.import_path ('package.module:function')")
         if self.type != "custom" and (self.import_path or self.kwargs):
             raise ValueError("advantage.import_path / kwargs only apply with advantage.type 'custom'")
-        if self.type != "default" and ("scale_rewards" in self.model_fields_set
-                                       or "length_weighted_mean" in self.model_fields_set):
+        if self.type != "default" and (self.scale_rewards != "none" or self.length_weighted_mean):
             raise ValueError(f"advantage.scale_rewards / length_weighted_mean apply to advantage.type 'default' "
                              f"only (type '{self.type}' computes its own normalization)")
         return self
@@ -216,6 +215,19 @@ class WeightBroadcastSection(StrictModel):
     """(nccl) timeout (s)."""
 
 
+class TeacherSection(StrictModel):
+    """A teacher model served by vLLM whose logprobs of the sampled completions go into each batch (for the
+    trainer's `loss.teacher_tau`)."""
+
+    base_url: str = "http://localhost:8000/v1"
+    """The teacher's OpenAI-compatible vLLM endpoint (may be the policy's own server)."""
+    model: str
+    """Model name the teacher server serves (e.g. the base model's name for self-distillation)."""
+    max_concurrency: int = Field(1, ge=1)
+    """Teacher requests in flight at once. 1 by default: vLLM 0.32's CPU LoRA path crashes the engine on
+    concurrent prompt-logprob requests (einsum shape error in punica_cpu); raise it on GPU servers."""
+
+
 class OrchConfig(StrictModel):
     """Everything `tidal grpo-orch` reads from `orch.yaml`."""
 
@@ -253,6 +265,8 @@ class OrchConfig(StrictModel):
     """Advantage computation."""
     env_reward_weight: float = 1.0
     """Weight of the environment's own reward in the total reward (0 leaves only `reward_funcs`)."""
+    teacher: TeacherSection | None = None
+    """Score completions with a teacher model (untempered logprobs, vLLM `prompt_logprobs`); null: off."""
     reward_funcs: list[RewardFuncSection] = Field(default_factory=list)
     """Extra reward functions; total reward = sum of weight x reward over the functions that scored."""
     filters: list[dict[str, Any]] = Field(default_factory=list)

@@ -98,15 +98,17 @@ class LossConfig(StrictModel):
             if getattr(self, low) >= getattr(self, high):
                 raise ValueError(f"loss.{low} ({getattr(self, low)}) must be below loss.{high} "
                                  f"({getattr(self, high)})")
-        given = self.model_fields_set
+        def changed(key: str) -> bool:  # by value, so a dumped resolved config validates like the original
+            return bool(getattr(self, key) != LossConfig.model_fields[key].default)
+
         if self.loss_type == "aipo":
-            wrong = [k for k in CLIPPED_ONLY if k in given and getattr(self, k) != LossConfig.model_fields[k].default]
+            wrong = [k for k in CLIPPED_ONLY if changed(k)]
             if wrong:
                 raise ValueError(f"loss.{wrong[0]} applies to the clipped loss types ({', '.join(CLIPPED_TYPES)}), "
                                  f"not to loss_type 'aipo', which weights every token by the trainer/inference "
                                  f"ratio instead of clipping; set loss.loss_type or remove loss.{wrong[0]}")
         else:
-            wrong = [k for k in AIPO_ONLY if k in given and getattr(self, k) != LossConfig.model_fields[k].default]
+            wrong = [k for k in AIPO_ONLY if changed(k)]
             if wrong:
                 alt: dict[str, str] = {"kl_tau": " (for a KL penalty use loss.beta)",
                        "ratio_type": " (for sequence-level ratios use loss.importance_sampling_level)"}
@@ -121,7 +123,7 @@ class LossConfig(StrictModel):
                               f"the sequence ratio is applied to every token and then normalized by token "
                               f"counts, so long sequences weigh more; GSPO normalizes per sequence "
                               f"(loss_type 'grpo')", ConfigWarning, stacklevel=2)
-        if "is_cap" in given and self.is_correction not in ("truncated", "masked"):
+        if changed("is_cap") and self.is_correction not in ("truncated", "masked"):
             raise ValueError("loss.is_cap only applies with loss.is_correction 'truncated' or 'masked'")
         if self.use_on_policy_kl_approximation and self.beta == 0:
             raise ValueError("loss.use_on_policy_kl_approximation needs loss.beta > 0 (there is no KL term)")

@@ -124,6 +124,30 @@ class InferenceClient:
                                     list(texts) if texts is not None and len(texts) == len(ids) else None))
         return comps
 
+    async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
+        """Untempered logprob of every token of `token_ids` given the ones before it (the first gets 0)."""
+        url = f"{self.urls[next(self._rr)]}/completions"
+        out = await self._post(url, {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0,
+                                     "temperature": 1.0})
+        entries = out["choices"][0].get("prompt_logprobs")
+        if not entries or len(entries) != len(token_ids):
+            raise InferenceError(f"{url}: expected {len(token_ids)} prompt logprobs, got "
+                                 f"{len(entries) if entries else 0}")
+        lps = [0.0]
+        for tid, entry in zip(token_ids[1:], entries[1:], strict=True):
+            lps.append(float(entry[str(tid)]["logprob"]))
+        return lps
+
+    async def prompt_logprobs_many(self, model: str, seqs: list[list[int]], concurrency: int) -> list[list[float]]:
+        """`prompt_logprobs` of each sequence, at most `concurrency` requests in flight."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(ids: list[int]) -> list[float]:
+            async with gate:
+                return await self.prompt_logprobs(model, ids)
+
+        return list(await asyncio.gather(*(one(s) for s in seqs)))
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter under `name` on every server."""
         await asyncio.gather(*(self._post(f"{server_root(u)}/v1/load_lora_adapter",

@@ -103,8 +103,8 @@ def compute_advantages(cfg: OrchConfig, rewards: np.ndarray, comp_lens: np.ndarr
 
 
 def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
-                advantages: list[np.ndarray], policy_step: int,
-                cfg: OrchConfig) -> tuple[TrainingBatch, dict[str, Any]]:
+                advantages: list[np.ndarray], policy_step: int, cfg: OrchConfig,
+                teacher: list[list[float]] | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
     """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion) and its metrics."""
     lag = (step - 1) - policy_step
     keep = lag <= cfg.max_off_policy_steps
@@ -124,13 +124,15 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
         truncated.append(c.finish_reason == "length")
     n = len(lengths)
     flat_adv = np.concatenate(adv) if adv else np.zeros(0)
+    flat_teacher = np.concatenate([np.asarray(t) for t in teacher]) if teacher else None
     if not keep:  # every sample of this batch is too stale: an empty batch keeps step numbering intact
         tokens, mask, lps, lengths, truncated, flat_adv = [], [], [], [], [], np.zeros(0)
+        flat_teacher = np.zeros(0) if teacher else None
     batch = TrainingBatch(step=step, temperature=cfg.sampling.temperature, tokens=np.array(tokens),
                           lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
                           advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
                           policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
-                          max_tokens=max_completion_tokens(cfg))
+                          max_tokens=max_completion_tokens(cfg), teacher_logprobs=flat_teacher)
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
                "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
                "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
@@ -150,6 +152,8 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
     custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
     client = InferenceClient(cfg.client)
+    teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
+               if cfg.teacher is not None else None)
     writer = BatchWriter(run_dir)
     try:
         served = await client.wait_ready()
@@ -176,6 +180,13 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                 rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
                 for p, s in zip(prompts, seeds, strict=True)))
             rollout_time = time.monotonic() - t0
+            teacher_lps = None
+            if teacher is not None and cfg.teacher is not None:
+                t1 = time.monotonic()
+                seqs = [p + c.token_ids for p, comps in zip(prompts, groups, strict=True) for c in comps]
+                teacher_lps = await teacher.prompt_logprobs_many(cfg.teacher.model, seqs,
+                                                                 cfg.teacher.max_concurrency)
+                teacher_time = time.monotonic() - t1
             per_func = np.concatenate([scorer.score(ex, comps, step)
                                        for ex, comps in zip(examples, groups, strict=True)])
             rewards, unscored = combine_rewards(per_func, scorer.weights)
@@ -186,7 +197,9 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             comp_lens = np.array([len(c.token_ids) for _, c in flat])
             steps = ([scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None)
             advantages = compute_advantages(cfg, rewards, comp_lens, steps, custom)
-            batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg)
+            batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg, teacher_lps)
+            if teacher_lps is not None:
+                metrics["teacher_time_s"] = teacher_time
             metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
                                        np.array([c.finish_reason == "length" for _, c in flat]),
                                        cfg.rollouts_per_example)
@@ -200,3 +213,5 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
         return step
     finally:
         await client.close()
+        if teacher is not None:
+            await teacher.close()

@@ -1,6 +1,8 @@
 """The mismatch guard: notice when trainer and inference disagree about the sampled tokens, and say why.
 
-After every step the trainer hands `mismatch_kl` and `token_mult_prob_error` to `MismatchGuard.check`. When
+After every step the trainer hands `mismatch_kl` and `token_mult_prob_error` to `MismatchGuard.check`. Both
+compare the trainer's logprobs at the start of the step with vLLM's: on on-policy steps (step 1 always) the
+gap is purely numerical; on off-policy steps it also holds the policy's own movement since sampling. When
 either stays above its threshold for `patience` consecutive steps the guard logs a warning listing the usual
 causes (once per episode; it re-arms when the metrics come back down) and, with `action: stop`, raises
 `MismatchError`, which ends the trainer with exit code 1. None of the reference systems has one.
@@ -49,9 +51,13 @@ class MismatchGuard:
         if self.streak < self.cfg.patience or (self.warned and self.cfg.action == "warn"):
             return None
         self.warned = True
+        lag = int(metrics.get("off_policy_level", 0))
         msg = (f"step {step}: trainer/inference mismatch above threshold for {self.streak} steps "
                f"(mismatch_kl {kl:.3g} > {self.cfg.max_mismatch_kl:g} or token_mult_prob_error {err:.4f} > "
                f"{self.cfg.max_token_mult_prob_error:g}); {CAUSES}")
+        if lag:
+            msg += (f"\n  - policy change: these rollouts are {lag} update(s) old, so part of the gap is the "
+                    f"policy moving (a high learning rate or max_async_level)")
         log.warning(msg)
         if self.cfg.action == "stop":
             raise MismatchError(msg + "\n(train.mismatch_guard.action is 'stop')")

@@ -175,8 +175,8 @@ def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch
     sums += {"tokens": float(mask.sum()), "masked": float((~policy_keep).sum()),
              "masked/token_low": float(tok_low.sum()), "masked/token_high": float(tok_high.sum()),
              "masked/entropy": float((~ent_keep).sum()), "masked/is": float(is_masked.sum()),
-             "clip_ratio/low": float(clip_low.sum()), "clip_ratio/high": float(clip_high.sum()),
-             "clip_ratio/region": float((clip_low | clip_high).sum())}
+             "clip_ratio/low_mean": float(clip_low.sum()), "clip_ratio/high_mean": float(clip_high.sum()),
+             "clip_ratio/region_mean": float((clip_low | clip_high).sum())}
     sums += {f"masked/{k}": float(v[ids].sum()) for k, v in seq_masks.items()}
     sums += drift_sums(old, inf)
     if ent is not None:
