@@ -31,7 +31,8 @@ TRAIN_SMALL = ["--train.max_async_level", "8"]  # keep every broadcast, to compa
 def small(steps: int = 3) -> list[str]:
     return ["--orch.max_steps", str(steps), *ORCH_SMALL, *TRAIN_SMALL]
 REQUIRED = ["step", "reward/mean", "reward/std", "seq_len/mean", "mismatch_kl", "masked", "loss", "grad_norm",
-            "tokens", "step_time_s", "rollout_tokens_per_s", "trainer_tokens_per_s", "off_policy_level"]
+            "tokens", "step_time_s", "rollout_tokens_per_s", "trainer_tokens_per_s", "off_policy_level",
+            "token_mult_prob_error", "entropy", "frac_reward_zero_std", "completions/mean_length"]
 
 
 def check_metrics(run_dir: Path, steps: int) -> list[dict]:

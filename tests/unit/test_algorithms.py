@@ -197,3 +197,20 @@ def test_reverse_text_step_rewards_map_to_tokens():
     scorer = Scorer(env, OrchConfig())
     assert scorer.step_rewards(ex, comp) == [(len("<reversed_text>olleh") - 1, 1.0),
                                              (len("<reversed_text>olleh dlrxw") - 1, 0.0)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_matches_float64_loop(temperature):
+    from tidal.trainer.logprobs import entropy
+
+    logits = torch.randn(2, 7, 11) * 3
+    got = entropy(logits, temperature, chunk=3)
+    assert got.shape == (2, 7) and torch.all(got[:, 0] == 0)
+    for b in range(2):
+        for t in range(1, 7):
+            z = [float(x) / temperature for x in logits[b, t - 1].double()]
+            mx = max(z)
+            zs = sum(math.exp(v - mx) for v in z)
+            p = [math.exp(v - mx) / zs for v in z]
+            want = -sum(pi * math.log(pi) for pi in p)
+            assert abs(float(got[b, t]) - want) <= 1e-5 * max(want, 1)

@@ -39,6 +39,7 @@ def progress_line(m: dict[str, Any], max_steps: int | None) -> str:
     return (f"step {m['step']}{total} | reward {m.get('reward/mean', float('nan')):.3f} "
             f"± {m.get('reward/std', float('nan')):.3f} | mismatch_kl {m.get('mismatch_kl', 0):.1e} "
             f"| masked {100 * m.get('masked', 0):.1f}% | loss {m.get('loss', 0):+.4f} "
-            f"| grad {m.get('grad_norm', 0):.3f} | {m.get('step_time_s', 0):.1f} s "
+            + (f"| kl {m['kl']:.2e} " if m.get("kl") is not None else "")
+            + f"| grad {m.get('grad_norm', 0):.3f} | {m.get('step_time_s', 0):.1f} s "
             f"(rollout {m.get('rollout_time_s', 0):.1f} s, train {m.get('train_time_s', 0):.1f} s) "
             f"| off-policy {m.get('off_policy_level', 0)}")

@@ -18,10 +18,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(lp, (1, 0))  # (B, T)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(B, T, V) -> (B, T) entropy of the next-token distribution, aligned like `token_logprobs`."""
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    ent = -(lp.exp() * lp).sum(-1)
+def entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """(B, T, V) -> (B, T) entropy of the next-token distribution, aligned like `token_logprobs`. Computed
+    `chunk` positions at a time so a large vocabulary does not need a second full (B, T, V) float32 copy."""
+    parts = []
+    for start in range(0, logits.shape[1] - 1, chunk):
+        lp = torch.log_softmax(logits[:, start:min(start + chunk, logits.shape[1] - 1)].float() / temperature, dim=-1)
+        parts.append(-(lp.exp() * lp).sum(-1))
+    ent = torch.cat(parts, dim=1) if parts else logits.new_zeros(logits.shape[0], 0, dtype=torch.float32)
     return torch.nn.functional.pad(ent, (1, 0))
 
 
