@@ -53,7 +53,7 @@ def reference(case: dict, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tens
         seq_log_r = sum(lp[t] - f["old"][t] for t in ts) / len(ts)
         geo = math.exp(sum(m(t) for t in ts) / len(ts))
         for t in ts:
-            a = cfg.adv_tau * f["adv"][t] + cfg.teacher_tau * (f["teacher"][t] - float(lp[t]))
+            a = cfg.adv_tau * f["adv"][t] + cfg.teacher_tau * (f["teacher"][t] - float(lp[t].detach()))
             pk = keep[t] and ent_ok[t]
             if cfg.loss_type == "aipo":
                 w = math.exp(m(t)) if cfg.ratio_type == "token" else min(geo, cfg.sequence_clip_high)
