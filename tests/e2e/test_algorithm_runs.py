@@ -2,7 +2,8 @@
 
 The default suite runs one combined configuration (a clipped loss with KL to the reference, two iterations,
 truncated IS correction, entropy masking, teacher distillation from the server's base model, process
-supervision, truncated-completion masking). Every `loss_type` and `ratio_type` runs in the slow suite.
+supervision, truncated-completion masking, an extra TRL-style reward function), and a run the mismatch guard
+stops. Every `loss_type` and `ratio_type` runs in the slow suite.
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def test_combined_algorithm_options_run(vllm_server, tmp_path):
                         "--train.loss.top_entropy_quantile", "0.5", "--train.loss.teacher_tau", "0.1",
                         "--train.loss.mask_truncated_completions", "true", "--train.loss.epsilon_high", "0.28"],
                        ["--orch.advantage.type", "process", "--orch.teacher",
-                        json.dumps({"base_url": vllm_server, "model": MODEL})])
+                        json.dumps({"base_url": vllm_server, "model": MODEL}), "--orch.reward_funcs",
+                        json.dumps([{"import_path": "tests.e2e.rewards:short_answer", "weight": 0.5,
+                                     "kwargs": {"limit": 16}}])])
     for r in rows:
+        assert 0 <= r["reward/short_answer/mean"] <= 1 and r["reward/short_answer/std"] >= 0
         assert r["kl"] >= 0 and 0.4 <= r["masked/entropy"] <= 0.6, r
     assert rows[-1]["kl"] > rows[0]["kl"] > 0, "the policy moves away from the reference (the base model)"
     assert any(r["clip_ratio/region_mean"] > 0 for r in rows), "iteration 2 moves ratios off 1"
@@ -111,3 +115,22 @@ def test_every_loss_type_and_ratio_type_runs(vllm_server, tmp_path, name):
     orch = ["--orch.advantage.scale_rewards", "group"] if name in ("grpo", "bnpo") else []
     rows = run_variant(vllm_server, tmp_path / "run", name.replace("_", "-"), SLOW_VARIANTS[name], orch, steps=4)
     assert all(r["loss"] != 0 for r in rows[1:])
+
+
+def test_mismatch_guard_stops_a_bf16_server_against_an_fp32_trainer(tmp_path):
+    """A real cause of drift: vLLM serving in bfloat16 while the trainer computes in float32."""
+    from tests.conftest import free_port
+
+    run_dir = tmp_path / "run"
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--infer.dtype", "bfloat16",
+                 "--orch.max_steps", "3", "--orch.batch_size", "16", "--orch.rollouts_per_example", "4",
+                 "--orch.sampling.max_tokens", "24", "--train.mismatch_guard.action", "stop",
+                 "--train.mismatch_guard.patience", "1", "--train.mismatch_guard.max_token_mult_prob_error", "1.003")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 1, out[-3000:]
+    assert "trainer/inference mismatch above threshold" in out and "dtype" in out and "the trainer exited" in out
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0]["token_mult_prob_error"] > 1.003 and rows[0]["off_policy_level"] == 0
