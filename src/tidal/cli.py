@@ -50,6 +50,8 @@ def extract_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def split_overrides(extra: list[str], allowed: set[str]) -> dict[str, dict[str, str]]:
     """`['--orch.batch_size', '32', '--train.lr=1']` -> {'orch': {'batch_size': '32'}, 'train': {'lr': '1'}}."""
     out: dict[str, dict[str, str]] = {}
+    if extra and not allowed:
+        raise ConfigError(f"unexpected argument '{extra[0]}'")
     i = 0
     while i < len(extra):
         arg = extra[i]
@@ -244,6 +246,17 @@ def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    from tidal.monitor.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        print(f"tidal report: {run_dir} holds no metrics.jsonl; pass a run directory", file=sys.stderr)
+        return 2
+    print(write_report(run_dir, Path(args.out) if args.out else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="GRPO training with vLLM rollouts.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -259,11 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--dry-run", action="store_true", help="print the resolved configs, start nothing")
         if s.prog.split()[-1] != "grpo-infer":
             s.add_argument("--output-dir", help="run directory for every component's output")
+    r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, samples and configs of a run")
+    r.add_argument("run_dir", metavar="RUN_DIR")
+    r.add_argument("--out", help="write the HTML here instead of RUN_DIR/report.html")
     return p
 
 
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
-            "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"})}
+            "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
+            "report": (cmd_report, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

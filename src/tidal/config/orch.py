@@ -228,6 +228,27 @@ class TeacherSection(StrictModel):
     concurrent prompt-logprob requests (einsum shape error in punica_cpu); raise it on GPU servers."""
 
 
+class ReportSection(StrictModel):
+    """Metric sinks beyond `metrics.jsonl` (seed 000's W&B keys, plus TensorBoard)."""
+
+    project: str = "tidal"
+    """W&B project name."""
+    name: str | None = None
+    """W&B run name (null: the run directory's name)."""
+    offline: bool = False
+    """Run W&B offline (files under `{output_dir}/wandb`, sync later with `wandb sync`); no network needed."""
+    samples: bool | None = None
+    """Log prompt/completion/reward samples to the sinks (null: yes). `samples.jsonl` always gets them."""
+    distributions: bool | None = None
+    """Log reward and advantage histograms (null: yes)."""
+    interval: int = Field(10, ge=1)
+    """Samples and distributions every N steps (and at step 1)."""
+    wandb: bool = True
+    """Send metrics to Weights & Biases (needs the `wandb` package; `offline: true` for no network)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under `{output_dir}/tensorboard`."""
+
+
 class OrchConfig(StrictModel):
     """Everything `tidal grpo-orch` reads from `orch.yaml`."""
 
@@ -275,8 +296,8 @@ class OrchConfig(StrictModel):
     """Checkpointing (not supported yet)."""
     eval: NotYetSection | None = None
     """Online evaluation (not supported yet)."""
-    report_to: NotYetSection | None = None
-    """W&B reporting (not supported yet)."""
+    report_to: ReportSection | None = None
+    """Metric sinks (W&B, TensorBoard); null: only `metrics.jsonl`, `samples.jsonl` and the HTML report."""
     rollout_transport: RolloutTransportSection = Field(default_factory=RolloutTransportSection)
     """Batch transport to the trainer."""
     weight_broadcast: WeightBroadcastSection = Field(default_factory=WeightBroadcastSection)

@@ -27,7 +27,9 @@ import numpy as np
 
 from tidal.config.orch import OrchConfig
 from tidal.envs import make_env
+from tidal.envs.base import Example
 from tidal.inference.client import Completion, InferenceClient
+from tidal.monitor.sinks import Sinks
 from tidal.orchestrator.advantage import (
     combine_rewards,
     custom_advantages,
@@ -140,6 +142,20 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     return batch, metrics
 
 
+def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, advantages: list[np.ndarray],
+                 limit: int = 8) -> list[dict[str, Any]]:
+    """Up to `limit` samples spread over the batch, for samples.jsonl and the sinks."""
+    every = max(1, len(flat) // limit)
+    out = []
+    for i in range(0, len(flat), every)[:limit]:
+        ex, c = flat[i]
+        user = [m["content"] for m in ex.prompt if m.get("role") == "user"]
+        out.append({"prompt": user[-1] if user else str(ex.prompt), "completion": c.text,
+                    "reward": float(rewards[i]),
+                    "advantage": float(advantages[i].mean()) if advantages[i].size else 0.0})
+    return out
+
+
 def max_completion_tokens(cfg: OrchConfig) -> int:
     """The completion budget (dr_grpo's constant): `sampling.max_tokens`, else `seq_len`."""
     return cfg.sampling.max_tokens or cfg.seq_len
@@ -155,6 +171,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
     teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                if cfg.teacher is not None else None)
     writer = BatchWriter(run_dir)
+    sinks = Sinks(cfg.report_to, run_dir, {"orch": cfg.model_dump(mode="json")})
     try:
         served = await client.wait_ready()
         base = cfg.model.name or (served[0] if served else None)
@@ -207,9 +224,14 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             batch.metrics = {**metrics, "rollout_time_s": rollout_time, "weights_wait_s": waited,
                              "rollout_tokens_per_s": gen_tokens / max(rollout_time, 1e-9)}
             writer.write(batch)
+            if sinks.due(step) or step == cfg.max_steps:
+                sinks.record_samples(step, pick_samples(flat, rewards, advantages), rewards,
+                                     np.concatenate([a for a in advantages if a.size] or [np.zeros(0)]))
+            sinks.forward_metrics()
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
                      metrics["reward/mean"], policy.step, gen_tokens, rollout_time)
         writer.finish(step)
+        sinks.close(step, timeout_s=cfg.weights_timeout_s)
         return step
     finally:
         await client.close()

@@ -131,4 +131,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         if step % cfg.logging_steps == 0 or step == total:
             log.info(progress_line(record, total or batch.metrics.get("max_steps")))
     log.info("trainer finished after %d steps; metrics in %s", step, metrics.path)
+    try:
+        from tidal.monitor.report import write_report
+
+        log.info("run report: %s", write_report(run_dir))
+    except Exception as exc:  # noqa: BLE001 - a failed report must not fail a finished run
+        log.warning("could not write the run report: %r (retry with `tidal report %s`)", exc, run_dir)
     return step
