@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all lint clean
+.PHONY: setup run test test-all lint bench clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,13 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
+## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
+bench: setup
+	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+
 lint: setup
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts bench
 	$(BIN)/mypy
 
 clean:

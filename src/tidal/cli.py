@@ -149,6 +149,9 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         check_port_free(host, infer.port)
     except PortInUseError as exc:
         raise ConfigError(str(exc)) from None
+    if orch.weight_broadcast.reload == "auto" and not has_nvidia_gpu() and train.device != "cuda":
+        # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
+        orch.weight_broadcast.reload, train.broadcast_merged, infer.weight_reload = "merged", True, True
     vllm_cores = split_cpu_cores(train)
     if vllm_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cores  # inherited by the inference child
@@ -162,7 +165,9 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         paths[name].write_text(dump(cfg))
     from tidal.launcher import run_colocate
 
-    return run_colocate(sys.executable, run_dir, paths, f"{orch.client.base_url[0].removesuffix('/v1')}/health")
+    live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
+    return run_colocate(sys.executable, run_dir, paths, f"{orch.client.base_url[0].removesuffix('/v1')}/health",
+                        live=live, max_steps=orch.max_steps)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

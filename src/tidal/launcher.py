@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -33,8 +34,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class Child:
     """One component process, its log file and (optionally) a console echo."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool) -> None:
-        self.name, self.log_path = name, log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool,
+                 emit: Callable[[str, str], None] | None = None) -> None:
+        self.name, self.log_path, self.emit = name, log_path, emit
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -48,7 +50,9 @@ class Child:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
-                if echo:
+                if echo and self.emit is not None:
+                    self.emit(self.name, line.decode(errors="replace"))
+                elif echo:
                     sys.stdout.write(f"[{self.name}] {line.decode(errors='replace')}")
                     sys.stdout.flush()
 
@@ -103,15 +107,49 @@ def _raise_on_term(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class LiveBoard:
+    """The rich live display of a terminal run (see `tidal.monitor.progress`); children's lines scroll above."""
+
+    def __init__(self, run_dir: Path, max_steps: int | None) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        from tidal.monitor.progress import Board
+        from tidal.monitor.sinks import MetricsTail
+
+        self.board = Board(max_steps)
+        self.tail = MetricsTail(run_dir / "metrics.jsonl")
+        self.live = Live(self.board.render(), console=Console(), refresh_per_second=4, transient=False)
+        self.lock = threading.Lock()
+
+    def emit(self, name: str, line: str) -> None:
+        with self.lock:
+            self.board.note_line(name, line)
+            self.live.console.print(f"[{name}] {line.rstrip()}", markup=False, highlight=False)
+
+    def refresh(self, infer_state: str | None = None) -> None:
+        with self.lock:
+            if infer_state:
+                self.board.state["infer"] = infer_state
+            for row in self.tail.poll():
+                self.board.note_metrics(row)
+            self.live.update(self.board.render())
+
+
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str,
-                 infer_start_timeout_s: float = 600.0) -> int:
-    """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted)."""
+                 infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None) -> int:
+    """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
+    `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines."""
     logs = run_dir / "logs"
     cli = [python, "-m", "tidal.cli"]
     children: list[Child] = []
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
     # as ignored, and Ctrl-C / SIGINT must still stop the run.
     previous = {sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
+    board = LiveBoard(run_dir, max_steps) if live else None
+    emit = board.emit if board is not None else None
+    if board is not None:
+        board.live.start()
     try:
         infer = Child("infer", [*cli, "grpo-infer", str(configs["infer"])], logs / "infer.log", echo=False)
         children.append(infer)
@@ -119,9 +157,9 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         wait_healthy(health_url, infer, infer_start_timeout_s)
         print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
         orch = Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)],
-                     logs / "orch.log", echo=True)
+                     logs / "orch.log", echo=True, emit=emit)
         train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
-                      logs / "train.log", echo=True)
+                      logs / "train.log", echo=True, emit=emit)
         children += [orch, train]
         while True:
             if infer.poll() is not None:
@@ -132,6 +170,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                     raise ComponentFailed(c, f"exited with code {code}")
             if orch.poll() == 0 and train.poll() == 0:
                 break
+            if board is not None:
+                board.refresh(infer_state=f"vLLM serving at {health_url.removesuffix('/health')}")
             time.sleep(0.2)
         print(f"[tidal] run complete; metrics: {run_dir / 'metrics.jsonl'}", flush=True)
         return 0
@@ -144,6 +184,9 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         print("[tidal] interrupted; stopping all components", file=sys.stderr, flush=True)
         return 130
     finally:
+        if board is not None:
+            board.refresh()
+            board.live.stop()
         stop_all(children)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -62,5 +62,8 @@ class InferConfig(StrictModel):
     """RoPE scaling dict passed to vLLM as an hf override."""
     seed: int = 0
     """vLLM's global seed."""
+    weight_reload: bool = False
+    """Let the orchestrator reload full weights in place (vLLM's dev-mode `/collective_rpc reload_weights` and
+    `/reset_prefix_cache`; keep the server on localhost or behind an API key)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""

@@ -213,6 +213,11 @@ class WeightBroadcastSection(StrictModel):
     """(nccl) rendezvous port."""
     timeout: float = 1200
     """(nccl) timeout (s)."""
+    reload: Literal["auto", "lora", "merged"] = "auto"
+    """How vLLM picks up policy n: `lora` loads `broadcasts/step_n` as a LoRA adapter; `merged` reloads the
+    full weights the trainer merged (`train.broadcast_merged`, `infer.weight_reload`), which serves at vLLM's
+    plain speed (its CPU LoRA path is ~5x slower). `auto`: `merged` in `tidal grpo` on a CPU-only machine
+    (the three configs are set together), else `lora`."""
 
 
 class TeacherSection(StrictModel):

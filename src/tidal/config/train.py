@@ -246,6 +246,9 @@ class TrainConfig(StrictModel):
     cpu_affinity: list[int] | None = None
     """CPU cores the trainer may run on (Linux; torch uses one thread per core). Null: all cores, except that
     `tidal grpo` on a CPU-only machine gives the trainer the second half of the cores and vLLM the first."""
+    broadcast_merged: bool = False
+    """Also write merged full weights (`broadcasts/step_n/merged/`) for servers that reload full weights
+    (orch `weight_broadcast.reload: merged`); set automatically by `tidal grpo` on CPU-only machines."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """Give up (exit 1) when the next batch has not arrived within this many seconds."""
     loss: LossConfig = Field(default_factory=LossConfig)

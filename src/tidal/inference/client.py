@@ -153,6 +153,23 @@ class InferenceClient:
         await asyncio.gather(*(self._post(f"{server_root(u)}/v1/load_lora_adapter",
                                           {"lora_name": name, "lora_path": path}) for u in self.urls))
 
+    async def reload_weights(self, path: str) -> None:
+        """Reload full weights in place from checkpoint directory `path` on every server, then drop the prefix
+        cache (its KV entries were computed with the old weights). Needs `infer.weight_reload`."""
+        async def one(url: str) -> None:
+            root = server_root(url)
+            try:
+                await self._post(f"{root}/collective_rpc",
+                                 {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            except InferenceError as exc:
+                if "404" in str(exc):
+                    raise InferenceError(f"{root} cannot reload weights (no /collective_rpc): start it with "
+                                         f"infer weight_reload: true, or use weight_broadcast.reload: lora") from exc
+                raise
+            await self._post(f"{root}/reset_prefix_cache", {})
+
+        await asyncio.gather(*(one(u) for u in self.urls))
+
     async def unload_adapter(self, name: str) -> None:
         results = await asyncio.gather(*(self._post(f"{server_root(u)}/v1/unload_lora_adapter",
                                                     {"lora_name": name}) for u in self.urls),

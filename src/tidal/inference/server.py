@@ -101,6 +101,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
 def vllm_env(cfg: InferConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if cfg.weight_reload:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc (reload_weights) and /reset_prefix_cache
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")

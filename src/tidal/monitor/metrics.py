@@ -33,8 +33,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def progress_line(m: dict[str, Any], max_steps: int | None) -> str:
-    """One readable console line for a step's metrics."""
+def progress_line(m: dict[str, Any], max_steps: int | None, eta_s: float | None = None) -> str:
+    """One readable console line for a step's metrics (`eta_s`: estimated time left)."""
     total = f"/{max_steps}" if max_steps else ""
     return (f"step {m['step']}{total} | reward {m.get('reward/mean', float('nan')):.3f} "
             f"± {m.get('reward/std', float('nan')):.3f} | mismatch_kl {m.get('mismatch_kl', 0):.1e} "
@@ -42,4 +42,5 @@ def progress_line(m: dict[str, Any], max_steps: int | None) -> str:
             + (f"| kl {m['kl']:.2e} " if m.get("kl") is not None else "")
             + f"| grad {m.get('grad_norm', 0):.3f} | {m.get('step_time_s', 0):.1f} s "
             f"(rollout {m.get('rollout_time_s', 0):.1f} s, train {m.get('train_time_s', 0):.1f} s) "
-            f"| off-policy {m.get('off_policy_level', 0)}")
+            f"| off-policy {m.get('off_policy_level', 0)}"
+            + (f" | time left {eta_s:.0f} s" if eta_s is not None else ""))

@@ -49,8 +49,10 @@ log = logging.getLogger("tidal.orch")
 class PolicyTracker:
     """Which policy vLLM serves, and loading newer ones as the trainer broadcasts them."""
 
-    def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str) -> None:
+    def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
+                 merged: bool = False) -> None:
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
+        self.merged = merged
         self.step = 0
         self.model = base_model
 
@@ -70,7 +72,14 @@ class PolicyTracker:
                 log.info("waiting for policy %d from the trainer for %.0f s", required, now - start)
                 noted = now
             await asyncio.sleep(0.05)
-        if newest > self.step:
+        if newest > self.step and self.merged:
+            path = broadcast_dir(self.run_dir, newest) / "merged"
+            if not path.is_dir():
+                raise FileNotFoundError(f"{path} is missing: weight_broadcast.reload is 'merged' but the trainer "
+                                        f"does not write merged weights (set train broadcast_merged: true)")
+            await self.client.reload_weights(str(path))
+            self.step = newest
+        elif newest > self.step:
             name = f"{self.prefix}-step-{newest}"
             await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
             old, self.model, self.step = self.model, name, newest
@@ -180,7 +189,8 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
         if served and base not in served:
             raise ValueError(f"orch model.name '{base}' is not served at {cfg.client.base_url[0]} "
                              f"(served: {', '.join(served)})")
-        policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter)
+        policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter,
+                               merged=cfg.weight_broadcast.reload == "merged")
         prompts_per_step = cfg.batch_size // cfg.rollouts_per_example
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  prompts_per_step, cfg.rollouts_per_example, writer.dir)

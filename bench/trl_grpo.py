@@ -1,0 +1,75 @@
+"""TRL's GRPOTrainer on the same job as tidal's bench run: one process, transformers generation, LoRA.
+
+Run by `bench/run_bench.py` in its own process; writes a JSON file with the wall-clock time and mean reward
+of every optimizer step (one step = `prompts x generations` completions, as in tidal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tidal.envs import make_env
+    from tidal.envs.reverse_text import extract_answer, similarity
+
+    env = make_env("reverse-text", {})
+    rng = random.Random(0)
+    rows = [env.sample(rng) for _ in range(args.prompts * (args.steps + 2))]
+    data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in rows])
+
+    def reverse_reward(completions, answer, **kwargs):
+        return [similarity(extract_answer(c[0]["content"]), a) for c, a in zip(completions, answer, strict=True)]
+
+    per_device = args.prompts * args.generations // 4
+    cfg = GRPOConfig(output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps,
+                     per_device_train_batch_size=per_device, gradient_accumulation_steps=4,
+                     num_generations=args.generations, max_completion_length=args.max_tokens, temperature=1.0,
+                     learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=args.device == "cpu", bf16=args.device != "cpu",
+                     loss_type="dapo", beta=0.0, seed=0, shuffle_dataset=False, disable_tqdm=True)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    steps: list[dict[str, float]] = []
+    start = time.monotonic()
+
+    class Timer(TrainerCallback):
+        def on_log(self, _args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                steps.append({"step": state.global_step, "elapsed_s": time.monotonic() - start,
+                              "reward": float(logs["reward"])})
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=cfg, train_dataset=data,
+                          processing_class=tok, peft_config=lora, callbacks=[Timer()])
+    start = time.monotonic()
+    trainer.train()
+    Path(args.out).write_text(json.dumps({"steps": steps, "total_s": time.monotonic() - start}))
+
+
+if __name__ == "__main__":
+    main()
