@@ -59,6 +59,35 @@ def assert_adapter_changed(run_dir: Path, last: int) -> None:
     assert any(not torch.equal(first[k], final[k]) for k in first), "training must change the adapter"
 
 
+def assert_served_trained_policy(run_dir: Path, step: int) -> None:
+    """Batch `step` was sampled by a trained policy and vLLM really applied it: the logprobs it reported match
+    PEFT with that broadcast's adapter and differ from the base model."""
+    from peft import PeftModel
+
+    from tidal.assets import resolve_model
+    from tidal.trainer.logprobs import forward_logprobs
+    from tidal.trainer.model import load_base_model
+
+    batch = TrainingBatch.load(run_dir / "rollouts" / f"step_{step}.safetensors")
+    policy = int(batch.policy_steps[0])
+    assert policy >= 1
+    path = resolve_model(MODEL)
+    base = load_base_model(path, torch.device("cpu"), torch.float32).eval()
+    served = PeftModel.from_pretrained(load_base_model(path, torch.device("cpu"), torch.float32),
+                                       str(run_dir / f"broadcasts/step_{policy}")).eval()
+    gap_served = gap_base = 0.0
+    for s in batch.samples()[:8]:
+        ids = torch.from_numpy(batch.tokens[s]).long()[None]
+        pos = torch.arange(ids.shape[1])[None]
+        m = torch.from_numpy(batch.loss_mask[s]).bool()
+        ref = torch.from_numpy(batch.inference_logprobs[s])[m]
+        with torch.no_grad():
+            gap_served = max(gap_served, float((forward_logprobs(served, ids, pos)[0][m] - ref).abs().max()))
+            gap_base = max(gap_base, float((forward_logprobs(base, ids, pos)[0][m] - ref).abs().max()))
+    assert gap_served < 1e-3, gap_served
+    assert gap_base > gap_served * 10, (gap_base, gap_served)
+
+
 def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()
@@ -73,6 +102,11 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     assert_adapter_changed(run_dir, 3)
     assert (run_dir / "rollouts" / "DONE").read_text() == "3"
     assert (run_dir / "configs" / "orch.yaml").is_file()
+    # on a CPU-only machine co-locate serves merged weights reloaded in place (vLLM's CPU LoRA path is slow)
+    assert "reload: merged" in (run_dir / "configs" / "orch.yaml").read_text()
+    assert (run_dir / "broadcasts/step_3/merged/model.safetensors").is_file()
+    assert_served_trained_policy(run_dir, 3)
+    assert (run_dir / "report.html").is_file() and (run_dir / "samples.jsonl").is_file()
 
 
 def test_three_process_run_serves_the_trained_adapter(tmp_path):
@@ -92,32 +126,10 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
         train_out, _ = train.communicate(timeout=600)
         assert orch.returncode == 0, orch_out[-3000:]
         assert train.returncode == 0, train_out[-3000:]
-        rows = check_metrics(run_dir, 3)
+        check_metrics(run_dir, 3)
         assert_adapter_changed(run_dir, 3)
-
-        # The last batch was sampled by a trained adapter, and vLLM really applied it: the logprobs it
-        # reported match PEFT with that adapter and differ from the base model.
-        from peft import PeftModel
-
-        from tidal.trainer.logprobs import forward_logprobs
-        from tidal.trainer.model import load_base_model
-
-        policy = rows[-1]["policy_step"]
-        batch = TrainingBatch.load(run_dir / "rollouts" / "step_3.safetensors")
-        base = load_base_model(MODEL, torch.device("cpu"), torch.float32).eval()
-        served = PeftModel.from_pretrained(load_base_model(MODEL, torch.device("cpu"), torch.float32),
-                                           str(run_dir / f"broadcasts/step_{policy}")).eval()
-        gap_served = gap_base = 0.0
-        for s in batch.samples()[:8]:
-            ids = torch.from_numpy(batch.tokens[s]).long()[None]
-            pos = torch.arange(ids.shape[1])[None]
-            m = torch.from_numpy(batch.loss_mask[s]).bool()
-            ref = torch.from_numpy(batch.inference_logprobs[s])[m]
-            with torch.no_grad():
-                gap_served = max(gap_served, float((forward_logprobs(served, ids, pos)[0][m] - ref).abs().max()))
-                gap_base = max(gap_base, float((forward_logprobs(base, ids, pos)[0][m] - ref).abs().max()))
-        assert gap_served < 1e-3, gap_served
-        assert gap_base > gap_served * 10, (gap_base, gap_served)
+        assert not (run_dir / "broadcasts/step_3/merged").exists(), "three processes default to LoRA reloads"
+        assert_served_trained_policy(run_dir, 3)
     finally:
         for p in procs:
             kill_group(p)

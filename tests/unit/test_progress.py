@@ -27,7 +27,7 @@ def test_board_shows_progress_metrics_time_left_and_waiting_states():
     assert "reward 0.500 ± 0.250" in text and "kl 2.00e-03" in text and "masked 3.1%" in text
     assert "rollout 812 tok/s" in text and "trainer 2400 tok/s" in text
     assert "waiting for batch 4 from the orchestrator for 40 s" in text
-    assert "sampling the next batch (4 written)" in text
+    assert "batch 4 written; sampling the next one" in text
 
 
 def test_eta_formatting_and_plain_progress_line():

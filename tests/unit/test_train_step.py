@@ -55,3 +55,29 @@ def test_train_step_wiring(iterations):
         assert m["kl"] == 0.0 and m["clip_ratio/region_mean"] == 0.0
     else:  # the second iteration moved away from both the reference and the old policy
         assert m["kl"] > 0 and m["clip_ratio/region_mean"] > 0
+
+
+def test_merged_broadcast_equals_peft_merge(tmp_path):
+    """The merged full weights a broadcast carries are PEFT's own merge of the trained adapter, under the base
+    checkpoint's tensor names, and the training model is left as it was."""
+    from safetensors.torch import load_file
+
+    from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
+
+    path = resolve_model("tidal:tiny-reverse")
+    cfg = TrainConfig(model=path, learning_rate=1e-2, per_device_train_batch_size=2, sequence_len=40)
+    model, device = load_policy(cfg)
+    opt = make_optimizer(model, cfg)
+    train_step(model, opt, own_batch(model, np.random.default_rng(1), [False] * 4), cfg, device, pad_id=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = checkpoint_keys(path)
+    out = publish_adapter(model, tmp_path, 1, merged_keys=keys)
+    merged = load_file(str(out / "merged" / "model.safetensors"))
+    assert sorted(merged) == keys
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "training model untouched"
+    reference = model.merge_and_unload().state_dict()
+    original = load_file(f"{path}/model.safetensors")
+    for k in keys:
+        assert torch.allclose(merged[k], reference[k], atol=1e-6, rtol=1e-6), k
+    changed = [k for k in keys if not torch.equal(merged[k], original[k])]
+    assert changed and all("proj" in k for k in changed), "exactly the LoRA-targeted weights change"

@@ -47,8 +47,8 @@ class Board:
         if m:
             self.state[component] = m.group(1)
         elif "batch" in text and "written" in text:
-            self.state[component] = "sampling the next batch (" + text.split("batch", 1)[1].split(":")[0].strip() \
-                + " written)"
+            written = text.split("batch", 1)[1].split("written", 1)[0].strip()
+            self.state[component] = f"batch {written} written; sampling the next one"
         elif "| reward" in text:
             self.state[component] = "training"
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
@@ -104,7 +105,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     reader, metrics = BatchReader(run_dir), MetricsWriter(run_dir / "metrics.jsonl")
     log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", device,
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}", reader.dir)
-    merged_keys = checkpoint_keys(cfg.model) if cfg.broadcast_merged else None
+    merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
     guard = MismatchGuard(cfg.mismatch_guard)
     step_times: list[float] = []
     step, last_done = 0, time.monotonic()
