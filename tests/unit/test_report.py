@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 
 import numpy as np
 
@@ -82,8 +83,14 @@ def test_wandb_offline_sink_needs_no_network(tmp_path, monkeypatch):
     sinks.close(last_step=3, timeout_s=5)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    # the offline log holds each history record's values as JSON text (W&B's transaction log, protobuf)
-    raw = next(runs[0].glob("run-*.wandb")).read_bytes()
+    # the offline log holds each history record's values as JSON text (W&B's transaction log, protobuf);
+    # W&B's service may still be appending its last records when finish() returns
+    log_file = next(runs[0].glob("run-*.wandb"))
+    for _ in range(100):
+        raw = log_file.read_bytes()
+        if b"distributions/reward" in raw:
+            break
+        time.sleep(0.2)
     for r in rows:
         assert json.dumps(r["reward/mean"]).encode() in raw
     assert b"distributions/reward" in raw and b"reward/mean" in raw
