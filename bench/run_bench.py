@@ -223,7 +223,7 @@ def versions() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -28,6 +28,8 @@ def test_board_shows_progress_metrics_time_left_and_waiting_states():
     assert "rollout 812 tok/s" in text and "trainer 2400 tok/s" in text
     assert "waiting for batch 4 from the orchestrator for 40 s" in text
     assert "batch 4 written; sampling the next one" in text
+    board.note_line("train", "01:05:00 [train] trainer finished after 20 steps; metrics in x\n")
+    assert "finished" in render_text(board)
 
 
 def test_eta_formatting_and_plain_progress_line():

@@ -44,7 +44,9 @@ class Board:
         if not text:
             return
         m = WAITING.search(text)
-        if m:
+        if "finished" in text or "run report" in text:
+            self.state[component] = "finished"
+        elif m:
             self.state[component] = m.group(1)
         elif "batch" in text and "written" in text:
             written = text.split("batch", 1)[1].split("written", 1)[0].strip()

@@ -241,7 +241,9 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
                      metrics["reward/mean"], policy.step, gen_tokens, rollout_time)
         writer.finish(step)
+        log.info("all %d batches written; waiting for the trainer's last step before closing the sinks", step)
         sinks.close(step, timeout_s=cfg.weights_timeout_s)
+        log.info("orchestrator finished")
         return step
     finally:
         await client.close()
