@@ -160,6 +160,11 @@ def test_mismatch_guard_warns_after_patience_then_rearms():
     assert guard.check(3, high) is None, "warns once per episode"
     assert guard.check(4, low) is None and guard.check(5, high) is None
     assert guard.check(6, high) is not None, "re-armed after recovering"
+    lagged = MismatchGuard(MismatchGuardConfig())
+    assert lagged.check(7, {**high, "off_policy_level": 1}) is None, "off-policy steps are not judged by default"
+    assert lagged.check(8, {**high, "off_policy_level": 0}) is not None
+    every = MismatchGuard(MismatchGuardConfig(scope="all"))
+    assert every.check(7, {**high, "off_policy_level": 1}) is not None
     stop = MismatchGuard(MismatchGuardConfig(patience=1, action="stop", max_token_mult_prob_error=1.02))
     with pytest.raises(MismatchError, match="token_mult_prob_error 1.0500"):
         stop.check(1, {"mismatch_kl": 0.0, "token_mult_prob_error": 1.05})

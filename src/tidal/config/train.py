@@ -154,8 +154,12 @@ class MismatchGuardConfig(StrictModel):
     """Threshold on `mismatch_kl` (k3 estimate of KL(inference || trainer) per token)."""
     max_token_mult_prob_error: float = Field(1.05, gt=1)
     """Threshold on `token_mult_prob_error` (mean of exp|trainer - inference logprob|; 1 = identical)."""
-    patience: int = Field(3, ge=1)
-    """Consecutive steps above a threshold before acting."""
+    patience: int = Field(1, ge=1)
+    """Consecutive judged steps above a threshold before acting."""
+    scope: Literal["on_policy", "all"] = "on_policy"
+    """Which steps are judged. `on_policy`: only steps whose rollouts came from the trainer's current policy
+    (step 1 always; every step with max_async_level 0), where the gap is purely numerical. `all`: every step,
+    though on off-policy steps the gap also holds the policy's own movement (raise thresholds/patience)."""
     action: Literal["warn", "stop"] = "warn"
     """`warn`: log the likely causes (once per episode); `stop`: also end the trainer with exit code 1."""
 
