@@ -230,7 +230,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
                                        np.array([c.finish_reason == "length" for _, c in flat]),
                                        cfg.rollouts_per_example)
-            gen_tokens = sum(len(c.token_ids) for comps in groups for c in comps)
+            gen_tokens = int(comp_lens.sum())
             batch.metrics = {**metrics, "rollout_time_s": rollout_time, "weights_wait_s": waited,
                              "rollout_tokens_per_s": gen_tokens / max(rollout_time, 1e-9)}
             writer.write(batch)
