@@ -131,8 +131,24 @@ def split_cpu_cores(train: TrainConfig) -> str | None:
     return ",".join(str(c) for c in cores[:half])
 
 
+def apply_resume(cfg: Any, args: argparse.Namespace) -> bool:
+    """`--resume` = `ckpt.resume_step: -1` unless the config names a step; True when resuming."""
+    if getattr(args, "resume", False) and cfg.ckpt.resume_step is None:
+        cfg.ckpt.resume_step = -1
+    return cfg.ckpt.resume_step is not None
+
+
+def resume_hint(argv: list[str]) -> str:
+    """The command line that resumes this run."""
+    return "tidal " + " ".join([*argv, *([] if "--resume" in argv else ["--resume"])])
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
+    resuming = [apply_resume(c, args) for c in (train, orch)]
+    if resuming[0] != resuming[1]:
+        raise ConfigError("ckpt.resume_step is set for only one of train.yaml and orch.yaml; resume both "
+                          "(--resume) or neither")
     run_dir = Path(args.output_dir or orch.output_dir)
     host = infer.host or "127.0.0.1"
     orch.output_dir = train.output_dir = str(run_dir)
@@ -143,11 +159,12 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
-    from tidal.inference.server import PortInUseError, check_port_free
+    from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
 
     try:
+        check_bind_secure(infer)
         check_port_free(host, infer.port)
-    except PortInUseError as exc:
+    except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
     if orch.weight_broadcast.reload == "auto" and not has_nvidia_gpu() and train.device != "cuda":
         # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
@@ -156,7 +173,11 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if vllm_cores is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cores  # inherited by the inference child
         print(f"[tidal] CPU only: vLLM on cores {vllm_cores}, trainer on cores {train.cpu_affinity}", flush=True)
-    prepare_run_dir(run_dir)
+    if resuming[0]:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[tidal] resuming the run in {run_dir}", flush=True)
+    else:
+        prepare_run_dir(run_dir)
     cfg_dir = run_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)
     paths = {}
@@ -167,7 +188,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, run_dir, paths, f"{orch.client.base_url[0].removesuffix('/v1')}/health",
-                        live=live, max_steps=orch.max_steps)
+                        live=live, max_steps=orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
+                        infer_restarts=args.infer_restarts)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -175,11 +197,11 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
-    from tidal.inference.server import PortInUseError, exec_server
+    from tidal.inference.server import InsecureBindError, PortInUseError, exec_server
 
     try:
         exec_server(cfg)  # does not return
-    except PortInUseError as exc:
+    except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
     return 1
 
@@ -201,18 +223,20 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return 0
     import asyncio
 
+    from tidal.checkpoint import CheckpointError
     from tidal.inference.client import InferenceUnreachable
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
-    if (run_dir / "rollouts").is_dir() and any((run_dir / "rollouts").iterdir()):
-        raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); use another output_dir or "
-                          "move it away (resuming is not supported yet)")
+    resuming = apply_resume(cfg, args)
+    if not resuming and (run_dir / "rollouts").is_dir() and any((run_dir / "rollouts").glob("step_*")):
+        raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); pass --resume to continue it "
+                          "(ckpt.resume_step), or use another output_dir")
     setup_logging("[orch]")
     try:
         asyncio.run(loop.run(cfg, run_dir))
-    except InferenceUnreachable as exc:
-        logging.getLogger("tidal.orch").error("%s", exc)
+    except (InferenceUnreachable, CheckpointError, TimeoutError) as exc:
+        logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
     return 0
 
@@ -225,13 +249,16 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.paths import find_run_dir
     from tidal.trainer import grpo
 
+    apply_resume(cfg, args)
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
     (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    from tidal.checkpoint import CheckpointError
     from tidal.trainer.health import MismatchError
+    from tidal.transport.batch import BatchFormatError
 
     try:
         grpo.run(cfg, run_dir)
-    except MismatchError as exc:
+    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
     return 0
@@ -275,8 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("config", nargs="?", help="YAML config (default: bundled reverse-text example)")
     for s in sub.choices.values():
         s.add_argument("--dry-run", action="store_true", help="print the resolved configs, start nothing")
+        if s.prog.split()[-1] in ("grpo", "grpo-orch", "grpo-train"):
+            s.add_argument("--resume", action="store_true",
+                           help="continue the run in the output directory from its newest checkpoint "
+                                "(ckpt.resume_step -1)")
         if s.prog.split()[-1] != "grpo-infer":
             s.add_argument("--output-dir", help="run directory for every component's output")
+    g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
+                   help="restart the inference server up to N times if it dies (default 3)")
     r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, samples and configs of a run")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--out", help="write the HTML here instead of RUN_DIR/report.html")

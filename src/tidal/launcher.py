@@ -3,8 +3,10 @@
 Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`), then the orchestrator and the trainer once
 the server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
 `logs/`. Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is
-stopped. If any component dies first, the others are stopped and the exit code is 1, with a message naming
-the component and its log. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
+stopped. If inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its
+requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
+others are stopped and the exit code is 1, with a message naming the component, its log and the command
+that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
 (killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies.
 """
 
@@ -137,7 +139,8 @@ class LiveBoard:
 
 
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str,
-                 infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None) -> int:
+                 infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
+                 resume_hint: str | None = None, infer_restarts: int = 3) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines."""
     logs = run_dir / "logs"
@@ -151,8 +154,10 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     if board is not None:
         board.live.start()
     try:
-        infer = Child("infer", [*cli, "grpo-infer", str(configs["infer"])], logs / "infer.log", echo=False)
+        infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
+        infer = Child("infer", infer_argv, logs / "infer.log", echo=False)
         children.append(infer)
+        restarts = 0
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
         wait_healthy(health_url, infer, infer_start_timeout_s)
         print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
@@ -163,7 +168,16 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         children += [orch, train]
         while True:
             if infer.poll() is not None:
-                raise ComponentFailed(infer, f"exited with code {infer.poll()}")
+                if restarts >= infer_restarts:
+                    raise ComponentFailed(infer, f"exited with code {infer.poll()} after {restarts} restart(s)")
+                restarts += 1
+                print(f"[tidal] the inference server exited with code {infer.poll()}; restarting it "
+                      f"({restarts} of {infer_restarts}); the orchestrator retries once it answers. Last lines "
+                      f"of {infer.log_path}:\n{infer.tail(8)}", file=sys.stderr, flush=True)
+                infer.signal_group(signal.SIGKILL)  # engine processes left in its group
+                children.remove(infer)
+                infer = Child("infer", infer_argv, logs / "infer.log", echo=False)
+                children.append(infer)
             for c in (orch, train):
                 code = c.poll()
                 if code not in (None, 0):
@@ -177,8 +191,12 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         return 0
     except ComponentFailed as exc:
         names = {"infer": "inference server", "orch": "orchestrator", "train": "trainer"}
+        hint = (f"\n[tidal] resume the run with: {resume_hint}\n(trainer and orchestrator continue from their newest "
+                f"checkpoints under {run_dir / 'checkpoints'}; they are written every ckpt.interval steps)"
+                if resume_hint else "")
         print(f"[tidal] error: the {names[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
-              f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}", file=sys.stderr, flush=True)
+              f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}{hint}", file=sys.stderr,
+              flush=True)
         return 1
     except KeyboardInterrupt:
         print("[tidal] interrupted; stopping all components", file=sys.stderr, flush=True)

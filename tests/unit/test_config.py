@@ -116,7 +116,6 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
     (OrchConfig, SEED_ORCH + "oversampling_factor: 2.0\n", "oversampling_factor"),
-    (OrchConfig, SEED_ORCH + "ckpt:\n  interval: 10\n", "ckpt"),
     (OrchConfig, SEED_ORCH.replace("  max_tokens: 128", "  max_tokens: 128\n  repetition_penalty: 1.2"),
      "repetition_penalty"),
     (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),

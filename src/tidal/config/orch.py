@@ -172,6 +172,29 @@ class RewardFuncSection(StrictModel):
     """Extra keyword arguments."""
 
 
+class CkptSection(StrictModel):
+    """Orchestrator checkpoints (`{output_dir}/checkpoints/orch/step_n/`): progress and sampler state, for
+    exact resume (docs/resume.md)."""
+
+    interval: int | None = Field(None, ge=1)
+    """Save a checkpoint every N steps (null: never; `tidal grpo --resume` then has nothing to resume from)."""
+    resume_step: int | None = Field(None, ge=-1)
+    """Step to resume from (-1: the newest complete checkpoint, or a fresh start when the run directory has
+    none); null: a new run. `--resume` on the command line sets -1."""
+    wait_for_weights_timeout: float | None = Field(None, gt=0)
+    """On resume, seconds to wait for the policy the next batch needs (the trainer may be restarting too);
+    null: `weights_timeout_s`."""
+    keep_last: int | None = Field(None, ge=1)
+    """Keep at most N recent checkpoints (null: keep all)."""
+    keep_interval: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of N, whatever `keep_last` says."""
+    skip_progress: bool = False
+    """On resume, do not restore the progress counters (total tokens and samples); the step always comes from
+    the checkpoint, since it must match the trainer's."""
+    skip_buffer: bool = False
+    """On resume, do not restore the example sampler (its RNG restarts from the seed)."""
+
+
 class NotYetSection(StrictModel):
     """A section whose keys are accepted by name but not implemented yet."""
 
@@ -297,8 +320,16 @@ class OrchConfig(StrictModel):
     """Extra reward functions; total reward = sum of weight x reward over the functions that scored."""
     filters: list[dict[str, Any]] = Field(default_factory=list)
     """Rollout filters (not supported yet)."""
-    ckpt: NotYetSection | None = None
-    """Checkpointing (not supported yet)."""
+    ckpt: CkptSection = Field(default_factory=CkptSection)
+    """Checkpointing and resume."""
+    reward_default: float = 0.0
+    """Score given to a completion when a reward function raises, returns NaN/inf or exceeds
+    `reward_timeout_s` (counted in `reward/errors`, logged once per function with its traceback)."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Longest one reward call (one group) may take before it scores `reward_default`."""
+    long_prompts: Literal["skip", "truncate"] = "skip"
+    """A prompt that leaves no room for a completion under `seq_len`: `skip` draws another example, `truncate`
+    keeps its last tokens (counted in `prompts/skipped` / `prompts/truncated`)."""
     eval: NotYetSection | None = None
     """Online evaluation (not supported yet)."""
     report_to: ReportSection | None = None

@@ -164,6 +164,32 @@ class MismatchGuardConfig(StrictModel):
     """`warn`: log the likely causes (once per episode); `stop`: also end the trainer with exit code 1."""
 
 
+class TrainCkptSection(StrictModel):
+    """Trainer checkpoints (`{run_dir}/checkpoints/trainer/step_n/`): adapter, optimizer, LR scheduler, RNG
+    states and step, for exact resume (docs/resume.md). Same keys as the orchestrator's `ckpt`."""
+
+    interval: int | None = Field(None, ge=1)
+    """Save a checkpoint every N steps (and after the last step); null: never."""
+    resume_step: int | None = Field(None, ge=-1)
+    """Step to resume from (-1: the newest complete checkpoint, or a fresh start when the run directory has
+    none); null: a new run. `--resume` on the command line sets -1."""
+    keep_last: int | None = Field(None, ge=1)
+    """Keep at most N recent checkpoints (null: keep all)."""
+    keep_interval: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of N, whatever `keep_last` says."""
+
+
+class ExportSection(StrictModel):
+    """What the trainer leaves in `{run_dir}/final/` at the end of a run (Hugging Face formats)."""
+
+    adapter: bool = True
+    """Write the final LoRA adapter (`final/adapter/`: PEFT `adapter_config.json` + `adapter_model.safetensors`,
+    loadable by PEFT and by vLLM's `--lora-modules`)."""
+    merged: bool = False
+    """Also write the merged full model (`final/merged/`: config, safetensors weights, tokenizer), loadable by
+    `AutoModelForCausalLM.from_pretrained` and servable by vLLM as a plain model."""
+
+
 class SftSection(StrictModel):
     """`tidal sft`: supervised warm start on an environment's reference completions."""
 
@@ -255,6 +281,10 @@ class TrainConfig(StrictModel):
     (orch `weight_broadcast.reload: merged`); set automatically by `tidal grpo` on CPU-only machines."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """Give up (exit 1) when the next batch has not arrived within this many seconds."""
+    ckpt: TrainCkptSection = Field(default_factory=TrainCkptSection)
+    """Checkpointing and resume."""
+    export: ExportSection = Field(default_factory=ExportSection)
+    """Final export."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """GRPO loss settings."""
     mismatch_guard: MismatchGuardConfig = Field(default_factory=MismatchGuardConfig)

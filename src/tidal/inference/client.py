@@ -149,9 +149,26 @@ class InferenceClient:
         return list(await asyncio.gather(*(one(s) for s in seqs)))
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load a LoRA adapter under `name` on every server."""
+        """Load a LoRA adapter under `name` on every server (in place: a name loaded before, e.g. a broadcast
+        that a resumed trainer wrote again, gets the new weights)."""
         await asyncio.gather(*(self._post(f"{server_root(u)}/v1/load_lora_adapter",
-                                          {"lora_name": name, "lora_path": path}) for u in self.urls))
+                                          {"lora_name": name, "lora_path": path, "load_inplace": True})
+                               for u in self.urls))
+
+    async def server_epochs(self) -> dict[str, float | None]:
+        """Each server's process start time (Prometheus `process_start_time_seconds` at /metrics), which
+        changes when the server restarts; None where it is not available."""
+        async def one(url: str) -> float | None:
+            try:
+                r = await self.http.get(f"{server_root(url)}/metrics", timeout=10.0)
+            except httpx.HTTPError:
+                return None
+            for line in r.text.splitlines() if r.status_code == 200 else []:
+                if line.startswith("process_start_time_seconds "):
+                    return float(line.split()[1])
+            return None
+
+        return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
 
     async def reload_weights(self, path: str) -> None:
         """Reload full weights in place from checkpoint directory `path` on every server, then drop the prefix

@@ -41,6 +41,7 @@ def bind_host(cfg: InferConfig) -> str:
 def check_port_free(host: str, port: int) -> None:
     """Raise PortInUseError when `host:port` is taken (checked before vLLM spends time loading)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server does: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -110,12 +111,28 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
     return env
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class InsecureBindError(RuntimeError):
+    """Binding beyond loopback without an API key."""
+
+
+def check_bind_secure(cfg: InferConfig) -> None:
+    """Beyond loopback the server must require an API key (VLLM_API_KEY or `--api-key` in extra_args)."""
+    host = bind_host(cfg)
+    if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
+        return
+    mode = " in weight_reload mode (its /collective_rpc route runs methods in the engine)" * cfg.weight_reload
+    raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
+                            f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
+                            f"bind to 127.0.0.1 (host: null)")
+
+
 def exec_server(cfg: InferConfig) -> None:
     """Replace this process with the vLLM server (so signals reach vLLM directly)."""
     host = bind_host(cfg)
-    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("VLLM_API_KEY"):
-        print(f"warning: binding to {host} without VLLM_API_KEY: anyone who can reach this host can use "
-              "the server", file=sys.stderr)
+    check_bind_secure(cfg)
     resolve_model(cfg.model)
     check_port_free(host, cfg.port)
     argv = vllm_argv(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,29 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep only records with `step <= last_step` (and drop a torn last line), rewriting the file atomically
+    (temp + rename); returns how many records were dropped. Used when a component resumes at `last_step`."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line torn by a kill mid-write
+            dropped += 1
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= last_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def progress_line(m: dict[str, Any], max_steps: int | None, eta_s: float | None = None) -> str:

@@ -9,8 +9,10 @@ network; `wandb sync` later); its files and TensorBoard's go under the run direc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,17 +29,32 @@ class MetricsTail:
     """New complete records appended to a jsonl file since the last poll."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.last_step = path, 0, 0
+        self.path, self.offset, self.last_step, self.inode = path, 0, 0, -1
 
     def poll(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
+        """New records. When a resuming trainer rewrote the file (new inode), it is read again from the start;
+        steps already seen are then skipped unless they come after a rewind (a resumed step is new data)."""
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode:
+                    self.inode, self.offset, rewound = inode, 0, self.inode != -1
+                else:
+                    rewound = False
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
         end = data.rfind(b"\n") + 1  # only whole lines; a partial last line is read next time
         self.offset += end
-        rows = [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+        rows = []
+        for line in data[:end].decode().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+        if rewound:
+            top = max((int(r.get("step", 0)) for r in rows), default=0)
+            self.last_step = min(self.last_step, top)
+            rows = []  # the rewritten file holds steps already forwarded
         if rows:
             self.last_step = int(rows[-1].get("step", self.last_step))
         return rows

@@ -28,7 +28,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.client import Completion, InferenceClient, InferenceError
 from tidal.monitor.sinks import Sinks
 from tidal.orchestrator.advantage import (
     combine_rewards,
@@ -37,6 +37,7 @@ from tidal.orchestrator.advantage import (
     load_function,
     process_advantages,
 )
+from tidal.orchestrator.ckpt import resume_orch, save_orch
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
 from tidal.trainer.broadcast import broadcast_dir, stable_steps
@@ -47,7 +48,11 @@ log = logging.getLogger("tidal.orch")
 
 
 class PolicyTracker:
-    """Which policy vLLM serves, and loading newer ones as the trainer broadcasts them."""
+    """Which policy vLLM serves, and loading newer ones as the trainer broadcasts them.
+
+    A broadcast is identified by its step and its STABLE marker's mtime, so a broadcast that a resumed trainer
+    wrote again is loaded again. A restarted server (its `process_start_time_seconds` changed, or a request
+    failed and `invalidate` was called) serves the base weights, so the current policy is loaded again."""
 
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
                  merged: bool = False) -> None:
@@ -55,6 +60,21 @@ class PolicyTracker:
         self.merged = merged
         self.step = 0
         self.model = base_model
+        self.loaded: tuple[int, int] = (0, 0)
+        self.epochs: dict[str, float | None] | None = None
+
+    def invalidate(self) -> None:
+        """The server may have lost what was loaded (restart): load the policy again before the next request."""
+        self.loaded, self.epochs = (-1, 0), None
+
+    async def _check_restart(self) -> None:
+        epochs = await self.client.server_epochs()
+        if self.epochs is not None and epochs != self.epochs:
+            log.warning("the inference server restarted (%s); loading policy %d again", ", ".join(
+                u for u in epochs if epochs[u] != self.epochs.get(u)), self.step)
+            self.loaded = (-1, 0)
+            self.model = self.base_model
+        self.epochs = epochs
 
     async def ensure(self, required: int, timeout_s: float) -> float:
         """Serve the newest broadcast, waiting until it is >= `required`; returns seconds waited."""
@@ -67,25 +87,38 @@ class PolicyTracker:
             now = time.monotonic()
             if now - start > timeout_s:
                 raise TimeoutError(f"policy {required} was not broadcast to {self.run_dir / 'broadcasts'} "
-                                   f"within {timeout_s:.0f} s; is the trainer running? (weights_timeout_s)")
+                                   f"within {timeout_s:.0f} s; is the trainer running? (weights_timeout_s; "
+                                   f"restart the trainer with --resume, then this orchestrator with --resume)")
             if now - noted > 30:
                 log.info("waiting for policy %d from the trainer for %.0f s", required, now - start)
                 noted = now
             await asyncio.sleep(0.05)
-        if newest > self.step and self.merged:
+        await self._check_restart()
+        ident = (newest, self._stamp(newest)) if newest else (0, 0)
+        if ident == self.loaded:
+            return time.monotonic() - start
+        if newest == 0:  # base model: nothing to load (a fresh server serves it)
+            self.model, self.step, self.loaded = self.base_model, 0, ident
+        elif self.merged:
             path = broadcast_dir(self.run_dir, newest) / "merged"
             if not path.is_dir():
                 raise FileNotFoundError(f"{path} is missing: weight_broadcast.reload is 'merged' but the trainer "
                                         f"does not write merged weights (set train broadcast_merged: true)")
             await self.client.reload_weights(str(path))
-            self.step = newest
-        elif newest > self.step:
+            self.step, self.loaded = newest, ident
+        else:
             name = f"{self.prefix}-step-{newest}"
             await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
-            old, self.model, self.step = self.model, name, newest
-            if old != self.base_model:
+            old, self.model, self.step, self.loaded = self.model, name, newest, ident
+            if old not in (self.base_model, name):
                 await self.client.unload_adapter(old)
         return time.monotonic() - start
+
+    def _stamp(self, step: int) -> int:
+        try:
+            return (broadcast_dir(self.run_dir, step) / "STABLE").stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
@@ -95,6 +128,33 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
     max_tokens = min(cfg.sampling.max_tokens or room, room)
     return await client.sample(model, prompt_ids, n, max_tokens, cfg.sampling.temperature, seed)
+
+
+MAX_DRAWS = 100
+
+
+async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, model: str, n: int,
+                       cfg: OrchConfig, counts: dict[str, float]) -> tuple[list[Example], list[list[int]]]:
+    """`n` examples and their prompt token ids. A prompt leaving no room under `seq_len` is skipped (another
+    example is drawn) or truncated to its last tokens, per `long_prompts`; counted in `counts`."""
+    examples = [env.sample(rng) for _ in range(n)]
+    prompts = list(await asyncio.gather(*(client.tokenize_chat(model, ex.prompt) for ex in examples)))
+    reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
+    for i in range(n):
+        draws = 0
+        while len(prompts[i]) >= cfg.seq_len:
+            if cfg.long_prompts == "truncate":
+                prompts[i] = prompts[i][-(cfg.seq_len - reserve):]
+                counts["prompts/truncated"] += 1
+                break
+            counts["prompts/skipped"] += 1
+            draws += 1
+            if draws >= MAX_DRAWS:
+                raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
+                                 f"raise seq_len or set long_prompts: truncate")
+            examples[i] = env.sample(rng)
+            prompts[i] = await client.tokenize_chat(model, examples[i].prompt)
+    return examples, prompts
 
 
 def compute_advantages(cfg: OrchConfig, rewards: np.ndarray, comp_lens: np.ndarray,
@@ -170,12 +230,59 @@ def max_completion_tokens(cfg: OrchConfig) -> int:
     return cfg.sampling.max_tokens or cfg.seq_len
 
 
+MAX_ATTEMPTS = 5
+
+
+async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
+                      base: str, policy: PolicyTracker, counts: dict[str, float],
+                      teacher: InferenceClient | None) -> dict[str, Any]:
+    """Prompts, completions (and teacher logprobs) of batch `step`. A failed request (the server died or
+    restarted) is retried after the server answers again, with the same examples and the policy reloaded."""
+    state = rng.getstate()
+    timeout = cfg.weights_timeout_s
+    if policy.step == 0 and cfg.ckpt.resume_step is not None and cfg.ckpt.wait_for_weights_timeout:
+        timeout = cfg.ckpt.wait_for_weights_timeout
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            waited = await policy.ensure(max(0, step - 1 - cfg.max_async_level), timeout)
+            t0 = time.monotonic()
+            examples, prompts = await draw_prompts(env, rng, client, base, cfg.batch_size // cfg.rollouts_per_example,
+                                                   cfg, counts)
+            seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
+                     for i in range(len(examples))]
+            groups = await asyncio.gather(*(
+                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
+                for p, s in zip(prompts, seeds, strict=True)))
+            out: dict[str, Any] = {"examples": examples, "prompts": prompts, "groups": list(groups),
+                                   "waited": waited, "rollout_time": time.monotonic() - t0, "teacher": None}
+            if teacher is not None and cfg.teacher is not None:
+                t1 = time.monotonic()
+                seqs = [p + c.token_ids for p, comps in zip(prompts, groups, strict=True) for c in comps]
+                out["teacher"] = await teacher.prompt_logprobs_many(cfg.teacher.model, seqs,
+                                                                    cfg.teacher.max_concurrency)
+                out["teacher_time"] = time.monotonic() - t1
+            return out
+        except InferenceError as exc:
+            if attempt == MAX_ATTEMPTS:
+                raise
+            log.warning("step %d: inference request failed (%s); waiting for the server, then retrying the "
+                        "step (attempt %d of %d)", step, str(exc)[:300], attempt + 1, MAX_ATTEMPTS)
+            rng.setstate(state)
+            for c in (client, teacher):
+                if c is not None:
+                    await c.wait_ready()
+            policy.invalidate()
+            counts["inference_retries"] += 1
+    raise AssertionError("unreachable")
+
+
 async def run(cfg: OrchConfig, run_dir: Path) -> int:
     """Produce batches until `max_steps`; returns the number written."""
     env = make_env(cfg.env[0].id, cfg.env[0].args)
     scorer = Scorer(env, cfg)
     custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
+    progress = resume_orch(run_dir, cfg, rng)
     client = InferenceClient(cfg.client)
     teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                if cfg.teacher is not None else None)
@@ -191,29 +298,14 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                              f"(served: {', '.join(served)})")
         policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter,
                                merged=cfg.weight_broadcast.reload == "merged")
-        prompts_per_step = cfg.batch_size // cfg.rollouts_per_example
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
-                 prompts_per_step, cfg.rollouts_per_example, writer.dir)
-        step = 0
+                 cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, writer.dir)
+        step = progress.step
         while cfg.max_steps is None or step < cfg.max_steps:
             step += 1
-            waited = await policy.ensure(max(0, step - 1 - cfg.max_async_level), cfg.weights_timeout_s)
-            t0 = time.monotonic()
-            examples = [env.sample(rng) for _ in range(prompts_per_step)]
-            prompts = await asyncio.gather(*(client.tokenize_chat(base, ex.prompt) for ex in examples))
-            seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
-                     for i in range(len(examples))]
-            groups = await asyncio.gather(*(
-                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
-                for p, s in zip(prompts, seeds, strict=True)))
-            rollout_time = time.monotonic() - t0
-            teacher_lps = None
-            if teacher is not None and cfg.teacher is not None:
-                t1 = time.monotonic()
-                seqs = [p + c.token_ids for p, comps in zip(prompts, groups, strict=True) for c in comps]
-                teacher_lps = await teacher.prompt_logprobs_many(cfg.teacher.model, seqs,
-                                                                 cfg.teacher.max_concurrency)
-                teacher_time = time.monotonic() - t1
+            counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)
+            got = await sample_step(step, cfg, env, rng, client, base, policy, counts, teacher)
+            examples, prompts, groups = got["examples"], got["prompts"], got["groups"]
             per_func = np.concatenate([scorer.score(ex, comps, step)
                                        for ex, comps in zip(examples, groups, strict=True)])
             rewards, unscored = combine_rewards(per_func, scorer.weights)
@@ -224,22 +316,33 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             comp_lens = np.array([len(c.token_ids) for _, c in flat])
             steps = ([scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None)
             advantages = compute_advantages(cfg, rewards, comp_lens, steps, custom)
-            batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg, teacher_lps)
-            if teacher_lps is not None:
-                metrics["teacher_time_s"] = teacher_time
+            batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg,
+                                         got["teacher"])
+            if got["teacher"] is not None:
+                metrics["teacher_time_s"] = got["teacher_time"]
             metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
                                        np.array([c.finish_reason == "length" for _, c in flat]),
                                        cfg.rollouts_per_example)
             gen_tokens = int(comp_lens.sum())
-            batch.metrics = {**metrics, "rollout_time_s": rollout_time, "weights_wait_s": waited,
-                             "rollout_tokens_per_s": gen_tokens / max(rollout_time, 1e-9)}
+            progress.step, progress.total_tokens = step, progress.total_tokens + gen_tokens
+            progress.total_samples += len(flat)
+            batch.metrics = {**metrics, **scorer.take_error_counts(), **counts,
+                             "completions/empty": float((comp_lens == 0).sum()),
+                             "progress/total_tokens": progress.total_tokens,
+                             "progress/total_samples": progress.total_samples,
+                             "rollout_time_s": got["rollout_time"], "weights_wait_s": got["waited"],
+                             "rollout_tokens_per_s": gen_tokens / max(got["rollout_time"], 1e-9)}
             writer.write(batch)
+            if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+                save_orch(run_dir, progress, rng, cfg)
             if sinks.due(step) or step == cfg.max_steps:
                 sinks.record_samples(step, pick_samples(flat, rewards, advantages), rewards,
                                      np.concatenate([a for a in advantages if a.size] or [np.zeros(0)]))
             sinks.forward_metrics()
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
-                     metrics["reward/mean"], policy.step, gen_tokens, rollout_time)
+                     metrics["reward/mean"], policy.step, gen_tokens, got["rollout_time"])
+        if cfg.ckpt.interval and progress.step == step and step % cfg.ckpt.interval:
+            save_orch(run_dir, progress, rng, cfg)  # the last step too, so a longer run can resume
         writer.finish(step)
         log.info("all %d batches written; waiting for the trainer's last step before closing the sinks", step)
         sinks.close(step, timeout_s=cfg.weights_timeout_s)

@@ -20,7 +20,7 @@ import torch
 from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
-from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
+from tidal.trainer.broadcast import checkpoint_keys, publish_adapter, stable_steps
 from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
@@ -90,8 +90,40 @@ def _note_wait(step: int, seconds: float) -> None:
     log.info("waiting for batch %d from the orchestrator for %.0f s", step, seconds)
 
 
+def optimizer_steps(opt: torch.optim.Optimizer) -> int:
+    """AdamW's own step counter (restored from a checkpoint on resume, 0 for a fresh optimizer)."""
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def resume(cfg: TrainConfig, run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+           sched: torch.optim.lr_scheduler.LRScheduler, merged_keys: list[str] | None) -> int:
+    """Restore checkpoint `cfg.ckpt.resume_step` (if any) and rewind the run directory; returns its step."""
+    from tidal.checkpoint import CheckpointError, resolve_resume_step
+    from tidal.trainer.ckpt import COMPONENT, load_trainer, rewind_run_dir
+
+    step = resolve_resume_step(run_dir, COMPONENT, cfg.ckpt.resume_step)
+    if step is None:
+        if cfg.ckpt.resume_step is not None and (stable_steps(run_dir) or (run_dir / "metrics.jsonl").exists()):
+            raise CheckpointError(f"cannot resume: {run_dir} holds trained steps but no trainer checkpoint under "
+                                  f"{run_dir / 'checkpoints' / COMPONENT} (set train ckpt.interval to write them)")
+        if cfg.ckpt.resume_step is not None:
+            log.info("resume requested but %s holds no trainer checkpoint and no trained step: starting fresh",
+                     run_dir)
+        return 0
+    load_trainer(run_dir, step, model, opt, sched)
+    rewind_run_dir(run_dir, step, model, merged_keys, keep=cfg.max_async_level + 2)
+    log.info("resumed from checkpoint step %d (optimizer step %d, lr %.3g); next batch: %d", step,
+             optimizer_steps(opt), sched.get_last_lr()[0], step + 1)
+    return step
+
+
 def run(cfg: TrainConfig, run_dir: Path) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained."""
+    from tidal.trainer.ckpt import save_trainer
+    from tidal.trainer.export import export_final
     from tidal.trainer.model import load_tokenizer
 
     if not cfg.lora:
@@ -102,13 +134,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     opt = make_optimizer(model, cfg)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     sched = make_scheduler(opt, cfg, total)
-    reader, metrics = BatchReader(run_dir), MetricsWriter(run_dir / "metrics.jsonl")
+    merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
+    reader = BatchReader(run_dir)
+    step = resume(cfg, run_dir, model, opt, sched, merged_keys)
+    resumed_from = step
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")
     log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", device,
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}", reader.dir)
-    merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
     guard = MismatchGuard(cfg.mismatch_guard)
     step_times: list[float] = []
-    step, last_done = 0, time.monotonic()
+    last_done = time.monotonic()
     while total is None or step < total:
         wait_start = time.monotonic()
         batch = reader.wait(step + 1, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step + 1))
@@ -123,10 +158,17 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         sched.step()
         train_time = time.monotonic() - t0
         publish_adapter(model, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
+        ckpt_time = 0.0
+        if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
+            t1 = time.monotonic()
+            save_trainer(run_dir, step, model, opt, sched, cfg)
+            ckpt_time = time.monotonic() - t1
         now = time.monotonic()
         record: dict[str, Any] = {"step": step, **batch.metrics, **tm, "lr": lr,
+                                  "optimizer_steps": optimizer_steps(opt), "resumed_from": resumed_from,
                                   "train_time_s": train_time, "wait_time_s": t0 - wait_start,
-                                  "broadcast_time_s": now - t0 - train_time, "step_time_s": now - last_done,
+                                  "broadcast_time_s": now - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
+                                  "step_time_s": now - last_done,
                                   "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
         last_done = now
         metrics.write(record)
@@ -136,7 +178,12 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             goal = total or batch.metrics.get("max_steps")
             eta = (goal - step) * sum(step_times[-5:]) / len(step_times[-5:]) if goal else None
             log.info(progress_line(record, goal, eta))
+    if cfg.ckpt.interval and step > resumed_from and step % cfg.ckpt.interval:
+        save_trainer(run_dir, step, model, opt, sched, cfg)  # the last step too, so a longer run can resume
     log.info("trainer finished after %d steps; metrics in %s", step, metrics.path)
+    if step > 0:
+        for what, path in export_final(model, tok, cfg, run_dir).items():
+            log.info("final %s: %s", what, path)
     try:
         from tidal.monitor.report import write_report
 

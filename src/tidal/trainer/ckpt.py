@@ -1,0 +1,100 @@
+"""Trainer checkpoints (`checkpoints/trainer/step_n/`) and exact resume.
+
+A checkpoint holds everything step n+1 depends on: the LoRA adapter (`adapter/`, a PEFT directory that
+`PeftModel.from_pretrained` also loads), the AdamW state, the LR scheduler's state, the RNG states of
+Python, NumPy and torch (CPU and CUDA), and the step (`trainer_state.json` + `.safetensors`, see
+`tidal.checkpoint`). Resuming from step n also rolls the run directory back to step n: broadcasts of later
+steps (policies of a future that is being retrained) are removed, broadcast n is published again, and
+`metrics.jsonl` keeps only steps <= n, so the next step writes n+1 and no step appears twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidal.checkpoint import CheckpointError, ckpt_dir, load_state, prune_checkpoints, save_state, write_checkpoint
+from tidal.config.train import TrainConfig
+from tidal.trainer.broadcast import broadcast_dir, stable_steps
+
+log = logging.getLogger("tidal.trainer")
+COMPONENT = "trainer"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimizer,
+                 sched: torch.optim.lr_scheduler.LRScheduler, cfg: TrainConfig) -> Path:
+    """Write checkpoint `step` atomically and prune old ones per `cfg.ckpt`."""
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(str(tmp / "adapter"))
+        save_state(tmp, "trainer_state", {"step": step, "optimizer": opt.state_dict(),
+                                          "scheduler": sched.state_dict(), "rng": rng_state()})
+
+    path = write_checkpoint(run_dir, COMPONENT, step, fill)
+    prune_checkpoints(run_dir, COMPONENT, cfg.ckpt.keep_last, cfg.ckpt.keep_interval)
+    return path
+
+
+def load_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimizer,
+                 sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Restore adapter, optimizer, scheduler and RNG states from checkpoint `step`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    d = ckpt_dir(run_dir, COMPONENT, step)
+    state = load_state(d, "trainer_state")
+    if state.get("step") != step:
+        raise CheckpointError(f"{d / 'trainer_state.json'} holds step {state.get('step')}, expected {step}")
+    weights = d / "adapter" / "adapter_model.safetensors"
+    try:
+        adapter = load_file(str(weights))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {weights} is missing or corrupt: {exc}") from exc
+    result = set_peft_model_state_dict(model, adapter)
+    missing = [k for k in getattr(result, "unexpected_keys", [])]
+    if missing:
+        raise CheckpointError(f"{weights} does not match this model's LoRA layout (unexpected {missing[:3]}); "
+                              "was it written with other lora_rank / lora_target_modules?")
+    try:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{d / 'trainer_state.json'}: optimizer/scheduler state does not fit this "
+                              f"model ({exc})") from exc
+    set_rng_state(state["rng"])
+
+
+def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] | None, keep: int) -> None:
+    """After resuming at `step`: drop later broadcasts, publish broadcast `step` again, cut metrics.jsonl."""
+    from tidal.monitor.metrics import truncate_metrics
+    from tidal.trainer.broadcast import publish_adapter
+
+    for s in stable_steps(run_dir):
+        if s > step:
+            shutil.rmtree(broadcast_dir(run_dir, s), ignore_errors=True)
+    if step > 0:
+        publish_adapter(model, run_dir, step, keep=keep, merged_keys=merged_keys)
+    dropped = truncate_metrics(run_dir / "metrics.jsonl", step)
+    if dropped:
+        log.info("metrics.jsonl: removed %d record(s) of steps after %d (they are trained again)", dropped, step)
