@@ -77,9 +77,13 @@ def write_checkpoint(run_dir: Path, component: str, step: int, fill: Callable[[P
         marker = final / ".STABLE.tmp"
         marker.write_text(str(step))
         os.replace(marker, final / "STABLE")
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        why = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else exc.strerror
+        if not (isinstance(exc, OSError) or "I/O error" in str(exc)):  # safetensors wraps OSError in its own
+            raise
+        full = (getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                or any(f"os error {n})" in str(exc) for n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)))
+        why = "the disk is full" if full else "an I/O error"
         raise CheckpointError(f"could not write {component} checkpoint {final}: {why} ({exc}); no partial "
                               f"checkpoint was left and earlier checkpoints are intact") from exc
     return final

@@ -58,14 +58,18 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
     tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)
-    model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
-    if merged_keys is not None:
-        from safetensors.torch import save_file
+    try:
+        model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
+        if merged_keys is not None:
+            from safetensors.torch import save_file
 
-        (tmp / "merged").mkdir()
-        save_file(merged_state_dict(model, merged_keys), str(tmp / "merged" / "model.safetensors"),
-                  metadata={"format": "pt"})
-    os.replace(tmp, final)
+            (tmp / "merged").mkdir()
+            save_file(merged_state_dict(model, merged_keys), str(tmp / "merged" / "model.safetensors"),
+                      metadata={"format": "pt"})
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never a half-written broadcast (e.g. disk full)
+        raise
     (final / ".STABLE.tmp").write_text(str(step))
     os.replace(final / ".STABLE.tmp", final / "STABLE")
     if keep is not None:

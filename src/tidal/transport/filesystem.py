@@ -38,8 +38,12 @@ class BatchWriter:
     def write(self, batch: TrainingBatch) -> Path:
         final = self.path(batch.step)
         tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
-        batch.save(tmp)
-        os.replace(tmp, final)
+        try:
+            batch.save(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # never a half-written batch (e.g. disk full)
+            raise
         return final
 
     def finish(self, last_step: int) -> None:
