@@ -99,33 +99,41 @@ def test_chaos_three_processes_killed_at_random_steps(tmp_path):
     rnd = random.Random(1234)
     run_dir, port, steps = tmp_path / "run", free_port(), 12
     url = f"http://127.0.0.1:{port}/v1"
-    orch_args = ["grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{url}]",
-                 "--orch.max_steps", str(steps), *ORCH_SMALL, "--orch.ckpt.interval", "1", "--orch.ckpt.keep_last", "2"]
-    train_args = ["grpo-train", "--output-dir", str(run_dir), "--train.ckpt.interval", "2",
-                  "--train.ckpt.keep_last", "2"]
-    log = open(tmp_path / "infer.log", "w")  # noqa: SIM115 - closed at the end
-    procs = {"infer": tidal("grpo-infer", "--infer.port", str(port), stdout=log)}
+    args = {"orch": ["grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{url}]",
+                     "--orch.max_steps", str(steps), *ORCH_SMALL, "--orch.ckpt.interval", "1",
+                     "--orch.ckpt.keep_last", "2"],
+            "train": ["grpo-train", "--output-dir", str(run_dir), "--train.ckpt.interval", "2",
+                      "--train.ckpt.keep_last", "2"],
+            "infer": ["grpo-infer", "--infer.port", str(port)]}
+    logs = {who: open(tmp_path / f"{who}.log", "a") for who in args}  # noqa: SIM115 - closed at the end
+
+    def start(who: str, *extra: str) -> subprocess.Popen:
+        return tidal(*args[who], *extra, stdout=logs[who])
+
+    procs = {"infer": start("infer")}
     try:
         wait_healthy(port, procs["infer"])
-        procs["orch"], procs["train"] = tidal(*orch_args), tidal(*train_args)
+        procs["orch"], procs["train"] = start("orch"), start("train")
         plan = ["train", "orch", "infer", "train", "orch"]
         rnd.shuffle(plan)
         kill_at = sorted(rnd.sample(range(1, steps - 1), len(plan)))
         for who, at in zip(plan, kill_at, strict=True):
-            wait_steps(run_dir, at, [p for n, p in procs.items() if n != "infer"], timeout=600)
+            wait_steps(run_dir, at, [procs["train"]], timeout=600)
             time.sleep(rnd.uniform(0, 2))
+            assert procs[who].poll() is None, f"{who} ended before it could be killed"
             kill_group(procs[who]) if who == "infer" else procs[who].send_signal(signal.SIGKILL)
             procs[who].wait()
-            if who == "infer":
-                procs["infer"] = tidal("grpo-infer", "--infer.port", str(port), stdout=log)
-            else:
-                procs[who] = tidal(*(orch_args if who == "orch" else train_args), "--resume")
-        outs = {}
+            procs[who] = start(who) if who == "infer" else start(who, "--resume")
         for who in ("orch", "train"):
-            outs[who], _ = procs[who].communicate(timeout=900)
-            assert procs[who].returncode == 0, outs[who][-4000:]
+            procs[who].wait(timeout=900)
+            assert procs[who].returncode == 0, (tmp_path / f"{who}.log").read_text()[-4000:]
     finally:
         for p in procs.values():
             kill_group(p)
-        log.close()
+        for f in logs.values():
+            f.close()
     check_resumed_run(run_dir, steps)
+    train_log, orch_log = (tmp_path / "train.log").read_text(), (tmp_path / "orch.log").read_text()
+    assert train_log.count("resumed from checkpoint step") == 2
+    assert orch_log.count("resumed from checkpoint step") == 2
+    assert "inference request failed" in orch_log or "inference server restarted" in orch_log

@@ -118,3 +118,33 @@ def test_corrupt_batch_file_error_names_the_file(tmp_path):
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(BatchFormatError, match=r"rollouts/step_1\.safetensors is corrupt"):
         BatchReader(tmp_path).wait(1, timeout_s=5)
+
+
+def test_first_step_after_resume_waits_wait_for_weights_timeout_not_weights_timeout(tmp_path):
+    """`ckpt.wait_for_weights_timeout` bounds the wait for the policy right after a resume (nothing is
+    broadcast here, so the wait must end with a TimeoutError after ~0.5 s, not after weights_timeout_s)."""
+    import asyncio
+    import random
+
+    from tidal.config.orch import ClientSection
+    from tidal.inference.client import InferenceClient
+    from tidal.orchestrator.loop import PolicyTracker, sample_step
+
+    cfg = OrchConfig.model_validate({"ckpt": {"resume_step": -1, "wait_for_weights_timeout": 0.5},
+                                     "weights_timeout_s": 600, "batch_size": 4, "rollouts_per_example": 4})
+
+    async def go(first: bool) -> float:
+        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
+        policy = PolicyTracker(client, "m", tmp_path, "default")
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError, match="policy 3 was not broadcast"):
+                await asyncio.wait_for(sample_step(5, cfg, None, random.Random(0), client, "m", policy, {}, None,
+                                                   first_after_resume=first), timeout=3)
+        finally:
+            await client.close()
+        return time.monotonic() - t0
+
+    assert asyncio.run(go(True)) < 2.5
+    with pytest.raises(TimeoutError):  # without the resume bound, weights_timeout_s (600 s) applies
+        asyncio.run(asyncio.wait_for(go(False), timeout=3))

@@ -15,8 +15,8 @@ import torch
 
 from tidal.checkpoint import (
     CheckpointError,
-    complete_steps,
     ckpt_dir,
+    complete_steps,
     from_tree,
     load_state,
     prune_checkpoints,

@@ -1,8 +1,8 @@
 """Orchestrator config (`orch.yaml`): sampling, environments, client, buffer, advantage and transport.
 
 Keys follow the seed's orchestrator tables. Sections and keys that are declared but not implemented yet
-(`ckpt`, `eval`, `report_to`, `filters`, elastic client pools, zmq/nccl transports, ...) reject any value
-other than their default with "not supported yet".
+(`eval`, `filters`, elastic client pools, zmq/nccl transports, ...) reject any value other than their default
+with "not supported yet".
 """
 
 from __future__ import annotations

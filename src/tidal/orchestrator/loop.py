@@ -235,12 +235,13 @@ MAX_ATTEMPTS = 5
 
 async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
                       base: str, policy: PolicyTracker, counts: dict[str, float],
-                      teacher: InferenceClient | None) -> dict[str, Any]:
+                      teacher: InferenceClient | None, first_after_resume: bool = False) -> dict[str, Any]:
     """Prompts, completions (and teacher logprobs) of batch `step`. A failed request (the server died or
-    restarted) is retried after the server answers again, with the same examples and the policy reloaded."""
+    restarted) is retried after the server answers again, with the same examples and the policy reloaded.
+    The first step after a resume waits `ckpt.wait_for_weights_timeout` (if set) for its policy."""
     state = rng.getstate()
     timeout = cfg.weights_timeout_s
-    if policy.step == 0 and cfg.ckpt.resume_step is not None and cfg.ckpt.wait_for_weights_timeout:
+    if first_after_resume and cfg.ckpt.wait_for_weights_timeout:
         timeout = cfg.ckpt.wait_for_weights_timeout
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
@@ -300,11 +301,12 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                                merged=cfg.weight_broadcast.reload == "merged")
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, writer.dir)
-        step = progress.step
+        step = resumed_at = progress.step
         while cfg.max_steps is None or step < cfg.max_steps:
             step += 1
             counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)
-            got = await sample_step(step, cfg, env, rng, client, base, policy, counts, teacher)
+            got = await sample_step(step, cfg, env, rng, client, base, policy, counts, teacher,
+                                    first_after_resume=step == resumed_at + 1 and resumed_at > 0)
             examples, prompts, groups = got["examples"], got["prompts"], got["groups"]
             per_func = np.concatenate([scorer.score(ex, comps, step)
                                        for ex, comps in zip(examples, groups, strict=True)])

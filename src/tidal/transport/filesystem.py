@@ -76,7 +76,9 @@ class BatchReader:
                 return None
             now = time.monotonic()
             if now - start > timeout_s:
-                raise TimeoutError(f"no batch {step} from the orchestrator at {path} after {timeout_s:.0f} s")
+                raise TimeoutError(f"no batch {step} from the orchestrator at {path} after {timeout_s:.0f} s "
+                                   f"(batch_timeout_s); is the orchestrator running? Restart it with --resume, "
+                                   f"then this trainer with --resume")
             if on_wait is not None and now - last_note >= 30:
                 on_wait(now - start)
                 last_note = now
