@@ -160,3 +160,10 @@ def test_final_export_loads_in_transformers_and_is_served_by_vllm(reference, vll
     finally:
         kill_group(proc)
     assert np.abs(np.array(plain[1:]) - lp_merged.numpy()[1:]).max() < 1e-3
+
+
+def test_trainer_without_an_orchestrator_gives_up_with_a_clear_message(tmp_path):
+    proc = run_trainer(tmp_path, "--train.batch_timeout_s", "3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-2000:]
+    assert "no batch 1 from the orchestrator" in out and "batch_timeout_s" in out and "--resume" in out
