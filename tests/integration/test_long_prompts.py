@@ -38,7 +38,7 @@ def test_long_prompts_are_skipped_or_truncated_and_counted(vllm_server):
     _, _, _, natural = draw(vllm_server, OrchConfig(seq_len=4096), 24)
     lengths = sorted(len(p) for p in natural)
     seq_len = lengths[len(lengths) // 2]  # about half the prompts leave no room
-    assert lengths[0] < seq_len <= lengths[-1]
+    assert 16 < lengths[0] < seq_len <= lengths[-1]
 
     _, prompts, counts, full = draw(vllm_server, OrchConfig(seq_len=seq_len, long_prompts="skip"), 24)
     assert counts["prompts/skipped"] > 0 and counts["prompts/truncated"] == 0
@@ -55,4 +55,4 @@ def test_long_prompts_are_skipped_or_truncated_and_counted(vllm_server):
             assert p == f
 
     with pytest.raises(ValueError, match="longer than seq_len .* long_prompts: truncate"):
-        draw(vllm_server, OrchConfig(seq_len=lengths[0]), 4)
+        draw(vllm_server, OrchConfig(seq_len=16), 4)  # no prompt fits in 16 tokens
