@@ -224,7 +224,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.client import InferenceUnreachable
+    from tidal.inference.client import InferenceError, InferenceUnreachable
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
@@ -235,7 +235,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     setup_logging("[orch]")
     try:
         asyncio.run(loop.run(cfg, run_dir))
-    except (InferenceUnreachable, CheckpointError, TimeoutError) as exc:
+    except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
     return 0

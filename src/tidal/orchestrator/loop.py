@@ -9,8 +9,11 @@ For step n = 1, 2, ...:
   2. Sample `batch_size / rollouts_per_example` examples; for each, one request for `rollouts_per_example`
      completions (all in flight at once), from server-tokenized prompt ids.
   3. Score each completion (environment reward + `reward_funcs`, weighted); advantages per `advantage.*`.
-  4. Drop samples whose lag exceeds `max_off_policy_steps`; write `rollouts/step_n` atomically.
-After `max_steps` batches it writes `rollouts/DONE`.
+  4. Drop samples whose lag exceeds `max_off_policy_steps`; write `rollouts/step_n` atomically, then the
+     checkpoint of step n every `ckpt.interval` steps.
+After `max_steps` batches it writes `rollouts/DONE`. With `ckpt.resume_step` it starts after the restored step
+(`orchestrator.ckpt`); a step whose inference requests fail (server died or restarted) is sampled again once
+the server answers, with the same examples and the policy loaded again.
 """
 
 from __future__ import annotations
