@@ -116,14 +116,44 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
     (OrchConfig, SEED_ORCH + "oversampling_factor: 2.0\n", "oversampling_factor"),
-    (OrchConfig, SEED_ORCH.replace("  max_tokens: 128", "  max_tokens: 128\n  repetition_penalty: 1.2"),
-     "repetition_penalty"),
+    (OrchConfig, SEED_ORCH + "buffer:\n  env_ratios: [1.0]\n", "env_ratios"),
     (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):
     with pytest.raises(ConfigError, match="not supported yet") as e:
         load_config(cls, write(tmp_path, "c.yaml", yaml_text))
     assert key in str(e.value)
+
+
+def test_sampling_keys_validate(tmp_path):
+    base = {"max_steps": 10, "sampling": {"temp_scheduler": {"type": "cosine", "start_temperature": 1.2,
+                                                              "end_temperature": 0.6}}}
+    cfg = OrchConfig.model_validate(base)
+    assert OrchConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # dumped configs revalidate
+    with pytest.raises(ValueError, match="temperature or sampling.temp_scheduler, not both"):
+        OrchConfig.model_validate({**base, "sampling": {**base["sampling"], "temperature": 0.7}})
+    with pytest.raises(ValueError, match="temp_scheduler needs max_steps"):
+        OrchConfig.model_validate({"sampling": base["sampling"]})
+    with pytest.raises(ValueError, match="min_tokens .* exceeds sampling.max_tokens"):
+        OrchConfig.model_validate({"sampling": {"min_tokens": 9, "max_tokens": 8}})
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_temperature_schedule_matches_a_float64_formula(kind):
+    import math
+
+    from tidal.orchestrator.sampling import temperature_at
+
+    start, end, n = 1.3, 0.5, 9
+    cfg = OrchConfig.model_validate({"max_steps": n, "sampling": {"temp_scheduler": {
+        "type": kind, "start_temperature": start, "end_temperature": end}}})
+    for step in range(1, n + 1):
+        p = (step - 1) / (n - 1)
+        cos = end + (start - end) * 0.5 * (1 + math.cos(math.pi * p))
+        want = start + (end - start) * p if kind == "linear" else cos
+        assert abs(temperature_at(cfg, step) - want) < 1e-12
+    assert temperature_at(cfg, 1) == start and abs(temperature_at(cfg, n) - end) < 1e-12
+    assert temperature_at(OrchConfig.model_validate({"sampling": {"temperature": 0.8}}), 5) == 0.8
 
 
 def test_unimplemented_key_at_its_default_is_accepted(tmp_path):

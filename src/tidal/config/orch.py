@@ -43,33 +43,45 @@ class EnvSection(StrictModel):
 
 
 class TempSchedulerSection(StrictModel):
-    """Temperature schedule (not supported yet)."""
+    """Sampling temperature as a function of the step (needs `max_steps`)."""
 
     type: Literal["linear", "cosine"]
-    """Schedule shape."""
-    start_temperature: float
-    """Temperature at step 0."""
-    end_temperature: float
+    """Schedule shape from `start_temperature` (step 1) to `end_temperature` (step `max_steps`)."""
+    start_temperature: float = Field(gt=0)
+    """Temperature at the first step."""
+    end_temperature: float = Field(gt=0)
     """Temperature at the final step."""
 
 
 class SamplingSection(StrictModel):
-    """Sampling parameters sent to vLLM with every rollout request."""
+    """Sampling parameters sent to vLLM with every rollout request.
 
-    UNSUPPORTED = frozenset({"temp_scheduler", "repetition_penalty", "min_tokens"})
+    vLLM reports the logprobs of the distribution it sampled from after temperature, repetition penalty and
+    `min_tokens` (tidal starts it with `--logprobs-mode processed_logprobs`); the trainer scores at the batch's
+    temperature but does not replicate the penalty or `min_tokens`, so with those the inference policy differs
+    from the trained one and the importance ratio (and `mismatch_kl`) carries the difference."""
 
     max_tokens: int | None = Field(None, ge=1)
     """Max completion tokens (null: up to `seq_len` minus the prompt)."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the trainer scores tokens at the same temperature."""
+    """Sampling temperature; the trainer scores tokens at the same temperature. Set this or `temp_scheduler`."""
     temp_scheduler: TempSchedulerSection | None = None
-    """Temperature schedule (not supported yet)."""
-    repetition_penalty: float = 1.0
-    """Repetition penalty (not supported yet: the trainer would have to replicate it)."""
-    min_tokens: int = 0
-    """Minimum completion tokens (not supported yet: it changes the sampled distribution)."""
+    """Temperature schedule over the run (replaces `temperature`; each batch carries its own temperature)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """vLLM's repetition penalty (> 1 discourages repeated tokens; 1: off)."""
+    min_tokens: int = Field(0, ge=0)
+    """Minimum completion tokens before EOS may be sampled."""
     seed: int | None = None
     """Per-request sampling seed base (request i uses seed + i); null: random."""
+
+    @model_validator(mode="after")
+    def _one_temperature(self) -> SamplingSection:
+        if self.temp_scheduler is not None and self.temperature != 1.0:
+            raise ValueError("set sampling.temperature or sampling.temp_scheduler, not both")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"sampling.min_tokens ({self.min_tokens}) exceeds sampling.max_tokens "
+                             f"({self.max_tokens})")
+        return self
 
 
 class ElasticSection(StrictModel):
@@ -348,6 +360,8 @@ class OrchConfig(StrictModel):
                 f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
                 f"({self.rollouts_per_example}); e.g. batch_size: "
                 f"{max(1, self.batch_size // self.rollouts_per_example) * self.rollouts_per_example}")
+        if self.sampling.temp_scheduler is not None and self.max_steps is None:
+            raise ValueError("sampling.temp_scheduler needs max_steps (the schedule ends at the final step)")
         if len(self.env) != 1:
             raise ValueError(f"env: exactly one environment is supported so far (got {len(self.env)})")
         if self.max_async_level > self.max_off_policy_steps:

@@ -104,14 +104,16 @@ class InferenceClient:
         return list(out["tokens"])
 
     async def sample(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                     seed: int | None = None) -> list[Completion]:
-        """`n` completions of `prompt_ids`, with token ids and sampled-token logprobs."""
+                     seed: int | None = None, extra: dict[str, Any] | None = None) -> list[Completion]:
+        """`n` completions of `prompt_ids`, with token ids and sampled-token logprobs; `extra`: more vLLM
+        sampling keys (repetition_penalty, min_tokens)."""
         url = f"{self.urls[next(self._rr)]}/completions"
         payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                                    "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
                                    "return_token_ids": True, "skip_special_tokens": True}
         if seed is not None:
             payload["seed"] = seed
+        payload.update(extra or {})
         out = await self._post(url, payload)
         comps = []
         for choice in sorted(out["choices"], key=lambda c: c["index"]):

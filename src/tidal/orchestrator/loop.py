@@ -41,6 +41,7 @@ from tidal.orchestrator.advantage import (
     process_advantages,
 )
 from tidal.orchestrator.ckpt import resume_orch, save_orch
+from tidal.orchestrator.sampling import extra_sampling, temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
 from tidal.trainer.broadcast import broadcast_dir, stable_steps
@@ -125,12 +126,16 @@ class PolicyTracker:
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
-                        seed: int | None) -> list[Completion]:
+                        seed: int | None, temperature: float | None = None) -> list[Completion]:
     room = cfg.seq_len - len(prompt_ids)
     if room < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
     max_tokens = min(cfg.sampling.max_tokens or room, room)
-    return await client.sample(model, prompt_ids, n, max_tokens, cfg.sampling.temperature, seed)
+    extra = extra_sampling(cfg)
+    if "min_tokens" in extra:
+        extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
+    return await client.sample(model, prompt_ids, n, max_tokens,
+                               cfg.sampling.temperature if temperature is None else temperature, seed, extra)
 
 
 MAX_DRAWS = 100
@@ -202,7 +207,7 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     if not keep:  # every sample of this batch is too stale: an empty batch keeps step numbering intact
         tokens, mask, lps, lengths, truncated, flat_adv = [], [], [], [], [], np.zeros(0)
         flat_teacher = np.zeros(0) if teacher else None
-    batch = TrainingBatch(step=step, temperature=cfg.sampling.temperature, tokens=np.array(tokens),
+    batch = TrainingBatch(step=step, temperature=temperature_at(cfg, step), tokens=np.array(tokens),
                           lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
                           advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
                           policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
@@ -210,7 +215,7 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
                "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
                "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
-               "max_steps": cfg.max_steps}
+               "max_steps": cfg.max_steps, "temperature": batch.temperature}
     return batch, metrics
 
 
@@ -255,7 +260,7 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
             seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
                      for i in range(len(examples))]
             groups = await asyncio.gather(*(
-                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s)
+                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s, temperature_at(cfg, step))
                 for p, s in zip(prompts, seeds, strict=True)))
             out: dict[str, Any] = {"examples": examples, "prompts": prompts, "groups": list(groups),
                                    "waited": waited, "rollout_time": time.monotonic() - t0, "teacher": None}

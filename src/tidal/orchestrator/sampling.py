@@ -1,0 +1,35 @@
+"""Per-step sampling parameters: the temperature schedule and the extra vLLM sampling keys.
+
+`temperature_at(cfg, step)`: `sampling.temperature`, or with `sampling.temp_scheduler` the schedule from
+`start_temperature` at step 1 to `end_temperature` at step `max_steps`: linear, or cosine
+(`end + (start - end) * (1 + cos(pi * p)) / 2` with p = (step - 1) / (max_steps - 1)). The batch carries the
+temperature it was sampled at, so the trainer scores every batch at its own temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tidal.config.orch import OrchConfig
+
+
+def temperature_at(cfg: OrchConfig, step: int) -> float:
+    sched = cfg.sampling.temp_scheduler
+    if sched is None:
+        return cfg.sampling.temperature
+    assert cfg.max_steps is not None  # validated with the config
+    p = min(max((step - 1) / max(cfg.max_steps - 1, 1), 0.0), 1.0)
+    if sched.type == "linear":
+        return sched.start_temperature + (sched.end_temperature - sched.start_temperature) * p
+    return sched.end_temperature + (sched.start_temperature - sched.end_temperature) * (1 + math.cos(math.pi * p)) / 2
+
+
+def extra_sampling(cfg: OrchConfig) -> dict[str, Any]:
+    """vLLM request keys beyond temperature and max_tokens (only those that differ from vLLM's defaults)."""
+    out: dict[str, Any] = {}
+    if cfg.sampling.repetition_penalty != 1.0:
+        out["repetition_penalty"] = cfg.sampling.repetition_penalty
+    if cfg.sampling.min_tokens:
+        out["min_tokens"] = cfg.sampling.min_tokens
+    return out
