@@ -119,14 +119,17 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
         # orchestrator and trainer start before the server is up: they must wait for it / for each other
         train = tidal("grpo-train", "--output-dir", str(run_dir), *TRAIN_SMALL)
         orch = tidal("grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{url}]",
-                     "--orch.max_steps", "3", *ORCH_SMALL)
+                     "--orch.max_steps", "3", *ORCH_SMALL, "--orch.env", "[{id: reverse-text, name: short}, "
+                     "{id: reverse-text, name: long, args: {min_len: 20, max_len: 30}}]",
+                     "--orch.buffer.env_ratios", "[3, 1]")
         procs += [train, orch]
         wait_healthy(port, infer)
         orch_out, _ = orch.communicate(timeout=600)
         train_out, _ = train.communicate(timeout=600)
         assert orch.returncode == 0, orch_out[-3000:]
         assert train.returncode == 0, train_out[-3000:]
-        check_metrics(run_dir, 3)
+        rows = check_metrics(run_dir, 3)
+        assert all(r["reward/short/mean"] is not None and r["reward/long/mean"] is not None for r in rows)
         assert_adapter_changed(run_dir, 3)
         assert not (run_dir / "broadcasts/step_3/merged").exists(), "three processes default to LoRA reloads"
         assert_served_trained_policy(run_dir, 3)

@@ -116,7 +116,7 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
     (OrchConfig, SEED_ORCH + "oversampling_factor: 2.0\n", "oversampling_factor"),
-    (OrchConfig, SEED_ORCH + "buffer:\n  env_ratios: [1.0]\n", "env_ratios"),
+    (OrchConfig, SEED_ORCH + "buffer:\n  online_difficulty_filtering: true\n", "online_difficulty_filtering"),
     (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):

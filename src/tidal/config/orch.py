@@ -118,7 +118,7 @@ class BufferSection(StrictModel):
     """Example sampling and rollout buffering."""
 
     UNSUPPORTED = frozenset({"online_difficulty_filtering", "easy_threshold", "hard_threshold",
-                             "easy_fraction", "hard_fraction", "env_ratios"})
+                             "easy_fraction", "hard_fraction"})
 
     seed: int | None = None
     """Seed for example sampling (null: the top-level `seed`)."""
@@ -137,7 +137,7 @@ class BufferSection(StrictModel):
     skip_verification: bool = False
     """Skip reward scoring (all rewards 0)."""
     env_ratios: list[float] | None = None
-    """Per-environment sampling ratios (not supported yet)."""
+    """Share of examples drawn from each `env[]` entry, in order (normalized; null: equal shares)."""
 
 
 class AdvantageSection(StrictModel):
@@ -297,7 +297,7 @@ class OrchConfig(StrictModel):
     model: ModelSection = Field(default_factory=ModelSection)
     """Model and adapter naming."""
     env: list[EnvSection] = Field(default_factory=lambda: [EnvSection(id="reverse-text")])
-    """Training environments (one so far)."""
+    """Training environments; several are mixed per `buffer.env_ratios`."""
     batch_size: int = Field(128, ge=1)
     """Rollouts per training step; must be a multiple of `rollouts_per_example`."""
     rollouts_per_example: int = Field(1, ge=1)
@@ -362,8 +362,15 @@ class OrchConfig(StrictModel):
                 f"{max(1, self.batch_size // self.rollouts_per_example) * self.rollouts_per_example}")
         if self.sampling.temp_scheduler is not None and self.max_steps is None:
             raise ValueError("sampling.temp_scheduler needs max_steps (the schedule ends at the final step)")
-        if len(self.env) != 1:
-            raise ValueError(f"env: exactly one environment is supported so far (got {len(self.env)})")
+        if not self.env:
+            raise ValueError("env: list at least one environment (e.g. `- id: reverse-text`)")
+        names = [e.name or e.id for e in self.env]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env: environment names must be unique, got {names}; give repeated ids a `name`")
+        ratios = self.buffer.env_ratios
+        if ratios is not None and (len(ratios) != len(self.env) or min(ratios) < 0 or sum(ratios) <= 0):
+            raise ValueError(f"buffer.env_ratios {ratios}: need one non-negative ratio per env[] entry "
+                             f"({len(self.env)}), summing to more than 0")
         if self.max_async_level > self.max_off_policy_steps:
             raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
                              f"max_off_policy_steps ({self.max_off_policy_steps})")

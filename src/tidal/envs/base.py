@@ -22,6 +22,8 @@ class Example:
     """Reference answer used by the reward (task-specific)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Any other per-example data."""
+    task: str = ""
+    """Name of the environment the example came from (set by the orchestrator; routes its scoring)."""
 
 
 class Environment(ABC):

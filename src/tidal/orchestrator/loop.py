@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
-from tidal.envs import make_env
 from tidal.envs.base import Example
 from tidal.inference.client import Completion, InferenceClient, InferenceError
 from tidal.monitor.sinks import Sinks
@@ -41,6 +40,7 @@ from tidal.orchestrator.advantage import (
     process_advantages,
 )
 from tidal.orchestrator.ckpt import resume_orch, save_orch
+from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.sampling import extra_sampling, temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
@@ -287,11 +287,11 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
 
 async def run(cfg: OrchConfig, run_dir: Path) -> int:
     """Produce batches until `max_steps`; returns the number written."""
-    env = make_env(cfg.env[0].id, cfg.env[0].args)
-    scorer = Scorer(env, cfg)
+    env = EnvMix(cfg)
+    scorer = Scorer(env.envs, cfg)
     custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
-    progress = resume_orch(run_dir, cfg, rng)
+    progress = resume_orch(run_dir, cfg, rng, env)
     client = InferenceClient(cfg.client)
     teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                if cfg.teacher is not None else None)
@@ -344,7 +344,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                              "rollout_tokens_per_s": gen_tokens / max(got["rollout_time"], 1e-9)}
             writer.write(batch)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                save_orch(run_dir, progress, rng, cfg)
+                save_orch(run_dir, progress, rng, cfg, env)
             if sinks.due(step) or step == cfg.max_steps:
                 sinks.record_samples(step, pick_samples(flat, rewards, advantages), rewards,
                                      np.concatenate([a for a in advantages if a.size] or [np.zeros(0)]))
@@ -352,7 +352,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
                      metrics["reward/mean"], policy.step, gen_tokens, got["rollout_time"])
         if cfg.ckpt.interval and progress.step == step and step % cfg.ckpt.interval:
-            save_orch(run_dir, progress, rng, cfg)  # the last step too, so a longer run can resume
+            save_orch(run_dir, progress, rng, cfg, env)  # the last step too, so a longer run can resume
         writer.finish(step)
         log.info("all %d batches written; waiting for the trainer's last step before closing the sinks", step)
         sinks.close(step, timeout_s=cfg.weights_timeout_s)

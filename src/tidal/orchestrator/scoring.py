@@ -59,8 +59,11 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
 class Scorer:
     """Holds the reward functions of a run; `score` returns rewards per function for one group."""
 
-    def __init__(self, env: Environment, cfg: OrchConfig) -> None:
-        self.env, self.skip = env, cfg.buffer.skip_verification
+    def __init__(self, envs: Environment | dict[str, Environment], cfg: OrchConfig) -> None:
+        """`envs`: one environment, or several by name (each example is scored by its `task`'s environment, and
+        each environment has its own reward column: NaN for the other environments' examples)."""
+        self.envs = {envs.id: envs} if isinstance(envs, Environment) else dict(envs)
+        self.skip = cfg.buffer.skip_verification
         self.default, self.timeout_s = cfg.reward_default, cfg.reward_timeout_s
         self.errors: dict[str, int] = {}
         self._logged: set[tuple[str, str]] = set()
@@ -68,8 +71,8 @@ class Scorer:
         for rf in cfg.reward_funcs:
             fn = load_function(rf.import_path)
             self.funcs.append((rf.name or str(getattr(fn, "__name__", rf.import_path)), fn, rf.kwargs))
-        self.names = [env.id] + [name for name, _, _ in self.funcs]
-        self.weights = [cfg.env_reward_weight] + [rf.weight for rf in cfg.reward_funcs]
+        self.names = list(self.envs) + [name for name, _, _ in self.funcs]
+        self.weights = [cfg.env_reward_weight] * len(self.envs) + [rf.weight for rf in cfg.reward_funcs]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"reward function names must be unique, got {self.names} (set reward_funcs[].name)")
 
@@ -79,8 +82,13 @@ class Scorer:
         out = np.zeros((g, len(self.names)))
         if self.skip:
             return out
-        columns = {"answer": example.answer, **example.info}
-        calls: list[Callable[[], Any]] = [lambda: [self.env.reward(example, c.text) for c in comps]]
+        columns = {"answer": example.answer, "task": example.task, **example.info}
+        env_name = self.env_name(example)
+        out[:, :len(self.envs)] = math.nan
+        env = self.envs[env_name]
+        calls: list[Callable[[], Any] | None] = [
+            (lambda: [env.reward(example, c.text) for c in comps]) if name == env_name else None
+            for name in self.envs]
         for _name, fn, kwargs in self.funcs:
             calls.append(functools.partial(
                 fn, prompts=[example.prompt] * g,
@@ -88,8 +96,17 @@ class Scorer:
                 completion_ids=[c.token_ids for c in comps], trainer_state={"global_step": step},
                 **{col: [v] * g for col, v in columns.items()}, **kwargs))
         for k, (name, call) in enumerate(zip(self.names, calls, strict=True)):
-            out[:, k] = self._checked(name, call, g, step, allow_none=k > 0)
+            if call is not None:
+                out[:, k] = self._checked(name, call, g, step, allow_none=k >= len(self.envs))
         return out
+
+    def env_name(self, example: Example) -> str:
+        return example.task if example.task in self.envs else next(iter(self.envs))
+
+    @property
+    def env(self) -> Environment:
+        """The first (or only) environment."""
+        return next(iter(self.envs.values()))
 
     def _checked(self, name: str, call: Callable[[], Any], g: int, step: int, allow_none: bool) -> np.ndarray:
         try:
@@ -137,7 +154,7 @@ class Scorer:
 
     def step_rewards(self, example: Example, comp: Completion) -> list[tuple[int, float]]:
         """The environment's step rewards mapped from character ends to completion token indices."""
-        steps = self.env.step_rewards(example, comp.text)
+        steps = self.envs[self.env_name(example)].step_rewards(example, comp.text)
         ends = np.cumsum([len(t) for t in comp.token_texts]) if comp.token_texts else np.zeros(0)
         out = []
         for char_end, r in steps:
