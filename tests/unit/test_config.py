@@ -115,8 +115,7 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
 @pytest.mark.parametrize("cls,yaml_text,key", [
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
-    (OrchConfig, SEED_ORCH + "oversampling_factor: 2.0\n", "oversampling_factor"),
-    (OrchConfig, SEED_ORCH + "buffer:\n  online_difficulty_filtering: true\n", "online_difficulty_filtering"),
+    (OrchConfig, SEED_ORCH + "filters:\n  - type: gibberish\n", "filters"),
     (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):
@@ -157,8 +156,8 @@ def test_temperature_schedule_matches_a_float64_formula(kind):
 
 
 def test_unimplemented_key_at_its_default_is_accepted(tmp_path):
-    cfg = load_config(OrchConfig, write(tmp_path, "orch.yaml", SEED_ORCH + "oversampling_factor: 1.0\n"))
-    assert cfg.oversampling_factor == 1.0
+    cfg = load_config(OrchConfig, write(tmp_path, "orch.yaml", SEED_ORCH + "filters: []\n"))
+    assert cfg.filters == []
 
 
 def test_dotted_overrides_are_typed_like_yaml(tmp_path):

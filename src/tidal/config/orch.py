@@ -115,29 +115,35 @@ class ClientSection(StrictModel):
 
 
 class BufferSection(StrictModel):
-    """Example sampling and rollout buffering."""
-
-    UNSUPPORTED = frozenset({"online_difficulty_filtering", "easy_threshold", "hard_threshold",
-                             "easy_fraction", "hard_fraction"})
+    """Example sampling, deduplication, difficulty pools and group filters (see `tidal.orchestrator.buffer`)."""
 
     seed: int | None = None
     """Seed for example sampling (null: the top-level `seed`)."""
     online_difficulty_filtering: bool = False
-    """Skip rollouts with reward 0 or 1 (not supported yet)."""
+    """Drop groups whose mean reward is exactly 0 or 1 (no learning signal) and sample replacements."""
     easy_threshold: float | None = None
-    """Reward above which a problem is easy (not supported yet)."""
+    """A problem whose group mean reward is >= this moves to the easy pool and is not drawn again."""
     hard_threshold: float | None = None
-    """Reward below which a problem is hard (not supported yet)."""
-    easy_fraction: float = 0.0
-    """Fraction of easy problems promoted to normal (not supported yet)."""
-    hard_fraction: float = 0.0
-    """Fraction of hard problems promoted to normal (not supported yet)."""
-    hash_keys: list[str] = Field(default_factory=lambda: ["task", "prompt"])
-    """Keys used to deduplicate examples."""
+    """A problem whose group mean reward is <= this moves to the hard pool and is not drawn again."""
+    easy_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of the easy pool promoted back to normal when a run resumes."""
+    hard_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of the hard pool promoted back to normal when a run resumes."""
+    hash_keys: list[str] = Field(default_factory=lambda: ["task", "prompt"], min_length=1)
+    """Example fields identifying an example (`task`, `prompt`, `answer` or an `info` column): a batch never
+    holds the same example twice, and pooled examples are recognised."""
     skip_verification: bool = False
     """Skip reward scoring (all rewards 0)."""
     env_ratios: list[float] | None = None
     """Share of examples drawn from each `env[]` entry, in order (normalized; null: equal shares)."""
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> BufferSection:
+        if (self.easy_threshold is not None and self.hard_threshold is not None
+                and self.hard_threshold >= self.easy_threshold):
+            raise ValueError(f"buffer.hard_threshold ({self.hard_threshold}) must be below buffer.easy_threshold "
+                             f"({self.easy_threshold})")
+        return self
 
 
 class AdvantageSection(StrictModel):
@@ -292,7 +298,7 @@ class ReportSection(StrictModel):
 class OrchConfig(StrictModel):
     """Everything `tidal grpo-orch` reads from `orch.yaml`."""
 
-    UNSUPPORTED = frozenset({"oversampling_factor", "filters"})
+    UNSUPPORTED = frozenset({"filters"})
 
     model: ModelSection = Field(default_factory=ModelSection)
     """Model and adapter naming."""
@@ -310,8 +316,16 @@ class OrchConfig(StrictModel):
     """Batch n may be sampled by a policy at most this many updates older than the one it trains."""
     max_off_policy_steps: int = Field(8, ge=0)
     """Rollouts whose policy lag exceeds this are discarded."""
-    oversampling_factor: float = 1.0
-    """Oversample rollout requests (not supported yet)."""
+    oversampling_factor: float = Field(1.0, ge=1.0)
+    """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
+    times the groups still needed in each sampling round, so dropped groups are replaced without another
+    round."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and sample
+    replacements."""
+    max_sampling_rounds: int = Field(4, ge=1)
+    """Sampling rounds per batch with group filters on; a batch still short after them is filled with dropped
+    groups (counted in `buffer/filled_with_dropped`)."""
     output_dir: str = "outputs/run_default"
     """Run directory: rollouts/, broadcasts/, metrics.jsonl, logs."""
     seed: int = 42

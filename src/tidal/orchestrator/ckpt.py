@@ -1,10 +1,11 @@
 """Orchestrator checkpoints (`checkpoints/orch/step_n/state.json`) and resume.
 
 Checkpoint n is written right after batch n: the progress (`step`, total tokens and samples) and the buffer
-(the example sampler's RNG state and the environment mix's counters), as JSON. Resuming from n rolls the run
-directory back to n: batches of later steps and the `DONE` marker are removed (they are produced again, from
-the restored sampler), and `samples.jsonl` keeps only steps <= n. The step is always restored — it must
-match the trainer's; the `skip_progress` / `skip_buffer` keys leave the counters / the sampler fresh.
+(the example sampler's RNG state, the environment mix's counters, the difficulty pools), as JSON. Resuming
+from n rolls the run directory back to n: batches of later steps and the `DONE` marker are removed (they are
+produced again, from the restored sampler), and `samples.jsonl` keeps only steps <= n. The step is always
+restored — it must match the trainer's; `skip_progress` / `skip_buffer` leave the counters / the sampler
+and pools fresh.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tidal.checkpoint import (
 )
 from tidal.config.orch import OrchConfig
 from tidal.monitor.metrics import truncate_metrics
+from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
 
 log = logging.getLogger("tidal.orch")
@@ -42,10 +44,11 @@ class Progress:
 
 
 def save_orch(run_dir: Path, progress: Progress, rng: random.Random, cfg: OrchConfig,
-              mix: EnvMix | None = None) -> Path:
+              mix: EnvMix | None = None, buffer: Buffer | None = None) -> Path:
     """Checkpoint `progress.step` atomically; prune per `cfg.ckpt`."""
     state = {"progress": asdict(progress), "buffer": {"sampler_rng": _rng_to_json(rng.getstate()),
-                                                      "env_mix": mix.state() if mix is not None else {}}}
+                                                      "env_mix": mix.state() if mix is not None else {},
+                                                      "pools": buffer.state() if buffer is not None else {}}}
 
     def fill(tmp: Path) -> None:
         (tmp / "state.json").write_text(json.dumps(state))
@@ -75,7 +78,8 @@ def load_orch(run_dir: Path, step: int) -> dict[str, Any]:
     return state
 
 
-def resume_orch(run_dir: Path, cfg: OrchConfig, rng: random.Random, mix: EnvMix | None = None) -> Progress:
+def resume_orch(run_dir: Path, cfg: OrchConfig, rng: random.Random, mix: EnvMix | None = None,
+                buffer: Buffer | None = None) -> Progress:
     """Restore per `cfg.ckpt` (a fresh Progress when not resuming) and rewind the run directory."""
     step = resolve_resume_step(run_dir, COMPONENT, cfg.ckpt.resume_step)
     rollouts = run_dir / "rollouts"
@@ -93,6 +97,8 @@ def resume_orch(run_dir: Path, cfg: OrchConfig, rng: random.Random, mix: EnvMix 
         rng.setstate(state["buffer"]["sampler_rng"])
         if mix is not None:
             mix.load_state(state["buffer"].get("env_mix", {}))
+        if buffer is not None:
+            buffer.load_state(state["buffer"].get("pools", {}))
     removed = 0
     for f in list(rollouts.glob("step_*.safetensors")):
         if f.stem[5:].isdigit() and int(f.stem[5:]) > step:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from tidal.orchestrator.advantage import (
     load_function,
     process_advantages,
 )
+from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.ckpt import resume_orch, save_orch
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.sampling import extra_sampling, temperature_at
@@ -142,10 +145,15 @@ MAX_DRAWS = 100
 
 
 async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, model: str, n: int,
-                       cfg: OrchConfig, counts: dict[str, float]) -> tuple[list[Example], list[list[int]]]:
-    """`n` examples and their prompt token ids. A prompt leaving no room under `seq_len` is skipped (another
-    example is drawn) or truncated to its last tokens, per `long_prompts`; counted in `counts`."""
-    examples = [env.sample(rng) for _ in range(n)]
+                       cfg: OrchConfig, counts: dict[str, float],
+                       buffer: Buffer | None = None) -> tuple[list[Example], list[list[int]]]:
+    """`n` examples (through `buffer`, when given: no duplicates, no pooled examples) and their prompt token
+    ids. A prompt leaving no room under `seq_len` is skipped (another example is drawn) or truncated to its
+    last tokens, per `long_prompts`; counted in `counts`."""
+    def draw() -> Example:
+        return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
+
+    examples = [draw() for _ in range(n)]
     prompts = list(await asyncio.gather(*(client.tokenize_chat(model, ex.prompt) for ex in examples)))
     reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
     for i in range(n):
@@ -153,14 +161,14 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
         while len(prompts[i]) >= cfg.seq_len:
             if cfg.long_prompts == "truncate":
                 prompts[i] = prompts[i][-(cfg.seq_len - reserve):]
-                counts["prompts/truncated"] += 1
+                counts["prompts/truncated"] = counts.get("prompts/truncated", 0.0) + 1
                 break
-            counts["prompts/skipped"] += 1
+            counts["prompts/skipped"] = counts.get("prompts/skipped", 0.0) + 1
             draws += 1
             if draws >= MAX_DRAWS:
                 raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
                                  f"raise seq_len or set long_prompts: truncate")
-            examples[i] = env.sample(rng)
+            examples[i] = draw()
             prompts[i] = await client.tokenize_chat(model, examples[i].prompt)
     return examples, prompts
 
@@ -241,32 +249,82 @@ def max_completion_tokens(cfg: OrchConfig) -> int:
 MAX_ATTEMPTS = 5
 
 
+@dataclass
+class Collected:
+    """The groups chosen for one batch, with their scores."""
+
+    examples: list[Example]
+    prompts: list[list[int]]
+    groups: list[list[Completion]]
+    per_func: list[np.ndarray]
+    """(G, K) rewards per reward function of each group."""
+
+
+async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
+                         base: str, policy: PolicyTracker, counts: dict[str, float], scorer: Scorer,
+                         buffer: Buffer) -> Collected:
+    """Sample and score groups until the batch is full: one round without group filters; with them, rounds
+    that ask for `oversampling_factor` x the groups still needed, keeping those the buffer accepts."""
+    need = cfg.batch_size // cfg.rollouts_per_example
+    kept = Collected([], [], [], [])
+    spare = Collected([], [], [], [])
+    requests = 0
+    for _ in range(cfg.max_sampling_rounds if buffer.filtering else 1):
+        buffer.counts["buffer/rounds"] += 1
+        missing = need - len(kept.examples)
+        ask = math.ceil(missing * cfg.oversampling_factor) if buffer.filtering else missing
+        examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
+        seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + requests + i
+                 for i in range(len(examples))]
+        requests += len(examples)
+        groups = await asyncio.gather(*(
+            rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s, temperature_at(cfg, step))
+            for p, s in zip(prompts, seeds, strict=True)))
+        for ex, p, g in zip(examples, prompts, groups, strict=True):
+            scores = scorer.score(ex, g, step)
+            ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
+            into = kept if ok and len(kept.examples) < need else spare
+            if not ok:
+                buffer.counts["buffer/dropped_groups"] += 1
+            into.examples.append(ex)
+            into.prompts.append(p)
+            into.groups.append(g)
+            into.per_func.append(scores)
+        if len(kept.examples) >= need:
+            break
+    fill = need - len(kept.examples)
+    if fill > 0:  # still short: top up with dropped groups so the batch keeps its size
+        buffer.counts["buffer/filled_with_dropped"] += fill
+        for field_ in ("examples", "prompts", "groups", "per_func"):
+            getattr(kept, field_).extend(getattr(spare, field_)[:fill])
+    return kept
+
+
 async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
                       base: str, policy: PolicyTracker, counts: dict[str, float],
-                      teacher: InferenceClient | None, first_after_resume: bool = False) -> dict[str, Any]:
-    """Prompts, completions (and teacher logprobs) of batch `step`. A failed request (the server died or
-    restarted) is retried after the server answers again, with the same examples and the policy reloaded.
+                      teacher: InferenceClient | None, first_after_resume: bool = False,
+                      scorer: Scorer | None = None, buffer: Buffer | None = None) -> dict[str, Any]:
+    """Prompts, completions, scores (and teacher logprobs) of batch `step`. A failed request (the server died
+    or restarted) is retried after the server answers again, with the same examples and the policy reloaded.
     The first step after a resume waits `ckpt.wait_for_weights_timeout` (if set) for its policy."""
     state = rng.getstate()
     timeout = cfg.weights_timeout_s
     if first_after_resume and cfg.ckpt.wait_for_weights_timeout:
         timeout = cfg.ckpt.wait_for_weights_timeout
+    buffer = buffer or Buffer(cfg)
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
             waited = await policy.ensure(max(0, step - 1 - cfg.max_async_level), timeout)
             t0 = time.monotonic()
-            examples, prompts = await draw_prompts(env, rng, client, base, cfg.batch_size // cfg.rollouts_per_example,
-                                                   cfg, counts)
-            seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + i
-                     for i in range(len(examples))]
-            groups = await asyncio.gather(*(
-                rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s, temperature_at(cfg, step))
-                for p, s in zip(prompts, seeds, strict=True)))
-            out: dict[str, Any] = {"examples": examples, "prompts": prompts, "groups": list(groups),
-                                   "waited": waited, "rollout_time": time.monotonic() - t0, "teacher": None}
+            buffer.new_step()
+            assert scorer is not None
+            got = await collect_groups(step, cfg, env, rng, client, base, policy, counts, scorer, buffer)
+            out: dict[str, Any] = {"examples": got.examples, "prompts": got.prompts, "groups": got.groups,
+                                   "per_func": got.per_func, "waited": waited,
+                                   "rollout_time": time.monotonic() - t0, "teacher": None}
             if teacher is not None and cfg.teacher is not None:
                 t1 = time.monotonic()
-                seqs = [p + c.token_ids for p, comps in zip(prompts, groups, strict=True) for c in comps]
+                seqs = [p + c.token_ids for p, comps in zip(got.prompts, got.groups, strict=True) for c in comps]
                 out["teacher"] = await teacher.prompt_logprobs_many(cfg.teacher.model, seqs,
                                                                     cfg.teacher.max_concurrency)
                 out["teacher_time"] = time.monotonic() - t1
@@ -281,7 +339,7 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
                 if c is not None:
                     await c.wait_ready()
             policy.invalidate()
-            counts["inference_retries"] += 1
+            counts["inference_retries"] = counts.get("inference_retries", 0.0) + 1
     raise AssertionError("unreachable")
 
 
@@ -289,9 +347,10 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
     """Produce batches until `max_steps`; returns the number written."""
     env = EnvMix(cfg)
     scorer = Scorer(env.envs, cfg)
+    buffer = Buffer(cfg)
     custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
-    progress = resume_orch(run_dir, cfg, rng, env)
+    progress = resume_orch(run_dir, cfg, rng, env, buffer)
     client = InferenceClient(cfg.client)
     teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                if cfg.teacher is not None else None)
@@ -314,10 +373,10 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             step += 1
             counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)
             got = await sample_step(step, cfg, env, rng, client, base, policy, counts, teacher,
-                                    first_after_resume=step == resumed_at + 1 and resumed_at > 0)
+                                    first_after_resume=step == resumed_at + 1 and resumed_at > 0,
+                                    scorer=scorer, buffer=buffer)
             examples, prompts, groups = got["examples"], got["prompts"], got["groups"]
-            per_func = np.concatenate([scorer.score(ex, comps, step)
-                                       for ex, comps in zip(examples, groups, strict=True)])
+            per_func = np.concatenate(got["per_func"])
             rewards, unscored = combine_rewards(per_func, scorer.weights)
             if unscored:
                 log.warning("step %d: %d completion(s) got None from every reward function; they score 0",
@@ -336,7 +395,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             gen_tokens = int(comp_lens.sum())
             progress.step, progress.total_tokens = step, progress.total_tokens + gen_tokens
             progress.total_samples += len(flat)
-            batch.metrics = {**metrics, **scorer.take_error_counts(), **counts,
+            batch.metrics = {**metrics, **scorer.take_error_counts(), **counts, **buffer.metrics(),
                              "completions/empty": float((comp_lens == 0).sum()),
                              "progress/total_tokens": progress.total_tokens,
                              "progress/total_samples": progress.total_samples,
@@ -344,7 +403,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                              "rollout_tokens_per_s": gen_tokens / max(got["rollout_time"], 1e-9)}
             writer.write(batch)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
-                save_orch(run_dir, progress, rng, cfg, env)
+                save_orch(run_dir, progress, rng, cfg, env, buffer)
             if sinks.due(step) or step == cfg.max_steps:
                 sinks.record_samples(step, pick_samples(flat, rewards, advantages), rewards,
                                      np.concatenate([a for a in advantages if a.size] or [np.zeros(0)]))
@@ -352,7 +411,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
                      metrics["reward/mean"], policy.step, gen_tokens, got["rollout_time"])
         if cfg.ckpt.interval and progress.step == step and step % cfg.ckpt.interval:
-            save_orch(run_dir, progress, rng, cfg, env)  # the last step too, so a longer run can resume
+            save_orch(run_dir, progress, rng, cfg, env, buffer)  # the last step too, so a longer run can resume
         writer.finish(step)
         log.info("all %d batches written; waiting for the trainer's last step before closing the sinks", step)
         sinks.close(step, timeout_s=cfg.weights_timeout_s)

@@ -1,0 +1,75 @@
+"""Group filters against the real vLLM server: `dynamic_sampling` and `online_difficulty_filtering` drop
+groups with no learning signal and sample replacements; `oversampling_factor` asks for more up front.
+
+The reward: 1.0 for every completion of a prompt whose text has even length (a group with no signal), and
+0/1 alternating for the others."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from tests.conftest import MODEL
+from tidal.config.orch import ClientSection, OrchConfig
+from tidal.inference.client import InferenceClient
+from tidal.orchestrator.advantage import combine_rewards
+from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.loop import PolicyTracker, collect_groups
+from tidal.orchestrator.scoring import Scorer
+
+pytestmark = pytest.mark.vllm
+
+
+def split_reward(prompts, completions, **_):
+    even = len(prompts[0][-1]["content"]) % 2 == 0
+    return [1.0 if even else float(i % 2) for i in range(len(completions))]
+
+
+def collect(url: str, tmp_path, **kw):
+    cfg = OrchConfig.model_validate({
+        "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
+        "env_reward_weight": 0.0,
+        "reward_funcs": [{"import_path": "tests.integration.test_buffer_filters:split_reward"}],
+        **kw})
+    env, buffer = EnvMix(cfg), Buffer(cfg)
+    scorer = Scorer(env.envs, cfg)
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[url]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            buffer.new_step()
+            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy, {}, scorer, buffer)
+        finally:
+            await client.close()
+
+    got = asyncio.run(go())
+    stds = [float(np.std(combine_rewards(s, scorer.weights)[0])) for s in got.per_func]
+    return got, stds, buffer.metrics()
+
+
+@pytest.mark.parametrize("kw", [{"dynamic_sampling": True}, {"buffer": {"online_difficulty_filtering": True}}])
+def test_filters_drop_groups_without_signal_and_refill(vllm_server, tmp_path, kw):
+    got, stds, m = collect(vllm_server, tmp_path)
+    assert len(got.groups) == 4 and min(stds) == 0.0, "unfiltered batches hold no-signal groups"
+    got, stds, m = collect(vllm_server, tmp_path, **kw)
+    assert len(got.groups) == 4 and min(stds) > 0, stds
+    assert m["buffer/dropped_groups"] > 0 and m["buffer/rounds"] >= 2 and m["buffer/filled_with_dropped"] == 0
+    assert all(len(g) == 4 for g in got.groups)
+
+
+def test_oversampling_fills_the_batch_in_fewer_rounds(vllm_server, tmp_path):
+    _, _, plain = collect(vllm_server, tmp_path, dynamic_sampling=True)
+    got, stds, over = collect(vllm_server, tmp_path, dynamic_sampling=True, oversampling_factor=4.0)
+    assert over["buffer/rounds"] == 1 < plain["buffer/rounds"] and min(stds) > 0 and len(got.groups) == 4
+
+
+def test_a_batch_still_short_after_max_rounds_is_filled_with_dropped_groups(vllm_server, tmp_path):
+    got, stds, m = collect(vllm_server, tmp_path, dynamic_sampling=True, max_sampling_rounds=1)
+    assert len(got.groups) == 4 and m["buffer/rounds"] == 1
+    assert m["buffer/filled_with_dropped"] == sum(s == 0.0 for s in stds) > 0
