@@ -7,7 +7,7 @@ with "not supported yet".
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -213,6 +213,36 @@ class CkptSection(StrictModel):
     """On resume, do not restore the example sampler (its RNG restarts from the seed)."""
 
 
+class GibberishFilter(StrictModel):
+    """Flag completions holding a rare token (id >= `token_id_threshold`) sampled with a probability close to
+    uniform over the vocabulary: logprob < -ln(vocab_size) + `logprob_offset`."""
+
+    type: Literal["gibberish"]
+    """Filter kind."""
+    enforce: bool = False
+    """Mask flagged completions out of the training loss (false: only count them in `filters/...`)."""
+    token_id_threshold: int = Field(100000, ge=0)
+    """Smallest token id that can be a gibberish candidate."""
+    logprob_offset: float = 2.0
+    """Offset from the uniform-distribution logprob -ln(vocab_size)."""
+    vocab_size: int | None = Field(None, ge=2)
+    """Vocabulary size (null: read from the model directory's config.json)."""
+
+
+class RepetitionFilter(StrictModel):
+    """Flag completions stuck in a loop: `window` consecutive tokens each sampled with probability >
+    `prob_threshold`."""
+
+    type: Literal["repetition"]
+    """Filter kind."""
+    enforce: bool = False
+    """Mask flagged completions out of the training loss (false: only count them in `filters/...`)."""
+    window: int = Field(3000, ge=1)
+    """Consecutive high-probability tokens before a completion is flagged."""
+    prob_threshold: float = Field(0.99, gt=0, le=1)
+    """Per-token probability above which a token counts as high-probability."""
+
+
 class NotYetSection(StrictModel):
     """A section whose keys are accepted by name but not implemented yet."""
 
@@ -298,8 +328,6 @@ class ReportSection(StrictModel):
 class OrchConfig(StrictModel):
     """Everything `tidal grpo-orch` reads from `orch.yaml`."""
 
-    UNSUPPORTED = frozenset({"filters"})
-
     model: ModelSection = Field(default_factory=ModelSection)
     """Model and adapter naming."""
     env: list[EnvSection] = Field(default_factory=lambda: [EnvSection(id="reverse-text")])
@@ -344,8 +372,10 @@ class OrchConfig(StrictModel):
     """Score completions with a teacher model (untempered logprobs, vLLM `prompt_logprobs`); null: off."""
     reward_funcs: list[RewardFuncSection] = Field(default_factory=list)
     """Extra reward functions; total reward = sum of weight x reward over the functions that scored."""
-    filters: list[dict[str, Any]] = Field(default_factory=list)
-    """Rollout filters (not supported yet)."""
+    filters: list[Annotated[GibberishFilter | RepetitionFilter, Field(discriminator="type")]] = Field(
+        default_factory=list)
+    """Rollout filters (`gibberish`, `repetition`): flagged completions are counted per step
+    (`filters/{type}/flagged`) and, with `enforce`, masked out of the loss."""
     ckpt: CkptSection = Field(default_factory=CkptSection)
     """Checkpointing and resume."""
     reward_default: float = 0.0

@@ -44,6 +44,7 @@ from tidal.orchestrator.advantage import (
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.ckpt import resume_orch, save_orch
 from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.sampling import extra_sampling, temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
@@ -191,8 +192,10 @@ def compute_advantages(cfg: OrchConfig, rewards: np.ndarray, comp_lens: np.ndarr
 
 def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
                 advantages: list[np.ndarray], policy_step: int, cfg: OrchConfig,
-                teacher: list[list[float]] | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
-    """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion) and its metrics."""
+                teacher: list[list[float]] | None = None,
+                masked: np.ndarray | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
+    """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion, none for completions
+    `masked` by an enforced filter) and its metrics."""
     lag = (step - 1) - policy_step
     keep = lag <= cfg.max_off_policy_steps
     tokens: list[int] = []
@@ -202,9 +205,9 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     lengths: list[int] = []
     truncated: list[bool] = []
     comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
-    for (prompt, c), a in zip(comps, advantages, strict=True):
+    for k, ((prompt, c), a) in enumerate(zip(comps, advantages, strict=True)):
         tokens += prompt + c.token_ids
-        mask += [0] * len(prompt) + [1] * len(c.token_ids)
+        mask += [0] * len(prompt) + [0 if masked is not None and masked[k] else 1] * len(c.token_ids)
         lps += [0.0] * len(prompt) + c.logprobs
         adv += [np.zeros(len(prompt)), a]
         lengths.append(len(prompt) + len(c.token_ids))
@@ -348,6 +351,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
     env = EnvMix(cfg)
     scorer = Scorer(env.envs, cfg)
     buffer = Buffer(cfg)
+    filters = Filters(cfg)
     custom = load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None
     rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
     progress = resume_orch(run_dir, cfg, rng, env, buffer)
@@ -385,8 +389,10 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             comp_lens = np.array([len(c.token_ids) for _, c in flat])
             steps = ([scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None)
             advantages = compute_advantages(cfg, rewards, comp_lens, steps, custom)
+            masked, filter_metrics = filters.apply([c for _, c in flat])
             batch, metrics = build_batch(step, prompts, groups, rewards, advantages, policy.step, cfg,
-                                         got["teacher"])
+                                         got["teacher"], masked)
+            metrics |= filter_metrics
             if got["teacher"] is not None:
                 metrics["teacher_time_s"] = got["teacher_time"]
             metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,

@@ -1,0 +1,59 @@
+"""Rollout filters: gibberish and repetition flags from token ids and logprobs; `enforce` masks the loss."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tidal.config.orch import OrchConfig
+from tidal.inference.client import Completion
+from tidal.orchestrator.filters import Filters, model_vocab_size
+from tidal.orchestrator.loop import build_batch
+
+
+def comp(ids, lps) -> Completion:
+    return Completion(list(ids), [float(x) for x in lps], "", "stop")
+
+
+def test_gibberish_flags_a_rare_token_at_near_uniform_probability():
+    cfg = OrchConfig.model_validate({"filters": [{"type": "gibberish", "token_id_threshold": 100, "vocab_size": 1000,
+                                                  "logprob_offset": 2.0}]})
+    limit = -math.log(1000) + 2.0  # -4.91
+    f = Filters(cfg)
+    cases = [comp([5, 150], [-0.1, limit - 0.5]),   # rare id, improbable: flagged
+             comp([5, 150], [-0.1, limit + 0.5]),   # rare id but likely enough
+             comp([5, 50], [-0.1, limit - 3.0]),    # improbable but a common id
+             comp([], [])]
+    masked, m = f.apply(cases)
+    assert m["filters/gibberish/flagged"] == 0.25 and not masked.any()  # not enforced: only counted
+
+
+def test_repetition_flags_long_runs_of_near_certain_tokens():
+    cfg = OrchConfig.model_validate({"filters": [{"type": "repetition", "window": 5, "prob_threshold": 0.99,
+                                                  "enforce": True}]})
+    sure, unsure = math.log(0.995), math.log(0.5)
+    cases = [comp(range(8), [sure] * 5 + [unsure] * 3),
+             comp(range(8), [sure] * 4 + [unsure] + [sure] * 3),
+             comp(range(3), [sure] * 3)]
+    masked, m = Filters(cfg).apply(cases)
+    assert masked.tolist() == [True, False, False] and m["filters/masked"] == pytest.approx(1 / 3)
+
+
+def test_enforced_filters_clear_the_loss_mask_of_flagged_completions():
+    cfg = OrchConfig.model_validate({"batch_size": 2, "rollouts_per_example": 2, "seq_len": 64})
+    comps = [comp([7, 8, 9], [-1, -1, -1]), comp([4, 5], [-1, -1])]
+    adv = [np.ones(3), np.ones(2)]
+    batch, _ = build_batch(1, [[1, 2]], [comps], np.array([1.0, 0.0]), adv, 0, cfg, masked=np.array([True, False]))
+    s0, s1 = batch.samples()
+    assert batch.loss_mask[s0].sum() == 0 and batch.loss_mask[s1].sum() == 2
+
+
+def test_vocab_size_comes_from_the_model_directory():
+    assert model_vocab_size("tidal:tiny-reverse") == 128
+    Filters(OrchConfig.model_validate({"model": {"name": "tidal:tiny-reverse"},
+                                       "filters": [{"type": "gibberish"}]}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Filters(OrchConfig.model_validate({"model": {"name": "served-elsewhere"},
+                                           "filters": [{"type": "gibberish"}]}))
