@@ -57,3 +57,14 @@ def test_vocab_size_comes_from_the_model_directory():
     with pytest.raises(ValueError, match="vocab_size"):
         Filters(OrchConfig.model_validate({"model": {"name": "served-elsewhere"},
                                            "filters": [{"type": "gibberish"}]}))
+
+
+def test_soft_overlong_punishment_matches_dapo():
+    from tidal.rewards.length import soft_overlong_punishment
+
+    lengths = [0, 10, 12, 13, 15, 16, 17, 40]
+    got = soft_overlong_punishment([[1] * n for n in lengths], max_completion_len=16, soft_punish_cache=4)
+    want = [0.0, 0.0, 0.0, -0.25, -0.75, -1.0, -1.0, -1.0]
+    assert got == pytest.approx(want)
+    with pytest.raises(ValueError):
+        soft_overlong_punishment([[1]], max_completion_len=4, soft_punish_cache=5)
