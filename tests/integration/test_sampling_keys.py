@@ -59,3 +59,25 @@ def test_scheduled_temperature_is_sent_and_carried_by_the_batch(vllm_server):
     rewards = np.zeros(16)
     batch, metrics = build_batch(5, [[1, 2]], [cold], rewards, [np.zeros(len(c.token_ids)) for c in cold], 4, cfg)
     assert batch.temperature == metrics["temperature"] == 0.25
+
+
+def test_elastic_pool_is_discovered_through_dns(vllm_server):
+    """`client.elastic`: the servers come from resolving the hostname (the default base_url, port 8000, is not
+    listening, so ignoring the key would fail)."""
+    port = int(vllm_server.rsplit(":", 1)[1].split("/")[0])
+
+    async def go():
+        client = InferenceClient(ClientSection(connect_timeout_s=5, elastic={"hostname": "localhost", "port": port,
+                                                                              "sync_interval": 0.1}))
+        try:
+            models = await client.wait_ready()
+            prompt = await client.tokenize_chat(MODEL, MESSAGES)
+            comps = await client.sample(MODEL, prompt, 2, 4, 1.0)
+            await asyncio.sleep(0.2)
+            changed = await client.discover()
+            return models, comps, client.urls, changed
+        finally:
+            await client.close()
+
+    models, comps, urls, changed = asyncio.run(go())
+    assert MODEL in models and len(comps) == 2 and urls == [f"http://127.0.0.1:{port}/v1"] and changed is False

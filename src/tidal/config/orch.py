@@ -85,23 +85,21 @@ class SamplingSection(StrictModel):
 
 
 class ElasticSection(StrictModel):
-    """DNS-discovered inference pool (not supported yet)."""
+    """An inference pool found through DNS: every IPv4 address the hostname resolves to is a server."""
 
     hostname: str
-    """DNS hostname for pool discovery."""
-    port: int = 8000
+    """DNS name whose A records are the pool's servers (e.g. a Kubernetes headless service)."""
+    port: int = Field(8000, ge=1, le=65535)
     """Port of the pool's servers."""
-    sync_interval: float = 5.0
-    """Discovery re-check interval (s)."""
+    sync_interval: float = Field(5.0, gt=0)
+    """Seconds between re-resolutions; a server that joins gets the current policy loaded."""
 
 
 class ClientSection(StrictModel):
     """How the orchestrator reaches inference."""
 
-    UNSUPPORTED = frozenset({"elastic"})
-
-    base_url: list[str] = Field(default_factory=lambda: ["http://localhost:8000/v1"])
-    """Inference server URL(s); requests are spread across them round-robin."""
+    base_url: list[str] = Field(default_factory=lambda: ["http://localhost:8000/v1"], min_length=1)
+    """Inference server URL(s); requests are spread across them round-robin, adapters load on all."""
     timeout: float = Field(1200, gt=0)
     """Request timeout (s)."""
     api_key_var: str = "VLLM_API_KEY"
@@ -109,7 +107,7 @@ class ClientSection(StrictModel):
     skip_model_check: bool = False
     """Skip checking the `/models` endpoint at start-up."""
     elastic: ElasticSection | None = None
-    """Elastic pool discovery (not supported yet)."""
+    """Discover the servers through DNS instead of `base_url` (re-checked every `sync_interval`)."""
     connect_timeout_s: float = Field(300.0, gt=0)
     """Keep retrying (with backoff) to reach the server for this long before giving up."""
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,7 @@ class InferenceClient:
         self.cfg = cfg
         self.urls = [u.rstrip("/") for u in cfg.base_url]
         self._rr = itertools.cycle(range(len(self.urls)))
+        self._synced = -math.inf
         key = os.environ.get(cfg.api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), headers=headers,
@@ -60,6 +63,28 @@ class InferenceClient:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+    async def discover(self) -> bool:
+        """Elastic pools (`client.elastic`): re-resolve the hostname's IPv4 addresses (at most every
+        `sync_interval` s) into `http://ADDR:PORT/v1` servers; True when the set of servers changed (the caller
+        then loads the current policy into the new ones). No-op without `elastic`."""
+        el = self.cfg.elastic
+        if el is None or time.monotonic() - self._synced < el.sync_interval:
+            return False
+        self._synced = time.monotonic()
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(el.hostname, el.port, family=socket.AF_INET,
+                                                                 type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("elastic pool: cannot resolve %s (%s); keeping %d server(s)", el.hostname, exc,
+                        len(self.urls))
+            return False
+        urls = sorted({f"http://{info[4][0]}:{el.port}/v1" for info in infos})
+        if not urls or urls == self.urls:
+            return False
+        log.info("elastic pool %s: %d server(s): %s", el.hostname, len(urls), ", ".join(urls))
+        self.urls, self._rr = urls, itertools.cycle(range(len(urls)))
+        return True
 
     async def _post(self, url: str, payload: dict[str, Any]) -> Any:
         try:
@@ -72,6 +97,7 @@ class InferenceClient:
 
     async def wait_ready(self) -> list[str]:
         """Wait (exponential backoff) until every server answers; returns the first server's model ids."""
+        await self.discover()
         models: list[str] = []
         for url in self.urls:
             probe = f"{server_root(url)}/health" if self.cfg.skip_model_check else f"{url}/models"

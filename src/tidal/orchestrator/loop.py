@@ -317,6 +317,8 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
     buffer = buffer or Buffer(cfg)
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
+            if await client.discover():
+                policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
             waited = await policy.ensure(max(0, step - 1 - cfg.max_async_level), timeout)
             t0 = time.monotonic()
             buffer.new_step()
