@@ -1,8 +1,7 @@
 """Orchestrator config (`orch.yaml`): sampling, environments, client, buffer, advantage and transport.
 
 Keys follow the seed's orchestrator tables. Sections and keys that are declared but not implemented yet
-(`eval`, `filters`, elastic client pools, zmq/nccl transports, ...) reject any value other than their default
-with "not supported yet".
+(zmq/nccl transports, `env[].address`) reject any value other than their default with "not supported yet".
 """
 
 from __future__ import annotations
@@ -241,6 +240,27 @@ class RepetitionFilter(StrictModel):
     """Per-token probability above which a token counts as high-probability."""
 
 
+class EvalSection(StrictModel):
+    """Online evaluation on held-out examples while training (`eval.jsonl` + the metric sinks)."""
+
+    env: list[EnvSection] = Field(min_length=1)
+    """Evaluation environments (ids from the registry, with their args and names)."""
+    num_examples: int = Field(-1, ge=-1)
+    """Examples per environment (-1: the environment's whole finite eval set, or 128 generated ones with a fixed
+    seed for a generated environment). The same examples at every evaluation."""
+    rollouts_per_example: int = Field(1, ge=1)
+    """Completions per example (pass@k-style metrics use them)."""
+    interval: int = Field(100, ge=1)
+    """Evaluate the policy every N training steps (the first policy >= each multiple of N)."""
+    eval_base_model: bool = True
+    """Also evaluate the base model (policy 0) before the first step."""
+    skip_eval_on_resume: bool = True
+    """After a resume, skip the evaluation that would run right away (base model, or the resumed policy)."""
+    cancel_inflight_rollouts_on_eval: bool = False
+    """Evaluations run between batches, so no training rollout is ever in flight during one; kept for the
+    seed's config files (both values behave the same)."""
+
+
 class NotYetSection(StrictModel):
     """A section whose keys are accepted by name but not implemented yet."""
 
@@ -384,8 +404,8 @@ class OrchConfig(StrictModel):
     long_prompts: Literal["skip", "truncate"] = "skip"
     """A prompt that leaves no room for a completion under `seq_len`: `skip` draws another example, `truncate`
     keeps its last tokens (counted in `prompts/skipped` / `prompts/truncated`)."""
-    eval: NotYetSection | None = None
-    """Online evaluation (not supported yet)."""
+    eval: EvalSection | None = None
+    """Online evaluation; null: none."""
     report_to: ReportSection | None = None
     """Metric sinks (W&B, TensorBoard); null: only `metrics.jsonl`, `samples.jsonl` and the HTML report."""
     rollout_transport: RolloutTransportSection = Field(default_factory=RolloutTransportSection)

@@ -44,6 +44,11 @@ class Environment(ABC):
         order. Used by `advantage.type: process`; environments without step rewards raise."""
         raise NotImplementedError(f"environment '{self.id}' has no step rewards (advantage.type: process)")
 
+    def eval_examples(self) -> list[Example] | None:
+        """A finite held-out evaluation set, if the environment has one (None: evaluation draws generated
+        examples with a fixed seed)."""
+        return None
+
     def reference_completion(self, example: Example) -> str:
         """A perfect completion (used for SFT warm starts); environments without one raise."""
         raise NotImplementedError(f"environment '{self.id}' has no reference completions")

@@ -133,6 +133,16 @@ class Sinks:
                     "distributions/reward": wandb.Histogram(rewards.tolist()),
                     "distributions/advantage": wandb.Histogram(advantages.tolist())})
 
+    def record_eval(self, metrics: dict[str, Any]) -> None:
+        """An evaluation's metrics (already in `eval.jsonl`) to TensorBoard at its step, and to W&B with the
+        next trainer record it logs (W&B steps must increase)."""
+        scalars = {k: float(v) for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, int | float)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, int(metrics["step"]))
+        if self.wandb is not None:
+            self.pending.setdefault(max(int(metrics["step"]), self.tail.last_step + 1), {}).update(scalars)
+
     def close(self, last_step: int | None, timeout_s: float = 120.0) -> None:
         """Wait up to `timeout_s` for the trainer's record of `last_step`, forward it, close the sinks."""
         if self.cfg is not None and last_step:

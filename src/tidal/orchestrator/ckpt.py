@@ -106,6 +106,7 @@ def resume_orch(run_dir: Path, cfg: OrchConfig, rng: random.Random, mix: EnvMix 
             removed += 1
     (rollouts / "DONE").unlink(missing_ok=True)
     truncate_metrics(run_dir / "samples.jsonl", step)
+    truncate_metrics(run_dir / "eval.jsonl", step)
     log.info("resumed from checkpoint step %d (%d tokens, %d samples so far); %d later batch(es) will be "
              "sampled again", step, progress.total_tokens, progress.total_samples, removed)
     return progress

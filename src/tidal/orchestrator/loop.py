@@ -33,6 +33,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.monitor.metrics import MetricsWriter
 from tidal.monitor.sinks import Sinks
 from tidal.orchestrator.advantage import (
     combine_rewards,
@@ -44,6 +45,7 @@ from tidal.orchestrator.advantage import (
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.ckpt import resume_orch, save_orch
 from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.sampling import extra_sampling, temperature_at
 from tidal.orchestrator.scoring import Scorer
@@ -348,6 +350,19 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
     raise AssertionError("unreachable")
 
 
+async def evaluate(evaluator: Evaluator, client: InferenceClient, model: str, base: str, policy_step: int,
+                   step: int, temperature: float, sinks: Sinks) -> None:
+    try:
+        out = await evaluator.run(client, model, base, policy_step, step, temperature)
+    except InferenceError as exc:  # the next step's retry logic takes care of a dead server
+        log.warning("eval of policy %d failed (%s); skipped", policy_step, str(exc)[:300])
+        evaluator.skip(policy_step)
+        return
+    sinks.record_eval(out)
+    means = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in out.items() if k.endswith("/reward/mean"))
+    log.info("eval of policy %d: reward %s (%.1f s)", policy_step, means, out["eval/time_s"])
+
+
 async def run(cfg: OrchConfig, run_dir: Path) -> int:
     """Produce batches until `max_steps`; returns the number written."""
     env = EnvMix(cfg)
@@ -375,6 +390,11 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, writer.dir)
         step = resumed_at = progress.step
+        evaluator = (Evaluator(cfg, cfg.eval, MetricsWriter(run_dir / "eval.jsonl")) if cfg.eval is not None
+                     else None)
+        skip_eval = resumed_at > 0 and cfg.eval is not None and cfg.eval.skip_eval_on_resume
+        if evaluator is not None and resumed_at == 0 and evaluator.due(0):
+            await evaluate(evaluator, client, base, base, 0, 0, temperature_at(cfg, 1), sinks)
         while cfg.max_steps is None or step < cfg.max_steps:
             step += 1
             counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)
@@ -418,6 +438,13 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             sinks.forward_metrics()
             log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
                      metrics["reward/mean"], policy.step, gen_tokens, got["rollout_time"])
+            if evaluator is not None and evaluator.due(policy.step):
+                if skip_eval:
+                    evaluator.skip(policy.step)
+                else:
+                    await evaluate(evaluator, client, policy.model, base, policy.step, step,
+                                   temperature_at(cfg, step), sinks)
+            skip_eval = False
         if cfg.ckpt.interval and progress.step == step and step % cfg.ckpt.interval:
             save_orch(run_dir, progress, rng, cfg, env, buffer)  # the last step too, so a longer run can resume
         writer.finish(step)

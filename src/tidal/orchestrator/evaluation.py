@@ -1,0 +1,84 @@
+"""Online evaluation (`eval.*`): score the served policy on fixed held-out examples between batches.
+
+Each eval environment gets a fixed example set, drawn once with a seed of its own (so it does not move the
+training sampler): `num_examples` of them, or for -1 the environment's finite eval set (`eval_examples()`) or
+128 generated ones. An evaluation samples `rollouts_per_example` completions per example from the policy vLLM
+serves (at the training temperature), scores them with that environment's reward, and records per
+environment `eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share of examples with a completion
+scoring >= 1), `.../completion_len/mean`, with the policy step evaluated, to `eval.jsonl` and the metric
+sinks. The base model (policy 0) is evaluated before the first step when `eval_base_model` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import EvalSection, OrchConfig
+from tidal.envs import Environment, Example, make_env
+from tidal.inference.client import InferenceClient
+from tidal.monitor.metrics import MetricsWriter
+
+GENERATED_EVAL_SIZE = 128
+EVAL_SEED = 1_000_003
+
+
+class Evaluator:
+    """The eval environments, their fixed examples, and when the next evaluation is due."""
+
+    def __init__(self, cfg: OrchConfig, ecfg: EvalSection, writer: MetricsWriter) -> None:
+        self.cfg, self.ecfg, self.writer = cfg, ecfg, writer
+        self.sets: dict[str, tuple[Environment, list[Example]]] = {}
+        for i, e in enumerate(ecfg.env):
+            env = make_env(e.id, e.args)
+            finite = env.eval_examples()
+            if ecfg.num_examples == -1 and finite is not None:
+                examples = list(finite)
+            else:
+                n = GENERATED_EVAL_SIZE if ecfg.num_examples == -1 else ecfg.num_examples
+                rng = random.Random(EVAL_SEED + i)
+                examples = list(finite)[:n] if finite is not None else [env.sample(rng) for _ in range(n)]
+            self.sets[e.name or e.id] = (env, examples)
+        self.prompts: dict[str, list[list[int]]] = {}
+        self.last_evaluated = -1
+
+    def due(self, policy_step: int) -> bool:
+        """Whether `policy_step` should be evaluated: the first policy at or past the next multiple."""
+        if policy_step <= self.last_evaluated:
+            return False
+        if policy_step == 0:
+            return self.ecfg.eval_base_model
+        return policy_step // self.ecfg.interval > max(self.last_evaluated, 0) // self.ecfg.interval
+
+    def skip(self, policy_step: int) -> None:
+        """Mark `policy_step` as evaluated without evaluating it (`skip_eval_on_resume`)."""
+        self.last_evaluated = max(self.last_evaluated, policy_step)
+
+    async def run(self, client: InferenceClient, model: str, base_model: str, policy_step: int, step: int,
+                  temperature: float) -> dict[str, Any]:
+        """Evaluate the served policy; returns (and records) the metrics."""
+        t0 = time.monotonic()
+        out: dict[str, Any] = {"step": step, "policy_step": policy_step}
+        for name, (env, examples) in self.sets.items():
+            if name not in self.prompts:
+                self.prompts[name] = list(await asyncio.gather(*(client.tokenize_chat(base_model, ex.prompt)
+                                                                 for ex in examples)))
+            groups = await asyncio.gather(*(
+                client.sample(model, p, self.ecfg.rollouts_per_example,
+                              max(1, min(self.cfg.sampling.max_tokens or self.cfg.seq_len, self.cfg.seq_len - len(p))),
+                              temperature, None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + i)
+                for i, p in enumerate(self.prompts[name])))
+            rewards = np.array([[env.reward(ex, c.text) for c in g] for ex, g in zip(examples, groups, strict=True)])
+            lengths = [len(c.token_ids) for g in groups for c in g]
+            out |= {f"eval/{name}/reward/mean": float(rewards.mean()), f"eval/{name}/reward/std": float(rewards.std()),
+                    f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),
+                    f"eval/{name}/completion_len/mean": float(np.mean(lengths)),
+                    f"eval/{name}/examples": len(examples)}
+        out["eval/time_s"] = time.monotonic() - t0
+        self.writer.write(out)
+        self.last_evaluated = max(self.last_evaluated, policy_step)
+        return out
