@@ -93,7 +93,7 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     port = free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(),
                  "--orch.eval", "{env: [{id: reverse-text, name: rev}], num_examples: 6, rollouts_per_example: 2, "
-                 "interval: 2}")
+                 "interval: 1}")
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -101,7 +101,7 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     evals = read_metrics(run_dir / "eval.jsonl")
     assert [e["policy_step"] for e in evals][:1] == [0], "the base model is evaluated first"
-    assert len(evals) >= 2 and evals[-1]["policy_step"] >= 2 and evals[-1]["eval/rev/examples"] == 6
+    assert len(evals) >= 2 and evals[-1]["policy_step"] >= 1 and evals[-1]["eval/rev/examples"] == 6
     assert all(0 <= e["eval/rev/reward/mean"] <= 1 for e in evals)
     assert "run complete" in out and str(run_dir / "metrics.jsonl") in out
     check_metrics(run_dir, 3)
