@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.envs.base import Environment
+from tidal.envs.math import MathProblems
 from tidal.envs.reverse_text import ReverseText
 
-_REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText}
+_REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems}
 
 
 def available() -> list[str]:
@@ -21,5 +22,5 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
         raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())})")
     try:
         return _REGISTRY[env_id](**(args or {}))
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"environment '{env_id}': bad args {args}: {exc}") from None
