@@ -30,7 +30,7 @@ bench: setup
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
 lint: setup
-	$(BIN)/ruff check src tests scripts bench
+	$(BIN)/ruff check src tests scripts bench examples
 	$(BIN)/mypy
 
 clean:

@@ -55,3 +55,13 @@ def test_bad_data_files_are_named(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"x": 1}\n')
     with pytest.raises(ValueError, match="no column 'question'.*question_key"):
         make_env("math", {"data_files": str(tmp_path / "d.jsonl")})
+
+
+def test_an_environment_by_import_path_like_the_docs_example():
+    env = make_env("examples.my_env:CountVowels", {"words": ["queue"]})
+    ex = env.sample(random.Random(0))
+    assert ex.answer == "4" and env.reward(ex, "It has 4") == 1.0 and env.reward(ex, "3") == 0.0
+    with pytest.raises(ValueError, match="cannot import"):
+        make_env("examples.nothing_here:X", {})
+    with pytest.raises(ValueError, match="not a tidal.envs.Environment subclass"):
+        make_env("random:Random", {})
