@@ -27,9 +27,23 @@ class Example:
 
 
 class Environment(ABC):
-    """Base class of every environment; subclasses register themselves in `tidal.envs.registry`."""
+    """Base class of every environment; subclasses register themselves in `tidal.envs.registry`.
+
+    Multi-turn environments (tool use) set `max_turns` > 1 and implement `respond`: after each model turn
+    (which ends at one of `stop`, e.g. a closing tool tag, or at EOS) the environment's response text is
+    appended as tokens that get no loss, and the model continues, until `respond` returns None or the turn or
+    token budget is spent."""
 
     id: str = ""
+    max_turns: int = 1
+    """Model turns per rollout (1: single-turn)."""
+    stop: list[str] = []  # noqa: RUF012 - class default, not mutated
+    """Strings that end a model turn (sent as vLLM `stop`, kept in the output), e.g. `</calc>`."""
+
+    def respond(self, example: Example, transcript: str) -> str | None:
+        """The environment's reply to the rollout so far (`transcript`: every model turn and reply, as text),
+        e.g. a tool's output; None ends the rollout."""
+        return None
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Example:

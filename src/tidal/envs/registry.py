@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.envs.base import Environment
+from tidal.envs.calculator import Calculator
 from tidal.envs.math import MathProblems
 from tidal.envs.reverse_text import ReverseText
 
-_REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems}
+_REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems,
+                                           Calculator.id: Calculator}
 
 
 def available() -> list[str]:

@@ -43,6 +43,9 @@ class Completion:
     finish_reason: str
     token_texts: list[str] | None = None
     """Each sampled token's text as vLLM detokenized it (maps character offsets to token positions)."""
+    mask: list[int] | None = None
+    """Per token: 1 sampled by the model (trained), 0 inserted by the environment (multi-turn tool output);
+    None: all sampled."""
 
 
 def server_root(base_url: str) -> str:
@@ -127,6 +130,12 @@ class InferenceClient:
         url = f"{server_root(self.urls[0])}/tokenize"
         out = await self._post(url, {"model": model, "messages": messages, "add_generation_prompt": True,
                                      "add_special_tokens": False})
+        return list(out["tokens"])
+
+    async def tokenize_text(self, model: str, text: str) -> list[int]:
+        """Token ids of plain `text` (no chat template, no special tokens)."""
+        out = await self._post(f"{server_root(self.urls[0])}/tokenize",
+                               {"model": model, "prompt": text, "add_special_tokens": False})
         return list(out["tokens"])
 
     async def sample(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
-from tidal.envs.base import Example
+from tidal.envs.base import Environment, Example
 from tidal.inference.client import Completion, InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsWriter
 from tidal.monitor.sinks import Sinks
@@ -144,6 +144,43 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
                                cfg.sampling.temperature if temperature is None else temperature, seed, extra)
 
 
+async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
+                           seed: int | None, temperature: float, env: Environment,
+                           example: Example) -> list[Completion]:
+    """`n` multi-turn rollouts: each model turn ends at EOS or one of `env.stop`; the environment's reply
+    (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
+    turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
+    budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt_ids))
+    extra = {**extra_sampling(cfg), "stop": list(env.stop), "include_stop_str_in_output": True}
+    if "min_tokens" in extra:
+        extra["min_tokens"] = min(extra["min_tokens"], budget)
+    first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
+
+    async def continue_one(i: int, c: Completion) -> Completion:
+        ids, lps, mask, text = list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.text
+        finish = c.finish_reason
+        for turn in range(1, env.max_turns):
+            reply = env.respond(example, text) if finish != "length" else None
+            if reply is None:
+                break
+            reply_ids = await client.tokenize_text(model, reply)
+            room = budget - len(ids) - len(reply_ids)
+            if room < 1:
+                finish = "length"
+                break
+            ids, lps, text = ids + reply_ids, lps + [0.0] * len(reply_ids), text + reply
+            mask += [0] * len(reply_ids)
+            turn_seed = None if seed is None else seed + 7919 * turn + i
+            nxt = (await client.sample(model, prompt_ids + ids, 1, room, temperature, turn_seed,
+                                       {**extra, "min_tokens": 0}))[0]
+            ids, lps, text = ids + nxt.token_ids, lps + nxt.logprobs, text + nxt.text
+            mask += [1] * len(nxt.token_ids)
+            finish = nxt.finish_reason
+        return Completion(ids, lps, text, finish, None, mask)
+
+    return list(await asyncio.gather(*(continue_one(i, c) for i, c in enumerate(first))))
+
+
 MAX_DRAWS = 100
 
 
@@ -209,7 +246,8 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
     for k, ((prompt, c), a) in enumerate(zip(comps, advantages, strict=True)):
         tokens += prompt + c.token_ids
-        mask += [0] * len(prompt) + [0 if masked is not None and masked[k] else 1] * len(c.token_ids)
+        keep_loss = 0 if masked is not None and masked[k] else 1
+        mask += [0] * len(prompt) + [keep_loss * m for m in (c.mask or [1] * len(c.token_ids))]
         lps += [0.0] * len(prompt) + c.logprobs
         adv += [np.zeros(len(prompt)), a]
         lengths.append(len(prompt) + len(c.token_ids))
@@ -282,9 +320,12 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + requests + i
                  for i in range(len(examples))]
         requests += len(examples)
+        envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
         groups = await asyncio.gather(*(
+            multi_turn_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s, temperature_at(cfg, step),
+                             e, ex) if e.max_turns > 1 else
             rollout_group(client, policy.model, p, cfg.rollouts_per_example, cfg, s, temperature_at(cfg, step))
-            for p, s in zip(prompts, seeds, strict=True)))
+            for p, s, e, ex in zip(prompts, seeds, envs, examples, strict=True)))
         for ex, p, g in zip(examples, prompts, groups, strict=True):
             scores = scorer.score(ex, g, step)
             ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
