@@ -155,6 +155,10 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if train.max_steps == -1 and orch.max_steps:
         train.max_steps = orch.max_steps  # lets linear/cosine LR schedules know the run's length
     orch.client.base_url = [f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"]
+    if orch.rollout_transport.type == "zmq":  # the trainer asks the orchestrator's batch server
+        train.transport_type = "zmq"
+        train.transport_host = orch.rollout_transport.host
+        train.transport_port = orch.rollout_transport.port
     if args.dry_run:
         for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
             print(f"# --- {name} ---\n{dump(cfg)}")

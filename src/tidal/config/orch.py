@@ -277,16 +277,15 @@ class NotYetSection(StrictModel):
 class RolloutTransportSection(StrictModel):
     """How batches reach the trainer."""
 
-    UNSUPPORTED = frozenset({"type", "host", "port", "hwm"})
-
     type: Literal["filesystem", "zmq"] = "filesystem"
-    """`filesystem` (temp file + rename under `{output_dir}/rollouts`); `zmq` is not supported yet."""
+    """`filesystem` (temp file + rename under `{output_dir}/rollouts`) or `zmq` (the orchestrator serves batches
+    over TCP; the trainer sets `transport_type: zmq` with the same host and port)."""
     host: str = "localhost"
-    """(zmq) bind host."""
-    port: int = 5555
-    """(zmq) bind port."""
-    hwm: int = 10
-    """(zmq) high-water mark."""
+    """(zmq) Bind host (localhost by default: no other machine can ask for batches)."""
+    port: int = Field(5555, ge=1, le=65535)
+    """(zmq) Bind port."""
+    hwm: int = Field(10, ge=1)
+    """(zmq) High-water mark: batches held for the trainer beyond which the orchestrator waits."""
 
 
 class WeightBroadcastSection(StrictModel):

@@ -211,7 +211,7 @@ class TrainConfig(StrictModel):
     """Everything `tidal grpo-train` and `tidal sft` read from `train.yaml`."""
 
     UNSUPPORTED = frozenset({"gradient_accumulation_steps", "qlora_fp8", "qlora_bnb", "qlora_fp4",
-                             "zero_level", "transport_type"})
+                             "zero_level"})
 
     model: str
     """Local Hugging Face model directory to train, or `tidal:tiny-reverse` (the bundled model)."""
@@ -270,7 +270,12 @@ class TrainConfig(StrictModel):
     max_async_level: int = Field(1, ge=0)
     """Policy lag allowed to inference; the trainer keeps the newest `max_async_level + 1` broadcasts."""
     transport_type: Literal["filesystem", "zmq"] = "filesystem"
-    """How batches arrive from the orchestrator (only `filesystem` so far)."""
+    """How batches arrive from the orchestrator: `filesystem` (`{run_dir}/rollouts`) or `zmq` (asked from the
+    orchestrator at `transport_host:transport_port`, its `rollout_transport`)."""
+    transport_host: str = "localhost"
+    """(zmq) Host of the orchestrator's batch server (`tidal grpo` sets it from orch `rollout_transport`)."""
+    transport_port: int = Field(5555, ge=1, le=65535)
+    """(zmq) Port of the orchestrator's batch server."""
     seed: int = 42
     """Seed for torch's RNG (LoRA init, dropout)."""
     cpu_affinity: list[int] | None = None

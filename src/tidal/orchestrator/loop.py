@@ -53,6 +53,7 @@ from tidal.orchestrator.stats import rollout_metrics
 from tidal.trainer.broadcast import broadcast_dir, stable_steps
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchWriter
+from tidal.transport.zmq_transport import ZmqBatchServer
 
 log = logging.getLogger("tidal.orch")
 
@@ -416,7 +417,8 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
     client = InferenceClient(cfg.client)
     teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                if cfg.teacher is not None else None)
-    writer = BatchWriter(run_dir)
+    rt = cfg.rollout_transport
+    writer: Any = BatchWriter(run_dir) if rt.type == "filesystem" else ZmqBatchServer(rt.host, rt.port, rt.hwm)
     sinks = Sinks(cfg.report_to, run_dir, {"orch": cfg.model_dump(mode="json")})
     try:
         served = await client.wait_ready()
@@ -470,7 +472,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                              "progress/total_samples": progress.total_samples,
                              "rollout_time_s": got["rollout_time"], "weights_wait_s": got["waited"],
                              "rollout_tokens_per_s": gen_tokens / max(got["rollout_time"], 1e-9)}
-            writer.write(batch)
+            await writer.put(batch)
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
                 save_orch(run_dir, progress, rng, cfg, env, buffer)
             if sinks.due(step) or step == cfg.max_steps:
@@ -490,10 +492,11 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
             save_orch(run_dir, progress, rng, cfg, env, buffer)  # the last step too, so a longer run can resume
         writer.finish(step)
         log.info("all %d batches written; waiting for the trainer's last step before closing the sinks", step)
-        sinks.close(step, timeout_s=cfg.weights_timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: sinks.close(step, cfg.weights_timeout_s))
         log.info("orchestrator finished")
         return step
     finally:
+        await writer.close()
         await client.close()
         if teacher is not None:
             await teacher.close()

@@ -135,7 +135,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     total = cfg.max_steps if cfg.max_steps > 0 else None
     sched = make_scheduler(opt, cfg, total)
     merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
-    reader = BatchReader(run_dir)
+    reader: Any = BatchReader(run_dir)
+    if cfg.transport_type == "zmq":
+        from tidal.transport.zmq_transport import ZmqBatchReader
+
+        reader = ZmqBatchReader(cfg.transport_host, cfg.transport_port)
     step = resume(cfg, run_dir, model, opt, sched, merged_keys)
     resumed_from = step
     metrics = MetricsWriter(run_dir / "metrics.jsonl")

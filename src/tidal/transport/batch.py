@@ -81,10 +81,37 @@ class TrainingBatch:
         """Write to `path` (callers make it atomic; see `transport.filesystem`)."""
         from safetensors.numpy import save_file
 
+        meta, arrays = self._meta_arrays()
+        save_file(arrays, str(path), metadata=meta)
+
+    def _meta_arrays(self) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         meta = {"step": str(self.step), "temperature": repr(self.temperature), "max_tokens": str(self.max_tokens),
                 "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/2"}
-        arrays = {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL if getattr(self, k) is not None}
-        save_file(arrays, str(path), metadata=meta)
+        return meta, {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL if getattr(self, k) is not None}
+
+    def to_bytes(self) -> bytes:
+        """The same safetensors encoding as `save`, in memory (for the zmq transport)."""
+        from safetensors.numpy import save
+
+        meta, arrays = self._meta_arrays()
+        return save(arrays, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TrainingBatch:
+        """Inverse of `to_bytes`; any problem raises BatchFormatError."""
+        from safetensors.numpy import load
+
+        try:
+            n = int.from_bytes(data[:8], "little")
+            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+            if meta.get("format") != "tidal.TrainingBatch/2":
+                raise ValueError(f"format {meta.get('format')!r}, expected 'tidal.TrainingBatch/2'")
+            arrays = load(data)
+            return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
+                       max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
+                       **{k: arrays[k] for k in _ARRAYS}, **{k: arrays[k] for k in _OPTIONAL if k in arrays})
+        except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt message
+            raise BatchFormatError(f"corrupt or not a tidal batch: {exc}") from exc
 
     @classmethod
     def load(cls, path: Path) -> TrainingBatch:

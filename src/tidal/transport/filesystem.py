@@ -46,8 +46,14 @@ class BatchWriter:
             raise
         return final
 
+    async def put(self, batch: TrainingBatch) -> None:
+        self.write(batch)
+
     def finish(self, last_step: int) -> None:
         atomic_write_bytes(self.dir / "DONE", str(last_step).encode())
+
+    async def close(self) -> None:
+        return None
 
 
 class BatchReader:

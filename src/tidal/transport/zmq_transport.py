@@ -1,0 +1,138 @@
+"""ZeroMQ transport (`rollout_transport.type: zmq`, trainer `transport_type: zmq`): batches over TCP, no
+shared filesystem needed for them.
+
+The orchestrator binds a ROUTER socket at `host:port` and keeps the batches it produced in memory; the trainer
+connects a DEALER socket and asks for batch n (a JSON request). The reply is the batch's safetensors bytes
+(`TrainingBatch.to_bytes`, never pickle), "wait" when it is not produced yet, or "done" when the orchestrator
+finished before n. A request for n acknowledges every batch before n, which is then dropped; at most `hwm`
+unacknowledged batches are kept: the orchestrator waits before producing more (backpressure). A trainer that
+gets no answer (orchestrator restarting) reconnects and asks again, up to its `batch_timeout_s`.
+
+Resume: batches live in the orchestrator's memory, so a trainer that resumes from step t needs an orchestrator
+that produces t+1 again — resume the orchestrator from a checkpoint <= t (`ckpt.resume_step`). A request for a
+batch that was dropped gets an error naming this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tidal.transport.batch import BatchFormatError, TrainingBatch
+
+log = logging.getLogger("tidal.transport")
+
+
+class ZmqBatchServer:
+    """Orchestrator side: serve batches to the trainer."""
+
+    def __init__(self, host: str, port: int, hwm: int) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://{host}:{port}")
+        self.hwm = hwm
+        self.batches: dict[int, bytes] = {}
+        self.acked = 0  # the trainer asked for acked + 1: everything up to acked is consumed
+        self.done: int | None = None
+        self.first_held: int | None = None  # the first batch this orchestrator produced (after a resume: m + 1)
+        self.dir = f"tcp://{host}:{port}"
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, raw = await self.sock.recv_multipart()
+            try:
+                step = int(json.loads(raw)["step"])
+            except (ValueError, KeyError, TypeError):
+                await self.sock.send_multipart([ident, b"", b"error", b"bad request"])
+                continue
+            self.acked = max(self.acked, step - 1)
+            for s in [s for s in self.batches if s < step]:
+                del self.batches[s]
+            if step in self.batches:
+                await self.sock.send_multipart([ident, b"", b"batch", self.batches[step]])
+            elif self.done is not None and step > self.done:
+                await self.sock.send_multipart([ident, b"", b"done", str(self.done).encode()])
+            elif self.first_held is not None and step < self.first_held:
+                msg = (f"batch {step} is no longer held by the orchestrator (zmq keeps batches in memory); resume "
+                       f"the orchestrator from a checkpoint at or before step {step - 1}")
+                await self.sock.send_multipart([ident, b"", b"error", msg.encode()])
+            else:
+                await self.sock.send_multipart([ident, b"", b"wait", b""])
+
+    async def put(self, batch: TrainingBatch) -> None:
+        """Hold `batch` for the trainer, first waiting while `hwm` batches are unacknowledged."""
+        if self.first_held is None:
+            self.first_held = batch.step
+        while len([s for s in self.batches if s > self.acked]) >= self.hwm:
+            await asyncio.sleep(0.05)
+        self.batches[batch.step] = batch.to_bytes()
+
+    def finish(self, last_step: int) -> None:
+        self.done = last_step
+
+    async def close(self, linger_s: float = 5.0) -> None:
+        """Keep answering for up to `linger_s` (so the trainer hears "done"), then close."""
+        deadline = time.monotonic() + linger_s
+        while self.done is not None and self.acked < self.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        self._task.cancel()
+        self.sock.close()
+        self.ctx.term()
+
+
+class ZmqBatchReader:
+    """Trainer side: ask the orchestrator for batch n."""
+
+    def __init__(self, host: str, port: int, reply_timeout_s: float = 5.0) -> None:
+        self.endpoint = f"tcp://{host}:{port}"
+        self.dir = self.endpoint
+        self.ctx: Any = zmq.Context.instance()
+        self.reply_timeout_s = reply_timeout_s
+        self.sock: Any = None
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
+
+    def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
+             on_wait: Callable[[float], None] | None = None) -> TrainingBatch | None:
+        """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
+        start = last_note = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise TimeoutError(f"no batch {step} from the orchestrator at {self.endpoint} after {timeout_s:.0f} s "
+                                   f"(batch_timeout_s); is the orchestrator running? Restart it with --resume, "
+                                   f"then this trainer with --resume")
+            if on_wait is not None and now - last_note >= 30:
+                on_wait(now - start)
+                last_note = now
+            self.sock.send_multipart([b"", json.dumps({"step": step}).encode()])
+            if not self.sock.poll(int(self.reply_timeout_s * 1000)):
+                self._connect()  # no answer: the orchestrator is gone or restarting; ask again on a new socket
+                continue
+            _, kind, payload = self.sock.recv_multipart()
+            if kind == b"batch":
+                try:
+                    return TrainingBatch.from_bytes(payload)
+                except BatchFormatError as exc:
+                    raise BatchFormatError(f"batch {step} from {self.endpoint}: {exc}") from exc
+            if kind == b"done":
+                return None
+            if kind == b"error":
+                raise RuntimeError(f"{self.endpoint}: {payload.decode(errors='replace')}")
+            time.sleep(poll_s)
