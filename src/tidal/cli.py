@@ -293,6 +293,24 @@ def cmd_report(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     return 0
 
 
+def cmd_env_server(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    import json
+
+    from tidal.envs import make_env
+    from tidal.envs.remote import serve
+
+    try:
+        env_args = json.loads(args.args)
+        env = make_env(args.env_id, env_args)
+    except ValueError as exc:
+        raise ConfigError(f"env-server: {exc}") from None
+    try:
+        serve(env, args.host, args.port)
+    except PermissionError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="GRPO training with vLLM rollouts.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -314,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--output-dir", help="run directory for every component's output")
     g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
                    help="restart the inference server up to N times if it dies (default 3)")
+    e = sub.add_parser("env-server", help="serve an environment over HTTP (for orch env[].address)")
+    e.add_argument("env_id", help="registered id or package.module:Class")
+    e.add_argument("--args", default="{}", help="environment arguments as JSON")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--port", type=int, default=8100)
     r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, samples and configs of a run")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--out", help="write the HTML here instead of RUN_DIR/report.html")
@@ -322,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
-            "report": (cmd_report, set())}
+            "report": (cmd_report, set()), "env-server": (cmd_env_server, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

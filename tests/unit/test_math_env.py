@@ -65,3 +65,17 @@ def test_an_environment_by_import_path_like_the_docs_example():
         make_env("examples.nothing_here:X", {})
     with pytest.raises(ValueError, match="not a tidal.envs.Environment subclass"):
         make_env("random:Random", {})
+
+
+def test_math_reward_works_off_the_main_thread():
+    """Rewards run in worker threads (reward_timeout_s, env servers); math-verify's SIGALRM timeouts must not
+    turn every answer into 0 there."""
+    import threading
+
+    env = make_env("math", {})
+    ex = env.sample(random.Random(3))
+    out: list[float] = []
+    t = threading.Thread(target=lambda: out.append(env.reward(ex, env.reference_completion(ex))))
+    t.start()
+    t.join(30)
+    assert out == [1.0]

@@ -29,16 +29,23 @@ class ModelSection(StrictModel):
 class EnvSection(StrictModel):
     """One environment to sample training examples from."""
 
-    UNSUPPORTED = frozenset({"address"})
-
     id: str
-    """Environment id from tidal's registry (e.g. `reverse-text`)."""
+    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`) or `package.module:Class`."""
     name: str | None = None
-    """Human-readable name."""
+    """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Environment-specific keyword arguments."""
     address: str | None = None
-    """Address of an external environment server (not supported yet)."""
+    """`http://host:port` of a running `tidal env-server` serving this environment (null: not remote)."""
+    spawn: bool = False
+    """Run the environment in a `tidal env-server` subprocess started by the orchestrator (null address and
+    false: in process)."""
+
+    @model_validator(mode="after")
+    def _one_place(self) -> EnvSection:
+        if self.address is not None and self.spawn:
+            raise ValueError(f"env '{self.name or self.id}': set address (a running server) or spawn, not both")
+        return self
 
 
 class TempSchedulerSection(StrictModel):

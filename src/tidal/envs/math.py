@@ -24,11 +24,14 @@ ITEMS = ["apples", "marbles", "stickers", "coins", "books", "shells"]
 
 
 def check(gold: str, completion: str) -> float:
-    """1.0 when math-verify finds the completion's answer equal to `gold`."""
+    """1.0 when math-verify finds the completion's answer equal to `gold`. math-verify's own timeouts use
+    SIGALRM, which only works in the main thread; rewards run in worker threads (the orchestrator's reward
+    timeout, the environment server), so they are off here and `reward_timeout_s` bounds the call instead."""
     from math_verify import parse, verify
 
     try:
-        return 1.0 if verify(parse(f"${gold}$"), parse(completion)) else 0.0
+        return 1.0 if verify(parse(f"${gold}$", parsing_timeout=None), parse(completion, parsing_timeout=None),
+                             timeout_seconds=None) else 0.0
     except Exception:  # noqa: BLE001 - an unparsable completion scores 0
         return 0.0
 

@@ -13,15 +13,24 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tidal.config.orch import OrchConfig
+from tidal.config.orch import EnvSection, OrchConfig
 from tidal.envs import Environment, Example, make_env
+
+
+def build_env(e: EnvSection) -> Environment:
+    """In process, in a spawned `tidal env-server` subprocess, or at a running server's `address`."""
+    if e.address is not None or e.spawn:
+        from tidal.envs.remote import RemoteEnvironment, spawn_server
+
+        return RemoteEnvironment(e.address or spawn_server(e.id, e.args))
+    return make_env(e.id, e.args)
 
 
 class EnvMix:
     """The run's environments and the ratio-keeping example sampler."""
 
     def __init__(self, cfg: OrchConfig) -> None:
-        self.envs: dict[str, Environment] = {e.name or e.id: make_env(e.id, e.args) for e in cfg.env}
+        self.envs: dict[str, Environment] = {e.name or e.id: build_env(e) for e in cfg.env}
         ratios = cfg.buffer.env_ratios or [1.0] * len(self.envs)
         total = float(sum(ratios))
         self.ratios = [r / total for r in ratios]

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import EvalSection, OrchConfig
-from tidal.envs import Environment, Example, make_env
+from tidal.envs import Environment, Example
 from tidal.inference.client import InferenceClient
 from tidal.monitor.metrics import MetricsWriter
+from tidal.orchestrator.envmix import build_env
 
 GENERATED_EVAL_SIZE = 128
 EVAL_SEED = 1_000_003
@@ -34,7 +35,7 @@ class Evaluator:
         self.cfg, self.ecfg, self.writer = cfg, ecfg, writer
         self.sets: dict[str, tuple[Environment, list[Example]]] = {}
         for i, e in enumerate(ecfg.env):
-            env = make_env(e.id, e.args)
+            env = build_env(e)
             finite = env.eval_examples()
             if ecfg.num_examples == -1 and finite is not None:
                 examples = list(finite)
