@@ -30,7 +30,10 @@ class EnvMix:
     """The run's environments and the ratio-keeping example sampler."""
 
     def __init__(self, cfg: OrchConfig) -> None:
-        self.envs: dict[str, Environment] = {e.name or e.id: build_env(e) for e in cfg.env}
+        self.envs: dict[str, Environment] = {}
+        for e in cfg.env:
+            env = build_env(e)
+            self.envs[e.name or env.id or e.id] = env  # an import path is named by its class's `id`
         ratios = cfg.buffer.env_ratios or [1.0] * len(self.envs)
         total = float(sum(ratios))
         self.ratios = [r / total for r in ratios]

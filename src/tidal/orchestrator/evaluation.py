@@ -43,7 +43,7 @@ class Evaluator:
                 n = GENERATED_EVAL_SIZE if ecfg.num_examples == -1 else ecfg.num_examples
                 rng = random.Random(EVAL_SEED + i)
                 examples = list(finite)[:n] if finite is not None else [env.sample(rng) for _ in range(n)]
-            self.sets[e.name or e.id] = (env, examples)
+            self.sets[e.name or env.id or e.id] = (env, examples)
         self.prompts: dict[str, list[list[int]]] = {}
         self.last_evaluated = -1
 
