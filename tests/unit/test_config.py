@@ -115,7 +115,7 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
 @pytest.mark.parametrize("cls,yaml_text,key", [
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
-    (OrchConfig, SEED_ORCH + "filters:\n  - type: gibberish\n", "filters"),
+    (OrchConfig, SEED_ORCH + "weight_broadcast:\n  type: nccl\n", "type"),
     (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):
