@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tidal.transport.batch import TrainingBatch
+from tidal.transport.waiting import BatchWait
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -73,19 +74,12 @@ class BatchReader:
              on_wait: Callable[[float], None] | None = None) -> TrainingBatch | None:
         """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
         path = self.dir / f"step_{step}.safetensors"
-        start = last_note = time.monotonic()
+        clock = BatchWait(step, str(path), timeout_s, on_wait)
         while True:
             if path.exists():
                 return TrainingBatch.load(path)
             done = self.done_step()
             if done is not None and done < step:
                 return None
-            now = time.monotonic()
-            if now - start > timeout_s:
-                raise TimeoutError(f"no batch {step} from the orchestrator at {path} after {timeout_s:.0f} s "
-                                   f"(batch_timeout_s); is the orchestrator running? Restart it with --resume, "
-                                   f"then this trainer with --resume")
-            if on_wait is not None and now - last_note >= 30:
-                on_wait(now - start)
-                last_note = now
+            clock.tick()
             time.sleep(poll_s)

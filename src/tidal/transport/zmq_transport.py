@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from tidal.transport.batch import BatchFormatError, TrainingBatch
+from tidal.transport.waiting import BatchWait
 
 log = logging.getLogger("tidal.transport")
 
@@ -111,16 +112,9 @@ class ZmqBatchReader:
     def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
              on_wait: Callable[[float], None] | None = None) -> TrainingBatch | None:
         """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
-        start = last_note = time.monotonic()
+        clock = BatchWait(step, self.endpoint, timeout_s, on_wait)
         while True:
-            now = time.monotonic()
-            if now - start > timeout_s:
-                raise TimeoutError(f"no batch {step} from the orchestrator at {self.endpoint} after {timeout_s:.0f} s "
-                                   f"(batch_timeout_s); is the orchestrator running? Restart it with --resume, "
-                                   f"then this trainer with --resume")
-            if on_wait is not None and now - last_note >= 30:
-                on_wait(now - start)
-                last_note = now
+            clock.tick()
             self.sock.send_multipart([b"", json.dumps({"step": step}).encode()])
             if not self.sock.poll(int(self.reply_timeout_s * 1000)):
                 self._connect()  # no answer: the orchestrator is gone or restarting; ask again on a new socket
