@@ -33,13 +33,13 @@ TRAIN = ["--train.max_steps", str(STEPS), "--train.lr_scheduler_type", "cosine",
 
 def write_batches(run_dir: Path, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
-    cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 4, "seq_len": 128})
+    cfg = OrchConfig.model_validate({"batch_size": 32, "rollouts_per_example": 4, "seq_len": 128})
     writer = BatchWriter(run_dir)
-    for step in range(1, STEPS + 1):
-        prompts = [list(rng.integers(5, 120, size=rng.integers(4, 12))) for _ in range(2)]
+    for step in range(1, STEPS + 1):  # big enough that a step takes a while: the kills land mid-run
+        prompts = [list(rng.integers(5, 120, size=rng.integers(4, 12))) for _ in range(8)]
         groups = [[Completion(list(map(int, rng.integers(5, 120, size=n))), list(-rng.uniform(0.1, 3, size=n)),
-                              "", "stop") for n in rng.integers(1, 20, size=4)] for _ in prompts]
-        rewards = rng.uniform(0, 1, size=8)
+                              "", "stop") for n in rng.integers(20, 60, size=4)] for _ in prompts]
+        rewards = rng.uniform(0, 1, size=32)
         lens = np.array([len(c.token_ids) for g in groups for c in g])
         adv = compute_advantages(cfg, rewards, lens, None, None)
         batch, metrics = build_batch(step, [list(map(int, p)) for p in prompts], groups, rewards, adv, 0, cfg)
@@ -84,9 +84,10 @@ def test_killed_trainer_resumes_exactly(tmp_path, reference, interval):
         while steps_done(tmp_path) < kill_after:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.05)
-        time.sleep(random.uniform(0, 0.5))
+        time.sleep(random.uniform(0, 0.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        assert steps_done(tmp_path) < STEPS, "the trainer finished before it was killed: the test proves nothing"
         kills += 1
     out = finish(run_trainer(tmp_path, *ckpt, "--resume"))
     assert "resumed from checkpoint step" in out
