@@ -37,7 +37,9 @@ def write_batches(run_dir: Path, seed: int = 0) -> None:
     writer = BatchWriter(run_dir)
     for step in range(1, STEPS + 1):  # big enough that a step takes a while: the kills land mid-run
         prompts = [list(rng.integers(5, 120, size=rng.integers(4, 12))) for _ in range(8)]
-        groups = [[Completion(list(map(int, rng.integers(5, 120, size=n))), list(-rng.uniform(0.1, 3, size=n)),
+        # inference logprobs near the bundled model's on random tokens (~ -5.9), so the trainer/inference
+        # ratio stays inside the token and sequence masks and every step really updates the adapter
+        groups = [[Completion(list(map(int, rng.integers(5, 120, size=n))), list(-rng.uniform(5.0, 6.5, size=n)),
                               "", "stop") for n in rng.integers(20, 60, size=4)] for _ in prompts]
         rewards = rng.uniform(0, 1, size=32)
         lens = np.array([len(c.token_ids) for g in groups for c in g])
@@ -103,6 +105,8 @@ def test_killed_trainer_resumes_exactly(tmp_path, reference, interval):
     a = load_file(str(tmp_path / "final/adapter/adapter_model.safetensors"))
     b = load_file(str(reference / "final/adapter/adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "bit-identical final adapter"
+    assert max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k) > 0, "training changed the adapter"
+    assert all(r["masked"] < 0.5 for r in rows), "most tokens are trained on"
     kept = sorted(p.name for p in (tmp_path / "checkpoints/trainer").iterdir())
     assert kept == [f"step_{STEPS - interval}", f"step_{STEPS}"], kept  # keep_last 2
 
