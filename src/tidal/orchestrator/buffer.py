@@ -62,7 +62,7 @@ class Buffer:
             if key not in self.step_keys and key not in self.easy and key not in self.hard:
                 self.step_keys.add(key)
                 return ex
-            self.counts["buffer/duplicates_skipped"] = self.counts.get("buffer/duplicates_skipped", 0.0) + 1
+            self.counts["buffer/duplicates_skipped"] += 1
         return ex
 
     def judge(self, example: Example, rewards: np.ndarray) -> bool:

@@ -138,9 +138,7 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
     if room < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
     max_tokens = min(cfg.sampling.max_tokens or room, room)
-    extra = extra_sampling(cfg)
-    if "min_tokens" in extra:
-        extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
+    extra = extra_sampling(cfg, max_tokens)
     return await client.sample(model, prompt_ids, n, max_tokens,
                                cfg.sampling.temperature if temperature is None else temperature, seed, extra)
 
@@ -152,9 +150,7 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
     (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
     turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
     budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt_ids))
-    extra = {**extra_sampling(cfg), "stop": list(env.stop), "include_stop_str_in_output": True}
-    if "min_tokens" in extra:
-        extra["min_tokens"] = min(extra["min_tokens"], budget)
+    extra = {**extra_sampling(cfg, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
     first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
 
     async def continue_one(i: int, c: Completion) -> Completion:

@@ -25,11 +25,12 @@ def temperature_at(cfg: OrchConfig, step: int) -> float:
     return sched.end_temperature + (sched.start_temperature - sched.end_temperature) * (1 + math.cos(math.pi * p)) / 2
 
 
-def extra_sampling(cfg: OrchConfig) -> dict[str, Any]:
-    """vLLM request keys beyond temperature and max_tokens (only those that differ from vLLM's defaults)."""
+def extra_sampling(cfg: OrchConfig, max_tokens: int) -> dict[str, Any]:
+    """vLLM request keys beyond temperature and max_tokens (only those that differ from vLLM's defaults);
+    `min_tokens` never exceeds the request's `max_tokens`."""
     out: dict[str, Any] = {}
     if cfg.sampling.repetition_penalty != 1.0:
         out["repetition_penalty"] = cfg.sampling.repetition_penalty
     if cfg.sampling.min_tokens:
-        out["min_tokens"] = cfg.sampling.min_tokens
+        out["min_tokens"] = min(cfg.sampling.min_tokens, max_tokens)
     return out
