@@ -21,6 +21,7 @@ import yaml
 
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
+from tidal.config.train import TrainWeightBroadcast
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
 
@@ -159,6 +160,12 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         train.transport_type = "zmq"
         train.transport_host = orch.rollout_transport.host
         train.transport_port = orch.rollout_transport.port
+    if orch.weight_broadcast.type == "nccl":  # the trainer pushes into this server
+        wb = orch.weight_broadcast
+        train.weight_broadcast = TrainWeightBroadcast(type="nccl", host=wb.host, port=wb.port, timeout=wb.timeout,
+                                                      base_url=list(orch.client.base_url),
+                                                      api_key_var=orch.client.api_key_var)
+        infer.weight_broadcast_type = "nccl"
     if args.dry_run:
         for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
             print(f"# --- {name} ---\n{dump(cfg)}")
@@ -170,7 +177,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         check_port_free(host, infer.port)
     except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
-    if orch.weight_broadcast.reload == "auto" and not has_nvidia_gpu() and train.device != "cuda":
+    pushed = orch.weight_broadcast.type == "nccl"
+    if not pushed and orch.weight_broadcast.reload == "auto" and not has_nvidia_gpu() and train.device != "cuda":
         # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
         orch.weight_broadcast.reload, train.broadcast_merged, infer.weight_reload = "merged", True, True
     vllm_cores = split_cpu_cores(train)

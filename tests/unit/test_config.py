@@ -115,8 +115,6 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
 @pytest.mark.parametrize("cls,yaml_text,key", [
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
     (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
-    (OrchConfig, SEED_ORCH + "weight_broadcast:\n  type: nccl\n", "type"),
-    (InferConfig, SEED_INFER + "weight_broadcast_type: nccl\n", "weight_broadcast_type"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):
     with pytest.raises(ConfigError, match="not supported yet") as e:
@@ -227,6 +225,27 @@ def test_docs_list_every_seed_orchestrator_key():
     for key in ["sampling.temp_scheduler", "buffer.env_ratios", "advantage.length_weighted_mean", "client.elastic",
                 "rollout_transport.hwm", "weight_broadcast.timeout", "max_off_policy_steps", "env[].address"]:
         assert f"`{key}" in text, key
+
+
+def test_no_orchestrator_or_inference_key_is_unsupported():
+    text = (REPO / "docs" / "configuration.md").read_text()
+    orch_and_infer = text[text.index("## Inference (`infer.yaml`)"):]
+    rows = [line for line in orch_and_infer.splitlines() if line.startswith("| `")]
+    assert len(rows) > 120
+    assert not [r for r in rows if "not supported" in r]
+
+
+def test_grpo_with_nccl_broadcast_configures_all_three_components(tmp_path):
+    r = run_cli("grpo", "--dry-run", "--output-dir", str(tmp_path / "run"), "--infer.port", "8123",
+                "--orch.weight_broadcast.type", "nccl", "--orch.weight_broadcast.port", "29555",
+                "--orch.weight_broadcast.timeout", "77", "--orch.client.api_key_var", "MY_KEY")
+    assert r.returncode == 0, r.stderr
+    train, infer, orch = [yaml.safe_load(part.split("---\n", 1)[1]) for part in r.stdout.split("# --- ")[1:]]
+    assert infer["weight_broadcast_type"] == "nccl"
+    assert train["weight_broadcast"] == {"type": "nccl", "host": "localhost", "port": 29555, "timeout": 77,
+                                         "base_url": ["http://127.0.0.1:8123/v1"], "api_key_var": "MY_KEY"}
+    assert train["broadcast_merged"] is False, "pushed weights need no merged files"
+    assert orch["weight_broadcast"]["type"] == "nccl"
 
 
 def test_cli_grpo_port_in_use_exits_2_and_starts_nothing(tmp_path):

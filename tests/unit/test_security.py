@@ -36,6 +36,22 @@ def test_binding_beyond_localhost_needs_an_api_key(monkeypatch):
     check_bind_secure(InferConfig(model="m", host="0.0.0.0"))
 
 
+def test_nccl_weight_broadcast_opens_the_weight_transfer_routes_only_when_asked(monkeypatch):
+    import json
+
+    from tidal.inference.server import vllm_env
+
+    plain = InferConfig(model="tidal:tiny-reverse")
+    assert "--weight-transfer-config" not in vllm_argv(plain) and "VLLM_SERVER_DEV_MODE" not in vllm_env(plain)
+    nccl = InferConfig(model="tidal:tiny-reverse", weight_broadcast_type="nccl")
+    argv = vllm_argv(nccl)
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "tidal_gloo"}  # CPU here
+    assert vllm_env(nccl)["VLLM_SERVER_DEV_MODE"] == "1"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(InsecureBindError, match="nccl weight broadcasts"):
+        check_bind_secure(InferConfig(model="m", host="0.0.0.0", weight_broadcast_type="nccl"))
+
+
 @pytest.mark.parametrize("command", [["grpo-infer"], ["grpo"]])
 def test_cli_refuses_an_open_bind_without_a_key_with_exit_2(command):
     env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_API_KEY"}

@@ -16,8 +16,6 @@ from tidal.config.base import StrictModel
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
 
-    UNSUPPORTED = frozenset({"weight_broadcast_type"})
-
     model: str
     """Local Hugging Face model directory to serve, or `tidal:tiny-reverse` (the bundled model)."""
     host: str | None = None
@@ -51,7 +49,9 @@ class InferConfig(StrictModel):
     cpu_kvcache_space_gib: float = Field(1.0, gt=0)
     """KV-cache size in GiB on CPU machines (VLLM_CPU_KVCACHE_SPACE)."""
     weight_broadcast_type: Literal["filesystem", "nccl"] = "filesystem"
-    """How weight updates arrive (only `filesystem` so far)."""
+    """How weight updates arrive: `filesystem` (LoRA adapters / merged weights read from the run directory) or
+    `nccl` (the trainer broadcasts merged weights into the workers through vLLM's weight-transfer engine:
+    NCCL on GPUs, gloo on CPU-only machines; opens vLLM's RL routes, so beyond localhost set an API key)."""
     reasoning_parser: str | None = None
     """vLLM reasoning parser name."""
     enable_auto_tool_choice: bool = False

@@ -1,7 +1,7 @@
 """Orchestrator config (`orch.yaml`): sampling, environments, client, buffer, advantage and transport.
 
-Keys follow the seed's orchestrator tables. Sections and keys that are declared but not implemented yet
-(zmq/nccl transports, `env[].address`) reject any value other than their default with "not supported yet".
+Keys follow the seed's orchestrator tables; every key of them is implemented (docs/configuration.md lists
+each with its status).
 """
 
 from __future__ import annotations
@@ -298,16 +298,18 @@ class RolloutTransportSection(StrictModel):
 class WeightBroadcastSection(StrictModel):
     """How new weights reach inference."""
 
-    UNSUPPORTED = frozenset({"type", "host", "port", "timeout"})
-
     type: Literal["filesystem", "nccl"] = "filesystem"
-    """`filesystem` (`{output_dir}/broadcasts/step_n` + STABLE); `nccl` is not supported yet."""
+    """`filesystem`: the orchestrator loads `{output_dir}/broadcasts/step_n` into vLLM (see `reload`). `nccl`: the
+    trainer pushes merged weights straight into vLLM's workers (NCCL on GPUs, gloo on CPU) and stamps the
+    servers with the step; the orchestrator checks each server's `/weight_info` version and asks the trainer
+    to push again when a restarted server is behind. Needs train `weight_broadcast.type: nccl` and infer
+    `weight_broadcast_type: nccl` (`tidal grpo` sets both)."""
     host: str = "localhost"
-    """(nccl) rendezvous host."""
-    port: int = 29501
-    """(nccl) rendezvous port."""
-    timeout: float = 1200
-    """(nccl) timeout (s)."""
+    """(nccl) Rendezvous host: where the trainer opens rank 0 and the inference workers connect."""
+    port: int = Field(29501, ge=1, le=65535)
+    """(nccl) Rendezvous port."""
+    timeout: float = Field(1200, gt=0)
+    """(nccl) Seconds to wait for a policy push (one push by the trainer; a server's catch-up after a restart)."""
     reload: Literal["auto", "lora", "merged"] = "auto"
     """How vLLM picks up policy n: `lora` loads `broadcasts/step_n` as a LoRA adapter; `merged` reloads the
     full weights the trainer merged (`train.broadcast_merged`, `infer.weight_reload`), which serves at vLLM's

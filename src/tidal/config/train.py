@@ -164,6 +164,25 @@ class MismatchGuardConfig(StrictModel):
     """`warn`: log the likely causes (once per episode); `stop`: also end the trainer with exit code 1."""
 
 
+class TrainWeightBroadcast(StrictModel):
+    """How the trainer hands new policies to inference (orch `weight_broadcast`; `tidal grpo` copies it)."""
+
+    type: Literal["filesystem", "nccl"] = "filesystem"
+    """`filesystem`: write `broadcasts/step_n/` for the orchestrator to load. `nccl`: also push the merged weights
+    into the vLLM servers at `base_url` through vLLM's weight-transfer engine (NCCL on GPUs, gloo on CPU)
+    before `broadcasts/step_n/STABLE` appears; the servers need `weight_broadcast_type: nccl`."""
+    host: str = "localhost"
+    """(nccl) Address the trainer opens the rendezvous on (rank 0); the inference workers connect to it."""
+    port: int = Field(29501, ge=1, le=65535)
+    """(nccl) Rendezvous port."""
+    timeout: float = Field(1200, gt=0)
+    """(nccl) Seconds a push may take (pause, transfer, reload) before it counts as failed."""
+    base_url: list[str] = Field(default_factory=lambda: ["http://localhost:8000/v1"])
+    """(nccl) The vLLM servers to push into (orch `client.base_url`)."""
+    api_key_var: str = "VLLM_API_KEY"
+    """(nccl) Environment variable holding the servers' API key (orch `client.api_key_var`)."""
+
+
 class TrainCkptSection(StrictModel):
     """Trainer checkpoints (`{run_dir}/checkpoints/trainer/step_n/`): adapter, optimizer, LR scheduler, RNG
     states and step, for exact resume (docs/resume.md). Same keys as the orchestrator's `ckpt`."""
@@ -276,6 +295,8 @@ class TrainConfig(StrictModel):
     """(zmq) Host of the orchestrator's batch server (`tidal grpo` sets it from orch `rollout_transport`)."""
     transport_port: int = Field(5555, ge=1, le=65535)
     """(zmq) Port of the orchestrator's batch server."""
+    weight_broadcast: TrainWeightBroadcast = Field(default_factory=TrainWeightBroadcast)
+    """How new policies reach inference."""
     seed: int = 42
     """Seed for torch's RNG (LoRA init, dropout)."""
     cpu_affinity: list[int] | None = None

@@ -207,6 +207,19 @@ class InferenceClient:
 
         return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
 
+    async def weight_versions(self) -> dict[str, int]:
+        """Each server's weight version (`/weight_info`; the step a trainer pushed with `weight_broadcast.type:
+        nccl`), 0 for a server that has had no push (base weights) and -1 for one that does not answer."""
+        async def one(url: str) -> int:
+            try:
+                r = await self.http.get(f"{server_root(url)}/weight_info", timeout=10.0)
+                version = r.json().get("weight_version") if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return -1
+            return int(version) if isinstance(version, str) and version.isdigit() else 0
+
+        return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
+
     async def reload_weights(self, path: str) -> None:
         """Reload full weights in place from checkpoint directory `path` on every server, then drop the prefix
         cache (its KV entries were computed with the old weights). Needs `infer.weight_reload`."""

@@ -94,6 +94,10 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv.append("--enable-auto-tool-choice")
     if cfg.tool_call_parser:
         argv += ["--tool-call-parser", cfg.tool_call_parser]
+    if cfg.weight_broadcast_type == "nccl":
+        from tidal.inference.weight_transfer import transfer_backend
+
+        argv += ["--weight-transfer-config", json.dumps({"backend": transfer_backend(on_cpu())})]
     if cfg.rope_scaling:
         argv += ["--hf-overrides", json.dumps({"rope_scaling": cfg.rope_scaling})]
     return argv + list(cfg.extra_args)
@@ -102,8 +106,9 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
 def vllm_env(cfg: InferConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    if cfg.weight_reload:
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /collective_rpc (reload_weights) and /reset_prefix_cache
+    if cfg.weight_reload or cfg.weight_broadcast_type == "nccl":
+        # exposes /collective_rpc (reload_weights), /reset_prefix_cache and the RL weight-transfer routes
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
@@ -123,7 +128,8 @@ def check_bind_secure(cfg: InferConfig) -> None:
     host = bind_host(cfg)
     if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
         return
-    mode = " in weight_reload mode (its /collective_rpc route runs methods in the engine)" * cfg.weight_reload
+    dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl"
+    mode = " with weight_reload or nccl weight broadcasts (their dev routes run methods in the engine)" * dev
     raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
                             f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
                             f"bind to 127.0.0.1 (host: null)")

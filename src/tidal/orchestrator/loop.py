@@ -66,9 +66,10 @@ class PolicyTracker:
     failed and `invalidate` was called) serves the base weights, so the current policy is loaded again."""
 
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
-                 merged: bool = False) -> None:
+                 merged: bool = False, pushed_timeout_s: float | None = None) -> None:
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
         self.merged = merged
+        self.pushed_timeout_s = pushed_timeout_s  # set: the trainer pushes weights (weight_broadcast nccl)
         self.step = 0
         self.model = base_model
         self.loaded: tuple[int, int] = (0, 0)
@@ -81,7 +82,7 @@ class PolicyTracker:
     async def _check_restart(self) -> None:
         epochs = await self.client.server_epochs()
         if self.epochs is not None and epochs != self.epochs:
-            log.warning("the inference server restarted (%s); loading policy %d again", ", ".join(
+            log.warning("the inference server restarted (%s); policy %d goes onto it again", ", ".join(
                 u for u in epochs if epochs[u] != self.epochs.get(u)), self.step)
             self.loaded = (-1, 0)
             self.model = self.base_model
@@ -110,6 +111,9 @@ class PolicyTracker:
             return time.monotonic() - start
         if newest == 0:  # base model: nothing to load (a fresh server serves it)
             self.model, self.step, self.loaded = self.base_model, 0, ident
+        elif self.pushed_timeout_s is not None:
+            self.step = await self._await_push(newest)
+            self.loaded = ident
         elif self.merged:
             path = broadcast_dir(self.run_dir, newest) / "merged"
             if not path.is_dir():
@@ -124,6 +128,30 @@ class PolicyTracker:
             if old not in (self.base_model, name):
                 await self.client.unload_adapter(old)
         return time.monotonic() - start
+
+    async def _await_push(self, newest: int) -> int:
+        """nccl: the trainer pushed policy `newest` before publishing it; check every server has it (a restarted
+        one does not: ask the trainer to push again and wait). Returns the oldest version served."""
+        from tidal.trainer.weight_push import request_push
+
+        start, asked = time.monotonic(), False
+        while True:
+            versions = await self.client.weight_versions()
+            behind = {u: v for u, v in versions.items() if v < newest}
+            if not behind:
+                return min(versions.values())
+            if not asked:
+                log.warning("inference server(s) %s serve weight version(s) %s, not policy %d (restarted?); asking "
+                            "the trainer to push it again", ", ".join(behind), sorted(set(behind.values())), newest)
+                request_push(self.run_dir, newest, f"behind: {behind}")
+                asked = True
+            assert self.pushed_timeout_s is not None
+            if time.monotonic() - start > self.pushed_timeout_s:
+                raise TimeoutError(f"inference server(s) {', '.join(behind)} still serve weight version(s) "
+                                   f"{sorted(set(behind.values()))} instead of policy {newest} after "
+                                   f"{self.pushed_timeout_s:.0f} s (weight_broadcast.timeout); is the trainer running "
+                                   f"with weight_broadcast.type nccl and these servers in its base_url?")
+            await asyncio.sleep(0.2)
 
     def _stamp(self, step: int) -> int:
         try:
@@ -424,8 +452,9 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
         if served and base not in served:
             raise ValueError(f"orch model.name '{base}' is not served at {cfg.client.base_url[0]} "
                              f"(served: {', '.join(served)})")
-        policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter,
-                               merged=cfg.weight_broadcast.reload == "merged")
+        wb = cfg.weight_broadcast
+        policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
+                               pushed_timeout_s=wb.timeout if wb.type == "nccl" else None)
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, writer.dir)
         step = resumed_at = progress.step

@@ -2,14 +2,16 @@
 
 For step n = 1, 2, ...: wait for `rollouts/step_n` -> pack into micro-batches -> for each micro-batch,
 forward (logprobs at the rollouts' temperature), GRPO loss, backward -> clip, AdamW step, LR schedule ->
-publish `broadcasts/step_n` -> append the step's metrics (the orchestrator's, carried in the batch, plus the
-trainer's) to `metrics.jsonl`. Stops at `max_steps` or when the orchestrator writes `rollouts/DONE`.
+(`weight_broadcast.type: nccl`: push policy n into the vLLM servers) -> publish `broadcasts/step_n` -> append
+the step's metrics (the orchestrator's, carried in the batch, plus the trainer's) to `metrics.jsonl`. Stops at
+`max_steps` or when the orchestrator writes `rollouts/DONE`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,56 @@ def resume(cfg: TrainConfig, run_dir: Path, model: torch.nn.Module, opt: torch.o
     return step
 
 
+def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
+    """The weight pusher for `weight_broadcast.type: nccl`, else None."""
+    wb = cfg.weight_broadcast
+    if wb.type != "nccl":
+        return None
+    from tidal.trainer.weight_push import WeightPusher
+
+    return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device)
+
+
+def push_policy(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> float:
+    """Push policy `step` into the inference servers; a failure (a server died) is logged, not fatal: the
+    orchestrator asks for the policy again once the server is back (`serve_push_request`)."""
+    from tidal.trainer.weight_push import clear_push_request, push_requested
+
+    try:
+        seconds = pusher.push(model, step)
+    except Exception as exc:  # noqa: BLE001 - inference may be restarting; the orchestrator asks again
+        log.warning("could not push policy %d into inference (%r); it is pushed again when the orchestrator "
+                    "asks for it", step, exc)
+        return 0.0
+    asked = push_requested(run_dir)
+    if asked is not None and asked <= step:
+        clear_push_request(run_dir)
+    return seconds
+
+
+def serve_push_request(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> None:
+    """While waiting for a batch: push the current policy (`step`) again if the orchestrator asked for it."""
+    from tidal.trainer.weight_push import clear_push_request, push_requested
+
+    asked = push_requested(run_dir)
+    if asked is None or asked > step or step == 0:
+        return
+    if pusher.failures == 0:
+        log.info("the orchestrator asked for policy %d again (an inference server restarted); pushing policy %d",
+                 asked, step)
+    try:
+        pusher.push(model, step)
+    except Exception as exc:  # noqa: BLE001 - tried again on the next poll
+        if pusher.failures % 15 == 0:
+            log.warning("could not push policy %d yet (%r); retrying every 2 s", step, exc)
+        pusher.failures += 1
+        time.sleep(2.0)
+        return
+    log.info("pushed policy %d again", step)
+    pusher.failures = 0
+    clear_push_request(run_dir)
+
+
 def run(cfg: TrainConfig, run_dir: Path) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained."""
     from tidal.trainer.ckpt import save_trainer
@@ -142,6 +194,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         reader = ZmqBatchReader(cfg.transport_host, cfg.transport_port)
     step = resume(cfg, run_dir, model, opt, sched, merged_keys)
     resumed_from = step
+    pusher = make_pusher(cfg, device)
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", device,
              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}", reader.dir)
@@ -150,7 +203,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     last_done = time.monotonic()
     while total is None or step < total:
         wait_start = time.monotonic()
-        batch = reader.wait(step + 1, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step + 1))
+        on_tick = functools.partial(serve_push_request, pusher, model, run_dir, step) if pusher else None
+        batch = reader.wait(step + 1, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step + 1),
+                            on_tick=on_tick)
         if batch is None:
             break
         step += 1
@@ -161,6 +216,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
         lr = sched.get_last_lr()[0]
         sched.step()
         train_time = time.monotonic() - t0
+        push_time = push_policy(pusher, model, run_dir, step) if pusher else 0.0
         publish_adapter(model, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
         ckpt_time = 0.0
         if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
@@ -172,6 +228,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
                                   "optimizer_steps": optimizer_steps(opt), "resumed_from": resumed_from,
                                   "train_time_s": train_time, "wait_time_s": t0 - wait_start,
                                   "broadcast_time_s": now - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
+                                  **({"push_time_s": push_time} if pusher else {}),
                                   "step_time_s": now - last_done,
                                   "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
         last_done = now
@@ -184,6 +241,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             log.info(progress_line(record, goal, eta))
     if cfg.ckpt.interval and step > resumed_from and step % cfg.ckpt.interval:
         save_trainer(run_dir, step, model, opt, sched, cfg)  # the last step too, so a longer run can resume
+    if pusher is not None:
+        pusher.close()
     log.info("trainer finished after %d steps; metrics in %s", step, metrics.path)
     if step > 0:
         for what, path in export_final(model, tok, cfg, run_dir).items():

@@ -71,10 +71,11 @@ class BatchReader:
             return None
 
     def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
-             on_wait: Callable[[float], None] | None = None) -> TrainingBatch | None:
+             on_wait: Callable[[float], None] | None = None,
+             on_tick: Callable[[], None] | None = None) -> TrainingBatch | None:
         """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
         path = self.dir / f"step_{step}.safetensors"
-        clock = BatchWait(step, str(path), timeout_s, on_wait)
+        clock = BatchWait(step, str(path), timeout_s, on_wait, on_tick=on_tick)
         while True:
             if path.exists():
                 return TrainingBatch.load(path)

@@ -110,9 +110,10 @@ class ZmqBatchReader:
         self.sock.connect(self.endpoint)
 
     def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
-             on_wait: Callable[[float], None] | None = None) -> TrainingBatch | None:
+             on_wait: Callable[[float], None] | None = None,
+             on_tick: Callable[[], None] | None = None) -> TrainingBatch | None:
         """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
-        clock = BatchWait(step, self.endpoint, timeout_s, on_wait)
+        clock = BatchWait(step, self.endpoint, timeout_s, on_wait, on_tick=on_tick)
         while True:
             clock.tick()
             self.sock.send_multipart([b"", json.dumps({"step": step}).encode()])

@@ -1,0 +1,91 @@
+"""Inference side of `weight_broadcast.type: nccl`: vLLM's weight-transfer engines, plus a gloo twin for CPU.
+
+With `infer.weight_broadcast_type: nccl` tidal starts vLLM with `--weight-transfer-config` and its RL routes
+(`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`); the
+trainer opens rank 0 of a process group at `weight_broadcast.host:port` and broadcasts the new weights into
+the workers (`tidal.trainer.weight_push`). On GPUs this is vLLM's own `nccl` engine. NCCL needs CUDA, so on
+CPU-only machines the same protocol runs over gloo: `tidal_gloo` is vLLM's dense NCCL engine with the
+communicator swapped for a torch gloo process group (same init/update payloads, same layerwise reload). It is
+registered in every vLLM process through the `vllm.general_plugins` entry point (`register`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+GLOO_BACKEND = "tidal_gloo"
+
+
+class GlooGroup:
+    """A torch gloo process group over its own TCPStore (rank 0 hosts the store), outside torch.distributed's
+    default group (vLLM's workers have their own). `broadcast` has the signature vLLM's engines call."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                   wait_for_workers=False, use_libuv=True)
+        self.rank, self.world_size = rank, world_size
+        self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
+        self.pg.broadcast(tensor, src).wait()  # type: ignore[attr-defined]
+
+    def destroy(self) -> None:
+        self.pg = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+def _engine_cls() -> type:
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    @dataclass(kw_only=True)
+    class GlooInitInfo(NCCLWeightTransferInitInfo):  # type: ignore[misc, valid-type]
+        timeout_s: float = 600.0
+        """How long a worker waits in the rendezvous and in each broadcast (orch `weight_broadcast.timeout`)."""
+
+    class GlooWeightTransferEngine(NCCLWeightTransferEngine):  # type: ignore[misc, valid-type]
+        """vLLM's dense NCCL engine over a gloo group (CPU workers): unpacked, one tensor at a time."""
+
+        init_info_cls = GlooInitInfo
+
+        def init_transfer_engine(self, init_info: Any) -> None:
+            pc = self.parallel_config
+            rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+            self.packed = False
+            self.model_update_group = GlooGroup(  # type: ignore[assignment]
+                init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self.receive_weights(self.parse_update_info(update_info))  # no accelerator to synchronize
+
+        def receive_weights(self, update_info: Any) -> None:
+            if self.model_update_group is None:
+                raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes,
+                                               strict=True):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
+                self.model_update_group.broadcast(weight, src=0)
+                self.model.load_weights([(name, weight)])  # type: ignore[operator]
+
+    return GlooWeightTransferEngine
+
+
+def register() -> None:
+    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend (idempotent; vLLM may call it often)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, _engine_cls())
+
+
+def transfer_backend(on_cpu: bool) -> str:
+    """vLLM weight-transfer backend for `weight_broadcast_type: nccl` on this machine."""
+    return GLOO_BACKEND if on_cpu else "nccl"

@@ -1,0 +1,194 @@
+"""Trainer side of `weight_broadcast.type: nccl`: push the new policy straight into the inference workers.
+
+After each optimizer step the trainer (rank 0) broadcasts the merged weights of every LoRA-adapted module
+(W + scale * B A, under the base checkpoint's names; nothing else changed) into vLLM's workers through
+vLLM's weight-transfer engine and its RL routes, then stamps the servers with the step as their
+`weight_version`. Per push, on every server: `/pause?mode=wait` (in-flight requests finish on the old
+policy, new ones queue, caches are dropped), `/start_weight_update`, `/update_weights` (the workers join the
+broadcast), `/finish_weight_update` with the step, `/resume`: every completion comes from one policy.
+
+The process group (trainer + all workers of all servers, each server's workers at its own rank offset) is
+opened at the first push with `/init_weight_transfer_engine` and kept; NCCL on CUDA, gloo on CPU
+(`tidal.inference.weight_transfer`). A push that fails (a server died) drops the group; the next push, or an
+orchestrator's re-push request (`{run_dir}/broadcasts/PUSH_REQUEST`, written when a restarted server is
+behind), opens a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+log = logging.getLogger("tidal.trainer")
+
+PUSH_REQUEST = "PUSH_REQUEST"
+
+
+def lora_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, W + delta) for each LoRA-adapted module, computed one module at a time."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer().weight.detach()  # type: ignore[operator]
+        w = base.clone()
+        for adapter in module.active_adapters:
+            w += module.get_delta_weight(adapter).detach().to(w.dtype)  # type: ignore[attr-defined]
+        yield f"{name.removeprefix('base_model.model.')}.weight", w.contiguous()
+
+
+def server_root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+class WeightPusher:
+    """Broadcasts policies into the vLLM servers at `urls` (their `/v1` base URLs)."""
+
+    def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
+                 device: torch.device) -> None:
+        self.roots = [server_root(u) for u in urls]
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.cuda = device.type == "cuda"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
+        self.group: Any = None
+        self.pushed = 0
+        self.failures = 0  # failed re-push attempts in a row (the trainer logs some of them)
+
+    def _post(self, root: str, path: str, payload: dict[str, Any] | None = None,
+              params: dict[str, str] | None = None) -> Any:
+        r = self.http.post(f"{root}/{path}", json=payload, params=params)
+        if r.status_code != 200:
+            raise RuntimeError(f"{root}/{path} answered {r.status_code}: {r.text[:300]}")
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else None
+
+    def _each(self, path: str, payload: dict[str, Any] | None = None,
+              params: dict[str, str] | None = None) -> list[Any]:
+        with ThreadPoolExecutor(len(self.roots)) as ex:
+            return list(ex.map(lambda r: self._post(r, path, payload, params), self.roots))
+
+    def _open(self) -> None:
+        """Open the process group: rank 0 here, each server's workers after the previous server's."""
+        workers = [len(self._post(r, "collective_rpc", {"method": "check_health"})["results"]) for r in self.roots]
+        world = 1 + sum(workers)
+        infos, offset = [], 1
+        for n in workers:
+            info: dict[str, Any] = {"master_address": self.host, "master_port": self.port, "rank_offset": offset,
+                                    "world_size": world, "packed": self.cuda}
+            if not self.cuda:
+                info["timeout_s"] = self.timeout_s
+            infos.append(info)
+            offset += n
+        with ThreadPoolExecutor(len(self.roots)) as ex:
+            futures = [ex.submit(self._post, r, "init_weight_transfer_engine", {"init_info": i})
+                       for r, i in zip(self.roots, infos, strict=True)]
+            if self.cuda:
+                from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+                self.group = trainer_init({"master_address": self.host, "master_port": self.port,
+                                           "world_size": world})
+            else:
+                from tidal.inference.weight_transfer import GlooGroup
+
+                self.group = GlooGroup(self.host, self.port, 0, world, self.timeout_s)
+            for f in futures:
+                f.result()
+        log.info("weight broadcast group open at %s:%d (%s, %d inference workers on %d servers)", self.host,
+                 self.port, "nccl" if self.cuda else "gloo", world - 1, len(self.roots))
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def push(self, model: torch.nn.Module, step: int) -> float:
+        """Broadcast `model`'s policy as version `step`; returns the seconds it took. Raises on failure (the
+        group is then closed, and reopened by the next push)."""
+        import time
+
+        t0 = time.monotonic()
+        try:
+            if self.group is None:
+                self._open()
+            self._transfer(model, step)
+        except BaseException:
+            self.close()
+            for root in self.roots:  # never leave a reachable server paused
+                try:
+                    self._post(root, "resume")
+                except Exception:  # noqa: BLE001 - a dead server cannot be resumed
+                    pass
+            raise
+        self.pushed = step
+        return time.monotonic() - t0
+
+    def _transfer(self, model: torch.nn.Module, step: int) -> None:
+        meta = [(n, w.dtype, tuple(w.shape)) for n, w in lora_merged_weights_meta(model)]
+        update = {"names": [m[0] for m in meta], "dtype_names": [str(m[1]).removeprefix("torch.") for m in meta],
+                  "shapes": [list(m[2]) for m in meta]}
+        self._each("pause", params={"mode": "wait"})
+        try:
+            self._each("start_weight_update")
+            with ThreadPoolExecutor(len(self.roots)) as ex:
+                futures = [ex.submit(self._post, r, "update_weights", {"update_info": update}) for r in self.roots]
+                self._broadcast(model)
+                for f in futures:
+                    f.result()
+            self._each("finish_weight_update", {"weight_version": str(step)})
+        finally:
+            self._each("resume")
+
+    def _broadcast(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            if self.cuda:
+                from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+                packed_nccl_broadcast_producer(iterator=lora_merged_weights(model), group=self.group, src=0,
+                                               post_iter_func=lambda item: item[1])
+                torch.cuda.current_stream().synchronize()
+            else:
+                for _name, w in lora_merged_weights(model):
+                    self.group.broadcast(w, src=0)
+
+
+def lora_merged_weights_meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Names and (meta-device) shapes/dtypes of what `lora_merged_weights` yields, without computing it."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            base: torch.Tensor = module.get_base_layer().weight  # type: ignore[assignment]
+            yield f"{name.removeprefix('base_model.model.')}.weight", torch.empty(base.shape, dtype=base.dtype,
+                                                                                  device="meta")
+
+
+def push_requested(run_dir: Path) -> int | None:
+    """The step an orchestrator asked to have pushed again (a restarted server is behind), if any."""
+    path = run_dir / "broadcasts" / PUSH_REQUEST
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def request_push(run_dir: Path, step: int, reason: str) -> None:
+    """Ask the trainer to push its current policy again (atomic write)."""
+    path = run_dir / "broadcasts" / PUSH_REQUEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{PUSH_REQUEST}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "reason": reason}))
+    os.replace(tmp, path)
+
+
+def clear_push_request(run_dir: Path) -> None:
+    (run_dir / "broadcasts" / PUSH_REQUEST).unlink(missing_ok=True)
+
