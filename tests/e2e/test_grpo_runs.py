@@ -126,7 +126,7 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
         train = tidal("grpo-train", "--output-dir", str(run_dir), *TRAIN_SMALL)
         orch = tidal("grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{url}]",
                      "--orch.max_steps", "3", *ORCH_SMALL, "--orch.env", "[{id: reverse-text, name: short}, "
-                     "{id: reverse-text, name: long, args: {min_len: 20, max_len: 30}}]",
+                     "{id: 'tests.e2e.vf_reverse:build', name: long, args: {min_len: 20, max_len: 30}}]",
                      "--orch.buffer.env_ratios", "[3, 1]")
         procs += [train, orch]
         wait_healthy(port, infer)
@@ -135,7 +135,9 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
         assert orch.returncode == 0, orch_out[-3000:]
         assert train.returncode == 0, train_out[-3000:]
         rows = check_metrics(run_dir, 3)
+        # the second environment is a verifiers SingleTurnEnv (tests/e2e/vf_reverse.py), scored by its rubric
         assert all(r["reward/short/mean"] is not None and r["reward/long/mean"] is not None for r in rows)
+        assert any(r["reward/long/mean"] > 0 for r in rows), "the verifiers rubric scored the completions"
         assert_adapter_changed(run_dir, 3)
         assert not (run_dir / "broadcasts/step_3/merged").exists(), "three processes default to LoRA reloads"
         assert_served_trained_policy(run_dir, 3)

@@ -53,6 +53,11 @@ class Environment(ABC):
     def reward(self, example: Example, completion: str) -> float:
         """Score a completion's decoded text in [0, 1]."""
 
+    def reward_group(self, example: Example, completions: list[str]) -> list[float]:
+        """Scores of one group of completions of `example` (what the orchestrator calls). The default scores each
+        with `reward`; environments whose rewards compare the group's completions override it."""
+        return [self.reward(example, c) for c in completions]
+
     def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
         """Process supervision: (character end offset, reward) of each reasoning step of a completion, in
         order. Used by `advantage.type: process`; environments without step rewards raise."""

@@ -1,4 +1,6 @@
-"""Registry of environments by id: the built-ins, `register`ed classes, and `package.module:Class` paths."""
+"""Registry of environments by id: the built-ins, `register`ed classes, `package.module:Name` paths (an
+Environment subclass, or a factory / object giving an Environment or a verifiers environment), and
+`verifiers:NAME` (an installed verifiers environment, `tidal.envs.verifiers_env`)."""
 
 from __future__ import annotations
 
@@ -26,29 +28,49 @@ def register(cls: type[Environment]) -> type[Environment]:
     return cls
 
 
+def _import(env_id: str) -> Any:
+    import importlib
+
+    module, _, name = env_id.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"environment '{env_id}': cannot import it ({exc})") from None
+
+
 def resolve(env_id: str) -> type[Environment]:
     """A registered id, or `package.module:ClassName` (imported; the class must subclass Environment)."""
     if env_id in _REGISTRY:
         return _REGISTRY[env_id]
     if ":" in env_id:
-        import importlib
-
-        module, _, name = env_id.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"environment '{env_id}': cannot import it ({exc})") from None
+        cls = _import(env_id)
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise ValueError(f"environment '{env_id}' is not a tidal.envs.Environment subclass")
         return cls
-    raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, or "
-                     f"'package.module:ClassName')")
+    raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, "
+                     f"'package.module:Name' or 'verifiers:NAME')")
 
 
 def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate environment `env_id` with `args`; unknown ids and bad args raise ValueError."""
-    cls = resolve(env_id)
+    from tidal.envs import verifiers_env
+
+    if env_id.startswith("verifiers:"):
+        return verifiers_env.load(env_id.removeprefix("verifiers:"), args)
+    target: Any = _REGISTRY.get(env_id) or (_import(env_id) if ":" in env_id else resolve(env_id))
+    if verifiers_env.is_verifiers_env(target):  # a module-level verifiers environment object
+        if args:
+            raise ValueError(f"environment '{env_id}' is an environment object; it takes no args (got {args})")
+        return verifiers_env.VerifiersEnv(target, env_id)
+    if not callable(target) or isinstance(target, Environment):
+        raise ValueError(f"environment '{env_id}' is neither an Environment subclass nor a factory returning one")
     try:
-        return cls(**(args or {}))
+        made = target(**(args or {}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"environment '{env_id}': bad args {args}: {exc}") from None
+    if isinstance(made, Environment):
+        return made
+    if verifiers_env.is_verifiers_env(made):
+        return verifiers_env.VerifiersEnv(made, env_id)
+    raise ValueError(f"environment '{env_id}' gave a {type(made).__name__}, not a tidal Environment or a verifiers "
+                     "environment")

@@ -73,7 +73,8 @@ class Evaluator:
                               max(1, min(self.cfg.sampling.max_tokens or self.cfg.seq_len, self.cfg.seq_len - len(p))),
                               temperature, None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + i)
                 for i, p in enumerate(self.prompts[name])))
-            rewards = np.array([[env.reward(ex, c.text) for c in g] for ex, g in zip(examples, groups, strict=True)])
+            rewards = np.array([env.reward_group(ex, [c.text for c in g])
+                                for ex, g in zip(examples, groups, strict=True)])
             lengths = [len(c.token_ids) for g in groups for c in g]
             out |= {f"eval/{name}/reward/mean": float(rewards.mean()), f"eval/{name}/reward/std": float(rewards.std()),
                     f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),

@@ -87,7 +87,7 @@ class Scorer:
         out[:, :len(self.envs)] = math.nan
         env = self.envs[env_name]
         calls: list[Callable[[], Any] | None] = [
-            (lambda: [env.reward(example, c.text) for c in comps]) if name == env_name else None
+            (lambda: env.reward_group(example, [c.text for c in comps])) if name == env_name else None
             for name in self.envs]
         for _name, fn, kwargs in self.funcs:
             calls.append(functools.partial(
