@@ -71,3 +71,21 @@ def vllm_server(tmp_path_factory) -> Iterator[str]:
             raise RuntimeError(log.read_text()[-3000:]) from None
         yield f"http://127.0.0.1:{port}/v1"
         kill_group(proc)
+
+
+@pytest.fixture(scope="session")
+def nccl_server(tmp_path_factory):
+    """A second real vLLM server, without LoRA, open to weight pushes (`weight_broadcast_type: nccl`): yields
+    (base URL, process, log path). Tests may change its weights."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_push") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.weight_broadcast_type", "nccl",
+                     "--infer.enable_lora", "false", stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1", proc, log
+        kill_group(proc)

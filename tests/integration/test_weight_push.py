@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import MODEL, free_port, kill_group, tidal, wait_healthy
+from tests.conftest import MODEL, free_port
 from tests.integration.test_vllm_server import sample, trainer_logprobs
 from tidal.trainer.model import load_base_model
 from tidal.trainer.weight_push import WeightPusher, lora_merged_weights
@@ -15,22 +15,6 @@ from tidal.trainer.weight_push import WeightPusher, lora_merged_weights
 pytestmark = pytest.mark.vllm
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def nccl_server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_push") / "infer.log"
-    with open(log, "w") as f:
-        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.weight_broadcast_type", "nccl",
-                     "--infer.enable_lora", "false", stdout=f)
-        try:
-            wait_healthy(port, proc)
-        except Exception:
-            kill_group(proc)
-            raise RuntimeError(log.read_text()[-3000:]) from None
-        yield f"http://127.0.0.1:{port}/v1", proc, log
-        kill_group(proc)
 
 
 def random_policy(seed: int):

@@ -1,0 +1,95 @@
+"""Orchestrator keys checked against the real vLLM server that are not covered elsewhere:
+`eval.skip_eval_on_resume`, `buffer.skip_verification` and `teacher.max_concurrency`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MODEL
+from tidal.config.orch import ClientSection, OrchConfig
+from tidal.inference.client import InferenceClient
+from tidal.orchestrator.loop import run
+
+pytestmark = pytest.mark.vllm
+
+
+def orch_cfg(url: str, run_dir: Path, max_steps: int, **kw) -> OrchConfig:
+    return OrchConfig.model_validate({
+        "output_dir": str(run_dir), "max_steps": max_steps, "max_async_level": 4, "max_off_policy_steps": 8,
+        "batch_size": 4, "rollouts_per_example": 2, "seq_len": 128, "sampling": {"max_tokens": 8},
+        "client": {"base_url": [url]}, "ckpt": {"interval": 1}, **kw})
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_eval_on_resume(vllm_server, tmp_path, skip):
+    """No trainer: the policy stays the base model (policy 0). A fresh run evaluates it once; a resumed run
+    evaluates it again right away unless `skip_eval_on_resume`."""
+    ev = {"env": [{"id": "reverse-text", "name": "rev"}], "num_examples": 2, "interval": 1,
+          "skip_eval_on_resume": skip}
+    asyncio.run(run(orch_cfg(vllm_server, tmp_path, 1, eval=ev), tmp_path))
+    assert [r["policy_step"] for r in eval_rows(tmp_path)] == [0]
+    cfg = orch_cfg(vllm_server, tmp_path, 2, eval=ev)
+    cfg.ckpt.resume_step = -1
+    asyncio.run(run(cfg, tmp_path))
+    assert (tmp_path / "rollouts" / "step_2.safetensors").exists(), "the resumed run went on"
+    assert [r["policy_step"] for r in eval_rows(tmp_path)] == ([0] if skip else [0, 0])
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_verification_turns_scoring_off(vllm_server, tmp_path, skip):
+    """reverse-text with a reward function that always gives 1: scored, the mean is >= 1; with
+    `buffer.skip_verification` nothing is called and every reward is 0."""
+    cfg = orch_cfg(vllm_server, tmp_path, 1, buffer={"skip_verification": skip},
+                   reward_funcs=[{"import_path": "tests.integration.test_orch_keys:always_one"}])
+    asyncio.run(run(cfg, tmp_path))
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    rewards = [s["reward"] for s in samples]
+    assert rewards and (all(r == 0 for r in rewards) if skip else all(r >= 1 for r in rewards)), rewards
+
+
+def always_one(completions, **_):
+    return [1.0] * len(completions)
+
+
+class CountingClient(InferenceClient):
+    """The real client, recording how many prompt-logprob requests are in flight at once."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.live = self.peak = 0
+
+    async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        try:
+            await asyncio.sleep(0.05)  # let the other requests start if the gate allows them
+            return await super().prompt_logprobs(model, token_ids)
+        finally:
+            self.live -= 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_teacher_max_concurrency_bounds_requests_in_flight(nccl_server, concurrency):
+    """(On the server without LoRA: vLLM 0.32's CPU LoRA path crashes on concurrent prompt-logprob requests,
+    which is why `max_concurrency` defaults to 1.)"""
+    async def go():
+        client = CountingClient(ClientSection(base_url=[nccl_server[0]]))
+        try:
+            seqs = [list(range(5, 15 + i)) for i in range(8)]
+            out = await client.prompt_logprobs_many(MODEL, seqs, concurrency)
+            return out, client.peak
+        finally:
+            await client.close()
+
+    out, peak = asyncio.run(go())
+    assert [len(o) for o in out] == [10 + i for i in range(8)]
+    assert peak == concurrency
