@@ -150,6 +150,11 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if resuming[0] != resuming[1]:
         raise ConfigError("ckpt.resume_step is set for only one of train.yaml and orch.yaml; resume both "
                           "(--resume) or neither")
+    for key in ("lora_rank", "lora_alpha"):
+        want, have = getattr(orch.model, key), getattr(train, key)
+        if want is not None and float(want) != float(have):
+            raise ConfigError(f"orch model.{key} is {want} but train {key} is {have}; set them equal (or drop "
+                              f"model.{key} from orch.yaml)")
     run_dir = Path(args.output_dir or orch.output_dir)
     host = infer.host or "127.0.0.1"
     orch.output_dir = train.output_dir = str(run_dir)

@@ -93,3 +93,40 @@ def test_teacher_max_concurrency_bounds_requests_in_flight(nccl_server, concurre
     out, peak = asyncio.run(go())
     assert [len(o) for o in out] == [10 + i for i in range(8)]
     assert peak == concurrency
+
+
+def collect_once(url: str, tmp_path: Path, **kw):
+    import random
+
+    from tidal.orchestrator.buffer import Buffer
+    from tidal.orchestrator.envmix import EnvMix
+    from tidal.orchestrator.loop import PolicyTracker, collect_groups
+    from tidal.orchestrator.scoring import Scorer
+
+    cfg = orch_cfg(url, tmp_path, 1, batch_size=8, rollouts_per_example=2, **kw)
+    env, buffer = EnvMix(cfg), Buffer(cfg)
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[url]))
+        try:
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            buffer.new_step()
+            rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
+            got = await collect_groups(1, cfg, env, rng, client, MODEL, policy, {}, Scorer(env.envs, cfg), buffer)
+            return [ex.prompt[-1]["content"] for ex in got.examples], [[c.token_ids for c in g] for g in got.groups]
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_seed_and_sampling_seed_make_sampling_reproducible(vllm_server, tmp_path):
+    prompts, comps = collect_once(vllm_server, tmp_path, seed=7, sampling={"max_tokens": 12, "seed": 3})
+    assert collect_once(vllm_server, tmp_path, seed=7, sampling={"max_tokens": 12, "seed": 3}) == (prompts, comps)
+    other_prompts, _ = collect_once(vllm_server, tmp_path, seed=8, sampling={"max_tokens": 12, "seed": 3})
+    assert other_prompts != prompts, "seed draws the examples"
+    again_prompts, other_comps = collect_once(vllm_server, tmp_path, seed=7, sampling={"max_tokens": 12, "seed": 4})
+    assert again_prompts == prompts and other_comps != comps, "sampling.seed seeds vLLM's sampling"
+    buffer_prompts, _ = collect_once(vllm_server, tmp_path, seed=7, buffer={"seed": 8},
+                                     sampling={"max_tokens": 12, "seed": 3})
+    assert buffer_prompts == other_prompts, "buffer.seed, when set, seeds the example draw instead of seed"

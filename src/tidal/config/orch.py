@@ -21,9 +21,11 @@ class ModelSection(StrictModel):
     lora_adapter: str = "default"
     """Prefix of the adapter names registered in vLLM (`{lora_adapter}-step-{n}`)."""
     lora_rank: int | None = Field(None, ge=1)
-    """LoRA rank (informational; the trainer's value is authoritative)."""
+    """Expected LoRA rank of the trainer's adapters (null: any). When set, a broadcast adapter of another rank
+    stops the orchestrator with an error naming both, and `tidal grpo` refuses a train.yaml `lora_rank` that
+    differs (exit 2)."""
     lora_alpha: float | None = Field(None, gt=0)
-    """LoRA alpha (informational; the trainer's value is authoritative)."""
+    """Expected LoRA alpha of the trainer's adapters (null: any); checked like `lora_rank`."""
 
 
 class EnvSection(StrictModel):

@@ -66,8 +66,10 @@ class PolicyTracker:
     failed and `invalidate` was called) serves the base weights, so the current policy is loaded again."""
 
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
-                 merged: bool = False, pushed_timeout_s: float | None = None) -> None:
+                 merged: bool = False, pushed_timeout_s: float | None = None,
+                 expect: tuple[int | None, float | None] = (None, None)) -> None:
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
+        self.expect = expect  # orch model.lora_rank / lora_alpha: a broadcast adapter must match them
         self.merged = merged
         self.pushed_timeout_s = pushed_timeout_s  # set: the trainer pushes weights (weight_broadcast nccl)
         self.step = 0
@@ -123,6 +125,7 @@ class PolicyTracker:
             self.step, self.loaded = newest, ident
         else:
             name = f"{self.prefix}-step-{newest}"
+            check_adapter(broadcast_dir(self.run_dir, newest), *self.expect)
             await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
             old, self.model, self.step, self.loaded = self.model, name, newest, ident
             if old not in (self.base_model, name):
@@ -158,6 +161,21 @@ class PolicyTracker:
             return (broadcast_dir(self.run_dir, step) / "STABLE").stat().st_mtime_ns
         except FileNotFoundError:
             return 0
+
+
+def check_adapter(path: Path, rank: int | None, alpha: float | None) -> None:
+    """Refuse a broadcast adapter whose rank or alpha differs from orch `model.lora_rank` / `lora_alpha` (when
+    set): a trainer started with other LoRA settings than the ones this run was configured for."""
+    if rank is None and alpha is None:
+        return
+    import json
+
+    cfg_path = path / "adapter_config.json"
+    got = json.loads(cfg_path.read_text())
+    for key, want, have in (("lora_rank", rank, got.get("r")), ("lora_alpha", alpha, got.get("lora_alpha"))):
+        if want is not None and have is not None and float(have) != float(want):
+            raise ValueError(f"{cfg_path} has {key.split('_')[1]} {have} but orch model.{key} is {want}: the trainer "
+                             f"runs with other LoRA settings than this orchestrator expects (fix one of them)")
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
@@ -454,7 +472,8 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
                              f"(served: {', '.join(served)})")
         wb = cfg.weight_broadcast
         policy = PolicyTracker(client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
-                               pushed_timeout_s=wb.timeout if wb.type == "nccl" else None)
+                               pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
+                               expect=(cfg.model.lora_rank, cfg.model.lora_alpha))
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, writer.dir)
         step = resumed_at = progress.step
