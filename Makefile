@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all lint bench clean
+.PHONY: setup run test test-all lint bench bench-weights clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test-all: setup
 bench: setup
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+
+## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.
+bench-weights: setup
+	$(BIN)/python bench/weight_sync.py $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests scripts bench examples

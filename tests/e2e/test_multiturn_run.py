@@ -1,5 +1,6 @@
 """A multi-turn tool-environment run end to end with real vLLM: environment replies are inserted as tokens
-with no loss, the model continues from the exact token ids, and trainer and inference still agree."""
+with no loss, the model continues from the exact token ids, and trainer and inference still agree; the
+online evaluation of the environment runs its turns too."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.vllm
 def test_multi_turn_tool_environment_run(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), "--orch.max_steps", "2",
-                 *ORCH_SMALL, "--orch.env", "[{id: 'tests.e2e.multiturn_env:EchoTool'}]")
+                 *ORCH_SMALL, "--orch.env", "[{id: 'tests.e2e.multiturn_env:EchoTool'}]",
+                 "--orch.eval", "{env: [{id: 'tests.e2e.multiturn_env:EchoTool', name: echo}], num_examples: 4, "
+                 "rollouts_per_example: 2, interval: 1}")
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -33,3 +36,6 @@ def test_multi_turn_tool_environment_run(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch_kl"] < 1e-3, "turn-2 tokens were sampled from the exact token ids trained on"
     assert rows[0]["reward/echo-tool/mean"] is not None
+    evals = read_metrics(run_dir / "eval.jsonl")
+    assert evals and evals[0]["policy_step"] == 0
+    assert all(e["eval/echo/turns/mean"] > 1 for e in evals), "evaluation runs the environment's turns too"

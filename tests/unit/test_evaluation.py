@@ -33,3 +33,11 @@ def test_eval_examples_are_fixed_and_sized(tmp_path):
     ex_a, ex_b = a.sets["reverse-text"][1], b.sets["reverse-text"][1]
     assert len(ex_a) == 5 and [e.prompt for e in ex_a] == [e.prompt for e in ex_b]
     assert len(evaluator(tmp_path).sets["reverse-text"][1]) == GENERATED_EVAL_SIZE
+
+
+def test_turns_count_model_turns_after_environment_replies():
+    from tidal.orchestrator.evaluation import turns
+
+    assert turns(None) == 1 and turns([1, 1, 1]) == 1
+    assert turns([1, 1, 0, 0, 1]) == 2 and turns([1, 0, 1, 0, 0, 1, 1]) == 3
+    assert turns([1, 1, 0, 0]) == 1, "a reply the model never answered is no turn"

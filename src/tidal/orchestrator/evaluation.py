@@ -3,10 +3,12 @@
 Each eval environment gets a fixed example set, drawn once with a seed of its own (so it does not move the
 training sampler): `num_examples` of them, or for -1 the environment's finite eval set (`eval_examples()`) or
 128 generated ones. An evaluation samples `rollouts_per_example` completions per example from the policy vLLM
-serves (at the training temperature), scores them with that environment's reward, and records per
-environment `eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share of examples with a completion
-scoring >= 1), `.../completion_len/mean`, with the policy step evaluated, to `eval.jsonl` and the metric
-sinks. The base model (policy 0) is evaluated before the first step when `eval_base_model` is set.
+serves (at the training temperature and with the training sampling keys; multi-turn environments run their
+turns as in training), scores them with that environment's `reward_group`, and records per environment
+`eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share of examples with a completion scoring >= 1),
+`.../completion_len/mean` (and `.../turns/mean` for a multi-turn environment), with the policy step
+evaluated, to `eval.jsonl` and the metric sinks. The base model (policy 0) is evaluated before the first step
+when `eval_base_model` is set.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from tidal.envs import Environment, Example
 from tidal.inference.client import InferenceClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
+from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 
 GENERATED_EVAL_SIZE = 128
 EVAL_SEED = 1_000_003
+
+
+def turns(mask: list[int] | None) -> int:
+    """Model turns in a completion: 1 + the environment replies (runs of mask 0) followed by model tokens."""
+    if not mask:
+        return 1
+    return 1 + sum(1 for a, b in zip(mask, mask[1:], strict=False) if a == 0 and b == 1)
 
 
 class Evaluator:
@@ -68,11 +78,12 @@ class Evaluator:
             if name not in self.prompts:
                 self.prompts[name] = list(await asyncio.gather(*(client.tokenize_chat(base_model, ex.prompt)
                                                                  for ex in examples)))
+            k, seed = self.ecfg.rollouts_per_example, self.cfg.sampling.seed
             groups = await asyncio.gather(*(
-                client.sample(model, p, self.ecfg.rollouts_per_example,
-                              max(1, min(self.cfg.sampling.max_tokens or self.cfg.seq_len, self.cfg.seq_len - len(p))),
-                              temperature, None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + i)
-                for i, p in enumerate(self.prompts[name])))
+                multi_turn_group(client, model, p, k, self.cfg, None if seed is None else seed + i, temperature, env,
+                                 ex) if env.max_turns > 1 else
+                rollout_group(client, model, p, k, self.cfg, None if seed is None else seed + i, temperature)
+                for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
             rewards = np.array([env.reward_group(ex, [c.text for c in g])
                                 for ex, g in zip(examples, groups, strict=True)])
             lengths = [len(c.token_ids) for g in groups for c in g]
@@ -80,6 +91,8 @@ class Evaluator:
                     f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),
                     f"eval/{name}/completion_len/mean": float(np.mean(lengths)),
                     f"eval/{name}/examples": len(examples)}
+            if env.max_turns > 1:  # model turns per rollout (a turn after each environment reply)
+                out[f"eval/{name}/turns/mean"] = float(np.mean([turns(c.mask) for g in groups for c in g]))
         out["eval/time_s"] = time.monotonic() - t0
         self.writer.write(out)
         self.last_evaluated = max(self.last_evaluated, policy_step)

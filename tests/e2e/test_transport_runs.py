@@ -1,7 +1,8 @@
-"""A real co-locate run with `weight_broadcast.type: nccl`: the trainer pushes each policy into vLLM's workers
-(vLLM's weight-transfer engine; gloo on this CPU machine) instead of the orchestrator loading files. The
-inference server is SIGKILLed mid-run: the launcher restarts it, the orchestrator sees it serve the base
-weights and asks the trainer to push the current policy again."""
+"""A real co-locate run (bundled model, real vLLM) with neither batches nor weights going through files:
+batches over the zmq transport, and `weight_broadcast.type: nccl` (the trainer pushes each policy into vLLM's
+workers through vLLM's weight-transfer engine; gloo on this CPU machine). The inference server is SIGKILLed
+mid-run: the launcher restarts it, the orchestrator sees it serve the base weights and asks the trainer to
+push the current policy again. (One run for both transports keeps the default suite short.)"""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from tests.e2e.test_resume_runs import vllm_server_process, wait_steps
 pytestmark = pytest.mark.vllm
 
 
-def test_colocate_run_with_pushed_weights_survives_an_inference_restart(tmp_path):
+def test_colocate_run_over_zmq_with_pushed_weights_survives_an_inference_restart(tmp_path):
     run_dir, port, steps = tmp_path / "run", free_port(), 6
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(steps),
+                 "--orch.rollout_transport.type", "zmq", "--orch.rollout_transport.port", str(free_port()),
+                 "--orch.rollout_transport.hwm", "2",
                  "--orch.weight_broadcast.type", "nccl", "--orch.weight_broadcast.port", str(free_port()),
                  "--orch.weight_broadcast.timeout", "120", "--orch.max_async_level", "0")
     try:
@@ -43,3 +46,5 @@ def test_colocate_run_with_pushed_weights_survives_an_inference_restart(tmp_path
     assert "type: nccl" in train_cfg and "broadcast_merged: false" in train_cfg
     assert "weight_broadcast_type: nccl" in (run_dir / "configs" / "infer.yaml").read_text()
     assert not list(run_dir.glob("broadcasts/step_*/merged")), "no full weights went through the filesystem"
+    assert not list((run_dir / "rollouts").glob("step_*.safetensors")), "no batch went through the filesystem"
+    assert "transport_type: zmq" in train_cfg

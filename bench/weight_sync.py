@@ -1,0 +1,105 @@
+"""`make bench-weights`: how long a new policy takes to reach vLLM, per weight-broadcast path, in one run.
+
+One vLLM server (LoRA off, `weight_reload` and `weight_broadcast_type: nccl` both on) and one PEFT policy of
+the chosen model (LoRA on all linear layers). Each round changes the adapter and times, from "the optimizer
+step is done" to "vLLM serves the new weights":
+
+- baseline, `weight_broadcast.reload: merged` (filesystem): the trainer writes `broadcasts/step_n/` (adapter +
+  merged safetensors, temp + rename + STABLE) and the orchestrator has vLLM reload them (`/collective_rpc
+  reload_weights`, then `/reset_prefix_cache`);
+- `weight_broadcast.type: nccl`: the trainer pushes the merged LoRA-adapted weights into the workers (pause,
+  start, update + broadcast, finish, resume) — gloo on CPU, NCCL on GPU.
+
+Writes `bench/WEIGHT_SYNC.md` (median and ratio; the first round of each path, which opens connections and
+groups, is reported apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tidal:tiny-reverse")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(REPO / "bench" / "WEIGHT_SYNC.md"))
+    args = ap.parse_args()
+
+    import httpx
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tests.conftest import free_port, kill_group, tidal, wait_healthy
+
+    from tidal.assets import resolve_model
+    from tidal.config.orch import ClientSection
+    from tidal.inference.client import InferenceClient
+    from tidal.trainer.broadcast import broadcast_dir, checkpoint_keys, publish_adapter
+    from tidal.trainer.model import load_base_model
+    from tidal.trainer.weight_push import WeightPusher
+
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = get_peft_model(load_base_model(args.model, device, dtype), LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    keys = checkpoint_keys(resolve_model(args.model))
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-weight-bench-"))
+    log = tmp / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.model", args.model, "--infer.port", str(port), "--infer.enable_lora",
+                     "false", "--infer.weight_reload", "true", "--infer.weight_broadcast_type", "nccl", stdout=f)
+    url = f"http://127.0.0.1:{port}/v1"
+    times: dict[str, list[float]] = {"merged files + reload": [], "nccl push": []}
+    try:
+        wait_healthy(port, proc)
+        pusher = WeightPusher([url], "127.0.0.1", free_port(), 600, None, device)
+        client = InferenceClient(ClientSection(base_url=[url], timeout=600))
+        loop = asyncio.new_event_loop()
+        for step in range(1, args.rounds + 1):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.01)
+            t0 = time.perf_counter()
+            publish_adapter(model, tmp, step, keep=2, merged_keys=keys)
+            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, step) / "merged")))
+            times["merged files + reload"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            pusher.push(model, step)
+            times["nccl push"].append(time.perf_counter() - t0)
+        version = httpx.get(f"http://127.0.0.1:{port}/weight_info").json()["weight_version"]
+        assert version == str(args.rounds), version
+        loop.run_until_complete(client.close())
+        pusher.close()
+    finally:
+        kill_group(proc)
+    base = statistics.median(times["merged files + reload"][1:])
+    lines = ["# Weight broadcast: time from optimizer step to vLLM serving the new weights", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()} ({args.device}), model "
+             f"`{args.model}`, LoRA r16 on all linear layers, {args.rounds} rounds; command: "
+             f"`python bench/weight_sync.py {' '.join(sys.argv[1:])}`.", "",
+             "| path | first round (s) | median of the rest (s) | ratio to the baseline |", "|---|---|---|---|"]
+    for name, ts in times.items():
+        med = statistics.median(ts[1:])
+        lines.append(f"| {name}{' (baseline)' if name.startswith('merged') else ''} | {ts[0]:.3f} | {med:.3f} | "
+                     f"{med / base:.2f} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

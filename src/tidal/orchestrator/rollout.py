@@ -1,0 +1,62 @@
+"""Rollouts of one prompt: `n` single-turn completions, or `n` multi-turn rollouts with an environment.
+
+Single-turn: one vLLM request for `n` completions within `sampling.max_tokens` and what `seq_len` leaves.
+Multi-turn: each model turn ends at EOS or one of the environment's `stop` strings; the environment's reply is
+appended as tokens with no loss (mask 0) and the model continues from the exact token ids, within
+`env.max_turns` turns and the same token budget. Used for training batches and for evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tidal.config.orch import OrchConfig
+from tidal.envs.base import Environment, Example
+from tidal.inference.client import Completion, InferenceClient
+from tidal.orchestrator.sampling import extra_sampling
+
+
+async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
+                        seed: int | None, temperature: float | None = None) -> list[Completion]:
+    room = cfg.seq_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
+    max_tokens = min(cfg.sampling.max_tokens or room, room)
+    extra = extra_sampling(cfg, max_tokens)
+    return await client.sample(model, prompt_ids, n, max_tokens,
+                               cfg.sampling.temperature if temperature is None else temperature, seed, extra)
+
+
+async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
+                           seed: int | None, temperature: float, env: Environment,
+                           example: Example) -> list[Completion]:
+    """`n` multi-turn rollouts: each model turn ends at EOS or one of `env.stop`; the environment's reply
+    (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
+    turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
+    budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt_ids))
+    extra = {**extra_sampling(cfg, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
+    first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
+
+    async def continue_one(i: int, c: Completion) -> Completion:
+        ids, lps, mask, text = list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.text
+        finish = c.finish_reason
+        for turn in range(1, env.max_turns):
+            reply = env.respond(example, text) if finish != "length" else None
+            if reply is None:
+                break
+            reply_ids = await client.tokenize_text(model, reply)
+            room = budget - len(ids) - len(reply_ids)
+            if room < 1:
+                finish = "length"
+                break
+            ids, lps, text = ids + reply_ids, lps + [0.0] * len(reply_ids), text + reply
+            mask += [0] * len(reply_ids)
+            turn_seed = None if seed is None else seed + 7919 * turn + i
+            nxt = (await client.sample(model, prompt_ids + ids, 1, room, temperature, turn_seed,
+                                       {**extra, "min_tokens": 0}))[0]
+            ids, lps, text = ids + nxt.token_ids, lps + nxt.logprobs, text + nxt.text
+            mask += [1] * len(nxt.token_ids)
+            finish = nxt.finish_reason
+        return Completion(ids, lps, text, finish, None, mask)
+
+    return list(await asyncio.gather(*(continue_one(i, c) for i, c in enumerate(first))))
