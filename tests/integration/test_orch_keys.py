@@ -130,3 +130,31 @@ def test_seed_and_sampling_seed_make_sampling_reproducible(vllm_server, tmp_path
     buffer_prompts, _ = collect_once(vllm_server, tmp_path, seed=7, buffer={"seed": 8},
                                      sampling={"max_tokens": 12, "seed": 3})
     assert buffer_prompts == other_prompts, "buffer.seed, when set, seeds the example draw instead of seed"
+
+
+def finished_requests(url: str) -> float:
+    import httpx
+
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def test_several_base_urls_spread_the_requests(vllm_server, nccl_server):
+    """`client.base_url` with two real servers: sampling requests alternate between them."""
+    urls = [vllm_server, nccl_server[0]]
+    before = [finished_requests(u) for u in urls]
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=urls))
+        try:
+            await client.wait_ready()
+            prompt = await client.tokenize_chat(MODEL, [{"role": "user", "content": "abc def"}])
+            return await asyncio.gather(*(client.sample(MODEL, prompt, 2, 6, 1.0, i) for i in range(10)))
+        finally:
+            await client.close()
+
+    groups = asyncio.run(go())
+    assert all(len(g) == 2 for g in groups)
+    served = [finished_requests(u) - b for u, b in zip(urls, before, strict=True)]
+    assert served == [10, 10], served  # 5 requests each; vLLM counts each of a request's 2 completions
