@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tidal.config.infer import InferConfig
-from tidal.config.orch import NotYetSection, OrchConfig
+from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 
 HEADER = """# Configuration reference
@@ -44,9 +44,9 @@ def rows(model: type[BaseModel], prefix: str = "", unsupported: bool = False) ->
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub = _submodel(field.annotation)
-        off = unsupported or name in model.UNSUPPORTED or sub is NotYetSection  # type: ignore[attr-defined]
+        off = unsupported or name in model.UNSUPPORTED  # type: ignore[attr-defined]
         desc = (field.description or "").replace("\n", " ").replace("|", "\\|")
-        if sub is not None and sub is not NotYetSection:
+        if sub is not None:
             listy = typing.get_origin(field.annotation) is list
             out.append(f"| `{key}` | section | | {'not supported yet' if off else 'yes'} | {desc} |")
             out += rows(sub, f"{key}[]." if listy else f"{key}.", off)

@@ -270,19 +270,6 @@ class EvalSection(StrictModel):
     seed's config files (both values behave the same)."""
 
 
-class NotYetSection(StrictModel):
-    """A section whose keys are accepted by name but not implemented yet."""
-
-    model_config = StrictModel.model_config | {"extra": "allow"}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        if data:
-            raise ValueError("this section is not supported yet by tidal; remove it")
-        return data
-
-
 class RolloutTransportSection(StrictModel):
     """How batches reach the trainer."""
 
