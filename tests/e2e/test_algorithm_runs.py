@@ -117,6 +117,7 @@ def test_every_loss_type_and_ratio_type_runs(vllm_server, tmp_path, name):
     assert all(r["loss"] != 0 for r in rows[1:])
 
 
+@pytest.mark.slow  # (44 s; the guard's logic is unit-tested in the default suite)
 def test_mismatch_guard_stops_a_bf16_server_against_an_fp32_trainer(tmp_path):
     """A real cause of drift: vLLM serving in bfloat16 while the trainer computes in float32."""
     from tests.conftest import free_port

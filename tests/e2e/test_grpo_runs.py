@@ -163,8 +163,9 @@ def wait_for_first_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 
     raise TimeoutError("no step completed")
 
 
-@pytest.mark.parametrize("how", ["kill-trainer", "ctrl-c"])
+@pytest.mark.parametrize("how", [pytest.param("kill-trainer", marks=pytest.mark.slow), "ctrl-c"])
 def test_colocate_stops_everything_on_failure_or_interrupt(tmp_path, how):
+    """(kill-trainer is slow-only: the default suite's resume run kills its trainer and checks the same.)"""
     run_dir = tmp_path / "run"
     port = free_port()
     # started with SIGINT ignored, as a background job of a non-interactive shell is: Ctrl-C must still work

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -73,7 +74,8 @@ def test_colocate_survives_inference_death_and_resumes_after_trainer_death(tmp_p
         wait_steps(run_dir, 2, [proc])
         vllm_server_process(proc.pid).send_signal(signal.SIGKILL)
         wait_steps(run_dir, 4, [proc], timeout=600)  # inference restarted, the run went on
-        trainer = [p for p in descendants(proc.pid) if "grpo-train" in " ".join(p.cmdline())]
+        family = descendants(proc.pid)
+        trainer = [p for p in family if "grpo-train" in " ".join(p.cmdline())]
         trainer[0].send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -81,6 +83,11 @@ def test_colocate_survives_inference_death_and_resumes_after_trainer_death(tmp_p
     assert proc.returncode == 1
     assert "inference server exited" in out and "restarting it (1 of 3)" in out
     assert "the trainer exited" in out and "resume the run with: tidal grpo" in out and "--resume" in out
+    time.sleep(1)  # a dead trainer stops everything: no orphan, the server's port is closed
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphans left: {[p.cmdline() for p in alive]}"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
     orch_log = (run_dir / "logs/orch.log").read_text()
     assert "inference request failed" in orch_log or "inference server restarted" in orch_log
 

@@ -122,3 +122,23 @@ def test_code_reward_runs_tests_in_the_sandbox():
     tests = "assert add(2, 3) == 5"
     out = unit_tests([good, bad, hostile, loop, good], tests=[tests, tests, tests, tests, None], timeout_s=2)
     assert out == [1.0, 0.0, 0.0, 0.0, None]
+
+
+def test_gloo_weight_broadcast_rendezvous_listens_on_its_host_only():
+    """The trainer's rendezvous store (rank 0) must not listen on every interface (TCPStore's default)."""
+    import datetime
+
+    import psutil
+    import torch.distributed as dist
+
+    from tests.conftest import free_port
+    from tidal.inference.weight_transfer import GlooGroup
+
+    port = free_port()
+    group = GlooGroup("127.0.0.1", port, 0, 1, timeout_s=5)  # a one-rank group needs no peers
+    listening = [c.laddr for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+    client = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("k", b"v")
+    assert group.store.get("k") == b"v"
+    group.destroy()

@@ -27,8 +27,17 @@ class GlooGroup:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
+        listen_fd = None
+        if rank == 0:  # listen on `host` only (TCPStore alone would listen on every interface), as vLLM does
+            import socket
+
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen()
+            listen_fd = sock.detach()
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                                   wait_for_workers=False, use_libuv=True)
+                                   wait_for_workers=False, master_listen_fd=listen_fd, use_libuv=False)
         self.rank, self.world_size = rank, world_size
         self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 

@@ -122,11 +122,6 @@ class WeightPusher:
             self._transfer(model, step)
         except BaseException:
             self.close()
-            for root in self.roots:  # never leave a reachable server paused
-                try:
-                    self._post(root, "resume")
-                except Exception:  # noqa: BLE001 - a dead server cannot be resumed
-                    pass
             raise
         self.pushed = step
         return time.monotonic() - t0
@@ -135,17 +130,30 @@ class WeightPusher:
         meta = [(n, w.dtype, tuple(w.shape)) for n, w in lora_merged_weights_meta(model)]
         update = {"names": [m[0] for m in meta], "dtype_names": [str(m[1]).removeprefix("torch.") for m in meta],
                   "shapes": [list(m[2]) for m in meta]}
-        self._each("pause", params={"mode": "wait"})
         try:
+            self._each("pause", params={"mode": "wait"})
             self._each("start_weight_update")
-            with ThreadPoolExecutor(len(self.roots)) as ex:
+            # the workers receive inside /update_weights while we broadcast: both sides meet in the collectives
+            ex = ThreadPoolExecutor(len(self.roots))
+            try:
                 futures = [ex.submit(self._post, r, "update_weights", {"update_info": update}) for r in self.roots]
                 self._broadcast(model)
                 for f in futures:
                     f.result()
+            finally:
+                ex.shutdown(wait=False)  # after a failed broadcast a worker may sit in a collective: do not wait
             self._each("finish_weight_update", {"weight_version": str(step)})
         finally:
-            self._each("resume")
+            self._resume_all()
+
+    def _resume_all(self) -> None:
+        """Resume every server that answers (never leave one paused; a dead one cannot be resumed, and its
+        error must not hide the failure that got us here)."""
+        for root in self.roots:
+            try:
+                self._post(root, "resume")
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not resume %s after a weight push: %r", root, exc)
 
     def _broadcast(self, model: torch.nn.Module) -> None:
         with torch.no_grad():
