@@ -81,3 +81,23 @@ def test_push_to_a_dead_server_fails_closes_the_group_and_a_later_push_reopens(n
     pusher.push(policy, 3)
     pusher.close()
     assert gap(policy, url) < 1e-4
+
+
+def test_a_taken_rendezvous_port_is_a_clear_error_and_the_server_recovers(nccl_server):
+    import socket
+    import time
+
+    url, proc, _ = nccl_server
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        pusher = WeightPusher([url], "127.0.0.1", port, timeout_s=5, api_key=None, device=torch.device("cpu"))
+        with pytest.raises(RuntimeError, match=rf"127.0.0.1:{port}.*weight_broadcast.host / port"):
+            pusher.push(random_policy(6), 4)
+    time.sleep(6)  # the worker gives up its rendezvous after its timeout
+    pusher = WeightPusher([url], "127.0.0.1", free_port(), timeout_s=30, api_key=None, device=torch.device("cpu"))
+    policy = random_policy(7)
+    pusher.push(policy, 5)
+    pusher.close()
+    assert gap(policy, url) < 1e-4 and proc.poll() is None

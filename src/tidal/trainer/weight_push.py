@@ -88,20 +88,27 @@ class WeightPusher:
                 info["timeout_s"] = self.timeout_s
             infos.append(info)
             offset += n
-        with ThreadPoolExecutor(len(self.roots)) as ex:
+        ex = ThreadPoolExecutor(len(self.roots))  # the workers join inside /init_weight_transfer_engine
+        try:
             futures = [ex.submit(self._post, r, "init_weight_transfer_engine", {"init_info": i})
                        for r, i in zip(self.roots, infos, strict=True)]
-            if self.cuda:
-                from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            try:
+                if self.cuda:
+                    from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-                self.group = trainer_init({"master_address": self.host, "master_port": self.port,
-                                           "world_size": world})
-            else:
-                from tidal.inference.weight_transfer import GlooGroup
+                    self.group = trainer_init({"master_address": self.host, "master_port": self.port,
+                                               "world_size": world})
+                else:
+                    from tidal.inference.weight_transfer import GlooGroup
 
-                self.group = GlooGroup(self.host, self.port, 0, world, self.timeout_s)
+                    self.group = GlooGroup(self.host, self.port, 0, world, self.timeout_s)
+            except OSError as exc:
+                raise RuntimeError(f"cannot open the weight-broadcast rendezvous at {self.host}:{self.port}: "
+                                   f"{exc.strerror or exc} (weight_broadcast.host / port)") from exc
             for f in futures:
                 f.result()
+        finally:
+            ex.shutdown(wait=False)  # after a failed rendezvous the workers wait out their own timeout
         log.info("weight broadcast group open at %s:%d (%s, %d inference workers on %d servers)", self.host,
                  self.port, "nccl" if self.cuda else "gloo", world - 1, len(self.roots))
 
