@@ -146,6 +146,18 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
             kill_group(p)
 
 
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes of `procs` still running (zombies and those that exit while we look count as gone)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -191,7 +203,7 @@ def test_colocate_stops_everything_on_failure_or_interrupt(tmp_path, how):
     else:
         assert proc.returncode == 130 and "interrupted" in out
     time.sleep(1)
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphans left: {[p.cmdline() for p in alive]}"
+    left = alive(family)
+    assert not left, f"orphans left: {[p.cmdline() for p in left]}"
     with pytest.raises(OSError):  # the server is gone
         __import__("socket").create_connection(("127.0.0.1", port), timeout=1)

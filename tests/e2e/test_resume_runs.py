@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
-from tests.e2e.test_grpo_runs import ORCH_SMALL, descendants
+from tests.e2e.test_grpo_runs import ORCH_SMALL, alive, descendants
 from tidal.monitor.metrics import read_metrics
 
 pytestmark = pytest.mark.vllm
@@ -84,8 +84,8 @@ def test_colocate_survives_inference_death_and_resumes_after_trainer_death(tmp_p
     assert "inference server exited" in out and "restarting it (1 of 3)" in out
     assert "the trainer exited" in out and "resume the run with: tidal grpo" in out and "--resume" in out
     time.sleep(1)  # a dead trainer stops everything: no orphan, the server's port is closed
-    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"orphans left: {[p.cmdline() for p in alive]}"
+    left = alive(family)
+    assert not left, f"orphans left: {[p.cmdline() for p in left]}"
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
     orch_log = (run_dir / "logs/orch.log").read_text()
