@@ -9,8 +9,9 @@ import torch
 
 from tests.conftest import MODEL, free_port
 from tests.integration.test_vllm_server import sample, trainer_logprobs
+from tidal.trainer.broadcast import lora_merged_weights
 from tidal.trainer.model import load_base_model
-from tidal.trainer.weight_push import WeightPusher, lora_merged_weights
+from tidal.trainer.weight_push import WeightPusher
 
 pytestmark = pytest.mark.vllm
 

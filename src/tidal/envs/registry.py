@@ -38,26 +38,18 @@ def _import(env_id: str) -> Any:
         raise ValueError(f"environment '{env_id}': cannot import it ({exc})") from None
 
 
-def resolve(env_id: str) -> type[Environment]:
-    """A registered id, or `package.module:ClassName` (imported; the class must subclass Environment)."""
-    if env_id in _REGISTRY:
-        return _REGISTRY[env_id]
-    if ":" in env_id:
-        cls = _import(env_id)
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ValueError(f"environment '{env_id}' is not a tidal.envs.Environment subclass")
-        return cls
-    raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, "
-                     f"'package.module:Name' or 'verifiers:NAME')")
-
-
 def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate environment `env_id` with `args`; unknown ids and bad args raise ValueError."""
     from tidal.envs import verifiers_env
 
     if env_id.startswith("verifiers:"):
         return verifiers_env.load(env_id.removeprefix("verifiers:"), args)
-    target: Any = _REGISTRY.get(env_id) or (_import(env_id) if ":" in env_id else resolve(env_id))
+    target: Any = _REGISTRY.get(env_id)
+    if target is None and ":" not in env_id:
+        raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, "
+                         f"'package.module:Name' or 'verifiers:NAME')")
+    if target is None:
+        target = _import(env_id)
     if verifiers_env.is_verifiers_env(target):  # a module-level verifiers environment object
         if args:
             raise ValueError(f"environment '{env_id}' is an environment object; it takes no args (got {args})")

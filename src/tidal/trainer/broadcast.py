@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,34 +20,43 @@ def broadcast_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "broadcasts" / f"step_{step}"
 
 
+def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """(base checkpoint name of the weight, PEFT LoRA layer) for each LoRA-adapted module of `model`."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield f"{name.removeprefix('base_model.model.')}.weight", module
+
+
+def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, W + scale * B A) for each LoRA-adapted module, computed one module at a time; the
+    training model is left untouched."""
+    for key, module in lora_layers(model):
+        w = module.get_base_layer().weight.detach().clone()
+        for adapter in module.active_adapters:
+            w += module.get_delta_weight(adapter).detach().to(w.dtype)
+        yield key, w.contiguous()
+
+
 def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
     """The PEFT model's weights with each LoRA delta added, keyed like the base checkpoint (`checkpoint_keys`);
     the training model is left untouched."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            for adapter in module.active_adapters:
-                deltas[name] = module.get_delta_weight(adapter).detach()  # type: ignore[attr-defined]
+    merged = dict(lora_merged_weights(model))
     out = {}
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     for key in checkpoint_keys:
+        if key in merged:
+            out[key] = merged[key].cpu()
+            continue
         prefix = key.removesuffix(".weight").removesuffix(".bias")
+        suffix = key[len(prefix):]
         peft_key = f"base_model.model.{prefix}"
-        if f"{peft_key}.base_layer.weight" in params and key.endswith(".weight"):
-            w = params[f"{peft_key}.base_layer.weight"].detach()
-            if peft_key in deltas:
-                w = w + deltas[peft_key].to(w.dtype)
-        else:
-            suffix = key[len(prefix):]
-            w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}"))
-            if w is None:
-                raise KeyError(f"checkpoint tensor {key} has no counterpart in the trained model")
-            w = w.detach()
-        out[key] = w.contiguous().cpu()
+        w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}"))
+        if w is None:
+            raise KeyError(f"checkpoint tensor {key} has no counterpart in the trained model")
+        out[key] = w.detach().contiguous().cpu()
     return out
 
 

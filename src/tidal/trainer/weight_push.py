@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,23 +26,11 @@ from typing import Any
 import httpx
 import torch
 
+from tidal.trainer.broadcast import lora_layers, lora_merged_weights
+
 log = logging.getLogger("tidal.trainer")
 
 PUSH_REQUEST = "PUSH_REQUEST"
-
-
-def lora_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, W + delta) for each LoRA-adapted module, computed one module at a time."""
-    from peft.tuners.lora import LoraLayer
-
-    for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        base = module.get_base_layer().weight.detach()  # type: ignore[operator]
-        w = base.clone()
-        for adapter in module.active_adapters:
-            w += module.get_delta_weight(adapter).detach().to(w.dtype)  # type: ignore[attr-defined]
-        yield f"{name.removeprefix('base_model.model.')}.weight", w.contiguous()
 
 
 def server_root(url: str) -> str:
@@ -134,9 +121,10 @@ class WeightPusher:
         return time.monotonic() - t0
 
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
-        meta = [(n, w.dtype, tuple(w.shape)) for n, w in lora_merged_weights_meta(model)]
-        update = {"names": [m[0] for m in meta], "dtype_names": [str(m[1]).removeprefix("torch.") for m in meta],
-                  "shapes": [list(m[2]) for m in meta]}
+        bases = [(key, layer.get_base_layer().weight) for key, layer in lora_layers(model)]
+        update = {"names": [key for key, _ in bases],
+                  "dtype_names": [str(w.dtype).removeprefix("torch.") for _, w in bases],
+                  "shapes": [list(w.shape) for _, w in bases]}
         try:
             self._each("pause", params={"mode": "wait"})
             self._each("start_weight_update")
@@ -173,17 +161,6 @@ class WeightPusher:
             else:
                 for _name, w in lora_merged_weights(model):
                     self.group.broadcast(w, src=0)
-
-
-def lora_merged_weights_meta(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Names and (meta-device) shapes/dtypes of what `lora_merged_weights` yields, without computing it."""
-    from peft.tuners.lora import LoraLayer
-
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            base: torch.Tensor = module.get_base_layer().weight  # type: ignore[assignment]
-            yield f"{name.removeprefix('base_model.model.')}.weight", torch.empty(base.shape, dtype=base.dtype,
-                                                                                  device="meta")
 
 
 def push_requested(run_dir: Path) -> int | None:
