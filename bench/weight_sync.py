@@ -46,7 +46,8 @@ def main() -> int:
     from tidal.assets import resolve_model
     from tidal.config.orch import ClientSection
     from tidal.inference.client import InferenceClient
-    from tidal.trainer.broadcast import broadcast_dir, checkpoint_keys, publish_adapter
+    from tidal.paths import broadcast_dir
+    from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
     from tidal.trainer.model import load_base_model
     from tidal.trainer.weight_push import WeightPusher
 

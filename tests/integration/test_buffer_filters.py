@@ -17,8 +17,9 @@ from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.client import InferenceClient
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.collect import collect_groups
 from tidal.orchestrator.envmix import EnvMix
-from tidal.orchestrator.loop import PolicyTracker, collect_groups
+from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.scoring import Scorer
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +36,7 @@ def collect(url: str, tmp_path, **kw):
         "env_reward_weight": 0.0,
         "reward_funcs": [{"import_path": "tests.integration.test_buffer_filters:split_reward"}],
         **kw})
-    env, buffer = EnvMix(cfg), Buffer(cfg)
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
     scorer = Scorer(env.envs, cfg)
 
     async def go():

@@ -12,7 +12,7 @@ from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
 from tidal.inference.client import InferenceClient
-from tidal.orchestrator.loop import draw_prompts
+from tidal.orchestrator.collect import draw_prompts
 
 pytestmark = pytest.mark.vllm
 

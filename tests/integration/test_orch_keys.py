@@ -99,12 +99,13 @@ def collect_once(url: str, tmp_path: Path, **kw):
     import random
 
     from tidal.orchestrator.buffer import Buffer
+    from tidal.orchestrator.collect import collect_groups
     from tidal.orchestrator.envmix import EnvMix
-    from tidal.orchestrator.loop import PolicyTracker, collect_groups
+    from tidal.orchestrator.policy import PolicyTracker
     from tidal.orchestrator.scoring import Scorer
 
     cfg = orch_cfg(url, tmp_path, 1, batch_size=8, rollouts_per_example=2, **kw)
-    env, buffer = EnvMix(cfg), Buffer(cfg)
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
     async def go():
         client = InferenceClient(ClientSection(base_url=[url]))

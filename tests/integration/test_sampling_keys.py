@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.client import Completion, InferenceClient
-from tidal.orchestrator.loop import build_batch, rollout_group
+from tidal.orchestrator.assemble import build_batch
+from tidal.orchestrator.rollout import rollout_group
 from tidal.orchestrator.sampling import temperature_at
 
 pytestmark = pytest.mark.vllm
@@ -25,7 +26,8 @@ def rollouts(url: str, cfg: OrchConfig, temperature: float | None = None) -> lis
         try:
             await client.wait_ready()
             prompt = await client.tokenize_chat(MODEL, MESSAGES)
-            return await rollout_group(client, MODEL, prompt, 16, cfg, seed=11, temperature=temperature)
+            return await rollout_group(client, MODEL, prompt, 16, cfg.sampling, cfg.seq_len, seed=11,
+                                       temperature=temperature)
         finally:
             await client.close()
 
@@ -53,7 +55,8 @@ def test_scheduled_temperature_is_sent_and_carried_by_the_batch(vllm_server):
     cfg = OrchConfig(seq_len=256, max_steps=5, batch_size=16, rollouts_per_example=16,
                      sampling={"max_tokens": 20, "temp_scheduler": {"type": "linear", "start_temperature": 1.5,
                                                                     "end_temperature": 0.25}})
-    hot, cold = rollouts(vllm_server, cfg, temperature_at(cfg, 1)), rollouts(vllm_server, cfg, temperature_at(cfg, 5))
+    hot, cold = rollouts(vllm_server, cfg, temperature_at(cfg.sampling, cfg.max_steps, 1)), rollouts(
+        vllm_server, cfg, temperature_at(cfg.sampling, cfg.max_steps, 5))
     # a colder temperature concentrates mass: sampled tokens get higher logprobs on average
     assert np.mean([lp for c in cold for lp in c.logprobs]) > np.mean([lp for c in hot for lp in c.logprobs]) + 0.1
     rewards = np.zeros(16)

@@ -23,7 +23,8 @@ from tests.conftest import MODEL, free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.client import Completion, InferenceClient
 from tidal.monitor.metrics import read_metrics
-from tidal.orchestrator.loop import build_batch, compute_advantages
+from tidal.orchestrator.advantage import compute_advantages
+from tidal.orchestrator.assemble import build_batch
 from tidal.transport.filesystem import BatchWriter
 
 STEPS = 6
@@ -43,7 +44,7 @@ def write_batches(run_dir: Path, seed: int = 0) -> None:
                               "", "stop") for n in rng.integers(20, 60, size=4)] for _ in prompts]
         rewards = rng.uniform(0, 1, size=32)
         lens = np.array([len(c.token_ids) for g in groups for c in g])
-        adv = compute_advantages(cfg, rewards, lens, None, None)
+        adv = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, lens, None, None)
         batch, metrics = build_batch(step, [list(map(int, p)) for p in prompts], groups, rewards, adv, 0, cfg)
         batch.metrics = metrics
         writer.write(batch)

@@ -16,7 +16,8 @@ from tidal.config.train import TrainConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
 from tidal.inference.client import Completion
-from tidal.orchestrator.loop import build_batch, compute_advantages
+from tidal.orchestrator.advantage import compute_advantages
+from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.scoring import Scorer
 from tidal.transport.batch import BatchFormatError, TrainingBatch
 from tidal.transport.filesystem import BatchReader
@@ -100,7 +101,7 @@ def test_empty_completions_make_a_valid_batch_that_trains(tmp_path):
              Completion([], [], "", "length"), Completion([9], [-0.3], "q", "stop")]
     rewards = np.array([0.0, 1.0, 0.0, 0.5])
     lens = np.array([len(c.token_ids) for c in comps])
-    adv = compute_advantages(cfg, rewards, lens, None, None)
+    adv = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, lens, None, None)
     batch, _ = build_batch(1, [[1, 2, 3]], [comps], rewards, adv, 0, cfg)
     batch.save(tmp_path / "b.safetensors")
     back = TrainingBatch.load(tmp_path / "b.safetensors")
@@ -128,7 +129,8 @@ def test_first_step_after_resume_waits_wait_for_weights_timeout_not_weights_time
 
     from tidal.config.orch import ClientSection
     from tidal.inference.client import InferenceClient
-    from tidal.orchestrator.loop import PolicyTracker, sample_step
+    from tidal.orchestrator.collect import sample_step
+    from tidal.orchestrator.policy import PolicyTracker
 
     cfg = OrchConfig.model_validate({"ckpt": {"resume_step": -1, "wait_for_weights_timeout": 0.5},
                                      "weights_timeout_s": 600, "batch_size": 4, "rollouts_per_example": 4})

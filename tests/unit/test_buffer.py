@@ -27,7 +27,8 @@ class Finite:
 
 
 def buffer(**kw) -> Buffer:
-    b = Buffer(OrchConfig.model_validate({"buffer": kw.pop("buffer", {}), **kw}))
+    cfg = OrchConfig.model_validate({"buffer": kw.pop("buffer", {}), **kw})
+    b = Buffer(cfg.buffer, cfg.dynamic_sampling)
     b.new_step()
     return b
 

@@ -15,20 +15,17 @@ import torch
 
 from tidal.checkpoint import (
     CheckpointError,
-    ckpt_dir,
     complete_steps,
-    from_tree,
-    load_state,
     prune_checkpoints,
     resolve_resume_step,
-    save_state,
-    to_tree,
     write_checkpoint,
 )
 from tidal.config.orch import OrchConfig
 from tidal.monitor.metrics import MetricsWriter, read_metrics, truncate_metrics
 from tidal.monitor.sinks import MetricsTail
 from tidal.orchestrator.ckpt import Progress, resume_orch, save_orch
+from tidal.paths import ckpt_dir
+from tidal.trainer.state import from_tree, load_state, save_state, to_tree
 
 
 def _model_and_opt(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -105,7 +102,8 @@ def test_a_real_full_disk_gives_an_error_not_a_half_written_checkpoint(tmp_path)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
         from pathlib import Path
-        from tidal.checkpoint import CheckpointError, save_state, write_checkpoint
+        from tidal.checkpoint import CheckpointError, write_checkpoint
+        from tidal.trainer.state import save_state
         run = Path({str(tmp_path)!r})
         write_checkpoint(run, "trainer", 1, lambda d: save_state(d, "s", {{"w": torch.zeros(100)}}))
         try:
@@ -179,7 +177,7 @@ def test_orchestrator_checkpoint_restores_sampler_and_progress(tmp_path):
     cfg = OrchConfig.model_validate({"ckpt": {"interval": 1}})
     rng = random.Random(5)
     rng.random()
-    save_orch(tmp_path, Progress(step=4, total_tokens=900, total_samples=64), rng, cfg)
+    save_orch(tmp_path, Progress(step=4, total_tokens=900, total_samples=64), rng, cfg.ckpt)
     expected = [rng.random() for _ in range(3)]
     (tmp_path / "rollouts").mkdir()
     for s in (4, 5, 6):
@@ -189,7 +187,7 @@ def test_orchestrator_checkpoint_restores_sampler_and_progress(tmp_path):
 
     resumed = random.Random(99)
     cfg.ckpt.resume_step = -1
-    progress = resume_orch(tmp_path, cfg, resumed)
+    progress = resume_orch(tmp_path, cfg.ckpt, resumed)
     assert (progress.step, progress.total_tokens, progress.total_samples) == (4, 900, 64)
     assert [resumed.random() for _ in range(3)] == expected
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_4.safetensors"]
@@ -197,19 +195,19 @@ def test_orchestrator_checkpoint_restores_sampler_and_progress(tmp_path):
 
     fresh = random.Random(99)
     cfg.ckpt.skip_buffer = cfg.ckpt.skip_progress = True
-    progress = resume_orch(tmp_path, cfg, fresh)
+    progress = resume_orch(tmp_path, cfg.ckpt, fresh)
     assert (progress.step, progress.total_tokens) == (4, 0)
     assert fresh.random() == random.Random(99).random()
 
     (ckpt_dir(tmp_path, "orch", 4) / "state.json").write_text("[1, 2")
     with pytest.raises(CheckpointError, match=r"orch/step_4/state\.json is corrupt"):
-        resume_orch(tmp_path, cfg, fresh)
+        resume_orch(tmp_path, cfg.ckpt, fresh)
 
 
 def test_resume_without_checkpoints_refuses_when_batches_exist(tmp_path):
     cfg = OrchConfig.model_validate({"ckpt": {"resume_step": -1}})
-    assert resume_orch(tmp_path, cfg, random.Random(0)).step == 0  # nothing there: a fresh start
+    assert resume_orch(tmp_path, cfg.ckpt, random.Random(0)).step == 0  # nothing there: a fresh start
     (tmp_path / "rollouts").mkdir()
     (tmp_path / "rollouts" / "step_1.safetensors").write_text("x")
     with pytest.raises(CheckpointError, match="no orchestrator checkpoint.*ckpt.interval"):
-        resume_orch(tmp_path, cfg, random.Random(0))
+        resume_orch(tmp_path, cfg.ckpt, random.Random(0))

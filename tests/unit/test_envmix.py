@@ -22,7 +22,7 @@ TWO = [{"id": "reverse-text", "name": "short", "args": {"min_len": 2, "max_len":
 
 @pytest.mark.parametrize("ratios", [[3.0, 1.0], [0.5, 0.5], [0.1, 0.9]])
 def test_env_ratios_hold_over_1000_examples(ratios):
-    mix = EnvMix(OrchConfig.model_validate({"env": TWO, "buffer": {"env_ratios": ratios}}))
+    mix = EnvMix(OrchConfig.model_validate({"env": TWO}).env, ratios)
     rng = random.Random(7)
     examples = [mix.sample(rng) for _ in range(1000)]
     share = np.mean([ex.task == "short" for ex in examples])
@@ -38,7 +38,7 @@ def test_random_ratios_of_three_environments():
     rnd = random.Random(3)
     ratios = [rnd.uniform(0.05, 1) for _ in range(3)]
     envs = [*TWO, {"id": "reverse-text", "name": "mid"}]
-    mix = EnvMix(OrchConfig.model_validate({"env": envs, "buffer": {"env_ratios": ratios}}))
+    mix = EnvMix(OrchConfig.model_validate({"env": envs}).env, ratios)
     tasks = [mix.sample(random.Random(i)).task for i in range(1000)]
     for name, r in zip(("short", "long", "mid"), ratios, strict=True):
         assert abs(tasks.count(name) / 1000 - r / sum(ratios)) <= 0.05 * r / sum(ratios)
@@ -46,7 +46,7 @@ def test_random_ratios_of_three_environments():
 
 def test_scoring_goes_to_the_examples_environment():
     cfg = OrchConfig.model_validate({"env": TWO, "rollouts_per_example": 2, "batch_size": 4})
-    mix = EnvMix(cfg)
+    mix = EnvMix(cfg.env, cfg.buffer.env_ratios)
     scorer = Scorer(mix.envs, cfg)
     rng = random.Random(0)
     ex_short, ex_long = mix.sample(rng), mix.sample(rng)
@@ -68,16 +68,16 @@ def test_scoring_goes_to_the_examples_environment():
 
 def test_mix_counters_are_checkpointed(tmp_path):
     cfg = OrchConfig.model_validate({"env": TWO, "buffer": {"env_ratios": [2, 1]}, "ckpt": {"interval": 1}})
-    mix, rng = EnvMix(cfg), random.Random(1)
+    mix, rng = EnvMix(cfg.env, cfg.buffer.env_ratios), random.Random(1)
     for _ in range(7):
         mix.sample(rng)
     from tidal.orchestrator.ckpt import Progress
 
-    save_orch(tmp_path, Progress(step=1), rng, cfg, mix)
+    save_orch(tmp_path, Progress(step=1), rng, cfg.ckpt, mix)
     expected = [mix.sample(rng).task for _ in range(9)]
     cfg.ckpt.resume_step = -1
-    again, rng2 = EnvMix(cfg), random.Random(99)
-    resume_orch(tmp_path, cfg, rng2, again)
+    again, rng2 = EnvMix(cfg.env, cfg.buffer.env_ratios), random.Random(99)
+    resume_orch(tmp_path, cfg.ckpt, rng2, again)
     assert [again.sample(rng2).task for _ in range(9)] == expected
 
 

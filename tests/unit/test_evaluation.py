@@ -10,7 +10,7 @@ from tidal.orchestrator.evaluation import GENERATED_EVAL_SIZE, Evaluator
 def evaluator(tmp_path, **kw) -> Evaluator:
     cfg = OrchConfig.model_validate({"eval": {"env": [{"id": "reverse-text"}], **kw}})
     assert cfg.eval is not None
-    return Evaluator(cfg, cfg.eval, MetricsWriter(tmp_path / "eval.jsonl"))
+    return Evaluator(cfg.eval, cfg.sampling, cfg.seq_len, MetricsWriter(tmp_path / "eval.jsonl"))
 
 
 def test_evaluations_fall_on_the_first_policy_past_each_multiple(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 
 from tidal.config.orch import OrchConfig
 from tidal.inference.client import Completion
+from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.filters import Filters, model_vocab_size
-from tidal.orchestrator.loop import build_batch
 
 
 def comp(ids, lps) -> Completion:
@@ -21,7 +21,7 @@ def test_gibberish_flags_a_rare_token_at_near_uniform_probability():
     cfg = OrchConfig.model_validate({"filters": [{"type": "gibberish", "token_id_threshold": 100, "vocab_size": 1000,
                                                   "logprob_offset": 2.0}]})
     limit = -math.log(1000) + 2.0  # -4.91
-    f = Filters(cfg)
+    f = Filters(cfg.filters, cfg.model.name)
     cases = [comp([5, 150], [-0.1, limit - 0.5]),   # rare id, improbable: flagged
              comp([5, 150], [-0.1, limit + 0.5]),   # rare id but likely enough
              comp([5, 50], [-0.1, limit - 3.0]),    # improbable but a common id
@@ -37,7 +37,7 @@ def test_repetition_flags_long_runs_of_near_certain_tokens():
     cases = [comp(range(8), [sure] * 5 + [unsure] * 3),
              comp(range(8), [sure] * 4 + [unsure] + [sure] * 3),
              comp(range(3), [sure] * 3)]
-    masked, m = Filters(cfg).apply(cases)
+    masked, m = Filters(cfg.filters, cfg.model.name).apply(cases)
     assert masked.tolist() == [True, False, False] and m["filters/masked"] == pytest.approx(1 / 3)
 
 
@@ -52,11 +52,10 @@ def test_enforced_filters_clear_the_loss_mask_of_flagged_completions():
 
 def test_vocab_size_comes_from_the_model_directory():
     assert model_vocab_size("tidal:tiny-reverse") == 128
-    Filters(OrchConfig.model_validate({"model": {"name": "tidal:tiny-reverse"},
-                                       "filters": [{"type": "gibberish"}]}))
+    gibberish = OrchConfig.model_validate({"filters": [{"type": "gibberish"}]}).filters
+    Filters(gibberish, "tidal:tiny-reverse")
     with pytest.raises(ValueError, match="vocab_size"):
-        Filters(OrchConfig.model_validate({"model": {"name": "served-elsewhere"},
-                                           "filters": [{"type": "gibberish"}]}))
+        Filters(gibberish, "served-elsewhere")
 
 
 def test_soft_overlong_punishment_matches_dapo():

@@ -12,7 +12,8 @@ import pytest
 
 from tidal.config.orch import OrchConfig
 from tidal.inference.client import Completion
-from tidal.orchestrator.loop import build_batch, check_adapter
+from tidal.orchestrator.assemble import build_batch
+from tidal.transport.weights import check_adapter
 
 
 def one_group(rng: np.random.Generator) -> list[Completion]:

@@ -44,7 +44,7 @@ def test_environment_at_an_address_in_a_mix(tmp_path):
         cfg = OrchConfig.model_validate({"env": [{"id": "reverse-text", "name": "far",
                                                   "address": f"http://127.0.0.1:{port}"},
                                                  {"id": "reverse-text", "name": "near"}]})
-        mix = EnvMix(cfg)
+        mix = EnvMix(cfg.env, cfg.buffer.env_ratios)
         tasks = [mix.sample(random.Random(i)).task for i in range(10)]
         assert tasks.count("far") == 5
         far = next(ex for ex in (mix.sample(random.Random(i)) for i in range(4)) if ex.task == "far")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from tidal.paths import write_atomic
 
 
 def _clean(v: Any) -> Any:
@@ -36,7 +37,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep only records with `step <= last_step` (and drop a torn last line), rewriting the file atomically
-    (temp + rename); returns how many records were dropped. Used when a component resumes at `last_step`."""
+    (`tidal.paths.write_atomic`); returns how many records were dropped. Used when a component resumes."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
@@ -51,9 +52,7 @@ def truncate_metrics(path: Path, last_step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
     return dropped
 
 

@@ -12,13 +12,13 @@ import base64
 import html
 import io
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tidal.monitor.metrics import read_metrics
+from tidal.paths import configs_dir, metrics_path, report_path, samples_path, write_atomic
 
 # (title, [(metric key, label)], log-scale)
 PANELS: list[tuple[str, list[tuple[str, str]], bool]] = [
@@ -121,26 +121,24 @@ def _summary(rows: Sequence[dict[str, Any]]) -> str:
 
 def render(run_dir: Path) -> str:
     """The report's HTML for `run_dir` (see module doc)."""
-    metrics = run_dir / "metrics.jsonl"
+    metrics = metrics_path(run_dir)
     rows = read_metrics(metrics) if metrics.is_file() else []
     images = [img for title, keys, log in PANELS if (img := _panel(rows, title, keys, log))]
     grid = "".join(f'<img alt="plot" src="data:image/png;base64,{img}">' for img in images)
     configs = "".join(
         f"<h3>{html.escape(p.name)}</h3><pre>{html.escape(p.read_text())}</pre>"
-        for p in sorted((run_dir / "configs").glob("*.yaml"))) or "<p>No resolved configs in configs/.</p>"
+        for p in sorted(configs_dir(run_dir).glob("*.yaml"))) or "<p>No resolved configs in configs/.</p>"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (f"<!doctype html><html><head><meta charset=utf-8><title>tidal run {html.escape(run_dir.name)}</title>"
             f"<style>{STYLE}</style></head><body><h1>tidal run report</h1>"
             f"<p class=sub>{html.escape(str(run_dir.resolve()))} · written {stamp}</p>{_summary(rows)}"
             f"<h2>Curves</h2><div class=grid>{grid or '<p>No metrics yet.</p>'}</div>"
-            f"<h2>Samples</h2>{_samples_table(run_dir / 'samples.jsonl')}<h2>Resolved configs</h2>{configs}"
+            f"<h2>Samples</h2>{_samples_table(samples_path(run_dir))}<h2>Resolved configs</h2>{configs}"
             "</body></html>")
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
-    """Render and write atomically (temp + rename); returns the path."""
-    out = out or run_dir / "report.html"
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    tmp.write_text(render(run_dir))
-    tmp.replace(out)
+    """Render and write atomically (`tidal.paths.write_atomic`); returns the path."""
+    out = out or report_path(run_dir)
+    write_atomic(out, render(run_dir))
     return out

@@ -21,6 +21,7 @@ import numpy as np
 
 from tidal.config.orch import ReportSection
 from tidal.monitor.metrics import MetricsWriter
+from tidal.paths import metrics_path, samples_path, tensorboard_dir
 
 log = logging.getLogger("tidal.orch")
 
@@ -66,8 +67,8 @@ class Sinks:
     def __init__(self, cfg: ReportSection | None, run_dir: Path, config: dict[str, Any]) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.samples_file = MetricsWriter(run_dir / "samples.jsonl")
-        self.tail = MetricsTail(run_dir / "metrics.jsonl")
+        self.samples_file = MetricsWriter(samples_path(run_dir))
+        self.tail = MetricsTail(metrics_path(run_dir))
         self.tb: Any = None
         self.wandb: Any = None
         self.pending: dict[int, dict[str, Any]] = {}  # W&B needs increasing steps: samples wait for metrics
@@ -76,7 +77,7 @@ class Sinks:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(tensorboard_dir(run_dir)))
         if cfg.wandb:
             import wandb
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from tidal.config.orch import AdvantageSection
+
 EPS = 1e-4
 
 
@@ -120,3 +122,19 @@ def custom_advantages(fn: Callable[..., Any], import_path: str, rewards: np.ndar
     if not np.isfinite(out).all():
         raise ValueError(f"advantage function {import_path} returned non-finite values")
     return out
+
+
+def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np.ndarray, comp_lens: np.ndarray,
+                       step_rewards: list[list[tuple[int, float]]] | None,
+                       custom: Callable[..., Any] | None) -> list[np.ndarray]:
+    """One per-token advantage array per completion, following orch `advantage` (`type`: group-relative,
+    process rewards, or a custom function); completions come in groups of `group_size`."""
+    if advantage.type == "process":
+        assert step_rewards is not None
+        return process_advantages(step_rewards, [int(n) for n in comp_lens], group_size)
+    if advantage.type == "custom":
+        assert custom is not None and advantage.import_path is not None
+        adv = custom_advantages(custom, advantage.import_path, rewards, comp_lens, group_size, advantage.kwargs or {})
+    else:
+        adv = group_advantages(rewards, group_size, advantage.scale_rewards, comp_lens, advantage.length_weighted_mean)
+    return [np.full(int(n), v) for v, n in zip(adv, comp_lens, strict=True)]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.config.orch import OrchConfig
+from tidal.config.orch import BufferSection
 from tidal.envs.base import Example
 
 MAX_FRESH_DRAWS = 100
@@ -37,9 +37,10 @@ def example_key(example: Example, keys: list[str]) -> str:
 class Buffer:
     """Example admission, group filtering and difficulty pools of one orchestrator."""
 
-    def __init__(self, cfg: OrchConfig) -> None:
-        self.cfg = cfg.buffer
-        self.dynamic = cfg.dynamic_sampling
+    def __init__(self, cfg: BufferSection, dynamic_sampling: bool = False) -> None:
+        """orch `buffer` and `dynamic_sampling`."""
+        self.cfg = cfg
+        self.dynamic = dynamic_sampling
         self.easy: set[str] = set()
         self.hard: set[str] = set()
         self.step_keys: set[str] = set()

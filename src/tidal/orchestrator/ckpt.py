@@ -17,17 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.checkpoint import (
-    CheckpointError,
-    ckpt_dir,
-    prune_checkpoints,
-    resolve_resume_step,
-    write_checkpoint,
-)
-from tidal.config.orch import OrchConfig
+from tidal.checkpoint import CheckpointError, prune_checkpoints, resolve_resume_step, write_checkpoint
+from tidal.config.orch import CkptSection
 from tidal.monitor.metrics import truncate_metrics
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
+from tidal.paths import batch_path, ckpt_dir, ckpt_root, done_path, eval_path, rollouts_dir, samples_path, step_files
 
 log = logging.getLogger("tidal.orch")
 COMPONENT = "orch"
@@ -43,9 +38,9 @@ class Progress:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def save_orch(run_dir: Path, progress: Progress, rng: random.Random, cfg: OrchConfig,
+def save_orch(run_dir: Path, progress: Progress, rng: random.Random, ckpt: CkptSection,
               mix: EnvMix | None = None, buffer: Buffer | None = None) -> Path:
-    """Checkpoint `progress.step` atomically; prune per `cfg.ckpt`."""
+    """Checkpoint `progress.step` atomically; prune per `ckpt` (keep_last, keep_interval)."""
     state = {"progress": asdict(progress), "buffer": {"sampler_rng": _rng_to_json(rng.getstate()),
                                                       "env_mix": mix.state() if mix is not None else {},
                                                       "pools": buffer.state() if buffer is not None else {}}}
@@ -54,7 +49,7 @@ def save_orch(run_dir: Path, progress: Progress, rng: random.Random, cfg: OrchCo
         (tmp / "state.json").write_text(json.dumps(state))
 
     path = write_checkpoint(run_dir, COMPONENT, progress.step, fill)
-    prune_checkpoints(run_dir, COMPONENT, cfg.ckpt.keep_last, cfg.ckpt.keep_interval)
+    prune_checkpoints(run_dir, COMPONENT, ckpt.keep_last, ckpt.keep_interval)
     return path
 
 
@@ -78,35 +73,34 @@ def load_orch(run_dir: Path, step: int) -> dict[str, Any]:
     return state
 
 
-def resume_orch(run_dir: Path, cfg: OrchConfig, rng: random.Random, mix: EnvMix | None = None,
+def resume_orch(run_dir: Path, ckpt: CkptSection, rng: random.Random, mix: EnvMix | None = None,
                 buffer: Buffer | None = None) -> Progress:
-    """Restore per `cfg.ckpt` (a fresh Progress when not resuming) and rewind the run directory."""
-    step = resolve_resume_step(run_dir, COMPONENT, cfg.ckpt.resume_step)
-    rollouts = run_dir / "rollouts"
+    """Restore per `ckpt` (a fresh Progress when not resuming) and rewind the run directory."""
+    step = resolve_resume_step(run_dir, COMPONENT, ckpt.resume_step)
+    batches = step_files(rollouts_dir(run_dir), ".safetensors")
     if step is None:
-        if cfg.ckpt.resume_step is not None and any(rollouts.glob("step_*.safetensors")):
-            raise CheckpointError(f"cannot resume: {rollouts} holds batches but there is no orchestrator "
-                                  f"checkpoint under {run_dir / 'checkpoints' / COMPONENT} (set orch "
+        if ckpt.resume_step is not None and batches:
+            raise CheckpointError(f"cannot resume: {rollouts_dir(run_dir)} holds batches but there is no "
+                                  f"orchestrator checkpoint under {ckpt_root(run_dir, COMPONENT)} (set orch "
                                   f"ckpt.interval to write them)")
         return Progress()
     state = load_orch(run_dir, step)
     progress = Progress(step=step)
-    if not cfg.ckpt.skip_progress:
+    if not ckpt.skip_progress:
         progress = Progress(**state["progress"])
-    if not cfg.ckpt.skip_buffer:
+    if not ckpt.skip_buffer:
         rng.setstate(state["buffer"]["sampler_rng"])
         if mix is not None:
             mix.load_state(state["buffer"].get("env_mix", {}))
         if buffer is not None:
             buffer.load_state(state["buffer"].get("pools", {}))
-    removed = 0
-    for f in list(rollouts.glob("step_*.safetensors")):
-        if f.stem[5:].isdigit() and int(f.stem[5:]) > step:
-            f.unlink(missing_ok=True)
-            removed += 1
-    (rollouts / "DONE").unlink(missing_ok=True)
-    truncate_metrics(run_dir / "samples.jsonl", step)
-    truncate_metrics(run_dir / "eval.jsonl", step)
+    later = [s for s in batches if s > step]
+    for s in later:
+        batch_path(run_dir, s).unlink(missing_ok=True)
+    removed = len(later)
+    done_path(run_dir).unlink(missing_ok=True)
+    truncate_metrics(samples_path(run_dir), step)
+    truncate_metrics(eval_path(run_dir), step)
     log.info("resumed from checkpoint step %d (%d tokens, %d samples so far); %d later batch(es) will be "
              "sampled again", step, progress.total_tokens, progress.total_samples, removed)
     return progress

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tidal.config.orch import EnvSection, OrchConfig
+from tidal.config.orch import EnvSection
 from tidal.envs import Environment, Example, make_env
 
 
@@ -29,12 +29,13 @@ def build_env(e: EnvSection) -> Environment:
 class EnvMix:
     """The run's environments and the ratio-keeping example sampler."""
 
-    def __init__(self, cfg: OrchConfig) -> None:
+    def __init__(self, envs: list[EnvSection], ratios: list[float] | None = None) -> None:
+        """orch `env` and `buffer.env_ratios` (None: equal shares)."""
         self.envs: dict[str, Environment] = {}
-        for e in cfg.env:
+        for e in envs:
             env = build_env(e)
             self.envs[e.name or env.id or e.id] = env  # an import path is named by its class's `id`
-        ratios = cfg.buffer.env_ratios or [1.0] * len(self.envs)
+        ratios = ratios or [1.0] * len(self.envs)
         total = float(sum(ratios))
         self.ratios = [r / total for r in ratios]
         self.counts = [0] * len(self.envs)

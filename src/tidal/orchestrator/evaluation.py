@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.config.orch import EvalSection, OrchConfig
+from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
 from tidal.inference.client import InferenceClient
 from tidal.monitor.metrics import MetricsWriter
@@ -41,8 +41,8 @@ def turns(mask: list[int] | None) -> int:
 class Evaluator:
     """The eval environments, their fixed examples, and when the next evaluation is due."""
 
-    def __init__(self, cfg: OrchConfig, ecfg: EvalSection, writer: MetricsWriter) -> None:
-        self.cfg, self.ecfg, self.writer = cfg, ecfg, writer
+    def __init__(self, ecfg: EvalSection, sampling: SamplingSection, seq_len: int, writer: MetricsWriter) -> None:
+        self.ecfg, self.sampling, self.seq_len, self.writer = ecfg, sampling, seq_len, writer
         self.sets: dict[str, tuple[Environment, list[Example]]] = {}
         for i, e in enumerate(ecfg.env):
             env = build_env(e)
@@ -78,11 +78,11 @@ class Evaluator:
             if name not in self.prompts:
                 self.prompts[name] = list(await asyncio.gather(*(client.tokenize_chat(base_model, ex.prompt)
                                                                  for ex in examples)))
-            k, seed = self.ecfg.rollouts_per_example, self.cfg.sampling.seed
+            k, seed, sp, n = self.ecfg.rollouts_per_example, self.sampling.seed, self.sampling, self.seq_len
             groups = await asyncio.gather(*(
-                multi_turn_group(client, model, p, k, self.cfg, None if seed is None else seed + i, temperature, env,
+                multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,
                                  ex) if env.max_turns > 1 else
-                rollout_group(client, model, p, k, self.cfg, None if seed is None else seed + i, temperature)
+                rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature)
                 for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
             rewards = np.array([env.reward_group(ex, [c.text for c in g])
                                 for ex, g in zip(examples, groups, strict=True)])

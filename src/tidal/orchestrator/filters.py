@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tidal.config.orch import GibberishFilter, OrchConfig, RepetitionFilter
+from tidal.config.orch import GibberishFilter, RepetitionFilter
 from tidal.inference.client import Completion
 
 
@@ -48,12 +48,13 @@ def repetition(c: Completion, f: RepetitionFilter) -> bool:
 class Filters:
     """The configured filters of a run."""
 
-    def __init__(self, cfg: OrchConfig) -> None:
-        self.filters = cfg.filters
+    def __init__(self, filters: list[GibberishFilter | RepetitionFilter], model_name: str | None) -> None:
+        """orch `filters` and `model.name` (for a gibberish filter's vocabulary size when it sets none)."""
+        self.filters = filters
         self.vocab = None
         for f in self.filters:
             if isinstance(f, GibberishFilter):
-                self.vocab = f.vocab_size or model_vocab_size(cfg.model.name)
+                self.vocab = f.vocab_size or model_vocab_size(model_name)
                 if self.vocab is None:
                     raise ValueError("filters: gibberish needs the vocabulary size: set filters[].vocab_size, or "
                                      "model.name to a local model directory")

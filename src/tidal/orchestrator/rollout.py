@@ -10,31 +10,33 @@ from __future__ import annotations
 
 import asyncio
 
-from tidal.config.orch import OrchConfig
+from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
 from tidal.inference.client import Completion, InferenceClient
 from tidal.orchestrator.sampling import extra_sampling
 
 
-async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
-                        seed: int | None, temperature: float | None = None) -> list[Completion]:
-    room = cfg.seq_len - len(prompt_ids)
+async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
+                        sampling: SamplingSection, seq_len: int, seed: int | None,
+                        temperature: float | None = None) -> list[Completion]:
+    """`n` completions of one prompt within `sampling.max_tokens` and what `seq_len` leaves."""
+    room = seq_len - len(prompt_ids)
     if room < 1:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {cfg.seq_len}")
-    max_tokens = min(cfg.sampling.max_tokens or room, room)
-    extra = extra_sampling(cfg, max_tokens)
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
+    max_tokens = min(sampling.max_tokens or room, room)
+    extra = extra_sampling(sampling, max_tokens)
     return await client.sample(model, prompt_ids, n, max_tokens,
-                               cfg.sampling.temperature if temperature is None else temperature, seed, extra)
+                               sampling.temperature if temperature is None else temperature, seed, extra)
 
 
-async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, cfg: OrchConfig,
-                           seed: int | None, temperature: float, env: Environment,
-                           example: Example) -> list[Completion]:
+async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
+                           sampling: SamplingSection, seq_len: int, seed: int | None, temperature: float,
+                           env: Environment, example: Example) -> list[Completion]:
     """`n` multi-turn rollouts: each model turn ends at EOS or one of `env.stop`; the environment's reply
     (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
     turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
-    budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt_ids))
-    extra = {**extra_sampling(cfg, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
+    budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
+    extra = {**extra_sampling(sampling, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
     first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
 
     async def continue_one(i: int, c: Completion) -> Completion:

@@ -1,23 +1,18 @@
-"""Publish the policy after step n: `{run_dir}/broadcasts/step_{n}/` (PEFT adapter) plus a `STABLE` marker.
+"""What the trainer publishes as policy n (`broadcasts/step_{n}/`, protocol: `tidal.transport.weights`).
 
-The adapter is saved into a temp directory that is renamed into place, then `STABLE` is written: a reader
-that sees `STABLE` sees a complete adapter. Older broadcasts beyond `keep` are removed. With `merged`, the
-directory also holds `merged/model.safetensors`: the base weights with the adapter folded in (W + scale * B A), under
-the checkpoint's own tensor names, for inference servers that reload full weights instead of applying LoRA
-(vLLM's LoRA path on CPU is ~5x slower than its plain path).
+The PEFT adapter, and with `merged` also `merged/model.safetensors`: the base weights with the adapter folded
+in (W + scale * B A), under the checkpoint's own tensor names, for inference servers that reload full weights
+instead of applying LoRA (vLLM's LoRA path on CPU is ~5x slower than its plain path). The same merged weights
+feed the final export and the NCCL push (`lora_merged_weights`).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
-def broadcast_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "broadcasts" / f"step_{step}"
+from tidal.transport import weights
 
 
 def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
@@ -62,13 +57,9 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
 
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
                     merged_keys: list[str] | None = None) -> Path:
-    """Save `model`'s adapter for `step` atomically (plus merged full weights when `merged_keys` lists the
-    base checkpoint's tensor names); prune all but the newest `keep` broadcasts."""
-    final = broadcast_dir(run_dir, step)
-    tmp = final.with_name(f".{final.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(final, ignore_errors=True)
-    try:
+    """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
+    checkpoint's tensor names); prune all but the newest `keep` policies."""
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
         if merged_keys is not None:
             from safetensors.torch import save_file
@@ -76,15 +67,8 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             (tmp / "merged").mkdir()
             save_file(merged_state_dict(model, merged_keys), str(tmp / "merged" / "model.safetensors"),
                       metadata={"format": "pt"})
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never a half-written broadcast (e.g. disk full)
-        raise
-    (final / ".STABLE.tmp").write_text(str(step))
-    os.replace(final / ".STABLE.tmp", final / "STABLE")
-    if keep is not None:
-        prune(run_dir, keep)
-    return final
+
+    return weights.publish(run_dir, step, fill, keep)
 
 
 def checkpoint_keys(model_dir: str | Path) -> list[str]:
@@ -104,18 +88,3 @@ def checkpoint_keys(model_dir: str | Path) -> list[str]:
     if not keys:
         raise FileNotFoundError(f"no safetensors weights in {d}")
     return sorted(keys)
-
-
-def stable_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete broadcast, ascending."""
-    root = run_dir / "broadcasts"
-    steps = []
-    for d in root.glob("step_*") if root.is_dir() else []:
-        if (d / "STABLE").exists() and d.name[5:].isdigit():
-            steps.append(int(d.name[5:]))
-    return sorted(steps)
-
-
-def prune(run_dir: Path, keep: int) -> None:
-    for step in stable_steps(run_dir)[:-keep]:
-        shutil.rmtree(broadcast_dir(run_dir, step), ignore_errors=True)

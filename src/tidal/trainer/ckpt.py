@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tidal.checkpoint import CheckpointError, ckpt_dir, load_state, prune_checkpoints, save_state, write_checkpoint
-from tidal.config.train import TrainConfig
-from tidal.trainer.broadcast import broadcast_dir, stable_steps
+from tidal.checkpoint import CheckpointError, prune_checkpoints, write_checkpoint
+from tidal.config.train import TrainCkptSection
+from tidal.paths import ckpt_dir, metrics_path
+from tidal.trainer.state import load_state, save_state
+from tidal.transport import weights
 
 log = logging.getLogger("tidal.trainer")
 COMPONENT = "trainer"
@@ -44,15 +45,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, cfg: TrainConfig) -> Path:
-    """Write checkpoint `step` atomically and prune old ones per `cfg.ckpt`."""
+                 sched: torch.optim.lr_scheduler.LRScheduler, ckpt: TrainCkptSection) -> Path:
+    """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval)."""
     def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp / "adapter"))
         save_state(tmp, "trainer_state", {"step": step, "optimizer": opt.state_dict(),
                                           "scheduler": sched.state_dict(), "rng": rng_state()})
 
     path = write_checkpoint(run_dir, COMPONENT, step, fill)
-    prune_checkpoints(run_dir, COMPONENT, cfg.ckpt.keep_last, cfg.ckpt.keep_interval)
+    prune_checkpoints(run_dir, COMPONENT, ckpt.keep_last, ckpt.keep_interval)
     return path
 
 
@@ -90,11 +91,9 @@ def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] 
     from tidal.monitor.metrics import truncate_metrics
     from tidal.trainer.broadcast import publish_adapter
 
-    for s in stable_steps(run_dir):
-        if s > step:
-            shutil.rmtree(broadcast_dir(run_dir, s), ignore_errors=True)
+    weights.drop_after(run_dir, step)
     if step > 0:
         publish_adapter(model, run_dir, step, keep=keep, merged_keys=merged_keys)
-    dropped = truncate_metrics(run_dir / "metrics.jsonl", step)
+    dropped = truncate_metrics(metrics_path(run_dir), step)
     if dropped:
         log.info("metrics.jsonl: removed %d record(s) of steps after %d (they are trained again)", dropped, step)

@@ -1,4 +1,4 @@
-"""Policy losses as one pure function over packed token tensors (formulas: docs/algorithms.md).
+"""Policy losses as small pure functions over packed token tensors (formulas: docs/algorithms.md).
 
 Notation per loss token t of sequence i: `lp` trainer logprob (with grad), `old` the trainer's logprob at the
 start of the step (recorded in the first of `num_iterations`), `inf` the logprob vLLM sampled with, `A` the
@@ -8,7 +8,8 @@ advantage times `adv_tau` (plus `teacher_tau * (teacher - lp)` when distilling).
   `ratio_type: sequence` `w = min(exp(mean_i m), sequence_clip_high)`; token loss `-coeff * lp`.
 - clipped (TRL / NeMo RL): `r = exp(lp - old)` (GSPO: `exp(mean_i(lp - old))`), objective
   `min(min(r, delta) * A, clip(r, 1 - eps, 1 + eps_high) * A)`, at least `c * A` when A < 0 (dual clip),
-  times the IS correction `exp(old - inf)` (truncated or masked at `is_cap`); token loss `-objective`.
+  times the IS correction `exp(old - inf)` (`is_correction`: as is, truncated or masked at `is_cap`);
+  token loss `-objective`.
 - both: `+ beta * k3(ref, lp)` (times `exp(lp - old)` detached for the on-policy approximation).
 
 Masks (seed 000) on the trainer/inference ratio `exp(lp - inf)`: token ratio outside
@@ -17,7 +18,11 @@ token from every term; the entropy mask (top_entropy_quantile) and the masked IS
 the policy term only (TRL / NeMo RL semantics). Normalization by `loss_type` uses step-level counts
 (`LossScale`), so micro-batches add up to exactly the loss of the whole step.
 
-Returns the loss and additive sums for the step's metrics (masks, clipping, entropy, drift).
+`policy_loss` composes the parts, each pure over flat (N,) loss-token / (S,) per-sequence tensors:
+`token_view` (the loss tokens of `LossInputs`, advantages scaled), `ratio_masks` (the seed 000 masks),
+`aipo_objective` or `clipped_objective` (with `clipped_ratio` and `is_corrected`), `kl_term`, `_normalize`
+(by `loss_type`) and `loss_metrics`: the loss and additive sums for the step's metrics (masks, clipping,
+entropy, drift).
 """
 
 from __future__ import annotations
@@ -94,96 +99,193 @@ def entropy_keep(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
 
 def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, LossSums]:
     """Loss of one micro-batch (see module doc) and its metric sums."""
+    v = token_view(x, cfg)
+    masks = ratio_masks(v, cfg)
+    obj = aipo_objective(v, masks, cfg) if cfg.loss_type == "aipo" else clipped_objective(v, cfg)
+    ent_keep = (entropy_keep(v.entropy, cfg.top_entropy_quantile) if v.entropy is not None
+                else torch.ones_like(masks.keep))
+    policy_keep = masks.keep & ent_keep & ~obj.is_masked
+    per_token = -obj.value * policy_keep
+    kl = kl_term(v, cfg)
+    if kl is not None:
+        per_token = per_token + cfg.beta * kl * masks.keep
+    loss = _normalize(per_token, v.ids, v.num, v.count, cfg.loss_type, scale)
+    return loss, loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+
+
+@dataclass
+class TokenView:
+    """The loss tokens of one micro-batch, flat: (N,) tensors in the trainer's dtype (entropy as given)."""
+
+    lp: torch.Tensor
+    """(N,) trainer logprobs, with grad."""
+    old: torch.Tensor
+    """(N,) trainer logprobs at the start of the step."""
+    inf: torch.Tensor
+    """(N,) inference logprobs."""
+    adv: torch.Tensor
+    """(N,) `adv_tau * A` (plus the teacher term), detached."""
+    ids: torch.Tensor
+    """(N,) compact sequence ids in [0, num)."""
+    num: int
+    """S, the number of sequences with loss tokens."""
+    count: torch.Tensor
+    """(S,) loss tokens per sequence."""
+    ref: torch.Tensor | None
+    """(N,) reference logprobs, if given."""
+    entropy: torch.Tensor | None
+    """(N,) token entropies, if given."""
+
+
+@dataclass
+class RatioMasks:
+    """Seed 000's masks on the trainer/inference ratio, and the ratios aipo weights by."""
+
+    m: torch.Tensor
+    """(N,) detached log ratio `lp - inf`."""
+    ratio: torch.Tensor
+    """(N,) `exp(m)`."""
+    geo: torch.Tensor
+    """(S,) geometric-mean ratio per sequence."""
+    tok_low: torch.Tensor
+    """(N,) token ratio below token_mask_low."""
+    tok_high: torch.Tensor
+    """(N,) token ratio above token_mask_high."""
+    seq: dict[str, torch.Tensor]
+    """(S,) sequence masks by name (geo_low, geo_high, sequence_low, sequence_high)."""
+    keep: torch.Tensor
+    """(N,) tokens no mask removes."""
+
+
+@dataclass
+class Objective:
+    """Per-token objective to maximize, (N,), and its (N,) bool indicators."""
+
+    value: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    is_masked: torch.Tensor
+    """Tokens the masked IS correction drops from the policy term."""
+
+
+def token_view(x: LossInputs, cfg: LossConfig) -> TokenView:
+    """The loss tokens of `x` (trained and not padding) as flat (N,) tensors."""
     mask = x.loss_mask.bool() & (x.seq_ids >= 0)
     lp = x.logprobs[mask]  # (N,) loss tokens only
     dt = lp.dtype
-    old = x.old_logprobs[mask].to(dt)
-    inf = x.inference_logprobs[mask].to(dt)
     uniq, ids = torch.unique(x.seq_ids[mask], return_inverse=True)  # compact sequence ids 0..S-1
     num = len(uniq)
     count = segment_reduce(torch.ones_like(lp), ids, num, "sum")  # (S,) loss tokens per sequence
+    return TokenView(lp=lp, old=x.old_logprobs[mask].to(dt), inf=x.inference_logprobs[mask].to(dt),
+                     adv=_advantage(x, mask, lp, cfg), ids=ids, num=num, count=count,
+                     ref=x.ref_logprobs[mask].to(dt) if x.ref_logprobs is not None else None,
+                     entropy=x.entropy[mask] if x.entropy is not None else None)
 
-    # seed 000 masks on the trainer/inference ratio
-    m = lp.detach() - inf
-    ratio = torch.exp(m)
-    tok_low, tok_high = ratio < cfg.token_mask_low, ratio > cfg.token_mask_high
-    geo = torch.exp(segment_reduce(m, ids, num, "sum") / count)
-    seq_min = segment_reduce(ratio, ids, num, "amin", init=float("inf"))
-    seq_max = segment_reduce(ratio, ids, num, "amax", init=float("-inf"))
-    seq_masks = {"geo_low": geo < cfg.geo_mask_low, "geo_high": geo > cfg.geo_mask_high,
-                 "sequence_low": seq_min < cfg.sequence_mask_low, "sequence_high": seq_max > cfg.sequence_mask_high}
-    seq_bad = torch.zeros(num, dtype=torch.bool, device=lp.device)
-    for v in seq_masks.values():
-        seq_bad |= v
-    keep = ~tok_low & ~tok_high & ~seq_bad[ids]
 
-    adv = cfg.adv_tau * x.advantages[mask].to(dt)
+def _advantage(x: LossInputs, mask: torch.Tensor, lp: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """(N,) `adv_tau * A + teacher_tau * (teacher - lp)` (lp detached)."""
+    adv = cfg.adv_tau * x.advantages[mask].to(lp.dtype)
     if cfg.teacher_tau:
         if x.teacher_logprobs is None:
             raise ValueError("loss.teacher_tau > 0 needs teacher logprobs in the batch (set orch teacher)")
-        adv = adv + cfg.teacher_tau * (x.teacher_logprobs[mask].to(dt) - lp.detach())
+        adv = adv + cfg.teacher_tau * (x.teacher_logprobs[mask].to(lp.dtype) - lp.detach())
+    return adv
 
-    policy_keep = keep.clone()
-    ent = x.entropy[mask] if x.entropy is not None else None
-    ent_keep = entropy_keep(ent, cfg.top_entropy_quantile) if ent is not None else torch.ones_like(keep)
-    policy_keep &= ent_keep
-    zeros = torch.zeros_like(keep)
-    is_masked = zeros
-    if cfg.loss_type == "aipo":
-        if cfg.ratio_type == "token":
-            w, clip_high = ratio, zeros
-        else:
-            w = torch.clamp(geo, max=cfg.sequence_clip_high)[ids]
-            clip_high = (geo > cfg.sequence_clip_high)[ids]
-        coeff = w * (adv - cfg.kl_tau * m)  # detached
-        objective = coeff * lp
-        clip_low = zeros
+
+def ratio_masks(v: TokenView, cfg: LossConfig) -> RatioMasks:
+    """Seed 000's token (N,) and sequence (S,) masks on `exp(lp - inf)`; `keep` (N,) passes all of them."""
+    m = v.lp.detach() - v.inf
+    ratio = torch.exp(m)
+    tok_low, tok_high = ratio < cfg.token_mask_low, ratio > cfg.token_mask_high
+    geo = torch.exp(segment_reduce(m, v.ids, v.num, "sum") / v.count)
+    seq_min = segment_reduce(ratio, v.ids, v.num, "amin", init=float("inf"))
+    seq_max = segment_reduce(ratio, v.ids, v.num, "amax", init=float("-inf"))
+    seq = {"geo_low": geo < cfg.geo_mask_low, "geo_high": geo > cfg.geo_mask_high,
+           "sequence_low": seq_min < cfg.sequence_mask_low, "sequence_high": seq_max > cfg.sequence_mask_high}
+    seq_bad = torch.zeros(v.num, dtype=torch.bool, device=v.lp.device)
+    for s in seq.values():
+        seq_bad |= s
+    keep = ~tok_low & ~tok_high & ~seq_bad[v.ids]
+    return RatioMasks(m=m, ratio=ratio, geo=geo, tok_low=tok_low, tok_high=tok_high, seq=seq, keep=keep)
+
+
+def aipo_objective(v: TokenView, masks: RatioMasks, cfg: LossConfig) -> Objective:
+    """Seed 000's `w * (A - kl_tau * m) * lp` (N,), coefficient detached; clip_high: sequence ratio clipped."""
+    zeros = torch.zeros_like(masks.keep)
+    if cfg.ratio_type == "token":
+        w, clip_high = masks.ratio, zeros
     else:
-        log_r = lp - old
-        if cfg.importance_sampling_level == "sequence":
-            log_r = _seq_mean(log_r, ids, num, count)
-        r = torch.exp(log_r)
-        eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        c1 = r if cfg.delta is None else torch.clamp(r, max=cfg.delta)
-        c2 = torch.clamp(r, 1 - cfg.epsilon, 1 + eps_high)
-        objective = torch.minimum(c1 * adv, c2 * adv)
-        if cfg.ratio_clip_c is not None:
-            objective = torch.where(adv < 0, torch.maximum(objective, cfg.ratio_clip_c * adv), objective)
-        rd = r.detach()
-        clip_low, clip_high = (rd < 1 - cfg.epsilon) & (adv < 0), (rd > 1 + eps_high) & (adv > 0)
-        if cfg.is_correction != "none":
-            w_is = torch.exp(old - inf)
-            if cfg.is_correction == "truncated":
-                w_is = torch.clamp(w_is, max=cfg.is_cap)
-            elif cfg.is_correction == "masked":
-                is_masked = w_is > cfg.is_cap
-                policy_keep &= ~is_masked
-            objective = objective * w_is
-    per_token = -objective * policy_keep
-    kl = None
-    if cfg.beta:
-        if x.ref_logprobs is None:
-            raise ValueError("loss.beta > 0 needs reference logprobs")
-        d = x.ref_logprobs[mask].to(dt) - lp
-        kl = torch.exp(d) - d - 1
-        if cfg.use_on_policy_kl_approximation:
-            kl = kl * torch.exp(lp.detach() - old)
-        per_token = per_token + cfg.beta * kl * keep
-    loss = _normalize(per_token, ids, num, count, cfg.loss_type, scale)
+        w = torch.clamp(masks.geo, max=cfg.sequence_clip_high)[v.ids]
+        clip_high = (masks.geo > cfg.sequence_clip_high)[v.ids]
+    coeff = w * (v.adv - cfg.kl_tau * masks.m)  # detached
+    return Objective(value=coeff * v.lp, clip_low=zeros, clip_high=clip_high, is_masked=zeros)
 
+
+def clipped_ratio(v: TokenView, cfg: LossConfig) -> torch.Tensor:
+    """(N,) ratio to the old policy `exp(lp - old)`, or GSPO's `exp(mean_i(lp - old))` per sequence."""
+    log_r = v.lp - v.old
+    if cfg.importance_sampling_level == "sequence":
+        log_r = _seq_mean(log_r, v.ids, v.num, v.count)
+    return torch.exp(log_r)
+
+
+def clipped_objective(v: TokenView, cfg: LossConfig) -> Objective:
+    """TRL's clipped objective (N,) with two-sided (delta) and dual clip, times the IS correction."""
+    r = clipped_ratio(v, cfg)
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    c1 = r if cfg.delta is None else torch.clamp(r, max=cfg.delta)
+    c2 = torch.clamp(r, 1 - cfg.epsilon, 1 + eps_high)
+    objective = torch.minimum(c1 * v.adv, c2 * v.adv)
+    if cfg.ratio_clip_c is not None:
+        objective = torch.where(v.adv < 0, torch.maximum(objective, cfg.ratio_clip_c * v.adv), objective)
+    rd = r.detach()
+    clip_low, clip_high = (rd < 1 - cfg.epsilon) & (v.adv < 0), (rd > 1 + eps_high) & (v.adv > 0)
+    objective, is_masked = is_corrected(objective, v, cfg)
+    return Objective(value=objective, clip_low=clip_low, clip_high=clip_high, is_masked=is_masked)
+
+
+def is_corrected(objective: torch.Tensor, v: TokenView, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`objective` (N,) times `exp(old - inf)` per `is_correction`, and the (N,) tokens `masked` drops."""
+    is_masked = torch.zeros_like(v.lp, dtype=torch.bool)
+    if cfg.is_correction == "none":
+        return objective, is_masked
+    w_is = torch.exp(v.old - v.inf)
+    if cfg.is_correction == "truncated":
+        w_is = torch.clamp(w_is, max=cfg.is_cap)
+    elif cfg.is_correction == "masked":
+        is_masked = w_is > cfg.is_cap
+    return objective * w_is, is_masked
+
+
+def kl_term(v: TokenView, cfg: LossConfig) -> torch.Tensor | None:
+    """(N,) k3 estimate of KL to the reference (on-policy approximation: times `exp(lp - old)` detached)."""
+    if not cfg.beta:
+        return None
+    if v.ref is None:
+        raise ValueError("loss.beta > 0 needs reference logprobs")
+    d = v.ref - v.lp
+    kl = torch.exp(d) - d - 1
+    if cfg.use_on_policy_kl_approximation:
+        kl = kl * torch.exp(v.lp.detach() - v.old)
+    return kl
+
+
+def loss_metrics(v: TokenView, masks: RatioMasks, obj: Objective, ent_keep: torch.Tensor,
+                 policy_keep: torch.Tensor, kl: torch.Tensor | None) -> LossSums:
+    """Additive metric sums of one micro-batch from its (N,) masks and indicators."""
     sums = LossSums()
-    sums += {"tokens": float(mask.sum()), "masked": float((~policy_keep).sum()),
-             "masked/token_low": float(tok_low.sum()), "masked/token_high": float(tok_high.sum()),
-             "masked/entropy": float((~ent_keep).sum()), "masked/is": float(is_masked.sum()),
-             "clip_ratio/low_mean": float(clip_low.sum()), "clip_ratio/high_mean": float(clip_high.sum()),
-             "clip_ratio/region_mean": float((clip_low | clip_high).sum())}
-    sums += {f"masked/{k}": float(v[ids].sum()) for k, v in seq_masks.items()}
-    sums += drift_sums(old, inf)
-    if ent is not None:
-        sums["entropy"] += float(ent.sum())
+    sums += {"tokens": float(v.lp.numel()), "masked": float((~policy_keep).sum()),
+             "masked/token_low": float(masks.tok_low.sum()), "masked/token_high": float(masks.tok_high.sum()),
+             "masked/entropy": float((~ent_keep).sum()), "masked/is": float(obj.is_masked.sum()),
+             "clip_ratio/low_mean": float(obj.clip_low.sum()), "clip_ratio/high_mean": float(obj.clip_high.sum()),
+             "clip_ratio/region_mean": float((obj.clip_low | obj.clip_high).sum())}
+    sums += {f"masked/{k}": float(s[v.ids].sum()) for k, s in masks.seq.items()}
+    sums += drift_sums(v.old, v.inf)
+    if v.entropy is not None:
+        sums["entropy"] += float(v.entropy.sum())
     if kl is not None:
         sums["kl"] += float(kl.detach().sum())
-    return loss, sums
+    return sums
 
 
 def _normalize(per_token: torch.Tensor, ids: torch.Tensor, num: int, count: torch.Tensor, loss_type: str,

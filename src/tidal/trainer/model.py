@@ -18,21 +18,21 @@ from tidal.config.train import TrainConfig
 log = logging.getLogger(__name__)
 
 
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    """`auto` -> cuda when available, else cpu; `cuda` without a GPU is an error."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+def resolve_device(device: str) -> torch.device:
+    """train `device`: `auto` -> cuda when available, else cpu; `cuda` without a GPU is an error."""
+    if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
-    if cfg.device == "auto":
+    if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+    return torch.device(device)
 
 
-def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
     """float32 on CPU or with `recipe: fp32`; bfloat16 otherwise (fp8/nvfp4 recipes fall back, warned)."""
-    if device.type == "cpu" or cfg.recipe == "fp32":
+    if device.type == "cpu" or recipe == "fp32":
         return torch.float32
-    if cfg.recipe not in ("bf16",):
-        log.warning("recipe %s is not implemented yet; training in bfloat16", cfg.recipe)
+    if recipe not in ("bf16",):
+        log.warning("recipe %s is not implemented yet; training in bfloat16", recipe)
     return torch.bfloat16
 
 
@@ -89,8 +89,8 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     """Model to train per `cfg` (LoRA-wrapped when `cfg.lora`), and its device."""
     apply_cpu_affinity(cfg.cpu_affinity)
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg)
-    model = load_base_model(cfg.model, device, resolve_dtype(cfg, device))
+    device = resolve_device(cfg.device)
+    model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device))
     if cfg.lora:
         model = add_lora(model, cfg)
     model.train()

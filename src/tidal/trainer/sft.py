@@ -65,7 +65,7 @@ def run(cfg: TrainConfig) -> Path:
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
     opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg, cfg.max_steps)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps)
     start = time.monotonic()
     out = Path(cfg.sft.save_to or Path(cfg.output_dir) / "sft")
     for step in range(1, cfg.max_steps + 1):
@@ -83,18 +83,18 @@ def run(cfg: TrainConfig) -> Path:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if cfg.sft.save_every and step % cfg.sft.save_every == 0 and step < cfg.max_steps:
-            save(model, tok, cfg, out / f"step_{step}")
+            save(model, tok, cfg.lora, out / f"step_{step}")
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             log.info("sft step %d/%d | nll %.4f | lr %.2e | %.0f s", step, cfg.max_steps, nll,
                      sched.get_last_lr()[0], time.monotonic() - start)
-    save(model, tok, cfg, out)
+    save(model, tok, cfg.lora, out)
     return out
 
 
-def save(model: Any, tok: Any, cfg: TrainConfig, out: Path) -> None:
-    """Full model + tokenizer (`lora: false`) or the adapter, into `out`."""
+def save(model: Any, tok: Any, lora: bool, out: Path) -> None:
+    """The adapter (`lora`), or the full model + tokenizer, into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    if not cfg.lora:
+    if not lora:
         tok.save_pretrained(str(out))
-    log.info("saved %s to %s", "adapter" if cfg.lora else "model", out)
+    log.info("saved %s to %s", "adapter" if lora else "model", out)

@@ -10,17 +10,14 @@ broadcast), `/finish_weight_update` with the step, `/resume`: every completion c
 The process group (trainer + all workers of all servers, each server's workers at its own rank offset) is
 opened at the first push with `/init_weight_transfer_engine` and kept; NCCL on CUDA, gloo on CPU
 (`tidal.inference.weight_transfer`). A push that fails (a server died) drops the group; the next push, or an
-orchestrator's re-push request (`{run_dir}/broadcasts/PUSH_REQUEST`, written when a restarted server is
+orchestrator's re-push request (`tidal.transport.weights.request_push`, written when a restarted server is
 behind), opens a new one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,8 +26,6 @@ import torch
 from tidal.trainer.broadcast import lora_layers, lora_merged_weights
 
 log = logging.getLogger("tidal.trainer")
-
-PUSH_REQUEST = "PUSH_REQUEST"
 
 
 def server_root(url: str) -> str:
@@ -161,26 +156,3 @@ class WeightPusher:
             else:
                 for _name, w in lora_merged_weights(model):
                     self.group.broadcast(w, src=0)
-
-
-def push_requested(run_dir: Path) -> int | None:
-    """The step an orchestrator asked to have pushed again (a restarted server is behind), if any."""
-    path = run_dir / "broadcasts" / PUSH_REQUEST
-    try:
-        return int(json.loads(path.read_text())["step"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
-
-
-def request_push(run_dir: Path, step: int, reason: str) -> None:
-    """Ask the trainer to push its current policy again (atomic write)."""
-    path = run_dir / "broadcasts" / PUSH_REQUEST
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{PUSH_REQUEST}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "reason": reason}))
-    os.replace(tmp, path)
-
-
-def clear_push_request(run_dir: Path) -> None:
-    (run_dir / "broadcasts" / PUSH_REQUEST).unlink(missing_ok=True)
-

@@ -44,7 +44,7 @@ class ZmqBatchServer:
         self.acked = 0  # the trainer asked for acked + 1: everything up to acked is consumed
         self.done: int | None = None
         self.first_held: int | None = None  # the first batch this orchestrator produced (after a resume: m + 1)
-        self.dir = f"tcp://{host}:{port}"
+        self.where = f"tcp://{host}:{port}"
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -96,7 +96,7 @@ class ZmqBatchReader:
 
     def __init__(self, host: str, port: int, reply_timeout_s: float = 5.0) -> None:
         self.endpoint = f"tcp://{host}:{port}"
-        self.dir = self.endpoint
+        self.where = self.endpoint
         self.ctx: Any = zmq.Context.instance()
         self.reply_timeout_s = reply_timeout_s
         self.sock: Any = None

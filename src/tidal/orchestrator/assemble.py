@@ -1,0 +1,127 @@
+"""Batch assembly: the sampled groups of one step -> rewards -> advantages -> filters -> `TrainingBatch`.
+
+Rewards are the weighted sums of the reward functions (`combine_rewards`; a completion that every function
+scored None gets 0 and is counted); advantages follow `advantage.*` (`compute_advantages`); enforced filters
+mask completions out of the loss. The batch holds prompt + completion token ids per sample (loss on the
+completion's model tokens only), vLLM's logprobs, the per-token advantages, the policy step that sampled it and
+the temperature it was sampled at. A batch whose policy lags more than `max_off_policy_steps` behind is
+written empty (its samples dropped) so step numbering stays intact. The step's orchestrator metrics ride along
+in `batch.metrics` (the trainer writes them to metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import OrchConfig
+from tidal.envs.base import Example
+from tidal.inference.client import Completion
+from tidal.orchestrator.advantage import combine_rewards, compute_advantages
+from tidal.orchestrator.collect import StepSample
+from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
+from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.stats import rollout_metrics
+from tidal.transport.batch import TrainingBatch
+
+log = logging.getLogger("tidal.orch")
+
+
+def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
+                advantages: list[np.ndarray], policy_step: int, cfg: OrchConfig,
+                teacher: list[list[float]] | None = None,
+                masked: np.ndarray | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
+    """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion, none for completions
+    `masked` by an enforced filter) and its metrics."""
+    lag = (step - 1) - policy_step
+    keep = lag <= cfg.max_off_policy_steps
+    tokens: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    adv: list[np.ndarray] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
+    for k, ((prompt, c), a) in enumerate(zip(comps, advantages, strict=True)):
+        tokens += prompt + c.token_ids
+        keep_loss = 0 if masked is not None and masked[k] else 1
+        mask += [0] * len(prompt) + [keep_loss * m for m in (c.mask or [1] * len(c.token_ids))]
+        lps += [0.0] * len(prompt) + c.logprobs
+        adv += [np.zeros(len(prompt)), a]
+        lengths.append(len(prompt) + len(c.token_ids))
+        truncated.append(c.finish_reason == "length")
+    n = len(lengths)
+    flat_adv = np.concatenate(adv) if adv else np.zeros(0)
+    flat_teacher = np.concatenate([np.asarray(t) for t in teacher]) if teacher else None
+    if not keep:  # every sample of this batch is too stale: an empty batch keeps step numbering intact
+        tokens, mask, lps, lengths, truncated, flat_adv = [], [], [], [], [], np.zeros(0)
+        flat_teacher = np.zeros(0) if teacher else None
+    temperature = temperature_at(cfg.sampling, cfg.max_steps, step)
+    batch = TrainingBatch(step=step, temperature=temperature, tokens=np.array(tokens),
+                          lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
+                          advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
+                          policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
+                          max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher)
+    metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
+               "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
+               "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
+               "max_steps": cfg.max_steps, "temperature": batch.temperature}
+    return batch, metrics
+
+
+def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, advantages: list[np.ndarray],
+                 limit: int = 8) -> list[dict[str, Any]]:
+    """Up to `limit` samples spread over the batch, for samples.jsonl and the sinks."""
+    every = max(1, len(flat) // limit)
+    out = []
+    for i in range(0, len(flat), every)[:limit]:
+        ex, c = flat[i]
+        user = [m["content"] for m in ex.prompt if m.get("role") == "user"]
+        out.append({"prompt": user[-1] if user else str(ex.prompt), "completion": c.text,
+                    "reward": float(rewards[i]),
+                    "advantage": float(advantages[i].mean()) if advantages[i].size else 0.0})
+    return out
+
+
+@dataclass
+class Assembled:
+    """One step's batch and what the orchestrator reports about it."""
+
+    batch: TrainingBatch
+    flat: list[tuple[Example, Completion]]
+    """(example, completion) per sample, in batch order."""
+    rewards: np.ndarray
+    advantages: list[np.ndarray]
+    generated_tokens: int
+
+
+def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, scorer: Scorer, filters: Filters,
+             custom: Callable[..., Any] | None) -> Assembled:
+    """Rewards, advantages and filters of a sampled step, and its batch with the metrics that depend only on
+    this step (the caller adds progress and timing)."""
+    got = sample.collected
+    per_func = np.concatenate(got.per_func)
+    rewards, unscored = combine_rewards(per_func, scorer.weights)
+    if unscored:
+        log.warning("step %d: %d completion(s) got None from every reward function; they score 0", step, unscored)
+    flat = [(ex, c) for ex, comps in zip(got.examples, got.groups, strict=True) for c in comps]
+    comp_lens = np.array([len(c.token_ids) for _, c in flat])
+    steps = [scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None
+    advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom)
+    masked, filter_metrics = filters.apply([c for _, c in flat])
+    batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, policy_step, cfg,
+                                 sample.teacher, masked)
+    metrics |= filter_metrics
+    if sample.teacher is not None:
+        metrics["teacher_time_s"] = sample.teacher_time_s
+    metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
+                               np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
+    metrics |= scorer.take_error_counts()
+    metrics["completions/empty"] = float((comp_lens == 0).sum())
+    batch.metrics = metrics
+    return Assembled(batch, flat, rewards, advantages, int(comp_lens.sum()))

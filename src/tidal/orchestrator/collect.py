@@ -1,0 +1,193 @@
+"""Collecting the groups of one batch: examples -> prompt ids -> completions -> scores.
+
+`sample_step` passes the async gate (`policy.PolicyTracker.ensure`), then `collect_groups` draws
+`batch_size / rollouts_per_example` examples (through the buffer: no duplicates, difficulty pools), asks for
+`rollouts_per_example` completions of each (all in flight at once, from server-tokenized prompt ids; multi-turn
+environments run their turns) and scores every group. With group filters (dynamic sampling, online difficulty
+filtering) it samples `oversampling_factor` x the groups still missing, over up to `max_sampling_rounds`
+rounds, and tops the batch up with rejected groups if it is still short. A step whose inference requests fail
+(the server died or restarted) is sampled again once the server answers, with the same examples and the
+policy loaded again. With a `teacher`, its logprobs of every sequence come along.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import OrchConfig
+from tidal.envs.base import Example
+from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.orchestrator.advantage import combine_rewards
+from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.policy import PolicyTracker, required_policy
+from tidal.orchestrator.rollout import multi_turn_group, rollout_group
+from tidal.orchestrator.sampling import temperature_at
+from tidal.orchestrator.scoring import Scorer
+
+log = logging.getLogger("tidal.orch")
+
+MAX_DRAWS = 100
+MAX_ATTEMPTS = 5
+
+
+async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, model: str, n: int,
+                       cfg: OrchConfig, counts: dict[str, float],
+                       buffer: Buffer | None = None) -> tuple[list[Example], list[list[int]]]:
+    """`n` examples (through `buffer`, when given: no duplicates, no pooled examples) and their prompt token
+    ids. A prompt leaving no room under `seq_len` is skipped (another example is drawn) or truncated to its
+    last tokens, per `long_prompts`; counted in `counts`."""
+    def draw() -> Example:
+        return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
+
+    examples = [draw() for _ in range(n)]
+    prompts = list(await asyncio.gather(*(client.tokenize_chat(model, ex.prompt) for ex in examples)))
+    reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
+    for i in range(n):
+        draws = 0
+        while len(prompts[i]) >= cfg.seq_len:
+            if cfg.long_prompts == "truncate":
+                prompts[i] = prompts[i][-(cfg.seq_len - reserve):]
+                counts["prompts/truncated"] = counts.get("prompts/truncated", 0.0) + 1
+                break
+            counts["prompts/skipped"] = counts.get("prompts/skipped", 0.0) + 1
+            draws += 1
+            if draws >= MAX_DRAWS:
+                raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
+                                 f"raise seq_len or set long_prompts: truncate")
+            examples[i] = draw()
+            prompts[i] = await client.tokenize_chat(model, examples[i].prompt)
+    return examples, prompts
+
+
+@dataclass
+class Collected:
+    """The groups chosen for one batch, with their scores."""
+
+    examples: list[Example] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    groups: list[list[Completion]] = field(default_factory=list)
+    per_func: list[np.ndarray] = field(default_factory=list)
+    """(G, K) rewards per reward function of each group."""
+
+    def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray) -> None:
+        self.examples.append(example)
+        self.prompts.append(prompt)
+        self.groups.append(group)
+        self.per_func.append(scores)
+
+    def extend(self, other: Collected, limit: int) -> None:
+        """Take the first `limit` groups of `other`."""
+        for i in range(min(limit, len(other.examples))):
+            self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i])
+
+
+async def _rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
+                    examples: list[Example], prompts: list[list[int]], first_seed: int) -> list[list[Completion]]:
+    """One group of `rollouts_per_example` completions per prompt, all in flight at once."""
+    seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + first_seed + i
+             for i in range(len(examples))]
+    envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
+    k, temp, sp = cfg.rollouts_per_example, temperature_at(cfg.sampling, cfg.max_steps, step), cfg.sampling
+    return list(await asyncio.gather(*(
+        multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.max_turns > 1 else
+        rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp)
+        for p, s, e, ex in zip(prompts, seeds, envs, examples, strict=True))))
+
+
+async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
+                         base: str, policy: PolicyTracker, counts: dict[str, float], scorer: Scorer,
+                         buffer: Buffer) -> Collected:
+    """Sample and score groups until the batch is full: one round without group filters; with them, rounds
+    that ask for `oversampling_factor` x the groups still needed, keeping those the buffer accepts."""
+    need = cfg.batch_size // cfg.rollouts_per_example
+    kept, spare = Collected(), Collected()
+    requests = 0
+    for _ in range(cfg.max_sampling_rounds if buffer.filtering else 1):
+        buffer.counts["buffer/rounds"] += 1
+        missing = need - len(kept.examples)
+        ask = math.ceil(missing * cfg.oversampling_factor) if buffer.filtering else missing
+        examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
+        groups = await _rollouts(step, cfg, env, client, policy.model, examples, prompts, requests)
+        requests += len(examples)
+        for ex, p, g in zip(examples, prompts, groups, strict=True):
+            scores = scorer.score(ex, g, step)
+            ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
+            if not ok:
+                buffer.counts["buffer/dropped_groups"] += 1
+            (kept if ok and len(kept.examples) < need else spare).add(ex, p, g, scores)
+        if len(kept.examples) >= need:
+            break
+    fill = need - len(kept.examples)
+    if fill > 0:  # still short: top up with dropped groups so the batch keeps its size
+        buffer.counts["buffer/filled_with_dropped"] += fill
+        kept.extend(spare, fill)
+    return kept
+
+
+@dataclass
+class StepSample:
+    """Everything sampled for one batch, before advantages and assembly."""
+
+    collected: Collected
+    waited_s: float
+    """Seconds the async gate waited for a new enough policy."""
+    rollout_time_s: float
+    teacher: list[list[float]] | None = None
+    """Teacher logprobs per sequence (prompt + completion), when a teacher is configured."""
+    teacher_time_s: float = 0.0
+
+
+async def _teacher_logprobs(teacher: InferenceClient, cfg: OrchConfig, got: Collected) -> list[list[float]]:
+    assert cfg.teacher is not None
+    seqs = [p + c.token_ids for p, comps in zip(got.prompts, got.groups, strict=True) for c in comps]
+    return await teacher.prompt_logprobs_many(cfg.teacher.model, seqs, cfg.teacher.max_concurrency)
+
+
+async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
+                      base: str, policy: PolicyTracker, counts: dict[str, float],
+                      teacher: InferenceClient | None, first_after_resume: bool = False,
+                      scorer: Scorer | None = None, buffer: Buffer | None = None) -> StepSample:
+    """Prompts, completions, scores (and teacher logprobs) of batch `step`. A failed request (the server died
+    or restarted) is retried after the server answers again, with the same examples and the policy reloaded.
+    The first step after a resume waits `ckpt.wait_for_weights_timeout` (if set) for its policy."""
+    state = rng.getstate()
+    timeout = cfg.weights_timeout_s
+    if first_after_resume and cfg.ckpt.wait_for_weights_timeout:
+        timeout = cfg.ckpt.wait_for_weights_timeout
+    buffer = buffer or Buffer(cfg.buffer, cfg.dynamic_sampling)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            if await client.discover():
+                policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
+            waited = await policy.ensure(required_policy(step, cfg.max_async_level), timeout)
+            t0 = time.monotonic()
+            buffer.new_step()
+            assert scorer is not None
+            got = await collect_groups(step, cfg, env, rng, client, base, policy, counts, scorer, buffer)
+            out = StepSample(got, waited, time.monotonic() - t0)
+            if teacher is not None and cfg.teacher is not None:
+                t1 = time.monotonic()
+                out.teacher = await _teacher_logprobs(teacher, cfg, got)
+                out.teacher_time_s = time.monotonic() - t1
+            return out
+        except InferenceError as exc:
+            if attempt == MAX_ATTEMPTS:
+                raise
+            log.warning("step %d: inference request failed (%s); waiting for the server, then retrying the "
+                        "step (attempt %d of %d)", step, str(exc)[:300], attempt + 1, MAX_ATTEMPTS)
+            rng.setstate(state)
+            for c in (client, teacher):
+                if c is not None:
+                    await c.wait_ready()
+            policy.invalidate()
+            counts["inference_retries"] = counts.get("inference_retries", 0.0) + 1
+    raise AssertionError("unreachable")

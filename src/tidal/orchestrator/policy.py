@@ -1,0 +1,129 @@
+"""The async gate and policy loading: which policy vLLM serves for batch n, and getting it there.
+
+Gate (seed step semantics): batch n may be sampled by a policy at most `max_async_level` (k) updates older
+than the one it trains, i.e. from policy m >= n - 1 - k (`required_policy`); policy 0 is the base model,
+policy m is `broadcasts/step_m` (`tidal.transport.weights`). Before each batch `PolicyTracker.ensure` waits
+until such a policy is published, then makes the servers serve the newest one, per `weight_broadcast`:
+- `reload: lora`: load it as the runtime LoRA adapter `{lora_adapter}-step-{m}` (and unload the previous one);
+- `reload: merged`: reload the merged full weights in place;
+- `type: nccl`: the trainer pushed the weights already; check every server's weight version and, when one is
+  behind (it restarted), ask the trainer to push again.
+A publication is identified by its step and stamp, so a policy that a resumed trainer published again is
+loaded again; a restarted server (its start time changed, or `invalidate` after a failed request) gets the
+current policy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from tidal.inference.client import InferenceClient
+from tidal.paths import broadcast_dir, broadcasts_dir
+from tidal.transport import weights
+
+log = logging.getLogger("tidal.orch")
+
+
+def required_policy(step: int, max_async_level: int) -> int:
+    """The oldest policy that may sample batch `step`: n - 1 - k (never below the base model, 0)."""
+    return max(0, step - 1 - max_async_level)
+
+
+class PolicyTracker:
+    """Which policy vLLM serves, and loading newer ones as the trainer publishes them."""
+
+    def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
+                 merged: bool = False, pushed_timeout_s: float | None = None,
+                 expect: tuple[int | None, float | None] = (None, None)) -> None:
+        self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
+        self.expect = expect  # orch model.lora_rank / lora_alpha: a published adapter must match them
+        self.merged = merged
+        self.pushed_timeout_s = pushed_timeout_s  # set: the trainer pushes weights (weight_broadcast nccl)
+        self.step = 0
+        self.model = base_model
+        self.loaded: tuple[int, int] = (0, 0)
+        self.epochs: dict[str, float | None] | None = None
+
+    def invalidate(self) -> None:
+        """The server may have lost what was loaded (restart): load the policy again before the next request."""
+        self.loaded, self.epochs = (-1, 0), None
+
+    async def _check_restart(self) -> None:
+        epochs = await self.client.server_epochs()
+        if self.epochs is not None and epochs != self.epochs:
+            log.warning("the inference server restarted (%s); policy %d goes onto it again", ", ".join(
+                u for u in epochs if epochs[u] != self.epochs.get(u)), self.step)
+            self.loaded = (-1, 0)
+            self.model = self.base_model
+        self.epochs = epochs
+
+    async def _wait_published(self, required: int, timeout_s: float) -> int:
+        """The newest published policy, once it is >= `required`."""
+        start = noted = time.monotonic()
+        while (newest := weights.newest_policy(self.run_dir)) < required:
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise TimeoutError(f"policy {required} was not broadcast to {broadcasts_dir(self.run_dir)} "
+                                   f"within {timeout_s:.0f} s; is the trainer running? (weights_timeout_s; "
+                                   f"restart the trainer with --resume, then this orchestrator with --resume)")
+            if now - noted > 30:
+                log.info("waiting for policy %d from the trainer for %.0f s", required, now - start)
+                noted = now
+            await asyncio.sleep(0.05)
+        return newest
+
+    async def ensure(self, required: int, timeout_s: float) -> float:
+        """Serve the newest policy, waiting until it is >= `required`; returns seconds waited."""
+        start = time.monotonic()
+        newest = await self._wait_published(required, timeout_s)
+        await self._check_restart()
+        ident = (newest, weights.policy_stamp(self.run_dir, newest)) if newest else (0, 0)
+        if ident != self.loaded:
+            await self._load(newest)
+            self.loaded = ident
+        return time.monotonic() - start
+
+    async def _load(self, newest: int) -> None:
+        if newest == 0:  # base model: nothing to load (a fresh server serves it)
+            self.model, self.step = self.base_model, 0
+        elif self.pushed_timeout_s is not None:
+            self.step = await self._await_push(newest)
+        elif self.merged:
+            path = weights.merged_dir(self.run_dir, newest)
+            if not path.is_dir():
+                raise FileNotFoundError(f"{path} is missing: weight_broadcast.reload is 'merged' but the trainer "
+                                        f"does not write merged weights (set train broadcast_merged: true)")
+            await self.client.reload_weights(str(path))
+            self.step = newest
+        else:
+            name = f"{self.prefix}-step-{newest}"
+            weights.check_adapter(broadcast_dir(self.run_dir, newest), *self.expect)
+            await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
+            old, self.model, self.step = self.model, name, newest
+            if old not in (self.base_model, name):
+                await self.client.unload_adapter(old)
+
+    async def _await_push(self, newest: int) -> int:
+        """nccl: the trainer pushed policy `newest` before publishing it; check every server has it (a restarted
+        one does not: ask the trainer to push again and wait). Returns the oldest version served."""
+        start, asked = time.monotonic(), False
+        while True:
+            versions = await self.client.weight_versions()
+            behind = {u: v for u, v in versions.items() if v < newest}
+            if not behind:
+                return min(versions.values())
+            if not asked:
+                log.warning("inference server(s) %s serve weight version(s) %s, not policy %d (restarted?); asking "
+                            "the trainer to push it again", ", ".join(behind), sorted(set(behind.values())), newest)
+                weights.request_push(self.run_dir, newest, f"behind: {behind}")
+                asked = True
+            assert self.pushed_timeout_s is not None
+            if time.monotonic() - start > self.pushed_timeout_s:
+                raise TimeoutError(f"inference server(s) {', '.join(behind)} still serve weight version(s) "
+                                   f"{sorted(set(behind.values()))} instead of policy {newest} after "
+                                   f"{self.pushed_timeout_s:.0f} s (weight_broadcast.timeout); is the trainer running "
+                                   f"with weight_broadcast.type nccl and these servers in its base_url?")
+            await asyncio.sleep(0.2)
