@@ -33,9 +33,11 @@ bench: setup
 bench-weights: setup
 	$(BIN)/python bench/weight_sync.py $(BENCH_ARGS)
 
+## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
 lint: setup
 	$(BIN)/ruff check src tests scripts bench examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache .mypy_cache

@@ -61,6 +61,48 @@ class MetricsTail:
         return rows
 
 
+class TensorBoardWriter:
+    """TensorBoard event files through the `tensorboard` package's own event writer and protobufs, so the
+    orchestrator stays torch-free (`torch.utils.tensorboard` would load torch). Scalars and histograms in the
+    classic summary form (what `torch.utils.tensorboard` writes), text through the text plugin's builder."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = EventFileWriter(str(log_dir))
+
+    def _add(self, summary: Any, step: int) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        self.writer.add_event(event_pb2.Event(summary=summary, step=int(step), wall_time=time.time()))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto import summary_pb2
+
+        self._add(summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(value))]), step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self._add(text_pb(tag, text), step)
+
+    def add_histogram(self, tag: str, values: np.ndarray, step: int, bins: int = 30) -> None:
+        from tensorboard.compat.proto import summary_pb2
+
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        if v.size == 0:
+            return
+        counts, edges = np.histogram(v, bins=bins)
+        histo = summary_pb2.HistogramProto(min=float(v.min()), max=float(v.max()), num=float(v.size),
+                                           sum=float(v.sum()), sum_squares=float((v * v).sum()),
+                                           bucket_limit=edges[1:].tolist(), bucket=counts.astype(float).tolist())
+        self._add(summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, histo=histo)]), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Sinks:
     """Fan-out to TensorBoard / W&B per `report_to`; `samples.jsonl` always."""
 
@@ -75,9 +117,7 @@ class Sinks:
         if cfg is None:
             return
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(tensorboard_dir(run_dir)))
+            self.tb = TensorBoardWriter(tensorboard_dir(run_dir))
         if cfg.wandb:
             import wandb
 
