@@ -21,7 +21,8 @@ import yaml
 
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
-from tidal.config.train import TrainWeightBroadcast
+from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
+from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
 
@@ -108,35 +109,11 @@ def setup_logging(name: str) -> None:
 
 def prepare_run_dir(run_dir: Path) -> None:
     """A fresh run must not read a previous run's batches: move an old run aside (nothing is deleted)."""
-    if any((run_dir / d).exists() for d in ("rollouts", "broadcasts", "metrics.jsonl")):
+    if holds_run(run_dir):
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
         print(f"[tidal] moved the previous run in {run_dir} to {aside}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def has_nvidia_gpu() -> bool:
-    return Path("/dev/nvidiactl").exists()
-
-
-def split_cpu_cores(train: TrainConfig) -> str | None:
-    """Co-locate on a CPU-only machine: vLLM's OpenMP threads on the first half of the cores, the trainer on
-    the rest, so the two never fight over a core (on 2 cores: vLLM on core 0, trainer on core 1). Returns
-    the vLLM binding, or None when the user chose one (`train.cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if (has_nvidia_gpu() or train.device == "cuda" or len(cores) < 2 or train.cpu_affinity is not None
-            or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
-        return None
-    half = len(cores) // 2
-    train.cpu_affinity = cores[half:]
-    return ",".join(str(c) for c in cores[:half])
-
-
-def apply_resume(cfg: Any, args: argparse.Namespace) -> bool:
-    """`--resume` = `ckpt.resume_step: -1` unless the config names a step; True when resuming."""
-    if getattr(args, "resume", False) and cfg.ckpt.resume_step is None:
-        cfg.ckpt.resume_step = -1
-    return cfg.ckpt.resume_step is not None
 
 
 def resume_hint(argv: list[str]) -> str:
@@ -144,69 +121,47 @@ def resume_hint(argv: list[str]) -> str:
     return "tidal " + " ".join([*argv, *([] if "--resume" in argv else ["--resume"])])
 
 
+def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
+    """Write each component's resolved config to `{run_dir}/configs/{name}.yaml`; returns the paths."""
+    cfg_dir = configs_dir(run_dir)
+    cfg_dir.mkdir(exist_ok=True)
+    paths = {}
+    for name, cfg in configs.items():
+        paths[name] = cfg_dir / f"{name}.yaml"
+        paths[name].write_text(dump(cfg))
+    return paths
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
-    resuming = [apply_resume(c, args) for c in (train, orch)]
-    if resuming[0] != resuming[1]:
-        raise ConfigError("ckpt.resume_step is set for only one of train.yaml and orch.yaml; resume both "
-                          "(--resume) or neither")
-    for key in ("lora_rank", "lora_alpha"):
-        want, have = getattr(orch.model, key), getattr(train, key)
-        if want is not None and float(want) != float(have):
-            raise ConfigError(f"orch model.{key} is {want} but train {key} is {have}; set them equal (or drop "
-                              f"model.{key} from orch.yaml)")
-    run_dir = Path(args.output_dir or orch.output_dir)
-    host = infer.host or "127.0.0.1"
-    orch.output_dir = train.output_dir = str(run_dir)
-    if train.max_steps == -1 and orch.max_steps:
-        train.max_steps = orch.max_steps  # lets linear/cosine LR schedules know the run's length
-    orch.client.base_url = [f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"]
-    if orch.rollout_transport.type == "zmq":  # the trainer asks the orchestrator's batch server
-        train.transport_type = "zmq"
-        train.transport_host = orch.rollout_transport.host
-        train.transport_port = orch.rollout_transport.port
-    if orch.weight_broadcast.type == "nccl":  # the trainer pushes into this server
-        wb = orch.weight_broadcast
-        train.weight_broadcast = TrainWeightBroadcast(type="nccl", host=wb.host, port=wb.port, timeout=wb.timeout,
-                                                      base_url=list(orch.client.base_url),
-                                                      api_key_var=orch.client.api_key_var)
-        infer.weight_broadcast_type = "nccl"
-    if args.dry_run:
-        for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
+    if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
+        wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
+        for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
+    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume)
+    place = co.placement
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
 
     try:
-        check_bind_secure(infer)
-        check_port_free(host, infer.port)
+        check_bind_secure(co.infer)
+        check_port_free(place.host, place.port)
     except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
-    pushed = orch.weight_broadcast.type == "nccl"
-    if not pushed and orch.weight_broadcast.reload == "auto" and not has_nvidia_gpu() and train.device != "cuda":
-        # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
-        orch.weight_broadcast.reload, train.broadcast_merged, infer.weight_reload = "merged", True, True
-    vllm_cores = split_cpu_cores(train)
-    if vllm_cores is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cores  # inherited by the inference child
-        print(f"[tidal] CPU only: vLLM on cores {vllm_cores}, trainer on cores {train.cpu_affinity}", flush=True)
-    if resuming[0]:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print(f"[tidal] resuming the run in {run_dir}", flush=True)
+    for notice in place.notices:
+        print(f"[tidal] {notice}", flush=True)
+    if place.resuming:
+        place.run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[tidal] resuming the run in {place.run_dir}", flush=True)
     else:
-        prepare_run_dir(run_dir)
-    cfg_dir = run_dir / "configs"
-    cfg_dir.mkdir(exist_ok=True)
-    paths = {}
-    for name, cfg in (("train", train), ("infer", infer), ("orch", orch)):
-        paths[name] = cfg_dir / f"{name}.yaml"
-        paths[name].write_text(dump(cfg))
+        prepare_run_dir(place.run_dir)
+    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
     from tidal.launcher import run_colocate
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
-    return run_colocate(sys.executable, run_dir, paths, f"{orch.client.base_url[0].removesuffix('/v1')}/health",
-                        live=live, max_steps=orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
-                        infer_restarts=args.infer_restarts)
+    return run_colocate(sys.executable, place.run_dir, paths, place.health_url, live=live,
+                        max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
+                        infer_restarts=args.infer_restarts, infer_env=place.infer_env)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -245,8 +200,9 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
-    resuming = apply_resume(cfg, args)
-    if not resuming and (run_dir / "rollouts").is_dir() and any((run_dir / "rollouts").glob("step_*")):
+    cfg = with_resume(cfg, args.resume)
+    resuming = cfg.ckpt.resume_step is not None
+    if not resuming and step_files(rollouts_dir(run_dir), ".safetensors"):
         raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); pass --resume to continue it "
                           "(ckpt.resume_step), or use another output_dir")
     setup_logging("[orch]")
@@ -263,12 +219,11 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if cfg is None:
         return 0
     setup_logging("[train]")
-    from tidal.paths import find_run_dir
     from tidal.trainer import grpo
 
-    apply_resume(cfg, args)
+    cfg = with_resume(cfg, args.resume)
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
-    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
     from tidal.trainer.health import MismatchError
     from tidal.transport.batch import BatchFormatError
@@ -299,7 +254,7 @@ def cmd_report(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.monitor.report import write_report
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not metrics_path(run_dir).is_file():
         print(f"tidal report: {run_dir} holds no metrics.jsonl; pass a run directory", file=sys.stderr)
         return 2
     print(write_report(run_dir, Path(args.out) if args.out else None))

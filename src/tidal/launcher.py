@@ -7,7 +7,9 @@ stopped. If inference dies it is restarted (up to `infer_restarts` times; the or
 requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
 that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
-(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies.
+(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies. The children
+inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
+binding, from `tidal.config.colocate.Placement`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
+
+from tidal.paths import logs_dir, metrics_path
 
 STOP_TIMEOUT_S = 20.0
 
@@ -34,15 +38,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Child:
-    """One component process, its log file and (optionally) a console echo."""
+    """One component process (environment: this process's, plus `env`), its log file and (optionally) a console
+    echo."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool,
-                 emit: Callable[[str, str], None] | None = None) -> None:
+                 emit: Callable[[str, str], None] | None = None, env: Mapping[str, str] | None = None) -> None:
         self.name, self.log_path, self.emit = name, log_path, emit
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent, env=env)
+                                     start_new_session=True, preexec_fn=_die_with_parent, env=child_env)
         self._pump = threading.Thread(target=self._copy, args=(echo,), daemon=True)
         self._pump.start()
 
@@ -120,7 +125,7 @@ class LiveBoard:
         from tidal.monitor.sinks import MetricsTail
 
         self.board = Board(max_steps)
-        self.tail = MetricsTail(run_dir / "metrics.jsonl")
+        self.tail = MetricsTail(metrics_path(run_dir))
         self.live = Live(self.board.render(), console=Console(), refresh_per_second=4, transient=False)
         self.lock = threading.Lock()
 
@@ -140,10 +145,12 @@ class LiveBoard:
 
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str,
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
-                 resume_hint: str | None = None, infer_restarts: int = 3) -> int:
+                 resume_hint: str | None = None, infer_restarts: int = 3,
+                 infer_env: Mapping[str, str] | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
-    `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines."""
-    logs = run_dir / "logs"
+    `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
+    `infer_env`: extra environment variables of the inference server (also after a restart)."""
+    logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
     children: list[Child] = []
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
@@ -155,7 +162,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         board.live.start()
     try:
         infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
-        infer = Child("infer", infer_argv, logs / "infer.log", echo=False)
+        infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
         children.append(infer)
         restarts = 0
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
@@ -176,7 +183,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                       f"of {infer.log_path}:\n{infer.tail(8)}", file=sys.stderr, flush=True)
                 infer.signal_group(signal.SIGKILL)  # engine processes left in its group
                 children.remove(infer)
-                infer = Child("infer", infer_argv, logs / "infer.log", echo=False)
+                infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
                 children.append(infer)
             for c in (orch, train):
                 code = c.poll()
@@ -187,7 +194,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
             if board is not None:
                 board.refresh(infer_state=f"vLLM serving at {health_url.removesuffix('/health')}")
             time.sleep(0.2)
-        print(f"[tidal] run complete; metrics: {run_dir / 'metrics.jsonl'}", flush=True)
+        print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
         return 0
     except ComponentFailed as exc:
         names = {"infer": "inference server", "orch": "orchestrator", "train": "trainer"}

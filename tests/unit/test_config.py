@@ -148,9 +148,10 @@ def test_temperature_schedule_matches_a_float64_formula(kind):
         p = (step - 1) / (n - 1)
         cos = end + (start - end) * 0.5 * (1 + math.cos(math.pi * p))
         want = start + (end - start) * p if kind == "linear" else cos
-        assert abs(temperature_at(cfg, step) - want) < 1e-12
-    assert temperature_at(cfg, 1) == start and abs(temperature_at(cfg, n) - end) < 1e-12
-    assert temperature_at(OrchConfig.model_validate({"sampling": {"temperature": 0.8}}), 5) == 0.8
+        assert abs(temperature_at(cfg.sampling, cfg.max_steps, step) - want) < 1e-12
+    assert temperature_at(cfg.sampling, cfg.max_steps, 1) == start
+    assert abs(temperature_at(cfg.sampling, cfg.max_steps, n) - end) < 1e-12
+    assert temperature_at(OrchConfig.model_validate({"sampling": {"temperature": 0.8}}).sampling, None, 5) == 0.8
 
 
 def test_unimplemented_key_at_its_default_is_accepted(tmp_path):
@@ -258,15 +259,3 @@ def test_cli_grpo_port_in_use_exits_2_and_starts_nothing(tmp_path):
         r = run_cli("grpo", "--infer.port", str(port), "--output-dir", str(tmp_path / "run"))
     assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr
     assert not (tmp_path / "run").exists(), "nothing may be started or written"
-
-
-def test_colocate_on_cpu_splits_cores_between_vllm_and_trainer(monkeypatch):
-    import tidal.cli as cli
-
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(cli, "has_nvidia_gpu", lambda: False)
-    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
-    train = TrainConfig(model="m")
-    assert cli.split_cpu_cores(train) == "0,1" and train.cpu_affinity == [2, 3, 4]
-    chosen = TrainConfig(model="m", cpu_affinity=[0])
-    assert cli.split_cpu_cores(chosen) is None and chosen.cpu_affinity == [0]

@@ -34,8 +34,9 @@ def round_lora_rank(rank: int | None) -> int:
     raise ValueError(f"max_lora_rank {want} exceeds vLLM's largest ({VALID_LORA_RANKS[-1]})")
 
 
-def bind_host(cfg: InferConfig) -> str:
-    return cfg.host or "127.0.0.1"
+def bind_host(host: str | None) -> str:
+    """infer `host`, or localhost when unset."""
+    return host or "127.0.0.1"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -71,7 +72,7 @@ def on_cpu() -> bool:
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts vLLM for `cfg`."""
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
-            "--served-model-name", cfg.model, "--host", bind_host(cfg), "--port", str(cfg.port),
+            "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
             "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
             "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp),
             "--data-parallel-size", str(cfg.dp), "--max-logprobs", "1"]
@@ -125,7 +126,7 @@ class InsecureBindError(RuntimeError):
 
 def check_bind_secure(cfg: InferConfig) -> None:
     """Beyond loopback the server must require an API key (VLLM_API_KEY or `--api-key` in extra_args)."""
-    host = bind_host(cfg)
+    host = bind_host(cfg.host)
     if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
         return
     dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl"
@@ -137,7 +138,7 @@ def check_bind_secure(cfg: InferConfig) -> None:
 
 def exec_server(cfg: InferConfig) -> None:
     """Replace this process with the vLLM server (so signals reach vLLM directly)."""
-    host = bind_host(cfg)
+    host = bind_host(cfg.host)
     check_bind_secure(cfg)
     resolve_model(cfg.model)
     check_port_free(host, cfg.port)

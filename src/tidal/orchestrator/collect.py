@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.config.orch import OrchConfig
+from tidal.config.orch import OrchConfig, TeacherSection
 from tidal.envs.base import Example
 from tidal.inference.client import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.advantage import combine_rewards
@@ -146,10 +146,10 @@ class StepSample:
     teacher_time_s: float = 0.0
 
 
-async def _teacher_logprobs(teacher: InferenceClient, cfg: OrchConfig, got: Collected) -> list[list[float]]:
-    assert cfg.teacher is not None
+async def _teacher_logprobs(teacher: InferenceClient, section: TeacherSection, got: Collected) -> list[list[float]]:
+    """orch `teacher`'s logprobs of every sampled sequence (prompt + completion)."""
     seqs = [p + c.token_ids for p, comps in zip(got.prompts, got.groups, strict=True) for c in comps]
-    return await teacher.prompt_logprobs_many(cfg.teacher.model, seqs, cfg.teacher.max_concurrency)
+    return await teacher.prompt_logprobs_many(section.model, seqs, section.max_concurrency)
 
 
 async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
@@ -176,7 +176,7 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
             out = StepSample(got, waited, time.monotonic() - t0)
             if teacher is not None and cfg.teacher is not None:
                 t1 = time.monotonic()
-                out.teacher = await _teacher_logprobs(teacher, cfg, got)
+                out.teacher = await _teacher_logprobs(teacher, cfg.teacher, got)
                 out.teacher_time_s = time.monotonic() - t1
             return out
         except InferenceError as exc:

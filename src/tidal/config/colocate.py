@@ -1,0 +1,183 @@
+"""Co-locate derivation (`tidal grpo`): the three user configs plus the machine -> the configs the children run.
+
+Config is user input only; what `tidal grpo` derives from it lives here, as a pure function:
+`derive_colocate(train, infer, orch, machine)` returns NEW configs and a `Placement` (run directory, inference
+address, which cores vLLM and the trainer get, the environment the inference child needs, notices to print).
+The user's configs are never modified. Derivations, in order:
+
+- wiring (`wire_colocate`, machine-independent; what `tidal grpo --dry-run` prints): `--resume` sets
+  `ckpt.resume_step: -1` (it must end up set for both train and orch, or neither); orch `model.lora_rank` /
+  `model.lora_alpha`, when set, must equal train's; one run directory (`--output-dir`, else orch `output_dir`)
+  for both; train `max_steps: -1` takes orch `max_steps` (so LR schedules know the run's length); orch
+  `client.base_url` points at the inference server; orch `rollout_transport: zmq` sets the trainer's
+  `transport_*`; orch `weight_broadcast: nccl` sets train `weight_broadcast` and infer `weight_broadcast_type`.
+- placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
+  with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
+  and the cores are split: vLLM's OpenMP threads on the first half, the trainer on the rest (on 2 cores: vLLM
+  on core 0, trainer on core 1), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
+
+`Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from tidal.config.infer import InferConfig
+from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
+from tidal.config.train import TrainConfig, TrainWeightBroadcast
+
+OMP_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+MACHINE_ENV = (OMP_BIND_VAR,)
+"""Environment variables the derivation reads (`Machine.env` holds those that are set)."""
+
+C = TypeVar("C", TrainConfig, OrchConfig)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the derivation needs to know about the machine `tidal grpo` runs on."""
+
+    cores: tuple[int, ...] = ()
+    """CPU cores this process may run on (sorted; empty where the OS cannot tell)."""
+    has_gpu: bool = False
+    """An NVIDIA GPU is present."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """The variables of `MACHINE_ENV` that are set, with their values."""
+
+    @classmethod
+    def detect(cls) -> Machine:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return cls(cores=tuple(cores), has_gpu=Path("/dev/nvidiactl").exists(),
+                   env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ})
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how the co-located components run (derived; not part of any config file)."""
+
+    run_dir: Path
+    """The run directory shared by all three components."""
+    resuming: bool
+    """Continue the run in `run_dir` (`ckpt.resume_step` set) instead of starting a fresh one."""
+    host: str
+    """Address the inference server binds to (infer `host`, null -> 127.0.0.1)."""
+    port: int
+    """Port the inference server binds to."""
+    base_url: str
+    """URL the orchestrator and the trainer reach inference at (`.../v1`; loopback for a wildcard bind)."""
+    health_url: str
+    """The inference server's health endpoint, polled before the orchestrator and trainer start."""
+    device: Literal["cpu", "cuda"]
+    """`cuda` when the machine has an NVIDIA GPU or train `device` is cuda; else `cpu` (CPU-only co-location)."""
+    vllm_cores: tuple[int, ...] | None
+    """Cores vLLM's OpenMP threads are bound to by tidal (None: not chosen by tidal)."""
+    trainer_cores: tuple[int, ...] | None
+    """Cores the trainer runs on (train `cpu_affinity`; None: all)."""
+    infer_env: Mapping[str, str]
+    """Environment variables to add to the inference child's environment."""
+    notices: tuple[str, ...]
+    """Lines to tell the user before starting (without the `[tidal] ` prefix)."""
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """`derive_colocate`'s result: the configs the three children run with, and their placement."""
+
+    train: TrainConfig
+    infer: InferConfig
+    orch: OrchConfig
+    placement: Placement
+
+
+def with_resume(cfg: C, resume: bool) -> C:
+    """A copy of `cfg` with `--resume` applied: `ckpt.resume_step: -1` unless the config names a step."""
+    if not resume or cfg.ckpt.resume_step is not None:
+        return cfg.model_copy(deep=True)
+    return cfg.model_copy(deep=True, update={"ckpt": cfg.ckpt.model_copy(update={"resume_step": -1})})
+
+
+def check_consistent(train: TrainConfig, orch: OrchConfig) -> None:
+    """Raise `ConfigError` when train and orch disagree on resuming or on the LoRA shape."""
+    if (train.ckpt.resume_step is None) != (orch.ckpt.resume_step is None):
+        raise ConfigError("ckpt.resume_step is set for only one of train.yaml and orch.yaml; resume both "
+                          "(--resume) or neither")
+    for key in ("lora_rank", "lora_alpha"):
+        want, have = getattr(orch.model, key), getattr(train, key)
+        if want is not None and float(want) != float(have):
+            raise ConfigError(f"orch model.{key} is {want} but train {key} is {have}; set them equal (or drop "
+                              f"model.{key} from orch.yaml)")
+
+
+def client_url(infer: InferConfig) -> str:
+    """The URL clients on this machine reach the inference server at (loopback for a wildcard bind)."""
+    host = infer.host or "127.0.0.1"
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"
+
+
+def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, output_dir: str | Path | None = None,
+                  resume: bool = False) -> tuple[TrainConfig, InferConfig, OrchConfig]:
+    """New train, infer and orch configs connected to each other (the machine-independent derivations)."""
+    train, orch = with_resume(train, resume), with_resume(orch, resume)
+    check_consistent(train, orch)
+    run_dir = str(Path(output_dir or orch.output_dir))
+    client = orch.client.model_copy(update={"base_url": [client_url(infer)]})
+    orch = orch.model_copy(update={"output_dir": run_dir, "client": client})
+    t: dict[str, Any] = {"output_dir": run_dir}
+    i: dict[str, Any] = {}
+    if train.max_steps == -1 and orch.max_steps:
+        t["max_steps"] = orch.max_steps  # lets linear/cosine LR schedules know the run's length
+    if orch.rollout_transport.type == "zmq":  # the trainer asks the orchestrator's batch server
+        rt = orch.rollout_transport
+        t.update(transport_type="zmq", transport_host=rt.host, transport_port=rt.port)
+    if orch.weight_broadcast.type == "nccl":  # the trainer pushes into this server
+        wb = orch.weight_broadcast
+        t["weight_broadcast"] = TrainWeightBroadcast(type="nccl", host=wb.host, port=wb.port, timeout=wb.timeout,
+                                                     base_url=list(client.base_url), api_key_var=client.api_key_var)
+        i["weight_broadcast_type"] = "nccl"
+    return train.model_copy(update=t), infer.model_copy(deep=True, update=i), orch
+
+
+def split_cores(machine: Machine, train: TrainConfig, device: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(vLLM cores, trainer cores) for a CPU-only co-location, or None when tidal leaves the cores alone: on a
+    GPU, with fewer than 2 cores, or when the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND)."""
+    cores = machine.cores
+    if device != "cpu" or len(cores) < 2 or train.cpu_affinity is not None or OMP_BIND_VAR in machine.env:
+        return None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
+                    output_dir: str | Path | None = None, resume: bool = False) -> Colocated:
+    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure (the arguments are
+    left untouched). Raises `ConfigError` for configs that cannot run together."""
+    train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
+    device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device == "cuda" else "cpu"
+    wb = orch.weight_broadcast
+    if device == "cpu" and wb.type != "nccl" and wb.reload == "auto":
+        # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
+        orch = orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})})
+        train = train.model_copy(update={"broadcast_merged": True})
+        infer = infer.model_copy(update={"weight_reload": True})
+    split = split_cores(machine, train, device)
+    infer_env: dict[str, str] = {}
+    notices: list[str] = []
+    if split is not None:
+        bind = ",".join(str(c) for c in split[0])
+        train = train.model_copy(update={"cpu_affinity": list(split[1])})
+        infer_env[OMP_BIND_VAR] = bind
+        notices.append(f"CPU only: vLLM on cores {bind}, trainer on cores {train.cpu_affinity}")
+    base_url = orch.client.base_url[0]
+    placement = Placement(
+        run_dir=Path(orch.output_dir), resuming=orch.ckpt.resume_step is not None, host=infer.host or "127.0.0.1",
+        port=infer.port, base_url=base_url, health_url=f"{base_url.removesuffix('/v1')}/health", device=device,
+        vllm_cores=split[0] if split else None,
+        trainer_cores=None if train.cpu_affinity is None else tuple(train.cpu_affinity),
+        infer_env=infer_env, notices=tuple(notices))
+    return Colocated(train, infer, orch, placement)

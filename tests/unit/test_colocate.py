@@ -1,0 +1,193 @@
+"""`tidal grpo`'s co-locate derivation (`tidal.config.colocate`): new configs plus a placement, inputs untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
+from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
+
+CPU2 = Machine(cores=(0, 1))
+GPU16 = Machine(cores=tuple(range(16)), has_gpu=True)
+
+
+def configs(**orch: object) -> tuple[TrainConfig, InferConfig, OrchConfig]:
+    return TrainConfig(model="m"), InferConfig(model="m"), OrchConfig.model_validate(orch)
+
+
+def test_two_cpu_cores_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
+    co = derive_colocate(*configs(), CPU2)
+    p = co.placement
+    assert (p.device, p.vllm_cores, p.trainer_cores) == ("cpu", (0,), (1,))
+    assert co.train.cpu_affinity == [1]
+    assert dict(p.infer_env) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert p.notices == ("CPU only: vLLM on cores 0, trainer on cores [1]",)
+    assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload
+
+
+def test_odd_core_count_gives_vllm_the_smaller_half():
+    co = derive_colocate(*configs(), Machine(cores=(0, 1, 2, 3, 4)))
+    assert co.placement.vllm_cores == (0, 1) and co.train.cpu_affinity == [2, 3, 4]
+    assert co.placement.infer_env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+
+
+def test_one_core_is_not_split():
+    co = derive_colocate(*configs(), Machine(cores=(3,)))
+    assert co.placement.vllm_cores is None and co.train.cpu_affinity is None and not co.placement.infer_env
+    assert co.orch.weight_broadcast.reload == "merged"  # still a CPU-only machine
+
+
+def test_gpu_machine_leaves_cores_and_reload_alone():
+    co = derive_colocate(*configs(), GPU16)
+    p = co.placement
+    assert (p.device, p.vllm_cores, p.trainer_cores, dict(p.infer_env), p.notices) == ("cuda", None, None, {}, ())
+    assert co.train.cpu_affinity is None
+    assert co.orch.weight_broadcast.reload == "auto" and not co.train.broadcast_merged and not co.infer.weight_reload
+
+
+def test_train_device_cuda_counts_as_a_gpu_machine():
+    _, infer, orch = configs()
+    co = derive_colocate(TrainConfig(model="m", device="cuda"), infer, orch, Machine(cores=tuple(range(8))))
+    assert co.placement.device == "cuda" and co.placement.vllm_cores is None
+    assert co.orch.weight_broadcast.reload == "auto"
+
+
+def test_user_cpu_affinity_is_kept_and_vllm_left_unbound():
+    _, infer, orch = configs()
+    co = derive_colocate(TrainConfig(model="m", cpu_affinity=[0]), infer, orch, Machine(cores=(0, 1, 2, 3)))
+    assert co.train.cpu_affinity == [0] and co.placement.trainer_cores == (0,)
+    assert co.placement.vllm_cores is None and not co.placement.infer_env and not co.placement.notices
+
+
+def test_user_vllm_binding_in_the_environment_means_no_split():
+    co = derive_colocate(*configs(), Machine(cores=(0, 1, 2, 3), env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
+    assert co.train.cpu_affinity is None and co.placement.vllm_cores is None
+    assert not co.placement.infer_env  # the child inherits the user's own variable
+
+
+def test_explicit_reload_lora_is_not_turned_into_merged_on_cpu():
+    co = derive_colocate(*configs(weight_broadcast={"reload": "lora"}), CPU2)
+    assert co.orch.weight_broadcast.reload == "lora" and not co.train.broadcast_merged and not co.infer.weight_reload
+
+
+def test_nccl_broadcast_is_copied_to_trainer_and_inference_and_skips_merged_reloads():
+    wb = {"type": "nccl", "host": "10.0.0.1", "port": 29999, "timeout": 60}
+    co = derive_colocate(*configs(weight_broadcast=wb, client={"api_key_var": "MY_KEY"}), CPU2)
+    t = co.train.weight_broadcast
+    assert (t.type, t.host, t.port, t.timeout, t.api_key_var) == ("nccl", "10.0.0.1", 29999, 60, "MY_KEY")
+    assert t.base_url == co.orch.client.base_url == ["http://127.0.0.1:8000/v1"]
+    assert co.infer.weight_broadcast_type == "nccl"
+    assert co.orch.weight_broadcast.reload == "auto" and not co.train.broadcast_merged
+    assert co.placement.vllm_cores == (0,)  # the core split does not depend on the broadcast
+
+
+def test_zmq_rollout_transport_is_copied_to_the_trainer():
+    co = derive_colocate(*configs(rollout_transport={"type": "zmq", "host": "127.0.0.2", "port": 6000}), GPU16)
+    assert (co.train.transport_type, co.train.transport_host, co.train.transport_port) == ("zmq", "127.0.0.2", 6000)
+    plain = derive_colocate(*configs(), GPU16)
+    assert plain.train.transport_type == "filesystem"
+
+
+def test_one_run_directory_and_max_steps_for_both():
+    co = derive_colocate(*configs(output_dir="runs/a/", max_steps=7), GPU16)
+    assert co.orch.output_dir == co.train.output_dir == "runs/a" and co.placement.run_dir == Path("runs/a")
+    assert co.train.max_steps == 7
+    co = derive_colocate(*configs(max_steps=7), GPU16, output_dir="/tmp/x")
+    assert co.orch.output_dir == co.train.output_dir == "/tmp/x"
+    _, infer, orch = configs(max_steps=7)
+    assert derive_colocate(TrainConfig(model="m", max_steps=3), infer, orch, GPU16).train.max_steps == 3
+    assert derive_colocate(*configs(), GPU16).train.max_steps == -1
+
+
+@pytest.mark.parametrize(("host", "url"), [(None, "http://127.0.0.1:8123"), ("0.0.0.0", "http://127.0.0.1:8123"),
+                                           ("::", "http://127.0.0.1:8123"), ("localhost", "http://localhost:8123")])
+def test_clients_reach_the_server_on_loopback_for_a_wildcard_bind(host, url):
+    train, _, orch = configs()
+    co = derive_colocate(train, InferConfig(model="m", host=host, port=8123), orch, GPU16)
+    assert co.orch.client.base_url == [f"{url}/v1"] and co.placement.base_url == f"{url}/v1"
+    assert co.placement.health_url == f"{url}/health"
+    assert (co.placement.host, co.placement.port) == (host or "127.0.0.1", 8123)
+
+
+def test_resume_sets_newest_checkpoint_on_both_unless_a_step_is_named():
+    co = derive_colocate(*configs(), GPU16, resume=True)
+    assert co.train.ckpt.resume_step == co.orch.ckpt.resume_step == -1 and co.placement.resuming
+    assert not derive_colocate(*configs(), GPU16).placement.resuming
+    _, infer, orch = configs(ckpt={"resume_step": 5})
+    co = derive_colocate(TrainConfig(model="m", ckpt={"resume_step": 5}), infer, orch, GPU16, resume=True)
+    assert co.train.ckpt.resume_step == co.orch.ckpt.resume_step == 5
+
+
+def test_resume_step_on_only_one_side_is_a_config_error():
+    with pytest.raises(ConfigError, match="set for only one of train.yaml and orch.yaml"):
+        derive_colocate(*configs(ckpt={"resume_step": 2}), GPU16)
+
+
+@pytest.mark.parametrize(("key", "value"), [("lora_rank", 8), ("lora_alpha", 8.0)])
+def test_orch_lora_shape_different_from_the_trainers_is_a_config_error(key, value):
+    with pytest.raises(ConfigError, match=f"orch model.{key} is {value} but train {key}"):
+        derive_colocate(*configs(model={key: value}), GPU16)
+    derive_colocate(*configs(model={"lora_rank": 16, "lora_alpha": 32.0}), GPU16)  # equal: accepted
+
+
+def test_user_configs_are_left_untouched_and_share_nothing_with_the_result():
+    train, infer, orch = configs(max_steps=7, weight_broadcast={"type": "nccl"}, rollout_transport={"type": "zmq"})
+    before = [c.model_dump() for c in (train, infer, orch)]
+    for machine in (CPU2, Machine(cores=(0, 1, 2, 3)), GPU16):
+        for resume in (False, True):
+            co = derive_colocate(train, infer, orch, machine, output_dir="/tmp/elsewhere", resume=resume)
+            co.orch.client.base_url.append("http://other:1/v1")  # mutating the result must not reach the input
+            co.train.lora_target_modules.append("lm_head")
+            co.infer.extra_args.append("--x")
+            co.orch.env[0].args["x"] = 1
+    co = derive_colocate(*(c.model_copy() for c in (train, infer, orch)), CPU2)  # merged reload + split path too
+    assert co.train.cpu_affinity == [1]
+    assert [c.model_dump() for c in (train, infer, orch)] == before
+    assert train.cpu_affinity is None and orch.output_dir == "outputs/run_default"
+
+
+def test_wire_colocate_is_the_machine_independent_part():
+    wired = wire_colocate(*configs(max_steps=7), output_dir="/tmp/w")
+    co = derive_colocate(*configs(max_steps=7), GPU16, output_dir="/tmp/w")
+    assert [c.model_dump() for c in wired] == [c.model_dump() for c in (co.train, co.infer, co.orch)]
+    assert wired[0].cpu_affinity is None and wired[2].weight_broadcast.reload == "auto"  # no placement
+
+
+def test_with_resume_returns_a_copy():
+    orch = OrchConfig()
+    resumed = with_resume(orch, True)
+    assert resumed.ckpt.resume_step == -1 and orch.ckpt.resume_step is None
+    same = with_resume(orch, False)
+    assert same.ckpt.resume_step is None and same is not orch and same.ckpt is not orch.ckpt
+
+
+def test_machine_detect_reads_cores_gpu_and_only_the_relevant_variables(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2}, raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1-2")
+    monkeypatch.setenv("TIDAL_UNRELATED", "x")
+    m = Machine.detect()
+    assert m.cores == (1, 2, 3) and dict(m.env) == {"VLLM_CPU_OMP_THREADS_BIND": "1-2"}
+    assert m.has_gpu == Path("/dev/nvidiactl").exists()
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in Machine.detect().env
+
+
+def test_launcher_child_gets_the_extra_environment_and_the_parent_does_not(tmp_path):
+    from tidal.launcher import Child
+
+    child = Child("x", [sys.executable, "-c", "import os; print(os.environ['TIDAL_TEST_VAR'], os.environ['PATH'])"],
+                  tmp_path / "x.log", echo=False, env={"TIDAL_TEST_VAR": "bound"})
+    assert child.proc.wait(timeout=30) == 0
+    assert child.tail() == f"bound {os.environ['PATH']}" and "TIDAL_TEST_VAR" not in os.environ
+
+
+def test_colocate_module_imports_no_torch_or_vllm():
+    code = ("import sys, tidal.config.colocate; bad = {'torch', 'vllm', 'transformers'} & set(sys.modules); "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
