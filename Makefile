@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all lint bench bench-weights clean
+.PHONY: setup run test test-all test-gpu lint bench bench-weights clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ test: setup
 ## Everything that runs on this machine, including slow tests.
 test-all: setup
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+## The checks that need an NVIDIA GPU (`gpu` marker); run them on a GPU machine.
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 bench: setup

@@ -1,0 +1,256 @@
+"""Golden trajectory (torchtune style): catch silent numeric changes in the trainer in seconds, without vLLM.
+
+`tests/data/golden/` holds three real `TrainingBatch` files (`step_{1,2,3}.safetensors`, written by the
+orchestrator of a short co-locate `tidal grpo` run on the bundled model) and `expected.json`, the metrics
+`train_step` returned on them. Each trajectory below loads the bundled model with a fixed seed, then runs
+`train_step` on batches 1, 2, 3 in order on CPU in float32, so steps 2 and 3 also depend on the earlier updates
+(LoRA init, forward, loss, backward, clipping, AdamW). Loss and grad norm (and a few more metrics) must agree
+with the committed numbers to a relative 1e-5.
+
+Two trajectories cover both loss families: `aipo` is the bundled example's train.yaml as it is (seed 000's
+loss), `grpo` the clipped objective with a reference-model KL (`beta`), two iterations per batch, several
+micro-batches and truncated completions masked out.
+
+Why a child process: float32 training is exactly reproducible only on the same kernels. Measured on the
+committed data, switching torch's CPU kernels (AVX-512 vs AVX2) or MKL's code path moves loss and grad norm by
+up to 6e-4 relative (the GRPO advantages are zero-mean per group, so the gradient is a sum that mostly cancels).
+The trajectories therefore run in a fresh interpreter with the kernels pinned (`ATEN_CPU_CAPABILITY=avx2`,
+`MKL_CBWR=AVX2`: the same instructions on every x86-64 CPU with AVX2), one thread and deterministic algorithms,
+so the numbers depend neither on the CPU model nor on the machine's load; they still change with the torch,
+transformers or peft version (recorded in expected.json).
+
+When this test fails, a change altered the trainer's numbers. If that is a bug, fix it. Only when the change
+is intended (and explained in the commit), re-record with `.venv/bin/python scripts/make_golden.py --record`;
+`scripts/make_golden.py --batches` regenerates the batches themselves (then `--record` again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "data" / "golden"
+EXPECTED = GOLDEN / "expected.json"
+STEPS = (1, 2, 3)
+SEED = 42
+THREADS = 1
+RTOL = 1e-5
+ATOL = 1e-9  # for values near 0 (mismatch_kl at step 1 is ~1e-12: float noise between identical policies)
+# Kernel pins of the child process (read by torch and MKL at start-up, so they cannot be set in this process).
+PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": str(THREADS),
+              "MKL_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+# The bundled example's train.yaml (src/tidal/examples/reverse_text/train.yaml), on CPU in float32.
+EXAMPLE: dict[str, Any] = {
+    "model": "tidal:tiny-reverse", "device": "cpu", "recipe": "fp32", "seed": SEED,
+    "per_device_train_batch_size": 4, "sequence_len": 512, "learning_rate": 2e-3, "lr_scheduler_type": "constant",
+    "max_grad_norm": 1.0, "weight_decay": 0.0, "lora": True, "lora_rank": 16, "lora_alpha": 32,
+    "loss": {"ratio_type": "token", "kl_tau": 0.0, "adv_tau": 1.0, "token_mask_low": 0.125, "token_mask_high": 8.0,
+             "geo_mask_low": 0.1, "geo_mask_high": 10.0},
+}
+TRAJECTORIES: dict[str, dict[str, Any]] = {
+    "aipo": EXAMPLE,
+    "grpo": EXAMPLE | {"per_device_train_batch_size": 2, "sequence_len": 256,  # 3 micro-batches per step
+                       "loss": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 2,
+                                "mask_truncated_completions": True}},  # batches 1 and 3 hold truncated ones
+}
+# For the sensitivity test: the aipo trajectory with a 1% larger learning rate.
+PERTURBED = {"aipo_lr_x1.01": EXAMPLE | {"learning_rate": EXAMPLE["learning_rate"] * 1.01}}
+# Metrics compared at every step (those a trajectory does not report are skipped); ints compare exactly.
+METRICS = ("loss", "grad_norm", "mismatch_kl", "entropy", "kl", "clip_ratio/region_mean", "tokens", "micro_batches")
+
+
+@contextlib.contextmanager
+def deterministic_torch() -> Iterator[None]:
+    """One torch thread and deterministic algorithms; the thread count, the deterministic flag and torch's CPU
+    RNG state are restored afterwards."""
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(THREADS)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)
+
+
+def batch_paths() -> list[Path]:
+    return [GOLDEN / f"step_{n}.safetensors" for n in STEPS]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_trajectory(config: dict[str, Any], paths: list[Path]) -> list[dict[str, float | int]]:
+    """`train_step` on each batch in order from a freshly seeded policy; the METRICS of every step."""
+    from tidal.config.train import TrainConfig
+    from tidal.trainer.grpo import train_step
+    from tidal.trainer.model import load_policy, load_tokenizer
+    from tidal.trainer.optim import make_optimizer
+    from tidal.transport.batch import TrainingBatch
+
+    cfg = TrainConfig(**config)
+    tok = load_tokenizer(cfg.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    torch.manual_seed(cfg.seed)
+    model, device = load_policy(cfg)
+    assert device.type == cfg.device and next(model.parameters()).dtype == torch.float32
+    opt = make_optimizer(model, cfg)
+    out = []
+    for path in paths:
+        m = train_step(model, opt, TrainingBatch.load(path), cfg, device, pad_id)
+        out.append({k: m[k] if isinstance(m[k], int) else float(m[k]) for k in METRICS if k in m})
+    return out
+
+
+def compute_pinned(names: list[str]) -> dict[str, Any]:
+    """Run the named trajectories (TRAJECTORIES or PERTURBED) in a child process with PINNED_ENV. The result's
+    `capability` is the kernel set torch used there: "AVX2" unless the CPU lacks AVX2 (x86-64 only)."""
+    with tempfile.TemporaryDirectory(prefix="tidal-golden-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "tests.unit.test_golden_trajectory", str(out), *names]
+        proc = subprocess.run(cmd, cwd=REPO, env=os.environ | PINNED_ENV, capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"golden trajectory child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    assert result["threads"] == THREADS, f"threads not pinned: {result}"
+    return result
+
+
+def differences(got: list[dict[str, Any]], want: list[dict[str, Any]],
+                first_step: int = 1) -> list[tuple[int, str, str]]:
+    """(step, metric, explanation) for each metric outside the tolerance or missing; empty when all match."""
+    bad = []
+    for step, (g, w) in enumerate(zip(got, want, strict=True), start=first_step):
+        for key in sorted(set(g) | set(w)):
+            if key not in g or key not in w:
+                bad.append((step, key, f"got {g.get(key, 'nothing')}, expected {w.get(key, 'nothing')}"))
+            elif isinstance(w[key], int):
+                if g[key] != w[key]:
+                    bad.append((step, key, f"got {g[key]}, expected {w[key]}"))
+            elif not math.isclose(g[key], w[key], rel_tol=RTOL, abs_tol=ATOL):
+                rel = abs(g[key] - w[key]) / max(abs(w[key]), 1e-300)
+                bad.append((step, key, f"got {g[key]!r}, expected {w[key]!r} (relative difference {rel:.2e})"))
+    return bad
+
+
+def expected() -> dict[str, Any]:
+    return json.loads(EXPECTED.read_text())
+
+
+@pytest.fixture(scope="module")
+def pinned() -> dict[str, Any]:
+    """Both golden trajectories and the perturbed one, computed once per module in the pinned child."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the golden numbers were computed with x86-64 AVX2 kernels, not on {platform.machine()}")
+    result = compute_pinned([*TRAJECTORIES, *PERTURBED])
+    if result["capability"] != "AVX2":
+        pytest.skip(f"the golden numbers need torch's AVX2 kernels; this CPU gives {result['capability']}")
+    return result
+
+
+def test_committed_batches_are_what_they_claim():
+    from tidal.transport.batch import TrainingBatch
+
+    rec = expected()
+    assert sorted(p.name for p in GOLDEN.glob("*.safetensors")) == [p.name for p in batch_paths()]
+    for n, path in zip(STEPS, batch_paths(), strict=True):
+        batch = TrainingBatch.load(path)
+        assert batch.step == n and batch.temperature == 1.0 and batch.num_samples > 0
+        assert int(batch.loss_mask.sum()) > 0, f"{path.name}: empty loss mask"
+        assert abs(batch.advantages).sum() > 0, f"{path.name}: all advantages are zero"
+        assert int(batch.loss_mask.sum()) == rec["trajectories"]["aipo"]["steps"][n - 1]["tokens"]
+        assert sha256(path) == rec["batches"][path.name], (
+            f"{path.name} is not the batch expected.json was recorded from; after regenerating batches run "
+            f"`scripts/make_golden.py --record`")
+    assert any(TrainingBatch.load(path).truncated.any() for path in batch_paths()), (
+        "no truncated completion: the grpo trajectory's mask_truncated_completions would test nothing")
+    for name, config in TRAJECTORIES.items():
+        assert rec["trajectories"][name]["config"] == config, (
+            f"trajectory {name}: its config in this file differs from the one recorded in {EXPECTED.name}; "
+            f"run `scripts/make_golden.py --record` if the change is intended")
+
+
+@pytest.mark.parametrize("name", sorted(TRAJECTORIES))
+def test_golden_trajectory(name, pinned):
+    rec = expected()
+    bad = differences(pinned["results"][name], rec["trajectories"][name]["steps"])
+    now, then = pinned["versions"], {k: rec["recorded_with"][k] for k in pinned["versions"]}
+    note = "" if now == then else f"\n(recorded with {then}, running {now}: a version change alone can do this)"
+    assert not bad, (
+        f"golden trajectory '{name}' changed (rtol {RTOL:g}): the trainer's numbers moved.\n  "
+        + "\n  ".join(f"step {step} {key}: {text}" for step, key, text in bad) + note
+        + "\nIf this is a bug, fix it. ONLY if the numeric change is intended, re-record the expected numbers "
+        "with `.venv/bin/python scripts/make_golden.py --record` and say why in the commit.")
+
+
+def test_golden_check_can_fail(pinned):
+    """The check is sensitive: a 1% larger learning rate leaves step 1 (before any update) unchanged but moves
+    loss or grad norm of step 2 or 3 outside the tolerance."""
+    want = expected()["trajectories"]["aipo"]["steps"]
+    got = pinned["results"]["aipo_lr_x1.01"]
+    assert not differences(got[:1], want[:1]), "step 1 runs before any update: the learning rate cannot matter"
+    moved = [(step, key) for step, key, _ in differences(got[1:], want[1:], first_step=2)
+             if key in ("loss", "grad_norm")]
+    assert moved, "a 1% learning-rate change went unnoticed: the golden check is too weak"
+
+
+GPU_RTOL = 1e-2
+"""CUDA kernels sum in other orders than the pinned CPU ones; the cancelling GRPO gradient moves by up to ~6e-4
+between CPU kernel sets, so the GPU check allows 1e-2: it catches device bugs (a wrong dtype, a lost mask, a
+tensor left on the CPU), not rounding."""
+
+
+@pytest.mark.gpu
+def test_golden_trajectory_on_cuda_matches_the_cpu_numbers():
+    """The same aipo trajectory on a CUDA device in float32 (TF32 off) lands on the committed CPU numbers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run with -m gpu on a GPU machine)")
+    matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        got = run_trajectory(EXAMPLE | {"device": "cuda"}, batch_paths())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul_tf32, cudnn_tf32
+    want = expected()["trajectories"]["aipo"]["steps"]
+    for step, (g, w) in enumerate(zip(got, want, strict=True), start=1):
+        assert g["tokens"] == w["tokens"] and g["micro_batches"] == w["micro_batches"], (step, g, w)
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(g[key], w[key], rel_tol=GPU_RTOL, abs_tol=1e-6), (step, key, g[key], w[key])
+
+
+def _child(out: str, names: list[str]) -> None:
+    """Entry point of the pinned child process (`compute_pinned`): write the trajectories' metrics to `out`."""
+    configs = TRAJECTORIES | PERTURBED
+    results = {}
+    for name in names:
+        with deterministic_torch():
+            results[name] = run_trajectory(configs[name], batch_paths())
+    import peft
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    Path(out).write_text(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
+                                     "threads": torch.get_num_threads(), "versions": versions,
+                                     "results": results}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2:])
