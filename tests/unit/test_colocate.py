@@ -154,6 +154,8 @@ def test_user_configs_are_left_untouched_and_share_nothing_with_the_result():
 def test_wire_colocate_is_the_machine_independent_part():
     wired = wire_colocate(*configs(max_steps=7), output_dir="/tmp/w")
     co = derive_colocate(*configs(max_steps=7), GPU16, output_dir="/tmp/w")
+    assert wired[1].max_lora_rank is None and co.infer.max_lora_rank == co.train.lora_rank == 16  # adapters on GPU
+    wired = (wired[0], wired[1].model_copy(update={"max_lora_rank": 16}), wired[2])
     assert [c.model_dump() for c in wired] == [c.model_dump() for c in (co.train, co.infer, co.orch)]
     assert wired[0].cpu_affinity is None and wired[2].weight_broadcast.reload == "auto"  # no placement
 
@@ -191,3 +193,42 @@ def test_colocate_module_imports_no_torch_or_vllm():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_train_sequence_len_follows_a_longer_orch_seq_len_unless_set():
+    train, infer, orch = TrainConfig(model="m"), InferConfig(model="m"), OrchConfig.model_validate({"seq_len": 2048})
+    assert train.sequence_len == 1024  # the defaults that used to crash the trainer mid-run
+    assert derive_colocate(train, infer, orch, GPU16).train.sequence_len == 2048
+    short = TrainConfig(model="m", sequence_len=512)
+    with pytest.raises(ConfigError, match=r"train sequence_len \(512\).*orch seq_len \(2048\)"):
+        derive_colocate(short, infer, orch, GPU16)
+    longer = TrainConfig(model="m", sequence_len=4096)
+    assert derive_colocate(longer, infer, orch, GPU16).train.sequence_len == 4096  # longer rows are fine
+    with pytest.raises(ConfigError, match=r"infer max_model_len \(1024\).*orch seq_len \(2048\)"):
+        derive_colocate(train, InferConfig(model="m", max_model_len=1024), orch, GPU16)
+
+
+def test_one_checkpoint_interval_for_the_run():
+    train, infer, _ = configs()
+    orch = OrchConfig.model_validate({"ckpt": {"interval": 1}})
+    co = derive_colocate(train, infer, orch, GPU16)
+    assert co.train.ckpt.interval == 1 == co.orch.ckpt.interval and train.ckpt.interval is None
+    only_train = TrainConfig(model="m", ckpt={"interval": 3})
+    assert derive_colocate(only_train, infer, OrchConfig(), GPU16).orch.ckpt.interval == 3
+    with pytest.raises(ConfigError, match=r"train ckpt.interval \(3\) and orch ckpt.interval \(1\)"):
+        derive_colocate(only_train, infer, orch, GPU16)
+
+
+def test_served_adapters_need_lora_and_a_large_enough_rank_on_vllm():
+    train = TrainConfig(model="m", lora_rank=32)
+    orch = OrchConfig()
+    assert derive_colocate(train, InferConfig(model="m"), orch, GPU16).infer.max_lora_rank == 32
+    with pytest.raises(ConfigError, match=r"infer max_lora_rank \(16\) is below train lora_rank \(32\)"):
+        derive_colocate(train, InferConfig(model="m", max_lora_rank=16), orch, GPU16)
+    with pytest.raises(ConfigError, match="infer enable_lora is false"):
+        derive_colocate(train, InferConfig(model="m", enable_lora=False), orch, GPU16)
+    # CPU co-location reloads merged weights: no adapter reaches vLLM, so its LoRA settings do not matter
+    co = derive_colocate(train, InferConfig(model="m", max_lora_rank=16), orch, CPU2)
+    assert co.orch.weight_broadcast.reload == "merged" and co.infer.max_lora_rank == 16
+    nccl = OrchConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
+    assert derive_colocate(train, InferConfig(model="m", enable_lora=False), nccl, GPU16).infer.enable_lora is False

@@ -11,6 +11,7 @@ import yaml
 
 from tidal.cli import extract_overrides, split_overrides
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
+from tidal.config.orch import EvalSection
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "src" / "tidal" / "examples").rglob("*.yaml")) + sorted((REPO / "examples").rglob("*.yaml"))
@@ -259,3 +260,26 @@ def test_cli_grpo_port_in_use_exits_2_and_starts_nothing(tmp_path):
         r = run_cli("grpo", "--infer.port", str(port), "--output-dir", str(tmp_path / "run"))
     assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr
     assert not (tmp_path / "run").exists(), "nothing may be started or written"
+
+
+@pytest.mark.parametrize("cls,data,match", [
+    (InferConfig, {"model": "m", "reasoning_parser": "qwen3"}, r"'reasoning_parser' would have no effect.*chat"),
+    (InferConfig, {"model": "m", "enable_auto_tool_choice": True}, r"'enable_auto_tool_choice' would have no eff"),
+    (InferConfig, {"model": "m", "tool_call_parser": "hermes"}, r"'tool_call_parser' would have no effect"),
+    (OrchConfig, {"eval": {"env": [{"id": "reverse-text"}], "cancel_inflight_rollouts_on_eval": True}},
+     r"cancel_inflight_rollouts_on_eval' would have no effect: evaluations run between batches"),
+    (OrchConfig, {"oversampling_factor": 2.0}, r"oversampling_factor 2.0 has no effect without group filters"),
+])
+def test_keys_that_would_have_no_effect_are_refused_with_the_reason(cls, data, match):
+    with pytest.raises(ValueError, match=match):
+        cls.model_validate(data)
+    refused = {**InferConfig.REFUSED, **EvalSection.REFUSED}
+    assert any(key in match for key in refused) or "oversampling_factor" in match  # docs say "default only"
+
+
+def test_refused_keys_accept_their_defaults_and_oversampling_works_with_filters():
+    InferConfig.model_validate({"model": "m", "reasoning_parser": None, "enable_auto_tool_choice": False})
+    OrchConfig.model_validate({"eval": {"env": [{"id": "reverse-text"}], "cancel_inflight_rollouts_on_eval": False}})
+    assert OrchConfig.model_validate({"oversampling_factor": 2.0, "dynamic_sampling": True}).oversampling_factor == 2
+    ok = OrchConfig.model_validate({"oversampling_factor": 2.0, "buffer": {"online_difficulty_filtering": True}})
+    assert ok.oversampling_factor == 2.0

@@ -10,11 +10,16 @@ The user's configs are never modified. Derivations, in order:
   `model.lora_alpha`, when set, must equal train's; one run directory (`--output-dir`, else orch `output_dir`)
   for both; train `max_steps: -1` takes orch `max_steps` (so LR schedules know the run's length); orch
   `client.base_url` points at the inference server; orch `rollout_transport: zmq` sets the trainer's
-  `transport_*`; orch `weight_broadcast: nccl` sets train `weight_broadcast` and infer `weight_broadcast_type`.
+  `transport_*`; orch `weight_broadcast: nccl` sets train `weight_broadcast` and infer `weight_broadcast_type`;
+  the lengths agree (train `sequence_len` unset follows orch `seq_len`; a shorter explicit one, or an infer
+  `max_model_len` below `seq_len`, is refused); one checkpoint interval (a component without `ckpt.interval`
+  follows the other's; two different ones are refused).
 - placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
   with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
   and the cores are split: vLLM's OpenMP threads on the first half, the trainer on the rest (on 2 cores: vLLM
   on core 0, trainer on core 1), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
+  When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
+  `lora_rank`) must hold train `lora_rank`.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -114,6 +119,53 @@ def check_consistent(train: TrainConfig, orch: OrchConfig) -> None:
                               f"model.{key} from orch.yaml)")
 
 
+def couple_lengths(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> dict[str, Any]:
+    """Train updates that make the sequence lengths agree: the trainer packs rows of `sequence_len` tokens and
+    must fit every sample of `seq_len` tokens (unset: it follows orch `seq_len`); vLLM's `max_model_len`, when
+    set, must hold `seq_len` too. Raises `ConfigError` naming both keys when explicit values cannot work."""
+    t: dict[str, Any] = {}
+    if orch.seq_len > train.sequence_len:
+        if "sequence_len" in train.model_fields_set:
+            raise ConfigError(f"train sequence_len ({train.sequence_len}) is shorter than orch seq_len "
+                              f"({orch.seq_len}): the trainer could not pack the longest samples; raise train "
+                              f"sequence_len to at least {orch.seq_len} or lower orch seq_len")
+        t["sequence_len"] = orch.seq_len
+    if infer.max_model_len is not None and infer.max_model_len < orch.seq_len:
+        raise ConfigError(f"infer max_model_len ({infer.max_model_len}) is shorter than orch seq_len "
+                          f"({orch.seq_len}): vLLM would refuse the longest requests; raise infer max_model_len or "
+                          f"lower orch seq_len")
+    return t
+
+
+def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(train, orch) updates that give the run one checkpoint interval: a component without `ckpt.interval`
+    follows the other's (so `--resume` finds both checkpoints); two different explicit intervals are refused."""
+    ti, oi = train.ckpt.interval, orch.ckpt.interval
+    if ti == oi:
+        return {}, {}
+    if ti is not None and oi is not None:
+        raise ConfigError(f"train ckpt.interval ({ti}) and orch ckpt.interval ({oi}) differ: a resumed run needs "
+                          f"both checkpoints of the same step; set one interval (or only orch ckpt.interval)")
+    if ti is None:
+        return {"ckpt": train.ckpt.model_copy(update={"interval": oi})}, {}
+    return {}, {"ckpt": orch.ckpt.model_copy(update={"interval": ti})}
+
+
+def check_lora_rank(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
+    """Infer updates for LoRA adapters served by vLLM: `max_lora_rank` unset follows train `lora_rank`; an
+    explicit one below it is refused (the first adapter load would fail)."""
+    if not infer.enable_lora:
+        raise ConfigError("orch weight_broadcast.reload is 'lora' (adapters loaded into vLLM) but infer enable_lora "
+                          "is false; set infer enable_lora: true or weight_broadcast.reload: merged")
+    if infer.max_lora_rank is None:
+        return {"max_lora_rank": train.lora_rank}
+    if infer.max_lora_rank < train.lora_rank:
+        raise ConfigError(f"infer max_lora_rank ({infer.max_lora_rank}) is below train lora_rank "
+                          f"({train.lora_rank}): vLLM would refuse the trainer's adapters; raise infer max_lora_rank "
+                          f"to at least {train.lora_rank}")
+    return {}
+
+
 def client_url(infer: InferConfig) -> str:
     """The URL clients on this machine reach the inference server at (loopback for a wildcard bind)."""
     host = infer.host or "127.0.0.1"
@@ -128,8 +180,11 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     run_dir = str(Path(output_dir or orch.output_dir))
     client = orch.client.model_copy(update={"base_url": [client_url(infer)]})
     orch = orch.model_copy(update={"output_dir": run_dir, "client": client})
-    t: dict[str, Any] = {"output_dir": run_dir}
+    t: dict[str, Any] = {"output_dir": run_dir, **couple_lengths(train, infer, orch)}
     i: dict[str, Any] = {}
+    t_ckpt, o_ckpt = couple_checkpoints(train, orch)
+    t |= t_ckpt
+    orch = orch.model_copy(update=o_ckpt)
     if train.max_steps == -1 and orch.max_steps:
         t["max_steps"] = orch.max_steps  # lets linear/cosine LR schedules know the run's length
     if orch.rollout_transport.type == "zmq":  # the trainer asks the orchestrator's batch server
@@ -165,6 +220,8 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         orch = orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})})
         train = train.model_copy(update={"broadcast_merged": True})
         infer = infer.model_copy(update={"weight_reload": True})
+    if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
+        infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device)
     infer_env: dict[str, str] = {}
     notices: list[str] = []

@@ -20,7 +20,8 @@ Generated from the config models by `python -m tidal.config.docs`; do not edit b
 
 Keys follow the tables of Surogate's GRPO guide (seed 000). **Status**: `yes` works; `not supported yet`
 means the key is accepted by name but any value other than its default is rejected with that message (never
-silently ignored). Unknown keys are errors that name the nearest valid key. Every key can be overridden from
+silently ignored); `default only` means another value could have no effect in tidal, and is rejected with
+the reason. Unknown keys are errors that name the nearest valid key. Every key can be overridden from
 the command line with a dotted path: `--train.loss.kl_tau 0.1`, `--orch.sampling.max_tokens 64`,
 `--infer.port 8001`.
 """
@@ -54,7 +55,8 @@ def rows(model: type[BaseModel], prefix: str = "", unsupported: bool = False) ->
         default = field.get_default(call_default_factory=True)
         shown = "(required)" if field.is_required() else f"`{default!r}`"
         typ = _type_name(field.annotation).replace("|", "\\|")
-        out.append(f"| `{key}` | {typ} | {shown} | {'not supported yet' if off else 'yes'} | {desc} |")
+        status = "not supported yet" if off else "default only" if name in model.REFUSED else "yes"  # type: ignore[attr-defined]
+        out.append(f"| `{key}` | {typ} | {shown} | {status} | {desc} |")
     return out
 
 

@@ -12,9 +12,14 @@ from pydantic import Field
 
 from tidal.config.base import StrictModel
 
+CHAT_ONLY = ("would have no effect: tidal's rollouts are token-id completions (/v1/completions), and vLLM "
+             "applies it to chat completions only")
+
 
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
+
+    REFUSED = {k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")}
 
     model: str
     """Local Hugging Face model directory to serve, or `tidal:tiny-reverse` (the bundled model)."""
@@ -53,11 +58,13 @@ class InferConfig(StrictModel):
     `nccl` (the trainer broadcasts merged weights into the workers through vLLM's weight-transfer engine:
     NCCL on GPUs, gloo on CPU-only machines; opens vLLM's RL routes, so beyond localhost set an API key)."""
     reasoning_parser: str | None = None
-    """vLLM reasoning parser name."""
+    """vLLM reasoning parser name. Refused for now: rollouts are token-id completions (`/v1/completions`), which
+    vLLM's reasoning parser never touches; the orchestrator trains on the raw tokens either way."""
     enable_auto_tool_choice: bool = False
-    """Enable vLLM's auto tool choice (needs `tool_call_parser`)."""
+    """vLLM's auto tool choice. Refused for now, like `tool_call_parser`: they act on chat completions only, and
+    rollouts are token-id completions (tool environments parse the model's text themselves)."""
     tool_call_parser: str | None = None
-    """vLLM tool-call parser name."""
+    """vLLM tool-call parser name (see `enable_auto_tool_choice`)."""
     rope_scaling: dict[str, Any] | None = None
     """RoPE scaling dict passed to vLLM as an hf override."""
     seed: int = 0

@@ -252,6 +252,9 @@ class RepetitionFilter(StrictModel):
 class EvalSection(StrictModel):
     """Online evaluation on held-out examples while training (`eval.jsonl` + the metric sinks)."""
 
+    REFUSED = {"cancel_inflight_rollouts_on_eval": "would have no effect: evaluations run between batches, so no "
+                                                   "training rollout is ever in flight to cancel"}
+
     env: list[EnvSection] = Field(min_length=1)
     """Evaluation environments (ids from the registry, with their args and names)."""
     num_examples: int = Field(-1, ge=-1)
@@ -266,8 +269,8 @@ class EvalSection(StrictModel):
     skip_eval_on_resume: bool = True
     """After a resume, skip the evaluation that would run right away (base model, or the resumed policy)."""
     cancel_inflight_rollouts_on_eval: bool = False
-    """Evaluations run between batches, so no training rollout is ever in flight during one; kept for the
-    seed's config files (both values behave the same)."""
+    """Evaluations run between batches, so no training rollout is ever in flight during one: nothing to cancel.
+    `false` (let them finish) is what happens; `true` is refused rather than accepted without an effect."""
 
 
 class RolloutTransportSection(StrictModel):
@@ -430,6 +433,10 @@ class OrchConfig(StrictModel):
         if ratios is not None and (len(ratios) != len(self.env) or min(ratios) < 0 or sum(ratios) <= 0):
             raise ValueError(f"buffer.env_ratios {ratios}: need one non-negative ratio per env[] entry "
                              f"({len(self.env)}), summing to more than 0")
+        if self.oversampling_factor != 1.0 and not (self.dynamic_sampling or self.buffer.online_difficulty_filtering):
+            raise ValueError(f"oversampling_factor {self.oversampling_factor} has no effect without group filters "
+                             "(every requested group is kept); set dynamic_sampling: true or "
+                             "buffer.online_difficulty_filtering: true, or leave oversampling_factor at 1.0")
         if self.max_async_level > self.max_off_policy_steps:
             raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
                              f"max_off_policy_steps ({self.max_off_policy_steps})")
