@@ -7,7 +7,9 @@ stopped. If inference dies it is restarted (up to `infer_restarts` times; the or
 requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
 that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
-(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies. The children
+(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
+(`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
+launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
 binding, from `tidal.config.colocate.Placement`).
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from tidal.paths import logs_dir, metrics_path
+from tidal.reaper import start_reaper
 
 STOP_TIMEOUT_S = 20.0
 
@@ -152,6 +155,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     `infer_env`: extra environment variables of the inference server (also after a restart)."""
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
+    start_reaper()  # if this launcher is killed outright, nothing it started survives it
     children: list[Child] = []
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
     # as ignored, and Ctrl-C / SIGINT must still stop the run.

@@ -141,6 +141,15 @@ def test_three_process_run_serves_the_trained_adapter(tmp_path):
         assert_adapter_changed(run_dir, 3)
         assert not (run_dir / "broadcasts/step_3/merged").exists(), "three processes default to LoRA reloads"
         assert_served_trained_policy(run_dir, 3)
+        # `tidal grpo-infer` SIGKILLed alone (not its group): vLLM's engine processes must not outlive it
+        engine = descendants(infer.pid)
+        assert len(engine) >= 2, "vLLM's engine core runs in a child process (and the reaper beside it)"
+        infer.send_signal(signal.SIGKILL)
+        infer.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(engine), f"left running: {[p.cmdline() for p in alive(engine)]}"
     finally:
         for p in procs:
             kill_group(p)

@@ -2,7 +2,9 @@
 
 - Co-locate (default suite): the inference server is killed (the launcher restarts it, the orchestrator
   retries and reloads the policy), then the trainer is killed (everything stops, naming it and the resume
-  command), then `tidal grpo --resume` finishes the run.
+  command), then `tidal grpo --resume` runs a step and the launcher itself is SIGKILLed (every process it
+  started, vLLM's engine included, must be gone within seconds: `tidal.reaper`), and a last `--resume`
+  finishes the run.
 - Chaos (slow): three processes; trainer, orchestrator and inference are each SIGKILLed at random steps, several
   times, and restarted with `--resume`.
 Both check the final step count, that `metrics.jsonl` holds every step exactly once, that the optimizer state
@@ -49,6 +51,14 @@ def wait_steps(run_dir: Path, n: int, procs: list[subprocess.Popen], timeout: fl
         time.sleep(0.2)
 
 
+def resumed_steps(run_dir: Path) -> list[int]:
+    """Steps a resumed trainer recorded (a line being written counts once it is complete)."""
+    try:
+        return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("resumed_from", 0) > 0]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
 def check_resumed_run(run_dir: Path, steps: int) -> list[dict]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]
@@ -90,6 +100,26 @@ def test_colocate_survives_inference_death_and_resumes_after_trainer_death(tmp_p
         socket.create_connection(("127.0.0.1", port), timeout=1)
     orch_log = (run_dir / "logs/orch.log").read_text()
     assert "inference request failed" in orch_log or "inference server restarted" in orch_log
+
+    proc = tidal(*args, "--resume")  # resumed, then the launcher itself is SIGKILLed after one more step
+    try:
+        deadline = time.monotonic() + 400
+        while not resumed_steps(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, "the resumed run trained no step"
+            time.sleep(0.2)
+        family = descendants(proc.pid)
+        assert any("vllm.entrypoints" in " ".join(p.cmdline()) for p in family)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = alive(family)
+        assert not left, f"the launcher's death left these running: {[p.cmdline() for p in left]}"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1)
+    finally:
+        kill_group(proc)
 
     proc = tidal(*args, "--resume")
     try:

@@ -137,12 +137,16 @@ def check_bind_secure(cfg: InferConfig) -> None:
 
 
 def exec_server(cfg: InferConfig) -> None:
-    """Replace this process with the vLLM server (so signals reach vLLM directly)."""
+    """Replace this process with the vLLM server (so signals reach vLLM directly), leaving a reaper behind that
+    kills vLLM's engine processes if the server dies without taking them along (`tidal.reaper`)."""
+    from tidal.reaper import start_reaper
+
     host = bind_host(cfg.host)
     check_bind_secure(cfg)
     resolve_model(cfg.model)
     check_port_free(host, cfg.port)
     argv = vllm_argv(cfg)
+    start_reaper()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, vllm_env(cfg))
