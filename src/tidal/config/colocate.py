@@ -145,7 +145,8 @@ def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, 
         return {}, {}
     if ti is not None and oi is not None:
         raise ConfigError(f"train ckpt.interval ({ti}) and orch ckpt.interval ({oi}) differ: a resumed run needs "
-                          f"both checkpoints of the same step; set one interval (or only orch ckpt.interval)")
+                          f"both checkpoints of the same step; give both the same value (e.g. --train.ckpt.interval "
+                          f"{oi} --orch.ckpt.interval {oi}), or set it in one file only")
     if ti is None:
         return {"ckpt": train.ckpt.model_copy(update={"interval": oi})}, {}
     return {}, {"ckpt": orch.ckpt.model_copy(update={"interval": ti})}
