@@ -19,7 +19,8 @@ The user's configs are never modified. Derivations, in order:
   and the cores are split: vLLM's OpenMP threads on the first half, the trainer on the rest (on 2 cores: vLLM
   on core 0, trainer on core 1), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
-  `lora_rank`) must hold train `lora_rank`.
+  `lora_rank`) must hold train `lora_rank`. On a GPU, vLLM's `gpu_memory_utilization` (unless set in
+  infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`).
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -54,12 +55,39 @@ class Machine:
     """An NVIDIA GPU is present."""
     env: Mapping[str, str] = field(default_factory=dict)
     """The variables of `MACHINE_ENV` that are set, with their values."""
+    gpu_memory_gib: float | None = None
+    """Memory of the GPU the co-located trainer and vLLM share (the first visible one), when known."""
 
     @classmethod
     def detect(cls) -> Machine:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        return cls(cores=tuple(cores), has_gpu=Path("/dev/nvidiactl").exists(),
-                   env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ})
+        has_gpu = Path("/dev/nvidiactl").exists()
+        return cls(cores=tuple(cores), has_gpu=has_gpu, env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ},
+                   gpu_memory_gib=gpu_memory_gib() if has_gpu else None)
+
+
+def gpu_memory_gib() -> float | None:
+    """Total memory of the first visible NVIDIA GPU (nvidia-smi, no CUDA context), or None."""
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
+                              visible], capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.split()[0]) / 1024  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def vllm_share(total_gib: float, trainer_gib: float, floor: float = 0.05) -> float:
+    """`gpu_memory_utilization` for vLLM on a GPU of `total_gib` beside a trainer needing `trainer_gib`: the rest,
+    rounded down to 0.01. Raises ConfigError when less than `floor` of the GPU would be left for vLLM."""
+    share = int((total_gib - trainer_gib) / total_gib * 100) / 100
+    if share < floor:
+        raise ConfigError(f"the trainer needs about {trainer_gib:.1f} GiB of this {total_gib:.1f} GiB GPU (estimate), "
+                          f"leaving vLLM less than {floor:.0%}; lower per_device_train_batch_size or sequence_len, "
+                          f"or put inference on another GPU (three processes)")
+    return share
 
 
 @dataclass(frozen=True)
@@ -210,11 +238,20 @@ def split_cores(machine: Machine, train: TrainConfig, device: str) -> tuple[tupl
 
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
-                    output_dir: str | Path | None = None, resume: bool = False) -> Colocated:
+                    output_dir: str | Path | None = None, resume: bool = False,
+                    trainer_gib: float | None = None) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure (the arguments are
-    left untouched). Raises `ConfigError` for configs that cannot run together."""
+    left untouched). `trainer_gib`: the trainer's estimated GPU footprint (`tidal.trainer.memory`), which sizes
+    vLLM's share of the GPU. Raises `ConfigError` for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device == "cuda" else "cpu"
+    notices: list[str] = []
+    if (device == "cuda" and machine.gpu_memory_gib and trainer_gib is not None
+            and "gpu_memory_utilization" not in infer.model_fields_set):
+        share = vllm_share(machine.gpu_memory_gib, trainer_gib)
+        infer = infer.model_copy(update={"gpu_memory_utilization": share})
+        notices.append(f"GPU: the trainer needs about {trainer_gib:.1f} GiB of {machine.gpu_memory_gib:.0f} GiB "
+                       f"(estimate); vLLM gets gpu_memory_utilization {share}")
     wb = orch.weight_broadcast
     if device == "cpu" and wb.type != "nccl" and wb.reload == "auto":
         # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
@@ -225,7 +262,6 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device)
     infer_env: dict[str, str] = {}
-    notices: list[str] = []
     if split is not None:
         bind = ",".join(str(c) for c in split[0])
         train = train.model_copy(update={"cpu_affinity": list(split[1])})
