@@ -76,7 +76,9 @@ def split_overrides(extra: list[str], allowed: set[str]) -> dict[str, dict[str, 
 
 
 def check_model(name: str, source: str) -> None:
-    """A model must be a bundled `tidal:` name or an existing local directory (nothing is downloaded)."""
+    """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
+    (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
+    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`)."""
     from tidal.assets import resolve_model
 
     try:
@@ -85,7 +87,8 @@ def check_model(name: str, source: str) -> None:
         raise ConfigError(f"{source}: key 'model': {exc}") from None
     if not Path(path, "config.json").is_file():
         raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
-                          "give the path of a local Hugging Face model directory or tidal:tiny-reverse")
+                          "give the path of a local Hugging Face model directory, a Hub id (org/name) or "
+                          "tidal:tiny-reverse")
 
 
 def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:

@@ -1,4 +1,5 @@
-"""Bundled assets: the tiny reverse-text model. `tidal:NAME` in a config's model key names one of them."""
+"""Bundled assets and model names: `tidal:NAME` names a bundled model (the tiny reverse-text model), a path an
+existing local model directory, and `org/name[@revision]` a Hugging Face Hub model (`tidal.hub`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ PREFIX = "tidal:"
 
 
 def resolve_model(name: str) -> str:
-    """`tidal:tiny-reverse` -> absolute path of the bundled model; anything else unchanged."""
-    if not name.startswith(PREFIX):
+    """The directory a config's `model` names: `tidal:tiny-reverse` -> the bundled model; an existing local
+    directory -> unchanged (it wins over a Hub id of the same spelling); `org/name[@revision]` -> its snapshot
+    in the Hugging Face cache, downloaded if needed and allowed (`tidal.hub.resolve_hub_model`, which raises
+    `HubModelError`, a FileNotFoundError); anything else unchanged (the caller finds no config.json there)."""
+    if name.startswith(PREFIX):
+        return bundled(name)
+    if Path(name).expanduser().is_dir():
         return name
+    from tidal.hub import resolve_hub_model
+
+    return resolve_hub_model(name) or name
+
+
+def bundled(name: str) -> str:
+    """`tidal:NAME` -> absolute path of the bundled model NAME (FileNotFoundError listing them if none)."""
     path = ASSETS / name[len(PREFIX):]
     if not (path / "config.json").is_file():
         known = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").is_file())

