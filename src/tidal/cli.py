@@ -209,6 +209,9 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); pass --resume to continue it "
                           "(ckpt.resume_step), or use another output_dir")
     setup_logging("[orch]")
+    from tidal.reaper import start_reaper
+
+    start_reaper()  # environment servers it spawns die with it, however it dies
     try:
         asyncio.run(loop.run(cfg, run_dir))
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
@@ -301,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(ckpt.resume_step -1)")
         if s.prog.split()[-1] != "grpo-infer":
             s.add_argument("--output-dir", help="run directory for every component's output")
+        s.add_argument("--model", metavar="MODEL", help="the model of every component this command runs (train "
+                       "`model`, infer `model`, orch `model.name`): tidal:NAME, a local directory or a Hub id")
     g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
                    help="restart the inference server up to N times if it dies (default 3)")
     e = sub.add_parser("env-server", help="serve an environment over HTTP (for orch env[].address)")
@@ -325,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = unknown + extra
     handler, allowed = HANDLERS[args.command]
     try:
-        return handler(args, split_overrides(extra, allowed))
+        overrides = split_overrides(extra, allowed)
+        if getattr(args, "model", None):  # one flag for the model of every component
+            for component in allowed:
+                overrides.setdefault(component, {})["model.name" if component == "orch" else "model"] = args.model
+        return handler(args, overrides)
     except ConfigError as exc:
         print(f"tidal {args.command}: config error: {exc}", file=sys.stderr)
         return 2

@@ -232,3 +232,33 @@ def test_served_adapters_need_lora_and_a_large_enough_rank_on_vllm():
     assert co.orch.weight_broadcast.reload == "merged" and co.infer.max_lora_rank == 16
     nccl = OrchConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
     assert derive_colocate(train, InferConfig(model="m", enable_lora=False), nccl, GPU16).infer.enable_lora is False
+
+
+def test_the_three_files_must_name_one_model():
+    orch = OrchConfig()
+    assert orch.model.name is None
+    co = derive_colocate(TrainConfig(model="a"), InferConfig(model="a"), orch, GPU16)
+    assert co.orch.model.name == "a"  # unset: the name vLLM serves the model under
+    with pytest.raises(ConfigError, match=r"train model \(b\) and infer model \(a\) differ.*--model"):
+        derive_colocate(TrainConfig(model="b"), InferConfig(model="a"), orch, GPU16)
+    named = OrchConfig.model_validate({"model": {"name": "tidal:tiny-reverse"}})
+    with pytest.raises(ConfigError, match=r"orch model.name \(tidal:tiny-reverse\) differs from infer model \(a\)"):
+        derive_colocate(TrainConfig(model="a"), InferConfig(model="a"), named, GPU16)
+
+
+def test_one_model_flag_sets_all_three_files(tmp_path):
+    """`tidal grpo --model X` with the bundled example: every component gets X (here a copy of the bundled
+    model in a local directory)."""
+    import shutil
+
+    from tidal.assets import resolve_model
+
+    model = tmp_path / "my-model"
+    shutil.copytree(resolve_model("tidal:tiny-reverse"), model)
+    r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", "--model", str(model),
+                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"model: {model}") == 2 and f"name: {model}" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", "--train.model", str(model)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "train model" in r.stderr and "--model" in r.stderr

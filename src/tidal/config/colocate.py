@@ -13,7 +13,8 @@ The user's configs are never modified. Derivations, in order:
   `transport_*`; orch `weight_broadcast: nccl` sets train `weight_broadcast` and infer `weight_broadcast_type`;
   the lengths agree (train `sequence_len` unset follows orch `seq_len`; a shorter explicit one, or an infer
   `max_model_len` below `seq_len`, is refused); one checkpoint interval (a component without `ckpt.interval`
-  follows the other's; two different ones are refused).
+  follows the other's; two different ones are refused); one model (train `model` = infer `model`, orch
+  `model.name` unset follows it; `tidal grpo --model X` sets all three).
 - placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
   with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
   and the cores are split: vLLM's OpenMP threads on the first half, the trainer on the rest (on 2 cores: vLLM
@@ -165,6 +166,20 @@ def couple_lengths(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> 
     return t
 
 
+def couple_models(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> dict[str, Any]:
+    """Orch updates that make the three files name one model: the trainer trains what vLLM serves, and orch
+    `model.name` (unset: infer `model`) is the name vLLM serves it under. `--model X` sets all three."""
+    if train.model != infer.model:
+        raise ConfigError(f"train model ({train.model}) and infer model ({infer.model}) differ: the trainer must "
+                          f"train the model vLLM serves; set both, or pass --model once for all three files")
+    if orch.model.name is None:
+        return {"model": orch.model.model_copy(update={"name": infer.model})}
+    if orch.model.name != infer.model:
+        raise ConfigError(f"orch model.name ({orch.model.name}) differs from infer model ({infer.model}), the name "
+                          f"vLLM serves it under; set it to the same value, or pass --model once for all three files")
+    return {}
+
+
 def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(train, orch) updates that give the run one checkpoint interval: a component without `ckpt.interval`
     follows the other's (so `--resume` finds both checkpoints); two different explicit intervals are refused."""
@@ -213,7 +228,7 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     i: dict[str, Any] = {}
     t_ckpt, o_ckpt = couple_checkpoints(train, orch)
     t |= t_ckpt
-    orch = orch.model_copy(update=o_ckpt)
+    orch = orch.model_copy(update=o_ckpt | couple_models(train, infer, orch))
     if train.max_steps == -1 and orch.max_steps:
         t["max_steps"] = orch.max_steps  # lets linear/cosine LR schedules know the run's length
     if orch.rollout_transport.type == "zmq":  # the trainer asks the orchestrator's batch server
