@@ -68,10 +68,14 @@ def test_vllm_gets_what_the_trainer_leaves_unless_infer_sets_it():
         vllm_share(80.0, 78.0)
     gpu = Machine(cores=tuple(range(16)), has_gpu=True, gpu_memory_gib=80.0)
     train, orch = TrainConfig(model="m"), OrchConfig()
-    co = derive_colocate(train, InferConfig(model="m"), orch, gpu, trainer_gib=20.0)
+    co = derive_colocate(train, InferConfig(model="m"), orch, gpu, trainer_gib=lambda t: 20.0)
     assert co.infer.gpu_memory_utilization == 0.75 and any("0.75" in n for n in co.placement.notices)
     explicit = InferConfig(model="m", gpu_memory_utilization=0.5)
-    assert derive_colocate(train, explicit, orch, gpu, trainer_gib=20.0).infer.gpu_memory_utilization == 0.5
+    assert derive_colocate(train, explicit, orch, gpu, trainer_gib=lambda t: 20.0).infer.gpu_memory_utilization == 0.5
+    seen = []
+    derive_colocate(train, InferConfig(model="m"), OrchConfig.model_validate({"seq_len": 4096}), gpu,
+                    trainer_gib=lambda t: seen.append(t.sequence_len) or 20.0)
+    assert seen == [4096], "the estimate sees the derived train config (sequence_len follows orch seq_len)"
     cpu = Machine(cores=(0, 1))
-    assert derive_colocate(train, InferConfig(model="m"), orch, cpu, trainer_gib=20.0).infer.gpu_memory_utilization \
-        == 0.9  # no GPU: vLLM's default, untouched
+    on_cpu = derive_colocate(train, InferConfig(model="m"), orch, cpu, trainer_gib=lambda t: 20.0)
+    assert on_cpu.infer.gpu_memory_utilization == 0.9  # no GPU: vLLM's default, untouched

@@ -29,7 +29,7 @@ The user's configs are never modified. Derivations, in order:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -254,18 +254,20 @@ def split_cores(machine: Machine, train: TrainConfig, device: str) -> tuple[tupl
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    trainer_gib: float | None = None) -> Colocated:
-    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure (the arguments are
-    left untouched). `trainer_gib`: the trainer's estimated GPU footprint (`tidal.trainer.memory`), which sizes
-    vLLM's share of the GPU. Raises `ConfigError` for configs that cannot run together."""
+                    trainer_gib: Callable[[TrainConfig], float] | None = None) -> Colocated:
+    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `trainer_gib`
+    is (the arguments are left untouched). `trainer_gib(train)`: the trainer's estimated GPU footprint for the
+    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. Raises `ConfigError`
+    for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device == "cuda" else "cpu"
     notices: list[str] = []
     if (device == "cuda" and machine.gpu_memory_gib and trainer_gib is not None
             and "gpu_memory_utilization" not in infer.model_fields_set):
-        share = vllm_share(machine.gpu_memory_gib, trainer_gib)
+        need = trainer_gib(train)
+        share = vllm_share(machine.gpu_memory_gib, need)
         infer = infer.model_copy(update={"gpu_memory_utilization": share})
-        notices.append(f"GPU: the trainer needs about {trainer_gib:.1f} GiB of {machine.gpu_memory_gib:.0f} GiB "
+        notices.append(f"GPU: the trainer needs about {need:.1f} GiB of {machine.gpu_memory_gib:.0f} GiB "
                        f"(estimate); vLLM gets gpu_memory_utilization {share}")
     wb = orch.weight_broadcast
     if device == "cpu" and wb.type != "nccl" and wb.reload == "auto":
