@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all test-gpu lint bench bench-weights clean
+.PHONY: setup run test test-all test-gpu lint bench bench-weights bench-memory clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ bench: setup
 ## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.
 bench-weights: setup
 	$(BIN)/python bench/weight_sync.py $(BENCH_ARGS)
+
+## peak memory of one training micro-batch (Qwen3-0.6B shape): full logits vs chunked logprobs, with and without gradient checkpointing; writes bench/MEMORY.md (~10 min on 2 cores).
+bench-memory: setup
+	$(BIN)/python bench/memory.py $(BENCH_ARGS)
 
 ## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
 lint: setup

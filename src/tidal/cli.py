@@ -135,6 +135,21 @@ def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
     return paths
 
 
+def trainer_footprint_gib(train: TrainConfig) -> float:
+    """The trainer's estimated GPU footprint in GiB for `train` (`tidal.trainer.memory`, torch-free)."""
+    import json
+
+    from tidal.assets import resolve_model
+    from tidal.trainer.memory import estimate
+
+    model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
+    return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
+                    lora_rank=train.lora_rank if train.lora else None, lora_targets=train.lora_target_modules,
+                    rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
+                    gradient_checkpointing=train.gradient_checkpointing,
+                    logprob_chunk_size=train.logprob_chunk_size).total_gib
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
@@ -142,7 +157,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume)
+    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
+                         trainer_gib=trainer_footprint_gib)
     place = co.placement
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
 

@@ -79,3 +79,13 @@ def test_vllm_gets_what_the_trainer_leaves_unless_infer_sets_it():
     cpu = Machine(cores=(0, 1))
     on_cpu = derive_colocate(train, InferConfig(model="m"), orch, cpu, trainer_gib=lambda t: 20.0)
     assert on_cpu.infer.gpu_memory_utilization == 0.9  # no GPU: vLLM's default, untouched
+
+
+def test_tidal_grpo_estimates_from_the_model_directory():
+    from tidal.cli import trainer_footprint_gib
+
+    base = TrainConfig(model="tidal:tiny-reverse", sequence_len=4096, per_device_train_batch_size=8)
+    gib = trainer_footprint_gib(base)
+    assert 1.0 < gib < 3.0  # a 13 MB model: the CUDA overhead dominates
+    assert trainer_footprint_gib(base.model_copy(update={"gradient_checkpointing": True})) < gib
+    assert trainer_footprint_gib(base.model_copy(update={"logprob_chunk_size": 0})) > gib

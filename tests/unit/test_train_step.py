@@ -81,3 +81,13 @@ def test_merged_broadcast_equals_peft_merge(tmp_path):
         assert torch.allclose(merged[k], reference[k], atol=1e-6, rtol=1e-6), k
     changed = [k for k in keys if not torch.equal(merged[k], original[k])]
     assert changed and all("proj" in k for k in changed), "exactly the LoRA-targeted weights change"
+
+
+def test_grad_norm_is_reported_after_clipping_as_the_seed_defines_it():
+    cfg = TrainConfig(model=resolve_model("tidal:tiny-reverse"), learning_rate=1e-2, per_device_train_batch_size=2,
+                      sequence_len=40, max_grad_norm=1e-4)
+    model, device = load_policy(cfg)
+    opt = make_optimizer(model, cfg)
+    m = train_step(model, opt, own_batch(model, np.random.default_rng(3), [False] * 4), cfg, device, pad_id=0)
+    assert m["grad_norm/pre_clip"] > 1e-4, "the raw gradient is larger than the threshold"
+    assert m["grad_norm"] == pytest.approx(1e-4), "grad_norm is the norm after clipping"

@@ -22,7 +22,8 @@ class InferConfig(StrictModel):
     REFUSED = {k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")}
 
     model: str
-    """Local Hugging Face model directory to serve, or `tidal:tiny-reverse` (the bundled model)."""
+    """Model to serve: a local Hugging Face model directory, a Hub id (`org/name[@revision]`, through the HF
+    cache) or `tidal:tiny-reverse` (the bundled model)."""
     host: str | None = None
     """Bind address; null binds to 127.0.0.1 only."""
     port: int = Field(8000, ge=1, le=65535)

@@ -17,7 +17,7 @@ class ModelSection(StrictModel):
     """Which model the orchestrator asks vLLM for, and the LoRA adapter it trains."""
 
     name: str | None = None
-    """Model name/path served by vLLM (null: the first model the server lists)."""
+    """Model name/path served by vLLM (null: the first model the server lists; in `tidal grpo`: infer `model`)."""
     lora_adapter: str = "default"
     """Prefix of the adapter names registered in vLLM (`{lora_adapter}-step-{n}`)."""
     lora_rank: int | None = Field(None, ge=1)

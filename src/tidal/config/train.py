@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from tidal.config.base import ConfigWarning, StrictModel
 
+DEFAULT_LOGPROB_CHUNK_SIZE = 256
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -244,6 +245,17 @@ class TrainConfig(StrictModel):
     """Packed rows of `sequence_len` tokens per micro-batch (forward/backward pass)."""
     sequence_len: int = Field(1024, ge=16)
     """Length of one packed row; samples are packed into rows with no attention across samples."""
+    logprob_chunk_size: int = Field(DEFAULT_LOGPROB_CHUNK_SIZE, ge=0)
+    """Positions per chunk when computing log-probabilities (and the entropy metric) from the final hidden
+    states: the lm_head, the float32 softmax and their backward run on this many loss positions at a time, so
+    no (tokens, vocab) logits tensor exists (a few chunk x vocab float32 buffers instead; prompt tokens are
+    skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
+    before; much more memory at long rows). Architectures the chunked path does not know use full logits
+    anyway (a warning says so)."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
+    decoder layer's input and recompute the layer in the backward. Much less activation memory for about a
+    third more compute; works with LoRA and packed rows."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done."""
     logging_steps: int = Field(1, ge=1)

@@ -38,10 +38,12 @@ from tidal.transport.filesystem import BatchReader
 log = logging.getLogger("tidal.trainer")
 
 
-def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy)."""
+def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_size: int) -> torch.Tensor:
+    """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy); loss tokens
+    only (the loss reads no other)."""
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
-        return forward_logprobs(model, mb.input_ids, mb.position_ids, temperature)
+        return forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
+                                loss_mask=mb.loss_mask)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
@@ -63,10 +65,11 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     for it in range(lc.num_iterations):
         for k, mb in enumerate(micro):
-            lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature)
+            lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
+                                               chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask)
             if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                 old.append(lp.detach())
-                ref.append(_ref_logprobs(model, mb, batch.temperature) if lc.beta else None)
+                ref.append(_ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size) if lc.beta else None)
             inputs = LossInputs(logprobs=lp, old_logprobs=old[k], inference_logprobs=mb.inference_logprobs,
                                 advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
                                 ref_logprobs=ref[k], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
@@ -81,7 +84,9 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     trunc = batch.truncated.astype(bool) if batch.truncated is not None else np.zeros(0, dtype=bool)
     completion_tokens = float(batch.loss_mask.sum())
     truncated_tokens = sum(int(batch.loss_mask[s].sum()) for s, t in zip(batch.samples(), trunc, strict=True) if t)
-    out: dict[str, Any] = {"loss": loss_total / lc.num_iterations, "grad_norm": float(np.mean(norms)),
+    clipped = [min(n, max_norm) for n in norms]  # seed 000: grad_norm is the norm after clipping
+    out: dict[str, Any] = {"loss": loss_total / lc.num_iterations, "grad_norm": float(np.mean(clipped)),
+                           "grad_norm/pre_clip": float(np.mean(norms)),
                            "tokens": int(sums["tokens"] / lc.num_iterations),
                            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
                            "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations}

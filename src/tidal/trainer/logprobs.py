@@ -4,11 +4,43 @@ Convention: arrays are aligned with `input_ids`; `logprobs[:, i]` is log p(input
 computed from the logits at position i-1; position 0 has no prediction and gets 0. Logits are divided by the
 temperature the rollouts were sampled at, so the trainer scores the distribution vLLM actually sampled from
 (vLLM runs with `--logprobs-mode processed_logprobs`).
+
+Memory (train `logprob_chunk_size`): the logits of a packed micro-batch are (rows, T, vocab): 4k tokens of a
+152k vocabulary are 2.5 GB in float32, more than the rest of a small model's step. So by default they never
+exist whole. `forward_logprobs_entropy` runs the base transformer for the final hidden states (B, T, H), keeps
+only the positions whose next token carries loss (`loss_mask`; prompt tokens and padding are skipped; without a
+mask every position), and `chunked_logprobs` applies the lm_head to `chunk_size` of them at a time: lm_head,
+the architecture's own logit transform (`LOGIT_TRANSFORMS`: soft-capping, scaling), upcast to float32, divide by
+the temperature, log-softmax, gather the token; the entropy metric comes from the same chunk. The forward keeps
+nothing per chunk; the backward (`_ChunkedLogprobs`, a custom autograd Function) rebuilds each chunk's graph
+from the saved (N, H) hidden states (and the saved RNG state, for a head with dropout) and lets autograd
+differentiate it, one chunk at a time. So a step holds a few (chunk, vocab) float32 buffers at any length, and
+the kernels are the full-logits path's: in float32 the logprobs and gradients are bit for bit the same
+(tests/unit/test_golden_trajectory.py passes unchanged). Gradients reach the hidden states and every trainable
+parameter of the lm_head (tied embeddings, a LoRA-wrapped head): the head module is called per chunk, its
+weight never read directly. Positions outside `loss_mask` get 0 (in both paths): the loss, the old/reference
+logprobs and the drift metrics read loss tokens only.
+
+The full-logits path (the model's own `forward`, then `token_logprobs`) is kept for `chunk_size` 0 and for
+architectures not in `LOGIT_TRANSFORMS`, whose logits the chunked path might not reproduce (one warning per
+architecture). tests/unit/test_logprobs_chunked.py checks every listed architecture against the model's logits.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
+
+log = logging.getLogger(__name__)
+
+LogitTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -29,18 +61,210 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 1024) -
     return torch.nn.functional.pad(ent, (1, 0))
 
 
-def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     temperature: float = 1.0) -> torch.Tensor:
-    """Run the model on a packed (B, T) batch and return (B, T) logprobs of its own tokens."""
+# --- what each architecture's `*ForCausalLM.forward` does to `lm_head(hidden)` (transformers 5.x) ---------------
+
+def _plain(lm: Any) -> LogitTransform | None:
+    return None
+
+
+def _softcap(lm: Any) -> LogitTransform | None:
+    """Gemma 2/3: `tanh(logits / cap) * cap` with `config.final_logit_softcapping` (None: off)."""
+    cap = lm.config.final_logit_softcapping
+    return None if cap is None else (lambda z: torch.tanh(z / cap) * cap)
+
+
+def _divide_by_logits_scaling(lm: Any) -> LogitTransform | None:
+    """Granite: `logits / config.logits_scaling`."""
+    scale = float(lm.config.logits_scaling)
+    return lambda z: z / scale
+
+
+def _times_logit_scale(lm: Any) -> LogitTransform | None:
+    """Cohere: `logits * self.logit_scale` (the module attribute, from `config.logit_scale`)."""
+    scale = float(lm.logit_scale)
+    return lambda z: z * scale
+
+
+PLAIN_HEADS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+               "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
+               "Phi3ForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM")
+LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
+    **dict.fromkeys(PLAIN_HEADS, _plain),
+    "Gemma2ForCausalLM": _softcap, "Gemma3ForCausalLM": _softcap,
+    "GraniteForCausalLM": _divide_by_logits_scaling, "GraniteMoeForCausalLM": _divide_by_logits_scaling,
+    "CohereForCausalLM": _times_logit_scale, "Cohere2ForCausalLM": _times_logit_scale,
+}
+"""`*ForCausalLM` class name -> its logit transform. Each listed class computes `self.model(...)
+.last_hidden_state`, then `self.lm_head(hidden)` and only this transform (read from transformers' source)."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """A causal LM split at its final hidden states."""
+
+    body: torch.nn.Module
+    """The base transformer: ids -> (B, T, H) final hidden states (after the final norm)."""
+    lm_head: torch.nn.Module
+    """(..., H) -> (..., V) logits in the model's dtype (possibly LoRA-wrapped)."""
+    transform: LogitTransform | None
+    """The architecture's transform of the (float32) logits; None: none."""
+
+
+def split_head(model: torch.nn.Module) -> Head | None:
+    """The `Head` of `model` (a PEFT-wrapped or plain `*ForCausalLM`); None for an architecture not in
+    `LOGIT_TRANSFORMS` (the caller takes the full-logits path)."""
+    get_base = getattr(model, "get_base_model", None)
+    lm: Any = get_base() if callable(get_base) else model  # PEFT: the *ForCausalLM, LoRA layers injected in place
+    make = LOGIT_TRANSFORMS.get(type(lm).__name__)
+    if make is None:
+        _warn_full_logits(type(lm).__name__)
+        return None
+    return Head(body=lm.model, lm_head=lm.lm_head, transform=make(lm))
+
+
+@functools.cache
+def _warn_full_logits(name: str) -> None:
+    log.warning("logprobs: %s is not among the architectures whose logits tidal computes in chunks "
+                "(tidal.trainer.logprobs.LOGIT_TRANSFORMS); using its full logits (more memory)", name)
+
+
+# --- the chunked computation ---------------------------------------------------------------------------------------
+
+def _chunk_logits(head: Head, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(c, H) hidden states -> (c, V) logits, at least float32, transformed and divided by the temperature."""
+    z = head.lm_head(hidden)  # (c, V) model dtype
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if head.transform is not None:
+        z = head.transform(z)
+    return z / temperature if temperature != 1.0 else z
+
+
+class _RngState:
+    """The CPU (and current CUDA device's) RNG state at a point, to replay dropout in the recomputation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(N, H) hidden states, (N,) targets -> (N,) logprobs (+ (N,) detached entropies); see the module doc."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float,
+                chunk: int, with_entropy: bool, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dt = torch.promote_types(hidden.dtype, torch.float32)
+        lp = hidden.new_empty(hidden.shape[0], dtype=dt)  # (N,)
+        ent = hidden.new_empty(hidden.shape[0] if with_entropy else 0, dtype=dt)  # (N,) or (0,)
+        ctx.rng = _RngState(hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            ls = torch.log_softmax(_chunk_logits(head, hidden[s:s + chunk], temperature), dim=-1)  # (c, V)
+            lp[s:s + chunk] = ls.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                ent[s:s + chunk] = -(ls.exp().mul_(ls)).sum(-1)
+        ctx.save_for_backward(hidden, targets, *params)
+        ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_lp: torch.Tensor, _grad_ent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, targets, *params = ctx.saved_tensors
+        want_h = bool(ctx.needs_input_grad[0])
+        want_p = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        grad_h = torch.empty_like(hidden) if want_h else None  # (N, H)
+        grad_p: list[torch.Tensor | None] = [None] * len(params)
+        with torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
+            ctx.rng.restore()  # the same dropout masks as the forward (a LoRA lm_head with dropout)
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                with torch.enable_grad():  # the chunk's graph again: autograd keeps one (c, V) log-softmax
+                    h = hidden[s:s + ctx.chunk].detach().requires_grad_(want_h)  # (c, H)
+                    ls = torch.log_softmax(_chunk_logits(ctx.head, h, ctx.temperature), dim=-1)  # (c, V)
+                    lp = ls.gather(-1, targets[s:s + ctx.chunk, None]).squeeze(-1)  # (c,)
+                del ls
+                inputs = ([h] if want_h else []) + [params[i] for i in want_p]
+                grads = torch.autograd.grad(lp, inputs, grad_lp[s:s + ctx.chunk], allow_unused=True)
+                del lp
+                if want_h and grad_h is not None:
+                    grad_h[s:s + ctx.chunk] = grads[0]
+                for i, g in zip(want_p, grads[int(want_h):], strict=True):
+                    acc = grad_p[i]
+                    if g is not None:
+                        grad_p[i] = g if acc is None else acc.add_(g)  # summed over chunks
+        return (grad_h, None, None, None, None, None, *grad_p)
+
+
+def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float = 1.0,
+                     chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, H) final hidden states and (N,) next tokens -> (N,) logprobs (at least float32, differentiable w.r.t.
+    `hidden` and the lm_head's trainable parameters) and, with `with_entropy`, the (N,) detached entropies;
+    `chunk_size` positions at a time, recomputed in the backward."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    params = [p for p in head.lm_head.parameters() if p.requires_grad]
+    lp, ent = _ChunkedLogprobs.apply(hidden, targets.long(), head, float(temperature), int(chunk_size),
+                                     with_entropy, *params)
+    return lp, (ent if with_entropy else None)
+
+
+def _loss_positions(input_ids: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, T-1) bool: the predictions needed, those of tokens 1.. whose `loss_mask` is set (all without a mask)."""
+    if loss_mask is None:
+        return torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
+    return loss_mask[:, 1:].bool()
+
+
+def _place(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """(N,) values of the (B, T-1) selected positions -> (B, T) aligned with ids (column 0 and the rest 0)."""
+    out = values.new_zeros(sel.shape).masked_scatter(sel, values)  # (B, T-1), differentiable w.r.t. values
+    return torch.nn.functional.pad(out, (1, 0))
+
+
+def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      temperature: float, sel: torch.Tensor,
+                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole (B, T, V) logits from the model's own forward (chunk size 0, or an unlisted architecture)."""
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    return token_logprobs(out.logits, input_ids, temperature)
+    keep = torch.nn.functional.pad(sel, (1, 0))  # (B, T)
+    lp = token_logprobs(out.logits, input_ids, temperature)
+    lp = torch.where(keep, lp, torch.zeros_like(lp)) if not bool(keep.all()) else lp
+    if not with_entropy:
+        return lp, None
+    with torch.no_grad():
+        ent = entropy(out.logits.detach(), temperature)
+    return lp, torch.where(keep, ent, torch.zeros_like(ent))
 
 
 def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like `forward_logprobs`, plus the (detached) entropy of each position's distribution."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    lp = token_logprobs(out.logits, input_ids, temperature)
-    with torch.no_grad():
-        ent = entropy(out.logits.detach(), temperature)
-    return lp, ent
+                             temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
+                             loss_mask: torch.Tensor | None = None,
+                             with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens and (B, T) detached
+    entropies of each position's distribution (zeros without `with_entropy`). With a (B, T) `loss_mask`, only the
+    positions whose token it marks are computed (the others are 0). `chunk_size` 0: the full-logits path."""
+    sel = _loss_positions(input_ids, loss_mask)
+    head = split_head(model) if chunk_size > 0 else None
+    if head is None:
+        lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy)
+        return lp, ent if ent is not None else torch.zeros_like(lp.detach())
+    hidden = head.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (B,T,H)
+    lp_n, ent_n = chunked_logprobs(hidden[:, :-1][sel], input_ids[:, 1:][sel], head, temperature, chunk_size,
+                                   with_entropy)  # (N,) each
+    lp = _place(lp_n, sel)
+    return lp, _place(ent_n, sel) if ent_n is not None else torch.zeros_like(lp.detach())
+
+
+def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
+                     loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the model on a packed (B, T) batch and return (B, T) logprobs of its own tokens (see
+    `forward_logprobs_entropy` for `chunk_size` and `loss_mask`)."""
+    return forward_logprobs_entropy(model, input_ids, position_ids, temperature, chunk_size=chunk_size,
+                                    loss_mask=loss_mask, with_entropy=False)[0]

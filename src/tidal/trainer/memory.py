@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
+
 GIB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GIB
 MARGIN = 0.10
@@ -98,7 +100,7 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
              lora_targets: Iterable[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             "down_proj"),
              rows: int = 1, sequence_len: int = 2048, gradient_checkpointing: bool = False,
-             logprob_chunk_size: int = 1024) -> Footprint:
+             logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE) -> Footprint:
     """The trainer's footprint for one micro-batch of `rows` packed rows of `sequence_len` tokens (see the module
     doc); `lora_rank` None: full fine-tuning (every parameter trained)."""
     cfg = _text_config(model_config)

@@ -72,6 +72,15 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return get_peft_model(model, lora)
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing of every decoder layer through transformers' own (non-reentrant) hook, before
+    PEFT wraps the model; inputs are made to require grad (`enable_input_require_grads`) so frozen embeddings
+    under LoRA still pass gradients into the checkpointed layers."""
+    model.gradient_checkpointing_enable(  # type: ignore[operator]
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()  # type: ignore[operator]
+
+
 def apply_cpu_affinity(cores: list[int] | None) -> None:
     """Pin this process to `cores` and use one torch thread per core (no-op for None)."""
     if not cores:
@@ -86,11 +95,14 @@ def apply_cpu_affinity(cores: list[int] | None) -> None:
 
 
 def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
-    """Model to train per `cfg` (LoRA-wrapped when `cfg.lora`), and its device."""
+    """Model to train per `cfg` (LoRA-wrapped when `cfg.lora`, activation checkpointing with
+    `cfg.gradient_checkpointing`), and its device."""
     apply_cpu_affinity(cfg.cpu_affinity)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device))
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     if cfg.lora:
         model = add_lora(model, cfg)
     model.train()
