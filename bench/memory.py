@@ -13,16 +13,18 @@ Modes:
 - `full logits`: the old path (`logprob_chunk_size: 0`), the whole (T, vocab) logits;
 - `chunked`: `logprob_chunk_size` positions at a time (default: train.yaml's default);
 
-each without and with `gradient_checkpointing`. Every configuration runs in a fresh subprocess. On CPU a
-configuration's number is the peak resident set size during the micro-batch minus the resident size just before
-it (the peak is reset through /proc/self/clear_refs); on CUDA `torch.cuda.max_memory_allocated` minus the
-allocation before it. "logprob step" is a configuration's peak minus the `body only` peak at the same length and
-checkpointing. Ratios are to `full logits` without checkpointing at the same length. A configuration that would
-need more than the memory limit (`--limit-gib`, or what the machine has free) is reported as not fitting: on CPU
-the child gets an address-space limit, so it fails cleanly instead of pushing a shared machine into swap or the
-OOM killer. On CPU the decoder has fewer layers (`--layers`, 2 by default, to keep the run near 10 minutes on two
-cores; 28 on CUDA, as Qwen3-0.6B): the logits part does not depend on it, the activations do. Times are wall
-seconds of the micro-batch, indicative only (a shared machine).
+each without and with `gradient_checkpointing`. Every configuration runs in a fresh subprocess.
+
+Measured: on CPU the peak resident set size during the micro-batch minus the resident size just before it (the
+peak is reset through /proc/self/clear_refs; large blocks are mmapped, see `MMAP_THRESHOLD`); on CUDA
+`torch.cuda.max_memory_allocated` minus the allocation before it. "logprob step adds" is a configuration's peak
+minus the `body only` peak at the same length and checkpointing. Ratios are to `full logits` without
+checkpointing at the same length. A configuration that would need more than the memory limit (`--limit-gib`, or
+what the machine has free) is reported as not fitting: on CPU the child gets an address-space limit, so it fails
+cleanly instead of pushing a shared machine into swap or the OOM killer. On CPU the decoder has fewer layers
+(`--layers`, 2 by default, to keep the run near 10 minutes on two cores; 28 on CUDA, as Qwen3-0.6B): the logits
+part does not depend on it, the activations do. Times are wall seconds of the micro-batch, indicative only (a
+shared machine).
 
 Writes `bench/MEMORY.md`: one section per device kind, a run replacing its own device's section.
 """
@@ -47,6 +49,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 GIB = 1024**3
 SAMPLE, PROMPT = 1024, 256
+MMAP_THRESHOLD = 4 * 1024**2
+"""glibc serves allocations of this size and more with mmap and unmaps them at free, so the RSS follows the live
+tensors. Left to its dynamic threshold (raised after each large free, up to 32 MiB), glibc keeps freed blocks in
+its heaps and the peak of identical runs varies by ~0.5 GiB."""
 MODES = ("body only", "full logits", "chunked")
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
@@ -161,7 +167,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """`child(spec)` in a fresh interpreter."""
     env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false",
-                        "HF_HUB_OFFLINE": "1"}
+                        "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode != 0:
@@ -275,9 +281,9 @@ def main() -> int:
              f"{'float32' if device == 'cpu' else 'bfloat16'}, LoRA r16 on all linear layers; one packed row of "
              f"samples of {SAMPLE} tokens ({PROMPT} prompt + {SAMPLE - PROMPT} completion); GRPO loss; "
              f"{'peak RSS' if device == 'cpu' else 'peak torch.cuda.max_memory_allocated'} during the micro-batch "
-             "minus before it. \"logprob step adds\" = peak - `body only` peak (same length and checkpointing): with "
-             "checkpointing the chunked buffers are gone before the decoder's own backward peak, so the step adds "
-             "about nothing (differences of ~0.1 GiB either way are allocator noise).",
+             "minus before it. \"logprob step adds\" = peak - `body only` peak (same length and checkpointing); with "
+             "checkpointing the chunked buffers are gone before the decoder's own backward peak, so the step can "
+             "add nothing to the peak.",
              "", *table(rows)]
     write_section(Path(args.out), "CUDA" if device == "cuda" else "CPU", lines)
     print("\n".join(lines))

@@ -246,9 +246,10 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
                              temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
                              loss_mask: torch.Tensor | None = None,
                              with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens and (B, T) detached
-    entropies of each position's distribution (zeros without `with_entropy`). With a (B, T) `loss_mask`, only the
-    positions whose token it marks are computed (the others are 0). `chunk_size` 0: the full-logits path."""
+    """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens (float64 for a float64
+    model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
+    `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
+    are 0). `chunk_size` 0: the full-logits path."""
     sel = _loss_positions(input_ids, loss_mask)
     head = split_head(model) if chunk_size > 0 else None
     if head is None:
