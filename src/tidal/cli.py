@@ -164,7 +164,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
     try:
         check_bind_secure(co.infer)
-        check_port_free(place.host, place.port)
+        for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
+            check_port_free(place.host, port)
     except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
     for notice in place.notices:
@@ -178,7 +179,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.launcher import run_colocate
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
-    return run_colocate(sys.executable, place.run_dir, paths, place.health_url, live=live,
+    return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
                         infer_restarts=args.infer_restarts, infer_env=place.infer_env)
 
@@ -188,13 +189,13 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
-    from tidal.inference.server import InsecureBindError, PortInUseError, exec_server
+    from tidal.inference.dp import PlacementError
+    from tidal.inference.server import InsecureBindError, PortInUseError, serve
 
     try:
-        exec_server(cfg)  # does not return
-    except (PortInUseError, InsecureBindError) as exc:
+        return serve(cfg)  # dp 1: becomes vLLM (does not return); dp N: supervises N servers
+    except (PortInUseError, InsecureBindError, PlacementError) as exc:
         raise ConfigError(str(exc)) from None
-    return 1
 
 
 def load_single(component: str, args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> Any:
@@ -240,9 +241,16 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     cfg = load_single("train", args, ov)
     if cfg is None:
         return 0
-    setup_logging("[train]")
-    from tidal.trainer import grpo
+    from tidal.trainer import distributed, grpo
 
+    if cfg.gpus > 1 and not distributed.under_rendezvous():  # become the agent of `gpus` ranks of this command
+        setup_logging("[train]")
+        from tidal.reaper import start_reaper
+
+        start_reaper()  # the ranks die with this process, however it dies
+        return distributed.launch_ranks(cfg.gpus, args.argv, cfg.cpu_affinity)
+    rank = distributed.env_ranks()
+    setup_logging(f"[train r{rank.rank}]" if rank.sharded else "[train]")
     cfg = with_resume(cfg, args.resume)
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
@@ -251,10 +259,18 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.transport.batch import BatchFormatError
 
     try:
-        grpo.run(cfg, run_dir)
+        ranks, device = distributed.init_ranks(cfg.gpus, cfg.device, cfg.batch_timeout_s + 600)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
+    if ranks.sharded:
+        cfg = cfg.model_copy(update={"device": device,
+                                     "cpu_affinity": distributed.rank_cores(cfg.cpu_affinity, ranks)})
+    try:
+        grpo.run(cfg, run_dir, ranks)
     except (MismatchError, CheckpointError, BatchFormatError, TimeoutError) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
+    distributed.close(ranks)
     return 0
 
 
@@ -341,8 +357,10 @@ HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_i
 
 
 def main(argv: list[str] | None = None) -> int:
-    rest, extra = extract_overrides(list(sys.argv[1:] if argv is None else argv))
+    raw = list(sys.argv[1:] if argv is None else argv)
+    rest, extra = extract_overrides(raw)
     args, unknown = build_parser().parse_known_args(rest)
+    args.argv = raw  # grpo-train with several ranks starts them with the same arguments
     extra = unknown + extra
     handler, allowed = HANDLERS[args.command]
     try:

@@ -1,8 +1,10 @@
 """Trainer config (`train.yaml`): the seed's SFT-inherited keys plus the GRPO `loss` section.
 
-Precision: on CPU the trainer always computes in float32 (vLLM CPU serves the bundled model in float32 too,
-so trainer and inference logprobs agree to ~1e-6); on GPU `recipe: bf16` trains in bfloat16, and the fp8 and
-nvfp4 recipes fall back to bfloat16 with a warning until they are implemented.
+Precision (`recipe`): the weights are float32 on CPU whatever the recipe (vLLM CPU serves the bundled model in
+float32 too, so trainer and inference logprobs agree to ~1e-6), and bfloat16 on GPU except with `recipe: fp32`.
+`fp8-hybrid` keeps those weights and runs the base model's linear matmuls in FP8 (real FP8 GEMMs on SM89+ GPUs,
+an emulation with the same casts and scales elsewhere, CPU included; `tidal.trainer.precision`). `nvfp4` and
+`qlora_fp4` need Blackwell FP4 matmuls and are refused.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import ConfigWarning, StrictModel
+from tidal.config.orch import check_chat_template_kwargs
 
 DEFAULT_LOGPROB_CHUNK_SIZE = 256
+NVFP4_REFUSED = ("needs NVFP4 matmuls, which only NVIDIA Blackwell GPUs (SM100+) have; tidal does not implement "
+                 "it (there was no Blackwell GPU to verify it on)")
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -131,19 +136,39 @@ class LossConfig(StrictModel):
         return self
 
 
+QERL_SCHEDULE_ONLY = "only applies with noise_scheduler.enabled: true, which is not supported yet"
+
+
 class NoiseSchedulerConfig(StrictModel):
-    """QeRL noisy RMSNorm weights during rollouts (not supported yet)."""
+    """QeRL noisy RMSNorm weights during rollouts (not supported yet: `enabled` must stay false, and the schedule
+    keys, which only apply with `enabled: true`, must stay at their defaults)."""
 
     UNSUPPORTED = frozenset({"enabled"})
+    REFUSED = {k: QERL_SCHEDULE_ONLY for k in ("sigma_start", "sigma_end", "num_stages")}
 
     enabled: bool = False
     """Enable QeRL noise injection (not supported yet)."""
     sigma_start: float = 5e-2
-    """Initial noise standard deviation."""
+    """Initial noise standard deviation (only with `enabled: true`; until then it must stay at its default)."""
     sigma_end: float = 5e-4
-    """Final noise standard deviation."""
+    """Final noise standard deviation (only with `enabled: true`; until then it must stay at its default)."""
     num_stages: int = Field(10, ge=1)
-    """Number of geometric decay intervals."""
+    """Number of geometric decay intervals (only with `enabled: true`; until then it must stay at its default)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_as_numbers(cls, data: Any) -> Any:
+        """YAML reads `5e-2` as a string: compare the schedule keys as numbers (runs before the REFUSED check)."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key in cls.REFUSED:
+            if isinstance(out.get(key), str):
+                try:
+                    out[key] = float(out[key])
+                except ValueError:
+                    pass  # not a number: refused (it is not the default) or rejected by its type
+        return out
 
 
 class MismatchGuardConfig(StrictModel):
@@ -225,33 +250,55 @@ class SftSection(StrictModel):
     """Label smoothing of the SFT targets: loss = (1 - e) * NLL + e * mean over the vocabulary of -log p."""
     save_every: int | None = Field(None, ge=1)
     """Also save a snapshot to `{save_to}/step_{n}` every N steps (null: only the final result)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template that renders the SFT prompts (e.g. `{enable_thinking: false}` for
+    Qwen3). The trainer side's twin of orch `client.chat_template_kwargs`, which renders the GRPO prompts: give
+    both the same value so the model is warm-started on the prompt format it is then trained on."""
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_chat_template_kwargs)
 
 
 class TrainConfig(StrictModel):
     """Everything `tidal grpo-train` and `tidal sft` read from `train.yaml`."""
 
-    UNSUPPORTED = frozenset({"gradient_accumulation_steps", "qlora_fp8", "qlora_bnb", "qlora_fp4",
-                             "zero_level"})
+    UNSUPPORTED = frozenset({"qlora_fp8", "qlora_bnb"})
+    REFUSED = {"qlora_fp4": NVFP4_REFUSED}
 
     model: str
     """Local Hugging Face model directory to train, or `tidal:tiny-reverse` (the bundled model)."""
     output_dir: str = "outputs"
     """Run directory shared with the orchestrator, or a parent holding exactly one `run_*` run directory."""
-    gpus: int = Field(1, ge=1, le=1)
-    """Number of GPUs. Only 1 is supported so far."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to train: `auto` picks CUDA when available, else CPU."""
+    gpus: int = Field(1, ge=1)
+    """Trainer ranks on this node (data parallel, torch.distributed + FSDP2; one per GPU, or CPU ranks over gloo
+    on a machine without GPUs). `tidal grpo-train` starts them itself; under `torchrun` (multi-node) it must
+    equal `--nproc-per-node`. The orchestrator sees one trainer either way (docs/scale-out.md)."""
+    zero_level: Literal[1, 2, 3] = 1
+    """How much FSDP2 shards across ranks (gpus > 1): 1 = gradients accumulate unsharded over a step's
+    micro-batches and are reduce-scattered once per optimizer step (least communication); 2 = gradients are
+    reduce-scattered after every micro-batch; 3 = also free the gathered parameters after each layer's forward
+    and gather them again for its backward (least memory). Optimizer state and parameters at rest are sharded
+    at every level."""
+    device: str = "auto"
+    """Where to train: `auto` (CUDA when available, else CPU), `cpu`, `cuda` (the first visible GPU) or `cuda:N`
+    (GPU N among those `CUDA_VISIBLE_DEVICES` lets the process see), e.g. to keep the trainer off vLLM's GPU."""
     per_device_train_batch_size: int = Field(2, ge=1)
     """Packed rows of `sequence_len` tokens per micro-batch (forward/backward pass)."""
     sequence_len: int = Field(1024, ge=16)
     """Length of one packed row; samples are packed into rows with no attention across samples."""
+    trust_remote_code: bool = False
+    """Allow custom model and tokenizer code from the model directory (transformers' `trust_remote_code`). Set it
+    like infer `trust_remote_code`; `tidal grpo` makes an unset one follow infer's."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE scaling dict (e.g. `{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}`) applied
+    onto the model's config before the model is built; keys it does not give (e.g. `rope_theta`) keep the
+    model's values. Set it like infer `rope_scaling`; `tidal grpo` makes an unset one follow infer's."""
     logprob_chunk_size: int = Field(DEFAULT_LOGPROB_CHUNK_SIZE, ge=0)
     """Positions per chunk when computing log-probabilities (and the entropy metric) from the final hidden
     states: the lm_head, the float32 softmax and their backward run on this many loss positions at a time, so
     no (tokens, vocab) logits tensor exists (a few chunk x vocab float32 buffers instead; prompt tokens are
     skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
     before; much more memory at long rows). Architectures the chunked path does not know use full logits
-    anyway (a warning says so)."""
+    anyway (a warning says so). `tidal sft` computes its (label-smoothed) loss the same way."""
     gradient_checkpointing: bool = False
     """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
     decoder layer's input and recompute the layer in the backward. Much less activation memory for about a
@@ -260,8 +307,16 @@ class TrainConfig(StrictModel):
     """Training steps; -1 runs until the orchestrator says it is done."""
     logging_steps: int = Field(1, ge=1)
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
-    gradient_accumulation_steps: int = 4
-    """Not supported yet: one trainer step always consumes exactly one orchestrator batch."""
+    gradient_accumulation_steps: int = Field(4, ge=1)
+    """Micro-batches per optimizer step, per rank (seed 000): a rollout batch packed into M micro-batches gives
+    ceil(M / (G x ranks)) optimizer steps, each loss normalized over its own micro-batches."""
+    steps_per_generation: int | None = Field(None, ge=1)
+    """TRL's way to say it: optimizer steps per rollout batch; the batch's micro-batches are split into this
+    many equal shares (overrides `gradient_accumulation_steps`, which must then stay at its default)."""
+    micro_batch_tokens: int | None = Field(None, ge=16)
+    """Token budget of a micro-batch (dynamic batching): packed rows join a micro-batch while rows x longest
+    row stays within it, so long and short samples make equal work; must be >= `sequence_len`. Null: a fixed
+    `per_device_train_batch_size` rows per micro-batch."""
     learning_rate: float = Field(2e-4, gt=0)
     """Peak learning rate."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
@@ -277,9 +332,16 @@ class TrainConfig(StrictModel):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
     optimizer: Literal["adamw", "adamw_torch", "adamw_8bit"] = "adamw"
-    """Optimizer. `adamw`/`adamw_torch` are torch's AdamW; `adamw_8bit` falls back to it with a warning."""
+    """Optimizer. `adamw`/`adamw_torch`: torch's AdamW (float32 moments, 8 bytes/param). `adamw_8bit`:
+    bitsandbytes' blockwise 8-bit AdamW, same update with both moments stored in 8 bits plus one float32 scale per
+    256 values (~2 bytes/param), on GPU and CPU; tensors under 4096 elements keep float32 moments. Checkpoints
+    resume it exactly. Single rank only (`gpus: 1`)."""
     recipe: Literal["bf16", "fp32", "fp8-hybrid", "fp8_hybrid", "nvfp4"] = "bf16"
-    """Precision recipe on GPU (CPU always uses float32, see module doc)."""
+    """Precision recipe. `bf16`: bfloat16 weights and matmuls on GPU. `fp32`: float32. `fp8-hybrid` (or
+    `fp8_hybrid`): the weights stay in bf16 (float32 on CPU) and the base model's linear layers (not `lm_head`,
+    not the LoRA A/B) multiply in FP8 (e4m3 inputs and weights, e5m2 gradients, per-tensor scales): torchao
+    float8 training on SM89+ GPUs, the same casts emulated elsewhere (CPU included, with a notice). `nvfp4`:
+    refused (needs Blackwell, SM100+). On CPU `bf16` computes in float32 (see the module doc)."""
     lora: bool = True
     """Train LoRA adapters (PEFT). `false` trains all weights: supported by `tidal sft` only so far."""
     lora_rank: int = Field(16, ge=1)
@@ -295,9 +357,7 @@ class TrainConfig(StrictModel):
     qlora_bnb: bool = False
     """NF4 QLoRA (not supported yet)."""
     qlora_fp4: bool = False
-    """FP4 QLoRA (not supported yet)."""
-    zero_level: int = 1
-    """Optimizer-state sharding level (multi-GPU; not supported yet)."""
+    """FP4 (NVFP4) QLoRA: refused, it needs Blackwell (SM100+) FP4 matmuls."""
     max_async_level: int = Field(1, ge=0)
     """Policy lag allowed to inference; the trainer keeps the newest `max_async_level + 1` broadcasts."""
     transport_type: Literal["filesystem", "zmq"] = "filesystem"
@@ -331,3 +391,41 @@ class TrainConfig(StrictModel):
     """QeRL noise schedule (not supported yet)."""
     sft: SftSection = Field(default_factory=SftSection)
     """Settings used only by `tidal sft`."""
+
+    @field_validator("recipe")
+    @classmethod
+    def _recipe(cls, value: str) -> str:
+        if value == "nvfp4":
+            raise ValueError(f"recipe 'nvfp4' {NVFP4_REFUSED}; use fp8-hybrid (FP8 matmuls, emulated where the "
+                             f"hardware has none), bf16 or fp32")
+        return value
+
+    @model_validator(mode="after")
+    def _optimizer_ranks(self) -> TrainConfig:
+        if self.optimizer == "adamw_8bit" and self.gpus > 1:
+            raise ValueError(f"optimizer 'adamw_8bit' works with gpus: 1 only (got {self.gpus}): bitsandbytes' "
+                             "8-bit kernels cannot update FSDP2-sharded parameters; use optimizer 'adamw' (its "
+                             "state is sharded across the ranks) or gpus: 1")
+        return self
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        kind, _, index = value.partition(":")
+        if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+            return value
+        raise ValueError("device must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
+
+    @model_validator(mode="after")
+    def _batching(self) -> TrainConfig:
+        if self.steps_per_generation is not None and self.gradient_accumulation_steps != 4:
+            raise ValueError("set either steps_per_generation (optimizer steps per rollout batch, TRL) or "
+                             "gradient_accumulation_steps (micro-batches per optimizer step, seed 000), not both")
+        if self.micro_batch_tokens is not None:
+            if self.micro_batch_tokens < self.sequence_len:
+                raise ValueError(f"micro_batch_tokens ({self.micro_batch_tokens}) must be >= sequence_len "
+                                 f"({self.sequence_len}): a packed row of sequence_len tokens must fit a micro-batch")
+            if self.per_device_train_batch_size != 2:
+                raise ValueError("set either micro_batch_tokens (a token budget per micro-batch) or "
+                                 "per_device_train_batch_size (rows per micro-batch), not both")
+        return self

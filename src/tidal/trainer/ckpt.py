@@ -1,11 +1,13 @@
 """Trainer checkpoints (`checkpoints/trainer/step_n/`) and exact resume.
 
 A checkpoint holds everything step n+1 depends on: the LoRA adapter (`adapter/`, a PEFT directory that
-`PeftModel.from_pretrained` also loads), the AdamW state, the LR scheduler's state, the RNG states of
-Python, NumPy and torch (CPU and CUDA), and the step (`trainer_state.json` + `.safetensors`, see
-`tidal.checkpoint`). Resuming from step n also rolls the run directory back to step n: broadcasts of later
-steps (policies of a future that is being retrained) are removed, broadcast n is published again, and
-`metrics.jsonl` keeps only steps <= n, so the next step writes n+1 and no step appears twice.
+`PeftModel.from_pretrained` also loads), the optimizer state keyed by parameter name (full tensors, whatever
+the number of trainer ranks that wrote it: `tidal.trainer.distributed` gathers them on rank 0, so a run resumes
+with any number of ranks), the LR scheduler's state, the RNG states of Python, NumPy and torch (CPU and CUDA;
+torch's of every rank), and the step (`trainer_state.json` + `.safetensors`, see `tidal.checkpoint`).
+Resuming from step n also rolls the run directory back to step n: broadcasts of later steps (policies
+of a future that is being retrained) are removed, broadcast n is published again, and `metrics.jsonl`
+keeps only steps <= n, so the next step writes n+1 and no step appears twice.
 """
 
 from __future__ import annotations
@@ -44,22 +46,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler, ckpt: TrainCkptSection) -> Path:
-    """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval)."""
+def save_trainer(run_dir: Path, step: int, model: Any, optimizer: dict[str, Any],
+                 sched: torch.optim.lr_scheduler.LRScheduler, ckpt: TrainCkptSection,
+                 rank_rngs: list[torch.Tensor] | None = None) -> Path:
+    """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval). `model`: the
+    (unsharded) policy; `optimizer`: its name-keyed state (`distributed.optimizer_state`); `rank_rngs`: every
+    rank's torch RNG state (`distributed.rng_states`)."""
     def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp / "adapter"))
-        save_state(tmp, "trainer_state", {"step": step, "optimizer": opt.state_dict(),
-                                          "scheduler": sched.state_dict(), "rng": rng_state()})
+        save_state(tmp, "trainer_state", {"step": step, "optimizer": optimizer, "optimizer_format": "by_name",
+                                          "scheduler": sched.state_dict(), "rng": rng_state(),
+                                          "rank_rngs": list(rank_rngs or [])})
 
     path = write_checkpoint(run_dir, COMPONENT, step, fill)
     prune_checkpoints(run_dir, COMPONENT, ckpt.keep_last, ckpt.keep_interval)
     return path
 
 
-def load_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Restore adapter, optimizer, scheduler and RNG states from checkpoint `step`."""
+def by_name(model: Any, optimizer: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter index (torch's `state_dict()`, checkpoints before multi-rank
+    training) keyed by parameter name instead: index i is the i-th trainable parameter of `model`."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if len(names) < sum(len(g["params"]) for g in optimizer["param_groups"]):
+        raise CheckpointError("the checkpoint's optimizer state has more parameters than this model trains")
+    return {"state": {names[int(i)]: s for i, s in optimizer["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optimizer["param_groups"]]}
+
+
+def load_trainer(run_dir: Path, step: int, model: Any,
+                 sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    """Restore the adapter into `model` (the unsharded policy), the scheduler and the RNG states from checkpoint
+    `step`; returns {"optimizer": name-keyed state, "rank_rngs": [...]} for `tidal.trainer.distributed` to give
+    every rank its part."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -78,12 +96,14 @@ def load_trainer(run_dir: Path, step: int, model: Any, opt: torch.optim.Optimize
         raise CheckpointError(f"{weights} does not match this model's LoRA layout (unexpected {missing[:3]}); "
                               "was it written with other lora_rank / lora_target_modules?")
     try:
-        opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
     except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{d / 'trainer_state.json'}: optimizer/scheduler state does not fit this "
-                              f"model ({exc})") from exc
+        raise CheckpointError(f"{d / 'trainer_state.json'}: scheduler state does not fit ({exc})") from exc
     set_rng_state(state["rng"])
+    optimizer = state["optimizer"]
+    if state.get("optimizer_format") != "by_name":
+        optimizer = by_name(model, optimizer)
+    return {"optimizer": optimizer, "rank_rngs": state.get("rank_rngs") or []}
 
 
 def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] | None, keep: int) -> None:

@@ -1,10 +1,13 @@
 """The GRPO training loop (`tidal grpo-train`): batch n in, policy n out.
 
-For step n = 1, 2, ...: wait for `rollouts/step_n` -> pack into micro-batches -> for each micro-batch,
-forward (logprobs at the rollouts' temperature), GRPO loss, backward -> clip, AdamW step, LR schedule ->
-(`weight_broadcast.type: nccl`: push policy n into the vLLM servers) -> publish `broadcasts/step_n` -> append
-the step's metrics (the orchestrator's, carried in the batch, plus the trainer's) to `metrics.jsonl`. Stops at
-`max_steps` or when the orchestrator writes `rollouts/DONE`.
+For step n = 1, 2, ...: wait for `rollouts/step_n` -> pack into micro-batches -> cut them into optimizer steps
+(`gradient_accumulation_steps` per rank, or `steps_per_generation`) spread over the trainer ranks
+(`tidal.trainer.schedule`) -> per micro-batch: forward (logprobs at the rollouts' temperature), GRPO loss,
+backward; per optimizer step: clip, AdamW step at its point of the LR schedule -> (`weight_broadcast.type:
+nccl`: push policy n into the vLLM servers) -> publish `broadcasts/step_n` -> append the step's metrics (the
+orchestrator's, carried in the batch, plus the trainer's, reduced over the ranks) to `metrics.jsonl`. Stops at
+`max_steps` or when the orchestrator writes `rollouts/DONE`. With several ranks (`gpus`), every rank runs this
+loop and rank 0 alone reads batches and publishes (`tidal.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,23 @@ from tidal.config.train import TrainConfig, TrainWeightBroadcast
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
+from tidal.trainer.distributed import (
+    SINGLE,
+    Ranks,
+    broadcast_batch,
+    broadcast_int,
+    grad_norm,
+    reduce_values,
+    reshard,
+    set_gradient_sync,
+)
 from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
-from tidal.trainer.model import load_policy
-from tidal.trainer.optim import make_optimizer, make_scheduler
+from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
 from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
+from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
+from tidal.trainer.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchReader
@@ -40,57 +53,124 @@ log = logging.getLogger("tidal.trainer")
 
 def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_size: int) -> torch.Tensor:
     """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy); loss tokens
-    only (the loss reads no other)."""
+    only (the loss reads no other). PEFT re-enables the adapters by setting `requires_grad` on the parameters the
+    model holds at that moment: under FSDP they must be the kept shards, not a gathered copy (`reshard`)."""
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
-        return forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                                loss_mask=mb.loss_mask)
+        lp = forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
+                              loss_mask=mb.loss_mask)
+        reshard(model)
+    return lp
+
+
+def _sequences(micro: list[MicroBatch], members: list[int]) -> int:
+    """Samples in the micro-batches `members` (a sample never spans two rows)."""
+    ids = torch.cat([micro[i].seq_ids.flatten() for i in members])
+    return int(torch.unique(ids[ids >= 0]).numel())
+
+
+def _set_lr(opt: torch.optim.Optimizer, sched: Any, offset: float) -> None:
+    """The schedule's learning rate at `offset` (in [0, 1)) into the current training step: the k-th of K
+    optimizer steps of a training step takes the schedule at (step - 1) + k / K."""
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * factor(sched.last_epoch + offset)
+
+
+def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[OptimizerStep], ranks: Ranks,
+                  temperature: float, chunk: int) -> dict[int, torch.Tensor]:
+    """With several optimizer steps per iteration, the policy at the start of the training step scores the later
+    steps' micro-batches before the first update (every slot runs: FSDP needs equal passes on every rank)."""
+    old: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for st in steps[1:]:
+            for i in st.slots[ranks.rank]:
+                old[i] = forward_logprobs(model, micro[i].input_ids, micro[i].position_ids, temperature,
+                                          chunk_size=chunk, loss_mask=micro[i].loss_mask)
+    if old and ranks.sharded:
+        reshard(model)
+    return old
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
-               device: torch.device, pad_id: int) -> dict[str, Any]:
-    """`loss.num_iterations` optimizer steps on `batch`; returns the trainer's metrics for it."""
+               device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None) -> dict[str, Any]:
+    """One training step on `batch`: its micro-batches cut into optimizer steps (`gradient_accumulation_steps` /
+    `steps_per_generation`, spread over the ranks: `tidal.trainer.schedule`), `loss.num_iterations` times;
+    with `sched`, each optimizer step takes its own point of the LR schedule. Returns the trainer's metrics,
+    reduced over the ranks."""
     lc = cfg.loss
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
-                                          drop_truncated=lc.mask_truncated_completions)]
+                                          drop_truncated=lc.mask_truncated_completions,
+                                          max_tokens=cfg.micro_batch_tokens)]
     if lc.teacher_tau and batch.teacher_logprobs is None:
         raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
                          f"logprobs; configure the orchestrator's `teacher`")
-    scale = LossScale(step_tokens=max(sum(float(mb.loss_mask.sum()) for mb in micro), 1.0),
-                      step_sequences=batch.num_samples, micro_batches=len(micro),
-                      max_completion_len=batch.max_tokens or int(batch.lengths.max(initial=1)))
-    old: list[torch.Tensor] = []
-    ref: list[torch.Tensor | None] = []
+    steps = plan([mb.input_ids.numel() for mb in micro], ranks.world, cfg.gradient_accumulation_steps,
+                 cfg.steps_per_generation)
+    max_len = batch.max_tokens or int(batch.lengths.max(initial=1))
+    scales = [LossScale(step_tokens=max(sum(float(micro[i].loss_mask.sum()) for i in st.micro), 1.0),
+                        step_sequences=batch.num_samples if len(steps) == 1 else _sequences(micro, st.micro),
+                        micro_batches=len(st.micro), max_completion_len=max_len) for st in steps]
+    old = _old_logprobs(model, micro, steps, ranks, batch.temperature, cfg.logprob_chunk_size)
+    ref: dict[int, torch.Tensor | None] = {}
     sums, loss_total, norms = LossSums(), 0.0, []
+    clip = {"clip_ratio/low_min": float("inf"), "clip_ratio/high_max": float("-inf")}
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    total = len(steps) * lc.num_iterations
     for it in range(lc.num_iterations):
-        for k, mb in enumerate(micro):
-            lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
-                                               chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask)
-            if it == 0:  # the old policy of every iteration is the trainer at the start of the step
-                old.append(lp.detach())
-                ref.append(_ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size) if lc.beta else None)
-            inputs = LossInputs(logprobs=lp, old_logprobs=old[k], inference_logprobs=mb.inference_logprobs,
-                                advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
-                                ref_logprobs=ref[k], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
-            loss, s = policy_loss(inputs, lc, scale)
-            loss.backward()
-            sums += s
-            loss_total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for g, st in enumerate(steps):
+            if sched is not None:
+                _set_lr(opt, sched, (it * len(steps) + g) / total)
+            slots, real = st.slots[ranks.rank], st.real[ranks.rank]
+            for j, (i, counted) in enumerate(zip(slots, real, strict=True)):
+                mb = micro[i]
+                if it == 0:  # no-grad passes before the graph is built (FSDP: its backward follows its forward)
+                    r = _ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size) if lc.beta else None
+                    ref.setdefault(i, r)
+                lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
+                                                   chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask)
+                if it == 0:  # the old policy of every iteration is the trainer at the start of the step
+                    old.setdefault(i, lp.detach())
+                inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,
+                                    advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
+                                    ref_logprobs=ref[i], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
+                loss, s = policy_loss(inputs, lc, scales[g])
+                set_gradient_sync(model, cfg.zero_level, j == len(slots) - 1)
+                (loss if counted else loss * 0.0).backward()
+                if not counted:  # a padding slot (see tidal.trainer.schedule): same keys, nothing counted
+                    sums += dict.fromkeys(s, 0.0)
+                    continue
+                sums += s
+                loss_total += float(loss.detach())
+                n = max(s["tokens"], 1.0)
+                clip["clip_ratio/low_min"] = min(clip["clip_ratio/low_min"], s["clip_ratio/low_mean"] / n)
+                clip["clip_ratio/high_max"] = max(clip["clip_ratio/high_max"], s["clip_ratio/high_mean"] / n)
+            norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
+                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
+
+
+def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch], ranks: Ranks, optim_steps: int,
+                  sums: dict[str, float], loss_total: float, norms: list[float],
+                  clip: dict[str, float]) -> dict[str, Any]:
+    """The trainer's metrics of a step from its (rank-reduced) sums."""
+    lc, max_norm = cfg.loss, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     tokens = max(sums["tokens"], 1.0)
     trunc = batch.truncated.astype(bool) if batch.truncated is not None else np.zeros(0, dtype=bool)
     completion_tokens = float(batch.loss_mask.sum())
     truncated_tokens = sum(int(batch.loss_mask[s].sum()) for s, t in zip(batch.samples(), trunc, strict=True) if t)
     clipped = [min(n, max_norm) for n in norms]  # seed 000: grad_norm is the norm after clipping
-    out: dict[str, Any] = {"loss": loss_total / lc.num_iterations, "grad_norm": float(np.mean(clipped)),
-                           "grad_norm/pre_clip": float(np.mean(norms)),
+    out: dict[str, Any] = {"loss": loss_total / optim_steps, "grad_norm": float(np.mean(clipped)),
+                           "grad_norm/pre_clip": float(np.mean(norms)), "optim/steps": optim_steps,
                            "tokens": int(sums["tokens"] / lc.num_iterations),
                            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
                            "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations}
     out |= {k: v / tokens for k, v in sums.items() if k != "tokens" and (k != "kl" or lc.beta)}
+    lo, hi = reduce_values(ranks, {"v": clip["clip_ratio/low_min"]}, "min")["v"], \
+        reduce_values(ranks, {"v": clip["clip_ratio/high_max"]}, "max")["v"]
+    if np.isfinite(lo) and np.isfinite(hi):  # TRL's: the extreme micro-batch means, over all ranks
+        out["clip_ratio/low_min"], out["clip_ratio/high_max"] = lo, hi
     out["masked/truncated"] = (truncated_tokens / max(completion_tokens, 1.0)
                                if lc.mask_truncated_completions else 0.0)
     return out
@@ -108,27 +188,32 @@ def optimizer_steps(opt: torch.optim.Optimizer) -> int:
     return 0
 
 
-def resume(resume_step: int | None, run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-           sched: torch.optim.lr_scheduler.LRScheduler, merged_keys: list[str] | None, keep: int) -> int:
-    """Restore checkpoint `resume_step` (train `ckpt.resume_step`; -1: the newest; None: start fresh) and
-    rewind the run directory, keeping `keep` policies; returns the restored step."""
+def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[str] | None, keep: int) -> int:
+    """Restore checkpoint `resume_step` (train `ckpt.resume_step`; -1: the newest; None: start fresh) into every
+    rank and rewind the run directory, keeping `keep` policies; returns the restored step (collective)."""
     from tidal.checkpoint import CheckpointError, resolve_resume_step
     from tidal.paths import ckpt_root
-    from tidal.trainer.ckpt import COMPONENT, load_trainer, rewind_run_dir
+    from tidal.trainer.ckpt import COMPONENT, rewind_run_dir
 
-    step = resolve_resume_step(run_dir, COMPONENT, resume_step)
-    if step is None:
-        if resume_step is not None and (weights.stable_steps(run_dir) or metrics_path(run_dir).exists()):
-            raise CheckpointError(f"cannot resume: {run_dir} holds trained steps but no trainer checkpoint under "
-                                  f"{ckpt_root(run_dir, COMPONENT)} (set train ckpt.interval to write them)")
-        if resume_step is not None:
+    step = None
+    if p.ranks.main:
+        step = resolve_resume_step(run_dir, COMPONENT, resume_step)
+        if step is None and resume_step is not None:
+            if weights.stable_steps(run_dir) or metrics_path(run_dir).exists():
+                raise CheckpointError(f"cannot resume: {run_dir} holds trained steps but no trainer checkpoint "
+                                      f"under {ckpt_root(run_dir, COMPONENT)} (set train ckpt.interval to write "
+                                      f"them)")
             log.info("resume requested but %s holds no trainer checkpoint and no trained step: starting fresh",
                      run_dir)
+    step = broadcast_int(p.ranks, -1 if step is None else step)
+    if step < 0:
         return 0
-    load_trainer(run_dir, step, model, opt, sched)
-    rewind_run_dir(run_dir, step, model, merged_keys, keep=keep)
-    log.info("resumed from checkpoint step %d (optimizer step %d, lr %.3g); next batch: %d", step,
-             optimizer_steps(opt), sched.get_last_lr()[0], step + 1)
+    restore(p, run_dir, step)
+    if p.ranks.main:
+        assert p.view is not None
+        rewind_run_dir(run_dir, step, p.view, merged_keys, keep=keep)
+        log.info("resumed from checkpoint step %d (optimizer step %d, lr %.3g); next batch: %d", step,
+                 optimizer_steps(p.opt), p.sched.get_last_lr()[0], step + 1)
     return step
 
 
@@ -177,29 +262,6 @@ def serve_push_request(pusher: Any, model: torch.nn.Module, run_dir: Path, step:
     weights.clear_push_request(run_dir)
 
 
-@dataclass
-class Policy:
-    """The model being trained and what steps it."""
-
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LRScheduler
-    device: torch.device
-    tokenizer: Any
-    pad_id: int
-
-
-def build_policy(cfg: TrainConfig, total_steps: int | None) -> Policy:
-    """The LoRA policy, AdamW and the LR schedule per `cfg` (before any resume)."""
-    from tidal.trainer.model import load_tokenizer
-
-    tok = load_tokenizer(cfg.model)
-    model, device = load_policy(cfg)
-    opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
-    return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0)
-
-
 def open_source(cfg: TrainConfig, run_dir: Path) -> BatchSource:
     """Where batches come from: `rollouts/` (filesystem) or the orchestrator's zmq server."""
     if cfg.transport_type == "zmq":
@@ -209,40 +271,74 @@ def open_source(cfg: TrainConfig, run_dir: Path) -> BatchSource:
     return BatchReader(run_dir)
 
 
-def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConfig, run_dir: Path, pusher: Any,
-                      merged_keys: list[str] | None) -> dict[str, Any]:
-    """Trainer step `step` on `batch`, then push (nccl) and publish policy `step`, and checkpoint every
-    `ckpt.interval` steps; returns the trainer's metrics with their timings."""
-    from tidal.trainer.ckpt import save_trainer
+class PeakWatch:
+    """`memory/peak_gb` of every step (the largest over the ranks) and one warning when it passes the
+    estimate the co-locate memory split was sized with (GPU only: on CPU the peak RSS also holds the
+    libraries)."""
 
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.device = device
+        self.estimate: float | None = None
+        if device.type == "cuda":
+            try:
+                self.estimate = train_footprint_gib(cfg)
+            except (OSError, ValueError, KeyError) as exc:
+                log.info("no memory estimate for %s (%r)", cfg.model, exc)
+        self.warned = False
+
+    def start(self) -> None:
+        reset_peak(self.device)
+
+    def measure(self, ranks: Ranks) -> float:
+        peak = reduce_values(ranks, {"peak": peak_gib(self.device)}, "max")["peak"]
+        if self.estimate is not None and peak > self.estimate and not self.warned:
+            self.warned = True
+            log.warning("trainer peak memory %.2f GiB exceeds the estimate %.2f GiB that vLLM's share was sized "
+                        "with; set infer gpu_memory_utilization lower if vLLM runs on the same GPU", peak,
+                        self.estimate)
+        return peak
+
+
+def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConfig, run_dir: Path, pusher: Any,
+                      merged_keys: list[str] | None, peak: PeakWatch) -> dict[str, Any]:
+    """Trainer step `step` on `batch`, then push (nccl) and publish policy `step`, and checkpoint every
+    `ckpt.interval` steps; returns the trainer's metrics with their timings (every rank runs it; rank 0
+    publishes)."""
     t0 = time.monotonic()
-    tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id)
+    peak.start()
+    tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id, ranks=p.ranks, sched=p.sched)
     lr = p.sched.get_last_lr()[0]
     p.sched.step()
+    sync_view(p)
+    tm["memory/peak_gb"] = peak.measure(p.ranks)
     train_time = time.monotonic() - t0
-    push_time = push_policy(pusher, p.model, run_dir, step) if pusher else 0.0
-    publish_adapter(p.model, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
+    push_time = 0.0
+    if p.ranks.main:
+        assert p.view is not None
+        push_time = push_policy(pusher, p.view, run_dir, step) if pusher else 0.0
+        publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
     ckpt_time = 0.0
     if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
         t1 = time.monotonic()
-        save_trainer(run_dir, step, p.model, p.opt, p.sched, cfg.ckpt)
+        save(p, run_dir, step, cfg)
         ckpt_time = time.monotonic() - t1
     return {**tm, "lr": lr, "optimizer_steps": optimizer_steps(p.opt), "train_time_s": train_time,
             "broadcast_time_s": time.monotonic() - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
-            **({"push_time_s": push_time} if pusher else {}),
+            **({"push_time_s": push_time} if pusher else {}), "trainer_ranks": p.ranks.world,
             "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
 
 
 def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: int) -> None:
-    """After the last step: a final checkpoint, the exports (`export.*`) and the run report."""
-    from tidal.trainer.ckpt import save_trainer
+    """After the last step: a final checkpoint, the exports (`export.*`) and the run report (rank 0)."""
     from tidal.trainer.export import export_final
 
     if cfg.ckpt.interval and step > resumed_from and step % cfg.ckpt.interval:
-        save_trainer(run_dir, step, p.model, p.opt, p.sched, cfg.ckpt)  # the last step too: a longer run resumes
+        save(p, run_dir, step, cfg)  # the last step too: a longer run resumes
+    if not p.ranks.main:
+        return
     log.info("trainer finished after %d steps; metrics in %s", step, metrics_path(run_dir))
     if step > 0:
-        for what, path in export_final(p.model, p.tokenizer, cfg.export, cfg.model, run_dir).items():
+        for what, path in export_final(p.view, p.tokenizer, cfg.export, cfg.model, run_dir).items():
             log.info("final %s: %s", what, path)
     try:
         from tidal.monitor.report import write_report
@@ -252,38 +348,54 @@ def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: 
         log.warning("could not write the run report: %r (retry with `tidal report %s`)", exc, run_dir)
 
 
-def run(cfg: TrainConfig, run_dir: Path) -> int:
-    """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained."""
+def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Policy, run_dir: Path,
+               pusher: Any) -> TrainingBatch | None:
+    """Batch `step` (None: the run is over): rank 0 waits for it, then every rank gets it."""
+    batch = None
+    if p.ranks.main:
+        assert source is not None
+        on_tick = (functools.partial(serve_push_request, pusher, p.view, run_dir, step - 1)
+                   if pusher and p.view is not None else None)
+        batch = source.wait(step, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step),
+                            on_tick=on_tick)
+        if batch is not None and batch.step != step:
+            raise ValueError(f"batch {step} from {source.where} holds step {batch.step}")
+    return broadcast_batch(p.ranks, batch)
+
+
+def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
+    """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
+    it (`tidal.trainer.distributed`)."""
     if not cfg.lora:
         raise ValueError("grpo-train needs lora: true (full-weight broadcasts are not supported yet)")
     total = cfg.max_steps if cfg.max_steps > 0 else None
-    p = build_policy(cfg, total)
+    p = build_policy(cfg, total, ranks)
     merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
-    source = open_source(cfg, run_dir)
-    step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p.model, p.opt, p.sched, merged_keys,
-                                 keep=cfg.max_async_level + 2)
-    pusher = make_pusher(cfg.weight_broadcast, p.device)
-    metrics = MetricsWriter(metrics_path(run_dir))
-    log.info("trainer ready on %s: %s trainable parameters; waiting for batches in %s", p.device,
-             f"{sum(q.numel() for q in p.model.parameters() if q.requires_grad):,}", source.where)
+    source = open_source(cfg, run_dir) if ranks.main else None
+    step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2)
+    pusher = make_pusher(cfg.weight_broadcast, p.device) if ranks.main else None
+    metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
+    log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,
+             f" (+{ranks.world - 1} more ranks, FSDP2 zero_level {cfg.zero_level})" if ranks.sharded else "",
+             f"{sum(q.numel() for q in (p.view or p.model).parameters() if q.requires_grad):,}",
+             source.where if source else "-")
     guard = MismatchGuard(cfg.mismatch_guard)
+    peaks = PeakWatch(cfg, p.device)
     step_times: list[float] = []
     last_done = time.monotonic()
     while total is None or step < total:
         wait_start = time.monotonic()
-        on_tick = functools.partial(serve_push_request, pusher, p.model, run_dir, step) if pusher else None
-        batch = source.wait(step + 1, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step + 1),
-                            on_tick=on_tick)
+        batch = next_batch(step + 1, source, cfg, p, run_dir, pusher)
         if batch is None:
             break
         step += 1
-        if batch.step != step:
-            raise ValueError(f"batch {step} from {source.where} holds step {batch.step}")
         waited = time.monotonic() - wait_start
         record = {"step": step, **batch.metrics, "resumed_from": resumed_from, "wait_time_s": waited,
-                  **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys)}
+                  **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys, peaks)}
         now = time.monotonic()
         record["step_time_s"], last_done = now - last_done, now
+        if metrics is None:
+            continue
         metrics.write(record)
         guard.check(step, record)
         step_times.append(record["step_time_s"])
@@ -291,6 +403,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
             goal = total or batch.metrics.get("max_steps")
             eta = (goal - step) * sum(step_times[-5:]) / len(step_times[-5:]) if goal else None
             log.info(progress_line(record, goal, eta))
+    if ranks.main:
+        broadcast_batch(ranks, None)  # the other ranks leave their loop too
     if pusher is not None:
         pusher.close()
     finish(p, cfg, run_dir, step, resumed_from)

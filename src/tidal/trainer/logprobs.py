@@ -242,6 +242,30 @@ def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_
     return lp, torch.where(keep, ent, torch.zeros_like(ent))
 
 
+def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
+                 position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T, H) final hidden states (after the final norm) from the model's own `forward`, asked for the logits
+    of no position (`logits_to_keep` = an empty index), with the body's output caught by a forward hook. Going
+    through the outer `forward` rather than calling the body directly keeps wrappers around it working: under
+    FSDP2 (`fully_shard`) the root module's hooks gather the embeddings, final norm and lm_head, and they stay
+    gathered (the root does not reshard after forward) for the chunked lm_head and its backward."""
+    caught: list[torch.Tensor] = []
+
+    def catch(_module: torch.nn.Module, _args: Any, out: Any) -> None:
+        caught.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    handle = head.body.register_forward_hook(catch)
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        handle.remove()
+    if len(caught) != 1:
+        raise RuntimeError(f"expected one call of {type(head.body).__name__} in the model's forward, got "
+                           f"{len(caught)}")
+    return caught[0]
+
+
 def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                              temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
                              loss_mask: torch.Tensor | None = None,
@@ -255,7 +279,7 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
     if head is None:
         lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy)
         return lp, ent if ent is not None else torch.zeros_like(lp.detach())
-    hidden = head.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (B,T,H)
+    hidden = final_hidden(model, head, input_ids, position_ids)  # (B, T, H)
     lp_n, ent_n = chunked_logprobs(hidden[:, :-1][sel], input_ids[:, 1:][sel], head, temperature, chunk_size,
                                    with_entropy)  # (N,) each
     lp = _place(lp_n, sel)

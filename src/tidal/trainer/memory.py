@@ -116,3 +116,52 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
     logits = 3 * 4 * min(logprob_chunk_size, tokens) * vocab if logprob_chunk_size > 0 else tokens * vocab * (b + 12)
     return Footprint(weights=params * b, lora=trained * 16 if lora_rank else trained * (b + 12),
                      activations=activations, logits=logits, overhead=CUDA_OVERHEAD_BYTES)
+
+
+# --- measured while it runs (torch imported lazily: the estimate above stays torch-free) -------------------------
+
+def reset_peak(device: Any) -> None:
+    """Start a new peak: CUDA's allocator peak, or on CPU the process's peak resident set (Linux `clear_refs`)."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass  # not Linux, or not allowed: the peak then covers the process's whole life
+
+
+def peak_gib(device: Any) -> float:
+    """Peak memory since `reset_peak`, GiB: torch.cuda.max_memory_allocated on CUDA, peak RSS (VmHWM) on CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def train_footprint_gib(train: Any) -> float:
+    """The estimated GPU footprint in GiB of the trainer `train` (a TrainConfig) describes, from its model's
+    config.json (torch-free)."""
+    import json
+    from pathlib import Path
+
+    from tidal.assets import resolve_model
+
+    model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
+    return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
+                    lora_rank=train.lora_rank if train.lora else None, lora_targets=train.lora_target_modules,
+                    rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
+                    gradient_checkpointing=train.gradient_checkpointing,
+                    logprob_chunk_size=train.logprob_chunk_size).total_gib

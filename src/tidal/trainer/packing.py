@@ -4,7 +4,9 @@ First-fit decreasing: samples sorted by length go into the first row with room. 
 rows. Within a row every sample restarts its `position_ids` at 0, which makes transformers apply a
 block-diagonal causal mask: no token attends across samples. Each micro-batch is padded only to its longest
 row (not to `sequence_len`), so padding stays small. Padding tokens get their own position run and
-`loss_mask` 0.
+`loss_mask` 0. Micro-batches take `per_device_train_batch_size` rows each, or (train `micro_batch_tokens`,
+dynamic batching) as many rows as fit a token budget, counting padding: equal work per micro-batch whether the
+rows hold one long sample or many short ones.
 """
 
 from __future__ import annotations
@@ -60,16 +62,36 @@ def assign_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return rows
 
 
+def group_rows(row_lengths: list[int], rows_per_micro_batch: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch: `rows_per_micro_batch` rows at a time, or, with `max_tokens` (train
+    `micro_batch_tokens`), consecutive rows while rows x longest row (the padded size) stays within the budget."""
+    if max_tokens is None:
+        return [list(range(s, min(s + rows_per_micro_batch, len(row_lengths))))
+                for s in range(0, len(row_lengths), rows_per_micro_batch)]
+    groups: list[list[int]] = []
+    width = 0
+    for r, n in enumerate(row_lengths):
+        if groups and (len(groups[-1]) + 1) * max(width, n) <= max_tokens:
+            groups[-1].append(r)
+            width = max(width, n)
+        else:
+            groups.append([r])
+            width = n
+    return groups
+
+
 def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
-         drop_truncated: bool = False) -> list[MicroBatch]:
-    """Pack `batch` into micro-batches of `rows_per_micro_batch` rows (see module doc). `drop_truncated`
-    clears the loss mask of samples flagged `truncated` (mask_truncated_completions)."""
+         drop_truncated: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:
+    """Pack `batch` into micro-batches of `rows_per_micro_batch` rows, or of at most `max_tokens` padded tokens
+    (see module doc and `group_rows`). `drop_truncated` clears the loss mask of samples flagged `truncated`
+    (mask_truncated_completions)."""
     spans = batch.samples()
     teacher = batch.teacher_logprobs
     rows = assign_rows(batch.lengths, sequence_len)
     out: list[MicroBatch] = []
-    for start in range(0, len(rows), rows_per_micro_batch):
-        group = rows[start:start + rows_per_micro_batch]
+    row_lengths = [int(sum(batch.lengths[i] for i in row)) for row in rows]
+    for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
+        group = [rows[r] for r in members]
         width = max(int(sum(batch.lengths[i] for i in row)) for row in group)
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
         pos = np.zeros((len(group), width), dtype=np.int64)

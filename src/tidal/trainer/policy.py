@@ -1,0 +1,100 @@
+"""The policy being trained, whole: model (sharded across ranks or not), rank 0's unsharded view of it,
+optimizer and LR schedule; built, checkpointed and restored here at any number of ranks.
+
+With one rank the view is the model itself. With several (`tidal.trainer.distributed`), the model is FSDP2-
+sharded and rank 0 keeps a plain CPU copy, the view, that `sync_view` refreshes from the gathered trainable
+parameters after every step: publishing, the NCCL push, exports and checkpoints read the view, so they are the
+single-rank code. Checkpoints hold full tensors (optimizer state keyed by parameter name, `tidal.trainer.ckpt`)
+and restore into any number of ranks: rank 0 reads the files and broadcasts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.config.train import TrainConfig
+from tidal.trainer import distributed as dist
+from tidal.trainer.distributed import Ranks
+from tidal.trainer.model import load_policy, load_tokenizer
+from tidal.trainer.optim import make_optimizer, make_scheduler
+
+log = logging.getLogger("tidal.trainer")
+
+
+@dataclass
+class Policy:
+    """The model being trained and what steps it."""
+
+    model: torch.nn.Module
+    """What trains: FSDP2-sharded with several ranks."""
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+    tokenizer: Any
+    pad_id: int
+    ranks: Ranks
+    view: torch.nn.Module | None
+    """Rank 0: the unsharded policy (the model itself with one rank); None on the other ranks."""
+
+
+def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.SINGLE) -> Policy:
+    """The LoRA policy, AdamW and the LR schedule per `cfg` (before any resume), sharded over `ranks`."""
+    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model, device = load_policy(cfg)
+    view: torch.nn.Module | None = model
+    if ranks.sharded:
+        view = copy.deepcopy(model).to("cpu") if ranks.main else None
+        dist.shard(model, cfg.zero_level)
+    opt = make_optimizer(model, cfg)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
+    return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0, ranks,
+                  view)
+
+
+def sync_view(p: Policy) -> None:
+    """After an optimizer step with several ranks: the trainable parameters into rank 0's view (collective)."""
+    if not p.ranks.sharded:
+        return
+    full = dist.gather_trainable(p.ranks, p.model)
+    if p.view is not None and full is not None:
+        dist.refresh_view(p.view, full)
+
+
+def save(p: Policy, run_dir: Path, step: int, cfg: TrainConfig) -> None:
+    """Checkpoint `step` (collective: every rank calls it; rank 0 writes)."""
+    from tidal.trainer.ckpt import save_trainer
+
+    optimizer = dist.optimizer_state(p.ranks, p.model, p.opt)
+    rngs = dist.rng_states(p.ranks)
+    if p.ranks.main:
+        assert p.view is not None and optimizer is not None
+        save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs)
+
+
+def restore(p: Policy, run_dir: Path, step: int) -> None:
+    """Load checkpoint `step` into every rank (collective; rank 0 reads the files)."""
+    from tidal.checkpoint import CheckpointError
+    from tidal.trainer.ckpt import load_trainer
+
+    state: dict[str, Any] = {"optimizer": None, "rank_rngs": None}
+    if p.ranks.main:
+        assert p.view is not None
+        state = load_trainer(run_dir, step, p.view, p.sched)
+    if p.ranks.sharded:
+        trainable = ({n: q.detach() for n, q in p.view.named_parameters() if q.requires_grad}
+                     if p.view is not None else None)
+        dist.load_trainable(p.ranks, p.model, trainable)
+        if not p.ranks.main:  # the LR is a function of the step (grpo._set_lr): the other ranks need only that
+            p.sched.last_epoch = step
+    try:
+        dist.load_optimizer_state(p.ranks, p.model, p.opt, state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint step {step} under {run_dir}: the optimizer state does not fit this "
+                              f"model ({exc})") from exc
+    dist.set_rng_states(p.ranks, state["rank_rngs"])
