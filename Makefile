@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 
-.PHONY: setup run test test-all test-gpu lint bench bench-weights bench-memory clean
+.PHONY: setup run test test-all test-gpu lint bench bench-weights bench-memory bench-gpu clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ bench-weights: setup
 ## peak memory of one training micro-batch (Qwen3-0.6B shape): full logits vs chunked logprobs, with and without gradient checkpointing; writes bench/MEMORY.md (~10 min on 2 cores).
 bench-memory: setup
 	$(BIN)/python bench/memory.py $(BENCH_ARGS)
+
+## trainer-only tokens/s, MFU and peak memory of tidal's training step (Qwen3-0.6B / 4B shapes, LoRA r16, 16k-token rows); meaningful on a GPU; writes bench/GPU.md. CPU smoke: make bench-gpu BENCH_ARGS="--layers 2 --tokens 256".
+bench-gpu: setup
+	$(BIN)/python bench/gpu_trainer.py $(BENCH_ARGS)
 
 ## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
 lint: setup

@@ -1,7 +1,8 @@
 """Co-locate mode (`tidal grpo`): run inference, orchestrator and trainer as supervised child processes.
 
-Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`), then the orchestrator and the trainer once
-the server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
+Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`; with infer `dp: N` one `tidal grpo-infer`
+child runs N servers, their lines prefixed `[dp{i}:{port}]`), then the orchestrator and the trainer once every
+server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
 `logs/`. Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is
 stopped. If inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its
 requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -95,16 +96,20 @@ def stop_all(children: list[Child]) -> None:
             c.proc.wait(timeout=5)
 
 
-def wait_healthy(url: str, infer: Child, timeout_s: float) -> None:
-    start = time.monotonic()
+def wait_healthy(urls: str | Sequence[str], infer: Child, timeout_s: float) -> None:
+    """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers)."""
+    start, waiting = time.monotonic(), [urls] if isinstance(urls, str) else list(urls)
     while time.monotonic() - start < timeout_s:
         if infer.poll() is not None:
             raise ComponentFailed(infer, "exited while starting")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
+        for url in list(waiting):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    waiting.remove(url)
+        if not waiting:
+            return
         time.sleep(0.5)
-    raise ComponentFailed(infer, f"did not become healthy at {url} within {timeout_s:.0f} s")
+    raise ComponentFailed(infer, f"did not become healthy at {', '.join(waiting)} within {timeout_s:.0f} s")
 
 
 class ComponentFailed(RuntimeError):
@@ -146,13 +151,15 @@ class LiveBoard:
             self.live.update(self.board.render())
 
 
-def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str,
+def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3,
                  infer_env: Mapping[str, str] | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
-    `infer_env`: extra environment variables of the inference server (also after a restart)."""
+    `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
+    health endpoint of each inference server (infer `dp`), all waited for."""
+    health = [health_url] if isinstance(health_url, str) else list(health_url)
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
     start_reaper()  # if this launcher is killed outright, nothing it started survives it
@@ -170,7 +177,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         children.append(infer)
         restarts = 0
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
-        wait_healthy(health_url, infer, infer_start_timeout_s)
+        wait_healthy(health, infer, infer_start_timeout_s)
         print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
         orch = Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)],
                      logs / "orch.log", echo=True, emit=emit)
@@ -196,7 +203,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
             if orch.poll() == 0 and train.poll() == 0:
                 break
             if board is not None:
-                board.refresh(infer_state=f"vLLM serving at {health_url.removesuffix('/health')}")
+                more = f" (+{len(health) - 1} more)" if len(health) > 1 else ""
+                board.refresh(infer_state=f"vLLM serving at {health[0].removesuffix('/health')}{more}")
             time.sleep(0.2)
         print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
         return 0

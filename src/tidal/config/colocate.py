@@ -9,19 +9,25 @@ The user's configs are never modified. Derivations, in order:
   `ckpt.resume_step: -1` (it must end up set for both train and orch, or neither); orch `model.lora_rank` /
   `model.lora_alpha`, when set, must equal train's; one run directory (`--output-dir`, else orch `output_dir`)
   for both; train `max_steps: -1` takes orch `max_steps` (so LR schedules know the run's length); orch
-  `client.base_url` points at the inference server; orch `rollout_transport: zmq` sets the trainer's
-  `transport_*`; orch `weight_broadcast: nccl` sets train `weight_broadcast` and infer `weight_broadcast_type`;
-  the lengths agree (train `sequence_len` unset follows orch `seq_len`; a shorter explicit one, or an infer
-  `max_model_len` below `seq_len`, is refused); one checkpoint interval (a component without `ckpt.interval`
-  follows the other's; two different ones are refused); one model (train `model` = infer `model`, orch
-  `model.name` unset follows it; `tidal grpo --model X` sets all three).
+  `client.base_url` lists the inference servers (infer `dp` of them, ports `port`, `port + 1`, ...); orch
+  `rollout_transport: zmq` sets the trainer's `transport_*`; orch `weight_broadcast: nccl` sets train
+  `weight_broadcast` and infer `weight_broadcast_type`; the lengths agree (train `sequence_len` unset follows
+  orch `seq_len`; a shorter explicit one, or an infer `max_model_len` below `seq_len`, is refused); one
+  checkpoint interval (a component without `ckpt.interval` follows the other's; two different ones are
+  refused); one model (train `model` = infer `model`, orch
+  `model.name` unset follows it; `tidal grpo --model X` sets all three); one way to build it (`rope_scaling`,
+  `trust_remote_code`: a file that does not set one follows the other's; two different values are refused).
 - placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
   with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
-  and the cores are split: vLLM's OpenMP threads on the first half, the trainer on the rest (on 2 cores: vLLM
-  on core 0, trainer on core 1), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
+  and the cores are split: vLLM's OpenMP threads on the first half (at least one core per vLLM rank, dp x tp,
+  while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0, trainer on core 1; with dp 2
+  both servers share core 0), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND);
+  `tidal grpo-infer` splits vLLM's share among its dp servers (`tidal.inference.dp`).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
   `lora_rank`) must hold train `lora_rank`. On a GPU, vLLM's `gpu_memory_utilization` (unless set in
-  infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`).
+  infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`). With more
+  than one GPU in play (train `gpus` or infer `dp` above 1), server i runs on GPU i beside trainer rank i: infer
+  dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -102,11 +108,15 @@ class Placement:
     host: str
     """Address the inference server binds to (infer `host`, null -> 127.0.0.1)."""
     port: int
-    """Port the inference server binds to."""
+    """Port the (first) inference server binds to; infer `dp` servers take `port`, `port + 1`, ..."""
     base_url: str
-    """URL the orchestrator and the trainer reach inference at (`.../v1`; loopback for a wildcard bind)."""
+    """URL the orchestrator and the trainer reach the first server at (`.../v1`; loopback for a wildcard bind)."""
     health_url: str
-    """The inference server's health endpoint, polled before the orchestrator and trainer start."""
+    """The first server's health endpoint."""
+    base_urls: tuple[str, ...]
+    """Every server's URL (orch `client.base_url`), one per infer `dp`."""
+    health_urls: tuple[str, ...]
+    """Every server's health endpoint, all polled before the orchestrator and trainer start."""
     device: Literal["cpu", "cuda"]
     """`cuda` when the machine has an NVIDIA GPU or train `device` is cuda; else `cpu` (CPU-only co-location)."""
     vllm_cores: tuple[int, ...] | None
@@ -195,6 +205,30 @@ def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, 
     return {}, {"ckpt": orch.ckpt.model_copy(update={"interval": ti})}
 
 
+MODEL_BUILD_KEYS = ("trust_remote_code", "rope_scaling")
+"""Keys both train.yaml and infer.yaml have that decide how the model is built; they must agree."""
+
+
+def couple_model_code(train: TrainConfig, infer: InferConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(train, infer) updates that build the model the same way on both sides (`MODEL_BUILD_KEYS`): the trainer
+    follows infer's value when train.yaml does not set the key (and infer follows train's when only train.yaml
+    sets it), so its logprobs are those of the model vLLM serves; two different explicit values are refused."""
+    t: dict[str, Any] = {}
+    i: dict[str, Any] = {}
+    for key in MODEL_BUILD_KEYS:
+        tv, iv = getattr(train, key), getattr(infer, key)
+        if tv == iv:
+            continue
+        if key in train.model_fields_set and key in infer.model_fields_set:
+            raise ConfigError(f"train {key} ({tv}) and infer {key} ({iv}) differ: the trainer must build the model "
+                              f"vLLM serves; give both the same value, or set it in infer.yaml only")
+        if key in train.model_fields_set:
+            i[key] = tv
+        else:
+            t[key] = iv
+    return t, i
+
+
 def check_lora_rank(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     """Infer updates for LoRA adapters served by vLLM: `max_lora_rank` unset follows train `lora_rank`; an
     explicit one below it is refused (the first adapter load would fail)."""
@@ -210,10 +244,15 @@ def check_lora_rank(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     return {}
 
 
-def client_url(infer: InferConfig) -> str:
-    """The URL clients on this machine reach the inference server at (loopback for a wildcard bind)."""
+def client_url(infer: InferConfig, index: int = 0) -> str:
+    """The URL clients on this machine reach inference server `index` at (loopback for a wildcard bind)."""
     host = infer.host or "127.0.0.1"
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port}/v1"
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{infer.port + index}/v1"
+
+
+def client_urls(infer: InferConfig) -> list[str]:
+    """The URLs of all infer `dp` servers (ports `port`, `port + 1`, ...), as orch `client.base_url`."""
+    return [client_url(infer, i) for i in range(infer.dp)]
 
 
 def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, output_dir: str | Path | None = None,
@@ -222,12 +261,14 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     train, orch = with_resume(train, resume), with_resume(orch, resume)
     check_consistent(train, orch)
     run_dir = str(Path(output_dir or orch.output_dir))
-    client = orch.client.model_copy(update={"base_url": [client_url(infer)]})
+    client = orch.client.model_copy(update={"base_url": client_urls(infer)})
     orch = orch.model_copy(update={"output_dir": run_dir, "client": client})
     t: dict[str, Any] = {"output_dir": run_dir, **couple_lengths(train, infer, orch)}
     i: dict[str, Any] = {}
     t_ckpt, o_ckpt = couple_checkpoints(train, orch)
     t |= t_ckpt
+    t_code, i_code = couple_model_code(train, infer)
+    t, i = t | t_code, i | i_code
     orch = orch.model_copy(update=o_ckpt | couple_models(train, infer, orch))
     if train.max_steps == -1 and orch.max_steps:
         t["max_steps"] = orch.max_steps  # lets linear/cosine LR schedules know the run's length
@@ -242,14 +283,44 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     return train.model_copy(update=t), infer.model_copy(deep=True, update=i), orch
 
 
-def split_cores(machine: Machine, train: TrainConfig, device: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def point_at_servers(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tuple[TrainConfig, OrchConfig]:
+    """(train, orch) whose server lists (orch `client.base_url`, train nccl `weight_broadcast.base_url`) name all
+    of `infer`'s dp servers (after the placement changed dp)."""
+    urls = client_urls(infer)
+    orch = orch.model_copy(update={"client": orch.client.model_copy(update={"base_url": urls})})
+    if train.weight_broadcast.type == "nccl":
+        train = train.model_copy(update={"weight_broadcast": train.weight_broadcast.model_copy(
+            update={"base_url": list(urls)})})
+    return train, orch
+
+
+def split_cores(machine: Machine, train: TrainConfig, device: str,
+                vllm_ranks: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(vLLM cores, trainer cores) for a CPU-only co-location, or None when tidal leaves the cores alone: on a
-    GPU, with fewer than 2 cores, or when the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND)."""
+    GPU, with fewer than 2 cores, or when the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
+    vLLM gets half the cores (the smaller half), or one per vLLM rank (`vllm_ranks`: infer dp x tp) when that is
+    more, always leaving the trainer at least one."""
     cores = machine.cores
     if device != "cpu" or len(cores) < 2 or train.cpu_affinity is not None or OMP_BIND_VAR in machine.env:
         return None
-    half = len(cores) // 2
-    return cores[:half], cores[half:]
+    n = max(len(cores) // 2, min(vllm_ranks, len(cores) - 1))
+    return cores[:n], cores[n:]
+
+
+def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
+    """Infer updates that pair vLLM servers 1:1 with trainer ranks on GPUs: server i runs on GPU i (its tp GPUs)
+    beside trainer rank i, so infer dp x tp must equal train `gpus` once either is above 1; an unset dp follows
+    (`gpus` / tp). Raises `ConfigError` naming the keys otherwise."""
+    if train.gpus == 1 and infer.dp == 1:
+        return {}
+    if "dp" not in infer.model_fields_set and train.gpus % infer.tp == 0:
+        return {"dp": train.gpus // infer.tp}
+    if infer.dp * infer.tp != train.gpus:
+        raise ConfigError(f"on GPUs, tidal grpo puts one vLLM server beside each trainer rank: infer dp x tp "
+                          f"({infer.dp} x {infer.tp}) must equal train gpus ({train.gpus}); set infer dp to "
+                          f"{max(1, train.gpus // infer.tp)} and tp so that dp x tp = gpus, or run the three "
+                          f"processes yourself (grpo-infer / grpo-orch / grpo-train)")
+    return {}
 
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
@@ -260,8 +331,12 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
-    device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device == "cuda" else "cpu"
+    device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
     notices: list[str] = []
+    if device == "cuda" and (paired := pair_gpus(train, infer)):
+        infer = infer.model_copy(update=paired)
+        train, orch = point_at_servers(train, infer, orch)
+        notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
     if (device == "cuda" and machine.gpu_memory_gib and trainer_gib is not None
             and "gpu_memory_utilization" not in infer.model_fields_set):
         need = trainer_gib(train)
@@ -277,17 +352,21 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update={"weight_reload": True})
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
-    split = split_cores(machine, train, device)
+    split = split_cores(machine, train, device, infer.dp * infer.tp)
     infer_env: dict[str, str] = {}
     if split is not None:
         bind = ",".join(str(c) for c in split[0])
         train = train.model_copy(update={"cpu_affinity": list(split[1])})
         infer_env[OMP_BIND_VAR] = bind
-        notices.append(f"CPU only: vLLM on cores {bind}, trainer on cores {train.cpu_affinity}")
-    base_url = orch.client.base_url[0]
+        servers = ""
+        if infer.dp > 1:
+            servers = f" ({infer.dp} servers{', sharing' if infer.dp * infer.tp > len(split[0]) else ''})"
+        notices.append(f"CPU only: vLLM on cores {bind}{servers}, trainer on cores {train.cpu_affinity}")
+    urls = tuple(orch.client.base_url)
+    health = tuple(f"{u.removesuffix('/v1')}/health" for u in urls)
     placement = Placement(
         run_dir=Path(orch.output_dir), resuming=orch.ckpt.resume_step is not None, host=infer.host or "127.0.0.1",
-        port=infer.port, base_url=base_url, health_url=f"{base_url.removesuffix('/v1')}/health", device=device,
+        port=infer.port, base_url=urls[0], health_url=health[0], base_urls=urls, health_urls=health, device=device,
         vllm_cores=split[0] if split else None,
         trainer_cores=None if train.cpu_affinity is None else tuple(train.cpu_affinity),
         infer_env=infer_env, notices=tuple(notices))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tidal.config.base import StrictModel
 
@@ -35,11 +35,15 @@ class InferConfig(StrictModel):
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     trust_remote_code: bool = False
-    """Allow custom model code from the model directory."""
+    """Allow custom model code from the model directory. The trainer has its own key (train
+    `trust_remote_code`); `tidal grpo` makes an unset one follow this one and refuses two different values."""
     tp: int = Field(1, ge=1)
     """Tensor parallel degree (vLLM's own)."""
     dp: int = Field(1, ge=1)
-    """Data parallel degree (vLLM's own)."""
+    """Data parallel degree: `tidal grpo-infer` starts this many independent vLLM servers, on ports `port`,
+    `port + 1`, ... (each its own engine; on GPUs each on its own `tp` GPU(s), on CPU each on its own cores);
+    the orchestrator spreads requests over them and loads every policy into each (docs/design.md, "Inference
+    data parallel"). In `tidal grpo` on GPUs, server i shares GPU i with trainer rank i (dp x tp = train `gpus`)."""
     enable_lora: bool = True
     """Serve LoRA adapters and allow loading them at runtime."""
     max_lora_rank: int | None = Field(None, ge=1)
@@ -67,7 +71,8 @@ class InferConfig(StrictModel):
     tool_call_parser: str | None = None
     """vLLM tool-call parser name (see `enable_auto_tool_choice`)."""
     rope_scaling: dict[str, Any] | None = None
-    """RoPE scaling dict passed to vLLM as an hf override."""
+    """RoPE scaling dict passed to vLLM as an hf override. The trainer has its own key (train `rope_scaling`);
+    `tidal grpo` makes an unset one follow this one and refuses two different values."""
     seed: int = 0
     """vLLM's global seed."""
     weight_reload: bool = False
@@ -75,3 +80,10 @@ class InferConfig(StrictModel):
     `/reset_prefix_cache`; keep the server on localhost or behind an API key)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> InferConfig:
+        if self.port + self.dp - 1 > 65535:
+            raise ValueError(f"port {self.port} with dp {self.dp} needs ports up to {self.port + self.dp - 1}, above "
+                             f"65535; lower port or dp")
+        return self

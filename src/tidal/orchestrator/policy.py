@@ -3,7 +3,9 @@
 Gate (seed step semantics): batch n may be sampled by a policy at most `max_async_level` (k) updates older
 than the one it trains, i.e. from policy m >= n - 1 - k (`required_policy`); policy 0 is the base model,
 policy m is `broadcasts/step_m` (`tidal.transport.weights`). Before each batch `PolicyTracker.ensure` waits
-until such a policy is published, then makes the servers serve the newest one, per `weight_broadcast`:
+until such a policy is published, then makes every server (`client.base_url`, e.g. infer `dp` of them) serve the
+newest one, per `weight_broadcast`, before any request samples with it (a load that fails on one server fails
+the step's attempt, which is retried with the policy loaded again everywhere):
 - `reload: lora`: load it as the runtime LoRA adapter `{lora_adapter}-step-{m}` (and unload the previous one);
 - `reload: merged`: reload the merged full weights in place;
 - `type: nccl`: the trainer pushed the weights already; check every server's weight version and, when one is
@@ -82,8 +84,10 @@ class PolicyTracker:
         await self._check_restart()
         ident = (newest, weights.policy_stamp(self.run_dir, newest)) if newest else (0, 0)
         if ident != self.loaded:
-            await self._load(newest)
+            await self._load(newest)  # on every server (or an error, and the step is retried): none serves stale
             self.loaded = ident
+            if newest:
+                log.info("policy %d served by %d inference server(s)", self.step, len(self.client.urls))
         return time.monotonic() - start
 
     async def _load(self, newest: int) -> None:
