@@ -21,8 +21,9 @@ from pathlib import Path
 
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                   "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                  "chat_template.*", "*.tiktoken"]
-"""The files a causal LM needs: config, weights (+ shard index), tokenizer files, chat template."""
+                  "chat_template.*", "*.tiktoken", "*.py"]
+"""The files a causal LM needs: config, weights (+ shard index), tokenizer files, chat template, and the
+model's own code (top-level `*.py`, used only with `trust_remote_code: true`)."""
 IGNORE_PATTERNS = ["*/*"]
 """Nothing below the top level (other formats, e.g. `original/`, `onnx/`)."""
 HUB_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")

@@ -8,9 +8,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
+
+TEMPLATE_OWN_KWARGS = ("messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+                       "chat_template", "tools", "return_dict")
+"""Arguments of the chat template call that tidal sets itself (not template variables)."""
+
+
+def check_chat_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` must not set the arguments tidal passes itself (`TEMPLATE_OWN_KWARGS`)."""
+    own = sorted(set(value) & set(TEMPLATE_OWN_KWARGS))
+    if own:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(own)}: tidal sets it itself (the prompt ends "
+                         f"with the generation prompt); give template variables only, e.g. enable_thinking")
+    return value
 
 
 class ModelSection(StrictModel):
@@ -118,6 +131,12 @@ class ClientSection(StrictModel):
     """Discover the servers through DNS instead of `base_url` (re-checked every `sync_interval`)."""
     connect_timeout_s: float = Field(300.0, gt=0)
     """Keep retrying (with backoff) to reach the server for this long before giving up."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the model's chat template when prompts are rendered (vLLM's `/tokenize`, for training
+    and evaluation prompts alike), e.g. `{enable_thinking: false}` for Qwen3. `tidal sft` renders its prompts
+    with train `sft.chat_template_kwargs`: give both the same value."""
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_chat_template_kwargs)
 
 
 class BufferSection(StrictModel):
@@ -297,9 +316,11 @@ class WeightBroadcastSection(StrictModel):
     to push again when a restarted server is behind. Needs train `weight_broadcast.type: nccl` and infer
     `weight_broadcast_type: nccl` (`tidal grpo` sets both)."""
     host: str = "localhost"
-    """(nccl) Rendezvous host: where the trainer opens rank 0 and the inference workers connect."""
+    """(nccl) Rendezvous host: where the trainer opens rank 0 and the inference workers connect. `tidal grpo`
+    copies it (and `port`) to train `weight_broadcast`; the orchestrator itself does not use them, so in
+    three-process mode set train.yaml's `weight_broadcast.host` / `port` instead."""
     port: int = Field(29501, ge=1, le=65535)
-    """(nccl) Rendezvous port."""
+    """(nccl) Rendezvous port (see `host`)."""
     timeout: float = Field(1200, gt=0)
     """(nccl) Seconds to wait for a policy push (one push by the trainer; a server's catch-up after a restart)."""
     reload: Literal["auto", "lora", "merged"] = "auto"

@@ -1,9 +1,10 @@
 """Async client for one or more vLLM servers: readiness with backoff, tokenize, sample, LoRA load/unload.
 
 Requests are spread round-robin over `client.base_url`; adapter loads go to every server. Prompts are
-tokenized by the server itself (`/tokenize` with the chat template), and completions are requested from
-those token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw and
-sampled, never on re-tokenized text.
+tokenized by the server itself (`/tokenize` with the chat template and `client.chat_template_kwargs` as extra
+template variables, for training and evaluation prompts alike), and completions are requested from those
+token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw and sampled,
+never on re-tokenized text.
 """
 
 from __future__ import annotations
@@ -127,9 +128,14 @@ class InferenceClient:
         return models
 
     async def tokenize_chat(self, model: str, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered by the server's chat template with the generation prompt, the
+        template getting `client.chat_template_kwargs` (e.g. `enable_thinking: false`)."""
         url = f"{server_root(self.urls[0])}/tokenize"
-        out = await self._post(url, {"model": model, "messages": messages, "add_generation_prompt": True,
-                                     "add_special_tokens": False})
+        payload: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": True,
+                                   "add_special_tokens": False}
+        if self.cfg.chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(self.cfg.chat_template_kwargs)
+        out = await self._post(url, payload)
         return list(out["tokens"])
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:

@@ -2,13 +2,14 @@
 
 Each eval environment gets a fixed example set, drawn once with a seed of its own (so it does not move the
 training sampler): `num_examples` of them, or for -1 the environment's finite eval set (`eval_examples()`) or
-128 generated ones. An evaluation samples `rollouts_per_example` completions per example from the policy vLLM
-serves (at the training temperature and with the training sampling keys; multi-turn environments run their
-turns as in training), scores them with that environment's `reward_group`, and records per environment
-`eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share of examples with a completion scoring >= 1),
-`.../completion_len/mean` (and `.../turns/mean` for a multi-turn environment), with the policy step
-evaluated, to `eval.jsonl` and the metric sinks. The base model (policy 0) is evaluated before the first step
-when `eval_base_model` is set.
+128 generated ones; their prompts are rendered by the server like training prompts (the chat template with
+`client.chat_template_kwargs`, `InferenceClient.tokenize_chat`). An evaluation samples `rollouts_per_example`
+completions per example from the policy vLLM serves (at the training temperature and with the training
+sampling keys; multi-turn environments run their turns as in training), scores them with that environment's
+`reward_group`, and records per environment `eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share
+of examples with a completion scoring >= 1), `.../completion_len/mean` (and `.../turns/mean` for a multi-turn
+environment), with the policy step evaluated, to `eval.jsonl` and the metric sinks. The base model (policy 0)
+is evaluated before the first step when `eval_base_model` is set.
 """
 
 from __future__ import annotations

@@ -3,36 +3,52 @@
 Precision: float32 on CPU (matches vLLM CPU serving the bundled float32 model, so trainer and inference
 logprobs agree); bfloat16 on CUDA. Attention uses SDPA; packed rows rely on transformers building a
 block-diagonal causal mask from restarting `position_ids` (checked by tests/unit/test_packing.py).
+
+The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
+`from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
+(`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
+from tidal.trainer.precision import apply_recipe
 
 log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
-    """train `device`: `auto` -> cuda when available, else cpu; `cuda` without a GPU is an error."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
+    """train `device` -> the torch device: `auto` -> cuda when available, else cpu; `cuda` / `cuda:N` without a
+    GPU, or a GPU index past those this process sees, raises `ConfigError` naming the key (exit 2)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"train device is '{device}' but no CUDA device is available here (use 'auto' or 'cpu')")
+    dev = torch.device(device)
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        raise ConfigError(f"train device is '{device}' but this process sees {count} GPU(s){shown}: valid are "
+                          f"cuda:0 to cuda:{count - 1}; GPU indices count the visible GPUs only")
+    return dev
 
 
 def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU or with `recipe: fp32`; bfloat16 otherwise (fp8/nvfp4 recipes fall back, warned)."""
+    """The weights' dtype: float32 on CPU or with `recipe: fp32`; bfloat16 otherwise (`fp8-hybrid` keeps bf16
+    weights and runs the linear layers' matmuls in FP8: `tidal.trainer.precision`)."""
     if device.type == "cpu" or recipe == "fp32":
         return torch.float32
-    if recipe not in ("bf16",):
-        log.warning("recipe %s is not implemented yet; training in bfloat16", recipe)
     return torch.bfloat16
 
 
@@ -48,18 +64,70 @@ def check_model_dir(path: str) -> Path:
     return p
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The model directory's tokenizer (`trust_remote_code`: train `trust_remote_code`, for custom tokenizer code)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(check_model_dir(path)))
+    return AutoTokenizer.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
 
 
-def load_base_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
-    """The plain causal LM in `dtype` on `device`, SDPA attention."""
+def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
+    """Apply train `rope_scaling` onto a transformers `config` in place, before the model is built. It is merged
+    over the config's RoPE parameters: keys it does not give keep the model's values (since transformers 5,
+    `rope_theta` lives in the same dict, and a plain replacement would reset it to the class default). The
+    legacy `type` key is read as `rope_type`. Per-layer-type RoPE (e.g. Gemma 3) takes `{layer_type: {...}}`.
+    Raises `ConfigError` naming the key for a dict transformers rejects."""
+    new = dict(rope_scaling)
+    if "type" in new:
+        new.setdefault("rope_type", new.pop("type"))
+    if not hasattr(config, "rope_parameters"):  # transformers < 5: rope_theta is a separate attribute
+        config.rope_scaling = new
+        return
+    old = dict(config.rope_parameters or {})
+    per_type = bool(old) and all(isinstance(v, dict) for v in old.values())  # one dict per layer type
+    if per_type:
+        if not set(new) <= set(old) or not all(isinstance(v, dict) for v in new.values()):
+            raise ConfigError(f"train rope_scaling {rope_scaling}: this model has RoPE parameters per layer type "
+                              f"({', '.join(old)}); give rope_scaling as {{layer_type: {{...}}}} with those keys")
+        merged: dict[str, Any] = {k: {**v, **new.get(k, {})} for k, v in old.items()}
+    else:
+        merged = {**old, **new}
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for params in merged.values() if per_type else [merged]:
+        kind = params.get("rope_type", "default")
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"train rope_scaling {rope_scaling}: unknown rope_type {kind!r} (valid: default, "
+                              f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    config.rope_parameters = merged
+    try:
+        for step in ("standardize_rope_params", "validate_rope"):
+            fn = getattr(config, step, None)
+            if callable(fn):
+                fn()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"train rope_scaling {rope_scaling} is not valid for this model: {exc}") from None
+
+
+def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: dict[str, Any] | None = None) -> Any:
+    """The model directory's Hugging Face config, with `rope_scaling` applied (`apply_rope_scaling`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
+    if rope_scaling:
+        apply_rope_scaling(config, rope_scaling)
+    return config
+
+
+def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
+                    rope_scaling: dict[str, Any] | None = None) -> Any:
+    """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
+    train.yaml (the config is loaded and changed first, then the model is built from it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype,
-                                                 attn_implementation="sdpa")
+    config = load_model_config(path, trust_remote_code, rope_scaling)
+    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
+                                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code)
     return model.to(device)  # type: ignore[arg-type]
 
 
@@ -100,9 +168,13 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     apply_cpu_affinity(cfg.cpu_affinity)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
+    model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
+                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)
     if cfg.lora:
         model = add_lora(model, cfg)
     model.train()

@@ -1,4 +1,16 @@
-"""AdamW over the trainable parameters and the learning-rate schedule (warmup, then constant/linear/cosine)."""
+"""The optimizer over the trainable parameters (train `optimizer`) and the learning-rate schedule (warmup, then
+constant/linear/cosine).
+
+`adamw` / `adamw_torch`: torch's AdamW (two float32 moments per parameter, 8 bytes/param).
+`adamw_8bit`: bitsandbytes' `AdamW8bit` — the same update rule, but both moments are stored as 8-bit codes with
+one float32 absmax per block of 256 values (dynamic-tree quantization, ~2 bytes/param), dequantized for each
+update and requantized after it. bitsandbytes (>= 0.50, as pyproject requires) runs it on CUDA and on CPU with
+the same blockwise scheme. Tensors with fewer than `MIN_8BIT_SIZE` elements keep 32-bit moments (bitsandbytes'
+default: for tiny tensors the block scales cost more than they save). Its `state_dict` holds plain uint8/float32
+tensors and ints (all parameters share the two quantization maps; `tidal.trainer.state` stores a copy for each),
+so checkpoints resume it exactly (tests/unit/test_optim_8bit.py). Single rank only: its kernels cannot update
+FSDP2's sharded (DTensor) parameters, and the config refuses `adamw_8bit` with `gpus > 1`.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +23,30 @@ from tidal.config.train import TrainConfig
 
 log = logging.getLogger(__name__)
 
+MIN_8BIT_SIZE = 4096
+"""Parameters with fewer elements keep float32 AdamW moments under `adamw_8bit` (bitsandbytes' default)."""
+
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adamw_8bit":
-        log.warning("optimizer adamw_8bit is not implemented yet; using torch AdamW")
+    """The train `optimizer` over `model`'s trainable parameters, with `learning_rate`, `weight_decay` and the
+    Adam betas of `cfg`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise RuntimeError("the model has no trainable parameters (check lora_target_modules)")
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2))
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if cfg.optimizer == "adamw_8bit":
+        return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas)
+
+
+def adamw_8bit(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+               betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """bitsandbytes' blockwise 8-bit AdamW (decoupled weight decay, eps 1e-8 like torch's AdamW)."""
+    import bitsandbytes as bnb
+
+    opt: torch.optim.Optimizer = bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=1e-8,
+                                                     weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
+    return opt
 
 
 def lr_factor(step: int, kind: str, warmup_steps: int, total_steps: int | None) -> float:

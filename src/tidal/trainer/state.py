@@ -1,8 +1,9 @@
 """Nested training state (an optimizer's `state_dict`, RNG states) as JSON + safetensors, never pickle.
 
 `to_tree` splits a state into a JSON tree whose tensors (torch or numpy) are referenced by name and collected
-into one dict, which `save_state` stores as `{name}.safetensors` beside `{name}.json`; `load_state` and
-`from_tree` invert it. Used by the trainer's checkpoints (`tidal.trainer.ckpt`).
+into one dict, which `save_state` stores as `{name}.safetensors` beside `{name}.json` (tensors sharing memory, such
+as the quantization maps of an 8-bit optimizer, are stored as separate copies); `load_state` and `from_tree` invert
+it. Used by the trainer's checkpoints (`tidal.trainer.ckpt`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,21 @@ def save_state(directory: Path, name: str, state: dict[str, Any]) -> None:
 
     tensors: dict[str, Any] = {}
     tree = to_tree(state, tensors)
-    save_file(tensors, str(directory / f"{name}.safetensors"), metadata={"format": "pt"})
+    save_file(unshared(tensors), str(directory / f"{name}.safetensors"), metadata={"format": "pt"})
     (directory / f"{name}.json").write_text(json.dumps(tree))
+
+
+def unshared(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` with every tensor whose memory an earlier one already uses replaced by a copy: safetensors
+    refuses shared memory, and optimizer states share tensors (bitsandbytes' 8-bit AdamW gives every parameter
+    the same quantization maps `qmap1`/`qmap2`). Each copy loads back as its own tensor with the same values."""
+    seen: set[int] = set()
+    out = {}
+    for key, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        out[key] = t.clone() if ptr and ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def load_state(directory: Path, name: str) -> dict[str, Any]:

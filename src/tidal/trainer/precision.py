@@ -1,0 +1,176 @@
+"""Precision recipes (train `recipe`) applied to the policy after loading: which matmuls run in which format.
+
+- `fp32` / `bf16`: nothing to do here; the model is loaded in float32 / bfloat16 (`model.resolve_dtype`; CPU
+  always loads float32).
+- `fp8-hybrid` (alias `fp8_hybrid`): FP8 forward and backward matmuls with higher-precision master weights, via
+  torchao's float8 training (`torchao.float8`, tensorwise dynamic scaling): before each matmul the input and the
+  weight are cast to float8 e4m3 and, in the backward, the output gradient to e5m2, each with one scale per
+  tensor (`scale = fp8_max / amax`); the matmul multiplies the fp8 codes (on SM89+ GPUs `torch._scaled_mm`, fp32
+  accumulation) and the result is returned in the model's dtype. The weights themselves stay in the model dtype
+  (float32 on CPU, bfloat16 on GPU): they are what the optimizer, the checkpoints and the broadcasts see.
+  Which matmuls: every `nn.Linear` of the base model whose two dimensions are multiples of 16 (what FP8 GEMMs
+  need) — with LoRA, the frozen base projections (q/k/v/o, gate/up/down) — except `lm_head`, whose logits feed
+  the log-probabilities and stay in the model dtype. LoRA's A/B matmuls (rank r) stay in high precision: they
+  are tiny and carry all the trainable signal. For a frozen base weight no weight gradient is computed (the
+  backward does only the e5m2 x e4m3 input-gradient matmul). Where the hardware has no FP8 matmuls (CPU, GPUs
+  below SM89) torchao's emulation runs the same casts and scales and multiplies the dequantized values in the
+  model dtype — the same numerics up to the accumulation order, no speed-up — and a one-line notice says so.
+  vLLM serves the high-precision weights, so under this recipe trainer and inference logprobs differ by the fp8
+  rounding (visible in `mismatch_kl`).
+- `nvfp4` is refused when the config loads (`tidal.config.train`): it needs Blackwell (SM100+) FP4 matmuls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tidal.trainer")
+
+
+class ImportNoise(logging.Filter):
+    """Drops warnings that torchao and bitsandbytes log when imported (PEFT imports both whenever it builds LoRA
+    layers) and that say nothing actionable here: torchao's CUDA-only kernels (`_C*.so`) failing to load on a
+    machine without CUDA, torch's deprecation notice about how torchao registers its enums, and bitsandbytes'
+    CPU backend failing to fetch an optional 4-bit kernel from the Hugging Face Hub (tidal never downloads)."""
+
+    def __init__(self, *patterns: str) -> None:
+        super().__init__()
+        self.patterns = patterns
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p in record.getMessage() for p in self.patterns)
+
+
+def quiet_import_noise() -> None:
+    """Install the `ImportNoise` filters (idempotent); called when this module is imported, before PEFT is."""
+    targets = {"torch.utils._pytree": ("register_constant() on Enum subclasses is deprecated",),
+               "bitsandbytes.backends.cpu.ops": ("from kernels-community",)}
+    if not torch.cuda.is_available():
+        targets["torchao"] = ("Failed to load",)
+    for name, patterns in targets.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ImportNoise) for f in logger.filters):
+            logger.addFilter(ImportNoise(*patterns))
+
+
+quiet_import_noise()
+
+FP8_RECIPES = ("fp8-hybrid", "fp8_hybrid")
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability with FP8 tensor cores (Ada / Hopper and newer)."""
+SKIP_MODULES = ("lm_head",)
+"""Linear layers that keep high-precision matmuls under `fp8-hybrid`."""
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 tensors natively (CUDA SM89+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+def apply_recipe(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:
+    """`model` with the matmuls of `recipe` (train `recipe`); `fp32`/`bf16` return it unchanged."""
+    if recipe in ("fp32", "bf16"):
+        return model
+    if recipe in FP8_RECIPES:
+        emulate = not has_fp8_matmul(device)
+        n = convert_to_fp8(model, emulate=emulate)
+        if emulate:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            log.info("recipe %s: %s has no FP8 matmuls; emulating them for %d linear layers (the same e4m3/e5m2 "
+                     "casts and per-tensor scales, products in %s: FP8 numerics, not FP8 speed)", recipe,
+                     device_name(device), n, dtype)
+        else:
+            log.info("recipe %s: FP8 matmuls on %s for %d linear layers", recipe, device_name(device), n)
+        return model
+    raise ValueError(f"train recipe '{recipe}' is not one tidal can apply (fp32, bf16, fp8-hybrid)")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
+    return device.type.upper()
+
+
+def fp8_eligible(module: torch.nn.Module, fqn: str) -> bool:
+    """A plain `nn.Linear` outside LoRA and `SKIP_MODULES`, both dimensions multiples of 16."""
+    leaf = fqn.rsplit(".", 1)[-1]
+    return (type(module) is torch.nn.Linear and leaf not in SKIP_MODULES and ".lora_" not in f".{fqn}"
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_to_fp8(model: torch.nn.Module, emulate: bool) -> int:
+    """Swap the eligible linear layers of `model` (`fp8_eligible`) for float8 ones in place; returns how many."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig(emulate=emulate)
+    cls = fp8_linear_class()
+    targets = [(fqn, m) for fqn, m in model.named_modules() if fp8_eligible(m, fqn)]
+    for fqn, module in targets:
+        parent_name, _, leaf = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, cls.from_float(module, config=config))
+    return len(targets)
+
+
+_FP8_LINEAR: Any = None
+
+
+def fp8_linear_class() -> Any:
+    """torchao's `Float8Linear`, extended to skip the weight-gradient matmul of a frozen weight (built on first
+    use: torchao is imported only when a recipe needs it)."""
+    global _FP8_LINEAR
+    if _FP8_LINEAR is None:
+        _FP8_LINEAR = _build_fp8_linear()
+    return _FP8_LINEAR
+
+
+def _build_fp8_linear() -> Any:
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast(t: torch.Tensor, cast_config: Any, mm_config: Any, role: Any, scale_pow2: bool) -> Any:
+        # tensorwise dynamic scaling (the config built in `convert_to_fp8`): one scale per tensor
+        assert cast_config.scaling_type is ScalingType.DYNAMIC
+        assert cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
+        return hp_tensor_to_float8_dynamic(t, cast_config.target_dtype, mm_config, gemm_input_role=role,
+                                           round_scales_to_power_of_2=scale_pow2)
+
+    class FrozenWeightFloat8Matmul(torch.autograd.Function):
+        """`x @ w_t` through float8 casts (x, w: e4m3; grad: e5m2), as torchao's float8 matmul, but with no
+        gradient for `w_t` (a frozen base weight): the backward is the input-gradient matmul only."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, mm_config: Any, config: Any) -> torch.Tensor:
+            ctx.save_for_backward(w_t)
+            ctx.mm_config, ctx.config = mm_config, config
+            pow2 = config.round_scales_to_power_of_2
+            x8 = cast(x.reshape(-1, x.shape[-1]), config.cast_config_input, mm_config, GemmInputRole.INPUT, pow2)
+            w8 = cast(w_t, config.cast_config_weight, mm_config, GemmInputRole.WEIGHT, pow2)
+            return torch.mm(x8, w8).reshape(*x.shape[:-1], w_t.shape[-1])  # (..., out)
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+            (w_t,) = ctx.saved_tensors
+            c, pow2 = ctx.config, ctx.config.round_scales_to_power_of_2
+            g8 = cast(grad_out.reshape(-1, grad_out.shape[-1]), c.cast_config_grad_output, ctx.mm_config,
+                      GemmInputRole.GRAD_OUTPUT, pow2)
+            w8 = cast(w_t, c.cast_config_weight_for_grad_input, ctx.mm_config, GemmInputRole.WEIGHT, pow2)
+            grad_in = torch.mm(g8, w8.t())  # (tokens, in)
+            return grad_in.reshape(*grad_out.shape[:-1], w_t.shape[0]), None, None, None
+
+    class FrozenAwareFloat8Linear(Float8Linear):  # type: ignore[misc]
+        """torchao `Float8Linear`; a weight that does not require grad skips the weight-gradient matmul."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if self.weight.requires_grad or torch.is_autocast_enabled():
+                return super().forward(input)  # type: ignore[no-any-return]
+            out = FrozenWeightFloat8Matmul.apply(input, self.weight.t(), self.linear_mm_config, self.config)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    return FrozenAwareFloat8Linear
