@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -97,8 +98,10 @@ def launch_ranks(nproc: int, argv: list[str], cpu_cores: list[int] | None = None
 
     cores = len(cpu_cores) if cpu_cores else (os.cpu_count() or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.5",
+    args = parse_args([f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.5",
                        "--module", "tidal.cli", *argv])
+    # torchrun --standalone: a c10d store on a free local port, a fresh run id
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, cmd, cmd_args = config_from_args(args)
     log.info("starting %d trainer ranks (%s)", nproc, "NCCL" if torch.cuda.is_available() else "gloo, CPU")
     try:

@@ -360,7 +360,7 @@ def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Polic
                             on_tick=on_tick)
         if batch is not None and batch.step != step:
             raise ValueError(f"batch {step} from {source.where} holds step {batch.step}")
-    return broadcast_batch(p.ranks, batch)
+    return broadcast_batch(p.ranks, batch)  # None too: then every rank leaves the loop
 
 
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
@@ -403,8 +403,6 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
             goal = total or batch.metrics.get("max_steps")
             eta = (goal - step) * sum(step_times[-5:]) / len(step_times[-5:]) if goal else None
             log.info(progress_line(record, goal, eta))
-    if ranks.main:
-        broadcast_batch(ranks, None)  # the other ranks leave their loop too
     if pusher is not None:
         pusher.close()
     finish(p, cfg, run_dir, step, resumed_from)
