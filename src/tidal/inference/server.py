@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
@@ -102,8 +103,12 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         from tidal.inference.weight_transfer import transfer_backend
 
         argv += ["--weight-transfer-config", json.dumps({"backend": transfer_backend(on_cpu())})]
-    if cfg.rope_scaling:
-        argv += ["--hf-overrides", json.dumps({"rope_scaling": cfg.rope_scaling})]
+    if cfg.rope_scaling:  # merged over the model's own parameters: a bare rope_scaling resets rope_theta
+        from tidal.config.rope import merge_rope, model_rope_parameters
+
+        model_config = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
+        merged = merge_rope(model_rope_parameters(model_config), cfg.rope_scaling, "infer rope_scaling")
+        argv += ["--hf-overrides", json.dumps({"rope_parameters": merged})]
     return argv + list(cfg.extra_args)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tidal.config.load import ConfigError
+from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
 from tidal.trainer.precision import apply_recipe
 
@@ -77,21 +78,11 @@ def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
     `rope_theta` lives in the same dict, and a plain replacement would reset it to the class default). The
     legacy `type` key is read as `rope_type`. Per-layer-type RoPE (e.g. Gemma 3) takes `{layer_type: {...}}`.
     Raises `ConfigError` naming the key for a dict transformers rejects."""
-    new = dict(rope_scaling)
-    if "type" in new:
-        new.setdefault("rope_type", new.pop("type"))
     if not hasattr(config, "rope_parameters"):  # transformers < 5: rope_theta is a separate attribute
-        config.rope_scaling = new
+        config.rope_scaling = merge_rope(None, rope_scaling, "train rope_scaling")
         return
-    old = dict(config.rope_parameters or {})
-    per_type = bool(old) and all(isinstance(v, dict) for v in old.values())  # one dict per layer type
-    if per_type:
-        if not set(new) <= set(old) or not all(isinstance(v, dict) for v in new.values()):
-            raise ConfigError(f"train rope_scaling {rope_scaling}: this model has RoPE parameters per layer type "
-                              f"({', '.join(old)}); give rope_scaling as {{layer_type: {{...}}}} with those keys")
-        merged: dict[str, Any] = {k: {**v, **new.get(k, {})} for k, v in old.items()}
-    else:
-        merged = {**old, **new}
+    merged = merge_rope(config.rope_parameters, rope_scaling, "train rope_scaling")
+    per_type = bool(merged) and all(isinstance(v, dict) for v in merged.values())
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for params in merged.values() if per_type else [merged]:
