@@ -137,17 +137,9 @@ def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
 
 def trainer_footprint_gib(train: TrainConfig) -> float:
     """The trainer's estimated GPU footprint in GiB for `train` (`tidal.trainer.memory`, torch-free)."""
-    import json
+    from tidal.trainer.memory import train_footprint_gib
 
-    from tidal.assets import resolve_model
-    from tidal.trainer.memory import estimate
-
-    model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
-    return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
-                    lora_rank=train.lora_rank if train.lora else None, lora_targets=train.lora_target_modules,
-                    rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
-                    gradient_checkpointing=train.gradient_checkpointing,
-                    logprob_chunk_size=train.logprob_chunk_size).total_gib
+    return train_footprint_gib(train)
 
 
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from tidal.paths import logs_dir, metrics_path
-from tidal.reaper import start_reaper
+from tidal.reaper import signal_group, start_reaper, stop_groups
 
 STOP_TIMEOUT_S = 20.0
 
@@ -71,8 +71,7 @@ class Child:
         return self.proc.poll()
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc, sig)
 
     def tail(self, lines: int = 25) -> str:
         self._pump.join(timeout=2)
@@ -84,16 +83,7 @@ class Child:
 
 def stop_all(children: list[Child]) -> None:
     """SIGTERM every child's process group, then SIGKILL what is left after STOP_TIMEOUT_S."""
-    for c in children:
-        c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for c in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for c in children:
-        c.signal_group(signal.SIGKILL)  # also reaps vLLM engine processes left in the group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(timeout=5)
+    stop_groups([c.proc for c in children], STOP_TIMEOUT_S)
 
 
 def wait_healthy(urls: str | Sequence[str], infer: Child, timeout_s: float) -> None:

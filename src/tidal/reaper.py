@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 POLL_S = 0.5
 GRACE_S = 3.0
@@ -98,6 +99,27 @@ def watch(pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> list[in
         os.close(fd)
     known.pop(me, None)
     return kill_all(known, grace_s)
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    """Send `sig` to the process group `proc` leads (gone or not ours: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_groups(procs: list[subprocess.Popen[Any]], timeout_s: float) -> None:
+    """Stop processes started in their own groups: SIGTERM every group, wait up to `timeout_s` in all, then
+    SIGKILL what is left of each group (e.g. vLLM's engine processes) and reap the leaders."""
+    for p in procs:
+        signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        signal_group(p, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=5)
 
 
 def start_reaper(pid: int | None = None) -> subprocess.Popen[bytes] | None:

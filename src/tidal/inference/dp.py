@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tidal.config.infer import InferConfig
+from tidal.reaper import signal_group, stop_groups
 
 OMP_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
 STOP_TIMEOUT_S = 20.0
@@ -154,23 +154,12 @@ class _Server:
             sys.stdout.buffer.flush()
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc, sig)
 
 
 def stop_servers(servers: list[_Server]) -> None:
     """SIGTERM every server's process group, SIGKILL what is left after STOP_TIMEOUT_S."""
-    for s in servers:
-        s.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for s in servers:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for s in servers:
-        s.signal_group(signal.SIGKILL)  # vLLM's engine processes left in the group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            s.proc.wait(timeout=5)
-        s.pump.join(timeout=2)
+    stop_groups([s.proc for s in servers], STOP_TIMEOUT_S)
 
 
 class _Stop(Exception):
