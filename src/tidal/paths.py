@@ -98,7 +98,7 @@ def logs_dir(run_dir: Path) -> Path:
 
 
 def final_dir(run_dir: Path, what: str) -> Path:
-    """`final/adapter` or `final/merged`: the exports written when training ends."""
+    """`final/adapter`, `final/merged` or (full fine-tuning) `final/model`: the exports written when training ends."""
     return run_dir / "final" / what
 
 

@@ -345,11 +345,17 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         notices.append(f"GPU: the trainer needs about {need:.1f} GiB of {machine.gpu_memory_gib:.0f} GiB "
                        f"(estimate); vLLM gets gpu_memory_utilization {share}")
     wb = orch.weight_broadcast
-    if device == "cpu" and wb.type != "nccl" and wb.reload == "auto":
-        # vLLM's CPU LoRA path is ~5x slower than its plain one: serve merged weights, reloaded in place
+    if not train.lora and wb.type != "nccl" and wb.reload == "lora":
+        raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
+                          "is no adapter to load; set reload to merged (or auto) or weight_broadcast.type: nccl")
+    if wb.type != "nccl" and wb.reload == "auto" and (device == "cpu" or not train.lora):
+        # full fine-tuning: the policy is all the weights; on CPU also for LoRA: vLLM's CPU LoRA path is ~5x
+        # slower than its plain one. Serve merged weights, reloaded in place
         orch = orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})})
         train = train.model_copy(update={"broadcast_merged": True})
         infer = infer.model_copy(update={"weight_reload": True})
+    if not train.lora:
+        infer = infer.model_copy(update={"enable_lora": False})
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device, infer.dp * infer.tp)

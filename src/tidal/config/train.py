@@ -343,7 +343,14 @@ class TrainConfig(StrictModel):
     float8 training on SM89+ GPUs, the same casts emulated elsewhere (CPU included, with a notice). `nvfp4`:
     refused (needs Blackwell, SM100+). On CPU `bf16` computes in float32 (see the module doc)."""
     lora: bool = True
-    """Train LoRA adapters (PEFT). `false` trains all weights: supported by `tidal sft` only so far."""
+    """Train LoRA adapters (PEFT). `false` trains all weights (full fine-tuning): each policy is published as its
+    full weights (`broadcasts/step_n/merged/`, reloaded by vLLM in place, or the NCCL push of every weight),
+    checkpoints hold all weights and their optimizer state, the export is `final/model/`; with `loss.beta > 0`
+    the reference is a second, frozen copy of the initial weights."""
+    freeze_embeddings: bool = False
+    """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too). Needed to fully
+    fine-tune a tied-embedding model served by vLLM on CPU through in-place reloads: vLLM-CPU refreshes the
+    embedding but keeps its prepacked copy of the tied lm_head (docs/scale-out.md)."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r."""
     lora_alpha: int = Field(32, gt=0)
@@ -418,6 +425,9 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _batching(self) -> TrainConfig:
+        if self.freeze_embeddings and self.lora:
+            raise ValueError("freeze_embeddings applies to full fine-tuning (lora: false); with LoRA the embeddings "
+                             "are frozen anyway")
         if self.steps_per_generation is not None and self.gradient_accumulation_steps != 4:
             raise ValueError("set either steps_per_generation (optimizer steps per rollout batch, TRL) or "
                              "gradient_accumulation_steps (micro-batches per optimizer step, seed 000), not both")

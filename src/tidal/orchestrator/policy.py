@@ -104,6 +104,10 @@ class PolicyTracker:
             self.step = newest
         else:
             name = f"{self.prefix}-step-{newest}"
+            if not (broadcast_dir(self.run_dir, newest) / "adapter_config.json").is_file():
+                raise ValueError(f"{broadcast_dir(self.run_dir, newest)} holds no LoRA adapter (the trainer trains "
+                                 f"full weights, train lora: false): set orch weight_broadcast.reload: merged (and "
+                                 f"infer weight_reload: true) or weight_broadcast.type: nccl")
             weights.check_adapter(broadcast_dir(self.run_dir, newest), *self.expect)
             await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
             old, self.model, self.step = self.model, name, newest

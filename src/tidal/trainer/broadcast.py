@@ -3,7 +3,8 @@
 The PEFT adapter, and with `merged` also `merged/model.safetensors`: the base weights with the adapter folded
 in (W + scale * B A), under the checkpoint's own tensor names, for inference servers that reload full weights
 instead of applying LoRA (vLLM's LoRA path on CPU is ~5x slower than its plain path). The same merged weights
-feed the final export and the NCCL push (`lora_merged_weights`).
+feed the final export and the NCCL push (`policy_weights`). A fully fine-tuned policy (train `lora: false`)
+has no adapter: it is published as its merged weights only, which are then simply all its weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,29 @@ def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             yield f"{name.removeprefix('base_model.model.')}.weight", module
+
+
+def is_peft(model: Any) -> bool:
+    """True for a PEFT (LoRA) model, False for a fully fine-tuned one."""
+    return hasattr(model, "peft_config")
+
+
+def policy_weights(model: Any) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) of every weight the training changes: the merged LoRA-adapted weights, or, for
+    full fine-tuning, every parameter (tied ones once), under their Hugging Face names."""
+    if is_peft(model):
+        yield from lora_merged_weights(model)
+        return
+    for name, param in model.named_parameters():
+        yield name, param.detach()
+
+
+def policy_weight_specs(model: Any) -> list[tuple[str, Any, list[int]]]:
+    """(name, dtype, shape) of each tensor `policy_weights` yields, without computing the merged tensors."""
+    if is_peft(model):
+        return [(key, layer.get_base_layer().weight.dtype, list(layer.get_base_layer().weight.shape))
+                for key, layer in lora_layers(model)]
+    return [(name, p.dtype, list(p.shape)) for name, p in model.named_parameters()]
 
 
 def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
@@ -48,7 +72,9 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
         prefix = key.removesuffix(".weight").removesuffix(".bias")
         suffix = key[len(prefix):]
         peft_key = f"base_model.model.{prefix}"
-        w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}"))
+        w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}", params.get(key)))
+        if w is None and key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            w = model.get_output_embeddings().weight
         if w is None:
             raise KeyError(f"checkpoint tensor {key} has no counterpart in the trained model")
         out[key] = w.detach().contiguous().cpu()
@@ -58,9 +84,14 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
                     merged_keys: list[str] | None = None) -> Path:
     """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
-    checkpoint's tensor names); prune all but the newest `keep` policies."""
+    checkpoint's tensor names; a fully fine-tuned model publishes those only); prune all but the newest `keep`
+    policies."""
+    if not is_peft(model) and merged_keys is None:
+        raise ValueError("a fully fine-tuned policy is published as merged weights: merged_keys are needed")
+
     def fill(tmp: Path) -> None:
-        model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
+        if is_peft(model):
+            model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
         if merged_keys is not None:
             from safetensors.torch import save_file
 

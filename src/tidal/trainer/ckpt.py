@@ -1,7 +1,7 @@
 """Trainer checkpoints (`checkpoints/trainer/step_n/`) and exact resume.
 
 A checkpoint holds everything step n+1 depends on: the LoRA adapter (`adapter/`, a PEFT directory that
-`PeftModel.from_pretrained` also loads), the optimizer state keyed by parameter name (full tensors, whatever
+`PeftModel.from_pretrained` also loads; full fine-tuning: every weight, `model/`), the optimizer state keyed by parameter name (full tensors, whatever
 the number of trainer ranks that wrote it: `tidal.trainer.distributed` gathers them on rank 0, so a run resumes
 with any number of ranks), the LR scheduler's state, the RNG states of Python, NumPy and torch (CPU and CUDA;
 torch's of every rank), and the step (`trainer_state.json` + `.safetensors`, see `tidal.checkpoint`).
@@ -52,8 +52,11 @@ def save_trainer(run_dir: Path, step: int, model: Any, optimizer: dict[str, Any]
     """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval). `model`: the
     (unsharded) policy; `optimizer`: its name-keyed state (`distributed.optimizer_state`); `rank_rngs`: every
     rank's torch RNG state (`distributed.rng_states`)."""
+    from tidal.trainer.broadcast import is_peft
+
     def fill(tmp: Path) -> None:
-        model.save_pretrained(str(tmp / "adapter"))
+        # the adapter (LoRA), or every weight (full fine-tuning: a Hugging Face model directory)
+        model.save_pretrained(str(tmp / ("adapter" if is_peft(model) else "model")))
         save_state(tmp, "trainer_state", {"step": step, "optimizer": optimizer, "optimizer_format": "by_name",
                                           "scheduler": sched.state_dict(), "rng": rng_state(),
                                           "rank_rngs": list(rank_rngs or [])})
@@ -73,6 +76,28 @@ def by_name(model: Any, optimizer: dict[str, Any]) -> dict[str, Any]:
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in optimizer["param_groups"]]}
 
 
+def load_full_weights(model: Any, directory: Path) -> None:
+    """A fully fine-tuned checkpoint's weights (`save_pretrained` files) into `model`; tied weights, which
+    `save_pretrained` stores once, are the only keys allowed to be absent."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} holds no weights (a LoRA checkpoint? train lora must match the run)")
+    state: dict[str, Any] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint file {f} is corrupt: {exc}") from exc
+    result = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{directory} does not match this model (missing {missing[:3]}, unexpected "
+                              f"{result.unexpected_keys[:3]})")
+
+
 def load_trainer(run_dir: Path, step: int, model: Any,
                  sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     """Restore the adapter into `model` (the unsharded policy), the scheduler and the RNG states from checkpoint
@@ -81,20 +106,25 @@ def load_trainer(run_dir: Path, step: int, model: Any,
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    from tidal.trainer.broadcast import is_peft
+
     d = ckpt_dir(run_dir, COMPONENT, step)
     state = load_state(d, "trainer_state")
     if state.get("step") != step:
         raise CheckpointError(f"{d / 'trainer_state.json'} holds step {state.get('step')}, expected {step}")
-    weights = d / "adapter" / "adapter_model.safetensors"
-    try:
-        adapter = load_file(str(weights))
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint file {weights} is missing or corrupt: {exc}") from exc
-    result = set_peft_model_state_dict(model, adapter)
-    missing = [k for k in getattr(result, "unexpected_keys", [])]
-    if missing:
-        raise CheckpointError(f"{weights} does not match this model's LoRA layout (unexpected {missing[:3]}); "
-                              "was it written with other lora_rank / lora_target_modules?")
+    if is_peft(model):
+        weights = d / "adapter" / "adapter_model.safetensors"
+        try:
+            adapter = load_file(str(weights))
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint file {weights} is missing or corrupt: {exc}") from exc
+        result = set_peft_model_state_dict(model, adapter)
+        missing = [k for k in getattr(result, "unexpected_keys", [])]
+        if missing:
+            raise CheckpointError(f"{weights} does not match this model's LoRA layout (unexpected {missing[:3]}); "
+                                  "was it written with other lora_rank / lora_target_modules?")
+    else:
+        load_full_weights(model, d / "model")
     try:
         sched.load_state_dict(state["scheduler"])
     except (ValueError, KeyError) as exc:

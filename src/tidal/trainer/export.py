@@ -3,8 +3,10 @@
 `final/adapter/` is a PEFT adapter directory (`PeftModel.from_pretrained`, vLLM `--lora-modules`).
 `final/merged/` is a Hugging Face model directory: the base model's config, tokenizer and other files, with
 `model.safetensors` holding the base weights plus the LoRA deltas under the base checkpoint's tensor names
-(one file; `AutoModelForCausalLM.from_pretrained` and `vllm serve` load it like the base model). Each
-directory is written to a temp name, renamed, then marked `STABLE`.
+(one file; `AutoModelForCausalLM.from_pretrained` and `vllm serve` load it like the base model). A fully
+fine-tuned policy (train `lora: false`) has no adapter: it is written once, as `final/model/` (a Hugging Face
+model directory with the tokenizer), whatever `export` says. Each directory is written to a temp name, renamed,
+then marked `STABLE`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: 
                  run_dir: Path) -> dict[str, Path]:
     """Write what `export` asks for (`base_model`: train `model`, whose files the merged export copies);
     returns {"adapter": path, "merged": path} for what was written."""
+    from tidal.trainer.broadcast import is_peft
+
     out: dict[str, Path] = {}
+    if not is_peft(model):
+        out["model"] = final_dir(run_dir, "model")
+        with atomic_dir(out["model"]) as tmp:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+        return out
     if export.adapter:
         out["adapter"] = final_dir(run_dir, "adapter")
         with atomic_dir(out["adapter"]) as tmp:

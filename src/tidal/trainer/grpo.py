@@ -51,10 +51,16 @@ from tidal.transport.filesystem import BatchReader
 log = logging.getLogger("tidal.trainer")
 
 
-def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_size: int) -> torch.Tensor:
-    """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy); loss tokens
-    only (the loss reads no other). PEFT re-enables the adapters by setting `requires_grad` on the parameters the
-    model holds at that moment: under FSDP they must be the kept shards, not a gathered copy (`reshard`)."""
+def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, chunk_size: int,
+                  reference: torch.nn.Module | None = None) -> torch.Tensor:
+    """Reference policy = the base model: the same PEFT model with its adapters disabled (no copy), or the frozen
+    `reference` of a fully fine-tuned policy; loss tokens only (the loss reads no other). PEFT re-enables the
+    adapters by setting `requires_grad` on the parameters the model holds at that moment: under FSDP they must
+    be the kept shards, not a gathered copy (`reshard`)."""
+    if reference is not None:
+        with torch.no_grad():
+            return forward_logprobs(reference, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
+                                    loss_mask=mb.loss_mask)
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
         lp = forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
                               loss_mask=mb.loss_mask)
@@ -91,7 +97,8 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
-               device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None) -> dict[str, Any]:
+               device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None,
+               reference: torch.nn.Module | None = None) -> dict[str, Any]:
     """One training step on `batch`: its micro-batches cut into optimizer steps (`gradient_accumulation_steps` /
     `steps_per_generation`, spread over the ranks: `tidal.trainer.schedule`), `loss.num_iterations` times;
     with `sched`, each optimizer step takes its own point of the LR schedule. Returns the trainer's metrics,
@@ -124,7 +131,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             for j, (i, counted) in enumerate(zip(slots, real, strict=True)):
                 mb = micro[i]
                 if it == 0:  # no-grad passes before the graph is built (FSDP: its backward follows its forward)
-                    r = _ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size) if lc.beta else None
+                    r = (_ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size, reference)
+                         if lc.beta else None)
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
                                                    chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask)
@@ -306,7 +314,8 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     publishes)."""
     t0 = time.monotonic()
     peak.start()
-    tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id, ranks=p.ranks, sched=p.sched)
+    tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id, ranks=p.ranks, sched=p.sched,
+                    reference=p.reference)
     lr = p.sched.get_last_lr()[0]
     p.sched.step()
     sync_view(p)
@@ -363,14 +372,31 @@ def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Polic
     return broadcast_batch(p.ranks, batch)  # None too: then every rank leaves the loop
 
 
+def check_full_finetune(cfg: TrainConfig) -> None:
+    """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
+    keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
+    known to do better): refuse on a machine without CUDA unless the embeddings stay frozen."""
+    if cfg.lora or cfg.freeze_embeddings or torch.cuda.is_available():
+        return
+    import json
+
+    from tidal.config.load import ConfigError
+
+    config = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
+    if config.get("tie_word_embeddings", True):
+        raise ConfigError(f"train lora false with {cfg.model} (tied input/output embeddings) served by vLLM on CPU "
+                          f"through in-place reloads: vLLM-CPU does not refresh its copy of a tied lm_head, so it "
+                          f"would sample from a stale one; set train freeze_embeddings: true (or train LoRA)")
+
+
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
-    if not cfg.lora:
-        raise ValueError("grpo-train needs lora: true (full-weight broadcasts are not supported yet)")
+    check_full_finetune(cfg)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     p = build_policy(cfg, total, ranks)
-    merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged else None
+    # a fully fine-tuned policy is published as its merged (= all) weights
+    merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged or not cfg.lora else None
     source = open_source(cfg, run_dir) if ranks.main else None
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2)
     pusher = make_pusher(cfg.weight_broadcast, p.device) if ranks.main else None

@@ -168,5 +168,8 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)
     if cfg.lora:
         model = add_lora(model, cfg)
+    elif cfg.freeze_embeddings:
+        embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]
+        embeddings.weight.requires_grad_(False)  # a tied lm_head is the same tensor
     model.train()
     return model, device

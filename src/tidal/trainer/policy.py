@@ -41,6 +41,9 @@ class Policy:
     ranks: Ranks
     view: torch.nn.Module | None
     """Rank 0: the unsharded policy (the model itself with one rank); None on the other ranks."""
+    reference: torch.nn.Module | None = None
+    """Full fine-tuning with `loss.beta > 0`: the frozen initial model (with LoRA the reference is the model with
+    its adapters disabled, no copy)."""
 
 
 def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.SINGLE) -> Policy:
@@ -54,7 +57,20 @@ def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
     return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0, ranks,
-                  view)
+                  view, reference_model(cfg, ranks))
+
+
+def reference_model(cfg: TrainConfig, ranks: Ranks) -> torch.nn.Module | None:
+    """The frozen reference for the KL term of a fully fine-tuned policy (a second copy of the weights, sharded
+    like the policy); None with LoRA or without a KL term."""
+    if cfg.lora or not cfg.loss.beta:
+        return None
+    ref, _ = load_policy(cfg.model_copy(update={"gradient_checkpointing": False}))
+    ref.requires_grad_(False)
+    ref.eval()
+    if ranks.sharded:
+        dist.shard(ref, cfg.zero_level)
+    return ref
 
 
 def sync_view(p: Policy) -> None:

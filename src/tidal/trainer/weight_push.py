@@ -1,7 +1,8 @@
 """Trainer side of `weight_broadcast.type: nccl`: push the new policy straight into the inference workers.
 
 After each optimizer step the trainer (rank 0) broadcasts the merged weights of every LoRA-adapted module
-(W + scale * B A, under the base checkpoint's names; nothing else changed) into vLLM's workers through
+(W + scale * B A, under the base checkpoint's names; nothing else changed), or with full fine-tuning every
+weight (`broadcast.policy_weights`), into vLLM's workers through
 vLLM's weight-transfer engine and its RL routes, then stamps the servers with the step as their
 `weight_version`. Per push, on every server: `/pause?mode=wait` (in-flight requests finish on the old
 policy, new ones queue, caches are dropped), `/start_weight_update`, `/update_weights` (the workers join the
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 import torch
 
-from tidal.trainer.broadcast import lora_layers, lora_merged_weights
+from tidal.trainer.broadcast import policy_weight_specs, policy_weights
 
 log = logging.getLogger("tidal.trainer")
 
@@ -40,6 +41,7 @@ class WeightPusher:
         self.roots = [server_root(u) for u in urls]
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.cuda = device.type == "cuda"
+        self.device = device  # merged tensors go there for NCCL (rank 0's view of a sharded policy is on CPU)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
         self.group: Any = None
@@ -116,10 +118,10 @@ class WeightPusher:
         return time.monotonic() - t0
 
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
-        bases = [(key, layer.get_base_layer().weight) for key, layer in lora_layers(model)]
-        update = {"names": [key for key, _ in bases],
-                  "dtype_names": [str(w.dtype).removeprefix("torch.") for _, w in bases],
-                  "shapes": [list(w.shape) for _, w in bases]}
+        specs = policy_weight_specs(model)
+        update = {"names": [name for name, _, _ in specs],
+                  "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
+                  "shapes": [shape for _, _, shape in specs]}
         try:
             self._each("pause", params={"mode": "wait"})
             self._each("start_weight_update")
@@ -150,9 +152,9 @@ class WeightPusher:
             if self.cuda:
                 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-                packed_nccl_broadcast_producer(iterator=lora_merged_weights(model), group=self.group, src=0,
-                                               post_iter_func=lambda item: item[1])
+                packed_nccl_broadcast_producer(iterator=policy_weights(model), group=self.group, src=0,
+                                               post_iter_func=lambda item: item[1].to(self.device))
                 torch.cuda.current_stream().synchronize()
             else:
-                for _name, w in lora_merged_weights(model):
+                for _name, w in policy_weights(model):
                     self.group.broadcast(w, src=0)
