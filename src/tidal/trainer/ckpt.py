@@ -3,8 +3,9 @@
 A checkpoint holds everything step n+1 depends on: the LoRA adapter (`adapter/`, a PEFT directory that
 `PeftModel.from_pretrained` also loads; full fine-tuning: every weight, `model/`), the optimizer state keyed
 by parameter name (full tensors, whatever the number of trainer ranks that wrote it: `tidal.trainer.distributed`
-gathers them on rank 0, so a run resumes with any number of ranks), the LR scheduler's state, the RNG states of Python, NumPy and torch (CPU and CUDA;
-torch's of every rank), and the step (`trainer_state.json` + `.safetensors`, see `tidal.checkpoint`).
+gathers them on rank 0, so a run resumes with any number of ranks), the LR scheduler's state, the RNG states of
+Python, NumPy and torch (CPU and CUDA; torch's of every rank), and the step (`trainer_state.json` +
+`.safetensors`, see `tidal.checkpoint`).
 Resuming from step n also rolls the run directory back to step n: broadcasts of later steps (policies
 of a future that is being retrained) are removed, broadcast n is published again, and `metrics.jsonl`
 keeps only steps <= n, so the next step writes n+1 and no step appears twice.
