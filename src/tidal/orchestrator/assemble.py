@@ -81,7 +81,7 @@ def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, ad
     out = []
     for i in range(0, len(flat), every)[:limit]:
         ex, c = flat[i]
-        user = [m["content"] for m in ex.prompt if m.get("role") == "user"]
+        user = [] if isinstance(ex.prompt, str) else [m["content"] for m in ex.prompt if m.get("role") == "user"]
         out.append({"prompt": user[-1] if user else str(ex.prompt), "completion": c.text,
                     "reward": float(rewards[i]),
                     "advantage": float(advantages[i].mean()) if advantages[i].size else 0.0})
