@@ -15,7 +15,9 @@ land in `{output_dir}/configs/` as with `tidal grpo`.
 
 Differences from TRL (docs/trl.md): without `peft_config` tidal trains a LoRA adapter with train.yaml's defaults
 (full-weight GRPO is not supported yet; a warning says so); `model` must be a name or path, not a loaded model;
-reward models (a model id in `reward_funcs`), `tools` and `environment_factory` are not supported yet (errors).
+`tools` and `environment_factory` are not supported yet (errors). A string in `reward_funcs` is an import path
+(`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
+model, loaded once in this process).
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list[tuple[str, Callable[..., Any], float]]:
-    """(unique name, function, weight) of each reward function; a string is an import path (`pkg.mod:fn`)."""
+    """(unique name, function, weight) of each reward function; a string is an import path (`pkg.mod:fn`) or
+    else a reward model (a sequence-classification model's name or directory, `tidal.reward_model`)."""
     from tidal.orchestrator.advantage import load_function
+    from tidal.reward_model import RewardModel
 
     funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     if not funcs:
@@ -87,10 +91,7 @@ def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list
     out: list[tuple[str, Callable[..., Any], float]] = []
     for i, f in enumerate(funcs):
         if isinstance(f, str):
-            if ":" not in f:
-                raise ValueError(f"reward_funcs[{i}] = {f!r}: reward models (a model id) are not supported by tidal "
-                                 f"yet; give a function, or an import path 'package.module:function'")
-            f = load_function(f)
+            f = load_function(f) if ":" in f and not f.startswith("tidal:") else RewardModel(f)
         if not callable(f):
             raise TypeError(f"reward_funcs[{i}] is a {type(f).__name__}, not a function")
         name = str(getattr(f, "__name__", f"reward_{i}"))

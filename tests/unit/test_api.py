@@ -56,8 +56,8 @@ def test_bad_models_datasets_and_reward_functions_are_refused():
         make(train_dataset=[{"question": "x"}])
     with pytest.raises(TypeError, match="datasets.Dataset or a list of dicts"):
         make(train_dataset="data.jsonl")
-    with pytest.raises(ValueError, match="reward models .* are not supported"):
-        make(reward_funcs="org/reward-model")
+    with pytest.raises(ValueError, match=r"cannot import 'tidal_no_such_module:f'"):
+        make(reward_funcs="tidal_no_such_module:f")
     with pytest.raises(ValueError, match="2 weights for 1 reward functions"):
         make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, reward_weights=[1.0, 2.0]))
     with pytest.raises(ValueError, match="eval_strategy 'steps' needs an eval_dataset"):
