@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO, free_port, kill_group
+from tests.conftest import MODEL, REPO, free_port, kill_group, tidal
 from tidal.monitor.metrics import read_metrics
 
 pytestmark = pytest.mark.vllm
@@ -81,3 +81,39 @@ def test_trl_shaped_script_trains_with_closures_and_leaves_nothing_running(tmp_p
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(run_dir) in " ".join(p.info["cmdline"] or []) and p.pid != proc.pid]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
+
+
+def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_path):
+    """`tidal grpo` with `env: [{id: dataset}]` of standard (plain-text) prompts and a reward function by import
+    path: the prompts go to vLLM as text, the function gets strings and the `answer` column (no errors)."""
+    rows = [{"prompt": f"Reverse '{t}':", "answer": t[::-1]} for t in ("abc", "hello", "xyz", "tidal")]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps", "2",
+                 "--orch.batch_size", "8", "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens", "16",
+                 "--orch.env", f"[{{id: dataset, args: {{path: '{data}'}}}}]", "--orch.reward_funcs",
+                 "[{import_path: 'tests.e2e.rewards:standard_contains'}]", "--orch.ckpt.interval", "null",
+                 "--train.ckpt.interval", "null", cwd=REPO)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    rows_m = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows_m] == [1, 2]
+    assert all(r["reward/errors"] == 0 and r["reward/standard_contains/mean"] is not None for r in rows_m)
+    assert "reward/dataset/mean" not in rows_m[0], "the dataset env has no reward column of its own"
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"] in [r["prompt"] for r in rows] for s in samples)
+    # the prompt tokens vLLM saw are the plain text, without any chat-template markup
+    from tidal.assets import resolve_model
+    from tidal.trainer.model import load_tokenizer
+    from tidal.transport.batch import TrainingBatch
+
+    tok = load_tokenizer(resolve_model(MODEL))
+    batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
+    for s in batch.samples():
+        first = int(batch.loss_mask[s].argmax())  # the first completion token
+        assert list(batch.tokens[s][:first]) in [tok(r["prompt"], add_special_tokens=False)["input_ids"]
+                                                 for r in rows]
