@@ -28,6 +28,7 @@ def dump(d: Any) -> dict[str, Any]:
 
 def test_every_key_is_mapped_or_refused_and_documented():
     refused = GRPOConfig.UNSUPPORTED | set(GRPOConfig.REFUSED)
+    assert not set(MAPPING) & refused
     keys = set(GRPOConfig.model_fields)
     assert set(MAPPING) | refused == keys, (keys - set(MAPPING) - refused, (set(MAPPING) | refused) - keys)
     text = DOCS.read_text()
@@ -42,18 +43,20 @@ ALTERNATIVES: dict[str, Any] = {
     "generation_batch_size": 16, "steps_per_generation": 2, "chat_template_kwargs": {"enable_thinking": False},
     "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "learning_rate": 1e-5,
     "lr_scheduler_type": "cosine", "warmup_steps": 3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99,
-    "max_grad_norm": 0.5, "optim": "adamw_8bit", "gradient_checkpointing": True, "bf16": False, "seed": 7,
+    "max_grad_norm": 0.5, "optim": "adamw_8bit", "gradient_checkpointing": False, "bf16": False, "seed": 7,
+    "trust_remote_code": True,
     "max_steps": 5, "num_train_epochs": 1.0, "beta": 0.04, "epsilon": 0.1, "epsilon_high": 0.28, "delta": 2.0,
     "loss_type": "grpo", "scale_rewards": False, "importance_sampling_level": "sequence", "num_iterations": 2,
     "mask_truncated_completions": True, "top_entropy_quantile": 0.2,
-    "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": 3.0,
+    "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": 2.5,
+    "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
     "vllm_server_host": "127.0.0.2", "vllm_server_port": 8123, "vllm_gpu_memory_utilization": 0.3,
     "vllm_tensor_parallel_size": 2, "vllm_max_model_length": 2048, "logging_steps": 1, "save_strategy": "no",
     "save_steps": 2, "save_total_limit": 2, "report_to": "tensorboard", "log_completions": True,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 NOT_IN_CONFIGS = {"reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
-                  "use_vllm": "always vLLM; False is refused", "vllm_mode": "one layout either way",
+                  "use_vllm": "always vLLM, either value", "vllm_mode": "one layout either way",
                   "vllm_server_timeout": "the launcher's wait (GRPOTrainer.train)",
                   "run_name": "tested with report_to", "eval_strategy": "tested with an eval dataset",
                   "eval_steps": "tested with an eval dataset", "num_generations_eval": "tested with an eval dataset"}
@@ -77,12 +80,13 @@ def test_keys_outside_the_configs_are_mapped_keys():
 def test_defaults_follow_trl():
     d = derive(n_rows=10)
     o, t = d.orch, d.train
-    assert o.rollouts_per_example == 8 and o.batch_size == 8 and o.sampling.max_tokens == 256
-    assert o.seq_len == 512 + 256 and o.long_prompts == "truncate" and d.infer.max_model_len == 768
+    assert o.rollouts_per_example == 8 and o.batch_size == 8 and o.sampling.max_tokens == 512
+    assert o.seq_len == 512 + 512 and o.long_prompts == "truncate" and d.infer.max_model_len == 1024
+    assert o.sampling.top_k == -1 and t.gradient_checkpointing and t.recipe == "bf16"
     assert o.advantage.scale_rewards == "group" and o.env[0].id == "dataset" and o.report_to is None
     assert o.max_steps == 30  # 3 epochs x 10 prompts x 8 generations / 8 completions per batch
     assert t.loss.loss_type == "dapo" and t.loss.beta == 0 and t.loss.epsilon == 0.2
-    assert t.loss.is_correction == "truncated" and t.loss.is_cap == 2.0
+    assert t.loss.is_correction == "truncated" and t.loss.is_cap == 3.0  # token_truncate (TRL: sequence_mask)
     assert t.learning_rate == 1e-6 and t.lr_scheduler_type == "linear" and t.steps_per_generation == 1
     assert t.lora and t.lora_rank == 16  # no peft_config: tidal's LoRA (full-weight GRPO not supported)
     assert o.ckpt.interval == t.ckpt.interval == 500 and t.logging_steps == 10
@@ -121,8 +125,13 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'use_vllm' cannot be False"):
-        GRPOConfig(use_vllm=False)
+    with pytest.raises(ValidationError, match=r"key 'entropy_coef' is not supported yet by tidal"):
+        GRPOConfig(entropy_coef=0.01)
+    with pytest.raises(ValidationError, match=r"vllm_importance_sampling_mode 'sequence_mask' is not supported"):
+        GRPOConfig(vllm_importance_sampling_mode="sequence_mask")
+    with pytest.raises(ValueError, match=r"clip_max None \(no cap\) is not supported"):
+        derive(vllm_importance_sampling_clip_max=None)
+    assert GRPOConfig(use_vllm=True).use_vllm and not GRPOConfig().use_vllm  # tidal always uses vLLM
     with pytest.raises(ValidationError, match=r"'num_generation' is not a TRL GRPOConfig key.*'num_generations'"):
         GRPOConfig(num_generation=4)
     with pytest.raises(ValidationError, match="loss_type"):

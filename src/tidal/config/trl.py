@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
 from tidal.config.infer import InferConfig
@@ -38,27 +38,33 @@ class GRPOConfig(StrictModel):
         "sync_ref_model", "per_device_eval_batch_size", "adam_epsilon", "lr_scheduler_kwargs",
         "resume_from_checkpoint", "torch_compile", "eval_on_start", "load_best_model_at_end", "warmup_ratio",
         "num_completions_to_print", "wandb_log_unique_prompts", "vllm_server_base_url", "shuffle_dataset",
-        "remove_unused_columns", "use_transformers_paged", "vllm_structured_outputs_regex"})
-    REFUSED: ClassVar[dict[str, str]] = {
-        "use_vllm": "cannot be False: tidal always generates with vLLM",
-    }
+        "remove_unused_columns", "use_transformers_paged", "vllm_structured_outputs_regex", "router_aux_loss_coef",
+        "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
+        "vllm_group_port", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+        "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "ref_model_mixup_alpha",
+        "ref_model_sync_steps", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+        "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations", "vllm_importance_sampling_clip_min",
+        "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "log_unique_prompts",
+        "log_completions_hub_repo", "use_transformers_continuous_batching",
+        "transformers_continuous_batching_config"})
 
     output_dir: str = "trainer_output"
     """Run directory (orch `output_dir`; the trainer shares it)."""
     # generation
     num_generations: int = Field(8, ge=1)
     """Completions per prompt (orch `rollouts_per_example`)."""
-    max_completion_length: int = Field(256, ge=1)
+    max_completion_length: int = Field(512, ge=1)
     """Max completion tokens (orch `sampling.max_tokens`)."""
     max_prompt_length: int | None = Field(512, ge=1)
-    """Longer prompts keep their last tokens (orch `seq_len` = this + `max_completion_length`, `long_prompts:
-    truncate`). None: no truncation; then `vllm_max_model_length` bounds prompt + completion."""
+    """(TRL before 0.2x's removal) Longer prompts keep their last tokens (orch `seq_len` = this +
+    `max_completion_length`, `long_prompts: truncate`). None: no truncation; then `vllm_max_model_length`
+    bounds prompt + completion (longer prompts are skipped)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (orch `sampling.temperature`)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling (orch `sampling.top_p`)."""
-    top_k: int | None = None
-    """Top-k sampling, None or 0: off (orch `sampling.top_k`)."""
+    top_k: int | None = 0
+    """Top-k sampling, 0 or None: off (orch `sampling.top_k`)."""
     min_p: float | None = None
     """Min-p sampling, None: off (orch `sampling.min_p`)."""
     repetition_penalty: float = Field(1.0, gt=0)
@@ -91,10 +97,12 @@ class GRPOConfig(StrictModel):
     """Gradient clipping (train `max_grad_norm`)."""
     optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit"] = "adamw_torch"
     """Optimizer (train `optimizer`: `adamw`, or `adamw_8bit` for the bitsandbytes ones)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
     """Activation checkpointing (train `gradient_checkpointing`)."""
-    bf16: bool | None = None
-    """True: train `recipe: bf16`; False: `fp32`; None: tidal's default (bf16 on GPU, float32 on CPU)."""
+    bf16: bool = True
+    """True: train `recipe: bf16` (bfloat16 on GPU; float32 compute on CPU); False: `fp32`."""
+    trust_remote_code: bool = False
+    """Run the model repository's code (train and infer `trust_remote_code`)."""
     seed: int = 42
     """Seed of the trainer, the example sampler and vLLM's sampling (train/orch `seed`, orch `sampling.seed`)."""
     max_steps: int = Field(-1, ge=-1)
@@ -125,13 +133,20 @@ class GRPOConfig(StrictModel):
     reward_weights: list[float] | None = None
     """One weight per reward function (None: all 1)."""
     vllm_importance_sampling_correction: bool = True
-    """Weight tokens by the capped trainer/vLLM ratio (train `loss.is_correction: truncated`)."""
-    vllm_importance_sampling_cap: float = Field(2.0, gt=1)
-    """Cap of that ratio (train `loss.is_cap`)."""
+    """Correct for the trainer/vLLM mismatch with importance weights (train `loss.is_correction`)."""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "token_truncate"
+    """`token_truncate` (train `loss.is_correction: truncated`) or `token_mask` (`masked`); the sequence-level
+    modes are refused. tidal's default differs from TRL's (`sequence_mask`)."""
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=1)
+    """Cap of the importance weight (train `loss.is_cap`); None is refused (tidal needs a cap)."""
+    vllm_importance_sampling_cap: float | None = Field(None, gt=1)
+    """Deprecated in TRL: `vllm_importance_sampling_clip_max` (wins when set)."""
     # vLLM
-    use_vllm: bool = True
-    """tidal always generates with vLLM (False is refused)."""
-    vllm_mode: Literal["server", "colocate"] = "server"
+    use_vllm: bool = False
+    """tidal always generates with vLLM, whatever the value (TRL's default False is accepted like every key at
+    its default; True is what tidal does)."""
+    vllm_mode: Literal["server", "colocate"] = "colocate"
     """Either way tidal starts its own vLLM server beside the trainer, sharing the GPU (`tidal grpo`'s layout)."""
     vllm_server_host: str = "127.0.0.1"
     """Address tidal's vLLM server binds to (infer `host`)."""
@@ -219,12 +234,80 @@ class GRPOConfig(StrictModel):
     """Not supported."""
     vllm_structured_outputs_regex: str | None = None
     """Not supported."""
+    router_aux_loss_coef: float = 0.001
+    """Not supported."""
+    ds3_gather_for_generation: bool = True
+    """Not supported."""
+    pad_to_multiple_of: int | None = None
+    """Not supported."""
+    cache_implementation: str | None = None
+    """Not supported."""
+    vllm_model_impl: str = "vllm"
+    """Not supported."""
+    vllm_group_port: int = 51216
+    """Not supported."""
+    sapo_temperature_neg: float = 1.05
+    """Not supported."""
+    sapo_temperature_pos: float = 1.0
+    """Not supported."""
+    vespo_k_pos: float = 2.0
+    """Not supported."""
+    vespo_lambda_pos: float = 3.0
+    """Not supported."""
+    vespo_k_neg: float = 3.0
+    """Not supported."""
+    vespo_lambda_neg: float = 2.0
+    """Not supported."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Not supported."""
+    ref_model_mixup_alpha: float = 0.6
+    """Not supported."""
+    ref_model_sync_steps: int = 512
+    """Not supported."""
+    entropy_coef: float = 0.0
+    """Not supported."""
+    use_adaptive_entropy: bool = False
+    """Not supported."""
+    entropy_coef_min: float = 0.0
+    """Not supported."""
+    entropy_coef_max: float = 1.0
+    """Not supported."""
+    entropy_coef_delta: float = 0.005
+    """Not supported."""
+    entropy_target: float = 0.2
+    """Not supported."""
+    max_tool_calling_iterations: int | None = None
+    """Not supported."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Not supported."""
+    off_policy_mask_threshold: float | None = None
+    """Not supported."""
+    use_bias_correction_kl: bool = False
+    """Not supported."""
+    log_multimodal: bool = True
+    """Not supported."""
+    log_unique_prompts: bool = False
+    """Not supported."""
+    log_completions_hub_repo: str | None = None
+    """Not supported."""
+    use_transformers_continuous_batching: bool = False
+    """Not supported."""
+    transformers_continuous_batching_config: dict[str, Any] | None = None
+    """Not supported."""
 
     def __init__(self, output_dir: str | None = None, **data: Any) -> None:
         """TRL's signature: `GRPOConfig(output_dir, **kwargs)`."""
         if output_dir is not None:
             data["output_dir"] = output_dir
         super().__init__(**data)
+
+    @field_validator("vllm_importance_sampling_mode")
+    @classmethod
+    def _token_level(cls, value: str) -> str:
+        if value.startswith("sequence"):
+            raise ValueError(f"vllm_importance_sampling_mode '{value}' is not supported by tidal yet (sequence-level "
+                             f"weights); use token_truncate or token_mask")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -262,8 +345,10 @@ MAPPING: dict[str, str] = {
     "mask_truncated_completions": "train `loss.mask_truncated_completions`",
     "top_entropy_quantile": "train `loss.top_entropy_quantile`",
     "reward_weights": "the reward functions' weights (orch `reward_funcs[].weight`)",
-    "vllm_importance_sampling_correction": "train `loss.is_correction: truncated`",
-    "vllm_importance_sampling_cap": "train `loss.is_cap`", "use_vllm": "(always vLLM)",
+    "vllm_importance_sampling_correction": "train `loss.is_correction` (`none` when False)",
+    "vllm_importance_sampling_mode": "train `loss.is_correction`: `truncated` / `masked`",
+    "vllm_importance_sampling_clip_max": "train `loss.is_cap`", "vllm_importance_sampling_cap": "train `loss.is_cap`",
+    "use_vllm": "(always vLLM)", "trust_remote_code": "train/infer `trust_remote_code`",
     "vllm_mode": "(tidal's co-located server either way)", "vllm_server_host": "infer `host`",
     "vllm_server_port": "infer `port`", "vllm_server_timeout": "the launcher's wait for vLLM",
     "vllm_gpu_memory_utilization": "infer `gpu_memory_utilization`", "vllm_tensor_parallel_size": "infer `tp`",
@@ -376,7 +461,12 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int) -> dict[str, Any]:
         "num_iterations": args.num_iterations, "mask_truncated_completions": args.mask_truncated_completions,
         "top_entropy_quantile": args.top_entropy_quantile}
     if args.vllm_importance_sampling_correction:
-        loss |= {"is_correction": "truncated", "is_cap": args.vllm_importance_sampling_cap}
+        cap = args.vllm_importance_sampling_cap or args.vllm_importance_sampling_clip_max
+        if cap is None:
+            raise ValueError("GRPOConfig vllm_importance_sampling_clip_max None (no cap) is not supported by tidal; "
+                             "give a cap > 1, or vllm_importance_sampling_correction=False")
+        mode = {"token_truncate": "truncated", "token_mask": "masked"}[args.vllm_importance_sampling_mode]
+        loss |= {"is_correction": mode, "is_cap": cap}
     out: dict[str, Any] = {
         "model": model, "output_dir": args.output_dir, "per_device_train_batch_size": args.per_device_train_batch_size,
         "steps_per_generation": per_batch, "learning_rate": args.learning_rate,
@@ -385,9 +475,8 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int) -> dict[str, Any]:
         "adam_beta2": args.adam_beta2, "max_grad_norm": args.max_grad_norm,
         "optimizer": "adamw_8bit" if "8bit" in args.optim else "adamw",
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
+        "trust_remote_code": args.trust_remote_code, "recipe": "bf16" if args.bf16 else "fp32",
         "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations), "loss": loss}
-    if args.bf16 is not None:
-        out["recipe"] = "bf16" if args.bf16 else "fp32"
     return out
 
 
@@ -431,6 +520,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
     elif args.num_generations_eval is not None or args.eval_steps is not None:
         raise ValueError("GRPOConfig eval_steps / num_generations_eval need eval_strategy='steps'")
     infer: dict[str, Any] = {"model": model, "host": args.vllm_server_host, "port": args.vllm_server_port,
+                             "trust_remote_code": args.trust_remote_code,
                              "tp": args.vllm_tensor_parallel_size,
                              "max_model_len": args.vllm_max_model_length or seq_len}
     if args.vllm_gpu_memory_utilization is not None:
