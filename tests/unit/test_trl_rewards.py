@@ -78,8 +78,9 @@ def test_standard_prompts_give_string_completions_and_every_column(tmp_path):
     env = dataset_env(tmp_path, [{"prompt": "Solve 2x = 4.", "ground_truth": "2", "task": "math", "level": 3}])
     seen: dict[str, Any] = {}
 
-    def spy(prompts, completions, completion_ids, trainer_state, **kwargs):
-        seen.update(prompts=prompts, completions=completions, ids=completion_ids, state=trainer_state, kw=kwargs)
+    def spy(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, state=trainer_state, kw=kwargs,
+                    log_metric=log_metric)
         return [0.0] * len(completions)
 
     ex = env.sample(random.Random(0))
@@ -89,6 +90,7 @@ def test_standard_prompts_give_string_completions_and_every_column(tmp_path):
     assert seen["completions"] == [r"so \boxed{2}", r"\boxed{3}"]
     assert seen["ids"] == [[0, 1], [0]]
     assert seen["kw"] == {"ground_truth": ["2", "2"], "task": ["math", "math"], "level": [3, 3]}
+    assert callable(seen["log_metric"])
     state = seen["state"]
     assert isinstance(state, TrainerState) and state.global_step == 4 and state["max_steps"] == 9
     with pytest.raises(AttributeError, match="no 'epoch'"):
@@ -257,3 +259,28 @@ def test_standard_prompts_are_tokenized_as_plain_text(tmp_path, tokenize_server)
     assert plain and chat
     assert all(r["add_special_tokens"] is False and r["prompt"] == "abc" for r in plain)
     assert all(r["add_generation_prompt"] is True and r["messages"] == CHAT for r in chat)
+
+
+def test_log_metric_reports_the_steps_mean_and_keeps_built_in_names(tmp_path):
+    env = dataset_env(tmp_path, [{"prompt": "p"}])
+
+    def with_metrics(completions, log_metric, **kwargs):
+        log_metric("my/len", float(len(completions[0])))
+        log_metric("loss", 123.0)  # a built-in metric's name: dropped
+        return [0.0] * len(completions)
+
+    s = scorer(env, [with_metrics])
+    ex = env.sample(random.Random(0))
+    s.score(ex, comps("ab"), 1)
+    s.score(ex, comps("abcd"), 1)
+    assert s.take_logged_metrics({"loss"}) == {"my/len": 3.0}
+    assert s.take_logged_metrics() == {}
+
+
+def test_the_code_reward_takes_standard_and_conversational_completions():
+    from tidal.rewards.code_exec import unit_tests
+
+    code = "```python\ndef f():\n    return 1\n```"
+    tests = ["assert f() == 1", "assert f() == 2"]
+    assert unit_tests([code, code], tests=tests) == [1.0, 0.0]
+    assert unit_tests([[{"role": "assistant", "content": code}]], tests=tests[:1]) == [1.0]

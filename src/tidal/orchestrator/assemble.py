@@ -29,6 +29,10 @@ from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
 from tidal.transport.batch import TrainingBatch
 
+RESERVED_METRICS = frozenset({"step", "loss", "grad_norm", "tokens", "policy_step", "learning_rate", "entropy",
+                              "mismatch_kl", "masked", "step_time_s"})
+"""Metric names the trainer or the step bookkeeping writes; reward functions' `log_metric` may not take them."""
+
 log = logging.getLogger("tidal.orch")
 
 
@@ -123,5 +127,6 @@ def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, s
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
     metrics |= scorer.take_error_counts()
     metrics["completions/empty"] = float((comp_lens == 0).sum())
+    metrics |= scorer.take_logged_metrics(set(metrics) | RESERVED_METRICS)
     batch.metrics = metrics
     return Assembled(batch, flat, rewards, advantages, int(comp_lens.sum()))

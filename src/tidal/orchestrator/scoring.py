@@ -10,6 +10,8 @@ Reward functions are called as TRL's GRPOTrainer calls them, once per group (G c
 - `trainer_state`: `TrainerState` (`.global_step`, `.max_steps`; also readable as a dict);
 - columns: the environment's `reward_columns` (the `dataset` environment: every dataset column but
   `prompt`; the built-ins: `answer`, `task` and the `info` columns), each a list with one value per completion;
+- `log_metric(name, value)`: records a scalar; the mean of a step's values is reported as metric `name`
+  (a name that is already a built-in metric is refused with a warning); TRL's `log_extra` is not passed;
 - kwargs: the function's configured `kwargs` (orch `reward_funcs[].kwargs`).
 It returns one float or None per completion. `async def` functions run concurrently with each other (as TRL
 gathers them); the others run one after another, in order. Every call runs in a thread bounded by
@@ -128,6 +130,8 @@ class Scorer:
         self.max_steps = cfg.max_steps
         self.errors: dict[str, int] = {}
         self._logged: set[tuple[str, str]] = set()
+        self._metrics: dict[str, list[float]] = {}
+        self._metrics_lock = threading.Lock()
         self.funcs: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
         func_weights = []
         for rf in cfg.reward_funcs:
@@ -197,6 +201,7 @@ class Scorer:
         return [functools.partial(fn, prompts=[example.prompt] * g, completions=completions,
                                   completion_ids=[c.token_ids for c in comps],
                                   trainer_state=TrainerState(global_step=step, max_steps=self.max_steps),
+                                  log_metric=self.log_metric,
                                   **{col: [v] * g for col, v in columns.items()}, **kwargs)
                 for _name, fn, kwargs in self.funcs]
 
@@ -258,6 +263,27 @@ class Scorer:
                         "%g (counted in reward/errors; logged once per function and kind):\n%s", name,
                         {"raised": "raised", "timeout": "timed out"}.get(kind, "gave bad output"), step,
                         self.default, detail.rstrip())
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` for reward functions: record a scalar for this step's metrics (thread-safe)."""
+        with self._metrics_lock:
+            self._metrics.setdefault(str(name), []).append(float(value))
+
+    def take_logged_metrics(self, taken: set[str] | frozenset[str] = frozenset()) -> dict[str, float]:
+        """The mean of each metric logged since the last call; names in `taken` (built-in metrics) are dropped
+        with a warning (once per name)."""
+        with self._metrics_lock:
+            logged, self._metrics = self._metrics, {}
+        out = {}
+        for name, values in logged.items():
+            if name in taken:
+                if ("log_metric", name) not in self._logged:
+                    self._logged.add(("log_metric", name))
+                    log.warning("a reward function logged metric '%s', which is a built-in metric; dropped (choose "
+                                "another name)", name)
+                continue
+            out[name] = float(np.mean(values))
+        return out
 
     def take_error_counts(self) -> dict[str, float]:
         """`reward/errors` and `reward/{name}/errors` since the last call (per step)."""
