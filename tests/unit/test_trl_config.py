@@ -145,6 +145,8 @@ def test_report_to_and_eval():
     assert d.orch.report_to is not None and d.orch.report_to.wandb and not d.orch.report_to.tensorboard
     assert d.orch.report_to.name == "r1" and d.orch.report_to.samples is True
     ev = derive(eval_=True, eval_strategy="steps", eval_steps=4, num_generations_eval=2).orch.eval
+    default = derive(eval_=True, eval_strategy="steps").orch.eval
+    assert default is not None and default.rollouts_per_example == 8 and default.interval == 10  # logging_steps
     assert ev is not None and ev.interval == 4 and ev.rollouts_per_example == 2 and ev.env[0].id == "dataset"
 
 

@@ -178,7 +178,7 @@ class GRPOConfig(StrictModel):
     eval_steps: int | None = Field(None, ge=1)
     """Evaluation interval in optimizer steps (None: `logging_steps`)."""
     num_generations_eval: int | None = Field(None, ge=1)
-    """Completions per eval prompt (orch `eval.rollouts_per_example`; None: 1)."""
+    """Completions per eval prompt (orch `eval.rollouts_per_example`; None: `num_generations`)."""
     log_completions: bool = False
     """Log completion samples to the sinks (orch `report_to.samples`; samples.jsonl always has them)."""
     # accepted at TRL's default only (UNSUPPORTED)
@@ -516,7 +516,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
             raise ValueError("GRPOConfig eval_strategy 'steps' needs an eval_dataset")
         orch["eval"] = {"env": [{"id": "dataset", "name": "eval", "args": {}}], "num_examples": -1,
                         "interval": batches(args.eval_steps or args.logging_steps, opt_per_batch),
-                        "rollouts_per_example": args.num_generations_eval or 1}
+                        "rollouts_per_example": args.num_generations_eval or args.num_generations}
     elif args.num_generations_eval is not None or args.eval_steps is not None:
         raise ValueError("GRPOConfig eval_steps / num_generations_eval need eval_strategy='steps'")
     infer: dict[str, Any] = {"model": model, "host": args.vllm_server_host, "port": args.vllm_server_port,
