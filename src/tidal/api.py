@@ -66,6 +66,19 @@ def as_rows(dataset: Any, what: str) -> list[dict[str, Any]]:
     return rows
 
 
+def eval_sets(eval_dataset: Any) -> dict[str, list[dict[str, Any]]]:
+    """The eval datasets by name: one dataset is `eval` (metrics `eval/eval/...`); a dict of datasets (TRL) keeps
+    its keys (`eval/{key}/...`)."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "column_names"):
+        bad = [k for k in eval_dataset if not str(k).replace("_", "").replace("-", "").isalnum() or k == "train"]
+        if bad:
+            raise ValueError(f"eval_dataset key {bad[0]!r}: use letters, digits, '_' or '-' (and not 'train')")
+        return {str(k): as_rows(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
+    return {"eval": as_rows(eval_dataset, "eval_dataset")}
+
+
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     """Rows as JSON lines (`datasets` reads them back with the same columns); non-JSON values are refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,14 +139,14 @@ class GRPOTrainer:
         self.model = str(model)
         self.args = args if args is not None else GRPOConfig()
         self.train_rows = as_rows(train_dataset, "train_dataset")
-        self.eval_rows = as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.eval_sets = eval_sets(eval_dataset)
         self.reward_funcs = reward_functions(reward_funcs, self.args.reward_weights)
         if peft_config is None:
             warnings.warn("GRPOTrainer without peft_config: tidal trains a LoRA adapter (rank 16, alpha 32, all "
                           "linear layers); full-weight GRPO is not supported yet. Pass a peft.LoraConfig to choose",
                           UserWarning, stacklevel=2)
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
-                                has_eval=self.eval_rows is not None)
+                                eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
 
     def train(self) -> TrainOutput:
@@ -159,9 +172,11 @@ class GRPOTrainer:
         write_rows(self.train_rows, data / "train.jsonl")
         orch = co.orch.model_copy(deep=True)
         orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
-        if orch.eval is not None and self.eval_rows is not None:
-            write_rows(self.eval_rows, data / "eval.jsonl")
-            orch.eval.env[0].args = {"path": str((data / "eval.jsonl").resolve())}
+        if orch.eval is not None:
+            for section in orch.eval.env:  # one per eval dataset, named as given
+                path = data / f"{section.name}.jsonl"
+                write_rows(self.eval_sets[str(section.name)], path)
+                section.args = {"path": str(path.resolve())}
         for section in [*orch.env, *(orch.eval.env if orch.eval is not None else [])]:
             make_env(section.id, section.args)  # a dataset it cannot read fails now, before vLLM starts
         paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})

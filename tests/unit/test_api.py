@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,16 @@ def test_bad_models_datasets_and_reward_functions_are_refused():
         make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, reward_weights=[1.0, 2.0]))
     with pytest.raises(ValueError, match="eval_strategy 'steps' needs an eval_dataset"):
         make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, eval_strategy="steps"))
+
+
+def test_eval_datasets_one_or_a_dict_of_named_ones():
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, eval_strategy="steps")
+    one = make(args=args, eval_dataset=ROWS[:1], peft_config=SimpleNamespace(r=8))
+    assert list(one.eval_sets) == ["eval"] and [e.name for e in one.derived.orch.eval.env] == ["eval"]
+    two = make(args=args, eval_dataset={"easy": ROWS[:1], "hard-2": ROWS}, peft_config=SimpleNamespace(r=8))
+    assert [e.name for e in two.derived.orch.eval.env] == ["easy", "hard-2"] and len(two.eval_sets["hard-2"]) == 2
+    with pytest.raises(ValueError, match="eval_dataset key 'a/b'"):
+        make(args=args, eval_dataset={"a/b": ROWS}, peft_config=SimpleNamespace(r=8))
 
 
 def test_reward_functions_get_unique_names_weights_and_import_paths():

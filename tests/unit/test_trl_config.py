@@ -19,7 +19,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
 
 
 def derive(n_rows: int = 10, funcs: int = 1, peft: Any = None, eval_: bool = False, **kw: Any):
-    return to_tidal(GRPOConfig(**kw), "tidal:tiny-reverse", n_rows, funcs, peft, has_eval=eval_)
+    return to_tidal(GRPOConfig(**kw), "tidal:tiny-reverse", n_rows, funcs, peft, eval_names=["eval"] if eval_ else [])
 
 
 def dump(d: Any) -> dict[str, Any]:

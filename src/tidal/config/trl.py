@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -481,9 +482,10 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int) -> dict[str, Any]:
 
 
 def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: int, peft_config: Any = None,
-             has_eval: bool = False) -> Derived:
+             eval_names: Sequence[str] = ()) -> Derived:
     """The train, infer and orch configs that run `args` (TRL semantics, see the module docs) on `model`, for a
-    dataset of `train_rows` rows and `num_reward_funcs` reward functions. Raises ValueError naming the key."""
+    dataset of `train_rows` rows, `num_reward_funcs` reward functions and the eval datasets `eval_names` (each an
+    orch `eval.env` entry of that name, its `args` left for the caller). Raises ValueError naming the key."""
     if args.reward_weights is not None and len(args.reward_weights) != num_reward_funcs:
         raise ValueError(f"GRPOConfig reward_weights has {len(args.reward_weights)} weights for {num_reward_funcs} "
                          f"reward functions")
@@ -512,9 +514,9 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
         "ckpt": ckpt, "report_to": report_section(args),
         "client": {"chat_template_kwargs": args.chat_template_kwargs or {}}}
     if args.eval_strategy == "steps":
-        if not has_eval:
+        if not eval_names:
             raise ValueError("GRPOConfig eval_strategy 'steps' needs an eval_dataset")
-        orch["eval"] = {"env": [{"id": "dataset", "name": "eval", "args": {}}], "num_examples": -1,
+        orch["eval"] = {"env": [{"id": "dataset", "name": n, "args": {}} for n in eval_names], "num_examples": -1,
                         "interval": batches(args.eval_steps or args.logging_steps, opt_per_batch),
                         "rollouts_per_example": args.num_generations_eval or args.num_generations}
     elif args.num_generations_eval is not None or args.eval_steps is not None:
