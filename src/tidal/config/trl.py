@@ -57,7 +57,7 @@ class GRPOConfig(StrictModel):
     max_completion_length: int = Field(512, ge=1)
     """Max completion tokens (orch `sampling.max_tokens`)."""
     max_prompt_length: int | None = Field(512, ge=1)
-    """(TRL before 0.2x's removal) Longer prompts keep their last tokens (orch `seq_len` = this +
+    """(older TRL versions; newer ones do not truncate) Longer prompts keep their last tokens (orch `seq_len` = this +
     `max_completion_length`, `long_prompts: truncate`). None: no truncation; then `vllm_max_model_length`
     bounds prompt + completion (longer prompts are skipped)."""
     temperature: float = Field(1.0, gt=0)
