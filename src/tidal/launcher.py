@@ -13,20 +13,27 @@ that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its o
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
 binding, from `tidal.config.colocate.Placement`).
+
+The Python API (`tidal.api.GRPOTrainer`) runs the orchestrator in the caller's process instead of a child
+(`orchestrator=`: an `InProcess` component, its asyncio loop in a thread), so reward functions defined in the
+user's script (closures, lambdas) are called where they live; nothing is pickled. It is supervised like a child.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,12 +88,85 @@ class Child:
             return ""
 
 
-def stop_all(children: list[Child]) -> None:
+class InProcess:
+    """A component run in this process: a coroutine on its own asyncio loop in a thread, with `Child`'s interface
+    (poll, signal_group, tail, proc.wait). Exit code 0 when the coroutine returns, 1 when it raises (the
+    traceback goes to the log), 143 when stopped. Its `tidal.*` log records go to `log_path` and, with `echo`,
+    to stdout with a `[name]` prefix."""
+
+    def __init__(self, name: str, main: Callable[[], Coroutine[Any, Any, Any]], log_path: Path, echo: bool) -> None:
+        self.name, self.log_path, self.proc = name, log_path, self
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.handlers: list[logging.Handler] = [logging.FileHandler(log_path)]
+        if echo:
+            self.handlers.append(logging.StreamHandler(sys.stdout))
+        fmt = logging.Formatter(f"%(asctime)s [{name}] %(message)s", datefmt="%H:%M:%S")
+        root = logging.getLogger("tidal")
+        self._level = root.level
+        root.setLevel(logging.INFO)
+        for h in self.handlers:
+            h.setFormatter(fmt)
+            root.addHandler(h)
+        self.code: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._main = main
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"tidal-{name}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        async def runner() -> None:
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            await self._main()
+
+        try:
+            asyncio.run(runner())
+            self.code = 0
+        except asyncio.CancelledError:
+            self.code = 143
+        except BaseException:  # noqa: BLE001 - any failure is this component's exit code 1, logged
+            logging.getLogger(f"tidal.{self.name}").exception("%s failed", self.name)
+            self.code = 1
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def signal_group(self, sig: int) -> None:
+        """Any signal stops it: the coroutine is cancelled."""
+        if self._loop is not None and self._task is not None and self.code is None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired(self.name, timeout or 0.0)
+        return self.code
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        """Detach its log handlers (after it stopped)."""
+        root = logging.getLogger("tidal")
+        for h in self.handlers:
+            root.removeHandler(h)
+            h.close()
+        root.setLevel(self._level)
+
+
+Component = Child | InProcess
+
+
+def stop_all(children: list[Component]) -> None:
     """SIGTERM every child's process group, then SIGKILL what is left after STOP_TIMEOUT_S."""
     stop_groups([c.proc for c in children], STOP_TIMEOUT_S)
 
 
-def wait_healthy(urls: str | Sequence[str], infer: Child, timeout_s: float) -> None:
+def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) -> None:
     """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers)."""
     start, waiting = time.monotonic(), [urls] if isinstance(urls, str) else list(urls)
     while time.monotonic() - start < timeout_s:
@@ -103,7 +183,7 @@ def wait_healthy(urls: str | Sequence[str], infer: Child, timeout_s: float) -> N
 
 
 class ComponentFailed(RuntimeError):
-    def __init__(self, child: Child, what: str) -> None:
+    def __init__(self, child: Component, what: str) -> None:
         super().__init__(f"{child.name} {what}")
         self.child = child
 
@@ -144,8 +224,10 @@ class LiveBoard:
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3,
-                 infer_env: Mapping[str, str] | None = None) -> int:
+                 infer_env: Mapping[str, str] | None = None,
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
+    `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
     `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
     health endpoint of each inference server (infer `dp`), all waited for."""
@@ -153,10 +235,11 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
     start_reaper()  # if this launcher is killed outright, nothing it started survives it
-    children: list[Child] = []
+    children: list[Component] = []
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
-    # as ignored, and Ctrl-C / SIGINT must still stop the run.
-    previous = {sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # as ignored, and Ctrl-C / SIGINT must still stop the run. (Only the main thread may install handlers.)
+    previous = ({sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
     board = LiveBoard(run_dir, max_steps) if live else None
     emit = board.emit if board is not None else None
     if board is not None:
@@ -169,8 +252,10 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
         wait_healthy(health, infer, infer_start_timeout_s)
         print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
-        orch = Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)],
-                     logs / "orch.log", echo=True, emit=emit)
+        orch: Component = (
+            InProcess("orch", orchestrator, logs / "orch.log", echo=board is None) if orchestrator is not None else
+            Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)], logs / "orch.log",
+                  echo=True, emit=emit))
         train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
                       logs / "train.log", echo=True, emit=emit)
         children += [orch, train]
@@ -215,5 +300,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
             board.refresh()
             board.live.stop()
         stop_all(children)
+        for c in children:
+            if isinstance(c, InProcess):
+                c.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

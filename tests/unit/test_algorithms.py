@@ -172,7 +172,7 @@ def test_mismatch_guard_warns_after_patience_then_rearms():
 
 def math_only(prompts, completions, completion_ids, trainer_state, answer, text, **kw):
     assert len(prompts) == len(completions) == len(completion_ids) == len(answer) == len(text)
-    assert trainer_state == {"global_step": 1}
+    assert trainer_state.global_step == trainer_state["global_step"] == 1 and trainer_state.max_steps is None
     return [None if "x" in t else float(len(c[0]["content"])) * kw["k"] for t, c in zip(text, completions, strict=True)]
 
 

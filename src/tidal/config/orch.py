@@ -45,7 +45,8 @@ class EnvSection(StrictModel):
     """One environment to sample training examples from."""
 
     id: str
-    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`) or `package.module:Class`."""
+    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`, `dataset`) or
+    `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)
@@ -77,10 +78,11 @@ class TempSchedulerSection(StrictModel):
 class SamplingSection(StrictModel):
     """Sampling parameters sent to vLLM with every rollout request.
 
-    vLLM reports the logprobs of the distribution it sampled from after temperature, repetition penalty and
-    `min_tokens` (tidal starts it with `--logprobs-mode processed_logprobs`); the trainer scores at the batch's
-    temperature but does not replicate the penalty or `min_tokens`, so with those the inference policy differs
-    from the trained one and the importance ratio (and `mismatch_kl`) carries the difference."""
+    vLLM reports the logprobs of the distribution it sampled from after temperature, repetition penalty,
+    top-p/top-k/min-p and `min_tokens` (tidal starts it with `--logprobs-mode processed_logprobs`); the trainer
+    scores at the batch's temperature but does not replicate the penalty, the truncations or `min_tokens`, so
+    with those the inference policy differs from the trained one and the importance ratio (and `mismatch_kl`)
+    carries the difference."""
 
     max_tokens: int | None = Field(None, ge=1)
     """Max completion tokens (null: up to `seq_len` minus the prompt)."""
@@ -92,6 +94,13 @@ class SamplingSection(StrictModel):
     """vLLM's repetition penalty (> 1 discourages repeated tokens; 1: off)."""
     min_tokens: int = Field(0, ge=0)
     """Minimum completion tokens before EOS may be sampled."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches `top_p` (1: off).
+    Like the penalty, the trainer does not replicate the truncation (the importance ratio carries it)."""
+    top_k: int = Field(-1, ge=-1)
+    """Sample among the `top_k` most likely tokens only (-1 or 0: off); not replicated by the trainer."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Drop tokens less likely than `min_p` x the most likely one (0: off); not replicated by the trainer."""
     seed: int | None = None
     """Per-request sampling seed base (request i uses seed + i); null: random."""
 

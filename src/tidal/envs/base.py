@@ -1,7 +1,9 @@
 """The Environment API: a source of prompts and a reward function over completions.
 
-An environment produces `Example`s (chat messages plus whatever the reward needs) and scores a completion's
-text. It must be deterministic given its arguments and the RNG it is handed, so runs are reproducible.
+An environment produces `Example`s (a prompt plus whatever the reward needs) and scores a completion's text. A
+prompt is chat messages (conversational: rendered with the model's chat template) or a plain string (standard,
+TRL's term: sent as text with no template). It must be deterministic given its arguments and the RNG it is handed,
+so runs are reproducible.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 class Example:
     """One training prompt: the chat messages sent to the model and the data its reward needs."""
 
-    prompt: list[dict[str, str]]
-    """Chat messages, e.g. `[{"role": "system", ...}, {"role": "user", ...}]`."""
+    prompt: list[dict[str, Any]] | str
+    """Chat messages, e.g. `[{"role": "system", ...}, {"role": "user", ...}]` (conversational), or a plain
+    string continued as is, without a chat template (standard)."""
     answer: str = ""
     """Reference answer used by the reward (task-specific)."""
     info: dict[str, Any] = field(default_factory=dict)
@@ -39,6 +42,14 @@ class Environment(ABC):
     """Model turns per rollout (1: single-turn)."""
     stop: list[str] = []  # noqa: RUF012 - class default, not mutated
     """Strings that end a model turn (sent as vLLM `stop`, kept in the output), e.g. `</calc>`."""
+    has_reward: bool = True
+    """Whether `reward` scores completions; False (the `dataset` environment): only the run's reward
+    functions do, and the environment gets no reward column."""
+
+    def reward_columns(self, example: Example) -> dict[str, Any]:
+        """The keyword arguments reward functions get besides prompts/completions (one value per example; the
+        scorer repeats it per completion): by default `answer`, `task` and the `info` columns."""
+        return {"answer": example.answer, "task": example.task, **example.info}
 
     def respond(self, example: Example, transcript: str) -> str | None:
         """The environment's reply to the rollout so far (`transcript`: every model turn and reply, as text),

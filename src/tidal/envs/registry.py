@@ -8,11 +8,12 @@ from typing import Any
 
 from tidal.envs.base import Environment
 from tidal.envs.calculator import Calculator
+from tidal.envs.dataset import DatasetEnv
 from tidal.envs.math import MathProblems
 from tidal.envs.reverse_text import ReverseText
 
 _REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems,
-                                           Calculator.id: Calculator}
+                                           Calculator.id: Calculator, DatasetEnv.id: DatasetEnv}
 
 
 def available() -> list[str]:

@@ -2,7 +2,7 @@
 
 `tidal env-server ID [--args JSON] [--host H] [--port P]` serves any registered environment (or
 `package.module:Class`) over HTTP with JSON bodies (no pickle):
-  GET  /info                                  -> {id, max_turns, stop}
+  GET  /info                                  -> {id, max_turns, stop, has_reward}
   POST /sample  {seed}                         -> example (drawn with `random.Random(seed)`)
   POST /reward  {example, completion}          -> {reward}
   POST /respond {example, transcript}          -> {reply}  (multi-turn; null ends the rollout)
@@ -34,8 +34,9 @@ from tidal.envs.base import Environment, Example
 
 
 def example_from_json(d: dict[str, Any]) -> Example:
-    return Example(prompt=list(d["prompt"]), answer=str(d.get("answer", "")), info=dict(d.get("info", {})),
-                   task=str(d.get("task", "")))
+    prompt = d["prompt"]
+    return Example(prompt=prompt if isinstance(prompt, str) else list(prompt), answer=str(d.get("answer", "")),
+                   info=dict(d.get("info", {})), task=str(d.get("task", "")))
 
 
 API_KEY_VAR = "TIDAL_ENV_API_KEY"
@@ -64,7 +65,8 @@ def make_handler(env: Environment, api_key: str | None = None) -> type[BaseHTTPR
             if not self._authorized():
                 return
             if self.path == "/info":
-                self._send(200, {"id": env.id, "max_turns": env.max_turns, "stop": list(env.stop)})
+                self._send(200, {"id": env.id, "max_turns": env.max_turns, "stop": list(env.stop),
+                                 "has_reward": env.has_reward})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 
@@ -119,6 +121,7 @@ class RemoteEnvironment(Environment):
         self.http = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
         info = self._wait_info(connect_timeout_s)
         self.id, self.max_turns, self.stop = str(info["id"]), int(info["max_turns"]), list(info["stop"])
+        self.has_reward = bool(info.get("has_reward", True))
 
     def _wait_info(self, timeout_s: float) -> dict[str, Any]:
         start, last = time.monotonic(), ""

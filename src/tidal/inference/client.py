@@ -1,10 +1,10 @@
 """Async client for one or more vLLM servers: readiness with backoff, tokenize, sample, LoRA load/unload.
 
-Requests are spread round-robin over `client.base_url`; adapter loads go to every server. Prompts are
-tokenized by the server itself (`/tokenize` with the chat template and `client.chat_template_kwargs` as extra
-template variables, for training and evaluation prompts alike), and completions are requested from those
-token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw and sampled,
-never on re-tokenized text.
+Requests are spread round-robin over `client.base_url`; adapter loads go to every server. Prompts are tokenized by
+the server itself (`/tokenize` with the chat template and `client.chat_template_kwargs` as extra template
+variables, for training and evaluation prompts alike; a standard string prompt as plain text), and completions are
+requested from those token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw
+and sampled, never on re-tokenized text.
 """
 
 from __future__ import annotations
@@ -137,6 +137,13 @@ class InferenceClient:
             payload["chat_template_kwargs"] = dict(self.cfg.chat_template_kwargs)
         out = await self._post(url, payload)
         return list(out["tokens"])
+
+    async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str) -> list[int]:
+        """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational); a string as
+        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends)."""
+        if isinstance(prompt, str):
+            return await self.tokenize_text(model, prompt)
+        return await self.tokenize_chat(model, prompt)
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:
         """Token ids of plain `text` (no chat template, no special tokens)."""

@@ -29,6 +29,10 @@ from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
 from tidal.transport.batch import TrainingBatch
 
+RESERVED_METRICS = frozenset({"step", "loss", "grad_norm", "tokens", "policy_step", "learning_rate", "entropy",
+                              "mismatch_kl", "masked", "step_time_s"})
+"""Metric names the trainer or the step bookkeeping writes; reward functions' `log_metric` may not take them."""
+
 log = logging.getLogger("tidal.orch")
 
 
@@ -81,7 +85,7 @@ def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, ad
     out = []
     for i in range(0, len(flat), every)[:limit]:
         ex, c = flat[i]
-        user = [m["content"] for m in ex.prompt if m.get("role") == "user"]
+        user = [] if isinstance(ex.prompt, str) else [m["content"] for m in ex.prompt if m.get("role") == "user"]
         out.append({"prompt": user[-1] if user else str(ex.prompt), "completion": c.text,
                     "reward": float(rewards[i]),
                     "advantage": float(advantages[i].mean()) if advantages[i].size else 0.0})
@@ -123,5 +127,6 @@ def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, s
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
     metrics |= scorer.take_error_counts()
     metrics["completions/empty"] = float((comp_lens == 0).sum())
+    metrics |= scorer.take_logged_metrics(set(metrics) | RESERVED_METRICS)
     batch.metrics = metrics
     return Assembled(batch, flat, rewards, advantages, int(comp_lens.sum()))

@@ -49,7 +49,7 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
         return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
 
     examples = [draw() for _ in range(n)]
-    prompts = list(await asyncio.gather(*(client.tokenize_chat(model, ex.prompt) for ex in examples)))
+    prompts = list(await asyncio.gather(*(client.tokenize_prompt(model, ex.prompt) for ex in examples)))
     reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
     for i in range(n):
         draws = 0
@@ -64,7 +64,7 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
                 raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
                                  f"raise seq_len or set long_prompts: truncate")
             examples[i] = draw()
-            prompts[i] = await client.tokenize_chat(model, examples[i].prompt)
+            prompts[i] = await client.tokenize_prompt(model, examples[i].prompt)
     return examples, prompts
 
 

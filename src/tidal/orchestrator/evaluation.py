@@ -1,15 +1,16 @@
 """Online evaluation (`eval.*`): score the served policy on fixed held-out examples between batches.
 
-Each eval environment gets a fixed example set, drawn once with a seed of its own (so it does not move the
-training sampler): `num_examples` of them, or for -1 the environment's finite eval set (`eval_examples()`) or
-128 generated ones; their prompts are rendered by the server like training prompts (the chat template with
-`client.chat_template_kwargs`, `InferenceClient.tokenize_chat`). An evaluation samples `rollouts_per_example`
-completions per example from the policy vLLM serves (at the training temperature and with the training
-sampling keys; multi-turn environments run their turns as in training), scores them with that environment's
-`reward_group`, and records per environment `eval/{name}/reward/mean`, `.../reward/std`, `.../pass@k` (share
-of examples with a completion scoring >= 1), `.../completion_len/mean` (and `.../turns/mean` for a multi-turn
-environment), with the policy step evaluated, to `eval.jsonl` and the metric sinks. The base model (policy 0)
-is evaluated before the first step when `eval_base_model` is set.
+Each eval environment gets a fixed example set, drawn once with a seed of its own (so it does not move the training
+sampler): `num_examples` of them, or for -1 the environment's finite eval set (`eval_examples()`) or 128 generated
+ones; their prompts are rendered by the server like training prompts (the chat template with
+`client.chat_template_kwargs`, `InferenceClient.tokenize_prompt`). An evaluation samples `rollouts_per_example`
+completions per example from the policy vLLM serves (at the training temperature and with the training sampling
+keys; multi-turn environments run their turns as in training), scores them with that environment's `reward_group`
+(an environment without a reward of its own, e.g. `dataset`: with the run's reward functions, weighted as in
+training, `Scorer.funcs_total`), and records per environment `eval/{name}/reward/mean`, `.../reward/std`,
+`.../pass@k` (share of examples with a completion scoring >= 1), `.../completion_len/mean` (and `.../turns/mean`
+for a multi-turn environment), with the policy step evaluated, to `eval.jsonl` and the metric sinks. The base model
+(policy 0) is evaluated before the first step when `eval_base_model` is set.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import numpy as np
 
 from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
-from tidal.inference.client import InferenceClient
+from tidal.inference.client import Completion, InferenceClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
+from tidal.orchestrator.scoring import Scorer
 
 GENERATED_EVAL_SIZE = 128
 EVAL_SEED = 1_000_003
@@ -42,11 +44,17 @@ def turns(mask: list[int] | None) -> int:
 class Evaluator:
     """The eval environments, their fixed examples, and when the next evaluation is due."""
 
-    def __init__(self, ecfg: EvalSection, sampling: SamplingSection, seq_len: int, writer: MetricsWriter) -> None:
+    def __init__(self, ecfg: EvalSection, sampling: SamplingSection, seq_len: int, writer: MetricsWriter,
+                 scorer: Scorer | None = None) -> None:
+        """`scorer`: the run's reward functions, for eval environments without a reward of their own."""
         self.ecfg, self.sampling, self.seq_len, self.writer = ecfg, sampling, seq_len, writer
+        self.scorer = scorer
         self.sets: dict[str, tuple[Environment, list[Example]]] = {}
         for i, e in enumerate(ecfg.env):
             env = build_env(e)
+            if not env.has_reward and (scorer is None or not scorer.funcs):
+                raise ValueError(f"eval env '{e.name or e.id}' has no reward of its own and the run has no reward "
+                                 f"functions to score it with (orch reward_funcs)")
             finite = env.eval_examples()
             if ecfg.num_examples == -1 and finite is not None:
                 examples = list(finite)
@@ -57,6 +65,13 @@ class Evaluator:
             self.sets[e.name or env.id or e.id] = (env, examples)
         self.prompts: dict[str, list[list[int]]] = {}
         self.last_evaluated = -1
+
+    def score(self, env: Environment, example: Example, group: list[Completion], step: int) -> list[float]:
+        """Rewards of one group: the environment's own, or the run's reward functions' weighted total."""
+        if env.has_reward:
+            return list(env.reward_group(example, [c.text for c in group]))
+        assert self.scorer is not None
+        return [float(x) for x in self.scorer.funcs_total(env, example, group, step)]
 
     def due(self, policy_step: int) -> bool:
         """Whether `policy_step` should be evaluated: the first policy at or past the next multiple."""
@@ -77,7 +92,7 @@ class Evaluator:
         out: dict[str, Any] = {"step": step, "policy_step": policy_step}
         for name, (env, examples) in self.sets.items():
             if name not in self.prompts:
-                self.prompts[name] = list(await asyncio.gather(*(client.tokenize_chat(base_model, ex.prompt)
+                self.prompts[name] = list(await asyncio.gather(*(client.tokenize_prompt(base_model, ex.prompt)
                                                                  for ex in examples)))
             k, seed, sp, n = self.ecfg.rollouts_per_example, self.sampling.seed, self.sampling, self.seq_len
             groups = await asyncio.gather(*(
@@ -85,8 +100,7 @@ class Evaluator:
                                  ex) if env.max_turns > 1 else
                 rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature)
                 for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
-            rewards = np.array([env.reward_group(ex, [c.text for c in g])
-                                for ex, g in zip(examples, groups, strict=True)])
+            rewards = np.array([self.score(env, ex, g, step) for ex, g in zip(examples, groups, strict=True)])
             lengths = [len(c.token_ids) for g in groups for c in g]
             out |= {f"eval/{name}/reward/mean": float(rewards.mean()), f"eval/{name}/reward/std": float(rewards.std()),
                     f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),

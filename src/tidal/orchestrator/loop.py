@@ -38,7 +38,7 @@ from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.sampling import temperature_at
-from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.scoring import RewardFunc, Scorer
 from tidal.paths import eval_path
 from tidal.transport import BatchSink
 from tidal.transport.filesystem import BatchWriter
@@ -77,7 +77,8 @@ class Parts:
     sinks: Sinks
 
     @classmethod
-    def build(cls, cfg: OrchConfig, run_dir: Path) -> Parts:
+    def build(cls, cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None) -> Parts:
+        """`reward_funcs`: reward functions given in process (the Python API), after orch `reward_funcs`."""
         env = EnvMix(cfg.env, cfg.buffer.env_ratios)
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
@@ -86,7 +87,7 @@ class Parts:
                    if cfg.teacher is not None else None)
         rt = cfg.rollout_transport
         sink: BatchSink = BatchWriter(run_dir) if rt.type == "filesystem" else ZmqBatchServer(rt.host, rt.port, rt.hwm)
-        return cls(env, Scorer(env.envs, cfg), buffer, Filters(cfg.filters, cfg.model.name),
+        return cls(env, Scorer(env.envs, cfg, reward_funcs), buffer, Filters(cfg.filters, cfg.model.name),
                    load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None, rng, progress,
                    InferenceClient(cfg.client), teacher, sink,
                    Sinks(cfg.report_to, run_dir, {"orch": cfg.model_dump(mode="json")}))
@@ -119,9 +120,10 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
 
 
-async def run(cfg: OrchConfig, run_dir: Path) -> int:
-    """Produce batches until `max_steps`; returns the number written."""
-    parts = Parts.build(cfg, run_dir)
+async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None) -> int:
+    """Produce batches until `max_steps`; returns the number written. `reward_funcs`: reward functions given in
+    process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`."""
+    parts = Parts.build(cfg, run_dir, reward_funcs)
     try:
         base = await served_base_model(parts.client, cfg)
         wb = cfg.weight_broadcast
@@ -131,7 +133,7 @@ async def run(cfg: OrchConfig, run_dir: Path) -> int:
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, parts.sink.where)
         step = resumed_at = parts.progress.step
-        evaluator = (Evaluator(cfg.eval, cfg.sampling, cfg.seq_len, MetricsWriter(eval_path(run_dir)))
+        evaluator = (Evaluator(cfg.eval, cfg.sampling, cfg.seq_len, MetricsWriter(eval_path(run_dir)), parts.scorer)
                      if cfg.eval is not None else None)
         skip_eval = resumed_at > 0 and cfg.eval is not None and cfg.eval.skip_eval_on_resume
         if evaluator is not None and resumed_at == 0 and evaluator.due(0):

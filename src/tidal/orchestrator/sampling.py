@@ -27,13 +27,20 @@ def temperature_at(sampling: SamplingSection, max_steps: int | None, step: int) 
 
 
 def extra_sampling(sampling: SamplingSection, max_tokens: int) -> dict[str, Any]:
-    """vLLM request keys beyond temperature and max_tokens (only those that differ from vLLM's defaults);
+    """vLLM request keys beyond temperature and max_tokens (only those that differ from vLLM's defaults; they
+    replace the client's `top_p: 1, top_k: -1`);
     `min_tokens` never exceeds the request's `max_tokens`."""
     out: dict[str, Any] = {}
     if sampling.repetition_penalty != 1.0:
         out["repetition_penalty"] = sampling.repetition_penalty
     if sampling.min_tokens:
         out["min_tokens"] = min(sampling.min_tokens, max_tokens)
+    if sampling.top_p != 1.0:
+        out["top_p"] = sampling.top_p
+    if sampling.top_k > 0:
+        out["top_k"] = sampling.top_k
+    if sampling.min_p > 0:
+        out["min_p"] = sampling.min_p
     return out
 
 

@@ -22,15 +22,17 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def unit_tests(completions: list[list[dict[str, str]]], tests: list[str | None] | None = None,
+def unit_tests(completions: list[Any], tests: list[str | None] | None = None,
                timeout_s: float = 5.0, memory_mb: int = 256, **_: Any) -> list[float | None]:
-    """1.0 per completion whose code passes its example's `tests`, 0.0 otherwise, None without tests."""
+    """1.0 per completion whose code passes its example's `tests`, 0.0 otherwise, None without tests.
+    `completions`: strings (standard prompts) or assistant-message lists (conversational)."""
     out: list[float | None] = []
     for i, comp in enumerate(completions):
         test = tests[i] if tests is not None else None
         if not test:
             out.append(None)
             continue
-        code = f"{extract_code(comp[-1]['content'])}\n\n{test}\n"
+        text = comp if isinstance(comp, str) else comp[-1]["content"]  # standard or conversational
+        code = f"{extract_code(text)}\n\n{test}\n"
         out.append(1.0 if run_python(code, timeout_s=timeout_s, memory_mb=memory_mb).ok else 0.0)
     return out

@@ -40,10 +40,13 @@ SAVED_MARKERS = (STABLE, "config.json", "adapter_config.json")
 """Files that mark a directory as an earlier `tidal sft` result (which a new run may replace)."""
 
 
-def render_prompt(tok: Any, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_kwargs: dict[str, Any] | None = None
                   ) -> list[int]:
     """Prompt token ids: the chat template with the generation prompt, and `chat_template_kwargs` as extra
-    template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`)."""
+    template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`); a
+    standard (string) prompt as plain text without special tokens (`InferenceClient.tokenize_prompt`)."""
+    if isinstance(messages, str):
+        return list(tok(messages, add_special_tokens=False)["input_ids"])
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                   **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

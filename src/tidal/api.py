@@ -1,0 +1,215 @@
+"""The Python API for TRL users: `from tidal import GRPOConfig, GRPOTrainer`.
+
+    trainer = GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=[f, g], args=GRPOConfig(...),
+                          train_dataset=dataset, eval_dataset=None, peft_config=LoraConfig(...))
+    trainer.train()
+
+runs the same pipeline as `tidal grpo`: a vLLM server and the trainer as supervised subprocesses (the co-locate
+launcher, `tidal.launcher.run_colocate`, with the placement of `tidal.config.colocate.derive_colocate`), and the
+orchestrator in THIS process, on its own asyncio loop in a thread, so reward functions defined in the script
+(closures and lambdas included) are called where they live; nothing is pickled. `args` maps onto tidal's configs
+by `tidal.config.trl.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl` and read by
+the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a standard prompt (no chat template), a
+list of messages a conversational one; every other column reaches the reward functions. The resolved configs
+land in `{output_dir}/configs/` as with `tidal grpo`.
+
+Differences from TRL (docs/trl.md): without `peft_config` tidal trains a LoRA adapter with train.yaml's defaults
+(full-weight GRPO is not supported yet; a warning says so); `model` must be a name or path, not a loaded model;
+`tools` and `environment_factory` are not supported yet (errors). A string in `reward_funcs` is an import path
+(`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
+model, loaded once in this process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.config.colocate import Machine, derive_colocate
+from tidal.config.load import ConfigError
+from tidal.config.trl import GRPOConfig, to_tidal
+
+log = logging.getLogger("tidal.api")
+
+
+@dataclass
+class TrainOutput:
+    """What `train()` returns (TRL returns a TrainOutput too)."""
+
+    global_step: int
+    """Training steps done (tidal batches; each holds `optimizer_steps_per_batch` optimizer steps)."""
+    run_dir: Path
+    """The run directory: metrics.jsonl, broadcasts/, checkpoints/, logs/."""
+    metrics: dict[str, float]
+    """The last step's metrics row."""
+
+
+def as_rows(dataset: Any, what: str) -> list[dict[str, Any]]:
+    """The rows of a `datasets.Dataset` (or a list of dicts); errors name `what`."""
+    if isinstance(dataset, list):
+        rows = dataset
+    elif hasattr(dataset, "column_names") and hasattr(dataset, "__len__"):
+        rows = [dict(r) for r in dataset]
+    else:
+        raise TypeError(f"{what} must be a datasets.Dataset or a list of dicts, got {type(dataset).__name__} (an "
+                        f"IterableDataset or DatasetDict: pick a split / materialize it)")
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{what} must hold at least one row, each a dict")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"{what} has no 'prompt' column (columns: {', '.join(rows[0])})")
+    return rows
+
+
+def eval_sets(eval_dataset: Any) -> dict[str, list[dict[str, Any]]]:
+    """The eval datasets by name: one dataset is `eval` (metrics `eval/eval/...`); a dict of datasets (TRL) keeps
+    its keys (`eval/{key}/...`)."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "column_names"):
+        bad = [k for k in eval_dataset if not str(k).replace("_", "").replace("-", "").isalnum() or k == "train"]
+        if bad:
+            raise ValueError(f"eval_dataset key {bad[0]!r}: use letters, digits, '_' or '-' (and not 'train')")
+        return {str(k): as_rows(v, f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
+    return {"eval": as_rows(eval_dataset, "eval_dataset")}
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Rows as JSON lines (`datasets` reads them back with the same columns); non-JSON values are refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    except TypeError as exc:
+        raise ValueError(f"dataset rows must hold JSON values (strings, numbers, lists, dicts) to reach the "
+                         f"orchestrator's dataset environment: {exc}") from None
+    path.write_text(text)
+
+
+def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list[tuple[str, Callable[..., Any], float]]:
+    """(unique name, function, weight) of each reward function; a string is an import path (`pkg.mod:fn`) or
+    else a reward model (a sequence-classification model's name or directory, `tidal.reward_model`)."""
+    from tidal.orchestrator.advantage import load_function
+    from tidal.reward_model import RewardModel
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: give at least one reward function")
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"GRPOConfig reward_weights has {len(weights)} weights for {len(funcs)} reward functions")
+    out: list[tuple[str, Callable[..., Any], float]] = []
+    for i, f in enumerate(funcs):
+        if isinstance(f, str):
+            f = load_function(f) if ":" in f and not f.startswith("tidal:") else RewardModel(f)
+        if not callable(f):
+            raise TypeError(f"reward_funcs[{i}] is a {type(f).__name__}, not a function")
+        name = str(getattr(f, "__name__", f"reward_{i}"))
+        taken = {n for n, _, _ in out}
+        if name in taken:
+            name = next(f"{name}_{k}" for k in range(2, len(funcs) + 2) if f"{name}_{k}" not in taken)
+        out.append((name, f, 1.0 if weights is None else float(weights[i])))
+    return out
+
+
+class GRPOTrainer:
+    """TRL's GRPOTrainer signature, running tidal's pipeline (see the module docs)."""
+
+    def __init__(self, model: str, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
+                 environment_factory: Any = None, rollout_func: Any = None) -> None:
+        refused = {"processing_class": processing_class, "reward_processing_classes": reward_processing_classes,
+                   "callbacks": callbacks, "tools": tools, "environment_factory": environment_factory,
+                   "rollout_func": rollout_func}
+        for key, value in refused.items():
+            if value is not None:
+                raise NotImplementedError(f"GRPOTrainer({key}=...) is not supported by tidal yet; leave it out")
+        if optimizers != (None, None):
+            raise NotImplementedError("GRPOTrainer(optimizers=...) is not supported: tidal builds the optimizer from "
+                                      "GRPOConfig (optim, learning_rate, lr_scheduler_type)")
+        if not isinstance(model, str | Path):
+            raise TypeError(f"model must be a model name or directory (tidal's vLLM server and trainer load it "
+                            f"themselves), got a {type(model).__name__}; pass its path")
+        if train_dataset is None:
+            raise ValueError("train_dataset is required")
+        self.model = str(model)
+        self.args = args if args is not None else GRPOConfig()
+        self.train_rows = as_rows(train_dataset, "train_dataset")
+        self.eval_sets = eval_sets(eval_dataset)
+        self.reward_funcs = reward_functions(reward_funcs, self.args.reward_weights)
+        if peft_config is None:
+            warnings.warn("GRPOTrainer without peft_config: tidal trains a LoRA adapter (rank 16, alpha 32, all "
+                          "linear layers); full-weight GRPO is not supported yet. Pass a peft.LoraConfig to choose",
+                          UserWarning, stacklevel=2)
+        self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
+                                eval_names=list(self.eval_sets))
+        self.run_dir = Path(self.args.output_dir)
+
+    def train(self) -> TrainOutput:
+        """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
+        from tidal.cli import check_model, prepare_run_dir, trainer_footprint_gib, write_configs
+        from tidal.envs import make_env
+        from tidal.inference.server import check_bind_secure, check_port_free
+        from tidal.launcher import run_colocate
+        from tidal.monitor.metrics import read_metrics
+        from tidal.orchestrator import loop
+
+        check_model(self.model, "GRPOTrainer(model=...)")
+        d = self.derived
+        co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib)
+        place = co.placement
+        check_bind_secure(co.infer)
+        for port in range(place.port, place.port + co.infer.dp):
+            check_port_free(place.host, port)
+        for notice in place.notices:
+            print(f"[tidal] {notice}", flush=True)
+        prepare_run_dir(place.run_dir)
+        data = place.run_dir / "data"
+        write_rows(self.train_rows, data / "train.jsonl")
+        orch = co.orch.model_copy(deep=True)
+        orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
+        if orch.eval is not None:
+            for section in orch.eval.env:  # one per eval dataset, named as given
+                path = data / f"{section.name}.jsonl"
+                write_rows(self.eval_sets[str(section.name)], path)
+                section.args = {"path": str(path.resolve())}
+        for section in [*orch.env, *(orch.eval.env if orch.eval is not None else [])]:
+            make_env(section.id, section.args)  # a dataset it cannot read fails now, before vLLM starts
+        paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
+        (place.run_dir / "configs" / "reward_funcs.json").write_text(json.dumps(
+            [{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1))
+
+        async def orchestrate() -> None:
+            await loop.run(orch, place.run_dir, self.reward_funcs)
+
+        code = run_colocate(sys.executable, place.run_dir, paths, place.health_urls,
+                            infer_start_timeout_s=self.args.vllm_server_timeout, max_steps=orch.max_steps,
+                            infer_env=place.infer_env, orchestrator=orchestrate)
+        if code == 130:
+            raise KeyboardInterrupt
+        if code != 0:
+            raise RuntimeError(f"tidal GRPO run failed (exit code {code}); logs in {place.run_dir / 'logs'}")
+        rows = read_metrics(place.run_dir / "metrics.jsonl")
+        last = rows[-1] if rows else {}
+        return TrainOutput(int(last.get("step", 0)), place.run_dir,
+                           {k: float(v) for k, v in last.items() if isinstance(v, int | float)})
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Copy the trained LoRA adapter (`{run_dir}/final/adapter/`, a PEFT adapter directory) to `output_dir`
+        (None: it stays where it is); returns where it is."""
+        import shutil
+
+        src = self.run_dir / "final" / "adapter"
+        if not (src / "adapter_config.json").is_file():
+            raise RuntimeError(f"no trained adapter in {src}: call train() first")
+        if output_dir is None or Path(output_dir).resolve() in (self.run_dir.resolve(), src.resolve()):
+            return src
+        shutil.copytree(src, output_dir, dirs_exist_ok=True)
+        return Path(output_dir)
+
+
+__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "TrainOutput"]

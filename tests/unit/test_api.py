@@ -1,0 +1,131 @@
+"""`GRPOTrainer`'s checks before anything starts (TRL's signature; what tidal refuses, by name), the reward
+functions it hands the orchestrator (names, weights, import paths), the dataset rows it writes, and the
+launcher's in-process component that runs the orchestrator in the caller's process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tidal import GRPOConfig, GRPOTrainer
+from tidal.api import reward_functions, write_rows
+from tidal.envs import make_env
+from tidal.launcher import InProcess
+
+ROWS = [{"prompt": "abc", "answer": "cba"}, {"prompt": "de", "answer": "ed"}]
+
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def make(**kw):
+    args = kw.pop("args", GRPOConfig(num_generations=2, per_device_train_batch_size=4))
+    return GRPOTrainer(**{"model": "tidal:tiny-reverse", "reward_funcs": length, "args": args,
+                          "train_dataset": ROWS, "peft_config": None, **kw})
+
+
+def test_construction_derives_the_configs_and_warns_about_full_weights():
+    with pytest.warns(UserWarning, match="trains a LoRA adapter"):
+        t = make()
+    assert t.derived.orch.batch_size == 4 and t.derived.orch.rollouts_per_example == 2
+    assert t.derived.orch.max_steps == 3  # 3 epochs x 2 rows x 2 generations / 4
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"tools": [length]}, r"GRPOTrainer\(tools=...\) is not supported"),
+    ({"environment_factory": object}, r"environment_factory=...\) is not supported"),
+    ({"callbacks": []}, r"callbacks=...\) is not supported"),
+    ({"processing_class": object()}, r"processing_class=...\) is not supported"),
+    ({"optimizers": (object(), None)}, r"optimizers=...\) is not supported"),
+])
+def test_unsupported_arguments_are_refused_by_name(kw, match):
+    with pytest.raises(NotImplementedError, match=match):
+        make(**kw)
+
+
+@pytest.mark.filterwarnings("ignore:GRPOTrainer without peft_config")
+def test_bad_models_datasets_and_reward_functions_are_refused():
+    with pytest.raises(TypeError, match="model must be a model name or directory"):
+        make(model=object())
+    with pytest.raises(ValueError, match="has no 'prompt' column"):
+        make(train_dataset=[{"question": "x"}])
+    with pytest.raises(TypeError, match="datasets.Dataset or a list of dicts"):
+        make(train_dataset="data.jsonl")
+    with pytest.raises(ValueError, match=r"cannot import 'tidal_no_such_module:f'"):
+        make(reward_funcs="tidal_no_such_module:f")
+    with pytest.raises(ValueError, match="2 weights for 1 reward functions"):
+        make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, reward_weights=[1.0, 2.0]))
+    with pytest.raises(ValueError, match="eval_strategy 'steps' needs an eval_dataset"):
+        make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, eval_strategy="steps"))
+
+
+def test_eval_datasets_one_or_a_dict_of_named_ones():
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, eval_strategy="steps")
+    one = make(args=args, eval_dataset=ROWS[:1], peft_config=SimpleNamespace(r=8))
+    assert list(one.eval_sets) == ["eval"] and [e.name for e in one.derived.orch.eval.env] == ["eval"]
+    two = make(args=args, eval_dataset={"easy": ROWS[:1], "hard-2": ROWS}, peft_config=SimpleNamespace(r=8))
+    assert [e.name for e in two.derived.orch.eval.env] == ["easy", "hard-2"] and len(two.eval_sets["hard-2"]) == 2
+    with pytest.raises(ValueError, match="eval_dataset key 'a/b'"):
+        make(args=args, eval_dataset={"a/b": ROWS}, peft_config=SimpleNamespace(r=8))
+
+
+def test_reward_functions_get_unique_names_weights_and_import_paths():
+    path = "tidal.rewards.length:soft_overlong_punishment"
+    funcs = reward_functions([length, lambda **kw: [], lambda **kw: [], path], [1.0, 2.0, 3.0, 0.5])
+    assert [(n, w) for n, _, w in funcs] == [("length", 1.0), ("<lambda>", 2.0), ("<lambda>_2", 3.0),
+                                            ("soft_overlong_punishment", 0.5)]
+    assert reward_functions(length, None)[0][2] == 1.0
+    with pytest.raises(ValueError, match="reward_funcs is empty"):
+        reward_functions([], None)
+
+
+def test_written_rows_read_back_through_the_dataset_env(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x", "meta": {"k": [1, 2]}}]
+    write_rows(rows, tmp_path / "d" / "train.jsonl")
+    env = make_env("dataset", {"path": str(tmp_path / "d" / "train.jsonl")})
+    ex = (env.eval_examples() or [])[0]
+    assert ex.prompt == rows[0]["prompt"] and env.reward_columns(ex) == {"answer": "x", "meta": {"k": [1, 2]}}
+    with pytest.raises(ValueError, match="JSON values"):
+        write_rows([{"prompt": "p", "x": object()}], tmp_path / "bad.jsonl")
+    assert json.loads((tmp_path / "d" / "train.jsonl").read_text())["answer"] == "x"
+
+
+def wait_for_code(c: InProcess, timeout: float = 10.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while c.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return c.poll()
+
+
+def test_in_process_component_exit_codes_logs_and_stop(tmp_path):
+    import logging
+
+    async def ok() -> None:
+        logging.getLogger("tidal.orch").info("batch 1 written")
+
+    async def boom() -> None:
+        raise RuntimeError("reward exploded")
+
+    async def forever() -> None:
+        await asyncio.sleep(3600)
+
+    done = InProcess("orch", ok, tmp_path / "ok.log", echo=False)
+    assert wait_for_code(done) == 0
+    done.close()
+    assert "[orch] batch 1 written" in (tmp_path / "ok.log").read_text()
+    failed = InProcess("orch", boom, tmp_path / "boom.log", echo=False)
+    assert wait_for_code(failed) == 1
+    failed.close()
+    assert "RuntimeError: reward exploded" in failed.tail()
+    running = InProcess("orch", forever, tmp_path / "run.log", echo=False)
+    time.sleep(0.2)
+    assert running.poll() is None
+    running.signal_group(signal.SIGTERM)
+    assert running.proc.wait(timeout=5) == 143
+    running.close()

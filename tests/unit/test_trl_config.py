@@ -1,0 +1,176 @@
+"""`GRPOConfig` (TRL's key names) -> tidal's train / infer / orch configs: every key maps somewhere with an effect
+or is refused with an error naming it; TRL's batch arithmetic (generation batch, optimizer steps per
+generation, num_iterations) becomes tidal's batches; peft's LoraConfig becomes the train LoRA keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tidal import GRPOConfig as LazyGRPOConfig
+from tidal.config.train import ALL_LINEAR
+from tidal.config.trl import MAPPING, GRPOConfig, to_tidal
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
+
+
+def derive(n_rows: int = 10, funcs: int = 1, peft: Any = None, eval_: bool = False, **kw: Any):
+    return to_tidal(GRPOConfig(**kw), "tidal:tiny-reverse", n_rows, funcs, peft, eval_names=["eval"] if eval_ else [])
+
+
+def dump(d: Any) -> dict[str, Any]:
+    return {"train": d.train.model_dump(), "infer": d.infer.model_dump(), "orch": d.orch.model_dump()}
+
+
+def test_every_key_is_mapped_or_refused_and_documented():
+    refused = GRPOConfig.UNSUPPORTED | set(GRPOConfig.REFUSED)
+    assert not set(MAPPING) & refused
+    keys = set(GRPOConfig.model_fields)
+    assert set(MAPPING) | refused == keys, (keys - set(MAPPING) - refused, (set(MAPPING) | refused) - keys)
+    text = DOCS.read_text()
+    missing = [k for k in keys if f"`{k}`" not in text]
+    assert not missing, f"docs/trl.md does not mention {missing}"
+    assert LazyGRPOConfig is GRPOConfig  # `from tidal import GRPOConfig`
+
+
+ALTERNATIVES: dict[str, Any] = {
+    "output_dir": "elsewhere", "num_generations": 4, "max_completion_length": 100, "max_prompt_length": 100,
+    "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+    "generation_batch_size": 16, "steps_per_generation": 2, "chat_template_kwargs": {"enable_thinking": False},
+    "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "learning_rate": 1e-5,
+    "lr_scheduler_type": "cosine", "warmup_steps": 3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99,
+    "max_grad_norm": 0.5, "optim": "adamw_8bit", "gradient_checkpointing": False, "bf16": False, "seed": 7,
+    "trust_remote_code": True,
+    "max_steps": 5, "num_train_epochs": 1.0, "beta": 0.04, "epsilon": 0.1, "epsilon_high": 0.28, "delta": 2.0,
+    "loss_type": "grpo", "scale_rewards": False, "importance_sampling_level": "sequence", "num_iterations": 2,
+    "mask_truncated_completions": True, "top_entropy_quantile": 0.2,
+    "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": 2.5,
+    "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
+    "vllm_server_host": "127.0.0.2", "vllm_server_port": 8123, "vllm_gpu_memory_utilization": 0.3,
+    "vllm_tensor_parallel_size": 2, "vllm_max_model_length": 2048, "logging_steps": 1, "save_strategy": "no",
+    "save_steps": 2, "save_total_limit": 2, "report_to": "tensorboard", "log_completions": True,
+}
+"""A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
+NOT_IN_CONFIGS = {"reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
+                  "use_vllm": "always vLLM, either value", "vllm_mode": "one layout either way",
+                  "vllm_server_timeout": "the launcher's wait (GRPOTrainer.train)",
+                  "run_name": "tested with report_to", "eval_strategy": "tested with an eval dataset",
+                  "eval_steps": "tested with an eval dataset", "num_generations_eval": "tested with an eval dataset"}
+
+
+@pytest.mark.filterwarnings("ignore::tidal.config.base.ConfigWarning")  # sequence-level ratios with dapo
+@pytest.mark.parametrize("key", sorted(set(MAPPING) - set(NOT_IN_CONFIGS)))
+def test_each_mapped_key_changes_the_derived_configs(key):
+    base = {"num_train_epochs": 2.0} if key == "num_train_epochs" else {}
+    if key == "log_completions":
+        base["report_to"] = "tensorboard"
+    before = dump(derive(**base))
+    after = dump(derive(**{**base, key: ALTERNATIVES[key]}))
+    assert before != after, f"{key} has no effect"
+
+
+def test_keys_outside_the_configs_are_mapped_keys():
+    assert set(NOT_IN_CONFIGS) <= set(MAPPING)
+
+
+def test_defaults_follow_trl():
+    d = derive(n_rows=10)
+    o, t = d.orch, d.train
+    assert o.rollouts_per_example == 8 and o.batch_size == 8 and o.sampling.max_tokens == 512
+    assert o.seq_len == 512 + 512 and o.long_prompts == "truncate" and d.infer.max_model_len == 1024
+    assert o.sampling.top_k == -1 and t.gradient_checkpointing and t.recipe == "bf16"
+    assert o.advantage.scale_rewards == "group" and o.env[0].id == "dataset" and o.report_to is None
+    assert o.max_steps == 30  # 3 epochs x 10 prompts x 8 generations / 8 completions per batch
+    assert t.loss.loss_type == "dapo" and t.loss.beta == 0 and t.loss.epsilon == 0.2
+    assert t.loss.is_correction == "truncated" and t.loss.is_cap == 3.0  # token_truncate (TRL: sequence_mask)
+    assert t.learning_rate == 1e-6 and t.lr_scheduler_type == "linear" and t.steps_per_generation == 1
+    assert t.lora and t.lora_rank == 16  # no peft_config: tidal's LoRA (full-weight GRPO not supported)
+    assert o.ckpt.interval == t.ckpt.interval == 500 and t.logging_steps == 10
+
+
+def test_trl_batch_arithmetic_becomes_batches():
+    # 4 completions per micro-batch, 8 micro-batches per generation, 2 per optimizer step: 4 optimizer steps per
+    # generation of 32 completions (4 prompts x 8), each generation used twice (num_iterations)
+    d = derive(per_device_train_batch_size=4, steps_per_generation=8, gradient_accumulation_steps=2,
+               num_iterations=2, max_steps=20, save_steps=16, logging_steps=8)
+    assert d.orch.batch_size == 32 and d.train.steps_per_generation == 4 and d.train.loss.num_iterations == 2
+    assert d.orch.max_steps == 3  # ceil(20 / (4 x 2))
+    assert d.orch.ckpt.interval == d.train.ckpt.interval == 2 and d.train.logging_steps == 1
+    same = derive(per_device_train_batch_size=4, generation_batch_size=32, gradient_accumulation_steps=2)
+    assert same.orch.batch_size == 32 and same.train.steps_per_generation == 4
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"generation_batch_size": 16, "steps_per_generation": 2}, "not both"),
+    ({"generation_batch_size": 12}, r"multiple of per_device_train_batch_size \(8\)"),
+    ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),
+    ({"per_device_train_batch_size": 6}, r"must be a multiple of num_generations \(8\)"),
+    ({"report_to": "mlflow"}, "report_to 'mlflow' is not supported"),
+    ({"run_name": "x"}, "run_name needs a report_to sink"),
+    ({"log_completions": True}, "log_completions needs a report_to sink"),
+    ({"eval_strategy": "steps"}, "needs an eval_dataset"),
+    ({"eval_steps": 5}, "need eval_strategy='steps'"),
+    ({"max_prompt_length": None}, "needs a length bound"),
+    ({"reward_weights": [1.0, 2.0]}, r"2 weights for 1 reward functions"),
+])
+def test_impossible_combinations_name_the_keys(kw, match):
+    with pytest.raises(ValueError, match=match):
+        derive(**kw)
+
+
+def test_unimplemented_and_unknown_keys_are_errors_naming_them():
+    with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
+        GRPOConfig(fp16=True)
+    with pytest.raises(ValidationError, match=r"key 'entropy_coef' is not supported yet by tidal"):
+        GRPOConfig(entropy_coef=0.01)
+    with pytest.raises(ValidationError, match=r"vllm_importance_sampling_mode 'sequence_mask' is not supported"):
+        GRPOConfig(vllm_importance_sampling_mode="sequence_mask")
+    with pytest.raises(ValueError, match=r"clip_max None \(no cap\) is not supported"):
+        derive(vllm_importance_sampling_clip_max=None)
+    assert GRPOConfig(use_vllm=True).use_vllm and not GRPOConfig().use_vllm  # tidal always uses vLLM
+    with pytest.raises(ValidationError, match=r"'num_generation' is not a TRL GRPOConfig key.*'num_generations'"):
+        GRPOConfig(num_generation=4)
+    with pytest.raises(ValidationError, match="loss_type"):
+        GRPOConfig(loss_type="cispo")
+    assert GRPOConfig(fp16=False, shuffle_dataset=True).fp16 is False  # TRL's defaults are accepted
+    assert GRPOConfig("out").output_dir == "out"  # positional output_dir, as TRL
+
+
+def test_report_to_and_eval():
+    d = derive(report_to=["wandb"], run_name="r1", log_completions=True)
+    assert d.orch.report_to is not None and d.orch.report_to.wandb and not d.orch.report_to.tensorboard
+    assert d.orch.report_to.name == "r1" and d.orch.report_to.samples is True
+    ev = derive(eval_=True, eval_strategy="steps", eval_steps=4, num_generations_eval=2).orch.eval
+    default = derive(eval_=True, eval_strategy="steps").orch.eval
+    assert default is not None and default.rollouts_per_example == 8 and default.interval == 10  # logging_steps
+    assert ev is not None and ev.interval == 4 and ev.rollouts_per_example == 2 and ev.env[0].id == "dataset"
+
+
+@dataclass
+class FakeLora:
+    """What tidal reads of a peft.LoraConfig (duck-typed: the config layer never imports peft)."""
+
+    r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    target_modules: Any = field(default_factory=lambda: {"q_proj", "v_proj"})
+    bias: str = "none"
+    use_dora: bool = False
+
+
+def test_peft_config_maps_to_lora_keys():
+    t = derive(peft=FakeLora()).train
+    assert (t.lora_rank, t.lora_alpha, t.lora_dropout, t.lora_target_modules) == (8, 16, 0.05, ["q_proj", "v_proj"])
+    assert derive(peft=FakeLora(target_modules="all-linear")).train.lora_target_modules == ALL_LINEAR
+    with pytest.raises(ValueError, match=r"peft_config.use_dora = True is not supported"):
+        derive(peft=FakeLora(use_dora=True))
+
+
+def test_a_real_peft_lora_config_maps():
+    peft = pytest.importorskip("peft")
+    t = derive(peft=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM")).train
+    assert (t.lora_rank, t.lora_alpha, t.lora_target_modules) == (4, 8, ["q_proj"])
