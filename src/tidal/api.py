@@ -13,8 +13,9 @@ the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a standar
 list of messages a conversational one; every other column reaches the reward functions. The resolved configs
 land in `{output_dir}/configs/` as with `tidal grpo`.
 
-Differences from TRL (docs/trl.md): without `peft_config` tidal trains a LoRA adapter with train.yaml's defaults
-(full-weight GRPO is not supported yet; a warning says so); `model` must be a name or path, not a loaded model;
+Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL (on a machine without
+CUDA a tied-embedding model then needs LoRA: vLLM-CPU cannot refresh a tied lm_head); `model` must be a name or
+path, not a loaded model;
 `tools` and `environment_factory` are not supported yet (errors). A string in `reward_funcs` is an import path
 (`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
 model, loaded once in this process).
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +141,6 @@ class GRPOTrainer:
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
         self.reward_funcs = reward_functions(reward_funcs, self.args.reward_weights)
-        if peft_config is None:
-            warnings.warn("GRPOTrainer without peft_config: tidal trains a LoRA adapter (rank 16, alpha 32, all "
-                          "linear layers); full-weight GRPO is not supported yet. Pass a peft.LoraConfig to choose",
-                          UserWarning, stacklevel=2)
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)

@@ -163,7 +163,7 @@ Component = Child | InProcess
 
 def stop_all(children: list[Component]) -> None:
     """SIGTERM every child's process group, then SIGKILL what is left after STOP_TIMEOUT_S."""
-    stop_groups([c.proc for c in children], STOP_TIMEOUT_S)
+    stop_groups(children, STOP_TIMEOUT_S)
 
 
 def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) -> None:

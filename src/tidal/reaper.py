@@ -23,8 +23,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 POLL_S = 0.5
 GRACE_S = 3.0
@@ -107,19 +108,28 @@ def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def stop_groups(procs: list[subprocess.Popen[Any]], timeout_s: float) -> None:
-    """Stop processes started in their own groups: SIGTERM every group, wait up to `timeout_s` in all, then
-    SIGKILL what is left of each group (e.g. vLLM's engine processes) and reap the leaders."""
-    for p in procs:
-        signal_group(p, signal.SIGTERM)
+class Stoppable(Protocol):
+    """A started component: something that signals its whole process group and whose `proc` can be waited for
+    (`launcher.Child`, an in-process component, a dp server)."""
+
+    proc: Any
+
+    def signal_group(self, sig: int) -> None: ...
+
+
+def stop_groups(items: Sequence[Stoppable], timeout_s: float) -> None:
+    """Stop started components: SIGTERM every group, wait up to `timeout_s` in all, then SIGKILL what is left of
+    each group (e.g. vLLM's engine processes) and reap the leaders."""
+    for c in items:
+        c.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    for p in procs:
+    for c in items:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        signal_group(p, signal.SIGKILL)
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for c in items:
+        c.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=5)
+            c.proc.wait(timeout=5)
 
 
 def start_reaper(pid: int | None = None) -> subprocess.Popen[bytes] | None:

@@ -30,9 +30,9 @@ def make(**kw):
                           "train_dataset": ROWS, "peft_config": None, **kw})
 
 
-def test_construction_derives_the_configs_and_warns_about_full_weights():
-    with pytest.warns(UserWarning, match="trains a LoRA adapter"):
-        t = make()
+def test_construction_derives_the_configs_full_weights_without_peft_config():
+    t = make()
+    assert not t.derived.train.lora, "TRL: no peft_config trains every weight"
     assert t.derived.orch.batch_size == 4 and t.derived.orch.rollouts_per_example == 2
     assert t.derived.orch.max_steps == 3  # 3 epochs x 2 rows x 2 generations / 4
 

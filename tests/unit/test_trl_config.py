@@ -88,7 +88,7 @@ def test_defaults_follow_trl():
     assert t.loss.loss_type == "dapo" and t.loss.beta == 0 and t.loss.epsilon == 0.2
     assert t.loss.is_correction == "truncated" and t.loss.is_cap == 3.0  # token_truncate (TRL: sequence_mask)
     assert t.learning_rate == 1e-6 and t.lr_scheduler_type == "linear" and t.steps_per_generation == 1
-    assert t.lora and t.lora_rank == 16  # no peft_config: tidal's LoRA (full-weight GRPO not supported)
+    assert not t.lora  # no peft_config: full fine-tuning, as in TRL
     assert o.ckpt.interval == t.ckpt.interval == 500 and t.logging_steps == 10
 
 

@@ -388,9 +388,10 @@ def batches(steps: int, per_batch: int) -> int:
 
 
 def peft_keys(peft_config: Any) -> dict[str, Any]:
-    """Train keys of a `peft.LoraConfig` (duck-typed: no peft import); other settings must be peft's defaults."""
+    """Train keys of a `peft.LoraConfig` (duck-typed: no peft import; other settings must be peft's defaults), or
+    full fine-tuning (`lora: false`) without one, as in TRL."""
     if peft_config is None:
-        return {}
+        return {"lora": False}  # TRL: no peft_config trains every weight
     def changed(key: str, default: Any) -> bool:
         value = getattr(peft_config, key, default)
         return bool(value != default and not (default in (None, {}) and not value))  # peft: None or {} alike

@@ -159,7 +159,7 @@ class _Server:
 
 def stop_servers(servers: list[_Server]) -> None:
     """SIGTERM every server's process group, SIGKILL what is left after STOP_TIMEOUT_S."""
-    stop_groups([s.proc for s in servers], STOP_TIMEOUT_S)
+    stop_groups(servers, STOP_TIMEOUT_S)
 
 
 class _Stop(Exception):
