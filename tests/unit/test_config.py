@@ -115,7 +115,6 @@ def test_batch_size_must_be_a_multiple_of_group_size(tmp_path):
 
 @pytest.mark.parametrize("cls,yaml_text,key", [
     (TrainConfig, SEED_TRAIN + "qlora_bnb: true\n", "qlora_bnb"),
-    (TrainConfig, SEED_TRAIN + "noise_scheduler:\n  enabled: true\n", "enabled"),
 ])
 def test_unimplemented_seed_keys_are_rejected_not_ignored(tmp_path, cls, yaml_text, key):
     with pytest.raises(ConfigError, match="not supported yet") as e:

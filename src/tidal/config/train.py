@@ -136,39 +136,44 @@ class LossConfig(StrictModel):
         return self
 
 
-QERL_SCHEDULE_ONLY = "only applies with noise_scheduler.enabled: true, which is not supported yet"
+QERL_KEYS = ("sigma_start", "sigma_end", "num_stages")
 
 
 class NoiseSchedulerConfig(StrictModel):
-    """QeRL noisy RMSNorm weights during rollouts (not supported yet: `enabled` must stay false, and the schedule
-    keys, which only apply with `enabled: true`, must stay at their defaults)."""
-
-    UNSUPPORTED = frozenset({"enabled"})
-    REFUSED = {k: QERL_SCHEDULE_ONLY for k in ("sigma_start", "sigma_end", "num_stages")}
+    """QeRL noisy RMSNorm weights in the inference model during rollouts (`tidal.trainer.noise`); the trainer
+    keeps the clean weights. The noise reaches vLLM inside the merged weights of each policy, so it needs merged
+    reloads (`tidal grpo` on CPU, or orch `weight_broadcast.reload: merged`)."""
 
     enabled: bool = False
-    """Enable QeRL noise injection (not supported yet)."""
-    sigma_start: float = 5e-2
-    """Initial noise standard deviation (only with `enabled: true`; until then it must stay at its default)."""
-    sigma_end: float = 5e-4
-    """Final noise standard deviation (only with `enabled: true`; until then it must stay at its default)."""
+    """Add N(0, sigma^2) to every RMSNorm weight of each policy vLLM samples with (metric `qerl/sigma`)."""
+    sigma_start: float = Field(5e-2, gt=0)
+    """Noise standard deviation of the second interval (the first has none)."""
+    sigma_end: float = Field(5e-4, gt=0)
+    """Noise standard deviation of the last interval (geometric decay in between)."""
     num_stages: int = Field(10, ge=1)
-    """Number of geometric decay intervals (only with `enabled: true`; until then it must stay at its default)."""
+    """Number of equal intervals the run is cut into."""
 
     @model_validator(mode="before")
     @classmethod
     def _numbers_as_numbers(cls, data: Any) -> Any:
-        """YAML reads `5e-2` as a string: compare the schedule keys as numbers (runs before the REFUSED check)."""
+        """YAML reads `5e-2` as a string: compare the schedule keys as numbers."""
         if not isinstance(data, dict):
             return data
         out = dict(data)
-        for key in cls.REFUSED:
+        for key in QERL_KEYS:
             if isinstance(out.get(key), str):
                 try:
                     out[key] = float(out[key])
                 except ValueError:
-                    pass  # not a number: refused (it is not the default) or rejected by its type
+                    pass  # rejected by its type
         return out
+
+    @model_validator(mode="after")
+    def _schedule_needs_enabled(self) -> NoiseSchedulerConfig:
+        changed = [k for k in QERL_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+        if changed and not self.enabled:
+            raise ValueError(f"noise_scheduler.{changed[0]} only applies with noise_scheduler.enabled: true")
+        return self
 
 
 class MismatchGuardConfig(StrictModel):
@@ -395,7 +400,7 @@ class TrainConfig(StrictModel):
     mismatch_guard: MismatchGuardConfig = Field(default_factory=MismatchGuardConfig)
     """Trainer/inference mismatch guard."""
     noise_scheduler: NoiseSchedulerConfig = Field(default_factory=NoiseSchedulerConfig)
-    """QeRL noise schedule (not supported yet)."""
+    """QeRL noise on the inference model's RMSNorm weights (seed 000)."""
     sft: SftSection = Field(default_factory=SftSection)
     """Settings used only by `tidal sft`."""
 

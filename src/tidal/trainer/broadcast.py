@@ -82,10 +82,10 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
 
 
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
-                    merged_keys: list[str] | None = None) -> Path:
+                    merged_keys: list[str] | None = None, noise: tuple[float, int] | None = None) -> Path:
     """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
     checkpoint's tensor names; a fully fine-tuned model publishes those only); prune all but the newest `keep`
-    policies."""
+    policies. `noise` = (sigma, seed): QeRL noise on the merged copy's RMSNorm weights (`tidal.trainer.noise`)."""
     if not is_peft(model) and merged_keys is None:
         raise ValueError("a fully fine-tuned policy is published as merged weights: merged_keys are needed")
 
@@ -96,8 +96,12 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             from safetensors.torch import save_file
 
             (tmp / "merged").mkdir()
-            save_file(merged_state_dict(model, merged_keys), str(tmp / "merged" / "model.safetensors"),
-                      metadata={"format": "pt"})
+            merged = merged_state_dict(model, merged_keys)
+            if noise is not None:  # QeRL: (sigma, seed) noise on the served copy's RMSNorm weights
+                from tidal.trainer.noise import add_norm_noise, norm_keys
+
+                add_norm_noise(merged, norm_keys(model), noise[0], noise[1], step)
+            save_file(merged, str(tmp / "merged" / "model.safetensors"), metadata={"format": "pt"})
 
     return weights.publish(run_dir, step, fill, keep)
 

@@ -137,14 +137,15 @@ def load_trainer(run_dir: Path, step: int, model: Any,
     return {"optimizer": optimizer, "rank_rngs": state.get("rank_rngs") or []}
 
 
-def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] | None, keep: int) -> None:
+def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] | None, keep: int,
+                   noise: tuple[float, int] | None = None) -> None:
     """After resuming at `step`: drop later broadcasts, publish broadcast `step` again, cut metrics.jsonl."""
     from tidal.monitor.metrics import truncate_metrics
     from tidal.trainer.broadcast import publish_adapter
 
     weights.drop_after(run_dir, step)
     if step > 0:
-        publish_adapter(model, run_dir, step, keep=keep, merged_keys=merged_keys)
+        publish_adapter(model, run_dir, step, keep=keep, merged_keys=merged_keys, noise=noise)
     dropped = truncate_metrics(metrics_path(run_dir), step)
     if dropped:
         log.info("metrics.jsonl: removed %d record(s) of steps after %d (they are trained again)", dropped, step)

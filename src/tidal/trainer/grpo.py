@@ -41,6 +41,7 @@ from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
+from tidal.trainer.noise import qerl_sigma
 from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.schedule import OptimizerStep, plan
@@ -196,9 +197,11 @@ def optimizer_steps(opt: torch.optim.Optimizer) -> int:
     return 0
 
 
-def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[str] | None, keep: int) -> int:
+def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[str] | None, keep: int,
+           cfg: TrainConfig | None = None) -> int:
     """Restore checkpoint `resume_step` (train `ckpt.resume_step`; -1: the newest; None: start fresh) into every
-    rank and rewind the run directory, keeping `keep` policies; returns the restored step (collective)."""
+    rank and rewind the run directory, keeping `keep` policies (republished with their QeRL noise per `cfg`);
+    returns the restored step (collective)."""
     from tidal.checkpoint import CheckpointError, resolve_resume_step
     from tidal.paths import ckpt_root
     from tidal.trainer.ckpt import COMPONENT, rewind_run_dir
@@ -217,9 +220,10 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
     if step < 0:
         return 0
     restore(p, run_dir, step)
+    noise = qerl_noise(cfg, step) if cfg is not None else None
     if p.ranks.main:
         assert p.view is not None
-        rewind_run_dir(run_dir, step, p.view, merged_keys, keep=keep)
+        rewind_run_dir(run_dir, step, p.view, merged_keys, keep=keep, noise=noise)
         log.info("resumed from checkpoint step %d (optimizer step %d, lr %.3g); next batch: %d", step,
                  optimizer_steps(p.opt), p.sched.get_last_lr()[0], step + 1)
     return step
@@ -322,10 +326,11 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     tm["memory/peak_gb"] = peak.measure(p.ranks)
     train_time = time.monotonic() - t0
     push_time = 0.0
+    noise = qerl_noise(cfg, step)
     if p.ranks.main:
         assert p.view is not None
         push_time = push_policy(pusher, p.view, run_dir, step) if pusher else 0.0
-        publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys)
+        publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys, noise=noise)
     ckpt_time = 0.0
     if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
         t1 = time.monotonic()
@@ -334,6 +339,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     return {**tm, "lr": lr, "optimizer_steps": optimizer_steps(p.opt), "train_time_s": train_time,
             "broadcast_time_s": time.monotonic() - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
             **({"push_time_s": push_time} if pusher else {}), "trainer_ranks": p.ranks.world,
+            **({"qerl/sigma": noise[0] if noise else 0.0} if cfg.noise_scheduler.enabled else {}),
             "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
 
 
@@ -372,6 +378,28 @@ def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Polic
     return broadcast_batch(p.ranks, batch)  # None too: then every rank leaves the loop
 
 
+def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
+    """(sigma, seed) of policy `step`'s QeRL noise, None without noise (`tidal.trainer.noise`)."""
+    sigma = qerl_sigma(step, cfg.max_steps, cfg.noise_scheduler)
+    return (sigma, cfg.seed) if sigma > 0 else None
+
+
+def check_qerl(cfg: TrainConfig, merged_keys: list[str] | None) -> None:
+    """QeRL noise travels inside the published merged weights: it needs them, a known run length, and no NCCL
+    push (which would serve the clean weights)."""
+    if not cfg.noise_scheduler.enabled:
+        return
+    from tidal.config.load import ConfigError
+
+    if merged_keys is None or cfg.weight_broadcast.type == "nccl":
+        raise ConfigError("train noise_scheduler.enabled: the noisy RMSNorm weights reach vLLM inside the merged "
+                          "weights of each policy; set orch weight_broadcast.reload: merged (train broadcast_merged: "
+                          "true; `tidal grpo` on CPU does it) and weight_broadcast.type: filesystem")
+    if cfg.max_steps < 1:
+        raise ConfigError("train noise_scheduler.enabled needs train max_steps (the schedule's intervals are "
+                          "fractions of the run)")
+
+
 def check_full_finetune(cfg: TrainConfig) -> None:
     """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
     keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
@@ -397,8 +425,10 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     p = build_policy(cfg, total, ranks)
     # a fully fine-tuned policy is published as its merged (= all) weights
     merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged or not cfg.lora else None
+    check_qerl(cfg, merged_keys)
     source = open_source(cfg, run_dir) if ranks.main else None
-    step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2)
+    step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
+                                 cfg=cfg)
     pusher = make_pusher(cfg.weight_broadcast, p.device) if ranks.main else None
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,
@@ -423,7 +453,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
         if metrics is None:
             continue
         metrics.write(record)
-        guard.check(step, record)
+        if qerl_noise(cfg, int(record.get("policy_step") or 0)) is None:  # QeRL noise is a mismatch by design
+            guard.check(step, record)
         step_times.append(record["step_time_s"])
         if step % cfg.logging_steps == 0 or step == total:
             goal = total or batch.metrics.get("max_steps")
