@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.unit.test_reaper import gone_within
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.colocate import Machine, derive_colocate
 from tidal.inference.dp import PlacementError, core_groups, parse_cores, plan_servers
-from tidal.reaper import _stat
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -225,15 +225,6 @@ def start_supervisor(exit_port: str = "") -> tuple[subprocess.Popen[str], list[i
     assert prefixes == {"[dp0:47000]", "[dp1:47001]"}, "each server's lines carry its index and port"
     time.sleep(1.2)  # the reaper has scanned the family at least once
     return proc, pids
-
-
-def gone_within(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any((st := _stat(p)) is not None and st[2] != "Z" for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_sigkill_of_the_supervisor_leaves_no_server_or_engine():
