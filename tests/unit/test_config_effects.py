@@ -110,6 +110,7 @@ def test_the_search_catches_an_unread_name():
 def test_refusal_counts_only_for_refused_keys_and_fully_refused_sections():
     from tidal.config.train import NoiseSchedulerConfig
 
-    assert refused(TrainConfig, "qlora_bnb") and refused(InferConfig, "reasoning_parser")
+    assert refused(TrainConfig, "qlora_fp4") and refused(InferConfig, "reasoning_parser")
     assert not refused(NoiseSchedulerConfig, "enabled") and not refused(TrainConfig, "noise_scheduler")
     assert not refused(TrainConfig, "loss") and not refused(TrainConfig, "learning_rate")
+    assert not refused(TrainConfig, "qlora_bnb") and not refused(TrainConfig, "qlora_fp8")

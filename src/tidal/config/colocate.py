@@ -356,6 +356,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update={"weight_reload": True})
     if not train.lora:
         infer = infer.model_copy(update={"enable_lora": False})
+    if train.qlora_bnb or train.qlora_fp8:  # vLLM must first serve the trainer's dequantized base (policy 0)
+        orch = orch.model_copy(update={"weight_broadcast": orch.weight_broadcast.model_copy(
+            update={"policy_zero": "published"})})
+        infer = infer.model_copy(update={"weight_reload": True})
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device, infer.dp * infer.tp)

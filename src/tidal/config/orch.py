@@ -337,6 +337,12 @@ class WeightBroadcastSection(StrictModel):
     full weights the trainer merged (`train.broadcast_merged`, `infer.weight_reload`), which serves at vLLM's
     plain speed (its CPU LoRA path is ~5x slower). `auto`: `merged` in `tidal grpo` on a CPU-only machine
     (the three configs are set together), else `lora`."""
+    policy_zero: Literal["served", "published"] = "served"
+    """Which weights sample the first batches. `served`: the model vLLM loaded (a policy 0 the trainer publishes
+    anyway is reloaded once it appears). `published`: wait for the trainer's policy 0 (`broadcasts/step_0/merged`,
+    its quantized QLoRA base dequantized: train `qlora_bnb` / `qlora_fp8`) and reload it in place before any
+    rollout, so vLLM samples the policy the trainer scores (needs infer `weight_reload: true`). `tidal grpo`
+    sets it (and `weight_reload`) from train.yaml; set it yourself in three-process mode."""
 
 
 class TeacherSection(StrictModel):

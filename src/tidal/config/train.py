@@ -4,7 +4,8 @@ Precision (`recipe`): the weights are float32 on CPU whatever the recipe (vLLM C
 float32 too, so trainer and inference logprobs agree to ~1e-6), and bfloat16 on GPU except with `recipe: fp32`.
 `fp8-hybrid` keeps those weights and runs the base model's linear matmuls in FP8 (real FP8 GEMMs on SM89+ GPUs,
 an emulation with the same casts and scales elsewhere, CPU included; `tidal.trainer.precision`). `nvfp4` and
-`qlora_fp4` need Blackwell FP4 matmuls and are refused.
+`qlora_fp4` need Blackwell FP4 matmuls and are refused. QLoRA bases (`qlora_bnb` NF4, `qlora_fp8` FP8) are
+`tidal.trainer.quant`.
 """
 
 from __future__ import annotations
@@ -266,7 +267,6 @@ class SftSection(StrictModel):
 class TrainConfig(StrictModel):
     """Everything `tidal grpo-train` and `tidal sft` read from `train.yaml`."""
 
-    UNSUPPORTED = frozenset({"qlora_fp8", "qlora_bnb"})
     REFUSED = {"qlora_fp4": NVFP4_REFUSED}
 
     model: str
@@ -365,9 +365,15 @@ class TrainConfig(StrictModel):
     lora_target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))
     """Module names that get LoRA adapters."""
     qlora_fp8: bool = False
-    """FP8 QLoRA (not supported yet)."""
+    """FP8 QLoRA: the base's linear layers (not `lm_head`) stored as float8 e4m3 with one float32 scale per 128
+    values (~1.03 bytes/parameter; torchao), dequantized for each matmul; LoRA trains on top. vLLM serves the
+    dequantized base (policy 0 is published by the trainer, orch `weight_broadcast.policy_zero: published`).
+    Needs `lora: true` and `gpus: 1`; not with `recipe: fp8-hybrid`."""
     qlora_bnb: bool = False
-    """NF4 QLoRA (not supported yet)."""
+    """NF4 QLoRA (QLoRA's recipe: 4-bit NormalFloat, one scale per 64 values, double-quantized; ~0.52 bytes/
+    parameter; bitsandbytes, on GPU and CPU): the base's linear layers (not `lm_head`) quantized while loading,
+    dequantized for each matmul; LoRA trains on top; vLLM serves the dequantized base as with `qlora_fp8`. Needs
+    `lora: true` and `gpus: 1`; not with `recipe: fp8-hybrid`."""
     qlora_fp4: bool = False
     """FP4 (NVFP4) QLoRA: refused, it needs Blackwell (SM100+) FP4 matmuls."""
     max_async_level: int = Field(1, ge=0)
@@ -418,6 +424,25 @@ class TrainConfig(StrictModel):
             raise ValueError(f"optimizer 'adamw_8bit' works with gpus: 1 only (got {self.gpus}): bitsandbytes' "
                              "8-bit kernels cannot update FSDP2-sharded parameters; use optimizer 'adamw' (its "
                              "state is sharded across the ranks) or gpus: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _qlora(self) -> TrainConfig:
+        keys = [k for k in ("qlora_bnb", "qlora_fp8") if getattr(self, k)]
+        if not keys:
+            return self
+        if len(keys) > 1:
+            raise ValueError("qlora_bnb and qlora_fp8 are two formats of the same frozen base: set one")
+        if not self.lora:
+            raise ValueError(f"{keys[0]} quantizes the frozen base under LoRA adapters; with lora: false every weight "
+                             f"trains and stays in full precision: set lora: true or drop {keys[0]}")
+        if self.gpus > 1:
+            raise ValueError(f"{keys[0]} works with gpus: 1 only (got {self.gpus}): FSDP2 cannot shard the quantized "
+                             f"weights (bitsandbytes / torchao tensors); use gpus: 1 or a full-precision base")
+        if self.recipe in ("fp8-hybrid", "fp8_hybrid"):
+            raise ValueError(f"{keys[0]} with recipe {self.recipe}: the recipe would re-quantize the dequantized "
+                             f"base for FP8 matmuls, a third set of numerics; use recipe bf16 (the seed's QLoRA "
+                             f"setting) or drop {keys[0]}")
         return self
 
     @field_validator("device")

@@ -129,7 +129,8 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
         wb = cfg.weight_broadcast
         policy = PolicyTracker(parts.client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
                                pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
-                               expect=(cfg.model.lora_rank, cfg.model.lora_alpha))
+                               expect=(cfg.model.lora_rank, cfg.model.lora_alpha),
+                               await_base=wb.policy_zero == "published")
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, parts.sink.where)
         step = resumed_at = parts.progress.step
@@ -137,6 +138,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                      if cfg.eval is not None else None)
         skip_eval = resumed_at > 0 and cfg.eval is not None and cfg.eval.skip_eval_on_resume
         if evaluator is not None and resumed_at == 0 and evaluator.due(0):
+            await policy.ensure(0, cfg.weights_timeout_s)  # policy 0: the trainer's, if it publishes one
             await evaluate(evaluator, parts.client, base, base, 0, 0, temperature_at(cfg.sampling, cfg.max_steps, 1),
                            parts.sinks)
         while cfg.max_steps is None or step < cfg.max_steps:

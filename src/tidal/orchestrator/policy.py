@@ -1,8 +1,10 @@
 """The async gate and policy loading: which policy vLLM serves for batch n, and getting it there.
 
 Gate (seed step semantics): batch n may be sampled by a policy at most `max_async_level` (k) updates older
-than the one it trains, i.e. from policy m >= n - 1 - k (`required_policy`); policy 0 is the base model,
-policy m is `broadcasts/step_m` (`tidal.transport.weights`). Before each batch `PolicyTracker.ensure` waits
+than the one it trains, i.e. from policy m >= n - 1 - k (`required_policy`); policy 0 is the base model (or,
+when the trainer publishes `broadcasts/step_0`, its dequantized QLoRA base: reloaded in place before anything
+else, and again after a server restart; `await_base` waits for it), policy m is `broadcasts/step_m`
+(`tidal.transport.weights`). Before each batch `PolicyTracker.ensure` waits
 until such a policy is published, then makes every server (`client.base_url`, e.g. infer `dp` of them) serve the
 newest one, per `weight_broadcast`, before any request samples with it (a load that fails on one server fails
 the step's attempt, which is retried with the policy loaded again everywhere):
@@ -39,7 +41,9 @@ class PolicyTracker:
 
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
                  merged: bool = False, pushed_timeout_s: float | None = None,
-                 expect: tuple[int | None, float | None] = (None, None)) -> None:
+                 expect: tuple[int | None, float | None] = (None, None), await_base: bool = False) -> None:
+        self.await_base = await_base  # orch weight_broadcast.policy_zero: published
+        self.base_stamp = 0  # the published policy 0 every server serves as its base (0: none loaded)
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
         self.expect = expect  # orch model.lora_rank / lora_alpha: a published adapter must match them
         self.merged = merged
@@ -51,23 +55,28 @@ class PolicyTracker:
 
     def invalidate(self) -> None:
         """The server may have lost what was loaded (restart): load the policy again before the next request."""
-        self.loaded, self.epochs = (-1, 0), None
+        self.loaded, self.epochs, self.base_stamp = (-1, 0), None, 0
 
     async def _check_restart(self) -> None:
         epochs = await self.client.server_epochs()
         if self.epochs is not None and epochs != self.epochs:
             log.warning("the inference server restarted (%s); policy %d goes onto it again", ", ".join(
                 u for u in epochs if epochs[u] != self.epochs.get(u)), self.step)
-            self.loaded = (-1, 0)
+            self.loaded, self.base_stamp = (-1, 0), 0
             self.model = self.base_model
         self.epochs = epochs
 
     async def _wait_published(self, required: int, timeout_s: float) -> int:
         """The newest published policy, once it is >= `required`."""
         start = noted = time.monotonic()
-        while (newest := weights.newest_policy(self.run_dir)) < required:
+        while ((newest := weights.newest_policy(self.run_dir)) < required
+               or (self.await_base and not weights.policy_stamp(self.run_dir, 0))):
             now = time.monotonic()
             if now - start > timeout_s:
+                if self.await_base and newest >= required:
+                    raise TimeoutError(f"policy 0 was not published to {broadcasts_dir(self.run_dir)} within "
+                                       f"{timeout_s:.0f} s: weight_broadcast.policy_zero is 'published' but the "
+                                       f"trainer has not written it; is it running with qlora_bnb / qlora_fp8?")
                 raise TimeoutError(f"policy {required} was not broadcast to {broadcasts_dir(self.run_dir)} "
                                    f"within {timeout_s:.0f} s; is the trainer running? (weights_timeout_s; "
                                    f"restart the trainer with --resume, then this orchestrator with --resume)")
@@ -82,7 +91,7 @@ class PolicyTracker:
         start = time.monotonic()
         newest = await self._wait_published(required, timeout_s)
         await self._check_restart()
-        ident = (newest, weights.policy_stamp(self.run_dir, newest)) if newest else (0, 0)
+        ident = (newest, weights.policy_stamp(self.run_dir, newest))
         if ident != self.loaded:
             await self._load(newest)  # on every server (or an error, and the step is retried): none serves stale
             self.loaded = ident
@@ -90,8 +99,20 @@ class PolicyTracker:
                 log.info("policy %d served by %d inference server(s)", self.step, len(self.client.urls))
         return time.monotonic() - start
 
+    async def _load_base(self) -> None:
+        """Reload the trainer's policy 0 (a dequantized QLoRA base) on every server unless they serve it already;
+        merged reloads of later policies replace every weight and need no base."""
+        stamp = weights.policy_stamp(self.run_dir, 0)
+        if stamp and stamp != self.base_stamp:
+            await self.client.reload_weights(str(weights.merged_dir(self.run_dir, 0)))
+            self.base_stamp = stamp
+            log.info("policy 0 (the trainer's dequantized base) served by %d inference server(s)",
+                     len(self.client.urls))
+
     async def _load(self, newest: int) -> None:
-        if newest == 0:  # base model: nothing to load (a fresh server serves it)
+        if newest == 0 or not self.merged or self.pushed_timeout_s is not None:
+            await self._load_base()
+        if newest == 0:  # the base model (as the server loaded it, or the trainer's policy 0)
             self.model, self.step = self.base_model, 0
         elif self.pushed_timeout_s is not None:
             self.step = await self._await_push(newest)

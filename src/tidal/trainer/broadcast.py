@@ -4,7 +4,8 @@ The PEFT adapter, and with `merged` also `merged/model.safetensors`: the base we
 in (W + scale * B A), under the checkpoint's own tensor names, for inference servers that reload full weights
 instead of applying LoRA (vLLM's LoRA path on CPU is ~5x slower than its plain path). The same merged weights
 feed the final export and the NCCL push (`policy_weights`). A fully fine-tuned policy (train `lora: false`)
-has no adapter: it is published as its merged weights only, which are then simply all its weights.
+has no adapter: it is published as its merged weights only, which are then simply all its weights. A quantized
+QLoRA base (`tidal.trainer.quant`) is merged and published dequantized: the weights its forward multiplies by.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.trainer.quant import dense_spec, dense_weight
 from tidal.transport import weights
 
 
@@ -43,8 +45,7 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Any]]:
 def policy_weight_specs(model: Any) -> list[tuple[str, Any, list[int]]]:
     """(name, dtype, shape) of each tensor `policy_weights` yields, without computing the merged tensors."""
     if is_peft(model):
-        return [(key, layer.get_base_layer().weight.dtype, list(layer.get_base_layer().weight.shape))
-                for key, layer in lora_layers(model)]
+        return [(key, *dense_spec(layer.get_base_layer())) for key, layer in lora_layers(model)]
     return [(name, p.dtype, list(p.shape)) for name, p in model.named_parameters()]
 
 
@@ -52,7 +53,7 @@ def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, W + scale * B A) for each LoRA-adapted module, computed one module at a time; the
     training model is left untouched."""
     for key, module in lora_layers(model):
-        w = module.get_base_layer().weight.detach().clone()
+        w = dense_weight(module.get_base_layer().weight).clone()
         for adapter in module.active_adapters:
             w += module.get_delta_weight(adapter).detach().to(w.dtype)
         yield key, w.contiguous()
@@ -77,7 +78,7 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
             w = model.get_output_embeddings().weight
         if w is None:
             raise KeyError(f"checkpoint tensor {key} has no counterpart in the trained model")
-        out[key] = w.detach().contiguous().cpu()
+        out[key] = dense_weight(w).contiguous().cpu()
     return out
 
 

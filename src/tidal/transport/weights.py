@@ -12,6 +12,9 @@ Torch-free, imported by both sides (as `transport.batch` is for batches):
 - **Re-push requests** (nccl): an orchestrator that finds a server behind (it restarted) writes
   `broadcasts/PUSH_REQUEST` with the step it needs (`request_push`); the trainer serves it while waiting
   for its next batch (`push_requested`, `clear_push_request`).
+- **Policy 0** is the model the server loaded, unless the trainer publishes `broadcasts/step_0/merged` (its
+  quantized QLoRA base, dequantized): then the orchestrator reloads it before any rollout or adapter, and
+  pruning keeps it.
 - **Rewind** (trainer resume at n): `drop_after(n)` removes the policies of steps that are trained again.
 """
 
@@ -62,8 +65,9 @@ def publish(run_dir: Path, step: int, fill: Callable[[Path], None], keep: int | 
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Remove all complete policies but the newest `keep`."""
-    for step in stable_steps(run_dir)[:-keep]:
+    """Remove all complete policies but the newest `keep`, and policy 0 (published only for a quantized base,
+    which a restarted server must load again before any adapter)."""
+    for step in [s for s in stable_steps(run_dir) if s > 0][:-keep]:
         shutil.rmtree(broadcast_dir(run_dir, step), ignore_errors=True)
 
 
