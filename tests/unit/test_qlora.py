@@ -146,3 +146,27 @@ def test_memory_estimate_counts_quantized_bases_and_8bit_moments():
     assert eight.lora / plain.lora == pytest.approx((8 + 2 + 8 / 256) / 16)
     full, full8 = estimate(qwen3_8b, lora_rank=None), estimate(qwen3_8b, lora_rank=None, optimizer_8bit=True)
     assert full.lora - full8.lora == pytest.approx(dense.weights / 2 * (8 - 2 - 8 / 256), rel=1e-6)
+
+
+def test_orchestrator_waits_for_policy_zero_when_told_the_trainer_publishes_it(tmp_path):
+    """orch weight_broadcast.policy_zero: published: no rollout before the trainer's policy 0 exists; a clear
+    timeout naming it when it never comes (before any request reaches a server)."""
+    import asyncio
+
+    from tidal.config.orch import ClientSection
+    from tidal.inference.client import InferenceClient
+    from tidal.orchestrator.policy import PolicyTracker
+
+    async def attempt(await_base: bool) -> float:
+        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))  # nothing listens: only the wait may run
+        try:
+            tracker = PolicyTracker(client, "m", tmp_path, "default", await_base=await_base)
+            return await tracker._wait_published(0, timeout_s=0.3)
+        finally:
+            await client.close()
+
+    assert asyncio.run(attempt(False)) == 0  # the served model is policy 0: nothing to wait for
+    with pytest.raises(TimeoutError, match=r"policy 0 was not published .*weight_broadcast.policy_zero is 'published'"):
+        asyncio.run(attempt(True))
+    weights.publish(tmp_path, 0, lambda d: None)
+    assert asyncio.run(attempt(True)) == 0
