@@ -1,6 +1,7 @@
 """QeRL noise in a real co-locate run (bundled model, real vLLM, merged reloads): policies of the first half of
 the run are served clean (mismatch ~0 on-policy), those of the second half with noisy RMSNorm weights, so the
-rollouts they sample disagree with the clean trainer; the mismatch guard does not judge those steps."""
+rollouts they sample disagree with the clean trainer; the mismatch guard does not judge those steps. Through
+merged reloads (default suite) and the weight push (`nccl`, gloo on CPU; slow)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from tidal.monitor.metrics import read_metrics
 pytestmark = pytest.mark.vllm
 
 
-def test_noisy_norms_reach_vllm_and_the_trainer_stays_clean(tmp_path):
+@pytest.mark.parametrize("path", ["merged", pytest.param("push", marks=pytest.mark.slow)])
+def test_noisy_norms_reach_vllm_and_the_trainer_stays_clean(tmp_path, path):
     run_dir = tmp_path / "run"
+    push = ["--orch.weight_broadcast.type", "nccl", "--orch.weight_broadcast.port", str(free_port()),
+            "--orch.weight_broadcast.timeout", "120"] if path == "push" else []  # gloo on CPU
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps", "6",
-                 *ORCH_SMALL, "--orch.max_async_level", "0", "--train.noise_scheduler.enabled", "true",
+                 *ORCH_SMALL, *push, "--orch.max_async_level", "0", "--train.noise_scheduler.enabled", "true",
                  "--train.noise_scheduler.num_stages", "2", "--train.noise_scheduler.sigma_start", "0.2")
     try:
         out, _ = proc.communicate(timeout=600)

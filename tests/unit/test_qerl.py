@@ -13,7 +13,7 @@ from tidal.config import ConfigError, TrainConfig
 from tidal.config.train import NoiseSchedulerConfig, TrainWeightBroadcast
 from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, publish_adapter
 from tidal.trainer.grpo import check_qerl, qerl_noise, train_step
-from tidal.trainer.noise import norm_keys, qerl_sigma
+from tidal.trainer.noise import noisy_norms, norm_keys, qerl_sigma
 from tidal.trainer.policy import build_policy
 
 
@@ -51,16 +51,19 @@ def test_noise_lands_on_the_published_norms_only(tmp_path):
     assert all(torch.equal(served[k], again[k]) for k in keys), "policy 9's noise is the same every time"
     assert torch.equal(merged_state_dict(p.model, keys)["model.norm.weight"], clean["model.norm.weight"]), \
         "the trainer keeps the clean weights"
+    pushed = noisy_norms(p.model, *noise, 9)  # the NCCL push sends these beside the merged LoRA weights
+    assert sorted(pushed) == sorted(norms) and all(torch.equal(pushed[k], served[k]) for k in norms)
+    assert all(torch.equal(t, clean[k]) for k, t in noisy_norms(p.model, 0.0, cfg.seed, 2).items()), \
+        "a noise-free policy pushes the clean norms (undoing an earlier noisy push)"
 
 
-def test_qerl_needs_merged_weights_and_a_run_length():
+def test_qerl_needs_merged_weights_or_the_push_and_a_run_length():
     on = {"noise_scheduler": NoiseSchedulerConfig(enabled=True), "max_steps": 10}
     cfg = TrainConfig(model="m").model_copy(update=on)
     check_qerl(cfg, ["k"])
     with pytest.raises(ConfigError, match="merged"):
         check_qerl(cfg, None)
-    with pytest.raises(ConfigError, match="merged"):
-        check_qerl(cfg.model_copy(update={"weight_broadcast": TrainWeightBroadcast(type="nccl")}), ["k"])
+    check_qerl(cfg.model_copy(update={"weight_broadcast": TrainWeightBroadcast(type="nccl")}), None)
     with pytest.raises(ConfigError, match="max_steps"):
         check_qerl(cfg.model_copy(update={"max_steps": -1}), ["k"])
     with pytest.raises(ValueError, match="only applies with noise_scheduler.enabled"):

@@ -158,7 +158,8 @@ def test_orchestrator_waits_for_policy_zero_when_told_the_trainer_publishes_it(t
     from tidal.orchestrator.policy import PolicyTracker
 
     async def attempt(await_base: bool) -> float:
-        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))  # nothing listens: only the wait may run
+        # nothing listens there: only the wait may run
+        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
         try:
             tracker = PolicyTracker(client, "m", tmp_path, "default", await_base=await_base)
             return await tracker._wait_published(0, timeout_s=0.3)

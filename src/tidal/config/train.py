@@ -142,8 +142,9 @@ QERL_KEYS = ("sigma_start", "sigma_end", "num_stages")
 
 class NoiseSchedulerConfig(StrictModel):
     """QeRL noisy RMSNorm weights in the inference model during rollouts (`tidal.trainer.noise`); the trainer
-    keeps the clean weights. The noise reaches vLLM inside the merged weights of each policy, so it needs merged
-    reloads (`tidal grpo` on CPU, or orch `weight_broadcast.reload: merged`)."""
+    keeps the clean weights. The noise reaches vLLM inside the merged weights of each policy (merged reloads:
+    `tidal grpo` on CPU, or orch `weight_broadcast.reload: merged`) or with the NCCL push (`weight_broadcast.type:
+    nccl`: every RMSNorm weight pushed beside the merged LoRA weights); the LoRA-adapter path cannot carry it."""
 
     enabled: bool = False
     """Add N(0, sigma^2) to every RMSNorm weight of each policy vLLM samples with (metric `qerl/sigma`)."""

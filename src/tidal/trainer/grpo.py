@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tidal.assets import resolve_model
-from tidal.config.train import TrainConfig, TrainWeightBroadcast
+from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
@@ -230,13 +230,21 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
     return step
 
 
-def make_pusher(wb: TrainWeightBroadcast, device: torch.device) -> Any:
-    """The weight pusher for train `weight_broadcast.type: nccl`, else None."""
+def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
+    """The weight pusher for train `weight_broadcast.type: nccl` (with QeRL: pushing the noisy norms too), else
+    None."""
+    wb = cfg.weight_broadcast
     if wb.type != "nccl":
         return None
+    from tidal.trainer.noise import noisy_norms
     from tidal.trainer.weight_push import WeightPusher
 
-    return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device)
+    def norms(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+        sigma, seed = qerl_noise(cfg, step) or (0.0, cfg.seed)
+        return noisy_norms(model, sigma, seed, step)
+
+    extra = norms if cfg.noise_scheduler.enabled else None
+    return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device, extra)
 
 
 def push_policy(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> float:
@@ -386,16 +394,17 @@ def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
 
 
 def check_qerl(cfg: TrainConfig, merged_keys: list[str] | None) -> None:
-    """QeRL noise travels inside the published merged weights: it needs them, a known run length, and no NCCL
-    push (which would serve the clean weights)."""
+    """QeRL noise travels inside the published merged weights or the NCCL push: it needs one of them (not the
+    LoRA-adapter path, whose adapters cannot change a norm), and a known run length."""
     if not cfg.noise_scheduler.enabled:
         return
     from tidal.config.load import ConfigError
 
-    if merged_keys is None or cfg.weight_broadcast.type == "nccl":
+    if merged_keys is None and cfg.weight_broadcast.type != "nccl":
         raise ConfigError("train noise_scheduler.enabled: the noisy RMSNorm weights reach vLLM inside the merged "
-                          "weights of each policy; set orch weight_broadcast.reload: merged (train broadcast_merged: "
-                          "true; `tidal grpo` on CPU does it) and weight_broadcast.type: filesystem")
+                          "weights of each policy or the NCCL push, and a LoRA adapter cannot carry them; set orch "
+                          "weight_broadcast.reload: merged (train broadcast_merged: true; `tidal grpo` on CPU does "
+                          "it) or weight_broadcast.type: nccl")
     if cfg.max_steps < 1:
         raise ConfigError("train noise_scheduler.enabled needs train max_steps (the schedule's intervals are "
                           "fractions of the run)")
@@ -443,7 +452,7 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
                                  cfg=cfg)
     if ranks.main and qlora_kind(cfg) is not None:
         publish_base(p, cfg, run_dir)
-    pusher = make_pusher(cfg.weight_broadcast, p.device) if ranks.main else None
+    pusher = make_pusher(cfg, p.device) if ranks.main else None
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,
              f" (+{ranks.world - 1} more ranks, FSDP2 zero_level {cfg.zero_level})" if ranks.sharded else "",

@@ -5,8 +5,10 @@ norms, q/k norms, the final norm): `w + N(0, sigma^2)`, while the trainer keeps 
 Sigma follows train `noise_scheduler`: the run's `total` steps are cut into `num_stages` equal intervals; the
 first has sigma 0 (a noise-free baseline), the others decay geometrically from `sigma_start` (second interval)
 to `sigma_end` (last). The noise reaches vLLM inside the merged weights the trainer publishes for each policy
-(`broadcasts/step_n/merged/`), so policy n's rollouts are sampled by its noisy copy; the noise of policy n is
-drawn from a generator seeded by (train `seed`, n): the same on a resumed run, and the training RNG is untouched.
+(`broadcasts/step_n/merged/`), or, with the NCCL push, as every RMSNorm weight pushed beside the merged LoRA
+weights (`noisy_norms`: the same values as the merged path's), so policy n's rollouts are sampled by its noisy
+copy; the noise of policy n is drawn from a generator seeded by (train `seed`, n): the same on a resumed run, and
+the training RNG is untouched.
 """
 
 from __future__ import annotations
@@ -48,3 +50,14 @@ def add_norm_noise(weights: dict[str, torch.Tensor], keys: list[str], sigma: flo
         w = weights[k]
         noise = torch.randn(w.shape, generator=gen, dtype=torch.float32) * sigma
         weights[k] = (w.float() + noise).to(w.dtype)
+
+
+def noisy_norms(model: Any, sigma: float, seed: int, step: int) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> every RMSNorm weight of `model` with policy `step`'s noise (clean copies at sigma 0, which
+    undo an earlier policy's noise): what the NCCL push sends beside the merged weights. Same draws, in the same
+    order, as `add_norm_noise` on the merged weights."""
+    keys = norm_keys(model)
+    modules = {f"{n.removeprefix('base_model.model.')}.weight": m for n, m in model.named_modules()}
+    norms = {k: modules[k].weight.detach().clone() for k in keys}
+    add_norm_noise(norms, keys, sigma, seed, step)
+    return norms

@@ -2,7 +2,8 @@
 
 After each optimizer step the trainer (rank 0) broadcasts the merged weights of every LoRA-adapted module
 (W + scale * B A, under the base checkpoint's names; nothing else changed), or with full fine-tuning every
-weight (`broadcast.policy_weights`), into vLLM's workers through
+weight (`broadcast.policy_weights`), plus any `extra` tensors (QeRL: every RMSNorm weight with policy n's
+noise, `tidal.trainer.noise.noisy_norms`), into vLLM's workers through
 vLLM's weight-transfer engine and its RL routes, then stamps the servers with the step as their
 `weight_version`. Per push, on every server: `/pause?mode=wait` (in-flight requests finish on the old
 policy, new ones queue, caches are dropped), `/start_weight_update`, `/update_weights` (the workers join the
@@ -18,6 +19,7 @@ behind), opens a new one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +39,9 @@ class WeightPusher:
     """Broadcasts policies into the vLLM servers at `urls` (their `/v1` base URLs)."""
 
     def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 extra: Callable[[torch.nn.Module, int], dict[str, torch.Tensor]] | None = None) -> None:
+        self.extra = extra  # (model, step) -> more named tensors pushed with policy `step` (QeRL noisy norms)
         self.roots = [server_root(u) for u in urls]
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.cuda = device.type == "cuda"
@@ -118,7 +122,8 @@ class WeightPusher:
         return time.monotonic() - t0
 
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
-        specs = policy_weight_specs(model)
+        extra = self.extra(model, step) if self.extra is not None else {}
+        specs = policy_weight_specs(model) + [(k, t.dtype, list(t.shape)) for k, t in extra.items()]
         update = {"names": [name for name, _, _ in specs],
                   "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
                   "shapes": [shape for _, _, shape in specs]}
@@ -129,7 +134,7 @@ class WeightPusher:
             ex = ThreadPoolExecutor(len(self.roots))
             try:
                 futures = [ex.submit(self._post, r, "update_weights", {"update_info": update}) for r in self.roots]
-                self._broadcast(model)
+                self._broadcast(self._tensors(model, extra))
                 for f in futures:
                     f.result()
             finally:
@@ -147,14 +152,20 @@ class WeightPusher:
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not resume %s after a weight push: %r", root, exc)
 
-    def _broadcast(self, model: torch.nn.Module) -> None:
+    @staticmethod
+    def _tensors(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """What one push sends, in the order of its specs: the policy's weights, then the extra tensors."""
+        yield from policy_weights(model)
+        yield from extra.items()
+
+    def _broadcast(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             if self.cuda:
                 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-                packed_nccl_broadcast_producer(iterator=policy_weights(model), group=self.group, src=0,
+                packed_nccl_broadcast_producer(iterator=tensors, group=self.group, src=0,
                                                post_iter_func=lambda item: item[1].to(self.device))
                 torch.cuda.current_stream().synchronize()
             else:
-                for _name, w in policy_weights(model):
+                for _name, w in tensors:
                     self.group.broadcast(w, src=0)
