@@ -341,7 +341,8 @@ class TrainConfig(StrictModel):
     """Optimizer. `adamw`/`adamw_torch`: torch's AdamW (float32 moments, 8 bytes/param). `adamw_8bit`:
     bitsandbytes' blockwise 8-bit AdamW, same update with both moments stored in 8 bits plus one float32 scale per
     256 values (~2 bytes/param), on GPU and CPU; tensors under 4096 elements keep float32 moments. Checkpoints
-    resume it exactly. Single rank only (`gpus: 1`)."""
+    resume it exactly. Single rank only (`gpus: 1`). Seed 000's default is `adamw_8bit`; tidal's is `adamw`,
+    which also runs sharded across ranks and matches float64 references exactly."""
     recipe: Literal["bf16", "fp32", "fp8-hybrid", "fp8_hybrid", "nvfp4"] = "bf16"
     """Precision recipe. `bf16`: bfloat16 weights and matmuls on GPU. `fp32`: float32. `fp8-hybrid` (or
     `fp8_hybrid`): the weights stay in bf16 (float32 on CPU) and the base model's linear layers (not `lm_head`,
