@@ -289,3 +289,9 @@ def test_refused_keys_accept_their_defaults_and_oversampling_works_with_filters(
     assert OrchConfig.model_validate({"oversampling_factor": 2.0, "dynamic_sampling": True}).oversampling_factor == 2
     ok = OrchConfig.model_validate({"oversampling_factor": 2.0, "buffer": {"online_difficulty_filtering": True}})
     assert ok.oversampling_factor == 2.0
+
+
+def test_infer_backend_is_vllm_and_sglang_is_refused_with_the_evidence(tmp_path):
+    assert load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: vllm\n")).backend == "vllm"
+    with pytest.raises(ConfigError, match="backend.*could not be run or tested.*docs/sglang.md"):
+        load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: sglang\n"))

@@ -16,11 +16,19 @@ CHAT_ONLY = ("would have no effect: tidal's rollouts are token-id completions (/
              "applies it to chat completions only")
 
 
+SGLANG_REFUSED = ("is 'vllm' only: an SGLang backend could not be run or tested on this project's machines (no "
+                  "CPU wheels of its kernels; evidence in docs/sglang.md), so tidal ships none")
+
+
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
 
-    REFUSED = {k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")}
+    REFUSED = {**{k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")},
+               "backend": SGLANG_REFUSED}
 
+    backend: str = "vllm"
+    """Rollout engine (seed 003 names SGLang): `vllm` only. SGLang could not run on the machines this project
+    has (docs/sglang.md: its CPU kernels need a source build for AMX Xeons), so tidal ships no untested client."""
     model: str
     """Model to serve: a local Hugging Face model directory, a Hub id (`org/name[@revision]`, through the HF
     cache) or `tidal:tiny-reverse` (the bundled model)."""
