@@ -1,7 +1,8 @@
 """One training step of the bundled model on a fixed random batch, as one rank of `torchrun` (or alone), for
 tests/unit/test_distributed_trainer.py: writes the trained LoRA parameters and the step's metrics.
 
-usage: python dist_worker.py OUT_DIR ZERO_LEVEL ACCUMULATION[,ACCUMULATION...] [LOSS_TYPE]
+usage: python dist_worker.py OUT_DIR ZERO_LEVEL ACCUMULATION[,ACCUMULATION...] [LOSS_TYPE] [full]
+(`full`: full fine-tuning, `lora: false`, every parameter trained and written)
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def fixed_batch(seed: int = 0, n: int = 16) -> TrainingBatch:
                          truncated=np.zeros(n, dtype=bool), max_tokens=26)
 
 
-def config(world: int, zero_level: int, accumulation: int, loss_type: str) -> TrainConfig:
+def config(world: int, zero_level: int, accumulation: int, loss_type: str, lora: bool = True) -> TrainConfig:
     return TrainConfig(model=resolve_model("tidal:tiny-reverse"), device="cpu", gpus=world, zero_level=zero_level,
+                       lora=lora,
                        gradient_accumulation_steps=accumulation, per_device_train_batch_size=1, sequence_len=40,
                        learning_rate=0.5, lora_dropout=0.0, loss={"loss_type": loss_type, "beta": 0.05}
                        if loss_type != "aipo" else {"loss_type": "aipo"})
@@ -45,15 +47,17 @@ def config(world: int, zero_level: int, accumulation: int, loss_type: str) -> Tr
 def main() -> None:
     out, zero, accs = Path(sys.argv[1]), int(sys.argv[2]), [int(a) for a in sys.argv[3].split(",")]
     loss_type = sys.argv[4] if len(sys.argv) > 4 else "dapo"
+    lora = not (len(sys.argv) > 5 and sys.argv[5] == "full")
     ranks, device = distributed.init_ranks(int(__import__("os").environ.get("LOCAL_WORLD_SIZE", "1")), "cpu", 300)
     for acc in accs:
-        cfg = config(ranks.world, zero, acc, loss_type)
+        cfg = config(ranks.world, zero, acc, loss_type, lora)
         p = build_policy(cfg, 10, ranks)
         # plain SGD: AdamW's first step is lr * sign(g), which turns float-summation noise in near-zero
         # gradients into lr-sized differences; SGD shows the gradients themselves (AdamW is element-wise and
         # sharded the same way)
         p.opt = torch.optim.SGD([q for q in p.model.parameters() if q.requires_grad], lr=0.5)
-        m = train_step(p.model, p.opt, fixed_batch(), cfg, torch.device(device), p.pad_id, ranks=ranks, sched=p.sched)
+        m = train_step(p.model, p.opt, fixed_batch(), cfg, torch.device(device), p.pad_id, ranks=ranks, sched=p.sched,
+                       reference=p.reference)
         sync_view(p)
         if ranks.main:
             from safetensors.torch import save_file

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
+from tidal.assets import resolve_model
 from tidal.trainer.packing import group_rows, pack
 from tidal.trainer.schedule import optimizer_groups, plan
 
@@ -100,6 +101,23 @@ def test_two_gloo_ranks_train_like_one_rank(tmp_path, one_rank, zero_level):
         for key in ("loss", "grad_norm", "tokens", "mismatch_kl", "entropy", "clip_ratio/low_min",
                     "clip_ratio/high_max", "kl"):
             assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_fully_fine_tune_like_one_rank(tmp_path):
+    """`lora: false` across ranks (zero_level 3: every weight, tied embeddings included, sharded): the same
+    trained weights as one rank; beta > 0 exercises the frozen reference copy on each rank."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    subprocess.run([sys.executable, str(WORKER), str(one), "1", "2", "grpo", "full"], check=True,
+                   capture_output=True, timeout=300)
+    _torchrun(two, "3", "1", "grpo", "full")
+    a, b = load_file(str(one / "params_acc2.safetensors")), load_file(str(two / "params_acc1.safetensors"))
+    assert a.keys() == b.keys() and "model.embed_tokens.weight" in a and not any("lora" in k for k in a)
+    base = load_file(str(Path(resolve_model("tidal:tiny-reverse")) / "model.safetensors"))
+    assert max(float((a[k] - base[k]).abs().max()) for k in a) > 1e-3, "training moved the weights"
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-5, worst
 
 
 @pytest.mark.parametrize("loss_type", ["aipo", "grpo", "bnpo", "dr_grpo", "dapo"])
