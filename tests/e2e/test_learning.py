@@ -18,7 +18,8 @@ FULL = ["--train.lora", "false", "--train.freeze_embeddings", "true", "--train.l
 @pytest.mark.parametrize("how", ["lora", "full"])
 def test_default_run_improves_reward(tmp_path, how):
     run_dir = tmp_path / "run"
-    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), *(FULL if how == "full" else []))
+    extra = FULL if how == "full" else []
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), *extra)
     try:
         out, _ = proc.communicate(timeout=1800)
     finally:
