@@ -30,8 +30,15 @@ TFLOP/s for H100 and H200 (SXM; other GPUs: `--peak-tflops`; CPU: not computed).
 actually skips the frozen weights' gradients (-2N) and gradient checkpointing recomputes the forward (+2N), so
 for this configuration hardware and model FLOPs about agree; the chunked lm_head runs only on loss positions.
 
+`--variants` compares the frozen base and the precision recipe (issue 17) in the same run, each in a fresh
+process: `bf16` (the default, as above), `nf4` (`qlora_bnb`), `fp8` (`qlora_fp8`) and `fp8-hybrid` (`recipe:
+fp8-hybrid`). For the quantized ones the random model is saved to a temporary directory first and loaded the way
+the trainer loads it (`tidal.trainer.model.load_policy`: quantized while loading), so their peak memory is the
+quantized base's; the ratios against `bf16` are in the table.
+
 Writes `bench/GPU.md`: one section per device kind (a run replaces its own), next to prime-rl's anchor on one
-H100. `--layers` and `--tokens` shrink the run for a CPU smoke test (e.g. `--layers 2 --tokens 256`).
+H100; a run with `--variants` writes its own section ("<device> bases and recipes"). `--layers` and `--tokens`
+shrink the run for a CPU smoke test (e.g. `--layers 2 --tokens 256`).
 """
 
 from __future__ import annotations
@@ -85,6 +92,34 @@ def synthetic_batch(tokens: int, sample_len: int, seed: int = 0) -> Any:
                          truncated=np.zeros(len(lengths), dtype=bool))
 
 
+VARIANTS = {"bf16": {}, "nf4": {"qlora_bnb": True}, "fp8": {"qlora_fp8": True}, "fp8-hybrid": {"recipe": "fp8-hybrid"}}
+"""`--variants`: the train keys each sets."""
+
+
+def build_loaded(spec: dict[str, Any], model: Any) -> tuple[Any, Any, Any, Any]:
+    """(policy, optimizer, train config, device) for a `--variants` entry: `model` saved, then loaded as the trainer
+    loads train.yaml's model with the variant's keys (`load_policy`)."""
+    import tempfile
+
+    import torch
+
+    from tidal.config.train import TrainConfig
+    from tidal.trainer.model import load_policy
+    from tidal.trainer.optim import make_optimizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        cfg = TrainConfig(model=tmp, lora_rank=16, lora_alpha=32, sequence_len=spec["tokens"],
+                          per_device_train_batch_size=1, gradient_checkpointing=spec["checkpointing"],
+                          logprob_chunk_size=spec["chunk"], device=spec["device"], **VARIANTS[spec["variant"]])
+        policy, device = load_policy(cfg)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the saved full-precision copy is gone: measure the training only
+    return policy, make_optimizer(policy, cfg), cfg, device
+
+
 def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     """(policy, optimizer, train config, device) for `spec`, the way the trainer builds them."""
     import torch
@@ -108,6 +143,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
             model = Qwen3ForCausalLM(Qwen3Config(**COMMON, **shape, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(default)
+    if spec.get("variant", "bf16") != "bf16":
+        return build_loaded(spec, model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model = add_lora(model, cfg)
@@ -119,7 +156,8 @@ def matmul_params(model: Any) -> int:
     """N: elements of every distinct `nn.Linear` weight (lm_head once even when tied; LoRA A/B included)."""
     import torch
 
-    seen = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    seen = {id(m.weight): m.in_features * m.out_features  # the logical shape: a quantized weight is packed
+            for m in model.modules() if isinstance(m, torch.nn.Linear)}
     return sum(seen.values())
 
 
@@ -192,13 +230,25 @@ def table(rows: list[dict[str, Any]], peak_tflops: float | None, full_size: bool
            "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if full_size else "")]
     for r in rows:
         mfu = f"{100 * r['achieved_tflops'] / peak_tflops:.1f}%" if peak_tflops else "n/a"
-        line = (f"| Qwen3-{r['model'].upper()} | {r['layers']} | {r['tokens']} | {r['step_s']:.3f} | "
+        variant = "" if r.get("variant", "bf16") == "bf16" else f" {r['variant']}"
+        line = (f"| Qwen3-{r['model'].upper()}{variant} | {r['layers']} | {r['tokens']} | {r['step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops_per_step']:.2f} | {r['achieved_tflops']:.3g} | {mfu} | "
                 f"{r['peak_gib']:.2f} |")
         if full_size:
             tps, _, mem = ANCHOR[r["model"]]
             line += f" {r['tokens_per_s'] / tps:.2f}x | {r['peak_gib'] / mem:.2f}x |"
         out.append(line)
+    return out
+
+
+def variant_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """Each variant against `bf16` of the same model, measured in the same run."""
+    out = ["| model | variant | tokens/s vs bf16 | peak memory vs bf16 |", "|---|---|---|---|"]
+    for r in rows:
+        ref = next((b for b in rows if b["model"] == r["model"] and b["variant"] == "bf16"), None)
+        if ref is not None and r is not ref:
+            speed, memory = r["tokens_per_s"] / ref["tokens_per_s"], r["peak_gib"] / ref["peak_gib"]
+            out.append(f"| Qwen3-{r['model'].upper()} | {r['variant']} | {speed:.2f}x | {memory:.2f}x |")
     return out
 
 
@@ -253,6 +303,8 @@ def main() -> int:
     ap.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak (default: 989 on H100/H200)")
     ap.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 2), help="CPU threads")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="compare frozen bases / recipes (bf16 nf4 fp8 fp8-hybrid) in one run")
     ap.add_argument("--out", default=str(REPO / "bench" / "GPU.md"))
     args = ap.parse_args()
     if args.child:
@@ -268,14 +320,15 @@ def main() -> int:
     sample = min(args.sample_len, args.tokens)
     rows = []
     for model in args.models:
-        layers = args.layers or SHAPES[model]["num_hidden_layers"]
-        spec = dict(model=model, device=device, tokens=args.tokens, sample_len=args.sample_len, layers=layers,
-                    steps=args.steps, warmup=args.warmup, chunk=args.chunk, checkpointing=not args.no_checkpointing,
-                    threads=args.threads)
-        res = run_child(spec)
-        rows.append(spec | res)
-        print(f"Qwen3-{model}: {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} TFLOP/s, "
-              f"peak {res['peak_gib']:.2f} GiB, {res['step_s']:.3f} s/step", flush=True)
+        for variant in args.variants or ["bf16"]:
+            layers = args.layers or SHAPES[model]["num_hidden_layers"]
+            spec = dict(model=model, device=device, tokens=args.tokens, sample_len=args.sample_len, layers=layers,
+                        steps=args.steps, warmup=args.warmup, chunk=args.chunk,
+                        checkpointing=not args.no_checkpointing, threads=args.threads, variant=variant)
+            res = run_child(spec)
+            rows.append(spec | res)
+            print(f"Qwen3-{model} {variant}: {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} "
+                  f"TFLOP/s, peak {res['peak_gib']:.2f} GiB, {res['step_s']:.3f} s/step", flush=True)
     full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing)
     lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {name} (torch {torch.__version__}) in "
              f"{time.monotonic() - t0:.0f} s; command: `python bench/gpu_trainer.py {' '.join(sys.argv[1:])}`.", "",
@@ -285,8 +338,11 @@ def main() -> int:
              f"{'torch.cuda.max_memory_allocated' if device == 'cuda' else 'peak RSS (VmHWM)'} of the process. "
              f"MFU against {f'{peak:.0f} TFLOP/s' if peak else 'no known peak (n/a)'}."
              + ("" if full_size else " Not the full-size configuration, so no comparison with prime-rl."), "",
-             *table(rows, peak, full_size)]
-    write_report(Path(args.out), "CUDA" if device == "cuda" else "CPU (smoke test)", lines)
+             *table(rows, peak, full_size and not args.variants)]
+    if args.variants:
+        lines += ["", *variant_ratios(rows)]
+    kind = "CUDA" if device == "cuda" else "CPU (smoke test)"
+    write_report(Path(args.out), f"{kind} bases and recipes" if args.variants else kind, lines)
     print("\n".join(lines))
     return 0
 
