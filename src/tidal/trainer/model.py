@@ -7,6 +7,9 @@ block-diagonal causal mask from restarting `position_ids` (checked by tests/unit
 The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
+A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
+the families whose image inputs the trainer builds (`tidal.trainer.vision.TRAINABLE`; others are refused), and
+gets LoRA on its language model only (`VISION_MODULES` excluded).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
 from tidal.trainer.precision import apply_recipe
+from tidal.trainer.vision import TRAINABLE, VISION_MODULES, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +118,18 @@ def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trus
                     rope_scaling: dict[str, Any] | None = None) -> Any:
     """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
     train.yaml (the config is loaded and changed first, then the model is built from it)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_model_config(path, trust_remote_code, rope_scaling)
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    auto: Any = AutoModelForCausalLM
+    if is_vision_config(config):
+        archs = list(getattr(config, "architectures", None) or [type(config).__name__])
+        if not set(archs) & set(TRAINABLE):
+            raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
+                              f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
+                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code)
     return model.to(device)  # type: ignore[arg-type]
 
 
@@ -126,8 +137,11 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """Wrap `model` with trainable LoRA adapters (B initialized to zero: step 0 equals the base model)."""
     from peft import LoraConfig, get_peft_model
 
+    vision = is_vision_config(getattr(model, "config", None))
+    exclude = rf".*\.({'|'.join(VISION_MODULES)})\..*" if vision else None  # VLM: the language model only
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM",
+                      exclude_modules=exclude)
     return get_peft_model(model, lora)
 
 
