@@ -25,8 +25,8 @@ import numpy as np
 
 from tidal.config.orch import OrchConfig, TeacherSection
 from tidal.envs.base import Example
-from tidal.envs.images import has_images, openai_messages, prompt_images
-from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.envs.images import count_images, has_images, openai_messages, prompt_images, text_of
+from tidal.inference.client import Completion, InferenceClient, InferenceError, NotMultimodal
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
@@ -41,6 +41,17 @@ MAX_DRAWS = 100
 MAX_ATTEMPTS = 5
 
 
+async def tokenize_example(client: InferenceClient, model: str, example: Example) -> list[int]:
+    """The example's prompt token ids; an image prompt to a text-only model raises NotMultimodal naming it."""
+    try:
+        return await client.tokenize_prompt(model, example.prompt)
+    except NotMultimodal as exc:
+        user = [text_of(m.get("content")) for m in example.prompt if m.get("role") == "user"] \
+            if not isinstance(example.prompt, str) else [example.prompt]
+        raise NotMultimodal(f"{exc}; the example of environment '{example.task or '?'}' with "
+                            f"{count_images(example.prompt)} image(s): {(user or [''])[-1][:80]!r}") from None
+
+
 async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, model: str, n: int,
                        cfg: OrchConfig, counts: dict[str, float],
                        buffer: Buffer | None = None) -> tuple[list[Example], list[list[int]]]:
@@ -52,7 +63,7 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
         return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
 
     examples = [draw() for _ in range(n)]
-    prompts = list(await asyncio.gather(*(client.tokenize_prompt(model, ex.prompt) for ex in examples)))
+    prompts = list(await asyncio.gather(*(tokenize_example(client, model, ex) for ex in examples)))
     reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
     for i in range(n):
         draws = 0
@@ -67,7 +78,7 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
                 raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
                                  f"raise seq_len or set long_prompts: truncate")
             examples[i] = draw()
-            prompts[i] = await client.tokenize_prompt(model, examples[i].prompt)
+            prompts[i] = await tokenize_example(client, model, examples[i])
     return examples, prompts
 
 
