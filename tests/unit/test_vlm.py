@@ -3,6 +3,7 @@ packing with images, and the trainer's logprobs of a random tiny Idefics3 agains
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -19,6 +20,7 @@ from tests.tiny_vlm import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, build_tiny_vlm
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
+from tidal.envs.base import Example
 from tidal.envs.images import (
     ImagePartError,
     count_images,
@@ -306,3 +308,40 @@ def test_the_verifiers_adapter_passes_images_through():
     content = ex.prompt[-1]["content"]
     assert [p["type"] for p in content] == ["image_url", "text"] and content[1]["text"].startswith("Which")
     assert prompt_images(ex.prompt) == [png], "the very image reaches tidal's prompt"
+
+
+# --- what is refused --------------------------------------------------------------------------------------------
+
+def image_example() -> Example:
+    return Example(prompt=[{"role": "user", "content": [{"type": "image", "image": square((1, 2, 3))},
+                                                        {"type": "text", "text": "colour?"}]}], task="sq")
+
+
+def test_multi_turn_rollouts_of_image_prompts_are_refused():
+    from tidal.config.orch import SamplingSection
+    from tidal.orchestrator.rollout import multi_turn_group
+
+    class TwoTurns(SquareColour):
+        max_turns = 2
+
+    with pytest.raises(ValueError, match="multi-turn .* holds images"):
+        asyncio.run(multi_turn_group(None, "m", [1, 2], 2, SamplingSection(), 64, None, 1.0,  # type: ignore[arg-type]
+                                     TwoTurns(), image_example()))
+
+
+def test_teacher_logprobs_of_image_prompts_are_refused():
+    from tidal.config.orch import TeacherSection
+    from tidal.orchestrator.collect import Collected, _teacher_logprobs
+
+    got = Collected()
+    got.add(image_example(), [1, 2], [comp(2)], np.zeros((1, 1)), [b"png"])
+    with pytest.raises(ValueError, match="teacher logprobs of prompts with images"):
+        asyncio.run(_teacher_logprobs(None, TeacherSection(model="t"), got))  # type: ignore[arg-type]
+
+
+def test_sft_of_image_prompts_is_refused():
+    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.sft import make_sft_batch
+
+    with pytest.raises(ValueError, match="environment 'sq' has images"):
+        make_sft_batch(load_tokenizer("tidal:tiny-reverse"), [image_example()], ["red"], 1)
