@@ -100,7 +100,8 @@ class Evaluator:
                 multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,
                                  ex) if env.max_turns > 1 else
                 rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature,
-                              openai_messages(ex.prompt) if has_images(ex.prompt) else None)
+                              openai_messages(ex.prompt) if not isinstance(ex.prompt, str) and has_images(ex.prompt)
+                              else None)
                 for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
             rewards = np.array([self.score(env, ex, g, step) for ex, g in zip(examples, groups, strict=True)])
             lengths = [len(c.token_ids) for g in groups for c in g]
