@@ -3,7 +3,8 @@ task. Prompts carry images (PIL, data URL and file forms) to vLLM's chat API; th
 the trainer, which embeds them as vLLM does: trainer and vLLM logprobs agree at both steps, including step 2,
 sampled with the trained policy (max_async_level 0) that vLLM loaded as a LoRA adapter (language-model modules
 only) or, slow, as merged full weights; the base model's logprobs show that vLLM really served the trained
-policy at step 2. The online evaluation samples image prompts the same way."""
+policy at step 2. The online evaluation samples image prompts the same way. Slow: the same with full
+fine-tuning (`lora: false`)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ def base_model_gap(model_dir: Path, batch: TrainingBatch) -> float:
 
 RELOAD = {"lora": ["--orch.weight_broadcast.reload", "lora"],
           "merged": ["--orch.weight_broadcast.reload", "merged", "--train.broadcast_merged", "true",
-                     "--infer.weight_reload", "true"]}
+                     "--infer.weight_reload", "true"],
+          "full": ["--train.lora", "false"]}  # full fine-tuning (vision tower included): merged reloads on CPU
 
 
-@pytest.mark.parametrize("reload", ["lora", pytest.param("merged", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("reload", ["lora", pytest.param("merged", marks=pytest.mark.slow),
+                                    pytest.param("full", marks=pytest.mark.slow)])
 def test_vlm_grpo_run_agrees_with_vllm(tmp_path, reload):
     model = build_tiny_vlm(tmp_path / "tiny-vlm")
     run_dir, port = tmp_path / "run", free_port()
@@ -80,6 +83,9 @@ def test_vlm_grpo_run_agrees_with_vllm(tmp_path, reload):
     assert base_model_gap(model, batches[1]) > 1e-2, "step 2: vLLM served the trained policy, not the base"
     evals = read_metrics(run_dir / "eval.jsonl")
     assert evals and all(e["eval/sq/examples"] == 4 for e in evals), "evaluation samples image prompts too"
+    if reload == "full":
+        assert (run_dir / "final" / "model").is_dir()
+        return
     (adapter,) = (run_dir / "final" / "adapter").glob("*.safetensors")
     with safe_open(str(adapter), "np") as f:
         keys = list(f.keys())

@@ -215,9 +215,10 @@ class InferenceClient:
             content = (choice.get("logprobs") or {}).get("content") or []
             if len(ids) != len(content):
                 raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
-            comps.append(Completion(ids, [float(c["logprob"]) for c in content],
-                                    choice["message"].get("content") or "", choice.get("finish_reason") or "",
-                                    [c["token"] for c in content]))
+            msg = choice["message"]  # with infer reasoning_parser, vLLM splits the reasoning out of the content
+            text = (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
+            comps.append(Completion(ids, [float(c["logprob"]) for c in content], text,
+                                    choice.get("finish_reason") or "", [c["token"] for c in content]))
         return comps
 
     async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
