@@ -345,3 +345,12 @@ def test_sft_of_image_prompts_is_refused():
 
     with pytest.raises(ValueError, match="environment 'sq' has images"):
         make_sft_batch(load_tokenizer("tidal:tiny-reverse"), [image_example()], ["red"], 1)
+
+
+def test_remote_environments_send_images_as_data_urls():
+    from tidal.envs.remote import example_from_json, example_to_json
+
+    ex = image_example()
+    back = example_from_json(json.loads(json.dumps(example_to_json(ex))))
+    assert back.prompt[0]["content"][0]["type"] == "image_url" and back.task == "sq"
+    assert prompt_images(back.prompt) == prompt_images(ex.prompt)
