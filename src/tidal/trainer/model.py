@@ -114,22 +114,28 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
     return config
 
 
+def auto_model_class(config: Any, path: str) -> Any:
+    """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
+    trainer builds (`tidal.trainer.vision.TRAINABLE`); another VLM raises `ConfigError` naming its architecture."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if not is_vision_config(config):
+        return AutoModelForCausalLM
+    archs = list(getattr(config, "architectures", None) or [type(config).__name__])
+    if not set(archs) & set(TRAINABLE):
+        raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
+                          f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
+    return AutoModelForImageTextToText
+
+
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
                     rope_scaling: dict[str, Any] | None = None) -> Any:
     """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
     train.yaml (the config is loaded and changed first, then the model is built from it)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     config = load_model_config(path, trust_remote_code, rope_scaling)
-    auto: Any = AutoModelForCausalLM
-    if is_vision_config(config):
-        archs = list(getattr(config, "architectures", None) or [type(config).__name__])
-        if not set(archs) & set(TRAINABLE):
-            raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
-                              f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
-        auto = AutoModelForImageTextToText
-    model = auto.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    model = auto_model_class(config, path).from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
+                                                           attn_implementation="sdpa",
+                                                           trust_remote_code=trust_remote_code)
     return model.to(device)  # type: ignore[arg-type]
 
 
