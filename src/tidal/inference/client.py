@@ -148,17 +148,13 @@ class InferenceClient:
         out = await self._post(url, payload)
         return list(out["tokens"])
 
-    async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str,
-                              pngs: list[bytes] | None = None) -> list[int]:
+    async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str) -> list[int]:
         """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational); a string as
-        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends). Images
-        (`pngs`: the prompt's `tidal.envs.images.prompt_images`, computed here when not given) go as data URLs,
-        and vLLM expands their placeholder tokens."""
+        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends). Images go as
+        PNG data URLs (`tidal.envs.images.openai_messages`), and vLLM expands their placeholder tokens."""
         if isinstance(prompt, str):
             return await self.tokenize_text(model, prompt)
-        if pngs or (pngs is None and has_images(prompt)):
-            return await self.tokenize_chat(model, openai_messages(prompt, pngs))
-        return await self.tokenize_chat(model, prompt)
+        return await self.tokenize_chat(model, openai_messages(prompt) if has_images(prompt) else prompt)
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:
         """Token ids of plain `text` (no chat template, no special tokens)."""
