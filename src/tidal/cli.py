@@ -208,7 +208,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.client import InferenceError, InferenceUnreachable
+    from tidal.inference.client import InferenceError, InferenceUnreachable, NotMultimodal
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
@@ -226,6 +226,9 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
+    except NotMultimodal as exc:  # the model and the environment do not fit: bad input, not a failure to retry
+        logging.getLogger("tidal.orch").error("stopping: %s", exc)
+        return 2
     return 0
 
 

@@ -11,7 +11,8 @@
 The orchestrator uses it through `RemoteEnvironment` when `env[].address` is set, or spawns one itself with
 `env[].spawn: true` (a subprocess on a free localhost port, stopped with the orchestrator). The sampler's RNG
 stays in the orchestrator: each example is drawn from a seed it takes from that RNG, so runs (and resumes)
-stay reproducible. The server binds to 127.0.0.1 unless told otherwise.
+stay reproducible. The server binds to 127.0.0.1 unless told otherwise. Image parts of prompts (PIL images,
+files) travel as PNG data URLs (`example_to_json`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ from typing import Any
 import httpx
 
 from tidal.envs.base import Environment, Example
+from tidal.envs.images import has_images, openai_messages
+
+
+def example_to_json(example: Example) -> dict[str, Any]:
+    """The example as JSON-able data; image parts (PIL images, files) travel as PNG data URLs."""
+    prompt = example.prompt
+    return {**asdict(example), "prompt": openai_messages(prompt) if has_images(prompt) and not isinstance(
+        prompt, str) else prompt}
 
 
 def example_from_json(d: dict[str, Any]) -> Example:
@@ -76,7 +85,7 @@ def make_handler(env: Environment, api_key: str | None = None) -> type[BaseHTTPR
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if self.path == "/sample":
-                    out: Any = asdict(env.sample(random.Random(int(body["seed"]))))
+                    out: Any = example_to_json(env.sample(random.Random(int(body["seed"]))))
                 elif self.path == "/reward":
                     out = {"reward": env.reward(example_from_json(body["example"]), str(body["completion"]))}
                 elif self.path == "/respond":
@@ -85,7 +94,7 @@ def make_handler(env: Environment, api_key: str | None = None) -> type[BaseHTTPR
                     out = {"steps": env.step_rewards(example_from_json(body["example"]), str(body["completion"]))}
                 elif self.path == "/eval_examples":
                     ex = env.eval_examples()
-                    out = {"examples": None if ex is None else [asdict(e) for e in ex]}
+                    out = {"examples": None if ex is None else [example_to_json(e) for e in ex]}
                 else:
                     self._send(404, {"error": f"no route {self.path}"})
                     return
@@ -147,14 +156,16 @@ class RemoteEnvironment(Environment):
         return example_from_json(self._post("/sample", {"seed": rng.getrandbits(63)}))
 
     def reward(self, example: Example, completion: str) -> float:
-        return float(self._post("/reward", {"example": asdict(example), "completion": completion})["reward"])
+        body = {"example": example_to_json(example), "completion": completion}
+        return float(self._post("/reward", body)["reward"])
 
     def respond(self, example: Example, transcript: str) -> str | None:
-        reply = self._post("/respond", {"example": asdict(example), "transcript": transcript})["reply"]
+        reply = self._post("/respond", {"example": example_to_json(example), "transcript": transcript})["reply"]
         return None if reply is None else str(reply)
 
     def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
-        steps = self._post("/step_rewards", {"example": asdict(example), "completion": completion})["steps"]
+        body = {"example": example_to_json(example), "completion": completion}
+        steps = self._post("/step_rewards", body)["steps"]
         return [(int(a), float(b)) for a, b in steps]
 
     def eval_examples(self) -> list[Example] | None:

@@ -11,7 +11,9 @@ rubric's own `score_group`, so weights, group functions, parsers and metrics beh
 Use one with `env: [{id: "verifiers:NAME", args: {...}}]` (`verifiers.load_environment`, for installed
 environment packages) or `id: "package.module:factory"` where `factory(**args)` returns the environment.
 Multi-turn verifiers environments (`MultiTurnEnv`, `ToolEnv`) talk in chat messages and OpenAI tool calls,
-which tidal's token-level multi-turn loop does not speak; they are refused with a clear error.
+which tidal's token-level multi-turn loop does not speak; they are refused with a clear error. Image content
+parts (`image_url` / `image`) are kept in the prompt as they are (with the text parts), and tidal sends them to
+the model (`tidal.envs.images`); a message without images becomes plain text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from tidal.envs.base import Environment, Example
+from tidal.envs.images import is_image_part
 
 
 def is_verifiers_env(obj: Any) -> bool:
@@ -52,10 +55,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _text(content: Any) -> str:
+def _content(content: Any) -> str | list[dict[str, Any]]:
+    """A message's content for tidal: plain text, or (when it holds images) its text and image parts in order."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: keep the text ones
+    if isinstance(content, list):
+        if any(is_image_part(p) for p in content):
+            return [p for p in content if is_image_part(p) or (isinstance(p, dict) and p.get("type") == "text")]
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
 
@@ -87,7 +93,7 @@ class VerifiersEnv(Environment):
         return row
 
     def _example(self, row: dict[str, Any]) -> Example:
-        prompt = [{"role": m["role"], "content": _text(m.get("content"))} for m in row["prompt"]]
+        prompt = [{"role": m["role"], "content": _content(m.get("content"))} for m in row["prompt"]]
         return Example(prompt=prompt, answer=str(row.get("answer", "") or ""), info={"verifiers_row": row})
 
     def sample(self, rng: random.Random) -> Example:

@@ -4,7 +4,9 @@ Requests are spread round-robin over `client.base_url`; adapter loads go to ever
 the server itself (`/tokenize` with the chat template and `client.chat_template_kwargs` as extra template
 variables, for training and evaluation prompts alike; a standard string prompt as plain text), and completions are
 requested from those token ids with `return_token_ids`, so the orchestrator trains on exactly the tokens vLLM saw
-and sampled, never on re-tokenized text.
+and sampled, never on re-tokenized text. A prompt with images (`tidal.envs.images`) is tokenized from its
+messages with the images as PNG data URLs (vLLM expands each image's placeholder tokens) and sampled through the
+chat API (`sample_chat`), whose `prompt_token_ids` must equal those tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import httpx
 
 from tidal.config.orch import ClientSection
+from tidal.envs.images import has_images, openai_messages
 
 log = logging.getLogger("tidal.client")
 
@@ -32,6 +35,10 @@ class InferenceUnreachable(RuntimeError):
 
 class InferenceError(RuntimeError):
     """A server answered with an error; the message names the URL and the server's reason."""
+
+
+class NotMultimodal(ValueError):
+    """A prompt holds images but the served model takes text only (not retried: the run cannot go on)."""
 
 
 @dataclass
@@ -95,6 +102,9 @@ class InferenceClient:
             r = await self.http.post(url, json=payload)
         except httpx.HTTPError as exc:
             raise InferenceError(f"POST {url} failed: {exc!r}") from exc
+        if r.status_code == 400 and "is not a multimodal model" in r.text:
+            raise NotMultimodal(f"a prompt holds images, but model '{payload.get('model')}' served at {url} takes "
+                                f"text only (vLLM: {r.text[:200]}); use a vision-language model or text prompts")
         if r.status_code != 200:
             raise InferenceError(f"POST {url} -> HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
@@ -127,7 +137,7 @@ class InferenceClient:
                 delay = min(delay * 2, 10.0)
         return models
 
-    async def tokenize_chat(self, model: str, messages: list[dict[str, str]]) -> list[int]:
+    async def tokenize_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of `messages` rendered by the server's chat template with the generation prompt, the
         template getting `client.chat_template_kwargs` (e.g. `enable_thinking: false`)."""
         url = f"{server_root(self.urls[0])}/tokenize"
@@ -140,10 +150,11 @@ class InferenceClient:
 
     async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str) -> list[int]:
         """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational); a string as
-        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends)."""
+        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends). Images go as
+        PNG data URLs (`tidal.envs.images.openai_messages`), and vLLM expands their placeholder tokens."""
         if isinstance(prompt, str):
             return await self.tokenize_text(model, prompt)
-        return await self.tokenize_chat(model, prompt)
+        return await self.tokenize_chat(model, openai_messages(prompt) if has_images(prompt) else prompt)
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:
         """Token ids of plain `text` (no chat template, no special tokens)."""
@@ -172,6 +183,38 @@ class InferenceClient:
             texts = choice["logprobs"].get("tokens")
             comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or "",
                                     list(texts) if texts is not None and len(texts) == len(ids) else None))
+        return comps
+
+    async def sample_chat(self, model: str, messages: list[dict[str, Any]], prompt_ids: list[int], n: int,
+                          max_tokens: int, temperature: float, seed: int | None = None,
+                          extra: dict[str, Any] | None = None) -> list[Completion]:
+        """`n` completions of chat `messages` (with images as data URLs: `tidal.envs.images.openai_messages`)
+        through vLLM's chat API, rendered like `tokenize_chat`; the prompt token ids vLLM reports must equal
+        `prompt_ids` (what the batch trains on), else InferenceError."""
+        url = f"{self.urls[next(self._rr)]}/chat/completions"
+        payload: dict[str, Any] = {"model": model, "messages": messages, "n": n, "max_tokens": max_tokens,
+                                   "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": True,
+                                   "top_logprobs": 0, "return_token_ids": True, "skip_special_tokens": True,
+                                   "add_generation_prompt": True}
+        if self.cfg.chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(self.cfg.chat_template_kwargs)
+        if seed is not None:
+            payload["seed"] = seed
+        payload.update(extra or {})
+        out = await self._post(url, payload)
+        if list(out.get("prompt_token_ids") or []) != prompt_ids:
+            raise InferenceError(f"{url}: the chat API rendered {len(out.get('prompt_token_ids') or [])} prompt "
+                                 f"tokens, /tokenize {len(prompt_ids)}; they must agree (tokens, not text)")
+        comps = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = list(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(ids) != len(content):
+                raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
+            msg = choice["message"]  # with infer reasoning_parser, vLLM splits the reasoning out of the content
+            text = (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
+            comps.append(Completion(ids, [float(c["logprob"]) for c in content], text,
+                                    choice.get("finish_reason") or "", [c["token"] for c in content]))
         return comps
 
     async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:

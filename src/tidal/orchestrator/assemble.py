@@ -6,7 +6,8 @@ mask completions out of the loss. The batch holds prompt + completion token ids 
 completion's model tokens only), vLLM's logprobs, the per-token advantages, the policy step that sampled it and
 the temperature it was sampled at. A batch whose policy lags more than `max_off_policy_steps` behind is
 written empty (its samples dropped) so step numbering stays intact. The step's orchestrator metrics ride along
-in `batch.metrics` (the trainer writes them to metrics.jsonl).
+in `batch.metrics` (the trainer writes them to metrics.jsonl). Prompts with images add the batch's image arrays
+(`image_arrays`: each distinct image once, shared by the completions of its prompt).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
+from tidal.envs.images import text_of
 from tidal.inference.client import Completion
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
@@ -36,12 +38,36 @@ RESERVED_METRICS = frozenset({"step", "loss", "grad_norm", "tokens", "policy_ste
 log = logging.getLogger("tidal.orch")
 
 
+def image_arrays(prompts: list[list[int]], groups: list[list[Completion]],
+                 images: list[list[bytes]]) -> dict[str, Any]:
+    """The batch's image arrays (`TrainingBatch` module doc) for groups whose prompts hold `images` (PNG bytes
+    per group); {} when no prompt has any."""
+    if not any(images):
+        return {}
+    index: dict[bytes, int] = {}
+    counts: list[int] = []
+    refs: list[int] = []
+    prompt_lengths: list[int] = []
+    for prompt, comps, pngs in zip(prompts, groups, images, strict=True):
+        ids = [index.setdefault(png, len(index)) for png in pngs]
+        for _ in comps:
+            counts.append(len(ids))
+            refs += ids
+            prompt_lengths.append(len(prompt))
+    data = b"".join(index)
+    return {"image_data": np.frombuffer(data, dtype=np.uint8),
+            "image_lengths": np.array([len(png) for png in index], dtype=np.int64),
+            "sample_images": np.array(refs, dtype=np.int32), "sample_image_counts": np.array(counts, dtype=np.int32),
+            "prompt_lengths": np.array(prompt_lengths, dtype=np.int32)}
+
+
 def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
                 advantages: list[np.ndarray], policy_step: int, cfg: OrchConfig,
                 teacher: list[list[float]] | None = None,
-                masked: np.ndarray | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
+                masked: np.ndarray | None = None,
+                images: list[list[bytes]] | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
     """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion, none for completions
-    `masked` by an enforced filter) and its metrics."""
+    `masked` by an enforced filter; the prompts' `images`, PNG bytes per group) and its metrics."""
     lag = (step - 1) - policy_step
     keep = lag <= cfg.max_off_policy_steps
     tokens: list[int] = []
@@ -70,7 +96,8 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
                           lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
                           advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
                           policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
-                          max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher)
+                          max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
+                          **(image_arrays(prompts, groups, images) if keep and images else {}))
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
                "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
                "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
@@ -85,7 +112,8 @@ def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, ad
     out = []
     for i in range(0, len(flat), every)[:limit]:
         ex, c = flat[i]
-        user = [] if isinstance(ex.prompt, str) else [m["content"] for m in ex.prompt if m.get("role") == "user"]
+        user = [] if isinstance(ex.prompt, str) else [text_of(m["content"]) for m in ex.prompt
+                                                      if m.get("role") == "user"]
         out.append({"prompt": user[-1] if user else str(ex.prompt), "completion": c.text,
                     "reward": float(rewards[i]),
                     "advantage": float(advantages[i].mean()) if advantages[i].size else 0.0})
@@ -119,7 +147,7 @@ def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, s
     advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom)
     masked, filter_metrics = filters.apply([c for _, c in flat])
     batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, policy_step, cfg,
-                                 sample.teacher, masked)
+                                 sample.teacher, masked, got.images)
     metrics |= filter_metrics
     if sample.teacher is not None:
         metrics["teacher_time_s"] = sample.teacher_time_s

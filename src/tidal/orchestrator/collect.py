@@ -7,7 +7,8 @@ environments run their turns) and scores every group. With group filters (dynami
 filtering) it samples `oversampling_factor` x the groups still missing, over up to `max_sampling_rounds`
 rounds, and tops the batch up with rejected groups if it is still short. A step whose inference requests fail
 (the server died or restarted) is sampled again once the server answers, with the same examples and the
-policy loaded again. With a `teacher`, its logprobs of every sequence come along.
+policy loaded again. With a `teacher`, its logprobs of every sequence come along. A prompt's images
+(`tidal.envs.images`) are encoded once per group and travel with it to the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 
 from tidal.config.orch import OrchConfig, TeacherSection
 from tidal.envs.base import Example
-from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.envs.images import count_images, has_images, openai_messages, prompt_images, text_of
+from tidal.inference.client import Completion, InferenceClient, InferenceError, NotMultimodal
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
@@ -39,22 +41,34 @@ MAX_DRAWS = 100
 MAX_ATTEMPTS = 5
 
 
+async def tokenize_example(client: InferenceClient, model: str, example: Example) -> list[int]:
+    """The example's prompt token ids; an image prompt to a text-only model raises NotMultimodal naming it."""
+    try:
+        return await client.tokenize_prompt(model, example.prompt)
+    except NotMultimodal as exc:
+        user = [text_of(m.get("content")) for m in example.prompt if m.get("role") == "user"] \
+            if not isinstance(example.prompt, str) else [example.prompt]
+        raise NotMultimodal(f"{exc}; the example of environment '{example.task or '?'}' with "
+                            f"{count_images(example.prompt)} image(s): {(user or [''])[-1][:80]!r}") from None
+
+
 async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, model: str, n: int,
                        cfg: OrchConfig, counts: dict[str, float],
                        buffer: Buffer | None = None) -> tuple[list[Example], list[list[int]]]:
     """`n` examples (through `buffer`, when given: no duplicates, no pooled examples) and their prompt token
     ids. A prompt leaving no room under `seq_len` is skipped (another example is drawn) or truncated to its
-    last tokens, per `long_prompts`; counted in `counts`."""
+    last tokens, per `long_prompts` (a prompt with images is always skipped: cutting it could split an image's
+    placeholder tokens); counted in `counts`."""
     def draw() -> Example:
         return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
 
     examples = [draw() for _ in range(n)]
-    prompts = list(await asyncio.gather(*(client.tokenize_prompt(model, ex.prompt) for ex in examples)))
+    prompts = list(await asyncio.gather(*(tokenize_example(client, model, ex) for ex in examples)))
     reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
     for i in range(n):
         draws = 0
         while len(prompts[i]) >= cfg.seq_len:
-            if cfg.long_prompts == "truncate":
+            if cfg.long_prompts == "truncate" and not has_images(examples[i].prompt):
                 prompts[i] = prompts[i][-(cfg.seq_len - reserve):]
                 counts["prompts/truncated"] = counts.get("prompts/truncated", 0.0) + 1
                 break
@@ -64,7 +78,7 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
                 raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
                                  f"raise seq_len or set long_prompts: truncate")
             examples[i] = draw()
-            prompts[i] = await client.tokenize_prompt(model, examples[i].prompt)
+            prompts[i] = await tokenize_example(client, model, examples[i])
     return examples, prompts
 
 
@@ -77,30 +91,37 @@ class Collected:
     groups: list[list[Completion]] = field(default_factory=list)
     per_func: list[np.ndarray] = field(default_factory=list)
     """(G, K) rewards per reward function of each group."""
+    images: list[list[bytes]] = field(default_factory=list)
+    """PNG bytes of each group's prompt images, in placeholder order (empty: a text prompt)."""
 
-    def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray) -> None:
+    def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray,
+            images: list[bytes] | None = None) -> None:
         self.examples.append(example)
         self.prompts.append(prompt)
         self.groups.append(group)
         self.per_func.append(scores)
+        self.images.append(images or [])
 
     def extend(self, other: Collected, limit: int) -> None:
         """Take the first `limit` groups of `other`."""
         for i in range(min(limit, len(other.examples))):
-            self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i])
+            self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i], other.images[i])
 
 
 async def _rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
-                    examples: list[Example], prompts: list[list[int]], first_seed: int) -> list[list[Completion]]:
-    """One group of `rollouts_per_example` completions per prompt, all in flight at once."""
+                    examples: list[Example], prompts: list[list[int]], first_seed: int,
+                    images: list[list[bytes]]) -> list[list[Completion]]:
+    """One group of `rollouts_per_example` completions per prompt, all in flight at once (prompts with
+    `images` through the chat API)."""
     seeds = [None if cfg.sampling.seed is None else cfg.sampling.seed + step * 100003 + first_seed + i
              for i in range(len(examples))]
     envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
     k, temp, sp = cfg.rollouts_per_example, temperature_at(cfg.sampling, cfg.max_steps, step), cfg.sampling
     return list(await asyncio.gather(*(
         multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.max_turns > 1 else
-        rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp)
-        for p, s, e, ex in zip(prompts, seeds, envs, examples, strict=True))))
+        rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp,
+                      openai_messages(ex.prompt, im) if im and not isinstance(ex.prompt, str) else None)
+        for p, s, e, ex, im in zip(prompts, seeds, envs, examples, images, strict=True))))
 
 
 async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
@@ -116,14 +137,15 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         missing = need - len(kept.examples)
         ask = math.ceil(missing * cfg.oversampling_factor) if buffer.filtering else missing
         examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
-        groups = await _rollouts(step, cfg, env, client, policy.model, examples, prompts, requests)
+        images = [prompt_images(ex.prompt) for ex in examples]
+        groups = await _rollouts(step, cfg, env, client, policy.model, examples, prompts, requests, images)
         requests += len(examples)
-        for ex, p, g in zip(examples, prompts, groups, strict=True):
+        for ex, p, g, im in zip(examples, prompts, groups, images, strict=True):
             scores = scorer.score(ex, g, step)
             ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
             if not ok:
                 buffer.counts["buffer/dropped_groups"] += 1
-            (kept if ok and len(kept.examples) < need else spare).add(ex, p, g, scores)
+            (kept if ok and len(kept.examples) < need else spare).add(ex, p, g, scores, im)
         if len(kept.examples) >= need:
             break
     fill = need - len(kept.examples)
@@ -148,6 +170,9 @@ class StepSample:
 
 async def _teacher_logprobs(teacher: InferenceClient, section: TeacherSection, got: Collected) -> list[list[float]]:
     """orch `teacher`'s logprobs of every sampled sequence (prompt + completion)."""
+    if any(got.images):
+        raise ValueError("orch teacher: teacher logprobs of prompts with images are not supported (vLLM's "
+                         "prompt_logprobs take token ids without the images); drop `teacher` or the images")
     seqs = [p + c.token_ids for p, comps in zip(got.prompts, got.groups, strict=True) for c in comps]
     return await teacher.prompt_logprobs_many(section.model, seqs, section.max_concurrency)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
+from tidal.envs.images import has_images, openai_messages
 from tidal.inference.client import Completion, InferenceClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
@@ -98,7 +99,9 @@ class Evaluator:
             groups = await asyncio.gather(*(
                 multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,
                                  ex) if env.max_turns > 1 else
-                rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature)
+                rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature,
+                              openai_messages(ex.prompt) if not isinstance(ex.prompt, str) and has_images(ex.prompt)
+                              else None)
                 for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
             rewards = np.array([self.score(env, ex, g, step) for ex, g in zip(examples, groups, strict=True)])
             lengths = [len(c.token_ids) for g in groups for c in g]

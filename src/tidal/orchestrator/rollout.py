@@ -4,29 +4,39 @@ Single-turn: one vLLM request for `n` completions within `sampling.max_tokens` a
 Multi-turn: each model turn ends at EOS or one of the environment's `stop` strings; the environment's reply is
 appended as tokens with no loss (mask 0) and the model continues from the exact token ids, within
 `env.max_turns` turns and the same token budget. Used for training batches and for evaluation.
+A prompt with images is sampled through the chat API from its messages (`messages`: images as data URLs), the
+token ids checked against the prompt's; multi-turn rollouts of prompts with images are refused (vLLM would
+have to take the images again with every continuation's token prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
+from tidal.envs.images import has_images
 from tidal.inference.client import Completion, InferenceClient
 from tidal.orchestrator.sampling import extra_sampling
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
                         sampling: SamplingSection, seq_len: int, seed: int | None,
-                        temperature: float | None = None) -> list[Completion]:
-    """`n` completions of one prompt within `sampling.max_tokens` and what `seq_len` leaves."""
+                        temperature: float | None = None,
+                        messages: list[dict[str, Any]] | None = None) -> list[Completion]:
+    """`n` completions of one prompt within `sampling.max_tokens` and what `seq_len` leaves; `messages`: the
+    prompt's chat messages with images as data URLs (`tidal.envs.images.openai_messages`), sampled through the
+    chat API (`prompt_ids` must be their tokens)."""
     room = seq_len - len(prompt_ids)
     if room < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
     max_tokens = min(sampling.max_tokens or room, room)
     extra = extra_sampling(sampling, max_tokens)
-    return await client.sample(model, prompt_ids, n, max_tokens,
-                               sampling.temperature if temperature is None else temperature, seed, extra)
+    temp = sampling.temperature if temperature is None else temperature
+    if messages is not None:
+        return await client.sample_chat(model, messages, prompt_ids, n, max_tokens, temp, seed, extra)
+    return await client.sample(model, prompt_ids, n, max_tokens, temp, seed, extra)
 
 
 async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
@@ -35,6 +45,9 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
     """`n` multi-turn rollouts: each model turn ends at EOS or one of `env.stop`; the environment's reply
     (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
     turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
+    if has_images(example.prompt):
+        raise ValueError(f"environment '{env.id}' is multi-turn (max_turns {env.max_turns}) and its prompt holds "
+                         "images; tidal samples prompts with images single-turn only (max_turns: 1)")
     budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
     extra = {**extra_sampling(sampling, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
     first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)

@@ -46,6 +46,7 @@ from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.quant import qlora_kind
 from tidal.trainer.schedule import OptimizerStep, plan
+from tidal.trainer.vision import attach_images
 from tidal.transport import BatchSource, weights
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchReader
@@ -62,10 +63,10 @@ def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, ch
     if reference is not None:
         with torch.no_grad():
             return forward_logprobs(reference, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                                    loss_mask=mb.loss_mask)
+                                    loss_mask=mb.loss_mask, images=mb.images)
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
         lp = forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                              loss_mask=mb.loss_mask)
+                              loss_mask=mb.loss_mask, images=mb.images)
         reshard(model)
     return lp
 
@@ -92,7 +93,7 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
         for st in steps[1:]:
             for i in st.slots[ranks.rank]:
                 old[i] = forward_logprobs(model, micro[i].input_ids, micro[i].position_ids, temperature,
-                                          chunk_size=chunk, loss_mask=micro[i].loss_mask)
+                                          chunk_size=chunk, loss_mask=micro[i].loss_mask, images=micro[i].images)
     if old and ranks.sharded:
         reshard(model)
     return old
@@ -109,6 +110,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                                           drop_truncated=lc.mask_truncated_completions,
                                           max_tokens=cfg.micro_batch_tokens)]
+    attach_images(model, batch, micro, resolve_model(cfg.model), cfg.model, cfg.trust_remote_code)
     if lc.teacher_tau and batch.teacher_logprobs is None:
         raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
                          f"logprobs; configure the orchestrator's `teacher`")
@@ -137,7 +139,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                          if lc.beta else None)
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
-                                                   chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask)
+                                                   chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
+                                                   images=mb.images)
                 if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                     old.setdefault(i, lp.detach())
                 inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,

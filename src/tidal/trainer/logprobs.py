@@ -24,6 +24,9 @@ logprobs and the drift metrics read loss tokens only.
 The full-logits path (the model's own `forward`, then `token_logprobs`) is kept for `chunk_size` 0 and for
 architectures not in `LOGIT_TRANSFORMS`, whose logits the chunked path might not reproduce (one warning per
 architecture). tests/unit/test_logprobs_chunked.py checks every listed architecture against the model's logits.
+
+Vision-language models: with `images` (a micro-batch's `tidal.trainer.vision.ImageInputs`) the model runs on
+input embeddings that carry the image features (`tidal.trainer.vision.embed`); the targets are the token ids.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
 }
 """`*ForCausalLM` class name -> its logit transform. Each listed class computes `self.model(...)
 .last_hidden_state`, then `self.lm_head(hidden)` and only this transform (read from transformers' source)."""
+VLM_LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
+    "Idefics3ForConditionalGeneration": _plain,
+}
+"""The same for vision-language models (`*ForConditionalGeneration`; checked by tests/unit/test_vlm.py)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def split_head(model: torch.nn.Module) -> Head | None:
     `LOGIT_TRANSFORMS` (the caller takes the full-logits path)."""
     get_base = getattr(model, "get_base_model", None)
     lm: Any = get_base() if callable(get_base) else model  # PEFT: the *ForCausalLM, LoRA layers injected in place
-    make = LOGIT_TRANSFORMS.get(type(lm).__name__)
+    make = LOGIT_TRANSFORMS.get(type(lm).__name__) or VLM_LOGIT_TRANSFORMS.get(type(lm).__name__)
     if make is None:
         _warn_full_logits(type(lm).__name__)
         return None
@@ -227,11 +234,20 @@ def _place(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(out, (1, 0))
 
 
+def _inputs(model: torch.nn.Module, input_ids: torch.Tensor, images: Any) -> dict[str, torch.Tensor]:
+    """The model's token inputs: `input_ids`, or (with `images`) the embeddings carrying the image features."""
+    if images is None:
+        return {"input_ids": input_ids}
+    from tidal.trainer.vision import embed
+
+    return {"inputs_embeds": embed(model, input_ids, images)}
+
+
 def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      temperature: float, sel: torch.Tensor,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float, sel: torch.Tensor, with_entropy: bool,
+                      images: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole (B, T, V) logits from the model's own forward (chunk size 0, or an unlisted architecture)."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    out = model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False)
     keep = torch.nn.functional.pad(sel, (1, 0))  # (B, T)
     lp = token_logprobs(out.logits, input_ids, temperature)
     lp = torch.where(keep, lp, torch.zeros_like(lp)) if not bool(keep.all()) else lp
@@ -243,7 +259,7 @@ def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_
 
 
 def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
-                 position_ids: torch.Tensor) -> torch.Tensor:
+                 position_ids: torch.Tensor, images: Any = None) -> torch.Tensor:
     """(B, T, H) final hidden states (after the final norm) from the model's own `forward`, asked for the logits
     of no position (`logits_to_keep` = an empty index), with the body's output caught by a forward hook. Going
     through the outer `forward` rather than calling the body directly keeps wrappers around it working: under
@@ -256,7 +272,7 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
 
     handle = head.body.register_forward_hook(catch)
     try:
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+        model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     finally:
         handle.remove()
@@ -268,18 +284,18 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
 
 def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                              temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
-                             loss_mask: torch.Tensor | None = None,
-                             with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                             loss_mask: torch.Tensor | None = None, with_entropy: bool = True,
+                             images: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens (float64 for a float64
     model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
     `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
-    are 0). `chunk_size` 0: the full-logits path."""
+    are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs)."""
     sel = _loss_positions(input_ids, loss_mask)
     head = split_head(model) if chunk_size > 0 else None
     if head is None:
-        lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy)
+        lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy, images)
         return lp, ent if ent is not None else torch.zeros_like(lp.detach())
-    hidden = final_hidden(model, head, input_ids, position_ids)  # (B, T, H)
+    hidden = final_hidden(model, head, input_ids, position_ids, images)  # (B, T, H)
     lp_n, ent_n = chunked_logprobs(hidden[:, :-1][sel], input_ids[:, 1:][sel], head, temperature, chunk_size,
                                    with_entropy)  # (N,) each
     lp = _place(lp_n, sel)
@@ -288,8 +304,8 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
 
 def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
-                     loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     loss_mask: torch.Tensor | None = None, images: Any = None) -> torch.Tensor:
     """Run the model on a packed (B, T) batch and return (B, T) logprobs of its own tokens (see
-    `forward_logprobs_entropy` for `chunk_size` and `loss_mask`)."""
+    `forward_logprobs_entropy` for `chunk_size`, `loss_mask` and `images`)."""
     return forward_logprobs_entropy(model, input_ids, position_ids, temperature, chunk_size=chunk_size,
-                                    loss_mask=loss_mask, with_entropy=False)[0]
+                                    loss_mask=loss_mask, with_entropy=False, images=images)[0]

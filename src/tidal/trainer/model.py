@@ -8,6 +8,9 @@ The model is built the way vLLM serves it: train `trust_remote_code` reaches the
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
 QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.quant`).
+A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
+the families whose image inputs the trainer builds (`tidal.trainer.vision.TRAINABLE`; others are refused), and
+gets LoRA on its language model only (`VISION_MODULES` excluded).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
 from tidal.trainer.precision import apply_recipe
 from tidal.trainer.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
+from tidal.trainer.vision import TRAINABLE, VISION_MODULES, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +116,32 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
     return config
 
 
+def auto_model_class(config: Any, path: str) -> Any:
+    """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
+    trainer builds (`tidal.trainer.vision.TRAINABLE`); another VLM raises `ConfigError` naming its architecture."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if not is_vision_config(config):
+        return AutoModelForCausalLM
+    archs = list(getattr(config, "architectures", None) or [type(config).__name__])
+    if not set(archs) & set(TRAINABLE):
+        raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
+                          f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
+    return AutoModelForImageTextToText
+
+
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
                     rope_scaling: dict[str, Any] | None = None, quantized: QuantKind | None = None) -> Any:
     """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
     train.yaml (the config is loaded and changed first, then the model is built from it); `quantized`: its
     linear layers stored in NF4 or FP8 (QLoRA, `tidal.trainer.quant`)."""
-    from transformers import AutoModelForCausalLM
-
     config = load_model_config(path, trust_remote_code, rope_scaling)
     extra: dict[str, Any] = {}
     if quantized is not None:  # quantized while loading, straight onto the device
         extra = {"quantization_config": quantization_config(quantized, dtype), "device_map": {"": device}}
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                                 attn_implementation="sdpa", trust_remote_code=trust_remote_code,
-                                                 **extra)
+    model = auto_model_class(config, path).from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
+                                                           attn_implementation="sdpa",
+                                                           trust_remote_code=trust_remote_code, **extra)
     if quantized is not None:
         quantize_on_load(model)
         return model
@@ -136,8 +152,11 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     """Wrap `model` with trainable LoRA adapters (B initialized to zero: step 0 equals the base model)."""
     from peft import LoraConfig, get_peft_model
 
+    vision = is_vision_config(getattr(model, "config", None))
+    exclude = rf".*\.({'|'.join(VISION_MODULES)})\..*" if vision else None  # VLM: the language model only
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM",
+                      exclude_modules=exclude)
     return get_peft_model(model, lora)
 
 

@@ -6,7 +6,9 @@ block-diagonal causal mask: no token attends across samples. Each micro-batch is
 row (not to `sequence_len`), so padding stays small. Padding tokens get their own position run and
 `loss_mask` 0. Micro-batches take `per_device_train_batch_size` rows each, or (train `micro_batch_tokens`,
 dynamic batching) as many rows as fit a token budget, counting padding: equal work per micro-batch whether the
-rows hold one long sample or many short ones.
+rows hold one long sample or many short ones. A batch with images (`TrainingBatch.has_images`) adds each
+micro-batch's `prompt_mask` and `image_ids` (its samples' images in row-major placeholder order); the trainer
+turns them into `images` (`tidal.trainer.vision.ImageInputs`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ class MicroBatch:
     advantages: torch.Tensor
     seq_ids: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    """(B, T) bool: prompt tokens (batches with images only)."""
+    image_ids: torch.Tensor | None = None
+    """(N,) the batch's image indices, in the order of their placeholders in the flattened rows (with images)."""
+    images: Any = None
+    """`tidal.trainer.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
 
     def to(self, device: torch.device) -> MicroBatch:
         moved: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
@@ -100,6 +108,8 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         adv = np.zeros((len(group), width), dtype=np.float32)
         seq = np.full((len(group), width), -1, dtype=np.int64)
         tlp = np.zeros((len(group), width), dtype=np.float32) if teacher is not None else None
+        prompt = np.zeros((len(group), width), dtype=bool) if batch.has_images else None
+        images: list[int] = []
         for r, row in enumerate(group):
             at = 0
             for i in row:
@@ -113,10 +123,16 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
                 if tlp is not None and teacher is not None:
                     tlp[r, at:at + n] = teacher[s]
                 seq[r, at:at + n] = i
+                if prompt is not None and batch.prompt_lengths is not None:
+                    prompt[r, at:at + int(batch.prompt_lengths[i])] = True
+                    images += batch.images_of(i)
                 at += n
             pos[r, at:] = np.arange(width - at)  # padding: its own run of positions
         t = [torch.from_numpy(a) for a in (ids, pos, mask, inf_lp, adv, seq)]
-        out.append(MicroBatch(t[0], t[1], t[2], t[3], t[4], t[5], None if tlp is None else torch.from_numpy(tlp)))
+        mb = MicroBatch(t[0], t[1], t[2], t[3], t[4], t[5], None if tlp is None else torch.from_numpy(tlp))
+        if prompt is not None:
+            mb.prompt_mask, mb.image_ids = torch.from_numpy(prompt), torch.tensor(images, dtype=torch.long)
+        out.append(mb)
     return out
 
 

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from tidal.config.load import ConfigError
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE, TrainConfig
 from tidal.envs import make_env
+from tidal.envs.images import has_images
 from tidal.paths import STABLE, atomic_dir
 from tidal.trainer.logprobs import Head, _chunk_logits, forward_logprobs, split_head
 from tidal.trainer.model import check_model_dir, load_policy, load_tokenizer
@@ -59,6 +60,9 @@ def make_sft_batch(tok: Any, examples: list[Any], completions: list[str], step: 
     """Prompt ids (chat template, generation prompt) + completion ids + EOS; loss on the completion."""
     tokens, lengths, masks = [], [], []
     for ex, completion in zip(examples, completions, strict=True):
+        if has_images(ex.prompt):
+            raise ValueError(f"tidal sft: an example of environment '{ex.task or '?'}' has images in its prompt; SFT "
+                             "warm starts take text prompts only (GRPO trains vision-language models, docs/vlm.md)")
         prompt = render_prompt(tok, ex.prompt, chat_template_kwargs)
         target = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         tokens += prompt + target

@@ -8,6 +8,13 @@ it); `teacher_logprobs` is optional (present when the orchestrator scored comple
 Per-sample arrays (`rewards`, `policy_steps`, `truncated`) have one entry per sample; `max_tokens` is the
 completion budget the rollouts were sampled with. Scalars and the orchestrator's step
 metrics travel as JSON in the safetensors metadata. No pickle anywhere.
+
+Images (prompts with images, `tidal.envs.images`): each distinct image once, as PNG bytes concatenated in
+`image_data` (uint8) with `image_lengths` bytes each; `sample_image_counts` (per sample) and `sample_images`
+(concatenated per sample: indices into the images, in the order of their placeholders) say which images a
+sample's prompt holds (the completions of one prompt share them); `prompt_lengths` (per sample) is where each
+sample's prompt ends, so the trainer puts image features on the prompt's placeholder tokens only (a model may
+also sample a placeholder token in its completion). All five are present together or not at all.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import numpy as np
 _ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "inference_logprobs": np.float32,
            "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32, "truncated": np.uint8}
 _OPTIONAL = {"teacher_logprobs": np.float32}
+_IMAGES = {"image_data": np.uint8, "image_lengths": np.int64, "sample_images": np.int32,
+           "sample_image_counts": np.int32, "prompt_lengths": np.int32}
 _PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs")
 _PER_SAMPLE = ("rewards", "policy_steps", "truncated")
 
@@ -47,11 +56,16 @@ class TrainingBatch:
     teacher_logprobs: np.ndarray | None = None
     max_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    image_data: np.ndarray | None = None
+    image_lengths: np.ndarray | None = None
+    sample_images: np.ndarray | None = None
+    sample_image_counts: np.ndarray | None = None
+    prompt_lengths: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.truncated is None:
             self.truncated = np.zeros(len(self.lengths), dtype=np.uint8)
-        for name, dtype in (_ARRAYS | _OPTIONAL).items():
+        for name, dtype in (_ARRAYS | _OPTIONAL | _IMAGES).items():
             if getattr(self, name) is not None:
                 setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
         self.validate()
@@ -71,6 +85,48 @@ class TrainingBatch:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
         if n and self.lengths.min() < 1:
             raise ValueError("every sample needs at least one token")
+        self._validate_images()
+
+    @property
+    def has_images(self) -> bool:
+        return self.image_data is not None
+
+    def _validate_images(self) -> None:
+        present = [k for k in _IMAGES if getattr(self, k) is not None]
+        if not present:
+            return
+        if len(present) != len(_IMAGES):
+            raise ValueError(f"image arrays {present} given without {sorted(set(_IMAGES) - set(present))}")
+        assert self.image_lengths is not None and self.image_data is not None and self.prompt_lengths is not None
+        assert self.sample_images is not None and self.sample_image_counts is not None
+        n = len(self.lengths)
+        if int(self.image_lengths.sum()) != len(self.image_data):
+            raise ValueError(f"image_lengths sum to {int(self.image_lengths.sum())}, image_data has "
+                             f"{len(self.image_data)} bytes")
+        for name in ("sample_image_counts", "prompt_lengths"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
+        if int(self.sample_image_counts.sum()) != len(self.sample_images):
+            raise ValueError(f"sample_image_counts sum to {int(self.sample_image_counts.sum())}, sample_images has "
+                             f"{len(self.sample_images)} entries")
+        if len(self.sample_images) and not 0 <= int(self.sample_images.min()) <= int(self.sample_images.max()) \
+                < len(self.image_lengths):
+            raise ValueError(f"sample_images must index the {len(self.image_lengths)} images")
+        if n and (self.prompt_lengths > self.lengths).any():
+            raise ValueError("a sample's prompt_lengths exceeds its length")
+
+    def images_of(self, i: int) -> list[int]:
+        """Indices of the images in sample `i`'s prompt, in placeholder order (empty without images)."""
+        if self.sample_image_counts is None or self.sample_images is None:
+            return []
+        start = int(self.sample_image_counts[:i].sum())
+        return [int(j) for j in self.sample_images[start:start + int(self.sample_image_counts[i])]]
+
+    def image_bytes(self, j: int) -> bytes:
+        """The PNG bytes of image `j`."""
+        assert self.image_lengths is not None and self.image_data is not None
+        start = int(self.image_lengths[:j].sum())
+        return self.image_data[start:start + int(self.image_lengths[j])].tobytes()
 
     def samples(self) -> list[slice]:
         """Slices of `tokens` (and per-token arrays) for each sample."""
@@ -87,7 +143,7 @@ class TrainingBatch:
     def _meta_arrays(self) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         meta = {"step": str(self.step), "temperature": repr(self.temperature), "max_tokens": str(self.max_tokens),
                 "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/2"}
-        return meta, {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL if getattr(self, k) is not None}
+        return meta, {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL | _IMAGES if getattr(self, k) is not None}
 
     def to_bytes(self) -> bytes:
         """The same safetensors encoding as `save`, in memory (for the zmq transport)."""
@@ -109,7 +165,8 @@ class TrainingBatch:
             arrays = load(data)
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
-                       **{k: arrays[k] for k in _ARRAYS}, **{k: arrays[k] for k in _OPTIONAL if k in arrays})
+                       **{k: arrays[k] for k in _ARRAYS},
+                       **{k: arrays[k] for k in _OPTIONAL | _IMAGES if k in arrays})
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt message
             raise BatchFormatError(f"corrupt or not a tidal batch: {exc}") from exc
 
@@ -124,7 +181,7 @@ class TrainingBatch:
                 if meta.get("format") != "tidal.TrainingBatch/2":
                     raise ValueError(f"format {meta.get('format')!r}, expected 'tidal.TrainingBatch/2'")
                 arrays = {k: f.get_tensor(k) for k in _ARRAYS}
-                arrays |= {k: f.get_tensor(k) for k in _OPTIONAL if k in f.keys()}  # noqa: SIM118
+                arrays |= {k: f.get_tensor(k) for k in _OPTIONAL | _IMAGES if k in f.keys()}  # noqa: SIM118
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
                        **arrays)
