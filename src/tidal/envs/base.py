@@ -42,6 +42,9 @@ class Environment(ABC):
     """Model turns per rollout (1: single-turn)."""
     stop: list[str] = []  # noqa: RUF012 - class default, not mutated
     """Strings that end a model turn (sent as vLLM `stop`, kept in the output), e.g. `</calc>`."""
+    tooling: Any = None
+    """The tools the model may call (`tidal.envs.tools.Tooling`), rendered by the chat template and run by the
+    tool loop (`tidal.orchestrator.toolloop`); None: no tools (orch `env[].tools` can add them)."""
     has_reward: bool = True
     """Whether `reward` scores completions; False (the `dataset` environment): only the run's reward
     functions do, and the environment gets no reward column."""
