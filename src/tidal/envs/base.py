@@ -72,6 +72,12 @@ class Environment(ABC):
         with `reward`; environments whose rewards compare the group's completions override it."""
         return [self.reward(example, c) for c in completions]
 
+    def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
+        """Scores of one group of sampled rollouts (`tidal.inference.client.Completion`s: `.text`, and for the
+        tool loop `.messages` and `.environment`); what the orchestrator calls. The default scores the texts with
+        `reward_group`; environments that score conversations (verifiers) override it."""
+        return self.reward_group(example, [r.text for r in rollouts])
+
     def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
         """Process supervision: (character end offset, reward) of each reasoning step of a completion, in
         order. Used by `advantage.type: process`; environments without step rewards raise."""

@@ -215,6 +215,11 @@ class ToolSession:
         """The tool messages answering one assistant turn's calls, in order."""
         return [await self.run(c) for c in calls]
 
+    async def after_turn(self, history: list[dict[str, Any]], calls: list[ToolCall]) -> list[dict[str, Any]] | None:
+        """The messages that answer the last assistant turn (the last of `history`, whose tool calls are `calls`):
+        the tool results, or None (the rollout ends) when it called no tool. The loop's interface to a session."""
+        return await self.respond(calls) if calls else None
+
 
 class Tooling:
     """Standalone tool functions and/or an environment factory, with the parsing format and the iteration cap."""

@@ -70,7 +70,7 @@ class Evaluator:
     def score(self, env: Environment, example: Example, group: list[Completion], step: int) -> list[float]:
         """Rewards of one group: the environment's own, or the run's reward functions' weighted total."""
         if env.has_reward:
-            return list(env.reward_group(example, [c.text for c in group]))
+            return list(env.score_rollouts(example, group))
         assert self.scorer is not None
         return [float(x) for x in self.scorer.funcs_total(env, example, group, step)]
 

@@ -175,7 +175,7 @@ class Scorer:
         n_env = len(self.scored)
         out[:, :n_env] = math.nan
         calls: list[Callable[[], Any] | None] = [
-            (lambda: env.reward_group(example, [c.text for c in comps])) if name == env_name else None
+            (lambda: env.score_rollouts(example, comps)) if name == env_name else None
             for name in self.scored]
         calls += self.func_calls(env, example, comps, step)
         for k, values in enumerate(self.run_calls(calls)):

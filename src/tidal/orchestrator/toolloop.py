@@ -4,13 +4,15 @@ For an environment with `tooling` (`tidal.envs.tools.Tooling`): the prompt was r
 (`InferenceClient.tokenize_prompt(..., tools)`); each rollout gets its own `ToolSession` (a fresh
 `environment_factory` instance, `reset(**row)` with the example's columns). Every model turn is sampled from the
 exact token ids so far and ends at the end-of-turn token (EOS); its text is parsed for tool calls in the
-environment's format; the calls run and their results become `tool` messages. The tokens of those messages are
+environment's format; the calls run and their results become `tool` messages (a session's `after_turn`: a
+verifiers environment may answer with other messages too). The tokens of those messages are
 what the chat template renders after the assistant turn: the conversation is rendered without and with them
 (`/tokenize` on the server, generation prompt included the second time) and the tokens after the k-th end-of-turn
 token are taken, k being the number of end-of-turn tokens in the first rendering. Counting end-of-turn tokens
 instead of comparing prefixes keeps this right for templates that render earlier turns differently once later
 messages follow (e.g. strip earlier `<think>` blocks); earlier turns are never re-tokenized, the model's own
-tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends when a turn has no tool call,
+tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends when the session has no answer
+(for tools: the turn called none),
 ends otherwise than at EOS (the token budget), after `max_iterations` tool rounds, or when the tool results
 would not fit the budget (they are then left out, finish `length`).
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
-from tidal.envs.tools import ToolCall, Tooling, ToolSession, parse_tool_calls
+from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
 from tidal.inference.client import Completion, InferenceClient
 from tidal.orchestrator.sampling import extra_sampling
 
@@ -84,7 +86,7 @@ def assistant_message(content: str, calls: list[ToolCall], round_: int) -> dict[
 
 
 async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int], messages: list[dict[str, Any]],
-                      first: Completion, session: ToolSession, tooling: Tooling, budget: int,
+                      first: Completion, session: Any, tooling: Tooling, budget: int,
                       sample_next: Any) -> Completion:
     """Continue one sampled first turn through its tool rounds (see the module docs)."""
     ids: list[int] = []
@@ -102,11 +104,15 @@ async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int]
         out_msgs.append(msg)
         texts.append(content)
         capped = tooling.max_iterations is not None and round_ >= tooling.max_iterations
-        if not calls or finish != "stop" or not c.token_ids or capped:
+        if finish != "stop" or not c.token_ids or capped:
             break
-        results = await session.respond(calls)
-        for r, call_msg in zip(results, msg["tool_calls"], strict=True):
-            r["tool_call_id"] = call_msg["id"]
+        results = await session.after_turn(history, calls)
+        if not results:
+            break
+        ids_of_calls = iter(tc["id"] for tc in msg.get("tool_calls", []))
+        for r in results:  # tool results answer the turn's calls in order
+            if r["role"] == "tool" and "tool_call_id" not in r:
+                r["tool_call_id"] = next(ids_of_calls, "")
         suffix = await tool_suffix(client, model, history, results, c.token_ids[-1], tooling.schemas)
         room = budget - len(ids) - len(suffix)
         if room < 1:
@@ -114,7 +120,7 @@ async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int]
             break
         history += results
         out_msgs += results
-        texts += [f"\n[tool {r['name']}] {r['content']}\n" for r in results]
+        texts += [f"\n[{r['role']} {r.get('name', '')}] {r.get('content', '')}\n" for r in results]
         ids, lps, mask = ids + suffix, lps + [0.0] * len(suffix), mask + [0] * len(suffix)
         round_ += 1
         c = await sample_next(prompt_ids + ids, room, round_)
