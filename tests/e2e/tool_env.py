@@ -3,9 +3,9 @@
 `ReverseTool`: the user message is a short lowercase string; the model may call the tool `reverse(text)` in the
 Hermes/Qwen format (`<tool_call>{"name": "reverse", "arguments": {"text": ...}}</tool_call>`). Reward: 0 without a
 parsed call to `reverse`, else 0.5 + 0.5 x the similarity of its `text` argument to the user's string. Its reference
-completion (for `tidal sft`) is that call. `TOOL_TEMPLATE` is the chat template the tests put on a copy of the bundled model
-(whose own template knows no tools); `THINK_STRIPPING_TEMPLATE` also drops `<think>...</think>` from assistant
-turns that are not the last message, as reasoning models' templates do.
+completion (for `tidal sft`) is that call. `TOOL_TEMPLATE` is the chat template the tests put on a copy of the
+bundled model (whose own template knows no tools); `THINK_STRIPPING_TEMPLATE` also drops `<think>...</think>` from
+assistant turns that are not the last message, as reasoning models' templates do.
 """
 
 from __future__ import annotations
