@@ -1,8 +1,8 @@
-"""Tool calling in the model's chat format, end to end with real vLLM: a copy of the bundled model with a
-Hermes-style template is warm-started by `tidal sft` on tool-call reference completions (`tests.e2e.tool_env`), then
-`tidal grpo` runs the tool loop: the model's `<tool_call>` turns are parsed and run, the tool turns the template
-renders are spliced in as tokens with no loss, the model continues from the exact token ids, and trainer and
-inference agree on every trained token. The slow test shows GRPO raising the reward from the warm start."""
+"""Tool calling in the model's chat format, end to end with real vLLM (`tests.e2e.tool_env`): `tidal grpo` runs the
+tool loop: the model's `<tool_call>` turns are parsed and answered, the tool turns the template renders are spliced
+in as tokens with no loss, the model continues from the exact token ids, and trainer and inference agree on every
+trained token. The slow test warm-starts a copy of the bundled model with a Hermes-style template by `tidal sft` on
+tool-call reference completions, and GRPO raises the reward from there."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 
 from tests.conftest import free_port, kill_group, tidal
-from tests.e2e.tool_env import tool_model
+from tests.e2e.tool_env import tagged_tool_model, tool_model
 from tidal.monitor.metrics import read_metrics
 from tidal.transport.batch import TrainingBatch
 
 pytestmark = pytest.mark.vllm
-
-ENV = "[{id: 'tests.e2e.tool_env:ReverseTool'}]"
-
 
 def warm_start(tmp_path: Path, steps: int, per_step: int) -> Path:
     """`tidal sft` of the tool-template copy of the bundled model on ReverseTool's reference tool calls."""
@@ -37,9 +34,9 @@ def warm_start(tmp_path: Path, steps: int, per_step: int) -> Path:
     return out
 
 
-def grpo(model: Path, run_dir: Path, steps: int, *extra: str) -> None:
+def grpo(model: Path, run_dir: Path, steps: int, env: str, *extra: str) -> None:
     proc = tidal("grpo", "--model", str(model), "--output-dir", str(run_dir), "--infer.port", str(free_port()),
-                 "--orch.max_steps", str(steps), "--orch.env", ENV, "--orch.batch_size", "16",
+                 "--orch.max_steps", str(steps), "--orch.env", f"[{{id: '{env}'}}]", "--orch.batch_size", "16",
                  "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens", "96", "--orch.sampling.seed", "7",
                  *extra)
     try:
@@ -50,34 +47,38 @@ def grpo(model: Path, run_dir: Path, steps: int, *extra: str) -> None:
 
 
 def test_tool_calling_run(tmp_path):
+    """(No warm start: `tagged_tool_model` writes `<tool_call>` blocks already; they do not parse, so each rollout
+    gets an error tool turn and goes on.)"""
     from tidal.trainer.model import load_tokenizer
 
-    model = warm_start(tmp_path, steps=30, per_step=8)
+    model = tagged_tool_model(tmp_path / "model")
     run_dir = tmp_path / "run"
-    grpo(model, run_dir, 2, "--train.max_async_level", "8")
+    grpo(model, run_dir, 2, "tests.e2e.tool_env:TaggedReverse", "--train.max_async_level", "8",
+         "--orch.sampling.max_tokens", "160")  # room for the error turn (~80 tokens) and a second model turn
     tok = load_tokenizer(str(model))
     batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
     tool_turns = []
     for s in batch.samples():
         mask, toks = batch.loss_mask[s].astype(int), batch.tokens[s]
         start = int(np.argmax(mask > 0))  # the prompt ends where the loss starts
-        edges = np.flatnonzero(np.diff(mask[start:])) + start + 1  # where runs of mask 0 / 1 start and end
-        runs = np.split(np.arange(start, len(mask)), edges - start)
+        edges = np.flatnonzero(np.diff(mask[start:])) + 1  # where runs of mask 0 / 1 start and end
+        runs = np.split(np.arange(start, len(mask)), edges)
         tool_turns += [tok.decode(toks[r]) for r in runs if r.size and mask[r[0]] == 0 and r[-1] < len(mask) - 1]
-    assert tool_turns, "some rollouts called the tool and went on after its result"
+    assert len(tool_turns) >= len(batch.samples()) // 2, "rollouts called the tool and went on after its result"
     for turn in tool_turns:  # exactly the template's tool turn and the next generation prompt, as tokens
-        assert turn.startswith("\n<|im_start|>tool\n") and turn.endswith("<|im_end|>\n<|im_start|>assistant\n"), turn
+        assert turn.startswith('\n<|im_start|>tool\n{"error": "<tool_call> block is not valid JSON: '), turn
+        assert turn.endswith("<|im_end|>\n<|im_start|>assistant\n"), turn
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch_kl"] < 1e-3, "every turn was sampled from the exact token ids trained on"
-    assert rows[0]["reward/reverse-tool/mean"] > 0
+    assert rows[0]["reward/tagged-reverse/mean"] > 0
 
 
 @pytest.mark.slow
 def test_grpo_raises_the_tool_reward(tmp_path):
     model = warm_start(tmp_path, steps=25, per_step=8)
     run_dir = tmp_path / "run"
-    grpo(model, run_dir, 20, "--train.learning_rate", "1e-3")
+    grpo(model, run_dir, 20, "tests.e2e.tool_env:ReverseTool", "--train.learning_rate", "1e-3")
     rows = read_metrics(run_dir / "metrics.jsonl")
     first = float(np.mean([r["reward/mean"] for r in rows[:4]]))
     last = float(np.mean([r["reward/mean"] for r in rows[-4:]]))

@@ -16,7 +16,7 @@ import string
 from pathlib import Path
 
 from tidal.envs.base import Environment, Example
-from tidal.envs.reverse_text import similarity
+from tidal.envs.reverse_text import ReverseText, similarity
 from tidal.envs.tools import Tooling, parse_tool_calls
 
 _HEAD = """{%- if tools %}<|im_start|>system
@@ -45,6 +45,20 @@ def tool_model(dst: Path, template: str = TOOL_TEMPLATE) -> Path:
 
     shutil.copytree(bundled("tidal:tiny-reverse"), dst)
     (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+def tagged_tool_model(dst: Path) -> Path:
+    """A copy of the bundled model that writes tool calls without training: its `<reversed_text>` tags are renamed
+    `<tool_call>` (same token ids, so it writes `<tool_call>REVERSED</tool_call>`, a call that does not parse), and
+    its template (`TOOL_TEMPLATE` minus the tool list, so prompts stay as it was trained on) renders tool turns."""
+    import json
+
+    tool_model(dst, TOOL_TEMPLATE.replace(_HEAD.split("{%- for message")[0], ""))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        text = (dst / name).read_text()
+        (dst / name).write_text(text.replace("reversed_text>", "tool_call>"))  # <...> and </...>
+    json.loads((dst / "tokenizer.json").read_text())
     return dst
 
 
@@ -85,3 +99,18 @@ class ReverseTool(Environment):
 
     def reference_completion(self, example: Example) -> str:
         return f'<tool_call>{{"name": "reverse", "arguments": {{"text": "{example.info["text"]}"}}}}</tool_call>'
+
+
+class TaggedReverse(ReverseTool):
+    """reverse-text's prompts (system prompt and string) with the `reverse` tool, for `tagged_tool_model`: every
+    call it writes fails to parse, the error comes back as a tool turn and the model goes on (one round)."""
+
+    id = "tagged-reverse"
+
+    def sample(self, rng: random.Random) -> Example:
+        ex = ReverseText(4, 12).sample(rng)
+        return Example(prompt=ex.prompt, answer=ex.answer, info={"text": ex.info["text"]})
+
+    def reward(self, example: Example, completion: str) -> float:
+        body = completion.partition("<tool_call>")[2].partition("</tool_call>")[0]
+        return similarity(body, example.answer)
