@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 ## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the verifiers package the tests use.
 setup-dev: $(DEV_STAMP)
 
-$(DEV_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	touch $(DEV_STAMP)
+$(DEV_STAMP): pyproject.toml scripts/setup_env.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=dev bash scripts/setup_env.sh
+	touch $(STAMP) $(DEV_STAMP)
 
 ## Train the bundled tiny model on reverse-text: real vLLM + orchestrator + trainer, in one command.
 run: setup

