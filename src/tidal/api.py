@@ -120,7 +120,7 @@ def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list
     return out
 
 
-def tooling(tools: Any, environment_factory: Any, max_iterations: int | None) -> Any:
+def make_tooling(tools: Any, environment_factory: Any, max_iterations: int | None) -> Any:
     """The run's `tidal.envs.tools.Tooling` from TRL's `tools` (functions) and `environment_factory`, or None."""
     from tidal.envs.tools import Tooling
 
@@ -159,7 +159,7 @@ class GRPOTrainer:
         self.args = args if args is not None else GRPOConfig()
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
-        self.tooling = tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
+        self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
         self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
                              else reward_functions(reward_funcs, self.args.reward_weights))
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,

@@ -222,7 +222,8 @@ class ToolSession:
 
 
 class Tooling:
-    """Standalone tool functions and/or an environment factory, with the parsing format and the iteration cap."""
+    """Standalone tool functions and/or an environment factory, with the parsing format and the iteration cap.
+    The factory is called once here (as TRL does) to read its environment's tools and whether it has `get_reward`."""
 
     def __init__(self, functions: list[Callable[..., Any]] | None = None, environment_factory: Any = None,
                  fmt: str = "auto", max_iterations: int | None = None) -> None:

@@ -16,6 +16,10 @@ tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends
 ends otherwise than at EOS (the token budget), after `max_iterations` tool rounds, or when the tool results
 would not fit the budget (they are then left out, finish `length`).
 
+A rollout's `Completion` carries its `messages` (assistant turns with `tool_calls`, the answers: what reward
+functions get as the completion), its session's `environment`, and as `text` the model turns with each answer as a
+`[ROLE NAME] CONTENT` line between them (what an environment's own `reward` and the samples log see).
+
 Simplification: a group shares one prompt, so an environment's `reset` must return the same observation for the
 `n` rollouts of an example (it usually depends on the row only); different ones are an error.
 """
