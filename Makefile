@@ -3,33 +3,42 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
+DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup run test test-all test-gpu lint bench bench-weights bench-memory bench-gpu clean
+.PHONY: setup setup-dev run test test-all test-gpu lint bench bench-weights bench-memory bench-gpu clean
 
+## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
 	touch $(STAMP)
 
+## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the verifiers package the tests use.
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): pyproject.toml scripts/setup_env.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=dev bash scripts/setup_env.sh
+	touch $(STAMP) $(DEV_STAMP)
+
 ## Train the bundled tiny model on reverse-text: real vLLM + orchestrator + trainer, in one command.
 run: setup
 	$(BIN)/tidal grpo
 
 ## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
-test: setup
+test: setup-dev
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 ## Everything that runs on this machine, including slow tests.
-test-all: setup
+test-all: setup-dev
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 ## The checks that need an NVIDIA GPU (`gpu` marker); run them on a GPU machine.
-test-gpu: setup
+test-gpu: setup-dev
 	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
-bench: setup
+bench: setup-dev
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
@@ -46,7 +55,7 @@ bench-gpu: setup
 	$(BIN)/python bench/gpu_trainer.py $(BENCH_ARGS)
 
 ## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check src tests scripts bench examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports

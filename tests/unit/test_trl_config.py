@@ -59,7 +59,8 @@ NOT_IN_CONFIGS = {"reward_weights": "the weights of the in-process reward functi
                   "use_vllm": "always vLLM, either value", "vllm_mode": "one layout either way",
                   "vllm_server_timeout": "the launcher's wait (GRPOTrainer.train)",
                   "run_name": "tested with report_to", "eval_strategy": "tested with an eval dataset",
-                  "eval_steps": "tested with an eval dataset", "num_generations_eval": "tested with an eval dataset"}
+                  "eval_steps": "tested with an eval dataset", "num_generations_eval": "tested with an eval dataset",
+                  "max_tool_calling_iterations": "the in-process tools' cap (tests/unit/test_api.py)"}
 
 
 @pytest.mark.filterwarnings("ignore::tidal.config.base.ConfigWarning")  # sequence-level ratios with dapo

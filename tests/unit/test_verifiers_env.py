@@ -92,14 +92,14 @@ def test_by_factory_import_path_and_by_object(monkeypatch):
         make_env("tests.unit.test_verifiers_env:ENV_OBJECT", {"x": 1})
 
 
-def test_multi_turn_verifiers_environments_are_refused_clearly():
+def test_multi_turn_verifiers_environments_run_the_chat_format_loop():
+    """(tests/unit/test_verifiers_multiturn.py runs them); single-turn ones have no session."""
     class Chatty(vf.MultiTurnEnv):
         async def env_response(self, messages, state, **kwargs):
             return [{"role": "user", "content": "more"}]
 
-    env = Chatty(dataset=Dataset.from_list(ROWS), max_turns=3)
-    with pytest.raises(ValueError, match="multi-turn.*max_turns 3"):
-        VerifiersEnv(env)
+    assert VerifiersEnv(Chatty(dataset=Dataset.from_list(ROWS), max_turns=3)).tooling is not None
+    assert VerifiersEnv(build()).tooling is None
 
 
 def test_unknown_installed_environment_is_a_clear_error():

@@ -41,6 +41,32 @@ class ModelSection(StrictModel):
     """Expected LoRA alpha of the trainer's adapters (null: any); checked like `lora_rank`."""
 
 
+class ToolsSection(StrictModel):
+    """Tool calling in the model's own chat format (`tidal.envs.tools`): the tools' JSON schemas go to the chat
+    template (`tools=`), each model turn's tool calls are parsed and run, and their results come back as `tool`
+    messages (tokens with no loss) until the model answers without a call or `max_iterations` is reached. Needs
+    conversational prompts and a chat template that renders tools."""
+
+    functions: list[str] = Field(default_factory=list)
+    """Tool functions as import paths (`package.module:function`): type-hinted, with a Google-style docstring."""
+    environment_factory: str | None = None
+    """TRL's `environment_factory` as an import path (`package.module:Class`): one instance per rollout,
+    `reset(**row)` with the example's columns, its public methods are tools, an optional `get_reward()` is a
+    reward column named after the class."""
+    format: Literal["auto", "hermes", "mistral", "llama3_json"] = "auto"
+    """How the model writes tool calls: `hermes` (`<tool_call>{json}</tool_call>`, Qwen), `mistral`
+    (`[TOOL_CALLS][...]`), `llama3_json` (a bare `{"name", "parameters"}` object), `auto`: whichever appears."""
+    max_iterations: int | None = Field(None, ge=0)
+    """Most tool-calling rounds per rollout (TRL's `max_tool_calling_iterations`); null: until the token budget
+    ends the rollout."""
+
+    @model_validator(mode="after")
+    def _some_tools(self) -> ToolsSection:
+        if not self.functions and self.environment_factory is None:
+            raise ValueError("tools: give functions (import paths) or an environment_factory")
+        return self
+
+
 class EnvSection(StrictModel):
     """One environment to sample training examples from."""
 
@@ -56,6 +82,8 @@ class EnvSection(StrictModel):
     spawn: bool = False
     """Run the environment in a `tidal env-server` subprocess started by the orchestrator (null address and
     false: in process)."""
+    tools: ToolsSection | None = None
+    """Tools the model may call in this environment's rollouts (null: the environment's own, if any)."""
 
     @model_validator(mode="after")
     def _one_place(self) -> EnvSection:

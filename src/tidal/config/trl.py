@@ -44,7 +44,7 @@ class GRPOConfig(StrictModel):
         "vllm_group_port", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
         "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "ref_model_mixup_alpha",
         "ref_model_sync_steps", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-        "entropy_coef_delta", "entropy_target", "max_tool_calling_iterations", "vllm_importance_sampling_clip_min",
+        "entropy_coef_delta", "entropy_target", "vllm_importance_sampling_clip_min",
         "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "log_unique_prompts",
         "log_completions_hub_repo", "use_transformers_continuous_batching",
         "transformers_continuous_batching_config"})
@@ -77,6 +77,9 @@ class GRPOConfig(StrictModel):
     `per_device_train_batch_size` x this."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra chat-template variables (orch `client.chat_template_kwargs`)."""
+    max_tool_calling_iterations: int | None = Field(None, ge=0)
+    """Most tool-calling rounds per rollout with `GRPOTrainer(tools=...)` / `environment_factory` (orch
+    `env[].tools.max_iterations`); None: until the completion budget ends the rollout."""
     # batch and optimization
     per_device_train_batch_size: int = Field(8, ge=1)
     """Completions per micro-batch (train `per_device_train_batch_size`: packed rows per micro-batch)."""
@@ -277,8 +280,6 @@ class GRPOConfig(StrictModel):
     """Not supported."""
     entropy_target: float = 0.2
     """Not supported."""
-    max_tool_calling_iterations: int | None = None
-    """Not supported."""
     vllm_importance_sampling_clip_min: float | None = None
     """Not supported."""
     off_policy_mask_threshold: float | None = None
@@ -330,6 +331,7 @@ MAPPING: dict[str, str] = {
     "min_p": "orch `sampling.min_p`", "repetition_penalty": "orch `sampling.repetition_penalty`",
     "generation_batch_size": "orch `batch_size`", "steps_per_generation": "orch `batch_size` / train "
     "`steps_per_generation`", "chat_template_kwargs": "orch `client.chat_template_kwargs`",
+    "max_tool_calling_iterations": "the tool loop's cap (orch `env[].tools.max_iterations` in YAML)",
     "per_device_train_batch_size": "train `per_device_train_batch_size`",
     "gradient_accumulation_steps": "train `steps_per_generation` (optimizer steps per batch)",
     "learning_rate": "train `learning_rate`", "lr_scheduler_type": "train `lr_scheduler_type`",

@@ -42,6 +42,9 @@ class Environment(ABC):
     """Model turns per rollout (1: single-turn)."""
     stop: list[str] = []  # noqa: RUF012 - class default, not mutated
     """Strings that end a model turn (sent as vLLM `stop`, kept in the output), e.g. `</calc>`."""
+    tooling: Any = None
+    """The tools the model may call (`tidal.envs.tools.Tooling`), rendered by the chat template and run by the
+    tool loop (`tidal.orchestrator.toolloop`); None: no tools (orch `env[].tools` can add them)."""
     has_reward: bool = True
     """Whether `reward` scores completions; False (the `dataset` environment): only the run's reward
     functions do, and the environment gets no reward column."""
@@ -68,6 +71,12 @@ class Environment(ABC):
         """Scores of one group of completions of `example` (what the orchestrator calls). The default scores each
         with `reward`; environments whose rewards compare the group's completions override it."""
         return [self.reward(example, c) for c in completions]
+
+    def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
+        """Scores of one group of sampled rollouts (`tidal.inference.client.Completion`s: `.text`, and for the
+        tool loop `.messages` and `.environment`); what the orchestrator calls. The default scores the texts with
+        `reward_group`; environments that score conversations (verifiers) override it."""
+        return self.reward_group(example, [r.text for r in rollouts])
 
     def step_rewards(self, example: Example, completion: str) -> list[tuple[int, float]]:
         """Process supervision: (character end offset, reward) of each reasoning step of a completion, in

@@ -54,6 +54,14 @@ class Completion:
     mask: list[int] | None = None
     """Per token: 1 sampled by the model (trained), 0 inserted by the environment (multi-turn tool output);
     None: all sampled."""
+    messages: list[dict[str, Any]] | None = None
+    """A tool-calling rollout as chat messages (assistant turns with their `tool_calls`, `tool` results), what
+    reward functions get as the completion of a conversational prompt; None: one assistant message of `text`."""
+    environment: Any = None
+    """The rollout's environment instance (`environment_factory`), passed to reward functions in `environments`."""
+    prompt_ids: list[int] | None = None
+    """The prompt these tokens continue when the rollout changed it (an environment's `reset` observation);
+    None: the group's prompt."""
 
 
 def server_root(base_url: str) -> str:
@@ -137,24 +145,33 @@ class InferenceClient:
                 delay = min(delay * 2, 10.0)
         return models
 
-    async def tokenize_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of `messages` rendered by the server's chat template with the generation prompt, the
-        template getting `client.chat_template_kwargs` (e.g. `enable_thinking: false`)."""
+    async def tokenize_chat(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` rendered by the server's chat template (with the generation prompt unless told
+        otherwise), the template getting `client.chat_template_kwargs` (e.g. `enable_thinking: false`) and the
+        tools' JSON schemas (`tools`), if any."""
         url = f"{server_root(self.urls[0])}/tokenize"
-        payload: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": True,
+        payload: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": add_generation_prompt,
                                    "add_special_tokens": False}
+        if tools:
+            payload["tools"] = tools
         if self.cfg.chat_template_kwargs:
             payload["chat_template_kwargs"] = dict(self.cfg.chat_template_kwargs)
         out = await self._post(url, payload)
         return list(out["tokens"])
 
-    async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str) -> list[int]:
-        """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational); a string as
-        plain text, no chat template and no special tokens (standard; what TRL's GRPOTrainer sends). Images go as
-        PNG data URLs (`tidal.envs.images.openai_messages`), and vLLM expands their placeholder tokens."""
+    async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str,
+                              tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational, with the
+        tools' schemas if any); a string as plain text, no chat template and no special tokens (standard; what
+        TRL's GRPOTrainer sends). Images go as PNG data URLs (`tidal.envs.images.openai_messages`), and vLLM
+        expands their placeholder tokens."""
         if isinstance(prompt, str):
+            if tools:
+                raise ValueError("tools need conversational prompts (a list of chat messages), which the chat "
+                                 "template renders with the tools; this prompt is a plain string")
             return await self.tokenize_text(model, prompt)
-        return await self.tokenize_chat(model, openai_messages(prompt) if has_images(prompt) else prompt)
+        return await self.tokenize_chat(model, openai_messages(prompt) if has_images(prompt) else prompt, tools)
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:
         """Token ids of plain `text` (no chat template, no special tokens)."""

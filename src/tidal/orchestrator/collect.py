@@ -1,13 +1,13 @@
 """Collecting the groups of one batch: examples -> prompt ids -> completions -> scores.
 
-`sample_step` passes the async gate (`policy.PolicyTracker.ensure`), then `collect_groups` draws
-`batch_size / rollouts_per_example` examples (through the buffer: no duplicates, difficulty pools), asks for
+`sample_step` passes the async gate (`policy.PolicyTracker.ensure`), then `collect_groups` draws `batch_size /
+rollouts_per_example` examples (through the buffer: no duplicates, difficulty pools), asks for
 `rollouts_per_example` completions of each (all in flight at once, from server-tokenized prompt ids; multi-turn
-environments run their turns) and scores every group. With group filters (dynamic sampling, online difficulty
-filtering) it samples `oversampling_factor` x the groups still missing, over up to `max_sampling_rounds`
-rounds, and tops the batch up with rejected groups if it is still short. A step whose inference requests fail
-(the server died or restarted) is sampled again once the server answers, with the same examples and the
-policy loaded again. With a `teacher`, its logprobs of every sequence come along. A prompt's images
+environments run their turns, environments with tools the loop of `toolloop`) and scores every group. With group
+filters (dynamic sampling, online difficulty filtering) it samples `oversampling_factor` x the groups still missing,
+over up to `max_sampling_rounds` rounds, and tops the batch up with rejected groups if it is still short. A step
+whose inference requests fail (the server died or restarted) is sampled again once the server answers, with the same
+examples and the policy loaded again. With a `teacher`, its logprobs of every sequence come along. A prompt's images
 (`tidal.envs.images`) are encoded once per group and travel with it to the batch.
 """
 
@@ -34,6 +34,7 @@ from tidal.orchestrator.policy import PolicyTracker, required_policy
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.toolloop import tool_group
 
 log = logging.getLogger("tidal.orch")
 
@@ -41,10 +42,12 @@ MAX_DRAWS = 100
 MAX_ATTEMPTS = 5
 
 
-async def tokenize_example(client: InferenceClient, model: str, example: Example) -> list[int]:
-    """The example's prompt token ids; an image prompt to a text-only model raises NotMultimodal naming it."""
+async def tokenize_example(client: InferenceClient, model: str, example: Example,
+                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The example's prompt token ids (with its tools' schemas); an image prompt to a text-only model raises
+    NotMultimodal naming it."""
     try:
-        return await client.tokenize_prompt(model, example.prompt)
+        return await client.tokenize_prompt(model, example.prompt, tools)
     except NotMultimodal as exc:
         user = [text_of(m.get("content")) for m in example.prompt if m.get("role") == "user"] \
             if not isinstance(example.prompt, str) else [example.prompt]
@@ -62,8 +65,11 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
     def draw() -> Example:
         return buffer.draw(env, rng) if buffer is not None else env.sample(rng)
 
+    def tokenize(ex: Example) -> Any:
+        return tokenize_example(client, model, ex, tool_schemas(env, ex))
+
     examples = [draw() for _ in range(n)]
-    prompts = list(await asyncio.gather(*(tokenize_example(client, model, ex) for ex in examples)))
+    prompts = list(await asyncio.gather(*(tokenize(ex) for ex in examples)))
     reserve = min(cfg.sampling.max_tokens or max(1, cfg.seq_len // 4), cfg.seq_len // 2)
     for i in range(n):
         draws = 0
@@ -78,8 +84,14 @@ async def draw_prompts(env: Any, rng: random.Random, client: InferenceClient, mo
                 raise ValueError(f"{MAX_DRAWS} examples in a row were longer than seq_len {cfg.seq_len} tokens; "
                                  f"raise seq_len or set long_prompts: truncate")
             examples[i] = draw()
-            prompts[i] = await tokenize_example(client, model, examples[i])
+            prompts[i] = await tokenize(examples[i])
     return examples, prompts
+
+
+def tool_schemas(env: Any, example: Example) -> list[dict[str, Any]] | None:
+    """The JSON schemas of the tools of `example`'s environment (rendered into its prompt), or None."""
+    e = env.env_of(example) if isinstance(env, EnvMix) else env
+    return e.tooling.schemas if getattr(e, "tooling", None) is not None else None
 
 
 @dataclass
@@ -117,7 +129,12 @@ async def _rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClien
              for i in range(len(examples))]
     envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
     k, temp, sp = cfg.rollouts_per_example, temperature_at(cfg.sampling, cfg.max_steps, step), cfg.sampling
+    for e, im in zip(envs, images, strict=True):
+        if im and e.tooling is not None:
+            raise ValueError(f"environment '{e.id}' calls tools and its prompt holds images; the tool loop samples "
+                             "from token ids, without the images: tidal samples prompts with images single-turn only")
     return list(await asyncio.gather(*(
+        tool_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.tooling is not None else
         multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.max_turns > 1 else
         rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp,
                       openai_messages(ex.prompt, im) if im and not isinstance(ex.prompt, str) else None)
@@ -141,6 +158,7 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         groups = await _rollouts(step, cfg, env, client, policy.model, examples, prompts, requests, images)
         requests += len(examples)
         for ex, p, g, im in zip(examples, prompts, groups, images, strict=True):
+            p = g[0].prompt_ids or p  # an environment's reset observation changed the prompt
             scores = scorer.score(ex, g, step)
             ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
             if not ok:

@@ -15,15 +15,22 @@ from typing import Any
 
 from tidal.config.orch import EnvSection
 from tidal.envs import Environment, Example, make_env
+from tidal.envs.tools import tooling_from_config
 
 
 def build_env(e: EnvSection) -> Environment:
-    """In process, in a spawned `tidal env-server` subprocess, or at a running server's `address`."""
+    """In process, in a spawned `tidal env-server` subprocess, or at a running server's `address`; with the
+    section's `tools`, if any."""
     if e.address is not None or e.spawn:
         from tidal.envs.remote import RemoteEnvironment, spawn_server
 
-        return RemoteEnvironment(e.address or spawn_server(e.id, e.args))
-    return make_env(e.id, e.args)
+        env: Environment = RemoteEnvironment(e.address or spawn_server(e.id, e.args))
+    else:
+        env = make_env(e.id, e.args)
+    if e.tools is not None:
+        t = e.tools
+        env.tooling = tooling_from_config(t.functions, t.environment_factory, t.format, t.max_iterations)
+    return env
 
 
 class EnvMix:

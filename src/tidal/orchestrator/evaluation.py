@@ -30,6 +30,7 @@ from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.toolloop import tool_group
 
 GENERATED_EVAL_SIZE = 128
 EVAL_SEED = 1_000_003
@@ -70,7 +71,7 @@ class Evaluator:
     def score(self, env: Environment, example: Example, group: list[Completion], step: int) -> list[float]:
         """Rewards of one group: the environment's own, or the run's reward functions' weighted total."""
         if env.has_reward:
-            return list(env.reward_group(example, [c.text for c in group]))
+            return list(env.score_rollouts(example, group))
         assert self.scorer is not None
         return [float(x) for x in self.scorer.funcs_total(env, example, group, step)]
 
@@ -93,10 +94,13 @@ class Evaluator:
         out: dict[str, Any] = {"step": step, "policy_step": policy_step}
         for name, (env, examples) in self.sets.items():
             if name not in self.prompts:
-                self.prompts[name] = list(await asyncio.gather(*(client.tokenize_prompt(base_model, ex.prompt)
+                tools = env.tooling.schemas if env.tooling is not None else None
+                self.prompts[name] = list(await asyncio.gather(*(client.tokenize_prompt(base_model, ex.prompt, tools)
                                                                  for ex in examples)))
             k, seed, sp, n = self.ecfg.rollouts_per_example, self.sampling.seed, self.sampling, self.seq_len
             groups = await asyncio.gather(*(
+                tool_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env, ex)
+                if env.tooling is not None else
                 multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,
                                  ex) if env.max_turns > 1 else
                 rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature,
@@ -109,7 +113,7 @@ class Evaluator:
                     f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),
                     f"eval/{name}/completion_len/mean": float(np.mean(lengths)),
                     f"eval/{name}/examples": len(examples)}
-            if env.max_turns > 1:  # model turns per rollout (a turn after each environment reply)
+            if env.max_turns > 1 or env.tooling is not None:  # model turns per rollout (one after each env reply)
                 out[f"eval/{name}/turns/mean"] = float(np.mean([turns(c.mask) for g in groups for c in g]))
         out["eval/time_s"] = time.monotonic() - t0
         self.writer.write(out)

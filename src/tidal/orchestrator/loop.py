@@ -77,9 +77,12 @@ class Parts:
     sinks: Sinks
 
     @classmethod
-    def build(cls, cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None) -> Parts:
-        """`reward_funcs`: reward functions given in process (the Python API), after orch `reward_funcs`."""
+    def build(cls, cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
+              tooling: Any = None) -> Parts:
+        """`reward_funcs`: reward functions given in process (the Python API), after orch `reward_funcs`;
+        `tooling`: tools given in process (`tidal.envs.tools.Tooling`) for the environments without their own."""
         env = EnvMix(cfg.env, cfg.buffer.env_ratios)
+        give_tools(env.envs.values(), tooling)
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
         progress = resume_orch(run_dir, cfg.ckpt, rng, env, buffer)
@@ -120,10 +123,19 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
 
 
-async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None) -> int:
+def give_tools(envs: Any, tooling: Any) -> None:
+    """Give `tooling` (tools from the Python API) to the environments that have none of their own."""
+    for e in envs:
+        if tooling is not None and e.tooling is None:
+            e.tooling = tooling
+
+
+async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
+              tooling: Any = None) -> int:
     """Produce batches until `max_steps`; returns the number written. `reward_funcs`: reward functions given in
-    process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`."""
-    parts = Parts.build(cfg, run_dir, reward_funcs)
+    process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`;
+    `tooling`: tools given in process (`GRPOTrainer(tools=..., environment_factory=...)`)."""
+    parts = Parts.build(cfg, run_dir, reward_funcs, tooling)
     try:
         base = await served_base_model(parts.client, cfg)
         wb = cfg.weight_broadcast
@@ -136,6 +148,8 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
         step = resumed_at = parts.progress.step
         evaluator = (Evaluator(cfg.eval, cfg.sampling, cfg.seq_len, MetricsWriter(eval_path(run_dir)), parts.scorer)
                      if cfg.eval is not None else None)
+        if evaluator is not None:
+            give_tools([env for env, _ in evaluator.sets.values()], tooling)
         skip_eval = resumed_at > 0 and cfg.eval is not None and cfg.eval.skip_eval_on_resume
         if evaluator is not None and resumed_at == 0 and evaluator.due(0):
             await policy.ensure(0, cfg.weights_timeout_s)  # policy 0: the trainer's, if it publishes one

@@ -5,7 +5,9 @@ Reward functions are called as TRL's GRPOTrainer calls them, once per group (G c
 - `prompts`: the example's prompt, once per completion (a string for a standard prompt, a message list for a
   conversational one);
 - `completions`: strings for a standard prompt; `[{"role": "assistant", "content": text}]` per completion for
-  a conversational one;
+  a conversational one (a tool-calling rollout: all its messages, assistant turns with `tool_calls` and the
+  `tool` results);
+- `environments`: with an `environment_factory`, each rollout's environment instance (TRL's keyword);
 - `completion_ids`: the sampled token ids of each completion;
 - `trainer_state`: `TrainerState` (`.global_step`, `.max_steps`; also readable as a dict);
 - columns: the environment's `reward_columns` (the `dataset` environment: every dataset column but
@@ -114,6 +116,18 @@ def is_async(call: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(call) or inspect.iscoroutinefunction(type(call).__call__)
 
 
+def env_reward_funcs(envs: Any) -> list[RewardFunc]:
+    """The `get_reward` of each distinct `environment_factory` environment class among `envs`' tools, as reward
+    functions (`Tooling.reward_function`)."""
+    out: dict[str, RewardFunc] = {}
+    for env in envs:
+        tooling = getattr(env, "tooling", None)
+        if tooling is not None and tooling.has_reward:
+            name, fn, weight = tooling.reward_function()
+            out.setdefault(name, (name, fn, weight))
+    return list(out.values())
+
+
 class Scorer:
     """Holds the reward functions of a run; `score` returns rewards per function for one group."""
 
@@ -138,7 +152,7 @@ class Scorer:
             fn = load_function(rf.import_path)
             self.funcs.append((rf.name or str(getattr(fn, "__name__", rf.import_path)), fn, rf.kwargs))
             func_weights.append(rf.weight)
-        for name, fn, weight in extra or []:
+        for name, fn, weight in [*(extra or []), *env_reward_funcs(self.envs.values())]:
             self.funcs.append((name, fn, {}))
             func_weights.append(weight)
         self.names = self.scored + [name for name, _, _ in self.funcs]
@@ -161,7 +175,7 @@ class Scorer:
         n_env = len(self.scored)
         out[:, :n_env] = math.nan
         calls: list[Callable[[], Any] | None] = [
-            (lambda: env.reward_group(example, [c.text for c in comps])) if name == env_name else None
+            (lambda: env.score_rollouts(example, comps)) if name == env_name else None
             for name in self.scored]
         calls += self.func_calls(env, example, comps, step)
         for k, values in enumerate(self.run_calls(calls)):
@@ -195,14 +209,18 @@ class Scorer:
         g = len(comps)
         if isinstance(example.prompt, str):  # standard format: strings in, strings out
             completions: list[Any] = [c.text for c in comps]
-        else:
-            completions = [[{"role": "assistant", "content": c.text}] for c in comps]
-        columns = env.reward_columns(example)
+        else:  # a tool-calling rollout: its messages (assistant turns with tool_calls, tool results)
+            completions = [c.messages if c.messages is not None else [{"role": "assistant", "content": c.text}]
+                           for c in comps]
+        columns = dict(env.reward_columns(example))
+        if any(c.environment is not None for c in comps):
+            columns["environments"] = [c.environment for c in comps]
         return [functools.partial(fn, prompts=[example.prompt] * g, completions=completions,
                                   completion_ids=[c.token_ids for c in comps],
                                   trainer_state=TrainerState(global_step=step, max_steps=self.max_steps),
                                   log_metric=self.log_metric,
-                                  **{col: [v] * g for col, v in columns.items()}, **kwargs)
+                                  **{col: v if col == "environments" else [v] * g for col, v in columns.items()},
+                                  **kwargs)
                 for _name, fn, kwargs in self.funcs]
 
     def funcs_total(self, env: Environment, example: Example, comps: list[Completion], step: int) -> np.ndarray:

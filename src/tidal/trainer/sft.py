@@ -41,14 +41,15 @@ SAVED_MARKERS = (STABLE, "config.json", "adapter_config.json")
 """Files that mark a directory as an earlier `tidal sft` result (which a new run may replace)."""
 
 
-def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_kwargs: dict[str, Any] | None = None
-                  ) -> list[int]:
+def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_kwargs: dict[str, Any] | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Prompt token ids: the chat template with the generation prompt, and `chat_template_kwargs` as extra
-    template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`); a
-    standard (string) prompt as plain text without special tokens (`InferenceClient.tokenize_prompt`)."""
+    template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`) and the
+    environment's tool schemas (`tools`, as the orchestrator renders them); a standard (string) prompt as plain
+    text without special tokens (`InferenceClient.tokenize_prompt`)."""
     if isinstance(messages, str):
         return list(tok(messages, add_special_tokens=False)["input_ids"])
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools or None,
                                   **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
@@ -56,14 +57,16 @@ def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_
 
 
 def make_sft_batch(tok: Any, examples: list[Any], completions: list[str], step: int,
-                   chat_template_kwargs: dict[str, Any] | None = None) -> TrainingBatch:
-    """Prompt ids (chat template, generation prompt) + completion ids + EOS; loss on the completion."""
+                   chat_template_kwargs: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> TrainingBatch:
+    """Prompt ids (chat template, generation prompt, `tools` schemas) + completion ids + EOS; loss on the
+    completion."""
     tokens, lengths, masks = [], [], []
     for ex, completion in zip(examples, completions, strict=True):
         if has_images(ex.prompt):
             raise ValueError(f"tidal sft: an example of environment '{ex.task or '?'}' has images in its prompt; SFT "
                              "warm starts take text prompts only (GRPO trains vision-language models, docs/vlm.md)")
-        prompt = render_prompt(tok, ex.prompt, chat_template_kwargs)
+        prompt = render_prompt(tok, ex.prompt, chat_template_kwargs, tools)
         target = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         tokens += prompt + target
         lengths.append(len(prompt) + len(target))
@@ -136,7 +139,7 @@ def run(cfg: TrainConfig) -> Path:
     for step in range(1, cfg.max_steps + 1):
         examples = [env.sample(rng) for _ in range(cfg.sft.examples_per_step)]
         batch = make_sft_batch(tok, examples, [env.reference_completion(e) for e in examples], step,
-                               cfg.sft.chat_template_kwargs)
+                               cfg.sft.chat_template_kwargs, env.tooling.schemas if env.tooling is not None else None)
         total_tokens, nll = float(batch.loss_mask.sum()), 0.0
         for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0):
             mb = mb.to(device)

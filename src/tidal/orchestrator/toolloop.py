@@ -1,0 +1,170 @@
+"""The tool-calling loop: `n` rollouts of one prompt in the model's own chat format, token in, token out.
+
+For an environment with `tooling` (`tidal.envs.tools.Tooling`): the prompt was rendered with the tools' schemas
+(`InferenceClient.tokenize_prompt(..., tools)`); each rollout gets its own `ToolSession` (a fresh
+`environment_factory` instance, `reset(**row)` with the example's columns). Every model turn is sampled from the
+exact token ids so far and ends at the end-of-turn token (EOS); its text is parsed for tool calls in the
+environment's format; the calls run and their results become `tool` messages (a session's `after_turn`: a
+verifiers environment may answer with other messages too). The tokens of those messages are
+what the chat template renders after the assistant turn: the conversation is rendered without and with them
+(`/tokenize` on the server, generation prompt included the second time) and the tokens after the k-th end-of-turn
+token are taken, k being the number of end-of-turn tokens in the first rendering. Counting end-of-turn tokens
+instead of comparing prefixes keeps this right for templates that render earlier turns differently once later
+messages follow (e.g. strip earlier `<think>` blocks); earlier turns are never re-tokenized, the model's own
+tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends when the session has no answer
+(for tools: the turn called none),
+ends otherwise than at EOS (the token budget), after `max_iterations` tool rounds, or when the tool results
+would not fit the budget (they are then left out, finish `length`).
+
+A rollout's `Completion` carries its `messages` (assistant turns with `tool_calls`, the answers: what reward
+functions get as the completion), its session's `environment`, and as `text` the model turns with each answer as a
+`[ROLE NAME] CONTENT` line between them (what an environment's own `reward` and the samples log see).
+
+Simplification: a group shares one prompt, so an environment's `reset` must return the same observation for the
+`n` rollouts of an example (it usually depends on the row only); different ones are an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tidal.config.orch import SamplingSection
+from tidal.envs.base import Environment, Example
+from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
+from tidal.inference.client import Completion, InferenceClient
+from tidal.orchestrator.sampling import extra_sampling
+
+
+class ToolTemplateError(ValueError):
+    """The chat template does not render tool turns the loop can splice in."""
+
+
+def with_observation(prompt: list[dict[str, Any]], observation: str | None) -> list[dict[str, Any]]:
+    """The prompt with `observation` appended to its last message's content (TRL's `reset` contract)."""
+    if observation is None:
+        return list(prompt)
+    last = prompt[-1]
+    return [*prompt[:-1], {**last, "content": f"{last.get('content') or ''}{observation}"}]
+
+
+def turn_text(c: Completion) -> str:
+    """A model turn's text without its end-of-turn token's text (sampled with special tokens kept, so tool-call
+    markers that are special tokens survive)."""
+    if c.finish_reason == "stop" and c.token_texts and c.text.endswith(c.token_texts[-1]):
+        return c.text[:len(c.text) - len(c.token_texts[-1])]
+    return c.text
+
+
+async def tool_suffix(client: InferenceClient, model: str, history: list[dict[str, Any]],
+                      results: list[dict[str, Any]], stop_id: int, tools: list[dict[str, Any]]) -> list[int]:
+    """Token ids the chat template puts after the last assistant turn's end-of-turn token `stop_id` for the tool
+    messages `results`, through the next generation prompt (see the module docs)."""
+    before, after = await asyncio.gather(
+        client.tokenize_chat(model, history, tools, add_generation_prompt=False),
+        client.tokenize_chat(model, history + results, tools, add_generation_prompt=True))
+    k = before.count(stop_id)
+    if k == 0:
+        raise ToolTemplateError(f"the chat template does not end an assistant turn with the token the model stopped "
+                                f"at (id {stop_id}); tool results cannot be spliced in after it")
+    seen = 0
+    for pos, tok in enumerate(after):
+        seen += tok == stop_id
+        if seen == k:
+            suffix = after[pos + 1:]
+            if not suffix:
+                raise ToolTemplateError("the chat template renders nothing for the tool messages (does it handle the "
+                                        "`tool` role?)")
+            return suffix
+    raise ToolTemplateError("the chat template renders the conversation with the tool messages with fewer "
+                            "end-of-turn tokens than without them")
+
+
+def assistant_message(content: str, calls: list[ToolCall], round_: int) -> dict[str, Any]:
+    """The assistant message of a turn, with its `tool_calls` (ids `c{round}{index}`, 9 characters, as Mistral's
+    templates require)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [c.message(f"c{round_:04d}{k:04d}") for k, c in enumerate(calls)]
+    return msg
+
+
+async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int], messages: list[dict[str, Any]],
+                      first: Completion, session: Any, tooling: Tooling, budget: int,
+                      sample_next: Any) -> Completion:
+    """Continue one sampled first turn through its tool rounds (see the module docs)."""
+    ids: list[int] = []
+    lps: list[float] = []
+    mask: list[int] = []
+    history, out_msgs, texts = list(messages), [], []
+    c, finish, round_ = first, first.finish_reason, 0
+    while True:
+        ids, lps, mask = ids + c.token_ids, lps + c.logprobs, mask + [1] * len(c.token_ids)
+        finish = c.finish_reason
+        content = turn_text(c)
+        body, calls = parse_tool_calls(content, tooling.fmt)
+        msg = assistant_message(body if calls else content, calls, round_)
+        history.append(msg)
+        out_msgs.append(msg)
+        texts.append(content)
+        capped = tooling.max_iterations is not None and round_ >= tooling.max_iterations
+        if finish != "stop" or not c.token_ids or capped:
+            break
+        results = await session.after_turn(history, calls)
+        if not results:
+            break
+        ids_of_calls = iter(tc["id"] for tc in msg.get("tool_calls", []))
+        for r in results:  # tool results answer the turn's calls in order
+            if r["role"] == "tool" and "tool_call_id" not in r:
+                r["tool_call_id"] = next(ids_of_calls, "")
+        suffix = await tool_suffix(client, model, history, results, c.token_ids[-1], tooling.schemas)
+        room = budget - len(ids) - len(suffix)
+        if room < 1:
+            finish = "length"
+            break
+        history += results
+        out_msgs += results
+        texts += [f"\n[{r['role']} {r.get('name', '')}] {r.get('content', '')}\n" for r in results]
+        ids, lps, mask = ids + suffix, lps + [0.0] * len(suffix), mask + [0] * len(suffix)
+        round_ += 1
+        c = await sample_next(prompt_ids + ids, room, round_)
+    return Completion(ids, lps, "".join(texts), finish, None, mask, messages=out_msgs,
+                      environment=session.environment)
+
+
+async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
+                     seq_len: int, seed: int | None, temperature: float, env: Environment,
+                     example: Example) -> list[Completion]:
+    """`n` tool-calling rollouts of `example` (whose prompt, rendered with the tools, is `prompt_ids`)."""
+    tooling: Tooling = env.tooling
+    if isinstance(example.prompt, str):
+        raise ValueError(f"environment '{env.id}': tools need conversational prompts (chat messages), got a string")
+    row = {"prompt": example.prompt, **env.reward_columns(example)}
+    sessions = [tooling.open(row) for _ in range(n)]
+    observations = {s.observation for s in sessions}
+    if len(observations) > 1:
+        raise ValueError(f"environment_factory {tooling.env_type.__name__ if tooling.env_type else ''}: reset() "
+                         f"returned different observations for the {n} rollouts of one example; tidal samples a "
+                         f"group from one prompt, so reset must depend on the row only")
+    messages = with_observation(example.prompt, sessions[0].observation)
+    override = None
+    if sessions[0].observation is not None:
+        prompt_ids = override = await client.tokenize_chat(model, messages, tooling.schemas)
+    budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
+    if budget < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
+    extra = {**extra_sampling(sampling, budget), "skip_special_tokens": False}
+    first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
+
+    def sampler(i: int) -> Any:
+        async def sample_next(ids: list[int], room: int, round_: int) -> Completion:
+            turn_seed = None if seed is None else seed + 7919 * round_ + i
+            return (await client.sample(model, ids, 1, room, temperature, turn_seed, {**extra, "min_tokens": 0}))[0]
+        return sample_next
+
+    out = list(await asyncio.gather(*(one_rollout(client, model, prompt_ids, messages, c, s, tooling, budget,
+                                                  sampler(i))
+                                      for i, (c, s) in enumerate(zip(first, sessions, strict=True)))))
+    for c in out:
+        c.prompt_ids = override
+    return out
