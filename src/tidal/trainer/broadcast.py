@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.models.names import base_weights, checkpoint_tensors, plain_name
 from tidal.transport import weights
 
 
@@ -22,7 +23,7 @@ def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
 
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            yield f"{name.removeprefix('base_model.model.')}.weight", module
+            yield f"{plain_name(name)}.weight", module
 
 
 def is_peft(model: Any) -> bool:
@@ -32,20 +33,20 @@ def is_peft(model: Any) -> bool:
 
 def policy_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) of every weight the training changes: the merged LoRA-adapted weights, or, for
-    full fine-tuning, every parameter (tied ones once), under their Hugging Face names."""
+    full fine-tuning, every parameter (tied ones once), under the checkpoint's names (`tidal.models.names`:
+    fused MoE experts are split back per expert)."""
     if is_peft(model):
         yield from lora_merged_weights(model)
         return
-    for name, param in model.named_parameters():
-        yield name, param.detach()
+    yield from checkpoint_tensors(model, ((name, p.detach()) for name, p in model.named_parameters()))
 
 
 def policy_weight_specs(model: Any) -> list[tuple[str, Any, list[int]]]:
     """(name, dtype, shape) of each tensor `policy_weights` yields, without computing the merged tensors."""
     if is_peft(model):
-        return [(key, layer.get_base_layer().weight.dtype, list(layer.get_base_layer().weight.shape))
-                for key, layer in lora_layers(model)]
-    return [(name, p.dtype, list(p.shape)) for name, p in model.named_parameters()]
+        return [(name, w.dtype, list(w.shape)) for key, layer in lora_layers(model)
+                for name, w in checkpoint_tensors(model, [(key, layer.get_base_layer().weight.detach())])]
+    return [(name, w.dtype, list(w.shape)) for name, w in policy_weights(model)]
 
 
 def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
@@ -55,24 +56,18 @@ def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
         w = module.get_base_layer().weight.detach().clone()
         for adapter in module.active_adapters:
             w += module.get_delta_weight(adapter).detach().to(w.dtype)
-        yield key, w.contiguous()
+        yield from checkpoint_tensors(model, [(key, w.contiguous())])
 
 
 def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
-    """The PEFT model's weights with each LoRA delta added, keyed like the base checkpoint (`checkpoint_keys`);
-    the training model is left untouched."""
-    merged = dict(lora_merged_weights(model))
+    """The model's weights (a PEFT model's with each LoRA delta added), keyed like the base checkpoint
+    (`checkpoint_keys`); the training model is left untouched."""
+    available = dict(base_weights(model))
+    if is_peft(model):
+        available.update(lora_merged_weights(model))
     out = {}
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
     for key in checkpoint_keys:
-        if key in merged:
-            out[key] = merged[key].cpu()
-            continue
-        prefix = key.removesuffix(".weight").removesuffix(".bias")
-        suffix = key[len(prefix):]
-        peft_key = f"base_model.model.{prefix}"
-        w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}", params.get(key)))
+        w = available.get(key)
         if w is None and key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
             w = model.get_output_embeddings().weight
         if w is None:

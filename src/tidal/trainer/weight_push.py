@@ -153,8 +153,8 @@ class WeightPusher:
                 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
                 packed_nccl_broadcast_producer(iterator=policy_weights(model), group=self.group, src=0,
-                                               post_iter_func=lambda item: item[1].to(self.device))
+                                               post_iter_func=lambda item: item[1].to(self.device).contiguous())
                 torch.cuda.current_stream().synchronize()
             else:
                 for _name, w in policy_weights(model):
-                    self.group.broadcast(w, src=0)
+                    self.group.broadcast(w.contiguous(), src=0)
