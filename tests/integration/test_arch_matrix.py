@@ -121,19 +121,23 @@ def full_policy(model_dir: Path, seed: int) -> Any:
     return model.eval()
 
 
+def reload(s: Served, weights_dir: Path) -> None:
+    """vLLM reloads the weights in `weights_dir` in place (what `weight_broadcast.reload: merged` does)."""
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[s.url]))
+        try:
+            await client.reload_weights(str(weights_dir))
+        finally:
+            await client.close()
+    asyncio.run(go())
+
+
 def reload_merged(s: Served, model: Any, out: Path) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
     save_file(merged_state_dict(model, checkpoint_keys(s.model_dir)), str(out / "model.safetensors"))
-
-    async def go():
-        client = InferenceClient(ClientSection(base_url=[s.url]))
-        try:
-            await client.reload_weights(str(out))
-        finally:
-            await client.close()
-    asyncio.run(go())
+    reload(s, out)
 
 
 def test_vllm_serves_it_and_the_trainer_agrees(served):
@@ -157,6 +161,7 @@ def test_a_lora_adapter_loads_into_vllm_and_is_served_exactly(served, tmp_path):
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_merged_weights_reloaded_in_place_are_served_exactly(served, tmp_path, kind):
+    reload(served, served.model_dir)  # the base weights again (a LoRA policy changes only the adapted ones)
     policy = (lora_policy if kind == "lora" else full_policy)(served.model_dir, 2)
     reload_merged(served, policy, tmp_path / "merged")
     gap, kl = agreement(policy, served)
@@ -167,6 +172,7 @@ def test_merged_weights_reloaded_in_place_are_served_exactly(served, tmp_path, k
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_pushed_weights_are_served_exactly(served, kind):
+    reload(served, served.model_dir)
     policy = (lora_policy if kind == "lora" else full_policy)(served.model_dir, 3)
     pusher = WeightPusher([served.url], "127.0.0.1", free_port(), timeout_s=120, api_key=None,
                           device=torch.device("cpu"))

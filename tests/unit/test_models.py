@@ -122,3 +122,14 @@ def test_an_architecture_the_trainer_cannot_load_is_refused_before_the_run(zoo, 
     assert r.returncode == 2, r.stderr[-2000:]
     assert "q_proj matches no linear module of Phi3ForCausalLM" in r.stderr and "qkv_proj" in r.stderr
     assert not (tmp_path / "run" / "logs").exists(), "nothing started"
+
+
+def test_the_models_page_is_the_tested_matrix():
+    from tests.archs import render_models_md
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+    assert page.read_text() == render_models_md(), "run: PYTHONPATH=src python -m tests.archs --docs > docs/models.md"
+    assert {a.default_suite for a in ARCHS.values()} == {True, False}
+    default = [a for a in ARCHS.values() if a.default_suite]
+    assert any(not a.vllm_lora for a in default) and any("qkv_proj" in a.linear for a in default), \
+        "the default suite holds a MoE and a fused-QKV architecture"
