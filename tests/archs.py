@@ -43,6 +43,9 @@ class Arch:
     """The leaf names `lora_target_modules: all-linear` resolves to."""
     vllm_lora: bool = True
     """vLLM-CPU serves it with LoRA adapters (False: refused up front, the policy goes in as merged weights)."""
+    cpu_full_updates: bool = True
+    """vLLM-CPU serves every weight updated in place (False for MoE: it garbles updated experts, so a fully
+    fine-tuned MoE policy cannot reach it; refused up front, `tidal.models.arch`)."""
     default_suite: bool = False
     """Checked in the default suite (the others are `slow`)."""
 
@@ -57,7 +60,8 @@ ARCHS: dict[str, Arch] = {
     "qwen3-moe": Arch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                          "decoder_sparse_step": 1, "norm_topk_prob": True},
                       "Qwen3-MoE: 4 experts, top-2 routing (fused experts in transformers 5)",
-                      linear=("k_proj", "o_proj", "q_proj", "v_proj"), vllm_lora=False, default_suite=True),
+                      linear=("k_proj", "o_proj", "q_proj", "v_proj"), vllm_lora=False, cpu_full_updates=False,
+                      default_suite=True),
     "mistral": Arch("MistralConfig", {"sliding_window": None}, "Mistral"),
     "gemma2": Arch("Gemma2Config", {"query_pre_attn_scalar": 32, "final_logit_softcapping": 30.0,
                                     "attn_logit_softcapping": 50.0, "sliding_window": 64,
@@ -117,19 +121,24 @@ policy (every weight moved; tied embeddings kept) reach vLLM and are served exac
 DOC_TAIL = """
 ## Mixture of experts on CPU
 
-vLLM-CPU (vllm-cpu 0.32) serves Qwen3-MoE with its CPU MoE kernel (`CPUUnquantizedExperts`), but not with
-LoRA enabled: for any LoRA-enabled MoE layer vLLM selects its Triton MoE-LoRA backend before it looks at the
-platform, and the CPU environment's `triton` (3.9.0, pulled in by xgrammar) is a GPU build without a CPU
-backend, so vLLM replaces it with a placeholder and the first request fails in `TritonExperts.apply` with
+vLLM-CPU (vllm-cpu 0.32) serves Qwen3-MoE with its CPU MoE kernel (`CPUUnquantizedExperts`), exactly, but
+with two limits. First, not with LoRA enabled: for any LoRA-enabled MoE layer vLLM selects its Triton
+MoE-LoRA backend before it looks at the platform, and the CPU environment's `triton` (3.9.0, pulled in by
+xgrammar) is a GPU build without a CPU backend, so vLLM replaces it with a placeholder and the first request
+fails in `TritonExperts.apply` with
 `AttributeError: module 'triton.language' has no attribute 'float32'` (the engine dies; the API server
 process then exits 0). vLLM's CPU build expects `triton-cpu`, which is not published on PyPI, so no package
-state of `scripts/setup_env.sh` can provide it. Therefore tidal:
+state of `scripts/setup_env.sh` can provide it. Second, expert weights updated in place (a merged reload or
+the push) are served wrong: on a weight update vLLM copies the new experts into the existing storage and
+skips the CPU kernel's prepack into its grouped-GEMM layout (`CPUExperts.process_weights_after_loading`), so
+even reloading the unchanged base checkpoint moves logprobs by ~0.1; updates that leave the experts alone are
+served exactly. Therefore tidal:
 
-- `tidal grpo` on a CPU-only machine serves a MoE model without LoRA: the trainer still trains LoRA (on the
-  attention projections: transformers 5 fuses the experts into 3-d parameters, which are no linear layers)
-  or full weights, and every policy reaches vLLM as merged weights reloaded in place (the CPU default,
-  `weight_broadcast.reload: auto`) or through `weight_broadcast.type: nccl` (gloo); `reload: lora` is
-  refused (exit 2);
+- `tidal grpo` on a CPU-only machine serves a MoE model without LoRA; the trainer trains LoRA on the
+  attention projections (transformers 5 fuses the experts into 3-d parameters, which are no linear layers),
+  and every policy reaches vLLM as the merged weights of the adapted modules, experts left out (the CPU
+  default, `weight_broadcast.reload: auto`), or through `weight_broadcast.type: nccl` (gloo);
+  `reload: lora` and full fine-tuning (`lora: false`) are refused (exit 2);
 - `tidal grpo-infer` with `enable_lora: true` on a MoE model on CPU is refused before vLLM starts (exit 2,
   naming the architecture and the inference side).
 
@@ -159,8 +168,9 @@ def render_models_md() -> str:
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, arch in ARCHS.items():
         adapter = "yes" if arch.vllm_lora else "refused on CPU (below)"
+        both = "yes, yes" if arch.cpu_full_updates else "yes (experts left out), refused on CPU (below)"
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
-                 "yes, yes", "yes, yes", "yes", "default" if arch.default_suite else "slow"]
+                 both, both, "yes", "default" if arch.default_suite else "slow"]
         rows.append("| " + " | ".join(cells) + " |")
     return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
 

