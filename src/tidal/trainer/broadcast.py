@@ -4,7 +4,9 @@ The PEFT adapter, and with `merged` also `merged/model.safetensors`: the base we
 in (W + scale * B A), under the checkpoint's own tensor names, for inference servers that reload full weights
 instead of applying LoRA (vLLM's LoRA path on CPU is ~5x slower than its plain path). The same merged weights
 feed the final export and the NCCL push (`policy_weights`). A fully fine-tuned policy (train `lora: false`)
-has no adapter: it is published as its merged weights only, which are then simply all its weights.
+has no adapter: it is published as its merged weights only, which are then simply all its weights. Names
+are the checkpoint's (`tidal.models.names`: transformers' fused MoE experts are split back per expert); a
+LoRA policy of a mixture-of-experts model publishes its merged weights without the experts (`reload_keys`).
 """
 
 from __future__ import annotations
