@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from tidal.assets import resolve_model
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
+from tidal.models.arch import ArchInfo, check_trainable, read_arch
 from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
@@ -79,8 +81,6 @@ def check_model(name: str, source: str) -> None:
     """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
     (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
     HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`)."""
-    from tidal.assets import resolve_model
-
     try:
         path = resolve_model(name)
     except FileNotFoundError as exc:
@@ -89,6 +89,16 @@ def check_model(name: str, source: str) -> None:
         raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
                           "give the path of a local Hugging Face model directory, a Hub id (org/name) or "
                           "tidal:tiny-reverse")
+
+
+def check_trainer_side(train: TrainConfig, info: ArchInfo) -> None:
+    """Before a run starts: transformers must know the architecture, and named LoRA targets must exist in the
+    model (`tidal.models`; the inference side is checked by `tidal grpo-infer` where vLLM is imported)."""
+    check_trainable(info, train.model, train.trust_remote_code)
+    if train.lora and train.lora_target_modules != "all-linear":
+        from tidal.models.lora import check_targets
+
+        check_targets(resolve_model(train.model), train.lora_target_modules, train.trust_remote_code)
 
 
 def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:
@@ -149,9 +159,11 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
+    info = read_arch(resolve_model(train.model))
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         trainer_gib=trainer_footprint_gib)
+                         trainer_gib=trainer_footprint_gib, moe=info.moe)
     place = co.placement
+    check_trainer_side(co.train, info)
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
 
     try:

@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ class Child:
                  emit: Callable[[str, str], None] | None = None, env: Mapping[str, str] | None = None) -> None:
         self.name, self.log_path, self.emit = name, log_path, emit
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.offset = log_path.stat().st_size if log_path.exists() else 0  # a restarted child appends to its log
         child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=_die_with_parent, env=child_env)
@@ -81,9 +83,12 @@ class Child:
         signal_group(self.proc, sig)
 
     def tail(self, lines: int = 25) -> str:
+        """The last `lines` lines this process wrote (not those of an earlier process with the same log)."""
         self._pump.join(timeout=2)
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
 
@@ -182,6 +187,28 @@ def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) 
     raise ComponentFailed(infer, f"did not become healthy at {', '.join(waiting)} within {timeout_s:.0f} s")
 
 
+EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) ERROR .*?\] )?((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (\S.*)$")
+"""The last line of a Python traceback, bare or behind vLLM's error-log prefix (`(Worker pid=N) ERROR ... ] `)."""
+
+
+def death_cause(output: str) -> str | None:
+    """The first exception that ends a traceback (`AttributeError: module ... has no attribute 'float32'`) in a
+    dead server's output, without vLLM's log prefix: the root cause, before the engine-dead errors that follow
+    it. The same cause twice in a row means the failure repeats (a restart will not help)."""
+    seen_traceback = False
+    for line in output.splitlines():
+        seen_traceback = seen_traceback or "Traceback (most recent call last):" in line
+        if seen_traceback and (m := EXCEPTION_LINE.match(line)):
+            return f"{m[1].rsplit('.', 1)[-1]}: {m[2].strip()}"
+    return None
+
+
+def explain(code: int | None, cause: str | None) -> str:
+    """Why the exit code misleads: vLLM's API server exits 0 after its engine process died."""
+    zero = " (vLLM's API server exits 0 when its engine dies)" if code == 0 and cause else ""
+    return f"{zero}; first error: {cause}" if cause else ""
+
+
 class ComponentFailed(RuntimeError):
     def __init__(self, child: Component, what: str) -> None:
         super().__init__(f"{child.name} {what}")
@@ -221,6 +248,31 @@ class LiveBoard:
             self.live.update(self.board.render())
 
 
+class InferRestarts:
+    """The restart policy of the inference server: up to `limit` restarts, none after a server died of the same
+    error (`death_cause`) as the one before it: a failure that repeats (e.g. at every first request) is
+    reported instead of retried."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None, limit: int) -> None:
+        self.argv, self.env, self.limit = argv, env, limit
+        self.count = 0
+        self.last_cause: str | None = None
+
+    def restart(self, dead: Child) -> Child:
+        """A new server for the `dead` one, or `ComponentFailed` naming the exit code and the cause."""
+        code, cause = dead.poll(), death_cause(dead.tail(2000))
+        repeated = cause is not None and cause == self.last_cause
+        if self.count >= self.limit or repeated:
+            again = f"; it died the same way after a restart ({cause}), so it is not restarted again" * repeated
+            raise ComponentFailed(dead, f"exited with code {code} after {self.count} restart(s){again}")
+        self.count, self.last_cause = self.count + 1, cause
+        print(f"[tidal] the inference server exited with code {code}{explain(code, cause)}; restarting it "
+              f"({self.count} of {self.limit}); the orchestrator retries once it answers. Last lines of "
+              f"{dead.log_path}:\n{dead.tail(8)}", file=sys.stderr, flush=True)
+        dead.signal_group(signal.SIGKILL)  # engine processes left in its group
+        return Child("infer", self.argv, dead.log_path, echo=False, env=self.env)
+
+
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3,
@@ -248,7 +300,6 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
         infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
         children.append(infer)
-        restarts = 0
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
         wait_healthy(health, infer, infer_start_timeout_s)
         print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
@@ -259,17 +310,11 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
                       logs / "train.log", echo=True, emit=emit)
         children += [orch, train]
+        restarter = InferRestarts(infer_argv, infer_env, infer_restarts)
         while True:
             if infer.poll() is not None:
-                if restarts >= infer_restarts:
-                    raise ComponentFailed(infer, f"exited with code {infer.poll()} after {restarts} restart(s)")
-                restarts += 1
-                print(f"[tidal] the inference server exited with code {infer.poll()}; restarting it "
-                      f"({restarts} of {infer_restarts}); the orchestrator retries once it answers. Last lines "
-                      f"of {infer.log_path}:\n{infer.tail(8)}", file=sys.stderr, flush=True)
-                infer.signal_group(signal.SIGKILL)  # engine processes left in its group
                 children.remove(infer)
-                infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
+                infer = restarter.restart(infer)
                 children.append(infer)
             for c in (orch, train):
                 code = c.poll()

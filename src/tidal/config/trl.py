@@ -27,7 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from tidal.config.base import StrictModel
 from tidal.config.infer import InferConfig
 from tidal.config.orch import OrchConfig
-from tidal.config.train import ALL_LINEAR, TrainConfig
+from tidal.config.train import TrainConfig
 
 
 class GRPOConfig(StrictModel):
@@ -408,8 +408,8 @@ def peft_keys(peft_config: Any) -> dict[str, Any]:
         value = getattr(peft_config, attr, None)
         if value is None:
             continue
-        if key == "lora_target_modules":  # peft's "all-linear" is tidal's default list of linear layers
-            value = list(ALL_LINEAR) if value == "all-linear" else [value] if isinstance(value, str) else sorted(value)
+        if key == "lora_target_modules":  # peft's "all-linear" is tidal's too (`tidal.models.lora`)
+            value = value if value == "all-linear" else [value] if isinstance(value, str) else sorted(value)
         out[key] = value
     return out
 

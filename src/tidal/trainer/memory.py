@@ -181,8 +181,9 @@ def train_footprint_gib(train: Any) -> float:
     from tidal.assets import resolve_model
 
     model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
+    targets = [train.lora_target_modules] if isinstance(train.lora_target_modules, str) else train.lora_target_modules
     return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
-                    lora_rank=train.lora_rank if train.lora else None, lora_targets=train.lora_target_modules,
+                    lora_rank=train.lora_rank if train.lora else None, lora_targets=targets,
                     rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
                     gradient_checkpointing=train.gradient_checkpointing,
                     logprob_chunk_size=train.logprob_chunk_size,

@@ -149,14 +149,19 @@ def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trus
 
 
 def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-    """Wrap `model` with trainable LoRA adapters (B initialized to zero: step 0 equals the base model)."""
+    """Wrap `model` with trainable LoRA adapters (B initialized to zero: step 0 equals the base model) on the
+    modules train `lora_target_modules` names (`all-linear`, or names checked against the model's linear
+    modules: `tidal.models.lora`)."""
     from peft import LoraConfig, get_peft_model
 
+    from tidal.models.lora import resolve_lora_targets
+
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    targets = resolve_lora_targets(model, cfg.lora_target_modules, arch)
     vision = is_vision_config(getattr(model, "config", None))
     exclude = rf".*\.({'|'.join(VISION_MODULES)})\..*" if vision else None  # VLM: the language model only
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), bias="none", task_type="CAUSAL_LM",
-                      exclude_modules=exclude)
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
     return get_peft_model(model, lora)
 
 

@@ -164,8 +164,8 @@ class WeightPusher:
                 from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
                 packed_nccl_broadcast_producer(iterator=tensors, group=self.group, src=0,
-                                               post_iter_func=lambda item: item[1].to(self.device))
+                                               post_iter_func=lambda item: item[1].to(self.device).contiguous())
                 torch.cuda.current_stream().synchronize()
             else:
                 for _name, w in tensors:
-                    self.group.broadcast(w, src=0)
+                    self.group.broadcast(w.contiguous(), src=0)

