@@ -73,6 +73,7 @@ print("RESULT " + json.dumps({"step": out.global_step, "resets": len(seen["reset
 """
 
 
+@pytest.mark.slow  # default suite budget: the tool loop runs in test_tool_run.py, the API in test_api_run.py
 def test_tools_and_environment_factory_through_the_python_api(tmp_path):
     model = tagged_tool_model(tmp_path / "model")
     script = tmp_path / "train_tools.py"

@@ -30,6 +30,7 @@ def _model_from(merged: Path, tmp: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
 
 
+@pytest.mark.slow  # default suite budget: full-weight reloads and pushes are served exactly in the default arch matrix
 def test_full_finetune_colocate_run_serves_the_trained_weights(tmp_path):
     from tidal.assets import resolve_model
     from tidal.trainer.logprobs import forward_logprobs

@@ -15,6 +15,7 @@ from tidal.transport.batch import TrainingBatch
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.slow  # default suite budget: multi-turn rollouts through real vLLM run in test_tool_run.py
 def test_multi_turn_tool_environment_run(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), "--orch.max_steps", "2",

@@ -1,7 +1,7 @@
 """QeRL noise in a real co-locate run (bundled model, real vLLM, merged reloads): policies of the first half of
 the run are served clean (mismatch ~0 on-policy), those of the second half with noisy RMSNorm weights, so the
 rollouts they sample disagree with the clean trainer; the mismatch guard does not judge those steps. Through
-merged reloads (default suite) and the weight push (`nccl`, gloo on CPU; slow)."""
+merged reloads and the weight push (`nccl`, gloo on CPU); slow."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tidal.monitor.metrics import read_metrics
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("path", ["merged", pytest.param("push", marks=pytest.mark.slow)])
+@pytest.mark.slow  # default suite budget: the noise itself is unit-tested (tests/unit/test_qerl.py)
+@pytest.mark.parametrize("path", ["merged", "push"])
 def test_noisy_norms_reach_vllm_and_the_trainer_stays_clean(tmp_path, path):
     run_dir = tmp_path / "run"
     push = ["--orch.weight_broadcast.type", "nccl", "--orch.weight_broadcast.port", str(free_port()),

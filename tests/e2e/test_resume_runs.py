@@ -75,6 +75,7 @@ def vllm_server_process(root: int) -> psutil.Process:
     return found[0]
 
 
+@pytest.mark.slow  # default suite budget: the longest e2e test (killed-trainer resume: test_trainer_resume.py)
 def test_colocate_survives_inference_death_and_resumes_after_trainer_death(tmp_path):
     run_dir, port, steps = tmp_path / "run", free_port(), 6
     args = ["grpo", "--output-dir", str(run_dir), "--infer.port", str(port), "--orch.max_steps", str(steps),

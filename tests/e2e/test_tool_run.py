@@ -80,6 +80,7 @@ def tool_turns_of(batch: TrainingBatch, tok) -> list[str]:
     return turns
 
 
+@pytest.mark.slow  # default suite budget: classic verifiers multi-turn runs in test_verifiers_multiturn.py
 def test_verifiers_tool_env_run(tmp_path):
     """A classic verifiers ToolEnv through the same loop: its tool schemas in the prompt, its own env_response
     answering the parsed calls (here with its error message), its rubric scoring the rollout's messages."""
