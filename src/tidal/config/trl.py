@@ -104,7 +104,8 @@ class GRPOConfig(StrictModel):
     gradient_checkpointing: bool = True
     """Activation checkpointing (train `gradient_checkpointing`)."""
     bf16: bool = True
-    """True: train `recipe: bf16` (bfloat16 on GPU; float32 compute on CPU); False: `fp32`."""
+    """True: train `recipe: bf16` (bfloat16 on GPU; on CPU float32 weights with bfloat16 autocast, as TRL does
+    there); False: `fp32`."""
     trust_remote_code: bool = False
     """Run the model repository's code (train and infer `trust_remote_code`)."""
     seed: int = 42

@@ -25,6 +25,12 @@ The full-logits path (the model's own `forward`, then `token_logprobs`) is kept 
 architectures not in `LOGIT_TRANSFORMS`, whose logits the chunked path might not reproduce (one warning per
 architecture). tests/unit/test_logprobs_chunked.py checks every listed architecture against the model's logits.
 
+Mixed precision (train `recipe: bf16` on CPU, `tidal.trainer.precision`): a model carrying an autocast dtype runs
+every forward here under `torch.autocast` to it, except the lm_head on the chunked path, which multiplies in the
+weights' dtype (float32): the logits are what the logprobs are, and bfloat16 would round them (the full-logits
+path is the model's own forward, lm_head included, under autocast). The chunked backward restores the
+forward's autocast state before it rebuilds a chunk's graph.
+
 Vision-language models: with `images` (a micro-batch's `tidal.trainer.vision.ImageInputs`) the model runs on
 input embeddings that carry the image features (`tidal.trainer.vision.embed`); the targets are the token ids.
 """
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
+from tidal.trainer.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +145,15 @@ def _warn_full_logits(name: str) -> None:
 # --- the chunked computation ---------------------------------------------------------------------------------------
 
 def _chunk_logits(head: Head, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(c, H) hidden states -> (c, V) logits, at least float32, transformed and divided by the temperature."""
-    z = head.lm_head(hidden)  # (c, V) model dtype
+    """(c, H) hidden states -> (c, V) logits, at least float32, transformed and divided by the temperature.
+    Under autocast the lm_head multiplies in its weights' dtype (see the module doc)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        weight = getattr(head.lm_head, "weight", None)
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else hidden.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            z = head.lm_head(hidden.to(torch.promote_types(dtype, hidden.dtype)))  # (c, V)
+    else:
+        z = head.lm_head(hidden)  # (c, V) model dtype
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if head.transform is not None:
         z = head.transform(z)
@@ -177,6 +191,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ent[s:s + chunk] = -(ls.exp().mul_(ls)).sum(-1)
         ctx.save_for_backward(hidden, targets, *params)
         ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
+        dev = hidden.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -187,7 +203,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         want_p = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
         grad_h = torch.empty_like(hidden) if want_h else None  # (N, H)
         grad_p: list[torch.Tensor | None] = [None] * len(params)
-        with torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
+        dev, cast, cast_dtype = ctx.autocast
+        with (torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []),
+              torch.autocast(dev, dtype=cast_dtype, enabled=cast)):
             ctx.rng.restore()  # the same dropout masks as the forward (a LoRA lm_head with dropout)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 with torch.enable_grad():  # the chunk's graph again: autograd keeps one (c, V) log-softmax
@@ -290,6 +308,16 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
     model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
     `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
     are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs)."""
+    cast = autocast_dtype(model)
+    if cast is not None:
+        with torch.autocast(input_ids.device.type, dtype=cast):
+            return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
+    return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
+
+
+def _forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
+             chunk_size: int, loss_mask: torch.Tensor | None, with_entropy: bool,
+             images: Any) -> tuple[torch.Tensor, torch.Tensor]:
     sel = _loss_positions(input_ids, loss_mask)
     head = split_head(model) if chunk_size > 0 else None
     if head is None:

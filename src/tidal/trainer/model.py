@@ -52,8 +52,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
-    """The weights' dtype: float32 on CPU or with `recipe: fp32`; bfloat16 otherwise (`fp8-hybrid` keeps bf16
-    weights and runs the linear layers' matmuls in FP8: `tidal.trainer.precision`)."""
+    """The weights' dtype: float32 on CPU (`recipe: bf16` there autocasts the matmuls: `tidal.trainer.precision`)
+    or with `recipe: fp32`; bfloat16 otherwise (`fp8-hybrid` keeps bf16 weights and runs the linear layers'
+    matmuls in FP8)."""
     if device.type == "cpu" or recipe == "fp32":
         return torch.float32
     return torch.bfloat16
@@ -130,17 +131,27 @@ def auto_model_class(config: Any, path: str) -> Any:
     return AutoModelForImageTextToText
 
 
+def attn_implementation(device: torch.device) -> str:
+    """The trainer's attention: on CPU per sample of a packed row (`tidal.trainer.attention`), on GPU SDPA."""
+    if device.type == "cpu":
+        from tidal.trainer.attention import register
+
+        return register()
+    return "sdpa"
+
+
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
                     rope_scaling: dict[str, Any] | None = None, quantized: QuantKind | None = None) -> Any:
-    """The plain causal LM in `dtype` on `device`, SDPA attention; `trust_remote_code` and `rope_scaling` as in
-    train.yaml (the config is loaded and changed first, then the model is built from it); `quantized`: its
-    linear layers stored in NF4 or FP8 (QLoRA, `tidal.trainer.quant`)."""
+    """The plain causal LM in `dtype` on `device`, SDPA attention (per packed sample on CPU:
+    `attn_implementation`); `trust_remote_code` and `rope_scaling` as in train.yaml (the config is loaded and
+    changed first, then the model is built from it); `quantized`: its linear layers stored in NF4 or FP8 (QLoRA,
+    `tidal.trainer.quant`)."""
     config = load_model_config(path, trust_remote_code, rope_scaling)
     extra: dict[str, Any] = {}
     if quantized is not None:  # quantized while loading, straight onto the device
         extra = {"quantization_config": quantization_config(quantized, dtype), "device_map": {"": device}}
     model = auto_model_class(config, path).from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                                           attn_implementation="sdpa",
+                                                           attn_implementation=attn_implementation(device),
                                                            trust_remote_code=trust_remote_code, **extra)
     if quantized is not None:
         quantize_on_load(model)

@@ -1,0 +1,95 @@
+"""Packed attention: each sample of a packed row attends only to its own tokens, computed sample by sample.
+
+The trainer packs several samples into one row (`tidal.trainer.packing`), each restarting its `position_ids` at
+0. transformers' `sdpa` attention turns that into a (B, 1, T, T) block-diagonal causal mask, and a kernel given
+a mask computes all T x T scores: on a 512-token row of four 120-token samples, 4.5x the work the samples need
+(and the causal half is not skipped either). `packed_sdpa_attention` (registered with transformers as
+`ATTN_IMPLEMENTATION`) reads the sample boundaries from `position_ids` (a new sample wherever the position does not
+continue the previous one) and runs `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on
+each sample's query/key/value slice — Σ len² / 2 scores, the causal-kernel path — then writes the outputs back in
+place. Numerically each sample sees exactly the keys the mask allowed (tests/unit/test_packed_attention.py checks
+it against the masked computation in float64).
+
+Where the per-sample path does not apply, the call is passed unchanged to transformers' own SDPA attention with the
+mask transformers built (the mask interface is SDPA's): non-causal modules (vision encoders), a KV cache (query
+length != key length), attention dropout in training, sliding-window layers whose window is shorter than a
+sample, attention logit soft-capping, and position ids that are not (B, T).
+
+On CPU the per-sample scores are computed in float32 even under bfloat16 autocast (train `recipe: bf16` on CPU,
+`tidal.trainer.precision`): PyTorch's CPU flash-attention backward is ~3x slower in bfloat16 than in float32
+(measured on the bench's shapes), and the softmax keeps float32 precision. The output is cast back to the query's
+dtype.
+
+This is the CPU counterpart of flash-attention's variable-length kernels (not available on CPU); on CUDA the
+trainer keeps SDPA (`attn_implementation` below), whose masked kernels are fast there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ATTN_IMPLEMENTATION = "tidal_packed_sdpa"
+"""The name under which `register` makes `packed_sdpa_attention` known to transformers."""
+
+
+def segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """(B, T) position ids -> per row the [start, end) spans of its samples: a span starts at column 0 and
+    wherever a position is not the previous one + 1 (a sample restarting at 0, or a padding run)."""
+    pos = position_ids.detach()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    out = []
+    width = pos.shape[1]
+    for row in starts.cpu():
+        idx = row.nonzero().flatten().tolist()
+        out.append(list(zip(idx, [*idx[1:], width], strict=True)))
+    return out
+
+
+def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,
+                        sliding_window: int | None, position_ids: Any, kwargs: dict[str, Any]) -> bool:
+    if not getattr(module, "is_causal", True) or query.shape[2] != key.shape[2] or dropout > 0:
+        return False
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != query.shape[2]:
+        return False
+    if kwargs.get("softcap") is not None or getattr(getattr(module, "config", None), "attn_logit_softcapping", None):
+        return False
+    return sliding_window is None or sliding_window >= query.shape[2]
+
+
+def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: (B, Hq, T, D) query, (B, Hkv, T, D) key/value -> (B, T, Hq, D) output,
+    per sample of each packed row (see the module doc); otherwise transformers' SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    if not _per_sample_applies(module, query, key, dropout, sliding_window, position_ids, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    assert isinstance(position_ids, torch.Tensor)
+    gqa = query.shape[1] != key.shape[1]
+    dt = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU: see the module doc
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (B, T, Hq, D)
+    for b, spans in enumerate(segments(position_ids)):
+        for s, e in spans:
+            with torch.autocast(query.device.type, enabled=False):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    query[b:b + 1, :, s:e].to(dt), key[b:b + 1, :, s:e].to(dt), value[b:b + 1, :, s:e].to(dt),
+                    is_causal=True, scale=scaling, enable_gqa=gqa)  # (1, Hq, L, D)
+            out[b, s:e] = o[0].transpose(0, 1)
+    return out, None
+
+
+def register() -> str:
+    """Make `ATTN_IMPLEMENTATION` known to transformers (attention and mask interfaces; idempotent) and return
+    its name, for `from_pretrained(attn_implementation=...)`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_sdpa_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
