@@ -174,6 +174,7 @@ def test_toolset_tools_calls_state_stop_and_scores(report):
 
 def test_unsupported_features_are_refused_by_name(report):
     assert "'rt'" in report["refuse_runtime"] and "needs a runtime" in report["refuse_runtime"]
+    assert "@vf.intercept hooks ['rewrite']" in report["refuse_intercept"]
     assert "infinite taskset" in report["refuse_infinite"]
     assert "agent settings ['harness']" in report["refuse_agent"]
     assert "bad args" in report["refuse_args"] and "bogus" in report["refuse_args"]

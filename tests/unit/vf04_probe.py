@@ -60,6 +60,17 @@ class RuntimeTasks(vf.Taskset[NeedsRuntime]):
         yield NeedsRuntime(vf.TaskData(prompt="hi"))
 
 
+class Intercepting(vf.Task[vf.TaskData]):
+    @vf.intercept
+    async def rewrite(self, request: vf.Request) -> None:
+        return None
+
+
+class InterceptTasks(vf.Taskset[Intercepting]):
+    def load(self):
+        yield Intercepting(vf.TaskData(prompt="hi"))
+
+
 class Forever(vf.Taskset[vf.Task]):
     INFINITE = True
 
@@ -101,6 +112,7 @@ def main() -> None:
     out["tool_scores"] = tools.score_rollouts(ex, [good, bad, capped])
 
     out["refuse_runtime"] = refusal(lambda: VerifiersV1Env(RuntimeTasks(vf.TasksetConfig()), "rt"))
+    out["refuse_intercept"] = refusal(lambda: VerifiersV1Env(InterceptTasks(vf.TasksetConfig()), "ic"))
     out["refuse_infinite"] = refusal(lambda: VerifiersV1Env(Forever(vf.TasksetConfig()), "inf"))
     out["refuse_agent"] = refusal(lambda: make_env("verifiers:tidal-vf4-echo", {"agent": {"harness": "bash"}}))
     out["refuse_args"] = refusal(lambda: make_env("verifiers:tidal-vf4-echo", {"bogus": 1}))

@@ -18,13 +18,14 @@ verifiers call a model: it plays the part of verifiers' tool-less-or-MCP chat ha
   advertises them; tidal's tool loop (`tidal.orchestrator.toolloop`) renders their schemas with the chat template,
   parses the model's calls and answers with the tools' results, until a turn calls no tool, `agent.max_turns`
   (arg `agent: {max_turns: N}`) or a task `@vf.stop(trace)` predicate ends the rollout. The rollout's messages
-  become the trace that is scored; a toolset's own `State` is the trace's `state`.
+  become the trace that is scored; the task's `State` class (or its toolsets') is the rollout's `trace.state`,
+  which the tools see as `self.state`.
 
 Refused with an error naming the environment and the feature (never ignored): an `Env` subclass of the package
 (multi-agent, user simulation), a harness of its own, infinite tasksets, tasks that need a container or a runtime
 (`NEEDS_CONTAINER`, `setup` / `finalize` / `stage_verifier` overrides, rewards, metrics or stops taking `runtime`),
-judges (they call a model), stops over `Request` / `Response`, toolsets on a remote `url` or a non-subprocess
-runtime, and a task without a prompt (the user opens the conversation).
+judges (they call a model), `@vf.intercept` hooks, stops over `Request` / `Response`, toolsets on a remote `url`
+or in a non-subprocess runtime, and a task without a prompt (the user opens the conversation).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Unsupported(ValueError):
 
     def __init__(self, env: str, feature: str) -> None:
         super().__init__(f"verifiers environment '{env}' (verifiers 0.4): {feature} is not supported by tidal's "
-                         f"adapter (see docs/verifiers.md)")
+                         f"adapter (docs/orchestrator.md, 'verifiers versions')")
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -80,6 +81,12 @@ def check_task(env: str, task: Any) -> None:
     for method in ("setup", "finalize", "stage_verifier"):
         if _overrides(task, method):
             raise Unsupported(env, f"task {type(task).__name__} overrides `{method}` (it needs a runtime)")
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    intercepts = [fn.__name__ for fn in discover_decorated(task, "intercept")]
+    if intercepts:
+        raise Unsupported(env, f"task {type(task).__name__} has @vf.intercept hooks {intercepts} (tidal has no "
+                               f"interception server)")
     if task.config.judges:
         raise Unsupported(env, f"task {type(task).__name__} has judges ({len(task.config.judges)}; they call a "
                                f"model)")
@@ -149,6 +156,7 @@ def new_trace(task: Any, messages: list[dict[str, Any]], sampled_from: int, stat
     messages marked sampled (with a model call each, the last finishing with `finish_reason`)."""
     from verifiers.v1.configs.agent import AgentConfig
     from verifiers.v1.graph import MessageNode
+    from verifiers.v1.state import state_cls
     from verifiers.v1.trace import AgentInfo, ModelCall, Trace, TraceTask
 
     nodes, calls = [], []
@@ -159,10 +167,10 @@ def new_trace(task: Any, messages: list[dict[str, Any]], sampled_from: int, stat
             calls.append(ModelCall(node=i, finish_reason="stop"))
     if calls:
         calls[-1].finish_reason = finish_reason if finish_reason in ("stop", "length", "tool_calls") else "stop"
-    extra = {} if state is None else {"state": state}
+    state = state_cls(type(task))() if state is None else state
     return Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                  agent=AgentInfo(config=AgentConfig()), nodes=nodes, calls=calls, is_completed=True, ok=True,
-                 **extra)
+                 state=state)
 
 
 async def _score(task: Any, traces: list[Any]) -> list[float]:

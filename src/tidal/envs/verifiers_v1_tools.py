@@ -5,7 +5,8 @@ call it. tidal runs them in its own process instead: each rollout gets fresh ins
 (`Task.toolsets(config)`, then `setup()` and `setup_task(task)`), the taskset's toolsets (`Taskset.toolsets`) are
 set up once and shared; all of them are registered on an in-memory `mcp` server, which gives the tool schemas
 (names `<server>_<tool>`, as verifiers advertises them) and validates and runs the calls. The rollout's toolset
-`State` (one custom `State` class at most) is the `self.state` every tool call sees and the scored trace's `state`.
+`State` (the task's and its toolsets' custom `State` class; one at most) is the `self.state` every tool call sees
+and the scored trace's `state`.
 
 A rollout ends when a model turn calls no tool, after `agent.max_turns` model turns, or when a task `@vf.stop`
 predicate over the trace so far holds; a failing tool call answers with its error text (the model sees it).
@@ -38,12 +39,14 @@ def _server(toolsets: list[Any]) -> tuple[Any, dict[str, str]]:
     return server, names
 
 
-def _state_class(env_id: str, toolsets: list[Any]) -> type[Any]:
+def _state_class(env_id: str, owners: list[Any]) -> type[Any]:
+    """The rollout's State class: the custom one of the task and its toolsets (verifiers syncs one state)."""
     from verifiers.v1.state import State, state_cls
 
-    custom = {state_cls(type(ts)) for ts in toolsets} - {State}
+    custom = {state_cls(type(o)) for o in owners} - {State}
     if len(custom) > 1:
-        raise Unsupported(env_id, f"toolsets with different State classes ({sorted(c.__name__ for c in custom)})")
+        raise Unsupported(env_id, f"a task and toolsets with different State classes "
+                                  f"({sorted(c.__name__ for c in custom)})")
     return custom.pop() if custom else State
 
 
@@ -64,7 +67,7 @@ class V1Session:
         run_sync(self._setup(own))
         toolsets = [*tooling.shared, *own]
         self.server, self.names = _server(toolsets)
-        self.state = _state_class(tooling.env_id, toolsets)()
+        self.state = _state_class(tooling.env_id, [task, *toolsets])()
         self.environment = self
         """Handed on by the loop as `Completion.environment`; `VerifiersV1Env.score_rollouts` reads `.state`."""
 
@@ -129,7 +132,7 @@ class V1Tooling:
         probe = env.tasks[0]
         toolsets = [*shared, *type(probe).toolsets(probe.config)]
         server, names = _server(toolsets)
-        _state_class(env.id, toolsets)
+        _state_class(env.id, [probe, *toolsets])
         tools = {t.name: t for t in run_sync(server.list_tools())}
         self.schemas = [{"type": "function", "function": {"name": full, "description": tools[raw].description or "",
                                                           "parameters": tools[raw].input_schema}}
