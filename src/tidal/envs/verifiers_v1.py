@@ -173,6 +173,10 @@ def new_trace(task: Any, messages: list[dict[str, Any]], sampled_from: int, stat
                  state=state)
 
 
+def _messages(prompt: list[dict[str, Any]] | str) -> list[dict[str, Any]]:
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
 async def _score(task: Any, traces: list[Any]) -> list[float]:
     for trace in traces:
         await task.score(trace)
@@ -221,7 +225,7 @@ class VerifiersV1Env(Environment):
         return self._example(rng.randrange(len(self.tasks)))
 
     def reward_group(self, example: Example, completions: list[str]) -> list[float]:
-        task, prompt = self.task_of(example), list(example.prompt)
+        task, prompt = self.task_of(example), _messages(example.prompt)
         traces = [new_trace(task, [*prompt, {"role": "assistant", "content": c}], len(prompt)) for c in completions]
         return list(run_sync(_score(task, traces)))
 
@@ -229,7 +233,7 @@ class VerifiersV1Env(Environment):
         """Single-turn: the texts (`reward_group`). Tools: each rollout's messages and its session's state."""
         if not all(getattr(r, "messages", None) is not None for r in rollouts):
             return self.reward_group(example, [r.text for r in rollouts])
-        task, prompt = self.task_of(example), list(example.prompt)
+        task, prompt = self.task_of(example), _messages(example.prompt)
         traces = [new_trace(task, [*prompt, *r.messages], len(prompt), getattr(r.environment, "state", None),
                             getattr(r, "finish_reason", "stop")) for r in rollouts]
         return list(run_sync(_score(task, traces)))
