@@ -4,10 +4,10 @@ classic API (< 0.4, tested beside this in test_verifiers_env.py / test_verifiers
 `make setup-dev` installs 0.4 into `.venv/verifiers04` (scripts/setup_env.sh; `TIDAL_VERIFIERS04` points elsewhere).
 Two taskset packages are built here and pip-installed into a temporary directory: `tidal-vf4-echo` (single-turn,
 two weighted `@vf.reward`s and a `@vf.metric`, a taskset config field) and `tidal-vf4-tools` (a per-rollout
-`Toolset` with its own `State`, a `@vf.stop`, rewards over the tool messages). One subprocess with verifiers 0.4
-first on its path (tests/unit/vf04_probe.py) loads both through `verifiers:NAME`, scores completions and plays
-tool rollouts through the session tidal's tool loop drives, and checks the refusals; the tests read its report.
-No vLLM: the real tool loop over these sessions is the classic adapter's (tests/e2e/test_tool_run.py)."""
+`Toolset` with its own `State` and `setup_task`, a `@vf.stop`, rewards over the tool messages). One subprocess
+with verifiers 0.4 first on its path (tests/unit/vf04_probe.py) loads both through `verifiers:NAME`, scores
+completions, plays tool rollouts through the session tidal's tool loop drives, and checks the refusals; the tests
+read its report. No vLLM here: tests/e2e/test_verifiers04_run.py (slow) runs a 0.4 toolset through `tidal grpo`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,14 @@ class RevState(vf.State):
 
 
 class Rev(vf.Toolset[vf.ToolsetConfig, RevState]):
+    async def setup_task(self, task) -> None:
+        self.word = task.data.answer
+
+    @vf.tool
+    async def hint(self) -> str:
+        """The answer (set up per task)."""
+        return self.word
+
     @vf.tool
     async def reverse(self, text: str) -> str:
         """Reverse a text."""
@@ -159,8 +167,9 @@ def test_single_turn_taskset_prompts_and_weighted_rewards(report):
 
 
 def test_toolset_tools_calls_state_stop_and_scores(report):
-    assert report["tool_names"] == ["rev_reverse"]
+    assert report["tool_names"] == ["rev_hint", "rev_reverse"]
     assert report["tool_params"]["properties"]["text"]["type"] == "string"
+    assert report["hint"] == report["tool_answer"], "setup_task ran on the rollout's own toolset"
     assert report["good_roles"] == ["assistant", "tool", "assistant"]
     tool = report["good_tool"]
     assert tool["role"] == "tool" and tool["name"] == "rev_reverse" and tool["tool_call_id"] == report["good_call_id"]

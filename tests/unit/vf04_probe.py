@@ -91,7 +91,7 @@ def main() -> None:
 
     tools = make_env("verifiers:tidal-vf4-tools", {"words": ["abc", "tidal"], "agent": {"max_turns": 3}})
     out["tool_names"] = [s["function"]["name"] for s in tools.tooling.schemas]
-    out["tool_params"] = tools.tooling.schemas[0]["function"]["parameters"]
+    out["tool_params"] = tools.tooling.schemas[1]["function"]["parameters"]
     ex = tools.sample(random.Random(0))
     word = ex.answer[::-1]
     good = play(tools, ex, [f'<tool_call>{{"name": "rev_reverse", "arguments": {{"text": "{word}"}}}}</tool_call>',
@@ -101,6 +101,8 @@ def main() -> None:
     stopped = play(tools, ex, ['<tool_call>{"name": "rev_reverse", "arguments": {"text": "STOP"}}</tool_call>',
                                "after the stop"])
     unknown = play(tools, ex, ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "x"])
+    hinted = play(tools, ex, ['<tool_call>{"name": "rev_hint", "arguments": {}}</tool_call>', "x"])
+    out["hint"], out["tool_answer"] = hinted.messages[1]["content"], ex.answer
     out["good_roles"] = [m["role"] for m in good.messages]
     out["good_tool"] = good.messages[1]
     out["good_call_id"] = good.messages[0]["tool_calls"][0]["id"]

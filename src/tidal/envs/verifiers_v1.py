@@ -230,12 +230,16 @@ class VerifiersV1Env(Environment):
         return list(run_sync(_score(task, traces)))
 
     def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
-        """Single-turn: the texts (`reward_group`). Tools: each rollout's messages and its session's state."""
-        if not all(getattr(r, "messages", None) is not None for r in rollouts):
-            return self.reward_group(example, [r.text for r in rollouts])
+        """Each rollout's messages (tools; with its session's state) or its text as one assistant message, with its
+        finish reason on the last model call (`trace.is_truncated` is true for `length`)."""
         task, prompt = self.task_of(example), _messages(example.prompt)
-        traces = [new_trace(task, [*prompt, *r.messages], len(prompt), getattr(r.environment, "state", None),
-                            getattr(r, "finish_reason", "stop")) for r in rollouts]
+        traces = []
+        for r in rollouts:
+            messages = getattr(r, "messages", None)
+            if messages is None:
+                messages = [{"role": "assistant", "content": r.text}]
+            traces.append(new_trace(task, [*prompt, *messages], len(prompt), getattr(r.environment, "state", None),
+                                    getattr(r, "finish_reason", None) or "stop"))
         return list(run_sync(_score(task, traces)))
 
     def reward(self, example: Example, completion: str) -> float:

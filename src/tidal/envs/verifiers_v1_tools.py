@@ -56,6 +56,13 @@ def _content(result: Any) -> str:
     return "\n".join(texts)
 
 
+def _hooked(toolset: Any) -> bool:
+    """Whether a toolset overrides `setup` or `setup_task` (else they need not run)."""
+    from verifiers.v1.mcp.server import ServerBase
+
+    return any(getattr(type(toolset), m) is not getattr(ServerBase, m) for m in ("setup", "setup_task"))
+
+
 class V1Session:
     """One rollout: its toolsets, MCP server and State; `after_turn` runs the turn's calls."""
 
@@ -64,7 +71,8 @@ class V1Session:
         self.observation = None
         self.turns = 0
         own = type(task).toolsets(task.config)
-        run_sync(self._setup(own))
+        if any(_hooked(ts) for ts in own):
+            run_sync(self._setup(own))
         toolsets = [*tooling.shared, *own]
         self.server, self.names = _server(toolsets)
         self.state = _state_class(tooling.env_id, [task, *toolsets])()
@@ -123,7 +131,8 @@ class V1Tooling:
         self.env_id = env.id
         self.env = env
         self.shared = shared
-        run_sync(self._setup_shared())
+        if any(_hooked(ts) for ts in shared):
+            run_sync(self._setup_shared())
         self.max_turns = max_turns
         self.fmt = "auto"
         self.max_iterations = None  # max_turns and the task's stops end rollouts (the session)
