@@ -3,9 +3,9 @@ classic API (< 0.4, tested beside this in test_verifiers_env.py / test_verifiers
 
 `make setup-dev` installs 0.4 into `.venv/verifiers04` (scripts/setup_env.sh; `TIDAL_VERIFIERS04` points elsewhere).
 Two taskset packages are built here and pip-installed into a temporary directory: `tidal-vf4-echo` (single-turn,
-two weighted `@vf.reward`s and a `@vf.metric`, a taskset config field) and `tidal-vf4-tools` (a per-rollout
-`Toolset` with its own `State` and `setup_task`, a `@vf.stop`, rewards over the tool messages). One subprocess
-with verifiers 0.4 first on its path (tests/unit/vf04_probe.py) loads both through `verifiers:NAME`, scores
+weighted `@vf.reward`s, one over `trace.is_truncated`, a `@vf.metric`, a taskset config field) and `tidal-vf4-tools`
+(a per-rollout `Toolset` with its own `State` and `setup_task`, a `@vf.stop`, rewards over the tool messages). One
+subprocess with verifiers 0.4 first on its path (tests/unit/vf04_probe.py) loads both through `verifiers:NAME`, scores
 completions, plays tool rollouts through the session tidal's tool loop drives, and checks the refusals; the tests
 read its report. No vLLM here: tests/e2e/test_verifiers04_run.py (slow) runs a 0.4 toolset through `tidal grpo`."""
 
@@ -39,6 +39,10 @@ class EchoTask(vf.Task[EchoData]):
     @vf.reward(weight=0.25)
     async def exact(self, task: EchoData, trace: vf.Trace) -> float:
         return float(trace.last_reply == task.answer)
+
+    @vf.reward(weight=-0.5)
+    async def truncated(self, trace: vf.Trace) -> float:
+        return float(trace.is_truncated)
 
     @vf.metric
     async def length(self, trace: vf.Trace) -> float:
@@ -164,6 +168,7 @@ def test_single_turn_taskset_prompts_and_weighted_rewards(report):
     assert report["echo_prompt"] == [{"role": "system", "content": "Answer with a number."},
                                      {"role": "user", "content": f"Say {answer}"}]
     assert report["echo_scores"] == [0.75, 0.0, 1.0]  # mentioned 0.75 + exact 0.25
+    assert report["echo_rollout_scores"] == [1.0, 0.5], "a rollout cut at the token budget is trace.is_truncated"
 
 
 def test_toolset_tools_calls_state_stop_and_scores(report):

@@ -87,6 +87,9 @@ def main() -> None:
     out["echo_prompt"] = ex.prompt
     out["echo_answer"] = ex.answer
     out["echo_scores"] = echo.reward_group(ex, [f"the answer is {ex.answer}", "no idea", f"{ex.answer}"])
+    out["echo_rollout_scores"] = echo.score_rollouts(ex, [
+        SimpleNamespace(text=ex.answer, messages=None, environment=None, finish_reason=finish)
+        for finish in ("stop", "length")])
     out["echo_tooling"] = echo.tooling is None
 
     tools = make_env("verifiers:tidal-vf4-tools", {"words": ["abc", "tidal"], "agent": {"max_turns": 3}})
