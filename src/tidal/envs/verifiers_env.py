@@ -19,7 +19,8 @@ sandboxes, timeouts and token-usage stops of the verifiers rollout loop do not.
 
 Use one with `env: [{id: "verifiers:NAME", args: {...}}]` (`verifiers.load_environment`, for installed
 environment packages) or `id: "package.module:factory"` where `factory(**args)` returns the environment.
-verifiers 0.4 replaced this API (`verifiers.v1`: tasksets, harnesses, agents); it is refused with a clear error.
+verifiers 0.4 replaced this API (`verifiers.v1`: tasksets, harnesses, traces); with 0.4 installed, `verifiers:NAME`
+loads a taskset package through `tidal.envs.verifiers_v1` instead.
 Image content parts (`image_url` / `image`) are kept in the prompt as they are (with the text parts), and tidal
 sends them to the model (`tidal.envs.images`); a message without images becomes plain text.
 """
@@ -63,7 +64,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _content(content: Any) -> str | list[dict[str, Any]]:
+def message_content(content: Any) -> str | list[dict[str, Any]]:
     """A message's content for tidal: plain text, or (when it holds images) its text and image parts in order."""
     if isinstance(content, str):
         return content
@@ -98,7 +99,7 @@ class VerifiersEnv(Environment):
         return row
 
     def _example(self, row: dict[str, Any]) -> Example:
-        prompt = [{"role": m["role"], "content": _content(m.get("content"))} for m in row["prompt"]]
+        prompt = [{"role": m["role"], "content": message_content(m.get("content"))} for m in row["prompt"]]
         return Example(prompt=prompt, answer=str(row.get("answer", "") or ""), info={"verifiers_row": row})
 
     def sample(self, rng: random.Random) -> Example:
@@ -209,16 +210,21 @@ class VerifiersTooling:
         return VerifiersSession(self.env, row.get("verifiers_row") or row)
 
 
-def load(name: str, args: dict[str, Any] | None = None) -> VerifiersEnv:
-    """`verifiers.load_environment(name, **args)` (an installed verifiers environment package), adapted."""
+def load(name: str, args: dict[str, Any] | None = None) -> Environment:
+    """`verifiers:NAME`: with classic verifiers (< 0.4), `verifiers.load_environment(name, **args)` (an installed
+    environment package), adapted here; with verifiers 0.4, the installed taskset package `name`
+    (`tidal.envs.verifiers_v1`)."""
     try:
         import verifiers as vf
     except ImportError:
-        raise ValueError(f"environment 'verifiers:{name}' needs the verifiers package (pip install "
-                         "'verifiers<0.4')") from None
+        raise ValueError(f"environment 'verifiers:{name}' needs the verifiers package (pip install verifiers: "
+                         "0.4, or the classic API 'verifiers<0.4')") from None
     loader = getattr(vf, "load_environment", None)
     if loader is None:
-        raise ValueError(f"environment 'verifiers:{name}': verifiers {getattr(vf, '__version__', '?')} has no "
-                         "classic load_environment: tidal adapts the classic API (verifiers < 0.4; 0.4 replaced it "
-                         "with verifiers.v1, which tidal does not adapt yet); pip install 'verifiers<0.4' 'mcp>=2'")
+        from tidal.envs import verifiers_v1
+
+        if verifiers_v1.available():
+            return verifiers_v1.load(name, args)
+        raise ValueError(f"environment 'verifiers:{name}': verifiers {getattr(vf, '__version__', '?')} has neither "
+                         "the classic load_environment (< 0.4) nor verifiers.v1 (0.4)")
     return VerifiersEnv(loader(name, **(args or {})), name)
