@@ -13,7 +13,8 @@ it against the masked computation in float64).
 Where the per-sample path does not apply, the call is passed unchanged to transformers' own SDPA attention with the
 mask transformers built (the mask interface is SDPA's): non-causal modules (vision encoders), a KV cache (query
 length != key length), attention dropout in training, sliding-window layers whose window is shorter than a
-sample, attention logit soft-capping, and position ids that are not (B, T).
+sample, attention logit soft-capping, position ids that are not (B, T) or (1, T), and a mask that is not exactly
+"causal within each sample" (a padding mask, say: the mask transformers built is compared with the spans' own).
 
 On CPU the per-sample scores are computed in float32 even under bfloat16 autocast (train `recipe: bf16` on CPU,
 `tidal.trainer.precision`): PyTorch's CPU flash-attention backward is ~3x slower in bfloat16 than in float32
@@ -52,11 +53,32 @@ def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch
                         sliding_window: int | None, position_ids: Any, kwargs: dict[str, Any]) -> bool:
     if not getattr(module, "is_causal", True) or query.shape[2] != key.shape[2] or dropout > 0:
         return False
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != query.shape[2]:
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, query.shape[0]) or position_ids.shape[1] != query.shape[2]):
         return False
     if kwargs.get("softcap") is not None or getattr(getattr(module, "config", None), "attn_logit_softcapping", None):
         return False
     return sliding_window is None or sliding_window >= query.shape[2]
+
+
+def _mask_is_per_sample(attention_mask: torch.Tensor | None, rows: list[list[tuple[int, int]]], batch: int,
+                        width: int) -> bool:
+    """Whether the mask transformers built allows exactly "causal within each span" (so the per-sample path
+    computes what it would). None (transformers saw nothing to mask): only when every row is one span. A
+    boolean (B or 1, 1, T, T) mask: compared with the block-causal mask of the spans (cheap next to the
+    attention itself). Anything else (padding masks, additive float masks): no."""
+    if attention_mask is None:
+        return all(len(spans) == 1 for spans in rows)
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (width, width):
+        return False
+    seg = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, spans in enumerate(rows):
+        for i, (s, e) in enumerate(spans):
+            seg[b, s:e] = i
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    expected = (seg[:, :, None] == seg[:, None, :]) & causal  # (rows, T, T)
+    got = attention_mask[:, 0].cpu()
+    return bool(torch.equal(got.expand(batch, width, width), expected.expand(batch, width, width)))
 
 
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,14 +89,21 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
-    if not _per_sample_applies(module, query, key, dropout, sliding_window, position_ids, kwargs):
+    rows: list[list[tuple[int, int]]] = []
+    if _per_sample_applies(module, query, key, dropout, sliding_window, position_ids, kwargs):
+        assert isinstance(position_ids, torch.Tensor)
+        rows = segments(position_ids)
+        if len(rows) == 1:  # (1, T) position ids (transformers' default arange) hold for every row
+            rows = rows * query.shape[0]
+        if not _mask_is_per_sample(attention_mask, rows, query.shape[0], query.shape[2]):
+            rows = []
+    if not rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    assert isinstance(position_ids, torch.Tensor)
     gqa = query.shape[1] != key.shape[1]
     dt = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU: see the module doc
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (B, T, Hq, D)
-    for b, spans in enumerate(segments(position_ids)):
+    for b, spans in enumerate(rows):
         for s, e in spans:
             with torch.autocast(query.device.type, enabled=False):
                 o = torch.nn.functional.scaled_dot_product_attention(
