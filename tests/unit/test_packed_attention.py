@@ -169,6 +169,6 @@ def test_recipe_bf16_on_cpu_autocasts_the_body_not_the_head(tmp_path):
     (manual * w).sum().backward()
     for n, p in m.named_parameters():
         if p.grad is not None:
-            # both run bf16 matmuls in the body's backward: the head's float32 gradients differ in the last bits, which flip
-            # bf16 roundings downstream (measured up to 1.1% in norm over repeated draws)
+            # both run bf16 matmuls in the body's backward: the head's float32 gradients differ in the last
+            # bits, which flip bf16 roundings downstream (measured up to 1.1% in norm over repeated draws)
             assert float((got[n] - p.grad).norm()) <= 5e-2 * float(p.grad.norm()), f"gradient of {n}"
