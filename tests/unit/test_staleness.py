@@ -128,3 +128,56 @@ def test_in_flight_refuses_eval_and_temp_scheduler_and_stray_key(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "async_mode: in_flight" in out.stdout + out.stderr
+
+
+def test_finished_groups_too_stale_for_the_filling_batch_are_dropped_at_once():
+    rng = random.Random(SEED)
+    step, bound = rng.randint(4, 20), rng.randint(0, 2)
+    cfg = OrchConfig(batch_size=4, rollouts_per_example=2, max_off_policy_steps=bound, max_async_level=0)
+    versions = [rng.randint(max(0, step - 6), step - 1) for _ in range(rng.randint(1, 10))]
+    groups = [Group(Example(prompt=f"q{i}"), [1], [comp(2, rng)] * 2, np.zeros((2, 1)), [], (v, v))
+              for i, v in enumerate(versions)]
+    stream = fake_stream(cfg, groups)
+    stream.filling = step
+    stream._drop_stale()
+    stale = sum(is_stale(step, v, bound) for v in versions)
+    assert [g.version[0] for g in stream.ready] == [v for v in versions if not is_stale(step, v, bound)], SEED
+    assert stream.dropped == (2 * stale, stale), SEED
+
+
+def test_a_replaced_adapter_is_unloaded_only_when_its_last_request_returns(tmp_path):
+    """LoRA in flight: policy 2 loads while requests on policy 1's adapter run; that adapter stays loaded until
+    they are released, then it is unloaded (fake servers)."""
+    import httpx
+
+    from tests.unit.test_infer_dp import FakeServers, publish
+    from tidal.config.orch import ClientSection
+    from tidal.inference.client import InferenceClient
+    from tidal.orchestrator.policy import PolicyTracker
+
+    fake = FakeServers()
+
+    async def go() -> None:
+        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
+        client.http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+        tracker = PolicyTracker(client, "m", tmp_path, "default")
+        try:
+            publish(tmp_path, 1)
+            await tracker.ensure(1, timeout_s=5)
+            leases = [tracker.lease() for _ in range(random.Random(SEED).randint(1, 4))]
+            assert set(leases) == {("default-step-1", 1)}
+            publish(tmp_path, 2)
+            await tracker.ensure(2, timeout_s=5)
+            assert tracker.lease() == ("default-step-2", 2) and tracker.end_version(1) == 1  # LoRA: start == end
+            tracker.release("default-step-2")
+            unloads = [p for _, p in fake.log if p == "/v1/unload_lora_adapter"]
+            assert not unloads, "requests still use policy 1's adapter"
+            for name, _ in leases:
+                tracker.release(name)
+            await tracker.drain_unloads()
+            assert [p for _, p in fake.log if p == "/v1/unload_lora_adapter"] == ["/v1/unload_lora_adapter"]
+            assert not tracker.retired and not tracker.users
+        finally:
+            await client.close()
+
+    asyncio.run(go())

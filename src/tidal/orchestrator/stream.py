@@ -18,7 +18,9 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
   batches' worth of judged groups a short batch is filled with rejected ones, as in gated mode.
 
 Each group records `(start, end)`: the policy serving when its request(s) started and the newest policy that may
-have reached them before they returned (LoRA: start == end; nccl: the servers' weight version at return). The
+have reached them before they returned (LoRA: start == end; nccl: the servers' weight version at return; the
+trainer's push pauses the servers with `mode=wait`, so running requests finish on the old weights and nccl
+samples have start == end unless the push lands between two turns of a multi-turn rollout). The
 logprobs are those vLLM reported while sampling, the true behaviour logprobs of each token.
 
 Simplifications: a failed request (server restart) retries its own group with the policy loaded again, up to
@@ -124,6 +126,17 @@ class GroupStream:
         except BaseException as exc:  # noqa: BLE001 - handed to `take`, which raises it in the loop
             self._fail(exc)
 
+    async def _wait_changed(self, timeout_s: float) -> None:
+        """Until something changed (a group finished, a policy loaded, a batch was taken) or `timeout_s`.
+        Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that meets the event being set (as
+        `close` does, cancelling groups), and the launcher would never stop."""
+        self.changed.clear()
+        waiter = asyncio.ensure_future(self.changed.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=timeout_s)
+        finally:
+            waiter.cancel()
+
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
@@ -132,17 +145,27 @@ class GroupStream:
     # --- the policy follower ---------------------------------------------------------------------------------
     async def _follow(self) -> None:
         """Serve each newly published policy as soon as it appears (and again after a server restart)."""
-        last_discover = time.monotonic()
+        last_discover, failures = time.monotonic(), 0
         while True:
             now = time.monotonic()
-            if now - last_discover > DISCOVER_EVERY_S:
-                last_discover = now
-                if await self.client.discover():
-                    self.policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
-            newest = weights.newest_policy(self.policy.run_dir)
-            if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
-                await self.policy.ensure(0, self.cfg.weights_timeout_s)
-                self.changed.set()
+            try:
+                if now - last_discover > DISCOVER_EVERY_S:
+                    last_discover = now
+                    if await self.client.discover():
+                        self.policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
+                newest = weights.newest_policy(self.policy.run_dir)
+                if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
+                    await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    self.changed.set()
+                failures = 0
+            except InferenceError as exc:  # a server died or restarted: load the policy again once it answers
+                failures += 1
+                if failures >= MAX_ATTEMPTS:
+                    raise
+                log.warning("loading policy %d failed (%s); retrying once the server answers (attempt %d of %d)",
+                            weights.newest_policy(self.policy.run_dir), str(exc)[:300], failures + 1, MAX_ATTEMPTS)
+                await self.client.wait_ready()
+                self.policy.invalidate()
             await asyncio.sleep(POLL_S)
 
     # --- the launcher ----------------------------------------------------------------------------------------
@@ -176,11 +199,7 @@ class GroupStream:
             if gated_since is not None and now - gated_since > self.timeout_s:
                 raise TimeoutError(f"policy {self.filling - 1 - self.cfg.max_async_level} was not served within "
                                    f"{self.timeout_s:.0f} s (weights_timeout_s); is the trainer running?")
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), POLL_S)
-            except TimeoutError:
-                pass
+            await self._wait_changed(POLL_S)
             if room:
                 self.gate_wait_s += time.monotonic() - now
 
@@ -244,11 +263,7 @@ class GroupStream:
         while not self.ready:
             if self.error is not None:
                 raise self.error
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
+            await self._wait_changed(1.0)
         if self.error is not None:
             raise self.error
         return self.ready.popleft()
