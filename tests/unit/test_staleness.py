@@ -181,3 +181,34 @@ def test_a_replaced_adapter_is_unloaded_only_when_its_last_request_returns(tmp_p
             await client.close()
 
     asyncio.run(go())
+
+
+def test_merged_reload_during_a_request_records_start_and_end_versions(tmp_path):
+    """Merged reloads swap the weights under running requests: one leased under policy 1 that returns after
+    policy 2 was loaded records (1, 2); one started after it records (2, 2) (fake servers)."""
+    import httpx
+
+    from tests.unit.test_infer_dp import FakeServers, publish
+    from tidal.config.orch import ClientSection
+    from tidal.inference.client import InferenceClient
+    from tidal.orchestrator.policy import PolicyTracker
+
+    async def go() -> None:
+        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
+        client.http = httpx.AsyncClient(transport=httpx.MockTransport(FakeServers()))
+        tracker = PolicyTracker(client, "m", tmp_path, "default", merged=True)
+        try:
+            publish(tmp_path, 1)
+            await tracker.ensure(1, timeout_s=5)
+            model, start = tracker.lease()
+            assert (model, start) == ("m", 1) and tracker.end_version(start) == 1
+            publish(tmp_path, 2)
+            await tracker.ensure(2, timeout_s=5)
+            assert tracker.end_version(start) == 2
+            tracker.release(model)
+            later = tracker.lease()
+            assert later == ("m", 2) and tracker.end_version(later[1]) == 2
+        finally:
+            await client.close()
+
+    asyncio.run(go())
