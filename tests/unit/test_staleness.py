@@ -120,6 +120,11 @@ def test_in_flight_refuses_eval_and_temp_scheduler_and_stray_key(tmp_path):
         OrchConfig(async_mode="in_flight", max_steps=3,
                    sampling={"temp_scheduler": {"type": "linear", "start_temperature": 1.0,
                                                                      "end_temperature": 0.5}})
+    with pytest.raises(ValueError, match="teacher.base_url .* is one of client.base_url"):
+        OrchConfig(async_mode="in_flight", client={"base_url": ["http://h:8000/v1"]},
+                   teacher={"base_url": "http://h:8000/v1/", "model": "m"})
+    OrchConfig(async_mode="in_flight", client={"base_url": ["http://h:8000/v1"]},
+               teacher={"base_url": "http://t:8001/v1", "model": "m"})  # a teacher on its own server is fine
     with pytest.raises(ValueError, match="in_flight_groups .* needs async_mode: in_flight"):
         OrchConfig(in_flight_groups=4)
     # the command line exits 2 and names the key

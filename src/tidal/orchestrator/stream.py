@@ -26,7 +26,8 @@ logprobs are those vLLM reported while sampling, the true behaviour logprobs of 
 Simplifications: a failed request (server restart) retries its own group with the policy loaded again, up to
 `MAX_ATTEMPTS` times in a row; no example is in flight twice at once (the buffer's dedupe covers the in-flight
 window, not exactly one batch); examples drawn ahead are not rewound at a checkpoint, so a resumed run draws
-fresh ones. Not combined with `eval` or `sampling.temp_scheduler` (refused by the config).
+fresh ones. Not combined with `eval`, `sampling.temp_scheduler` or a teacher on a training server (refused by
+the config).
 """
 
 from __future__ import annotations
