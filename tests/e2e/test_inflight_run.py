@@ -5,7 +5,7 @@ fresh (`max_async_level: 0`, `max_off_policy_steps: 0`): the stream runs ahead, 
 their batch was written are stale for the next one and dropped; every sample records its policy version, and
 every step samples exactly the policy it trains (mismatch KL ~0). Slow suite: `tidal grpo` (merged reloads in
 place on a CPU machine) with long completions, where policies are loaded while requests run and some samples
-are produced across a policy switch (start < end version).
+are produced across a policy switch (start < end version); and the nccl push (gloo on CPU) strictly fresh.
 """
 
 from __future__ import annotations
@@ -91,3 +91,26 @@ def test_in_flight_merged_run_records_samples_across_a_policy_switch(tmp_path):
         switched += int((b.policy_steps_end > b.policy_steps).sum())
         assert r["policy_switch_samples"] == int((b.policy_steps_end > b.policy_steps).sum())
     assert switched > 0, "some request was running while a new policy was loaded"
+
+
+@pytest.mark.slow
+def test_in_flight_nccl_run_samples_the_pushed_policy(tmp_path):
+    """`weight_broadcast.type: nccl` (gloo on CPU) in flight, strictly fresh: the follower waits for each pushed
+    policy, stale groups are dropped, and every step samples exactly the policy it trains (mismatch KL ~0)."""
+    from tests.conftest import free_port
+
+    run_dir, steps = tmp_path / "run", 4
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps",
+                 str(steps), "--orch.batch_size", "16", "--orch.rollouts_per_example", "4",
+                 "--orch.sampling.max_tokens", "48", "--orch.weight_broadcast.type", "nccl",
+                 "--orch.weight_broadcast.port", str(free_port()), "--orch.weight_broadcast.timeout", "120",
+                 "--orch.async_mode", "in_flight", "--orch.max_async_level", "0", "--orch.max_off_policy_steps", "0")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["policy_step"] for r in rows] == list(range(steps))
+    assert all(abs(r["mismatch_kl"]) < 1e-6 and r["staleness/max"] == 0 for r in rows), rows
+    assert sum(r["dropped_stale"] for r in rows) > 0
