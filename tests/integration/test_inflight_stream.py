@@ -64,3 +64,33 @@ def test_stream_fills_batches_with_filters_then_closes(vllm_server, tmp_path):
         assert min(stds) > 0 or m["buffer/filled_with_dropped"] > 0, stds
         dropped += m["buffer/dropped_groups"]
     assert dropped > 0, "dynamic sampling judged the streamed groups"
+
+
+def test_stream_runs_multi_turn_environments(vllm_server, tmp_path):
+    """A multi-turn environment's loop runs inside a streamed group: the environment's reply is in the
+    completion as tokens without loss (mask 0)."""
+    cfg = OrchConfig.model_validate({
+        "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 48},
+        "async_mode": "in_flight", "env": [{"id": "tests.e2e.multiturn_env:EchoTool"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(4), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            try:
+                return await stream.take(1, {})
+            finally:
+                await stream.close()
+        finally:
+            await client.close()
+
+    got = asyncio.run(go()).collected
+    comps = [c for g in got.groups for c in g]
+    assert len(comps) == 8 and got.versions == [(0, 0)] * 2
+    assert any(c.mask is not None and 0 in c.mask and "[tool: go on]" in c.text for c in comps), \
+        [c.text for c in comps]
