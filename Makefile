@@ -38,6 +38,7 @@ test-gpu: setup-dev
 	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
+## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".
 bench: setup-dev
 	$(BIN)/pip install -q -e ".[dev,bench]"
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)

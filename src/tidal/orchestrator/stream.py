@@ -1,0 +1,315 @@
+"""In-flight weight updates (`async_mode: in_flight`): a continuous stream of groups that never drains.
+
+PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s per-batch gate:
+- the **policy follower** loads each policy as soon as the trainer publishes it (`PolicyTracker.ensure`, every
+  reload mode: LoRA adapters, merged reloads, nccl pushes) while requests keep running; new requests use the
+  newest policy. A LoRA adapter still used by running requests is unloaded only when the last of them returns
+  (`PolicyTracker.lease` / `release`); merged reloads and nccl pushes change the weights between two decoding
+  steps of running requests (vLLM applies them between engine steps), so a request can span two policies;
+- the **launcher** starts one group (one prompt, `rollouts_per_example` completions; multi-turn and tool
+  environments run their loops) whenever fewer than `in_flight_groups` groups are running or waiting to be
+  batched, and the gate allows it: while batch n is being filled, a group starts only when the served policy is
+  >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated mode's bound applied per group;
+- **`take(n)`** fills batch n from the finished groups in completion order: a group's staleness is
+  (n - 1) - its start version; one above `max_off_policy_steps` is dropped whole (advantages stay valid; counted
+  in `dropped_stale`; a finished group already stale for the batch being filled is dropped at once, freeing its
+  slot) and the batch waits for fresh groups. Group filters (`dynamic_sampling`,
+  `buffer.online_difficulty_filtering`) judge each group; after `oversampling_factor` x `max_sampling_rounds`
+  batches' worth of judged groups a short batch is filled with rejected ones, as in gated mode.
+
+Each group records `(start, end)`: the policy serving when its request(s) started and the newest policy that may
+have reached them before they returned (LoRA: start == end; nccl: the servers' weight version at return; the
+trainer's push pauses the servers with `mode=wait`, so running requests finish on the old weights and nccl
+samples have start == end unless the push lands between two turns of a multi-turn rollout). The
+logprobs are those vLLM reported while sampling, the true behaviour logprobs of each token.
+
+Simplifications: a failed request (server restart) retries its own group with the policy loaded again, up to
+`MAX_ATTEMPTS` times in a row; no example is in flight twice at once (the buffer's dedupe covers the in-flight
+window, not exactly one batch); examples drawn ahead are not rewound at a checkpoint, so a resumed run draws
+fresh ones. Not combined with `eval`, `sampling.temp_scheduler` or a teacher on a training server (refused by
+the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import OrchConfig
+from tidal.envs.base import Example
+from tidal.envs.images import prompt_images
+from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.orchestrator.advantage import combine_rewards
+from tidal.orchestrator.buffer import Buffer, example_key
+from tidal.orchestrator.collect import (
+    MAX_ATTEMPTS,
+    Collected,
+    StepSample,
+    draw_prompts,
+    group_rollouts,
+    teacher_logprobs,
+)
+from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.staleness import is_stale, launch_allowed
+from tidal.transport import weights
+
+log = logging.getLogger("tidal.orch")
+
+POLL_S = 0.05
+DISCOVER_EVERY_S = 5.0
+
+
+@dataclass
+class Group:
+    """One finished, scored group and the policy versions that produced it."""
+
+    example: Example
+    prompt: list[int]
+    completions: list[Completion]
+    scores: np.ndarray
+    images: list[bytes]
+    version: tuple[int, int]
+
+
+class GroupStream:
+    """The in-flight sampler of one orchestrator (module doc); `start`, then `take(n)` per batch, `close`."""
+
+    def __init__(self, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient, base: str,
+                 policy: PolicyTracker, scorer: Scorer, buffer: Buffer, teacher: InferenceClient | None,
+                 first_step: int, first_timeout_s: float | None = None) -> None:
+        self.cfg, self.env, self.rng, self.client, self.base = cfg, env, rng, client, base
+        self.policy, self.scorer, self.buffer, self.teacher = policy, scorer, buffer, teacher
+        self.need = cfg.batch_size // cfg.rollouts_per_example
+        self.cap = cfg.in_flight_groups or 2 * self.need
+        self.filling = first_step
+        self.ready: deque[Group] = deque()
+        self.running: set[asyncio.Task[None]] = set()
+        self.in_flight_keys: dict[str, int] = {}
+        self.counts: dict[str, float] = {}
+        self.gate_wait_s = 0.0
+        self.launched = 0
+        self.dropped = (0, 0)  # (samples, groups) dropped as stale since the last batch was taken
+        self.error: BaseException | None = None
+        self.changed = asyncio.Event()
+        self.timeout_s = first_timeout_s or cfg.weights_timeout_s
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the newest policy (>= the first batch's gate), then start the follower and the launcher."""
+        await self.policy.ensure(max(0, self.filling - 1 - self.cfg.max_async_level), self.timeout_s)
+        self.timeout_s = self.cfg.weights_timeout_s
+        self._tasks = [asyncio.create_task(self._guard(self._follow())),
+                       asyncio.create_task(self._guard(self._launch()))]
+
+    async def close(self) -> None:
+        """Cancel the follower, the launcher and the groups still running (their samples are not needed)."""
+        tasks = [*self._tasks, *self.running]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.policy.drain_unloads()
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to `take`, which raises it in the loop
+            self._fail(exc)
+
+    async def _wait_changed(self, timeout_s: float) -> None:
+        """Until something changed (a group finished, a policy loaded, a batch was taken) or `timeout_s`.
+        Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that meets the event being set (as
+        `close` does, cancelling groups), and the launcher would never stop."""
+        self.changed.clear()
+        waiter = asyncio.ensure_future(self.changed.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=timeout_s)
+        finally:
+            waiter.cancel()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.changed.set()
+
+    # --- the policy follower ---------------------------------------------------------------------------------
+    async def _follow(self) -> None:
+        """Serve each newly published policy as soon as it appears (and again after a server restart)."""
+        last_discover, failures = time.monotonic(), 0
+        while True:
+            now = time.monotonic()
+            try:
+                if now - last_discover > DISCOVER_EVERY_S:
+                    last_discover = now
+                    if await self.client.discover():
+                        self.policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
+                newest = weights.newest_policy(self.policy.run_dir)
+                if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
+                    await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    self.changed.set()
+                failures = 0
+            except InferenceError as exc:  # a server died or restarted: load the policy again once it answers
+                failures += 1
+                if failures >= MAX_ATTEMPTS:
+                    raise
+                log.warning("loading policy %d failed (%s); retrying once the server answers (attempt %d of %d)",
+                            weights.newest_policy(self.policy.run_dir), str(exc)[:300], failures + 1, MAX_ATTEMPTS)
+                await self.client.wait_ready()
+                self.policy.invalidate()
+            await asyncio.sleep(POLL_S)
+
+    # --- the launcher ----------------------------------------------------------------------------------------
+    async def _launch(self) -> None:
+        while True:
+            await self._wait_for_room()
+            examples, prompts = await draw_prompts(self.env, self.rng, self.client, self.base, 1, self.cfg,
+                                                   self.counts, self.buffer)
+            ex, prompt = examples[0], prompts[0]
+            key = example_key(ex, self.buffer.cfg.hash_keys)
+            self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
+            task = asyncio.create_task(self._group(ex, prompt, self.filling, self.launched))
+            self.launched += 1
+            self.running.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.running.discard(task)
+        self.changed.set()
+
+    async def _wait_for_room(self) -> None:
+        """Until fewer than `in_flight_groups` groups are running or waiting and the gate lets one start."""
+        gated_since: float | None = None
+        while True:
+            self._drop_stale()
+            room = len(self.running) + len(self.ready) < self.cap
+            if room and launch_allowed(self.filling, self.policy.step, self.cfg.max_async_level):
+                return
+            now = time.monotonic()
+            gated_since = (gated_since or now) if room else None  # blocked by the gate: waiting for a policy
+            if gated_since is not None and now - gated_since > self.timeout_s:
+                raise TimeoutError(f"policy {self.filling - 1 - self.cfg.max_async_level} was not served within "
+                                   f"{self.timeout_s:.0f} s (weights_timeout_s); is the trainer running?")
+            await self._wait_changed(POLL_S)
+            if room:
+                self.gate_wait_s += time.monotonic() - now
+
+    async def _group(self, ex: Example, prompt: list[int], step: int, seq: int) -> None:
+        """Sample and score one group; a failed request retries it once the server answers again."""
+        images = prompt_images(ex.prompt)
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                model, start = self.policy.lease()
+                try:
+                    comps = (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
+                                             [images]))[0]
+                    end = self.policy.end_version(start)
+                    if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
+                        end = max(end, max((await self.client.weight_versions()).values(), default=end))
+                    break
+                except InferenceError as exc:
+                    if attempt == MAX_ATTEMPTS:
+                        raise
+                    log.warning("in-flight group: inference request failed (%s); retrying it once the server "
+                                "answers (attempt %d of %d)", str(exc)[:300], attempt + 1, MAX_ATTEMPTS)
+                    self.counts["inference_retries"] = self.counts.get("inference_retries", 0.0) + 1
+                    await self.client.wait_ready()
+                    self.policy.invalidate()
+                    while self.policy.loaded[0] < 0:  # the follower loads the policy again
+                        await asyncio.sleep(POLL_S)
+                finally:
+                    self.policy.release(model)
+            p = comps[0].prompt_ids or prompt  # an environment's reset observation changed the prompt
+            scores = self.scorer.score(ex, comps, step)
+            self.ready.append(Group(ex, p, comps, scores, images, (start, end)))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to `take`
+            self._fail(exc)
+
+    # --- the consumer ----------------------------------------------------------------------------------------
+    def _drop_stale(self) -> None:
+        """Drop the finished groups already too stale for the batch being filled (staleness only grows with
+        the batch number, so they could never be used) and make room for fresh ones."""
+        if not any(is_stale(self.filling, g.version[0], self.cfg.max_off_policy_steps) for g in self.ready):
+            return
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if is_stale(self.filling, g.version[0], self.cfg.max_off_policy_steps):
+                self._forget(g.example)
+                self.dropped = (self.dropped[0] + len(g.completions), self.dropped[1] + 1)
+            else:
+                keep.append(g)
+        self.ready = keep
+
+    def _forget(self, ex: Example) -> None:
+        """A group left the in-flight window: its example may be drawn again."""
+        key = example_key(ex, self.buffer.cfg.hash_keys)
+        self.in_flight_keys[key] = self.in_flight_keys.get(key, 1) - 1
+        if self.in_flight_keys[key] <= 0:
+            del self.in_flight_keys[key]
+            self.buffer.step_keys.discard(key)
+
+    async def _next_group(self) -> Group:
+        while not self.ready:
+            if self.error is not None:
+                raise self.error
+            await self._wait_changed(1.0)
+        if self.error is not None:
+            raise self.error
+        return self.ready.popleft()
+
+    async def take(self, step: int, counts: dict[str, float]) -> StepSample:
+        """Batch `step`'s groups: fresh enough, accepted by the group filters (or filled with rejected ones);
+        adds the stream's counts since the previous batch to `counts`."""
+        t0, wait0 = time.monotonic(), self.gate_wait_s
+        self.filling = step
+        self.changed.set()
+        buf = self.buffer
+        buf.new_step()
+        buf.step_keys = set(self.in_flight_keys)  # the dedupe set covers the in-flight window (module doc)
+        kept, spare = Collected(), Collected()
+        judged = 0
+        budget = math.ceil(self.need * self.cfg.oversampling_factor * self.cfg.max_sampling_rounds)
+        while len(kept.examples) < self.need:
+            g = await self._next_group()
+            self._forget(g.example)
+            if is_stale(step, g.version[0], self.cfg.max_off_policy_steps):
+                self.dropped = (self.dropped[0] + len(g.completions), self.dropped[1] + 1)
+                continue
+            judged += 1
+            ok = buf.judge(g.example, combine_rewards(g.scores, self.scorer.weights)[0])
+            if not ok:
+                buf.counts["buffer/dropped_groups"] += 1
+            (kept if ok else spare).add(g.example, g.prompt, g.completions, g.scores, g.images, g.version)
+            if buf.filtering and judged >= budget and len(kept.examples) < self.need:
+                fill = self.need - len(kept.examples)
+                buf.counts["buffer/filled_with_dropped"] += min(fill, len(spare.examples))
+                kept.extend(spare, fill)
+                spare = Collected()  # all taken, or the batch is full
+        buf.counts["buffer/rounds"] = float(math.ceil(judged / max(1, self.need)))
+        self.filling = step + 1
+        self.changed.set()
+        for k, v in self.counts.items():
+            counts[k] = counts.get(k, 0.0) + v
+        self.counts = {}
+        dropped, self.dropped = self.dropped, (0, 0)
+        if dropped[1]:
+            log.info("batch %d: dropped %d group(s) staler than max_off_policy_steps %d", step, dropped[1],
+                     self.cfg.max_off_policy_steps)
+        out = StepSample(kept, self.gate_wait_s - wait0, time.monotonic() - t0, dropped_stale=dropped)
+        if self.teacher is not None and self.cfg.teacher is not None:
+            t1 = time.monotonic()
+            out.teacher = await teacher_logprobs(self.teacher, self.cfg.teacher, kept)
+            out.teacher_time_s = time.monotonic() - t1
+        return out

