@@ -13,9 +13,13 @@
    time (both curves in `bench/reward_vs_time.png`), staleness and groups dropped. `--async-mode in_flight` makes
    the in-flight run the tidal run of every other measure; `--skip-baselines` runs only the tidal run(s) (a
    quick smoke: `--steps 3 --skip-baselines --async-mode both`).
+6. Precision: a tidal run per train `recipe` of `--recipes` (default fp32 and bf16: on CPU bfloat16 autocast,
+   docs/performance.md) and a TRL run per `--trl-precisions` (TRL's `bf16=False` / `bf16=True`, autocast on CPU
+   too), every tidal run against every TRL run; the mismatch KL at step 1 shows what bf16 costs in exactness.
+   The last recipe is the main run (in-flight run, overlap, trainer baseline).
 
 Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
-baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16).
+baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16; use `--recipes bf16 --trl-precisions bf16`).
 """
 
 from __future__ import annotations
@@ -45,16 +49,16 @@ def run(cmd: list[str], log: Path, timeout: float) -> None:
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
 
 
-def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated") -> dict[str, Any]:
-    """One `tidal grpo` run with orch `async_mode: mode`."""
-    run_dir = work / ("tidal_run" if mode == "gated" else f"tidal_run_{mode}")
+def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe: str = "fp32") -> dict[str, Any]:
+    """One `tidal grpo` run with orch `async_mode: mode` and train `recipe`."""
+    run_dir = work / f"tidal_run_{recipe}_{mode}"
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), "--orch.max_steps",
            str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
            "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
            "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port),
-           "--orch.async_mode", mode]
+           "--orch.async_mode", mode, "--train.recipe", recipe]
     start = time.monotonic()
-    run(cmd, work / ("tidal.log" if mode == "gated" else f"tidal_{mode}.log"), 3600)
+    run(cmd, work / f"tidal_{recipe}_{mode}.log", 3600)
     total = time.monotonic() - start
     from tidal.monitor.metrics import read_metrics
 
@@ -78,11 +82,13 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated") -> dict
             "curve": [(e, r["reward/mean"]) for e, r in zip(elapsed, rows, strict=True)]}
 
 
-def trl_run(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
-    out = work / "trl.json"
+def trl_run(args: argparse.Namespace, work: Path, model: str, precision: str = "fp32") -> dict[str, Any]:
+    """TRL's GRPOTrainer (`bench/trl_grpo.py`) with `bf16=True` (autocast on CPU) or False (`precision`)."""
+    out = work / f"trl_{precision}.json"
     run([sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model, "--out", str(out), "--steps",
          str(args.steps), "--prompts", str(args.prompts), "--generations", str(args.generations), "--max-tokens",
-         str(args.max_tokens), "--device", args.device], work / "trl.log", 7200)
+         str(args.max_tokens), "--device", args.device, "--precision", precision], work / f"trl_{precision}.log",
+        7200)
     data = json.loads(out.read_text())
     steps = data["steps"]
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
@@ -151,7 +157,7 @@ def rollout_bench(args: argparse.Namespace, work: Path, model_name: str) -> dict
     return {"raw_tok_s": statistics.median(raw), "orch_tok_s": statistics.median(orch)}
 
 
-def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str) -> dict[str, float]:
+def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str, recipe: str) -> dict[str, float]:
     """`train_step` vs a bare forward + backward + AdamW loop over the same packed micro-batches."""
     import torch
 
@@ -164,15 +170,20 @@ def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str) -> dict
 
     batch = TrainingBatch.load(tidal_dir / "rollouts" / f"step_{args.steps}.safetensors")
     cfg = TrainConfig(model=model, per_device_train_batch_size=4, sequence_len=512, learning_rate=1e-6,
-                      device=args.device)
+                      device=args.device, recipe=recipe)
     model_, device = load_policy(cfg)
     opt = make_optimizer(model_, cfg)
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size)]
     tokens = sum(mb.num_tokens for mb in micro)
 
+    from tidal.trainer.precision import autocast_dtype
+
+    cast = autocast_dtype(model_)  # recipe bf16 on CPU: the raw loop autocasts too
+
     def raw_step() -> None:
         for mb in micro:
-            logits = model_(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+            with torch.autocast(device.type, dtype=cast or torch.float32, enabled=cast is not None):
+                logits = model_(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
             lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
             (-(lp * mb.loss_mask[:, 1:]).sum() / tokens).backward()
         opt.step()
@@ -243,8 +254,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=8700)
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
-    ap.add_argument("--async-mode", default="gated", choices=["gated", "in_flight", "both"],
+    ap.add_argument("--async-mode", default="both", choices=["gated", "in_flight", "both"],
                     help="orch async_mode of the tidal run; both: gated and in_flight, compared (measure 5)")
+    ap.add_argument("--recipes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                    help="train recipe of the tidal runs, each its own run (measure 6); the last is the main one")
+    ap.add_argument("--trl-precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                    help="TRL runs: bf16=False / bf16=True (autocast on CPU)")
     ap.add_argument("--skip-baselines", action="store_true", help="only the tidal run(s): no TRL, rollout or "
                     "trainer baselines (a quick smoke of the async modes)")
     args = ap.parse_args()
@@ -256,18 +271,28 @@ def main() -> None:
     model = resolve_model("tidal:tiny-reverse")
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-"))
     print(f"bench: work dir {work}", flush=True)
-    t = tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated")
-    print(f"bench: tidal {t['step_s']:.2f} s/step", flush=True)
-    f = tidal_run(args, work, "in_flight") if args.async_mode == "both" else None
-    r = trl_run(args, work, model)
-    print(f"bench: TRL {r['step_s']:.2f} s/step", flush=True)
+    main_recipe = args.recipes[-1]
+    gated = {}
+    for recipe in args.recipes:
+        gated[recipe] = tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated", recipe)
+        print(f"bench: tidal {recipe} {gated[recipe]['step_s']:.2f} s/step", flush=True)
+    t = gated[main_recipe]
+    f = tidal_run(args, work, "in_flight", main_recipe) if args.async_mode == "both" else None
+    if f is not None:
+        print(f"bench: tidal {main_recipe} in_flight {f['step_s']:.2f} s/step", flush=True)
+    trl = {}
+    for prec in args.trl_precisions:
+        trl[prec] = trl_run(args, work, model, prec)
+        print(f"bench: TRL {prec} {trl[prec]['step_s']:.2f} s/step", flush=True)
+    r = trl[args.trl_precisions[0]]
     ro = rollout_bench(args, work, "tidal:tiny-reverse")
     print(f"bench: rollouts raw {ro['raw_tok_s']:.0f} tok/s, orchestrator {ro['orch_tok_s']:.0f} tok/s", flush=True)
-    tr = trainer_bench(args, t["run_dir"], model)
+    tr = trainer_bench(args, t["run_dir"], model, main_recipe)
     print(f"bench: trainer {tr['tidal_tok_s']:.0f} tok/s, raw torch {tr['raw_tok_s']:.0f} tok/s", flush=True)
-    curves = {"tidal" if f is None else "tidal (gated)": t["curve"], "TRL GRPOTrainer": r["curve"]}
+    curves = {f"tidal {rc} (gated)": g["curve"] for rc, g in gated.items()}
     if f is not None:
-        curves["tidal (in_flight)"] = f["curve"]
+        curves[f"tidal {main_recipe} (in_flight)"] = f["curve"]
+    curves |= {f"TRL GRPOTrainer ({'bf16' if p == 'bf16' else 'fp32'})": x["curve"] for p, x in trl.items()}
     plot(curves, Path(args.out).with_name("reward_vs_time.png"))
 
     cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
@@ -276,6 +301,17 @@ def main() -> None:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    step_rows = [f"| time per step: tidal {rc} vs TRL GRPOTrainer {p} | {g['step_s']:.2f} s | {x['step_s']:.2f} s | "
+                 f"**{x['step_s'] / g['step_s']:.2f}x faster** | >= 3x |"
+                 for rc, g in gated.items() for p, x in trl.items()]
+    if f is not None:
+        step_rows += [f"| time per step: tidal {main_recipe} in_flight vs TRL GRPOTrainer {p} | {f['step_s']:.2f} s | "
+                      f"{x['step_s']:.2f} s | **{x['step_s'] / f['step_s']:.2f}x faster** | >= 3x |"
+                      for p, x in trl.items()]
+    whole = ", ".join([f"tidal {rc} {g['total_s']:.0f} s" for rc, g in gated.items()]
+                      + ([f"tidal {main_recipe} in_flight {f['total_s']:.0f} s"] if f is not None else [])
+                      + [f"TRL {p} {x['total_s']:.0f} s" for p, x in trl.items()])
+    mkl = {rc: statistics.mean(row.get("mismatch_kl", 0.0) for row in g["rows"][:1]) for rc, g in gated.items()}
     lines = [
         "# Benchmark results", "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -284,21 +320,24 @@ def main() -> None:
         f"- command: `{cmd}`",
         f"- workload: bundled model (tidal:tiny-reverse), {args.prompts} prompts x {args.generations} completions "
         f"x up to {args.max_tokens} tokens per step, LoRA r16 all linear, lr 2e-3, {args.steps} steps; steady "
-        "state = steps >= 3", "",
+        "state = steps >= 3. tidal recipe fp32: float32 throughout; bf16: float32 weights, bfloat16 autocast "
+        "matmuls (docs/performance.md). TRL fp32: `bf16=False`; bf16: `bf16=True` (autocast on CPU).", "",
         "| measure | tidal | baseline | ratio | target |", "|---|---|---|---|---|",
-        f"| time per step vs TRL GRPOTrainer | {t['step_s']:.2f} s | {r['step_s']:.2f} s | "
-        f"**{r['step_s'] / t['step_s']:.2f}x faster** | >= 3x |",
-        f"| first step (incl. warm-up) | {t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",
+        *step_rows,
+        f"| first step (incl. warm-up), tidal {main_recipe} vs TRL {args.trl_precisions[0]} | "
+        f"{t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",
         f"| rollout throughput vs raw vLLM (same concurrency) | {ro['orch_tok_s']:.0f} tok/s | "
         f"{ro['raw_tok_s']:.0f} tok/s | **{ro['orch_tok_s'] / ro['raw_tok_s']:.0%}** | >= 90% |",
-        f"| trainer tokens/s vs raw torch fwd+bwd+AdamW | {tr['tidal_tok_s']:.0f} tok/s | {tr['raw_tok_s']:.0f} tok/s "
-        f"| **{tr['tidal_tok_s'] / tr['raw_tok_s']:.0%}** | >= 80% |",
+        f"| trainer tokens/s vs raw torch fwd+bwd+AdamW ({main_recipe}) | {tr['tidal_tok_s']:.0f} tok/s | "
+        f"{tr['raw_tok_s']:.0f} tok/s | **{tr['tidal_tok_s'] / tr['raw_tok_s']:.0%}** | >= 80% |",
         f"| packing efficiency (sample tokens / processed) | {t['packing']:.1%} | | | >= 95% |",
-        f"| async overlap: step / max(rollout, train) | {t['overlap']:.2f} | | | <= 1.15 |",
-        f"| steady-state split | rollout {t['rollout_s']:.2f} s, train {t['train_s']:.2f} s | | | |",
+        f"| async overlap: step / max(rollout, train) ({main_recipe}) | {t['overlap']:.2f} | | | <= 1.15 |",
+        *[f"| steady-state split, tidal {rc} | rollout {g['rollout_s']:.2f} s, train {g['train_s']:.2f} s | | | |"
+          for rc, g in gated.items()],
+        *[f"| mismatch KL at step 1 (same policy both sides), tidal {rc} | {v:.2e} | | | |" for rc, v in mkl.items()],
         *(async_rows(t, f) if f is not None else []), "",
-        f"Whole runs: tidal {t['total_s']:.0f} s (vLLM start-up included), TRL {r['total_s']:.0f} s (model load "
-        f"excluded). Reward against time: `bench/reward_vs_time.png`. Raw logs: `{work}`.",
+        f"Whole runs: {whole} (tidal: vLLM start-up included; TRL: model load excluded). Reward against time: "
+        f"`bench/reward_vs_time.png`. Raw logs: `{work}`.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -322,7 +361,7 @@ def async_only(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-async-"))
     print(f"bench: work dir {work}", flush=True)
     modes = ["gated", "in_flight"] if args.async_mode == "both" else [args.async_mode]
-    runs = {m: tidal_run(args, work, m) for m in modes}
+    runs = {m: tidal_run(args, work, m, args.recipes[-1]) for m in modes}
     for m, t in runs.items():
         print(f"bench: tidal {m}: {t['step_s']:.2f} s/step, whole run {t['total_s']:.0f} s, staleness mean "
               f"{t['staleness']:.2f} max {t['staleness_max']:.0f}, dropped groups {t['dropped']:.0f}", flush=True)

@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: GRPOConfig(bf16=True), autocast on CPU (the model stays float32 there)")
     args = ap.parse_args()
 
     import torch
@@ -47,7 +49,8 @@ def main() -> None:
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=4,
                      num_generations=args.generations, max_completion_length=args.max_tokens, temperature=1.0,
                      learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
-                     save_strategy="no", use_cpu=args.device == "cpu", bf16=args.device != "cpu",
+                     save_strategy="no", use_cpu=args.device == "cpu",
+                     bf16=args.device != "cpu" or args.precision == "bf16",
                      loss_type="dapo", beta=0.0, seed=0, shuffle_dataset=False, disable_tqdm=True)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
