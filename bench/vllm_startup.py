@@ -193,7 +193,7 @@ def fmt_run(r: Run) -> str:
 def table(runs: list[Run]) -> str:
     head = ("| variant | ready s | " + " | ".join(p for p, _ in PHASES) + " | health seen | procs | "
             "burst tok/s (1st / median of next 3) | load avg 1/5/15 |")
-    sep = "|" + "---|" * (len(PHASES) + 7)
+    sep = "|" + "---|" * (len(PHASES) + 6)
     lines = [head, sep, *(fmt_run(r) for r in runs), "", "Medians:", ""]
     for name in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == name]
