@@ -40,7 +40,7 @@ test-gpu: setup-dev
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".
 bench: setup-dev
-	$(BIN)/pip install -q -e ".[dev,bench]"
+	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
 ## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.

