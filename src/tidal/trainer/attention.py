@@ -92,25 +92,42 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     rows: list[list[tuple[int, int]]] = []
     if _per_sample_applies(module, query, key, dropout, sliding_window, position_ids, kwargs):
         assert isinstance(position_ids, torch.Tensor)
-        rows = segments(position_ids)
-        if len(rows) == 1:  # (1, T) position ids (transformers' default arange) hold for every row
-            rows = rows * query.shape[0]
-        if not _mask_is_per_sample(attention_mask, rows, query.shape[0], query.shape[2]):
-            rows = []
+        rows = _spans_for(attention_mask, position_ids, query.shape[0], query.shape[2])
     if not rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     gqa = query.shape[1] != key.shape[1]
     dt = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU: see the module doc
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (B, T, Hq, D)
-    for b, spans in enumerate(rows):
-        for s, e in spans:
-            with torch.autocast(query.device.type, enabled=False):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    query[b:b + 1, :, s:e].to(dt), key[b:b + 1, :, s:e].to(dt), value[b:b + 1, :, s:e].to(dt),
-                    is_causal=True, scale=scaling, enable_gqa=gqa)  # (1, Hq, L, D)
-            out[b, s:e] = o[0].transpose(0, 1)
-    return out, None
+    with torch.autocast(query.device.type, enabled=False):
+        q, k, v = query.to(dt), key.to(dt), value.to(dt)  # one cast each (no-op without autocast)
+        out = []
+        for b, spans in enumerate(rows):  # split/cat, not slice-assign: their backward moves each gradient once
+            lengths = [e - s for s, e in spans]
+            parts = [torch.nn.functional.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], is_causal=True, scale=scaling, enable_gqa=gqa)[0]  # (Hq, L, D)
+                for qs, ks, vs in zip(q[b].split(lengths, 1), k[b].split(lengths, 1), v[b].split(lengths, 1),
+                                      strict=True)]
+            out.append(torch.cat(parts, 1).transpose(0, 1))  # (T, Hq, D)
+    return torch.stack(out).to(query.dtype), None
+
+
+_LAST: list[Any] = [None, None, None]
+"""The last (attention_mask, position_ids, spans) seen: every layer of a forward gets the same two tensors, so the
+spans and the mask check are worked out once per forward."""
+
+
+def _spans_for(attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int,
+               width: int) -> list[list[tuple[int, int]]]:
+    """Per row its sample spans when the per-sample path computes what `attention_mask` says; [] otherwise."""
+    if _LAST[0] is attention_mask and _LAST[1] is position_ids and len(_LAST[2]) in (0, batch):
+        return list(_LAST[2])
+    rows = segments(position_ids)
+    if len(rows) == 1:  # (1, T) position ids (transformers' default arange) hold for every row
+        rows = rows * batch
+    if not _mask_is_per_sample(attention_mask, rows, batch, width):
+        rows = []
+    _LAST[:] = [attention_mask, position_ids, rows]
+    return rows
 
 
 def register() -> str:
