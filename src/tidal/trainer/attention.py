@@ -6,9 +6,10 @@ a mask computes all T x T scores: on a 512-token row of four 120-token samples, 
 (and the causal half is not skipped either). `packed_sdpa_attention` (registered with transformers as
 `ATTN_IMPLEMENTATION`) reads the sample boundaries from `position_ids` (a new sample wherever the position does not
 continue the previous one) and runs `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on
-each sample's query/key/value slice — Σ len² / 2 scores, the causal-kernel path — then writes the outputs back in
-place. Numerically each sample sees exactly the keys the mask allowed (tests/unit/test_packed_attention.py checks
-it against the masked computation in float64).
+each sample's query/key/value slice — Σ len² / 2 scores, the causal-kernel path — then concatenates the outputs
+(split and concatenate, so the backward moves each gradient once). The spans and the mask check are worked out
+once per forward (every layer gets the same mask and position ids). Numerically each sample sees exactly the
+keys the mask allowed (tests/unit/test_packed_attention.py checks it against the masked computation in float64).
 
 Where the per-sample path does not apply, the call is passed unchanged to transformers' own SDPA attention with the
 mask transformers built (the mask interface is SDPA's): non-causal modules (vision encoders), a KV cache (query

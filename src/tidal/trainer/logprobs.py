@@ -37,6 +37,7 @@ input embeddings that carry the image features (`tidal.trainer.vision.embed`); t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -309,10 +310,8 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
     `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
     are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs)."""
     cast = autocast_dtype(model)
-    if cast is not None:
-        with torch.autocast(input_ids.device.type, dtype=cast):
-            return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
-    return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
+    with contextlib.nullcontext() if cast is None else torch.autocast(input_ids.device.type, dtype=cast):
+        return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
