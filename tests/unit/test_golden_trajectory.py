@@ -64,7 +64,8 @@ EXAMPLE: dict[str, Any] = {
 }
 TRAJECTORIES: dict[str, dict[str, Any]] = {
     "aipo": EXAMPLE,
-    "grpo": EXAMPLE | {"per_device_train_batch_size": 2, "sequence_len": 256,  # 3 micro-batches per step
+    # 2-3 micro-batches per step: 128-token rows cut each group's shared-prompt unit (train prompt_sharing)
+    "grpo": EXAMPLE | {"per_device_train_batch_size": 2, "sequence_len": 128,
                        "loss": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 2,
                                 "mask_truncated_completions": True}},  # batches 1 and 3 hold truncated ones
 }

@@ -291,6 +291,12 @@ class TrainConfig(StrictModel):
     """Packed rows of `sequence_len` tokens per micro-batch (forward/backward pass)."""
     sequence_len: int = Field(1024, ge=16)
     """Length of one packed row; samples are packed into rows with no attention across samples."""
+    prompt_sharing: bool | Literal["auto"] = "auto"
+    """Pack the completions of one prompt (a GRPO group) with the prompt's tokens once, each completion attending
+    to them and to itself: the same logprobs and gradients as packing every sample whole, for fewer tokens (on
+    short completions most of a sample is prompt). `auto`: wherever it applies (text batches; a model without
+    sliding-window layers shorter than `sequence_len`; SDPA or tidal's CPU attention); `true`: the same, and a
+    model it cannot apply to is an error; `false`: every sample whole. See docs/performance.md."""
     trust_remote_code: bool = False
     """Allow custom model and tokenizer code from the model directory (transformers' `trust_remote_code`). Set it
     like infer `trust_remote_code`; `tidal grpo` makes an unset one follow infer's."""

@@ -22,15 +22,25 @@ On CPU the per-sample scores are computed in float32 even under bfloat16 autocas
 (measured on the bench's shapes), and the softmax keeps float32 precision. The output is cast back to the query's
 dtype.
 
+Shared prompts (`tidal.trainer.packing`, train `prompt_sharing`): a span whose first position q is not 0 is a
+*suffix*: it continues the row's last span that started at position 0 (its *root*) after that root's first q
+tokens, the shared prompt. It attends to those q tokens and causally to itself: one SDPA call with the root's
+first q keys/values put before its own and a (L, q + L) bottom-right causal mask. `layout_mask` is the same rule as
+a (B, 1, T, T) mask; the packer hands it to the model as `attention_mask` (transformers passes a 4D mask through
+unchanged), so the mask stays the truth: the per-sample path runs only when it equals the spans' mask, and SDPA
+with that mask (GPU, or any case above) computes the same thing.
+
 This is the CPU counterpart of flash-attention's variable-length kernels (not available on CPU); on CUDA the
 trainer keeps SDPA (`attn_implementation` below), whose masked kernels are fast there.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "tidal_packed_sdpa"
 """The name under which `register` makes `packed_sdpa_attention` known to transformers."""
@@ -38,7 +48,7 @@ ATTN_IMPLEMENTATION = "tidal_packed_sdpa"
 
 def segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     """(B, T) position ids -> per row the [start, end) spans of its samples: a span starts at column 0 and
-    wherever a position is not the previous one + 1 (a sample restarting at 0, or a padding run)."""
+    wherever a position is not the previous one + 1 (a sample restarting at 0, a suffix, or a padding run)."""
     pos = position_ids.detach()
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
@@ -48,6 +58,53 @@ def segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
         idx = row.nonzero().flatten().tolist()
         out.append(list(zip(idx, [*idx[1:], width], strict=True)))
     return out
+
+
+Span = tuple[int, int, int, int]
+"""(start, end, prefix_start, prefix_len): the columns [start, end) attend causally to themselves and to all of
+[prefix_start, prefix_start + prefix_len) (prefix_len 0: a sample of its own)."""
+
+
+def layout(position_ids: torch.Tensor) -> list[list[Span]]:
+    """(B, T) position ids -> per row its `Span`s (see the module doc): a span starting at position q > 0 attends
+    to the first q tokens of the row's last span that started at 0, when that span has more than q tokens (else,
+    and with no such span, to itself only)."""
+    first = position_ids.detach().cpu().tolist()
+    rows: list[list[Span]] = []
+    for spans, pos in zip(segments(position_ids), first, strict=True):
+        row: list[Span] = []
+        root = None
+        for s, e in spans:
+            q = int(pos[s])
+            if q == 0:
+                root = (s, e)
+                row.append((s, e, s, 0))
+            elif root is not None and root[1] - root[0] > q:
+                row.append((s, e, root[0], q))
+            else:
+                row.append((s, e, s, 0))
+        rows.append(row)
+    return rows
+
+
+def _spans_mask(rows: list[list[Span]], width: int) -> torch.Tensor:
+    """(rows, T, T) bool: what the spans attend to."""
+    seg = torch.full((len(rows), width), -1, dtype=torch.long)
+    for b, spans in enumerate(rows):
+        for i, (s, e, _, _) in enumerate(spans):
+            seg[b, s:e] = i
+    out = (seg[:, :, None] == seg[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    for b, spans in enumerate(rows):
+        for s, e, ps, q in spans:
+            if q:
+                out[b, s:e, ps:ps + q] = True
+    return out
+
+
+def layout_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position ids -> the (B, 1, T, T) bool mask of their `layout` (True: may attend), for a model's
+    `attention_mask` when rows hold shared prompts."""
+    return _spans_mask(layout(position_ids), position_ids.shape[1])[:, None].to(position_ids.device)
 
 
 def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,
@@ -62,24 +119,26 @@ def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch
     return sliding_window is None or sliding_window >= query.shape[2]
 
 
-def _mask_is_per_sample(attention_mask: torch.Tensor | None, rows: list[list[tuple[int, int]]], batch: int,
+def _mask_is_per_sample(attention_mask: torch.Tensor | None, rows: list[list[Span]], batch: int,
                         width: int) -> bool:
-    """Whether the mask transformers built allows exactly "causal within each span" (so the per-sample path
-    computes what it would). None (transformers saw nothing to mask): only when every row is one span. A
-    boolean (B or 1, 1, T, T) mask: compared with the block-causal mask of the spans (cheap next to the
-    attention itself). Anything else (padding masks, additive float masks): no."""
+    """Whether the mask the model got allows exactly what the spans attend to (so the per-sample path computes
+    what it would). None (transformers saw nothing to mask): only when every row is one span. A boolean
+    (B or 1, 1, T, T) mask (the block-causal one transformers builds for packed rows, or `layout_mask`):
+    compared with the spans' own (cheap next to the attention itself). Anything else (padding masks, additive
+    float masks): no."""
     if attention_mask is None:
         return all(len(spans) == 1 for spans in rows)
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (width, width):
         return False
-    seg = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, spans in enumerate(rows):
-        for i, (s, e) in enumerate(spans):
-            seg[b, s:e] = i
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    expected = (seg[:, :, None] == seg[:, None, :]) & causal  # (rows, T, T)
+    expected = _spans_mask(rows, width)  # (rows, T, T)
     got = attention_mask[:, 0].cpu()
     return bool(torch.equal(got.expand(batch, width, width), expected.expand(batch, width, width)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _suffix_mask(length: int, prefix: int, device: torch.device) -> torch.Tensor:
+    """(length, prefix + length) bool: every prefix key, and the suffix's own keys causally."""
+    return torch.ones(length, prefix + length, dtype=torch.bool, device=device).tril(prefix)
 
 
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -90,7 +149,7 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
-    rows: list[list[tuple[int, int]]] = []
+    rows: list[list[Span]] = []
     if _per_sample_applies(module, query, key, dropout, sliding_window, position_ids, kwargs):
         assert isinstance(position_ids, torch.Tensor)
         rows = _spans_for(attention_mask, position_ids, query.shape[0], query.shape[2])
@@ -98,16 +157,25 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    dt = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU: see the module doc
+    dt = torch.promote_types(query.dtype, torch.float32) if query.device.type == "cpu" else query.dtype  # module doc
     with torch.autocast(query.device.type, enabled=False):
         q, k, v = query.to(dt), key.to(dt), value.to(dt)  # one cast each (no-op without autocast)
         out = []
         for b, spans in enumerate(rows):  # split/cat, not slice-assign: their backward moves each gradient once
-            lengths = [e - s for s, e in spans]
-            parts = [torch.nn.functional.scaled_dot_product_attention(
-                qs[None], ks[None], vs[None], is_causal=True, scale=scaling, enable_gqa=gqa)[0]  # (Hq, L, D)
-                for qs, ks, vs in zip(q[b].split(lengths, 1), k[b].split(lengths, 1), v[b].split(lengths, 1),
-                                      strict=True)]
+            lengths = [e - s for s, e, _, _ in spans]
+            qs, ks, vs = q[b].split(lengths, 1), k[b].split(lengths, 1), v[b].split(lengths, 1)  # (H, L, D) each
+            index = {s: i for i, (s, _, _, _) in enumerate(spans)}
+            parts = []
+            for i, (_, _, ps, n) in enumerate(spans):
+                if n == 0:
+                    parts.append(F.scaled_dot_product_attention(qs[i][None], ks[i][None], vs[i][None], is_causal=True,
+                                                                scale=scaling, enable_gqa=gqa)[0])  # (Hq, L, D)
+                    continue
+                root = index[ps]  # a suffix: the root's first n keys/values, then its own
+                parts.append(F.scaled_dot_product_attention(
+                    qs[i][None], torch.cat([ks[root][:, :n], ks[i]], 1)[None],
+                    torch.cat([vs[root][:, :n], vs[i]], 1)[None], attn_mask=_suffix_mask(lengths[i], n, q.device),
+                    scale=scaling, enable_gqa=gqa)[0])
             out.append(torch.cat(parts, 1).transpose(0, 1))  # (T, Hq, D)
     return torch.stack(out).to(query.dtype), None
 
@@ -118,17 +186,38 @@ spans and the mask check are worked out once per forward."""
 
 
 def _spans_for(attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int,
-               width: int) -> list[list[tuple[int, int]]]:
-    """Per row its sample spans when the per-sample path computes what `attention_mask` says; [] otherwise."""
+               width: int) -> list[list[Span]]:
+    """Per row its spans when the per-sample path computes what `attention_mask` says; [] otherwise."""
     if _LAST[0] is attention_mask and _LAST[1] is position_ids and len(_LAST[2]) in (0, batch):
         return list(_LAST[2])
-    rows = segments(position_ids)
+    rows = layout(position_ids)
     if len(rows) == 1:  # (1, T) position ids (transformers' default arange) hold for every row
         rows = rows * batch
     if not _mask_is_per_sample(attention_mask, rows, batch, width):
         rows = []
     _LAST[:] = [attention_mask, position_ids, rows]
     return rows
+
+
+def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:
+    """Why rows of a model with this transformers `config` cannot share prompts (None: they can). The shared
+    layout reaches the model as one 4D boolean mask (`layout_mask`), which transformers hands unchanged to every
+    layer: a sliding-window layer would lose its window (fine only when the window covers `sequence_len`), and
+    only SDPA-style attention reads a boolean mask (tidal's own, SDPA; not eager's additive masks nor
+    flash-attention, which reads none). Vision-language models are left out (their image features sit on prompt
+    tokens)."""
+    if getattr(config, "vision_config", None) is not None:
+        return "it is a vision-language model"
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    windowed = (getattr(config, "use_sliding_window", True) is not False
+                and (not kinds or "sliding_attention" in kinds))
+    if window is not None and windowed and int(window) < sequence_len:
+        return f"its sliding-window layers ({window} tokens) are shorter than train sequence_len ({sequence_len})"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "sdpa", ATTN_IMPLEMENTATION):
+        return f"its attention implementation {impl!r} does not take a boolean attention mask"
+    return None
 
 
 def register() -> str:

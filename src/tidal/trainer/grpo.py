@@ -26,6 +26,7 @@ from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
+from tidal.trainer.attention import prompt_sharing_blocker
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
 from tidal.trainer.distributed import (
     SINGLE,
@@ -41,8 +42,9 @@ from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
+from tidal.trainer.model import load_model_config
 from tidal.trainer.noise import qerl_sigma
-from tidal.trainer.packing import MicroBatch, pack, packing_efficiency
+from tidal.trainer.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.quant import qlora_kind
 from tidal.trainer.schedule import OptimizerStep, plan
@@ -63,10 +65,10 @@ def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, ch
     if reference is not None:
         with torch.no_grad():
             return forward_logprobs(reference, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                                    loss_mask=mb.loss_mask, images=mb.images)
+                                    loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.attention_mask)
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
         lp = forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                              loss_mask=mb.loss_mask, images=mb.images)
+                              loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.attention_mask)
         reshard(model)
     return lp
 
@@ -93,7 +95,8 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
         for st in steps[1:]:
             for i in st.slots[ranks.rank]:
                 old[i] = forward_logprobs(model, micro[i].input_ids, micro[i].position_ids, temperature,
-                                          chunk_size=chunk, loss_mask=micro[i].loss_mask, images=micro[i].images)
+                                          chunk_size=chunk, loss_mask=micro[i].loss_mask, images=micro[i].images,
+                                          attention_mask=micro[i].attention_mask)
     if old and ranks.sharded:
         reshard(model)
     return old
@@ -109,7 +112,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     lc = cfg.loss
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                                           drop_truncated=lc.mask_truncated_completions,
-                                          max_tokens=cfg.micro_batch_tokens)]
+                                          max_tokens=cfg.micro_batch_tokens,
+                                          share_prompts=shares_prompts(model, cfg, batch))]
     attach_images(model, batch, micro, resolve_model(cfg.model), cfg.model, cfg.trust_remote_code)
     if lc.teacher_tau and batch.teacher_logprobs is None:
         raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
@@ -140,7 +144,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
                                                    chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
-                                                   images=mb.images)
+                                                   images=mb.images, attention_mask=mb.attention_mask)
                 if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                     old.setdefault(i, lp.detach())
                 inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,
@@ -178,7 +182,8 @@ def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch
                            "grad_norm/pre_clip": float(np.mean(norms)), "optim/steps": optim_steps,
                            "tokens": int(sums["tokens"] / lc.num_iterations),
                            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
-                           "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations}
+                           "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations,
+                           "prompt_sharing/saved_tokens": shared_tokens(batch, micro)}
     out |= {k: v / tokens for k, v in sums.items() if k != "tokens" and (k != "kl" or lc.beta)}
     lo, hi = reduce_values(ranks, {"v": clip["clip_ratio/low_min"]}, "min")["v"], \
         reduce_values(ranks, {"v": clip["clip_ratio/high_max"]}, "max")["v"]
@@ -424,6 +429,25 @@ def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:
     log.info("published policy 0: the %s base dequantized (%.1f s)", qlora_kind(cfg), time.monotonic() - start)
 
 
+def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatch) -> bool:
+    """Whether this step packs each prompt once (train `prompt_sharing`; `tidal.trainer.packing`)."""
+    return (cfg.prompt_sharing is not False and not batch.has_images
+            and prompt_sharing_blocker(model.config, cfg.sequence_len) is None)
+
+
+def check_prompt_sharing(cfg: TrainConfig) -> None:
+    """`prompt_sharing: true` with a model it cannot apply to is a config error (exit 2)."""
+    if cfg.prompt_sharing is not True:
+        return
+    why = prompt_sharing_blocker(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling),
+                                 cfg.sequence_len)
+    if why is not None:
+        from tidal.config.load import ConfigError
+
+        raise ConfigError(f"train prompt_sharing: true, but {cfg.model} cannot share prompts: {why}; set "
+                          f"prompt_sharing to auto (on where it applies) or false")
+
+
 def check_full_finetune(cfg: TrainConfig) -> None:
     """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
     keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
@@ -445,6 +469,7 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
     check_full_finetune(cfg)
+    check_prompt_sharing(cfg)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     p = build_policy(cfg, total, ranks)
     # a fully fine-tuned policy is published as its merged (= all) weights

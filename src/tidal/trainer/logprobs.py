@@ -263,10 +263,11 @@ def _inputs(model: torch.nn.Module, input_ids: torch.Tensor, images: Any) -> dic
 
 
 def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      temperature: float, sel: torch.Tensor, with_entropy: bool,
-                      images: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      temperature: float, sel: torch.Tensor, with_entropy: bool, images: Any = None,
+                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole (B, T, V) logits from the model's own forward (chunk size 0, or an unlisted architecture)."""
-    out = model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False)
+    out = model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False,
+                **_mask(attention_mask))
     keep = torch.nn.functional.pad(sel, (1, 0))  # (B, T)
     lp = token_logprobs(out.logits, input_ids, temperature)
     lp = torch.where(keep, lp, torch.zeros_like(lp)) if not bool(keep.all()) else lp
@@ -277,8 +278,15 @@ def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_
     return lp, torch.where(keep, ent, torch.zeros_like(ent))
 
 
+def _mask(attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's `attention_mask` argument: a micro-batch's 4D mask (shared prompts), else none (transformers
+    builds the packed rows' block-causal mask from the position ids)."""
+    return {} if attention_mask is None else {"attention_mask": attention_mask}
+
+
 def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
-                 position_ids: torch.Tensor, images: Any = None) -> torch.Tensor:
+                 position_ids: torch.Tensor, images: Any = None,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, H) final hidden states (after the final norm) from the model's own `forward`, asked for the logits
     of no position (`logits_to_keep` = an empty index), with the body's output caught by a forward hook. Going
     through the outer `forward` rather than calling the body directly keeps wrappers around it working: under
@@ -292,7 +300,7 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
     handle = head.body.register_forward_hook(catch)
     try:
         model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **_mask(attention_mask))
     finally:
         handle.remove()
     if len(caught) != 1:
@@ -304,25 +312,29 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
 def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                              temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
                              loss_mask: torch.Tensor | None = None, with_entropy: bool = True,
-                             images: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             images: Any = None,
+                             attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens (float64 for a float64
     model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
     `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
-    are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs)."""
+    are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs).
+    `attention_mask`: the micro-batch's (B, 1, T, T) mask when its rows share prompts (`tidal.trainer.packing`)."""
     cast = autocast_dtype(model)
     with contextlib.nullcontext() if cast is None else torch.autocast(input_ids.device.type, dtype=cast):
-        return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images)
+        return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images,
+                        attention_mask)
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
              chunk_size: int, loss_mask: torch.Tensor | None, with_entropy: bool,
-             images: Any) -> tuple[torch.Tensor, torch.Tensor]:
+             images: Any, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     sel = _loss_positions(input_ids, loss_mask)
     head = split_head(model) if chunk_size > 0 else None
     if head is None:
-        lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy, images)
+        lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, with_entropy, images,
+                                    attention_mask)
         return lp, ent if ent is not None else torch.zeros_like(lp.detach())
-    hidden = final_hidden(model, head, input_ids, position_ids, images)  # (B, T, H)
+    hidden = final_hidden(model, head, input_ids, position_ids, images, attention_mask)  # (B, T, H)
     lp_n, ent_n = chunked_logprobs(hidden[:, :-1][sel], input_ids[:, 1:][sel], head, temperature, chunk_size,
                                    with_entropy)  # (N,) each
     lp = _place(lp_n, sel)
@@ -331,8 +343,10 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torc
 
 def forward_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
-                     loss_mask: torch.Tensor | None = None, images: Any = None) -> torch.Tensor:
+                     loss_mask: torch.Tensor | None = None, images: Any = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run the model on a packed (B, T) batch and return (B, T) logprobs of its own tokens (see
-    `forward_logprobs_entropy` for `chunk_size`, `loss_mask` and `images`)."""
+    `forward_logprobs_entropy` for `chunk_size`, `loss_mask`, `images` and `attention_mask`)."""
     return forward_logprobs_entropy(model, input_ids, position_ids, temperature, chunk_size=chunk_size,
-                                    loss_mask=loss_mask, with_entropy=False, images=images)[0]
+                                    loss_mask=loss_mask, with_entropy=False, images=images,
+                                    attention_mask=attention_mask)[0]

@@ -9,6 +9,18 @@ dynamic batching) as many rows as fit a token budget, counting padding: equal wo
 rows hold one long sample or many short ones. A batch with images (`TrainingBatch.has_images`) adds each
 micro-batch's `prompt_mask` and `image_ids` (its samples' images in row-major placeholder order); the trainer
 turns them into `images` (`tidal.trainer.vision.ImageInputs`).
+
+Shared prompts (`share_prompts`, train `prompt_sharing`): the completions of a GRPO group repeat one prompt, and
+on short completions most of a row is prompt (the bundled example: 56 of 72 tokens). Samples whose tokens before
+their first loss token are identical (one group's prompt; the same prompt drawn twice too) are packed as one
+*unit*: the prompt's first p-1 tokens once (positions 0..p-2), then for each sample its tokens from p-1 on (the
+prompt's last token again, then the completion) with positions p-1.. — so every token keeps the position it has
+in its own sample, and the standard alignment holds (a token's logprob comes from the column before it: a
+completion's first token from the repeated last prompt token). Each such suffix attends to the p-1 shared tokens
+and causally to itself (`tidal.trainer.attention.layout_mask`, which the micro-batch carries as its 4D
+`attention_mask`); the forward is the unshared one's, token for token, and the prompt's gradient is the sum of
+what each completion sends it. A unit longer than `sequence_len` is cut into several, each with its own copy of
+the prompt. The shared tokens count as the unit's first sample (`seq_ids`); they carry no loss.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidal.trainer.attention import layout_mask
 from tidal.transport.batch import TrainingBatch
 
 
@@ -39,6 +52,9 @@ class MicroBatch:
     """(N,) the batch's image indices, in the order of their placeholders in the flattened rows (with images)."""
     images: Any = None
     """`tidal.trainer.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
+    attention_mask: torch.Tensor | None = None
+    """(B, 1, T, T) bool, True = may attend: set when rows hold shared prompts (see the module doc); None: the
+    model builds the block-causal mask of the packed samples from `position_ids`."""
 
     def to(self, device: torch.device) -> MicroBatch:
         moved: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
@@ -88,19 +104,73 @@ def group_rows(row_lengths: list[int], rows_per_micro_batch: int, max_tokens: in
     return groups
 
 
+@dataclass(frozen=True)
+class Unit:
+    """Samples packed together: `shared` leading tokens of `samples[0]` once, then each sample from `shared` on."""
+
+    samples: tuple[int, ...]
+    shared: int
+    length: int
+
+
+def _prompt_ends(batch: TrainingBatch) -> list[int]:
+    """Per sample the index of its first loss token (its length when it has none)."""
+    out = []
+    for s in batch.samples():
+        hits = np.flatnonzero(batch.loss_mask[s])
+        out.append(int(hits[0]) if hits.size else int(s.stop - s.start))
+    return out
+
+
+def units(batch: TrainingBatch, capacity: int, share_prompts: bool) -> list[Unit]:
+    """The batch's packing units (see the module doc): with `share_prompts`, samples with the same tokens before
+    their first loss token (at least two such tokens, and a completion after them) share all but the last of
+    them, as many per unit as fit `capacity`; every other sample is a unit of its own."""
+    lengths = [int(n) for n in batch.lengths]
+    if not share_prompts:
+        return [Unit((i,), 0, n) for i, n in enumerate(lengths)]
+    spans, ends = batch.samples(), _prompt_ends(batch)
+    by_prompt: dict[bytes | int, list[int]] = {}  # a prompt's tokens, or (nothing to share) the sample's index
+    for i, (s, end) in enumerate(zip(spans, ends, strict=True)):
+        by_prompt.setdefault(batch.tokens[s][:end].tobytes() if 2 <= end < lengths[i] else i, []).append(i)
+    out: list[Unit] = []
+    for members in by_prompt.values():
+        shared = ends[members[0]] - 1 if len(members) > 1 else 0
+        current: list[int] = []
+        size = shared
+        for i in members:
+            n = lengths[i] - shared
+            if current and size + n > capacity:
+                out.append(Unit(tuple(current), shared if len(current) > 1 else 0,
+                                size if len(current) > 1 else lengths[current[0]]))
+                current, size = [], shared
+            current.append(i)
+            size += n
+        out.append(Unit(tuple(current), shared if len(current) > 1 else 0,
+                        size if len(current) > 1 else lengths[current[0]]))
+    return out
+
+
 def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
-         drop_truncated: bool = False, max_tokens: int | None = None) -> list[MicroBatch]:
+         drop_truncated: bool = False, max_tokens: int | None = None,
+         share_prompts: bool = False) -> list[MicroBatch]:
     """Pack `batch` into micro-batches of `rows_per_micro_batch` rows, or of at most `max_tokens` padded tokens
     (see module doc and `group_rows`). `drop_truncated` clears the loss mask of samples flagged `truncated`
-    (mask_truncated_completions)."""
+    (mask_truncated_completions). `share_prompts`: the samples of one prompt share its tokens (module doc; text
+    batches only)."""
+    if share_prompts and batch.has_images:
+        raise ValueError("shared prompts are for text batches; this batch has images")
+    if int(batch.lengths.max(initial=0)) > sequence_len:
+        assign_rows(batch.lengths, sequence_len)  # raises, naming the samples
     spans = batch.samples()
     teacher = batch.teacher_logprobs
-    rows = assign_rows(batch.lengths, sequence_len)
+    packed = units(batch, sequence_len, share_prompts)
+    rows = assign_rows(np.array([u.length for u in packed], dtype=np.int64), sequence_len)
     out: list[MicroBatch] = []
-    row_lengths = [int(sum(batch.lengths[i] for i in row)) for row in rows]
+    row_lengths = [sum(packed[u].length for u in row) for row in rows]
     for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
         group = [rows[r] for r in members]
-        width = max(int(sum(batch.lengths[i] for i in row)) for row in group)
+        width = max(row_lengths[r] for r in members)
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
         pos = np.zeros((len(group), width), dtype=np.int64)
         mask = np.zeros((len(group), width), dtype=bool)
@@ -110,30 +180,43 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         tlp = np.zeros((len(group), width), dtype=np.float32) if teacher is not None else None
         prompt = np.zeros((len(group), width), dtype=bool) if batch.has_images else None
         images: list[int] = []
+        shared_rows = False
         for r, row in enumerate(group):
             at = 0
-            for i in row:
-                s, n = spans[i], int(batch.lengths[i])
-                ids[r, at:at + n] = batch.tokens[s]
-                pos[r, at:at + n] = np.arange(n)
-                assert batch.truncated is not None
-                mask[r, at:at + n] = batch.loss_mask[s].astype(bool) & ~(drop_truncated and bool(batch.truncated[i]))
-                inf_lp[r, at:at + n] = batch.inference_logprobs[s]
-                adv[r, at:at + n] = batch.advantages[s]
-                if tlp is not None and teacher is not None:
-                    tlp[r, at:at + n] = teacher[s]
-                seq[r, at:at + n] = i
-                if prompt is not None and batch.prompt_lengths is not None:
-                    prompt[r, at:at + int(batch.prompt_lengths[i])] = True
-                    images += batch.images_of(i)
-                at += n
+            for unit in (packed[u] for u in row):
+                shared_rows |= unit.shared > 0
+                for j, i in enumerate(unit.samples):
+                    skip = unit.shared if j else 0  # the first sample writes the shared tokens
+                    s, n = spans[i], int(batch.lengths[i]) - skip
+                    part = slice(s.start + skip, s.stop)
+                    ids[r, at:at + n] = batch.tokens[part]
+                    pos[r, at:at + n] = np.arange(skip, skip + n)
+                    assert batch.truncated is not None
+                    mask[r, at:at + n] = (batch.loss_mask[part].astype(bool)
+                                          & ~(drop_truncated and bool(batch.truncated[i])))
+                    inf_lp[r, at:at + n] = batch.inference_logprobs[part]
+                    adv[r, at:at + n] = batch.advantages[part]
+                    if tlp is not None and teacher is not None:
+                        tlp[r, at:at + n] = teacher[part]
+                    seq[r, at:at + n] = i
+                    if prompt is not None and batch.prompt_lengths is not None:
+                        prompt[r, at:at + int(batch.prompt_lengths[i])] = True
+                        images += batch.images_of(i)
+                    at += n
             pos[r, at:] = np.arange(width - at)  # padding: its own run of positions
         t = [torch.from_numpy(a) for a in (ids, pos, mask, inf_lp, adv, seq)]
         mb = MicroBatch(t[0], t[1], t[2], t[3], t[4], t[5], None if tlp is None else torch.from_numpy(tlp))
         if prompt is not None:
             mb.prompt_mask, mb.image_ids = torch.from_numpy(prompt), torch.tensor(images, dtype=torch.long)
+        if shared_rows:
+            mb.attention_mask = layout_mask(mb.position_ids)
         out.append(mb)
     return out
+
+
+def shared_tokens(batch: TrainingBatch, micro_batches: list[MicroBatch]) -> int:
+    """Sample tokens the micro-batches did not process because a prompt was shared (0 without sharing)."""
+    return int(batch.lengths.sum()) - sum(mb.num_tokens for mb in micro_batches)
 
 
 def packing_efficiency(micro_batches: list[MicroBatch]) -> float:
