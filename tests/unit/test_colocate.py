@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
+from tidal.config.colocate import CPU_NO_LORA_NOTICE, Machine, derive_colocate, wire_colocate, with_resume
 
 CPU2 = Machine(cores=(0, 1))
 GPU16 = Machine(cores=tuple(range(16)), has_gpu=True)
@@ -26,8 +26,44 @@ def test_two_cpu_cores_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
     assert (p.device, p.vllm_cores, p.trainer_cores) == ("cpu", (0,), (1,))
     assert co.train.cpu_affinity == [1]
     assert dict(p.infer_env) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
-    assert p.notices == ("CPU only: vLLM on cores 0, trainer on cores [1]",)
+    assert p.notices == (CPU_NO_LORA_NOTICE, "CPU only: vLLM on cores 0, trainer on cores [1]")
     assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload
+    assert not co.infer.enable_lora  # no adapter reaches vLLM: it serves (and vLLM-CPU compiles) the plain model
+
+
+def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
+    from tidal.inference.server import vllm_argv
+
+    infer = InferConfig(model="tidal:tiny-reverse")
+    co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), infer, OrchConfig(), CPU2)
+    assert co.orch.weight_broadcast.reload == "merged" and not co.infer.enable_lora
+    assert "--enable-lora" not in vllm_argv(co.infer) and infer.enable_lora  # the user's config is untouched
+    explicit = InferConfig(model="tidal:tiny-reverse", enable_lora=True)  # infer.yaml sets it: kept
+    co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), explicit, OrchConfig(), CPU2)
+    assert co.infer.enable_lora and "--enable-lora" in vllm_argv(co.infer)
+    assert CPU_NO_LORA_NOTICE not in co.placement.notices
+    nccl = OrchConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
+    assert not derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), nccl, CPU2).infer.enable_lora
+    lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})  # adapters loaded into vLLM
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, CPU2)
+    assert co.infer.enable_lora and CPU_NO_LORA_NOTICE not in co.placement.notices
+    assert "--enable-lora" in vllm_argv(co.infer)
+    # on a GPU the adapters are served as they are (reload auto -> lora)
+    assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU16).infer.enable_lora
+
+
+def test_vllm_engine_stats_are_off_on_cpu_unless_the_user_keeps_them():
+    from tidal.inference.server import vllm_argv
+
+    co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), InferConfig(model="tidal:tiny-reverse"),
+                         OrchConfig(), CPU2)
+    assert co.infer.log_stats is False and "--disable-log-stats" in vllm_argv(co.infer)
+    kept = derive_colocate(TrainConfig(model="tidal:tiny-reverse"),
+                           InferConfig(model="tidal:tiny-reverse", log_stats=True), OrchConfig(), CPU2)
+    assert kept.infer.log_stats is True and "--disable-log-stats" not in vllm_argv(kept.infer)
+    gpu = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU16)
+    assert gpu.infer.log_stats is None
+    assert "--disable-log-stats" not in vllm_argv(InferConfig(model="tidal:tiny-reverse"))  # grpo-infer alone
 
 
 def test_odd_core_count_gives_vllm_the_smaller_half():
@@ -61,7 +97,8 @@ def test_user_cpu_affinity_is_kept_and_vllm_left_unbound():
     _, infer, orch = configs()
     co = derive_colocate(TrainConfig(model="m", cpu_affinity=[0]), infer, orch, Machine(cores=(0, 1, 2, 3)))
     assert co.train.cpu_affinity == [0] and co.placement.trainer_cores == (0,)
-    assert co.placement.vllm_cores is None and not co.placement.infer_env and not co.placement.notices
+    assert co.placement.vllm_cores is None and not co.placement.infer_env
+    assert co.placement.notices == (CPU_NO_LORA_NOTICE,)
 
 
 def test_user_vllm_binding_in_the_environment_means_no_split():

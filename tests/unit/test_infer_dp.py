@@ -87,7 +87,7 @@ def test_colocate_dp_2_on_two_cores_lists_both_servers_and_shares_vllms_core():
     assert list(p.base_urls) == urls and p.base_url == urls[0]
     assert p.health_urls == ("http://127.0.0.1:8000/health", "http://127.0.0.1:8001/health")
     assert (p.vllm_cores, p.trainer_cores, dict(p.infer_env)) == ((0,), (1,), {BIND: "0"})
-    assert p.notices == ("CPU only: vLLM on cores 0 (2 servers, sharing), trainer on cores [1]",)
+    assert p.notices[-1] == "CPU only: vLLM on cores 0 (2 servers, sharing), trainer on cores [1]"
     # what tidal grpo-infer then makes of vLLM's share
     assert [s.env[BIND] for s in plan_servers(co.infer, None, (0, 1), p.infer_env)] == ["0", "0"]
 

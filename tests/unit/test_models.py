@@ -106,8 +106,8 @@ def test_tidal_grpo_on_cpu_serves_moe_without_lora_and_refuses_lora_reloads():
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), cpu, moe=True)
     assert not co.infer.enable_lora and co.orch.weight_broadcast.reload == "merged"
     assert any("mixture-of-experts" in n for n in co.placement.notices)
-    assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), cpu).infer.enable_lora
     lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})
+    assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu).infer.enable_lora  # dense
     with pytest.raises(ConfigError, match="mixture of experts.*reload is 'lora'"):
         derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu, moe=True)
     with pytest.raises(ConfigError, match="mixture of experts and train lora is false"):

@@ -19,10 +19,13 @@ The user's configs are never modified. Derivations, in order:
   `trust_remote_code`: a file that does not set one follows the other's; two different values are refused).
 - placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
   with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
-  and the cores are split: vLLM's OpenMP threads on the first half (at least one core per vLLM rank, dp x tp,
-  while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0, trainer on core 1; with dp 2
-  both servers share core 0), unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND);
-  `tidal grpo-infer` splits vLLM's share among its dp servers (`tidal.inference.dp`).
+  and vLLM then runs without LoRA when no adapter reaches it on CPU (merged reloads or nccl pushes) and infer.yaml
+  does not set `enable_lora` (vLLM-CPU leaves a LoRA-enabled model uncompiled; the compiled one serves the bench's
+  rollouts faster, bench/ROLLOUT.md), infer `log_stats: null` becomes false (vLLM's engine statistics cost the
+  rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first half (at least one core
+  per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
+  trainer on core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
+  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers (`tidal.inference.dp`).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
   `lora_rank`) must hold train `lora_rank`. On a GPU, vLLM's `gpu_memory_utilization` (unless set in
   infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`). With more
@@ -323,6 +326,18 @@ def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     return {}
 
 
+CPU_NO_LORA_NOTICE = ("CPU only: each policy reaches vLLM as merged weights, so vLLM runs without LoRA (infer "
+                      "enable_lora: false; vLLM-CPU compiles only a model without LoRA)")
+
+
+def no_adapters_served(orch: OrchConfig) -> bool:
+    """No LoRA adapter is ever loaded into vLLM: each policy reaches it as merged weights, reloaded in place
+    (`weight_broadcast.reload: merged`) or pushed (`type: nccl`). Only the orchestrator's `reload: lora` path
+    loads adapters (`tidal.orchestrator.policy`)."""
+    wb = orch.weight_broadcast
+    return wb.type == "nccl" or wb.reload == "merged"
+
+
 def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tuple[InferConfig, str]:
     """A mixture-of-experts model on CPU (`tidal.models.arch`): vLLM-CPU's MoE LoRA path needs Triton GPU kernels,
     so vLLM runs without LoRA and the policy reaches it as merged weights or through the push; and vLLM-CPU
@@ -377,6 +392,12 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update={"weight_reload": True})
     if not train.lora:
         infer = infer.model_copy(update={"enable_lora": False})
+    elif (device == "cpu" and infer.enable_lora and "enable_lora" not in infer.model_fields_set and not moe
+          and no_adapters_served(orch)):
+        infer = infer.model_copy(update={"enable_lora": False})
+        notices.append(CPU_NO_LORA_NOTICE)
+    if device == "cpu" and infer.log_stats is None:  # vLLM's per-token stats bookkeeping costs its one core
+        infer = infer.model_copy(update={"log_stats": False})
     if train.qlora_bnb or train.qlora_fp8:  # vLLM must first serve the trainer's dequantized base (policy 0)
         orch = orch.model_copy(update={"weight_broadcast": orch.weight_broadcast.model_copy(
             update={"policy_zero": "published"})})

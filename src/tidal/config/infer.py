@@ -62,6 +62,11 @@ class InferConfig(StrictModel):
     """LoRA adapters cached in CPU memory."""
     enable_prefix_caching: bool | None = None
     """Prefix caching (null: vLLM's default)."""
+    log_stats: bool | None = None
+    """vLLM's engine statistics: the periodic throughput lines in its log and its `vllm:*` Prometheus metrics at
+    `/metrics` (false passes `--disable-log-stats`; the process metrics tidal reads there stay). null: on, except
+    where `tidal grpo` co-locates on a CPU-only machine, where it is off: keeping them costs the one vLLM core
+    ~13% of its rollout throughput on the bundled model (bench/ROLLOUT.md)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may use."""
     cpu_kvcache_space_gib: float = Field(1.0, gt=0)

@@ -104,6 +104,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
                  "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras)]
     if cfg.enable_prefix_caching is not None:
         argv.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
+    if cfg.log_stats is False:
+        argv.append("--disable-log-stats")
     if not on_cpu():
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     if cfg.reasoning_parser:
