@@ -304,8 +304,10 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
         children.append(infer)
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
+        started = time.monotonic()
         wait_healthy(health, infer, infer_start_timeout_s)
-        print("[tidal] inference ready; starting orchestrator and trainer", flush=True)
+        print(f"[tidal] inference ready after {time.monotonic() - started:.1f} s; starting orchestrator and trainer",
+              flush=True)
         orch: Component = (
             InProcess("orch", orchestrator, logs / "orch.log", echo=board is None) if orchestrator is not None else
             Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)], logs / "orch.log",
