@@ -133,21 +133,23 @@ def units(batch: TrainingBatch, capacity: int, share_prompts: bool) -> list[Unit
     by_prompt: dict[bytes | int, list[int]] = {}  # a prompt's tokens, or (nothing to share) the sample's index
     for i, (s, end) in enumerate(zip(spans, ends, strict=True)):
         by_prompt.setdefault(batch.tokens[s][:end].tobytes() if 2 <= end < lengths[i] else i, []).append(i)
+    def unit(members: list[int], shared: int) -> Unit:  # one sample alone shares nothing
+        if len(members) == 1:
+            return Unit((members[0],), 0, lengths[members[0]])
+        return Unit(tuple(members), shared, shared + sum(lengths[i] - shared for i in members))
+
     out: list[Unit] = []
     for members in by_prompt.values():
-        shared = ends[members[0]] - 1 if len(members) > 1 else 0
+        shared = ends[members[0]] - 1
         current: list[int] = []
-        size = shared
-        for i in members:
-            n = lengths[i] - shared
-            if current and size + n > capacity:
-                out.append(Unit(tuple(current), shared if len(current) > 1 else 0,
-                                size if len(current) > 1 else lengths[current[0]]))
+        size = shared  # the unit's length were it to share
+        for i in members:  # as many per unit as fit `capacity`
+            if current and size + lengths[i] - shared > capacity:
+                out.append(unit(current, shared))
                 current, size = [], shared
             current.append(i)
-            size += n
-        out.append(Unit(tuple(current), shared if len(current) > 1 else 0,
-                        size if len(current) > 1 else lengths[current[0]]))
+            size += lengths[i] - shared
+        out.append(unit(current, shared))
     return out
 
 
