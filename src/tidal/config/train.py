@@ -315,6 +315,27 @@ class TrainConfig(StrictModel):
     """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
     decoder layer's input and recompute the layer in the backward. Much less activation memory for about a
     third more compute; works with LoRA and packed rows."""
+    attention: Literal["auto", "flex", "per_sample", "dense"] = "auto"
+    """Attention kernel for packed rows (`tidal.trainer.attention`; all compute the same masked attention, by
+    test). `auto`: `flex` on CUDA, `per_sample` on CPU (and for vision-language models). `flex`: torch's
+    flex_attention with a block mask of the packed layout (shared prompts included), compiled once per shape
+    bucket; CUDA only (no flex backward on CPU: refused there). `per_sample`: one causal SDPA call per sample.
+    `dense`: SDPA with the (T, T) mask, every score computed (the slow reference; a notice says so)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """(gradient_checkpointing) Checkpoint every k-th decoder layer only (layers 0, k, 2k, ...); the others keep
+    their activations: less recompute for more memory. 1: every layer (`tidal.trainer.activations`)."""
+    checkpoint_scope: Literal["layer", "mlp"] = "layer"
+    """(gradient_checkpointing) What a checkpointed layer recomputes in the backward: `layer`, the whole decoder
+    layer (only its input is kept); `mlp`, only its MLP block (the attention's activations are kept, the MLP's
+    4 x intermediate-size values per token are not)."""
+    offload_activations: bool = False
+    """Keep the activations that decoder layers save for the backward in (pinned) CPU memory instead of on the
+    device, copied back for the backward (`torch.autograd.graph.save_on_cpu`); with gradient checkpointing it
+    applies to the layers not checkpointed (`checkpoint_every` > 1 or `checkpoint_scope: mlp`)."""
+    compile_layers: bool = False
+    """Compile every decoder layer with `torch.compile` (fused elementwise kernels: RMSNorm, SwiGLU, RoPE, LoRA
+    adds), once per shape; pays on CUDA with `attention: flex` (the per-sample kernel's loop breaks the graph).
+    The first steps are slower while it compiles."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done."""
     logging_steps: int = Field(1, ge=1)
@@ -467,6 +488,22 @@ class TrainConfig(StrictModel):
         if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
             return value
         raise ValueError("device must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
+
+    @model_validator(mode="after")
+    def _activations(self) -> TrainConfig:
+        if not self.gradient_checkpointing:
+            for key, default in (("checkpoint_every", 1), ("checkpoint_scope", "layer")):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} says which layers gradient checkpointing recomputes; set "
+                                     f"gradient_checkpointing: true or drop {key}")
+        elif self.offload_activations and self.checkpoint_every == 1 and self.checkpoint_scope == "layer":
+            raise ValueError("offload_activations with every whole layer checkpointed has nothing to offload "
+                             "(only layer inputs are kept); set checkpoint_every > 1, checkpoint_scope: mlp, or "
+                             "gradient_checkpointing: false")
+        if self.compile_layers and self.offload_activations:
+            raise ValueError("compile_layers with offload_activations: the offload's saved-tensor hooks inside a "
+                             "compiled layer are not supported by tidal (untested); set one of them")
+        return self
 
     @model_validator(mode="after")
     def _batching(self) -> TrainConfig:

@@ -1,8 +1,10 @@
 """Load the policy: a transformers causal LM from a local directory, wrapped with PEFT LoRA adapters.
 
 Precision: float32 on CPU (matches vLLM CPU serving the bundled float32 model, so trainer and inference
-logprobs agree); bfloat16 on CUDA. Attention uses SDPA; packed rows rely on transformers building a
-block-diagonal causal mask from restarting `position_ids` (checked by tests/unit/test_packing.py).
+logprobs agree); bfloat16 on CUDA. Attention: train `attention` (`tidal.trainer.attention`: flex_attention with
+the packed layout's block mask on CUDA, per-sample SDPA on CPU); packed rows are read from restarting
+`position_ids` (checked by tests/unit/test_packing.py). Activation memory (selective checkpointing, offload) and
+compiled layers: `tidal.trainer.activations`.
 
 The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
@@ -25,6 +27,7 @@ import torch
 from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
+from tidal.trainer.activations import apply_activation_policy, compile_layers
 from tidal.trainer.precision import apply_recipe
 from tidal.trainer.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
 from tidal.trainer.vision import TRAINABLE, VISION_MODULES, is_vision_config
@@ -131,19 +134,23 @@ def auto_model_class(config: Any, path: str) -> Any:
     return AutoModelForImageTextToText
 
 
-def attn_implementation(device: torch.device) -> str:
-    """The trainer's attention: on CPU per sample of a packed row (`tidal.trainer.attention`), on GPU SDPA."""
-    if device.type == "cpu":
-        from tidal.trainer.attention import register
+def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False) -> str:
+    """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.attention.choose`: `auto`
+    is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
+    `ConfigError` naming the key."""
+    from tidal.trainer.attention import implementation
 
-        return register()
-    return "sdpa"
+    try:
+        return implementation(kind, device, vision)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,
-                    rope_scaling: dict[str, Any] | None = None, quantized: QuantKind | None = None) -> Any:
-    """The plain causal LM in `dtype` on `device`, SDPA attention (per packed sample on CPU:
-    `attn_implementation`); `trust_remote_code` and `rope_scaling` as in train.yaml (the config is loaded and
+                    rope_scaling: dict[str, Any] | None = None, quantized: QuantKind | None = None,
+                    attention: str = "auto") -> Any:
+    """The plain causal LM in `dtype` on `device`, with train `attention`'s kernel (`attn_implementation`: flex on
+    CUDA, per packed sample on CPU); `trust_remote_code` and `rope_scaling` as in train.yaml (the config is loaded and
     changed first, then the model is built from it); `quantized`: its linear layers stored in NF4 or FP8 (QLoRA,
     `tidal.trainer.quant`)."""
     config = load_model_config(path, trust_remote_code, rope_scaling)
@@ -151,7 +158,8 @@ def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trus
     if quantized is not None:  # quantized while loading, straight onto the device
         extra = {"quantization_config": quantization_config(quantized, dtype), "device_map": {"": device}}
     model = auto_model_class(config, path).from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
-                                                           attn_implementation=attn_implementation(device),
+                                                           attn_implementation=attn_implementation(
+                                                               device, attention, is_vision_config(config)),
                                                            trust_remote_code=trust_remote_code, **extra)
     if quantized is not None:
         quantize_on_load(model)
@@ -208,18 +216,23 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
     kind = qlora_kind(cfg)
     model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
-                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind)
+                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind,
+                            attention=cfg.attention)
     if kind is not None:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
                  "included)", kind.upper(), r["layers"], r["params"] / 1e6, r["bytes"] / 2**20, r["bytes_per_param"])
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if cfg.gradient_checkpointing or cfg.offload_activations:
+        log.info("activations: %s", apply_activation_policy(model, cfg, device))
     model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)
     if cfg.lora:
         model = add_lora(model, cfg)
     elif cfg.freeze_embeddings:
         embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]
         embeddings.weight.requires_grad_(False)  # a tied lm_head is the same tensor
+    if cfg.compile_layers:
+        log.info("compile_layers: %d decoder layers compiled (torch.compile, on first use)", compile_layers(model))
     model.train()
     return model, device

@@ -1,10 +1,11 @@
-"""Packed attention: each sample of a packed row attends only to its own tokens, computed sample by sample.
+"""Per-sample attention (train `attention: per_sample`, the CPU default): each sample of a packed row attends only to
+its own tokens, computed sample by sample.
 
 The trainer packs several samples into one row (`tidal.trainer.packing`), each restarting its `position_ids` at
 0. transformers' `sdpa` attention turns that into a (B, 1, T, T) block-diagonal causal mask, and a kernel given
 a mask computes all T x T scores: on a 512-token row of four 120-token samples, 4.5x the work the samples need
 (and the causal half is not skipped either). `packed_sdpa_attention` (registered with transformers as
-`ATTN_IMPLEMENTATION`) reads the sample boundaries from `position_ids` (a new sample wherever the position does not
+`NAME`) reads the sample boundaries from `position_ids` (a new sample wherever the position does not
 continue the previous one) and runs `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on
 each sample's query/key/value slice — Σ len² / 2 scores, the causal-kernel path — then concatenates the outputs
 (split and concatenate, so the backward moves each gradient once). The spans and the mask check are worked out
@@ -31,7 +32,8 @@ unchanged), so the mask stays the truth: the per-sample path runs only when it e
 with that mask (GPU, or any case above) computes the same thing.
 
 This is the CPU counterpart of flash-attention's variable-length kernels (not available on CPU); on CUDA the
-trainer keeps SDPA (`attn_implementation` below), whose masked kernels are fast there.
+default is flex_attention with a block mask of the same layout (`tidal.trainer.attention.flex`). The row layout
+(`segments`, `layout`, `layout_mask`) lives in `tidal.trainer.attention.layout`.
 """
 
 from __future__ import annotations
@@ -42,69 +44,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ATTN_IMPLEMENTATION = "tidal_packed_sdpa"
-"""The name under which `register` makes `packed_sdpa_attention` known to transformers."""
+from tidal.trainer.attention.layout import Span, layout, spans_mask
 
-
-def segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """(B, T) position ids -> per row the [start, end) spans of its samples: a span starts at column 0 and
-    wherever a position is not the previous one + 1 (a sample restarting at 0, a suffix, or a padding run)."""
-    pos = position_ids.detach()
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    out = []
-    width = pos.shape[1]
-    for row in starts.cpu():
-        idx = row.nonzero().flatten().tolist()
-        out.append(list(zip(idx, [*idx[1:], width], strict=True)))
-    return out
-
-
-Span = tuple[int, int, int, int]
-"""(start, end, prefix_start, prefix_len): the columns [start, end) attend causally to themselves and to all of
-[prefix_start, prefix_start + prefix_len) (prefix_len 0: a sample of its own)."""
-
-
-def layout(position_ids: torch.Tensor) -> list[list[Span]]:
-    """(B, T) position ids -> per row its `Span`s (see the module doc): a span starting at position q > 0 attends
-    to the first q tokens of the row's last span that started at 0, when that span has more than q tokens (else,
-    and with no such span, to itself only)."""
-    first = position_ids.detach().cpu().tolist()
-    rows: list[list[Span]] = []
-    for spans, pos in zip(segments(position_ids), first, strict=True):
-        row: list[Span] = []
-        root = None
-        for s, e in spans:
-            q = int(pos[s])
-            if q == 0:
-                root = (s, e)
-                row.append((s, e, s, 0))
-            elif root is not None and root[1] - root[0] > q:
-                row.append((s, e, root[0], q))
-            else:
-                row.append((s, e, s, 0))
-        rows.append(row)
-    return rows
-
-
-def _spans_mask(rows: list[list[Span]], width: int) -> torch.Tensor:
-    """(rows, T, T) bool: what the spans attend to."""
-    seg = torch.full((len(rows), width), -1, dtype=torch.long)
-    for b, spans in enumerate(rows):
-        for i, (s, e, _, _) in enumerate(spans):
-            seg[b, s:e] = i
-    out = (seg[:, :, None] == seg[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
-    for b, spans in enumerate(rows):
-        for s, e, ps, q in spans:
-            if q:
-                out[b, s:e, ps:ps + q] = True
-    return out
-
-
-def layout_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) position ids -> the (B, 1, T, T) bool mask of their `layout` (True: may attend), for a model's
-    `attention_mask` when rows hold shared prompts."""
-    return _spans_mask(layout(position_ids), position_ids.shape[1])[:, None].to(position_ids.device)
+NAME = "tidal_packed_sdpa"
+"""The name under which `tidal.trainer.attention.register` makes `packed_sdpa_attention` known to transformers."""
 
 
 def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,
@@ -130,7 +73,7 @@ def _mask_is_per_sample(attention_mask: torch.Tensor | None, rows: list[list[Spa
         return all(len(spans) == 1 for spans in rows)
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (width, width):
         return False
-    expected = _spans_mask(rows, width)  # (rows, T, T)
+    expected = spans_mask(rows, width)  # (rows, T, T)
     got = attention_mask[:, 0].cpu()
     return bool(torch.equal(got.expand(batch, width, width), expected.expand(batch, width, width)))
 
@@ -197,35 +140,3 @@ def _spans_for(attention_mask: torch.Tensor | None, position_ids: torch.Tensor, 
         rows = []
     _LAST[:] = [attention_mask, position_ids, rows]
     return rows
-
-
-def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:
-    """Why rows of a model with this transformers `config` cannot share prompts (None: they can). The shared
-    layout reaches the model as one 4D boolean mask (`layout_mask`), which transformers hands unchanged to every
-    layer: a sliding-window layer would lose its window (fine only when the window covers `sequence_len`), and
-    only SDPA-style attention reads a boolean mask (tidal's own, SDPA; not eager's additive masks nor
-    flash-attention, which reads none). Vision-language models are left out (their image features sit on prompt
-    tokens)."""
-    if getattr(config, "vision_config", None) is not None:
-        return "it is a vision-language model"
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None) or []
-    windowed = (getattr(config, "use_sliding_window", True) is not False
-                and (not kinds or "sliding_attention" in kinds))
-    if window is not None and windowed and int(window) < sequence_len:
-        return f"its sliding-window layers ({window} tokens) are shorter than train sequence_len ({sequence_len})"
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in (None, "sdpa", ATTN_IMPLEMENTATION):
-        return f"its attention implementation {impl!r} does not take a boolean attention mask"
-    return None
-
-
-def register() -> str:
-    """Make `ATTN_IMPLEMENTATION` known to transformers (attention and mask interfaces; idempotent) and return
-    its name, for `from_pretrained(attn_implementation=...)`."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_sdpa_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    return ATTN_IMPLEMENTATION

@@ -1,0 +1,92 @@
+"""Attention of packed rows, per device: which kernel computes it, chosen in one place (`implementation`).
+
+Kernels (train `attention`), each equal to the dense masked computation by test (tests/unit/test_attention*.py,
+test_packed_attention.py, test_prompt_sharing.py):
+- `per_sample` (`per_sample.py`): one causal SDPA call per sample of a row (and per shared-prompt suffix); the
+  CPU default (PyTorch's CPU kernels have no variable-length or block-sparse attention with a backward).
+- `flex` (`flex.py`): torch's flex_attention with a block mask of the row layout, compiled per shape bucket; the
+  CUDA default. Refused on CPU (no flex backward there).
+- `dense` (`dense.py`): transformers' SDPA with the (B, 1, T, T) mask; computes all T² scores. Only when asked
+  (or per call where the others do not apply; they say so).
+`auto`: `flex` on CUDA and `per_sample` on CPU; vision-language models keep `per_sample` everywhere (their
+vision towers run non-causal attention that the per-sample kernel hands to SDPA unchanged, a path tested on
+CPU). The row layout all of them read is `layout.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tidal.trainer.attention import dense, flex, per_sample
+from tidal.trainer.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
+
+__all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "implementation", "layout", "layout_mask",
+           "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout"]
+
+ATTN_IMPLEMENTATION = per_sample.NAME
+"""The per-sample kernel's transformers name (what `register()` returns)."""
+KINDS = ("auto", "flex", "per_sample", "dense")
+"""Values of train `attention`."""
+FLEX_ON_CPU = ("train attention 'flex' needs CUDA: torch's flex_attention has no backward on CPU (torch "
+               f"{torch.__version__.split('+')[0]}); use auto or per_sample there")
+
+
+def choose(kind: str, device: torch.device, vision: bool = False) -> str:
+    """train `attention` -> the kernel that runs (`auto` resolved per device; module doc). Raises ValueError for
+    `flex` on CPU (`FLEX_ON_CPU`) and for an unknown kind."""
+    if kind not in KINDS:
+        raise ValueError(f"train attention '{kind}' is not one of {', '.join(KINDS)}")
+    if kind == "auto":
+        return "flex" if device.type == "cuda" and not vision else "per_sample"
+    if kind == "flex" and device.type != "cuda":
+        raise ValueError(FLEX_ON_CPU)
+    return kind
+
+
+def register(kind: str = "per_sample") -> str:
+    """Make kernel `kind` known to transformers (attention and mask interfaces; idempotent) and return the name for
+    `from_pretrained(attn_implementation=...)`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if kind == "dense":
+        return dense.NAME
+    if kind == "flex":
+        AttentionInterface.register(flex.NAME, flex.flex_packed_attention)
+        AttentionMaskInterface.register(flex.NAME, flex.flex_mask)
+        return flex.NAME
+    AttentionInterface.register(per_sample.NAME, per_sample.packed_sdpa_attention)
+    AttentionMaskInterface.register(per_sample.NAME, sdpa_mask)
+    return per_sample.NAME
+
+
+def implementation(kind: str, device: torch.device, vision: bool = False) -> str:
+    """train `attention` on `device` -> the registered transformers attention implementation (`choose`); a dense
+    choice says once what it costs."""
+    chosen = choose(kind, device, vision)
+    if chosen == "dense":
+        dense.notice(device.type)
+    return register(chosen)
+
+
+def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:
+    """Why rows of a model with this transformers `config` cannot share prompts (None: they can). The shared
+    layout reaches the model as one 4D boolean mask (`layout_mask`), which transformers hands unchanged to every
+    layer: a sliding-window layer would lose its window (fine only when the window covers `sequence_len`), and
+    only SDPA-style attention reads a boolean mask (tidal's own kernels, SDPA; not eager's additive masks nor
+    flash-attention, which reads none). Vision-language models are left out (their image features sit on prompt
+    tokens)."""
+    if getattr(config, "vision_config", None) is not None:
+        return "it is a vision-language model"
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    windowed = (getattr(config, "use_sliding_window", True) is not False
+                and (not kinds or "sliding_attention" in kinds))
+    if window is not None and windowed and int(window) < sequence_len:
+        return f"its sliding-window layers ({window} tokens) are shorter than train sequence_len ({sequence_len})"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, dense.NAME, per_sample.NAME, flex.NAME):
+        return f"its attention implementation {impl!r} does not take a boolean attention mask"
+    return None
