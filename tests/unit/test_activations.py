@@ -1,0 +1,189 @@
+"""Activation memory (`tidal.trainer.activations`; train `checkpoint_every`, `checkpoint_scope`,
+`offload_activations`, `compile_layers`): every setting gives the gradients of no checkpointing (float64, LoRA,
+packed rows), recomputes what it says, and keeps fewer saved activations in the order expected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.archs import config_for
+from tests.unit.test_packed_attention import packed_positions
+from tidal.config.train import TrainConfig
+from tidal.trainer.activations import apply_activation_policy, compile_layers, decoder_layers
+from tidal.trainer.attention import register
+from tidal.trainer.logprobs import forward_logprobs
+from tidal.trainer.model import add_lora, enable_gradient_checkpointing
+
+SETTINGS = {
+    "none": {},
+    "every layer": {"gradient_checkpointing": True},
+    "every 2nd layer": {"gradient_checkpointing": True, "checkpoint_every": 2},
+    "mlp": {"gradient_checkpointing": True, "checkpoint_scope": "mlp"},
+    "every 2nd mlp + offload": {"gradient_checkpointing": True, "checkpoint_scope": "mlp", "checkpoint_every": 2,
+                                "offload_activations": True},
+    "every 2nd layer + offload": {"gradient_checkpointing": True, "checkpoint_every": 2, "offload_activations": True},
+    "offload": {"offload_activations": True},
+}
+
+
+def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """A LoRA policy of architecture `name` built as `load_policy` builds it (random init, seed 0), with `keys`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = TrainConfig(model=name, lora_rank=4, **keys)
+    torch.manual_seed(0)
+    conf = config_for(name)
+    conf.num_hidden_layers = layers
+    if getattr(conf, "layer_types", None):
+        conf.layer_types = [conf.layer_types[0]] * layers
+    model = AutoModelForCausalLM.from_config(conf, attn_implementation=register(), dtype=dtype)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    apply_activation_policy(model, cfg, torch.device("cpu"))
+    model = add_lora(model, cfg)
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():  # a trained-looking adapter: B != 0
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.train()
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Logprobs, LoRA gradients of sum(w x logprob), and the bytes of tensors saved for the backward that reach
+    the outermost saved-tensor hook (what stays in device memory between forward and backward: checkpointed
+    regions and offloaded layers keep theirs elsewhere)."""
+    kept = [0]
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:  # count each storage once (views of one tensor are one allocation)
+            seen.add(key)
+            kept[0] += t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = forward_logprobs(model, ids, pos, chunk_size=0)
+    (lp * w).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, kept[0]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "phi3"])
+def test_every_setting_gives_the_gradients_of_no_checkpointing(arch):
+    rng = np.random.default_rng()
+    ids = torch.from_numpy(rng.integers(3, 120, (2, 80)))
+    pos = packed_positions(rng, 2, 80, pad=True)
+    w = torch.from_numpy(rng.normal(size=ids.shape))
+    results = {k: step(policy(arch, v), ids, pos, w) for k, v in SETTINGS.items()}
+    lp0, g0, kept0 = results["none"]
+    for k, (lp, g, _) in results.items():
+        torch.testing.assert_close(lp, lp0, rtol=0, atol=1e-12, msg=k)
+        assert g.keys() == g0.keys() and g0
+        for n in g0:
+            torch.testing.assert_close(g[n], g0[n], rtol=1e-9, atol=1e-12, msg=f"{k}: {n}")
+    kept = {k: r[2] for k, r in results.items()}
+    # what stays saved between forward and backward, in the expected order
+    assert kept["every layer"] < kept["every 2nd layer"] < kept["none"]
+    assert kept["mlp"] < kept["none"] and kept["every 2nd mlp + offload"] < kept["mlp"]
+    assert kept["every 2nd layer + offload"] < kept["every 2nd layer"]
+    assert kept["offload"] < 0.2 * kept["none"]  # the layers' activations went to save_on_cpu's storage
+
+
+def test_the_policy_recomputes_what_it_says():
+    """Forward calls per layer in one training step: a checkpointed layer's attention and MLP run twice (forward
+    + recompute), `mlp` scope recomputes the MLP only, `checkpoint_every: 2` only layers 0 and 2."""
+    rng = np.random.default_rng()
+    ids = torch.from_numpy(rng.integers(3, 120, (1, 40)))
+    pos = torch.arange(40)[None]
+    w = torch.ones(1, 40, dtype=torch.float64)
+    expect = {"every layer": ([2] * 4, [2] * 4), "every 2nd layer": ([2, 1, 2, 1], [2, 1, 2, 1]),
+              "mlp": ([1] * 4, [2] * 4), "every 2nd mlp + offload": ([1] * 4, [2, 1, 2, 1]), "none": ([1] * 4,) * 2}
+    for k, (attn, mlp) in expect.items():
+        model = policy("llama3", SETTINGS[k])
+        calls = {"attn": [0] * 4, "mlp": [0] * 4}
+
+        def count(kind: str, i: int, calls: dict = calls):  # pre-hooks: a recompute stops after its last save
+            return lambda *_: calls[kind].__setitem__(i, calls[kind][i] + 1)
+
+        for i, layer in enumerate(decoder_layers(model)):
+            layer.self_attn.register_forward_pre_hook(count("attn", i))
+            layer.mlp.down_proj.register_forward_pre_hook(count("mlp", i))
+        step(model, ids, pos, w)
+        assert (calls["attn"], calls["mlp"]) == (attn, mlp), k
+
+
+@pytest.mark.parametrize(("keys", "match"), [
+    ({"checkpoint_every": 2}, "gradient_checkpointing: true"),
+    ({"checkpoint_scope": "mlp"}, "gradient_checkpointing: true"),
+    ({"gradient_checkpointing": True, "offload_activations": True}, "nothing to offload"),
+    ({"compile_layers": True, "offload_activations": True}, "set one of them"),
+])
+def test_settings_without_an_effect_are_refused(keys, match):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=match):
+        TrainConfig(model="m", **keys)
+
+
+def test_mlp_scope_needs_an_mlp_block():
+    from tidal.config.load import ConfigError
+
+    model = policy("llama3", {}, layers=2)
+    for layer in decoder_layers(model):
+        del layer.mlp
+    with pytest.raises(ConfigError, match="checkpoint_scope: mlp"):
+        apply_activation_policy(model, TrainConfig(model="m", gradient_checkpointing=True, checkpoint_scope="mlp"),
+                                torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_compiled_layers_give_the_same_logprobs_and_gradients():
+    """`compile_layers` (torch.compile of every decoder layer; inductor on CPU here) with LoRA and checkpointing:
+    the eager logprobs and gradients (float32; the compiled kernels fuse and reorder elementwise work)."""
+    rng = np.random.default_rng()
+    ids = torch.from_numpy(rng.integers(3, 120, (1, 64)))
+    pos = torch.arange(64)[None]
+    w = torch.from_numpy(rng.normal(size=ids.shape)).float()
+    keys = {"gradient_checkpointing": True}
+    eager = step(policy("llama3", keys, layers=2, dtype=torch.float32), ids, pos, w)
+    model = policy("llama3", keys, layers=2, dtype=torch.float32)
+    assert compile_layers(model) == 2
+    compiled = step(model, ids, pos, w)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-4)
+    for n, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][n], g, rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_dropout_zero_makes_no_copy(dropout):
+    """PEFT (0.21) puts `nn.Identity` in place of the dropout when `lora_dropout` is 0, so the adapter's A matmul
+    saves the layer's input tensor itself (no copy per LoRA layer); with dropout > 0 it saves a dropped-out copy
+    and a mask. Checked on every LoRA layer's saved tensors, so no code change is needed in
+    tidal for this (issue 27)."""
+    model = policy("llama3", {"lora_dropout": dropout}, layers=1)
+    lora_layers = [m for m in model.modules() if hasattr(m, "lora_dropout") and "default" in m.lora_dropout]
+    assert lora_layers
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) == (dropout == 0) for m in lora_layers)
+    layer = model.get_submodule("base_model.model.model.layers.0.mlp.down_proj")
+    inputs, saved = [], set()
+    layer.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].untyped_storage().data_ptr()))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == x.numel():  # activations the size of the input (not weights, not the rank-4 A output)
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    x = torch.randn(1, 8, 256, dtype=torch.float64, requires_grad=True)
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    # tensors saved for the backward with the size of the input (the frozen base matmul saves none): the input
+    # itself for lora_A; with dropout the dropped-out copy and its mask instead
+    if dropout == 0:
+        assert saved == {inputs[0]}
+    else:
+        assert inputs[0] not in saved and len(saved) == 2
