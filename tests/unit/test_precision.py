@@ -79,6 +79,34 @@ def test_fp8_linear_equals_float64_reference_on_quantized_operands(caplog):
     torch.testing.assert_close(w.grad.double(), ref_gw, rtol=1e-5, atol=1e-8)
 
 
+def test_frozen_base_weight_is_quantized_once():
+    """A frozen base weight is cast to e4m3 once for all steps (forward, gradient-checkpoint recompute and backward
+    reuse the codes), and again only after the weight changes; the numerics are the per-step cast's (float64
+    reference on the quantized operands)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = apply_recipe(Block(), "fp8-hybrid", CPU)
+    layer, fp8 = block.proj, fp8_linear_class()
+    layer.weight.requires_grad_(False)
+    before = fp8.weight_casts
+    for _ in range(2):  # two steps, the second through a checkpoint (forward twice)
+        x = (torch.randn(4, 7, 64) * 2).requires_grad_(True)
+        y = checkpoint(layer, x, use_reentrant=False) if _ else layer(x)
+        g = torch.randn_like(y) * 1e-3
+        y.backward(g)
+        torch.testing.assert_close(y.double(), qdq(x, E4M3) @ qdq(layer.weight, E4M3).T + layer.bias.double(),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad.double(), qdq(g, E5M2) @ qdq(layer.weight, E4M3), rtol=1e-5, atol=1e-8)
+    assert fp8.weight_casts - before == 1
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # an in-place change: quantized again, and the output follows
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x).double(), qdq(x, E4M3) @ qdq(layer.weight, E4M3).T + layer.bias.double(),
+                               rtol=1e-5, atol=1e-5)
+    assert fp8.weight_casts - before == 2
+
+
 def test_lora_factors_stay_high_precision_and_get_gradients():
     from peft import LoraConfig, get_peft_model
 

@@ -17,6 +17,8 @@
   tensor (`scale = fp8_max / amax`); the matmul multiplies the fp8 codes (on SM89+ GPUs `torch._scaled_mm`, fp32
   accumulation) and the result is returned in the model's dtype. The weights themselves stay in the model dtype
   (float32 on CPU, bfloat16 on GPU): they are what the optimizer, the checkpoints and the broadcasts see.
+  A frozen base weight (LoRA) is quantized once, not at every forward, recompute and backward: its e4m3 codes
+  and scale are kept next to it (1 byte per parameter more) and made again only if the weight changes.
   Which matmuls: every `nn.Linear` of the base model whose two dimensions are multiples of 16 (what FP8 GEMMs
   need) — with LoRA, the frozen base projections (q/k/v/o, gate/up/down) — except `lm_head`, whose logits feed
   the log-probabilities and stay in the model dtype. LoRA's A/B matmuls (rank r) stay in high precision: they
@@ -179,35 +181,58 @@ def _build_fp8_linear() -> Any:
                                            round_scales_to_power_of_2=scale_pow2)
 
     class FrozenWeightFloat8Matmul(torch.autograd.Function):
-        """`x @ w_t` through float8 casts (x, w: e4m3; grad: e5m2), as torchao's float8 matmul, but with no
-        gradient for `w_t` (a frozen base weight): the backward is the input-gradient matmul only."""
+        """`x @ w_t` through float8 casts (x: e4m3, grad: e5m2) with the frozen weight's e4m3 codes given
+        (quantized once: `FrozenAwareFloat8Linear.frozen_fp8`), as torchao's float8 matmul but with no gradient for
+        the weight: the backward is the input-gradient matmul only."""
 
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, mm_config: Any, config: Any) -> torch.Tensor:
-            ctx.save_for_backward(w_t)
+        def forward(ctx: Any, x: torch.Tensor, w8: Any, w8_grad: Any, mm_config: Any, config: Any) -> torch.Tensor:
+            ctx.save_for_backward(w8_grad)
             ctx.mm_config, ctx.config = mm_config, config
             pow2 = config.round_scales_to_power_of_2
             x8 = cast(x.reshape(-1, x.shape[-1]), config.cast_config_input, mm_config, GemmInputRole.INPUT, pow2)
-            w8 = cast(w_t, config.cast_config_weight, mm_config, GemmInputRole.WEIGHT, pow2)
-            return torch.mm(x8, w8).reshape(*x.shape[:-1], w_t.shape[-1])  # (..., out)
+            return torch.mm(x8, w8).reshape(*x.shape[:-1], w8.shape[-1])  # (..., out)
 
         @staticmethod
-        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-            (w_t,) = ctx.saved_tensors
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+            (w8,) = ctx.saved_tensors  # (in, out) e4m3 codes of w_t
             c, pow2 = ctx.config, ctx.config.round_scales_to_power_of_2
             g8 = cast(grad_out.reshape(-1, grad_out.shape[-1]), c.cast_config_grad_output, ctx.mm_config,
                       GemmInputRole.GRAD_OUTPUT, pow2)
-            w8 = cast(w_t, c.cast_config_weight_for_grad_input, ctx.mm_config, GemmInputRole.WEIGHT, pow2)
             grad_in = torch.mm(g8, w8.t())  # (tokens, in)
-            return grad_in.reshape(*grad_out.shape[:-1], w_t.shape[0]), None, None, None
+            return grad_in.reshape(*grad_out.shape[:-1], w8.shape[0]), None, None, None, None
 
     class FrozenAwareFloat8Linear(Float8Linear):  # type: ignore[misc]
-        """torchao `Float8Linear`; a weight that does not require grad skips the weight-gradient matmul."""
+        """torchao `Float8Linear`; a weight that does not require grad is quantized once (not at every forward and
+        backward: its e4m3 codes and scale are kept, 1 byte per parameter, until the weight changes) and skips the
+        weight-gradient matmul."""
+
+        weight_casts = 0
+        """How many times a frozen weight was quantized (all layers; tests count it)."""
+
+        def frozen_fp8(self) -> tuple[Any, Any]:
+            """The frozen weight's float8 codes for the forward and the input-gradient matmul (one object when
+            the two casts are configured alike, the default), computed again only when the weight changed
+            (another tensor, or an in-place write: its version counter)."""
+            key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+            cached = self.__dict__.get("_tidal_fp8")
+            if cached is None or cached[0] != key:
+                c, pow2 = self.config, self.config.round_scales_to_power_of_2
+                with torch.no_grad():
+                    w_t = self.weight.t()  # (in, out), column-major: the layout FP8 GEMMs take
+                    w8 = cast(w_t, c.cast_config_weight, self.linear_mm_config, GemmInputRole.WEIGHT, pow2)
+                    w8_grad = (w8 if c.cast_config_weight_for_grad_input == c.cast_config_weight else
+                               cast(w_t, c.cast_config_weight_for_grad_input, self.linear_mm_config,
+                                    GemmInputRole.WEIGHT, pow2))
+                type(self).weight_casts += 1
+                cached = self.__dict__["_tidal_fp8"] = (key, w8, w8_grad)
+            return cached[1], cached[2]
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             if self.weight.requires_grad or torch.is_autocast_enabled():
                 return super().forward(input)  # type: ignore[no-any-return]
-            out = FrozenWeightFloat8Matmul.apply(input, self.weight.t(), self.linear_mm_config, self.config)
+            w8, w8_grad = self.frozen_fp8()
+            out = FrozenWeightFloat8Matmul.apply(input, w8, w8_grad, self.linear_mm_config, self.config)
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
     return FrozenAwareFloat8Linear
