@@ -4,11 +4,14 @@ Runs anywhere; meaningful on a GPU (H100/H200). No vLLM, no orchestrator: the tr
 (`tidal.trainer.grpo`: packing -> per micro-batch `forward_logprobs_entropy` with the chunked lm_head
 (`logprob_chunk_size`) -> the GRPO loss (`tidal.trainer.loss.policy_loss`) -> backward -> gradient clipping ->
 AdamW step) on a synthetic `TrainingBatch`, with the policy built the way `tidal.trainer.model.load_policy`
-builds it (SDPA attention, `enable_gradient_checkpointing`, `add_lora`), except that the weights are a random
-init from a transformers `Qwen3Config` with the real shapes (nothing downloaded):
+builds it (`attn_implementation` for train `attention`, then `prepare_policy`: checkpointing, the activation policy,
+`add_lora`, compiled layers), except that the weights are a random init from a transformers `Qwen3Config` with the
+real shapes (nothing downloaded):
 
 - Qwen3-0.6B: 28 layers, hidden 1024, MLP 3072, 16 heads / 8 KV heads of 128, tied embeddings;
 - Qwen3-4B: 36 layers, hidden 2560, MLP 9728, 32 heads / 8 KV heads of 128, tied embeddings;
+- (`--models 8b`, the long-sample rows) Llama-3.1-8B: a `LlamaConfig`, 32 layers, hidden 4096, MLP 14336, 32 heads /
+  8 KV heads of 128, vocabulary 128,256, untied; e.g. `--models 8b --tokens 20480 --sample-len 20480` (one sample);
 
 vocabulary 151,936; LoRA r16 (alpha 32) on all linear layers (q/k/v/o/gate/up/down); bfloat16 on CUDA, float32
 on CPU (tidal's `resolve_dtype`). One micro-batch = one packed row of `--tokens` tokens (16,384 by default):
@@ -35,6 +38,12 @@ process: `bf16` (the default, as above), `nf4` (`qlora_bnb`), `fp8` (`qlora_fp8`
 fp8-hybrid`). For the quantized ones the random model is saved to a temporary directory first and loaded the way
 the trainer loads it (`tidal.trainer.model.load_policy`: quantized while loading), so their peak memory is the
 quantized base's; the ratios against `bf16` are in the table.
+
+`--options` compares the trainer-speed keys of issue 27 (`OPTIONS`: train `attention` flex / per_sample / dense,
+`checkpoint_every`, `checkpoint_scope: mlp`, `offload_activations`, `compile_layers`, no checkpointing), each in a
+fresh process, with a ratio table against `default` (train.yaml's defaults: flex on CUDA, every layer
+checkpointed); its section is "<device> options". `dense` reproduces the attention of every CUDA figure measured
+before issue 27.
 
 Writes `bench/GPU.md`: one section per device kind (a run replaces its own), next to prime-rl's anchor on one
 H100; a run with `--variants` writes its own section ("<device> bases and recipes"). `--layers` and `--tokens`
@@ -64,9 +73,18 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=8, head_dim=128),
     "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
 }
 COMMON = dict(vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
               tie_word_embeddings=True)
+LLAMA_8B = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
+"""`8b`: Llama-3.1-8B's config (a `LlamaConfig`; the Qwen3 shapes are `Qwen3Config`s), for the long-sample rows
+(`--models 8b --tokens 20480 --sample-len 20480`, and 65,536)."""
+NAMES = {"0.6b": "Qwen3-0.6B", "4b": "Qwen3-4B", "8b": "Llama-3.1-8B"}
 ANCHOR = {"0.6b": (13.34e3, 10.9, 5.1), "4b": (6.23e3, 21.7, 23.3)}
 """prime-rl on one H100, LoRA: tokens/s, MFU %, peak GiB (the figures issue 14 quotes)."""
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
@@ -75,7 +93,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 # --- child: one model ------------------------------------------------------------------------------------------------
 
-def synthetic_batch(tokens: int, sample_len: int, seed: int = 0) -> Any:
+def synthetic_batch(tokens: int, sample_len: int, seed: int = 0, vocab: int = VOCAB) -> Any:
     """A `TrainingBatch` filling one row of `tokens` tokens: samples of `sample_len` (the last one shorter), a
     quarter of each a prompt."""
     import numpy as np
@@ -86,7 +104,7 @@ def synthetic_batch(tokens: int, sample_len: int, seed: int = 0) -> Any:
     lengths = np.array([sample_len] * (tokens // sample_len) + ([tokens % sample_len] if tokens % sample_len else []))
     mask = np.concatenate([np.r_[np.zeros(n // 4), np.ones(n - n // 4)] for n in lengths])
     adv = np.concatenate([np.full(n, a) for n, a in zip(lengths, rng.normal(size=len(lengths)), strict=True)])
-    return TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(0, VOCAB, size=tokens), lengths=lengths,
+    return TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(0, vocab, size=tokens), lengths=lengths,
                          loss_mask=mask, inference_logprobs=-rng.random(tokens) * 5, advantages=adv,
                          rewards=rng.random(len(lengths)), policy_steps=np.zeros(len(lengths)),
                          truncated=np.zeros(len(lengths), dtype=bool))
@@ -94,6 +112,34 @@ def synthetic_batch(tokens: int, sample_len: int, seed: int = 0) -> Any:
 
 VARIANTS = {"bf16": {}, "nf4": {"qlora_bnb": True}, "fp8": {"qlora_fp8": True}, "fp8-hybrid": {"recipe": "fp8-hybrid"}}
 """`--variants`: the train keys each sets."""
+OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "dense": {"attention": "dense"},
+    "per-sample": {"attention": "per_sample"},
+    "flex": {"attention": "flex"},
+    "no-ckpt": {"gradient_checkpointing": False},
+    "ckpt-every-2": {"checkpoint_every": 2},
+    "ckpt-every-4": {"checkpoint_every": 4},
+    "ckpt-mlp": {"checkpoint_scope": "mlp"},
+    "ckpt-every-2-offload": {"checkpoint_every": 2, "offload_activations": True},
+    "ckpt-mlp-offload": {"checkpoint_scope": "mlp", "offload_activations": True},
+    "offload": {"gradient_checkpointing": False, "offload_activations": True},
+    "compiled": {"compile_layers": True},
+    "compiled-ckpt-mlp": {"compile_layers": True, "checkpoint_scope": "mlp"},
+}
+"""`--options`: the trainer-speed keys of issue 27 each sets (on top of the variant's; `default` = train.yaml's
+defaults: `attention: auto`, i.e. flex on CUDA and per-sample on CPU, and every layer checkpointed unless
+`--no-checkpointing`). `dense` is the attention every CUDA figure before issue 27 used."""
+
+
+def train_keys(spec: dict[str, Any]) -> dict[str, Any]:
+    """The train keys of `spec`: its variant's and option's, checkpointing per `--no-checkpointing` unless the
+    option says."""
+    keys = {"gradient_checkpointing": spec["checkpointing"], **VARIANTS[spec["variant"]],
+            **OPTIONS[spec.get("option", "default")]}
+    if not keys["gradient_checkpointing"]:
+        keys = {k: v for k, v in keys.items() if k not in ("checkpoint_every", "checkpoint_scope")}
+    return keys
 
 
 def build_loaded(spec: dict[str, Any], model: Any) -> tuple[Any, Any, Any, Any]:
@@ -112,8 +158,8 @@ def build_loaded(spec: dict[str, Any], model: Any) -> tuple[Any, Any, Any, Any]:
         del model
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         cfg = TrainConfig(model=tmp, lora_rank=16, lora_alpha=32, sequence_len=spec["tokens"],
-                          per_device_train_batch_size=1, gradient_checkpointing=spec["checkpointing"],
-                          logprob_chunk_size=spec["chunk"], device=spec["device"], **VARIANTS[spec["variant"]])
+                          per_device_train_batch_size=1, logprob_chunk_size=spec["chunk"], device=spec["device"],
+                          **train_keys(spec))
         policy, device = load_policy(cfg)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # the saved full-precision copy is gone: measure the training only
@@ -121,34 +167,35 @@ def build_loaded(spec: dict[str, Any], model: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    """(policy, optimizer, train config, device) for `spec`, the way the trainer builds them."""
+    """(policy, optimizer, train config, device) for `spec`, the way the trainer builds them (`load_policy`'s
+    `attn_implementation` and `prepare_policy` on a random-init model)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import add_lora, enable_gradient_checkpointing, resolve_dtype
+    from tidal.trainer.model import attn_implementation, prepare_policy, resolve_dtype
     from tidal.trainer.optim import make_optimizer
 
     device = torch.device(spec["device"])
     cfg = TrainConfig(model="unused", lora_rank=16, lora_alpha=32, sequence_len=spec["tokens"],
-                      per_device_train_batch_size=1, gradient_checkpointing=spec["checkpointing"],
-                      logprob_chunk_size=spec["chunk"], device=spec["device"])
+                      per_device_train_batch_size=1, logprob_chunk_size=spec["chunk"], device=spec["device"],
+                      **train_keys(spec))
     dtype = resolve_dtype(cfg.recipe, device)
     shape = SHAPES[spec["model"]] | {"num_hidden_layers": spec["layers"]}
+    impl = attn_implementation(device, cfg.attention)
+    conf: Any = (LlamaConfig(**LLAMA_8B, **shape, attn_implementation=impl) if spec["model"] == "8b"
+                 else Qwen3Config(**COMMON, **shape, attn_implementation=impl))
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialize in the training dtype, as from_pretrained(dtype=...) loads
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(Qwen3Config(**COMMON, **shape, attn_implementation="sdpa"))
+            model = (LlamaForCausalLM if spec["model"] == "8b" else Qwen3ForCausalLM)(conf)
     finally:
         torch.set_default_dtype(default)
     if spec.get("variant", "bf16") != "bf16":
         return build_loaded(spec, model)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    model = add_lora(model, cfg)
-    model.train()
+    model = prepare_policy(model, cfg, device)
     return model, make_optimizer(model, cfg), cfg, device
 
 
@@ -185,7 +232,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     model, opt, cfg, device = build(spec)
     cuda = device.type == "cuda"
     build_s = time.perf_counter() - t_build
-    batch = synthetic_batch(spec["tokens"], spec["sample_len"])
+    batch = synthetic_batch(spec["tokens"], spec["sample_len"],
+                            vocab=LLAMA_8B["vocab_size"] if spec["model"] == "8b" else VOCAB)
     shape = SHAPES[spec["model"]]
     n = matmul_params(model)
     flops = step_flops(n, batch, spec["layers"], shape["num_attention_heads"], shape["head_dim"])
@@ -230,25 +278,34 @@ def table(rows: list[dict[str, Any]], peak_tflops: float | None, full_size: bool
            "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if full_size else "")]
     for r in rows:
         mfu = f"{100 * r['achieved_tflops'] / peak_tflops:.1f}%" if peak_tflops else "n/a"
-        variant = "" if r.get("variant", "bf16") == "bf16" else f" {r['variant']}"
-        line = (f"| Qwen3-{r['model'].upper()}{variant} | {r['layers']} | {r['tokens']} | {r['step_s']:.3f} | "
+        line = (f"| {label(r)} | {r['layers']} | {r['tokens']} | {r['step_s']:.3f} | "
                 f"{r['tokens_per_s']:,.0f} | {r['tflops_per_step']:.2f} | {r['achieved_tflops']:.3g} | {mfu} | "
                 f"{r['peak_gib']:.2f} |")
-        if full_size:
+        if full_size and r["model"] in ANCHOR:
             tps, _, mem = ANCHOR[r["model"]]
             line += f" {r['tokens_per_s'] / tps:.2f}x | {r['peak_gib'] / mem:.2f}x |"
+        elif full_size:
+            line += " | |"
         out.append(line)
     return out
 
 
+def label(r: dict[str, Any]) -> str:
+    """A row's name: the model, then its variant and option when not the defaults."""
+    extra = [x for x in (r.get("variant", "bf16"), r.get("option", "default")) if x not in ("bf16", "default")]
+    return " ".join([NAMES[r["model"]], *extra])
+
+
 def variant_ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """Each variant against `bf16` of the same model, measured in the same run."""
-    out = ["| model | variant | tokens/s vs bf16 | peak memory vs bf16 |", "|---|---|---|---|"]
+    """Each variant / option against `bf16` `default` of the same model, measured in the same run."""
+    out = ["| model | variant / option | tokens/s vs default | peak memory vs default |", "|---|---|---|---|"]
     for r in rows:
-        ref = next((b for b in rows if b["model"] == r["model"] and b["variant"] == "bf16"), None)
+        ref = next((b for b in rows if b["model"] == r["model"] and b["variant"] == "bf16"
+                    and b["option"] == "default"), None)
         if ref is not None and r is not ref:
             speed, memory = r["tokens_per_s"] / ref["tokens_per_s"], r["peak_gib"] / ref["peak_gib"]
-            out.append(f"| Qwen3-{r['model'].upper()} | {r['variant']} | {speed:.2f}x | {memory:.2f}x |")
+            out.append(f"| {NAMES[r['model']]} | {label(r).removeprefix(NAMES[r['model']]).strip()} | {speed:.2f}x | "
+                       f"{memory:.2f}x |")
     return out
 
 
@@ -305,6 +362,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 2), help="CPU threads")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="compare frozen bases / recipes (bf16 nf4 fp8 fp8-hybrid) in one run")
+    ap.add_argument("--options", nargs="+", choices=list(OPTIONS), default=None,
+                    help="compare trainer-speed options (attention kernel, checkpointing, offload, compiled layers; "
+                         "OPTIONS) in one run")
     ap.add_argument("--out", default=str(REPO / "bench" / "GPU.md"))
     args = ap.parse_args()
     if args.child:
@@ -318,18 +378,27 @@ def main() -> int:
                                 if device == "cuda" else None)
     t0 = time.monotonic()
     sample = min(args.sample_len, args.tokens)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
     for model in args.models:
-        for variant in args.variants or ["bf16"]:
+        for variant, option in [(v, o) for v in args.variants or ["bf16"] for o in args.options or ["default"]]:
             layers = args.layers or SHAPES[model]["num_hidden_layers"]
             spec = dict(model=model, device=device, tokens=args.tokens, sample_len=args.sample_len, layers=layers,
                         steps=args.steps, warmup=args.warmup, chunk=args.chunk,
-                        checkpointing=not args.no_checkpointing, threads=args.threads, variant=variant)
-            res = run_child(spec)
+                        checkpointing=not args.no_checkpointing, threads=args.threads, variant=variant,
+                        option=option)
+            try:
+                res = run_child(spec)
+            except RuntimeError as exc:  # e.g. out of memory without checkpointing: say so, measure the rest
+                tail = str(exc).strip().splitlines()[-1][:200]
+                failed.append(f"- {label(spec)}: failed ({tail})")
+                print(failed[-1], flush=True)
+                continue
             rows.append(spec | res)
-            print(f"Qwen3-{model} {variant}: {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} "
+            print(f"{label(spec)}: {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} "
                   f"TFLOP/s, peak {res['peak_gib']:.2f} GiB, {res['step_s']:.3f} s/step", flush=True)
-    full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing)
+    full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing
+                 and args.models != ["8b"])
     lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {name} (torch {torch.__version__}) in "
              f"{time.monotonic() - t0:.0f} s; command: `python bench/gpu_trainer.py {' '.join(sys.argv[1:])}`.", "",
              f"{'bfloat16' if device == 'cuda' else 'float32'}, samples of {sample} tokens "
@@ -339,10 +408,14 @@ def main() -> int:
              f"MFU against {f'{peak:.0f} TFLOP/s' if peak else 'no known peak (n/a)'}."
              + ("" if full_size else " Not the full-size configuration, so no comparison with prime-rl."), "",
              *table(rows, peak, full_size and not args.variants)]
-    if args.variants:
+    if args.variants or args.options:
         lines += ["", *variant_ratios(rows)]
+    if failed:
+        lines += ["", "Not measured:", *failed]
     kind = "CUDA" if device == "cuda" else "CPU (smoke test)"
-    write_report(Path(args.out), f"{kind} bases and recipes" if args.variants else kind, lines)
+    parts = [kind, *(["Llama-3.1-8B", f"{args.tokens:,}-token samples"] if args.models == ["8b"] else []),
+             *(["bases and recipes"] if args.variants else []), *(["options"] if args.options else [])]
+    write_report(Path(args.out), " ".join(parts), lines)
     print("\n".join(lines))
     return 0
 

@@ -222,6 +222,13 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
                  "included)", kind.upper(), r["layers"], r["params"] / 1e6, r["bytes"] / 2**20, r["bytes_per_param"])
+    return prepare_policy(model, cfg, device), device
+
+
+def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """A loaded base `model` made the policy `cfg` trains: activation checkpointing and the activation policy
+    (`tidal.trainer.activations`), the precision recipe, LoRA (or frozen embeddings), compiled layers; in train
+    mode. (bench/gpu_trainer.py builds its random-init models through this too.)"""
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.gradient_checkpointing or cfg.offload_activations:
@@ -235,4 +242,4 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     if cfg.compile_layers:
         log.info("compile_layers: %d decoder layers compiled (torch.compile, on first use)", compile_layers(model))
     model.train()
-    return model, device
+    return model
