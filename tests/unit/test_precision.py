@@ -171,3 +171,25 @@ def test_nvfp4_recipe_and_fp4_qlora_are_refused(tmp_path):
     assert r.returncode == 2 and "qlora_fp4" in r.stderr and "SM100" in r.stderr, r.stderr
     for recipe in ("fp32", "bf16", "fp8-hybrid", "fp8_hybrid"):
         assert TrainConfig(model="m", recipe=recipe).recipe == recipe
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 matmuls (SM89+)")
+def test_fp8_hybrid_on_hopper_runs_real_fp8_matmuls_with_weights_quantized_once():
+    """On SM89+ the frozen base runs torch._scaled_mm (no emulation), the weight is cast once over two steps, and
+    the output equals the float64 reference on the quantized operands within fp8 accumulation rounding."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    layer = apply_recipe(Block(), "fp8-hybrid", dev).to(dev, torch.bfloat16).proj
+    layer.weight.requires_grad_(False)
+    assert not layer.config.emulate
+    fp8 = fp8_linear_class()
+    before = fp8.weight_casts
+    for _ in range(2):
+        x = torch.randn(256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        y.sum().backward()
+    assert fp8.weight_casts - before == 1
+    ref = qdq(x, E4M3) @ qdq(layer.weight, E4M3).T + layer.bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
