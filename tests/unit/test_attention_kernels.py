@@ -132,6 +132,20 @@ def test_flex_models_equal_masked_sdpa(name, monkeypatch):
         torch.testing.assert_close(b, a, rtol=0, atol=atol)
 
 
+def test_shared_layout_mask_is_built_where_it_is_used():
+    """A micro-batch with shared prompts carries no T x T mask out of the packer (16k-token rows would make 256 MiB
+    of it on the CPU, copied to the GPU): its `attention_mask` is built on first use, on the device of its position
+    ids, once (the same tensor for every layer), and equals the layout mask; `to(device)` does not copy it."""
+    micro = pack(group_batch(np.random.default_rng(), prompts=2, group=4), 128, 2, share_prompts=True)
+    mb = next(m for m in micro if m.shared_layout)
+    assert "_layout_mask" not in mb.__dict__
+    moved = mb.to(torch.device("cpu"))
+    mask = moved.attention_mask
+    assert mask is not None and moved.attention_mask is mask and "_layout_mask" not in mb.__dict__
+    assert torch.equal(mask, layout_mask(mb.position_ids))
+    assert all(m.attention_mask is None for m in pack(group_batch(np.random.default_rng(), 2, 4), 128, 2))
+
+
 def test_a_4d_mask_that_is_not_the_layout_goes_dense(caplog):
     """A (B, 1, T, T) mask other than the layout's (here: the layout with one more key) is computed as given, by
     SDPA, and the log says so once."""

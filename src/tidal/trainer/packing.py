@@ -25,7 +25,7 @@ the prompt. The shared tokens count as the unit's first sample (`seq_ids`); they
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -52,12 +52,25 @@ class MicroBatch:
     """(N,) the batch's image indices, in the order of their placeholders in the flattened rows (with images)."""
     images: Any = None
     """`tidal.trainer.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
-    attention_mask: torch.Tensor | None = None
-    """(B, 1, T, T) bool, True = may attend: set when rows hold shared prompts (see the module doc); None: the
-    model builds the block-causal mask of the packed samples from `position_ids`."""
+    shared_layout: bool = False
+    """Rows hold shared prompts (see the module doc): the model gets `attention_mask`."""
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """(B, 1, T, T) bool, True = may attend: the layout mask of rows with shared prompts (`shared_layout`),
+        built on first use on the device of `position_ids` (after `to(device)`: on a GPU, not as T² values on the
+        CPU copied over: 256 MiB per 16k-token row) and kept (every layer gets the same tensor); None: the model
+        builds the block-causal mask of the packed samples from `position_ids`."""
+        if not self.shared_layout:
+            return None
+        mask = self.__dict__.get("_layout_mask")
+        if mask is None or mask.device != self.position_ids.device:
+            mask = self.__dict__["_layout_mask"] = layout_mask(self.position_ids)
+        return mask  # type: ignore[no-any-return]
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        moved: dict[str, Any] = {f.name: v if v is None or isinstance(v, bool) else v.to(device)
+                                 for f in fields(self) for v in [getattr(self, f.name)]}
         return MicroBatch(**moved)
 
     @property
@@ -211,7 +224,7 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         if prompt is not None:
             mb.prompt_mask, mb.image_ids = torch.from_numpy(prompt), torch.tensor(images, dtype=torch.long)
         if shared_rows:
-            mb.attention_mask = layout_mask(mb.position_ids)
+            mb.shared_layout = True  # its `attention_mask` is built where it is used
         out.append(mb)
     return out
 
