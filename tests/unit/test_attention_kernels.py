@@ -123,13 +123,19 @@ def test_flex_models_equal_masked_sdpa(name, monkeypatch):
     assert bool(fell_back) == (name == "gemma2")
     if name == "gemma2":
         return
+    from torch.nn.attention.flex_attention import BlockMask
+
     for mb in pack(group_batch(rng, prompts=2, group=3), 96, 2, share_prompts=True):
         with torch.no_grad():
-            fell_back.clear()
-            b = forward_logprobs(ours, mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
-            assert not fell_back
-            a = forward_logprobs(ref, mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
-        torch.testing.assert_close(b, a, rtol=0, atol=atol)
+            a = forward_logprobs(ref, mb.input_ids, mb.position_ids, attention_mask=mb.mask_for(ref))
+            # the 4D layout mask (checked against the layout), and the block mask the trainer hands a flex model
+            for mask in (mb.attention_mask, mb.mask_for(ours)):
+                fell_back.clear()
+                b = forward_logprobs(ours, mb.input_ids, mb.position_ids, attention_mask=mask)
+                assert not fell_back
+                torch.testing.assert_close(b, a, rtol=0, atol=atol)
+        assert isinstance(mb.mask_for(ours), BlockMask) == mb.shared_layout
+        assert mb.mask_for(ref) is mb.attention_mask
 
 
 def test_shared_layout_mask_is_built_where_it_is_used():

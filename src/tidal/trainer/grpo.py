@@ -65,10 +65,10 @@ def _ref_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, ch
     if reference is not None:
         with torch.no_grad():
             return forward_logprobs(reference, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                                    loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.attention_mask)
+                                    loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.mask_for(reference))
     with torch.no_grad(), model.disable_adapter():  # type: ignore[operator]
         lp = forward_logprobs(model, mb.input_ids, mb.position_ids, temperature, chunk_size=chunk_size,
-                              loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.attention_mask)
+                              loss_mask=mb.loss_mask, images=mb.images, attention_mask=mb.mask_for(model))
         reshard(model)
     return lp
 
@@ -96,7 +96,7 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
             for i in st.slots[ranks.rank]:
                 old[i] = forward_logprobs(model, micro[i].input_ids, micro[i].position_ids, temperature,
                                           chunk_size=chunk, loss_mask=micro[i].loss_mask, images=micro[i].images,
-                                          attention_mask=micro[i].attention_mask)
+                                          attention_mask=micro[i].mask_for(model))
     if old and ranks.sharded:
         reshard(model)
     return old
@@ -144,7 +144,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
                                                    chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
-                                                   images=mb.images, attention_mask=mb.attention_mask)
+                                                   images=mb.images, attention_mask=mb.mask_for(model))
                 if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                     old.setdefault(i, lp.detach())
                 inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,

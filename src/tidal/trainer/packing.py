@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.trainer.attention import layout_mask
+from tidal.trainer.attention import layout_mask, uses_flex
+from tidal.trainer.attention.flex import layout_block_mask
 from tidal.transport.batch import TrainingBatch
 
 
@@ -67,6 +68,17 @@ class MicroBatch:
         if mask is None or mask.device != self.position_ids.device:
             mask = self.__dict__["_layout_mask"] = layout_mask(self.position_ids)
         return mask  # type: ignore[no-any-return]
+
+    def mask_for(self, model: torch.nn.Module) -> Any:
+        """The `attention_mask` to give `model`'s forward: with shared prompts and a model on train `attention: flex`,
+        the layout as flex_attention's block mask (`tidal.trainer.attention.flex.layout_block_mask`, the same rule as
+        `attention_mask`, no T x T tensor at all), built once; otherwise `attention_mask`."""
+        if not (self.shared_layout and uses_flex(model)):
+            return self.attention_mask
+        block = self.__dict__.get("_layout_block")
+        if block is None:
+            block = self.__dict__["_layout_block"] = layout_block_mask(self.position_ids, self.position_ids.shape[0])
+        return block
 
     def to(self, device: torch.device) -> MicroBatch:
         moved: dict[str, Any] = {f.name: v if v is None or isinstance(v, bool) else v.to(device)

@@ -23,7 +23,7 @@ from tidal.trainer.attention import dense, flex, per_sample
 from tidal.trainer.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
 
 __all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "implementation", "layout", "layout_mask",
-           "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout"]
+           "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout", "uses_flex"]
 
 ATTN_IMPLEMENTATION = per_sample.NAME
 """The per-sample kernel's transformers name (what `register()` returns)."""
@@ -69,6 +69,11 @@ def implementation(kind: str, device: torch.device, vision: bool = False) -> str
     if chosen == "dense":
         dense.notice(device.type)
     return register(chosen)
+
+
+def uses_flex(model: Any) -> bool:
+    """Whether `model` (a transformers model, PEFT-wrapped or not) runs the flex kernel."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == flex.NAME
 
 
 def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:

@@ -12,10 +12,12 @@ Where the block mask comes from:
   the restarting `position_ids`, a 2D padding mask, a sliding window for windowed layers) and hands it to the
   mask function registered for this attention, `flex_mask`, which turns that same rule into a `BlockMask` instead
   of a dense boolean tensor. The truth of the mask is transformers' rule; only its representation changes.
-- Rows with shared prompts: the packer hands the model the layout's (B, 1, T, T) mask (`layout.layout_mask`),
-  which transformers passes unchanged. `flex_packed_attention` checks once per forward that it is exactly the
-  layout of `position_ids` (one comparison on the device), and then builds the `BlockMask` from the layout's
-  per-token tensors (`layout.token_layout`). A mask that is not the layout goes to the dense fallback.
+- Rows with shared prompts: the trainer hands a flex model the layout's `BlockMask` itself
+  (`MicroBatch.mask_for` -> `layout_block_mask`, from the layout's per-token tensors `layout.token_layout`, the
+  rule `layout.layout_mask` evaluates densely), which transformers passes unchanged: no T x T tensor anywhere.
+  Given the dense (B, 1, T, T) layout mask instead, `flex_packed_attention` checks once per forward that it is
+  exactly the layout of `position_ids` (one comparison on the device) and builds the same `BlockMask`; a 4D mask
+  that is not the layout goes to the dense fallback.
 
 Shape buckets: the sequence is padded to `bucket(T)` (a multiple of 128, at most 1/8 above T) so that the compiled
 kernel (`torch.compile(flex_attention)`, once per shape on CUDA) sees few distinct shapes across micro-batches;
