@@ -11,8 +11,9 @@ import torch
 from tests.archs import config_for
 from tests.unit.test_packed_attention import packed_positions
 from tidal.config.train import TrainConfig
-from tidal.trainer.activations import apply_activation_policy, compile_layers, decoder_layers
+from tidal.trainer.activations import apply_activation_policy, decoder_layers
 from tidal.trainer.attention import register
+from tidal.trainer.kernels import compile_layers
 from tidal.trainer.logprobs import forward_logprobs
 from tidal.trainer.model import add_lora, enable_gradient_checkpointing
 

@@ -1,6 +1,6 @@
 """Activation memory of the decoder layers: which layers gradient checkpointing recomputes, what it recomputes, and
 where the kept activations live (train `gradient_checkpointing`, `checkpoint_every`, `checkpoint_scope`,
-`offload_activations`), plus `compile_layers`.
+`offload_activations`). (`compile_layers` is `tidal.trainer.kernels`.)
 
 Without checkpointing, HF + PEFT keep about 90 KB per token per layer of a Qwen3-0.6B in bfloat16 (57 GiB for a
 16k-token row; issue 27); checkpointing every layer keeps only each layer's input and recomputes the layer in the
@@ -16,8 +16,6 @@ backward (about a third more compute). The points in between:
   `torch.autograd.graph.save_on_cpu(pin_memory=...)`: what they save for the backward is copied to (pinned) host
   memory and back when the backward needs it. It trades PCIe traffic for device memory; with a layer-level
   checkpoint a layer saves only its input, so offloading there is refused by the config.
-- `compile_layers`: each decoder layer is compiled (`nn.Module.compile`, after LoRA is added so the adapters are
-  inside the graph): fused elementwise kernels around the matmuls. Checkpointing wraps the compiled layer.
 
 Gradients are those of no checkpointing (tests/unit/test_activations.py checks them in float64 on CPU).
 """
@@ -83,11 +81,3 @@ def apply_activation_policy(model: torch.nn.Module, cfg: Any, device: torch.devi
                 _offloaded_forward, layer, device.type == "cuda")
             counts["offload"] += 1
     return counts
-
-
-def compile_layers(model: torch.nn.Module) -> int:
-    """Compile every decoder layer in place (train `compile_layers`); returns how many."""
-    layers = decoder_layers(model)
-    for layer in layers:
-        layer.compile()
-    return len(layers)

@@ -27,7 +27,8 @@ import torch
 from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
-from tidal.trainer.activations import apply_activation_policy, compile_layers
+from tidal.trainer.activations import apply_activation_policy
+from tidal.trainer.kernels import compile_layers
 from tidal.trainer.precision import apply_recipe
 from tidal.trainer.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
 from tidal.trainer.vision import TRAINABLE, VISION_MODULES, is_vision_config
