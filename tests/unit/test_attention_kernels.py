@@ -169,6 +169,17 @@ def test_a_4d_mask_that_is_not_the_layout_goes_dense(caplog):
     assert sum("not the packed layout" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_generation_with_a_kv_cache_takes_the_dense_path():
+    """A KV cache (query length 1 against the cached keys) is no training shape: the mask is SDPA's and the call
+    dense; greedy generation gives the SDPA model's tokens."""
+    ref, ours = _pair("qwen3", torch.float64)
+    ids = torch.randint(3, 120, (1, 9))
+    with torch.no_grad():
+        a = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        b = ours.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
 def test_auto_chooses_per_device_and_flex_on_cpu_is_refused(caplog):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose("auto", cpu) == "per_sample" and choose("auto", cuda) == "flex"

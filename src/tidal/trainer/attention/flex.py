@@ -91,6 +91,7 @@ def flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 
     mask_function = mask_function or causal_mask_function
     if q_length != kv_length or q_offset or kv_offset:
+        kwargs.pop("allow_is_causal_skip", None)
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          device=device, allow_is_causal_skip=False, **kwargs)
@@ -199,6 +200,6 @@ def flex_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if block is None:  # no mask at all: transformers saw one causal sequence per row
         return _dense_fallback("no block mask", module, query, key, value, attention_mask, **rest)
     pad = block.seq_lengths[0] - width  # (0, 0) on D, (0, pad) on T: zero keys no real query sees
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value)) if pad else (query, key, value)
     out = kernel(query.device)(q, k, v, block_mask=block, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out[:, :, :width].transpose(1, 2), None  # (B, T, Hq, D)
