@@ -169,6 +169,20 @@ def test_a_4d_mask_that_is_not_the_layout_goes_dense(caplog):
     assert sum("not the packed layout" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_one_sequence_per_row_takes_the_causal_kernel(monkeypatch, caplog):
+    """Rows of one causal sequence each (no packing, no padding: long single samples) need no mask: SDPA's causal
+    kernel (flash attention on CUDA), not flex, no notice, and the SDPA model's logprobs."""
+    ref, ours = _pair("llama3", torch.float64)
+    monkeypatch.setattr(flex, "kernel", lambda device: pytest.fail("flex ran"))
+    ids = torch.randint(3, 120, (2, 50))
+    pos = torch.arange(50).expand(2, 50)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="tidal.trainer"):
+        b = forward_logprobs(ours, ids, pos)
+        a = forward_logprobs(ref, ids, pos)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+    assert not [r for r in caplog.records if "attention flex" in r.getMessage()]
+
+
 def test_generation_with_a_kv_cache_takes_the_dense_path():
     """A KV cache (query length 1 against the cached keys) is no training shape: the mask is SDPA's and the call
     dense; greedy generation gives the SDPA model's tokens."""

@@ -24,6 +24,9 @@ kernel (`torch.compile(flex_attention)`, once per shape on CUDA) sees few distin
 padded queries attend to themselves only, and no real query sees a padded key. The outputs of the padded
 columns are dropped.
 
+Rows that each hold one causal sequence (no packing, no padding: the long-sample case) need no mask at all:
+`flex_mask` returns None and the call goes to SDPA's causal kernel (flash attention on CUDA), as before.
+
 Not for flex (the call goes to transformers' SDPA with the dense mask, and a one-line notice says why, once):
 attention dropout in training, soft-capped logits (Gemma 2), a KV cache (query length != key length), a 4D mask
 that is not the layout. CPU: torch's flex_attention has no backward there (torch 2.13), so `attention: flex`
@@ -80,7 +83,8 @@ def flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               device: torch.device | str = "cpu", **kwargs: Any) -> Any:
     """transformers' mask interface for `NAME`: the rule transformers composed (`mask_function`, with a 2D padding
     mask and offsets as transformers' own flex mask adds them) as a `BlockMask` padded to `bucket(kv_length)`
-    (query and key lengths equal: training); a dense boolean mask otherwise (`sdpa_mask`)."""
+    (query and key lengths equal: training); None for one causal sequence per row (SDPA's causal kernel needs
+    no mask); a dense boolean mask otherwise (`sdpa_mask`)."""
     from transformers.masking_utils import (
         and_masks,
         causal_mask_function,
@@ -95,7 +99,11 @@ def flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          device=device, allow_is_causal_skip=False, **kwargs)
-    if attention_mask is not None and not bool(attention_mask.all()):
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if mask_function is causal_mask_function and not padded and kwargs.get("allow_is_causal_skip", True):
+        return None  # one causal sequence per row: SDPA's causal (flash) kernel, no mask needed
+    if padded:
+        assert attention_mask is not None
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         assert padding is not None
         mask_function = and_masks(mask_function, padding_mask_function(padding))
@@ -197,7 +205,12 @@ def flex_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         if block is None:
             return _dense_fallback("a 4D attention mask that is not the packed layout", module, query, key, value,
                                    attention_mask, **rest)
-    if block is None:  # no mask at all: transformers saw one causal sequence per row
+    if block is None and attention_mask is None and getattr(module, "is_causal", True):
+        # one causal sequence per row (a long single sample): SDPA's causal flash kernel is as fast as it gets
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, **rest)  # type: ignore[no-any-return]
+    if block is None:
         return _dense_fallback("no block mask", module, query, key, value, attention_mask, **rest)
     pad = block.seq_lengths[0] - width  # (0, 0) on D, (0, pad) on T: zero keys no real query sees
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value)) if pad else (query, key, value)
