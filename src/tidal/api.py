@@ -13,9 +13,8 @@ the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a standar
 list of messages a conversational one; every other column reaches the reward functions. The resolved configs
 land in `{output_dir}/configs/` as with `tidal grpo`.
 
-Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL (on a machine without
-CUDA a tied-embedding model then needs LoRA: vLLM-CPU cannot refresh a tied lm_head); `model` must be a name or
-path, not a loaded model;
+Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL; `model` must be a name
+or path, not a loaded model;
 `tools` and `environment_factory` run in the model's chat format (`tidal.envs.tools`, `tidal.orchestrator.toolloop`;
 tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the model writes; one factory, not a
 dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in

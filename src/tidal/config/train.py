@@ -364,9 +364,8 @@ class TrainConfig(StrictModel):
     checkpoints hold all weights and their optimizer state, the export is `final/model/`; with `loss.beta > 0`
     the reference is a second, frozen copy of the initial weights."""
     freeze_embeddings: bool = False
-    """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too). Needed to fully
-    fine-tune a tied-embedding model served by vLLM on CPU through in-place reloads: vLLM-CPU refreshes the
-    embedding but keeps its prepacked copy of the tied lm_head (docs/scale-out.md)."""
+    """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too); they train
+    otherwise. On vLLM-CPU a tied lm_head is re-packed after every in-place update (`tidal.inference.tied_head`)."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r."""
     lora_alpha: int = Field(32, gt=0)

@@ -88,8 +88,13 @@ def _engine_cls() -> type:
 
 
 def register() -> None:
-    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend (idempotent; vLLM may call it often)."""
+    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, and (CPU) refresh tied lm_heads after
+    in-place weight updates (`tidal.inference.tied_head`). Idempotent; vLLM may call it often."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from tidal.inference.tied_head import install
+
+    install()
 
     if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(GLOO_BACKEND, _engine_cls())

