@@ -40,6 +40,11 @@ from tidal.config.trl import GRPOConfig, to_tidal
 log = logging.getLogger("tidal.api")
 
 
+class RefusedConfig(ConfigError, ValueError):
+    """A run tidal refuses before anything starts (`tidal.preflight`): a `ConfigError` (as `tidal grpo` exits 2
+    with) and a `ValueError` (as TRL raises for bad arguments); the message names the key and the fix."""
+
+
 @dataclass
 class TrainOutput:
     """What `train()` returns (TRL returns a TrainOutput too)."""
@@ -164,19 +169,50 @@ class GRPOTrainer:
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
+        self.colocated = self.preflight()
+
+    def preflight(self) -> Any:
+        """The configs `tidal grpo` would derive on this machine, after every check it runs before anything starts
+        (`tidal.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
+        import tempfile
+
+        from tidal.assets import resolve_model
+        from tidal.cli import check_model, trainer_footprint_gib
+        from tidal.models.arch import read_arch
+        from tidal.preflight import check_run
+
+        d = self.derived
+        try:
+            check_model(self.model, "GRPOTrainer(model=...)")
+            co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib,
+                                 moe=read_arch(resolve_model(self.model)).moe)
+            with tempfile.TemporaryDirectory(prefix="tidal-preflight-") as scratch:
+                check_run(co.train, co.infer, self.with_data(co.orch, Path(scratch)), self.reward_funcs, self.tooling)
+        except ConfigError as exc:
+            raise RefusedConfig(str(exc)) from None
+        return co
+
+    def with_data(self, orch: Any, data: Path) -> Any:
+        """A copy of `orch` whose dataset environments read the train / eval rows, written under `data`."""
+        write_rows(self.train_rows, data / "train.jsonl")
+        orch = orch.model_copy(deep=True)
+        orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
+        if orch.eval is not None:
+            for section in orch.eval.env:  # one per eval dataset, named as given
+                path = data / f"{section.name}.jsonl"
+                write_rows(self.eval_sets[str(section.name)], path)
+                section.args = {"path": str(path.resolve())}
+        return orch
 
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
-        from tidal.cli import check_model, prepare_run_dir, trainer_footprint_gib, write_configs
-        from tidal.envs import make_env
+        from tidal.cli import prepare_run_dir, write_configs
         from tidal.inference.server import check_bind_secure, check_port_free
         from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
 
-        check_model(self.model, "GRPOTrainer(model=...)")
-        d = self.derived
-        co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib)
+        co = self.colocated  # derived and checked by the constructor (`preflight`)
         place = co.placement
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):
@@ -184,17 +220,7 @@ class GRPOTrainer:
         for notice in place.notices:
             print(f"[tidal] {notice}", flush=True)
         prepare_run_dir(place.run_dir)
-        data = place.run_dir / "data"
-        write_rows(self.train_rows, data / "train.jsonl")
-        orch = co.orch.model_copy(deep=True)
-        orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
-        if orch.eval is not None:
-            for section in orch.eval.env:  # one per eval dataset, named as given
-                path = data / f"{section.name}.jsonl"
-                write_rows(self.eval_sets[str(section.name)], path)
-                section.args = {"path": str(path.resolve())}
-        for section in [*orch.env, *(orch.eval.env if orch.eval is not None else [])]:
-            make_env(section.id, section.args)  # a dataset it cannot read fails now, before vLLM starts
+        orch = self.with_data(co.orch, place.run_dir / "data")
         paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
         (place.run_dir / "configs" / "reward_funcs.json").write_text(json.dumps(
             [{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1))
@@ -228,4 +254,4 @@ class GRPOTrainer:
         return Path(output_dir)
 
 
-__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "TrainOutput"]
+__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "RefusedConfig", "TrainOutput"]

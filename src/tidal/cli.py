@@ -23,7 +23,7 @@ from tidal.assets import resolve_model
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
-from tidal.models.arch import ArchInfo, check_trainable, read_arch
+from tidal.models.arch import read_arch
 from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
@@ -91,16 +91,6 @@ def check_model(name: str, source: str) -> None:
                           "tidal:tiny-reverse")
 
 
-def check_trainer_side(train: TrainConfig, info: ArchInfo) -> None:
-    """Before a run starts: transformers must know the architecture, and named LoRA targets must exist in the
-    model (`tidal.models`; the inference side is checked by `tidal grpo-infer` where vLLM is imported)."""
-    check_trainable(info, train.model, train.trust_remote_code)
-    if train.lora and train.lora_target_modules != "all-linear":
-        from tidal.models.lora import check_targets
-
-        check_targets(resolve_model(train.model), train.lora_target_modules, train.trust_remote_code)
-
-
 def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:
     file = Path(path) if path else example_path(component)
     cfg = load_config(COMPONENTS[component], file, overrides.get(component))
@@ -154,16 +144,18 @@ def trainer_footprint_gib(train: TrainConfig) -> float:
 
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
+    info = read_arch(resolve_model(train.model))
+    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
+                         trainer_gib=trainer_footprint_gib, moe=info.moe)
+    from tidal.preflight import check_run
+
+    check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
         wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
-    info = read_arch(resolve_model(train.model))
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         trainer_gib=trainer_footprint_gib, moe=info.moe)
     place = co.placement
-    check_trainer_side(co.train, info)
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
 
     try:
