@@ -65,11 +65,16 @@ def cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-def dry_run(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`tidal ARGS` in a subprocess (this checkout's sources first on the path)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                                          os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tidal.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    return cli("grpo", "--dry-run", *args)
 
 
 def test_every_trainer_and_orchestrator_refusal_exits_2_from_the_dry_run(tmp_path, capsys):
@@ -91,6 +96,9 @@ def test_the_tidal_command_exits_2_before_anything_starts(tmp_path):
     assert not (tmp_path / "run").exists(), "nothing was started or written"
     ok = dry_run()
     assert ok.returncode == 0 and "# --- orch ---" in ok.stdout, ok.stderr[-2000:]  # the checks can pass
+    # grpo-orch refuses with the same check (it builds its loop from it)
+    orch = cli("grpo-orch", orch_file(tmp_path, "o", env=[{"id": "nope"}]), "--output-dir", str(tmp_path / "o-run"))
+    assert orch.returncode == 2 and "unknown environment id 'nope'" in orch.stderr, orch.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kw,match", [
