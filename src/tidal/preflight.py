@@ -6,7 +6,8 @@ start, so no refusal can come after vLLM was started.
 - the model's length limit (`tidal.config.limits`): orch `seq_len`, infer `max_model_len` and (trainer side)
   train `sequence_len` within the positions the model holds, RoPE scaling included;
 - the trainer side: transformers knows the architecture, named LoRA targets exist (`tidal.models`), and the
-  trainer's own refusals (`tidal.trainer.preflight.check_train`: lengths, QeRL, prompt sharing);
+  trainer's own refusals (`tidal.trainer.preflight.check_train`: lengths, RoPE scaling, VLMs, QeRL, prompt
+  sharing);
 - the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
   custom advantage function and the eval environments are built once and dropped;
 - across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise).

@@ -52,6 +52,7 @@ def cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
                                       r"needs train max_steps"),
         "prompt sharing": (["--model", sliding_window_model(tmp_path), "--train.prompt_sharing", "true"],
                            r"prompt_sharing: true.*sliding-window"),
+        "rope scaling": (["--train.rope_scaling", "{rope_type: nope}"], r"unknown rope_type 'nope'"),
         "teacher": (["--train.loss.teacher_tau", "0.5"], r"loss.teacher_tau is 0.5 but orch teacher is not set"),
         # the orchestrator's
         "environment": (o("env", env=[{"id": "nope"}]), r"unknown environment id 'nope'"),

@@ -3,7 +3,7 @@ builds the policy, and `tidal grpo` / `GRPOTrainer(...)` run the same functions 
 anything starts (`tidal.preflight`), so none of them can stop a run whose vLLM is already up.
 
 Each raises `ConfigError` (exit 2) naming the key and what would be valid. Cheap and torch-free unless a check
-applies (`prompt_sharing: true` reads the model's transformers config).
+applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read the model's transformers config).
 """
 
 from __future__ import annotations
@@ -51,6 +51,17 @@ def check_prompt_sharing(cfg: TrainConfig) -> None:
                           f"prompt_sharing to auto (on where it applies) or false")
 
 
+def check_model_build(cfg: TrainConfig, config: dict) -> None:
+    """How the trainer builds the model (`tidal.trainer.model`): train `rope_scaling` must be valid for it, and a
+    vision-language model must be one whose image inputs the trainer builds. Loads the transformers config (and
+    torch) only when one of them applies."""
+    if not cfg.rope_scaling and "vision_config" not in config:
+        return
+    from tidal.trainer.model import auto_model_class, load_model_config
+
+    auto_model_class(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling), cfg.model)
+
+
 def model_config(model: str) -> dict:
     """The model directory's config.json as a dict ({} when it has none: `tidal.cli.check_model` names that)."""
     path = Path(resolve_model(model)) / "config.json"
@@ -59,6 +70,8 @@ def model_config(model: str) -> dict:
 
 def check_train(cfg: TrainConfig) -> None:
     """Every up-front refusal of a train config (`grpo-train`, and `tidal grpo` on its derived config)."""
-    check_lengths(cfg.model, model_config(cfg.model), {"train sequence_len": cfg.sequence_len}, cfg.rope_scaling)
+    config = model_config(cfg.model)
+    check_model_build(cfg, config)
+    check_lengths(cfg.model, config, {"train sequence_len": cfg.sequence_len}, cfg.rope_scaling)
     check_qerl(cfg)
     check_prompt_sharing(cfg)
