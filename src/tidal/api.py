@@ -168,7 +168,7 @@ class GRPOTrainer:
 
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
-        from tidal.cli import check_model, prepare_run_dir, trainer_footprint_gib, write_configs
+        from tidal.cli import check_model, gpu_split_for, prepare_run_dir, write_configs
         from tidal.envs import make_env
         from tidal.inference.server import check_bind_secure, check_port_free
         from tidal.launcher import run_colocate
@@ -177,7 +177,7 @@ class GRPOTrainer:
 
         check_model(self.model, "GRPOTrainer(model=...)")
         d = self.derived
-        co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib)
+        co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), gpu_split=gpu_split_for(d.train.model))
         place = co.placement
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):

@@ -37,7 +37,9 @@ class InferConfig(StrictModel):
     port: int = Field(8000, ge=1, le=65535)
     """Bind port."""
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    """Weights/activations dtype (`auto`: the model's dtype; float32 on CPU for the bundled model)."""
+    """Weights/activations dtype. `auto`: in `tidal grpo` the trainer's precision (bfloat16 on a GPU unless train
+    `recipe: fp32`, float32 on CPU; float32 with LoRA on a GPU is refused: vLLM's CUDA LoRA kernels take 16-bit
+    weights only); in `tidal grpo-infer` alone the model's dtype."""
     max_model_len: int | None = Field(None, ge=16)
     """Maximum context length (null: the model's)."""
     enforce_eager: bool = False

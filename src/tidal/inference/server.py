@@ -169,10 +169,14 @@ def serve(cfg: InferConfig) -> int:
     supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
+    from tidal.config.colocate import check_lora_dtype
     from tidal.inference import dp
+    from tidal.inference.vllm_support import check_weight_transfer
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
     check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)
+    check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
+    check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
     if cfg.dp == 1:
         exec_server(cfg)
     host = bind_host(cfg.host)
