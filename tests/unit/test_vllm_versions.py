@@ -6,6 +6,7 @@ finder), as on vLLM 0.24.0, whose tree has no `weight_transfer/nccl_common.py`."
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -107,3 +108,18 @@ def test_setup_pins_the_tested_cuda_vllm_and_its_torch():
     assert re.search(r"pip\S* install[^\n]*\bvllm\b(?!==)", gpu_branch) is None, "no unpinned vllm"
     docs = (REPO / "docs" / "gpu.md").read_text()
     assert all(v in docs for v in TESTED_VLLM), "docs/gpu.md names the tested range"
+
+
+def test_the_split_does_not_defeat_vllms_compile_cache():
+    """vLLM keys its torch.compile cache (VLLM_CACHE_ROOT, default ~/.cache/vllm) by a hash of the config that
+    shapes the graph; the split's per-run values must stay out of it, and tidal must not move the cache per run."""
+    pytest.importorskip("vllm")
+    from tidal.config import InferConfig
+    from tidal.inference.server import vllm_env
+
+    cache = (vllm_support.vllm_root() / "config" / "cache.py").read_text()
+    ignored = cache[cache.index("ignored_factors"):cache.index("}", cache.index("ignored_factors"))]
+    assert '"gpu_memory_utilization"' in ignored and '"kv_cache_memory_bytes"' in ignored
+    env = vllm_env(InferConfig(model="m"))
+    for var in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR"):
+        assert env.get(var) == os.environ.get(var), f"tidal leaves {var} as the user has it"

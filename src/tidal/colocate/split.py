@@ -195,7 +195,10 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
         if need <= room:
             break
     if need > room or share > 1:
-        got = f"estimate {est:.1f} GiB" + (f", measured peak {measured:.1f} GiB" if measured is not None else "")
+        got = f"estimate {est:.1f} GiB"
+        if measured is not None:
+            got += (", its calibration step ran out of memory on the empty GPU" if math.isinf(measured)
+                    else f", measured peak {measured:.1f} GiB")
         raise ConfigError(
             f"vLLM and the trainer do not both fit on this {total_gib:.1f} GiB GPU: vLLM needs "
             f"{share * total_gib + vllm.outside / GIB:.1f} GiB (KV cache {vllm.kv_cache / GIB:.1f} GiB for "
