@@ -69,6 +69,7 @@ def test_checkpointing_auto_turns_on_only_where_the_share_needs_it():
     on = plan_split(H100_GIB, need, sequences=128, seq_len=512, kv_bytes_arg=False, checkpointing="auto",
                     estimate_gib=lambda ckpt: room + 5 if not ckpt else 20.0, measure_gib=measured)
     assert on.gradient_checkpointing is True and on.kv_cache_memory_bytes is None
+    assert on.measured_gib == 10.0 and "measured 10.0 GiB" in on.notice() and "checkpointing on" in on.notice()
     assert calls == [True], "an estimate that does not fit is not measured"
     # a measured peak above the estimate decides too: off would not fit once measured
     calls.clear()

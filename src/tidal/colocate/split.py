@@ -154,6 +154,8 @@ class GpuSplit:
     gradient_checkpointing: bool
     sequences: int
     seq_len: int
+    measured_gib: float | None = None
+    """The calibration step's peak (reserved), when it was measured."""
 
     @property
     def vllm_gib(self) -> float:
@@ -166,11 +168,12 @@ class GpuSplit:
 
     def notice(self) -> str:
         kv = self.vllm.kv_cache / GIB
-        how = (f"kv_cache_memory_bytes {self.kv_cache_memory_bytes}, " if self.kv_cache_memory_bytes else "")
+        how = f"kv_cache_memory_bytes {self.kv_cache_memory_bytes}, " if self.kv_cache_memory_bytes else ""
+        basis = f"measured {self.measured_gib:.1f} GiB" if self.measured_gib is not None else "estimate"
         return (f"GPU ({self.total_gib:.1f} GiB): vLLM {self.vllm_gib:.1f} GiB ({how}gpu_memory_utilization "
                 f"{self.gpu_memory_utilization}: KV cache {kv:.1f} GiB for {self.sequences} sequences x {self.seq_len} "
                 f"tokens, weights {self.vllm.weights / GIB:.1f}, CUDA graphs + context {self.vllm.outside / GIB:.1f}); "
-                f"trainer needs {self.trainer_gib:.1f} of the {self.trainer_room_gib:.1f} GiB left (gradient "
+                f"trainer needs {self.trainer_gib:.1f} of the {self.trainer_room_gib:.1f} GiB left ({basis}, gradient "
                 f"checkpointing {'on' if self.gradient_checkpointing else 'off'})")
 
 
@@ -209,7 +212,7 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
             f"true, or run vLLM on another GPU (grpo-infer / grpo-orch / grpo-train)")
     return GpuSplit(total_gib=total_gib, vllm=vllm, gpu_memory_utilization=share,
                     kv_cache_memory_bytes=vllm.kv_cache if kv_bytes_arg else None, trainer_gib=need,
-                    gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len)
+                    gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len, measured_gib=measured)
 
 
 def max_num_seqs(infer: Any, total_gib: float) -> int:
