@@ -104,13 +104,13 @@ def register() -> None:
         if GLOO_BACKEND in WeightTransferEngineFactory._registry:
             return
         engine = _engine_cls()
-    except ImportError as exc:  # an older (or newer) vLLM: its start must go on; the push is refused up front
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, engine)
+    except (ImportError, AttributeError) as exc:  # another vLLM: its start must go on; the push is refused up front
         from tidal.inference.vllm_support import vllm_version
 
+        missing = exc.name if isinstance(exc, ImportError) and exc.name else repr(exc)
         log.info("tidal: vLLM %s lacks %s: the %s weight-transfer backend is not registered (weight_broadcast.type "
-                 "nccl unavailable with this vLLM)", vllm_version(), exc.name or exc, GLOO_BACKEND)
-        return
-    WeightTransferEngineFactory.register_engine(GLOO_BACKEND, engine)
+                 "nccl unavailable with this vLLM)", vllm_version(), missing, GLOO_BACKEND)
 
 
 def transfer_backend(on_cpu: bool) -> str:
