@@ -153,3 +153,13 @@ def test_float32_vllm_with_lora_on_a_gpu_is_refused_before_anything_starts():
     cpu = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", dtype="float32", enable_lora=True),
                           OrchConfig(), Machine(cores=(0, 1)))
     assert cpu.infer.dtype == "float32"
+
+
+def test_grpo_infer_alone_serves_auto_in_the_default_recipes_dtype():
+    """vLLM's own `--dtype auto` serves a float32 model in 16 bits: tidal never passes it."""
+    from tidal.inference.server import vllm_argv
+
+    argv = vllm_argv(InferConfig(model="tidal:tiny-reverse"))
+    assert argv[argv.index("--dtype") + 1] == "float32"  # this CPU machine: the CPU trainer's float32
+    argv = vllm_argv(InferConfig(model="tidal:tiny-reverse", dtype="bfloat16"))
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"

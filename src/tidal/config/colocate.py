@@ -363,13 +363,20 @@ def check_lora_dtype(infer: InferConfig, on_gpu: bool) -> None:
                           f"without LoRA (orch weight_broadcast.reload: merged and infer enable_lora: false)")
 
 
+def trainer_dtype(recipe: str, device: str) -> str:
+    """The dtype of the trainer's weights for train `recipe` on `device` (`tidal.trainer.model.resolve_dtype`):
+    float32 on CPU or with `recipe: fp32`, else bfloat16. Infer `dtype: auto` resolves to it (in `tidal grpo-infer`
+    alone, for the default `recipe: auto`), never to vLLM's own `auto`, which serves a float32 model in 16 bits."""
+    return "float32" if device == "cpu" or recipe == "fp32" else "bfloat16"
+
+
 def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
     """One precision for the run: infer `dtype: auto` becomes the trainer's weight dtype (bfloat16 on a GPU unless
     train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.resolve_dtype`), so vLLM samples the policy the
     trainer scores. An explicit dtype is kept, with a notice when it differs from the trainer's (measured on an
     H100: a float32 vLLM beside a bf16 trainer gave mismatch_kl 2e-3 to 9e-3 per step, against <= 1e-3 wanted);
     float32 with LoRA on a GPU is refused (`check_lora_dtype`). Returns (infer, notice or None)."""
-    trainer = "float32" if device == "cpu" or train.recipe == "fp32" else "bfloat16"
+    trainer = trainer_dtype(train.recipe, device)
     if infer.dtype == "auto":
         infer = infer.model_copy(update={"dtype": trainer})
     check_lora_dtype(infer, device == "cuda")

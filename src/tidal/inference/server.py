@@ -89,9 +89,12 @@ def on_cpu() -> bool:
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers, `tidal.inference.dp`)."""
+    from tidal.config.colocate import trainer_dtype
+
+    dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
             "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
-            "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
             "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp), "--max-logprobs", "1"]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
