@@ -57,6 +57,17 @@ def test_the_bundled_run_shape_sizes_vllm_by_need_on_the_h100():
     assert plan.vllm_gib + plan.trainer_room_gib == pytest.approx(H100_GIB)
 
 
+def test_servers_share_the_sequences_and_tensor_parallel_ranks_the_model():
+    orch = OrchConfig.model_validate({"batch_size": 256, "rollouts_per_example": 16, "seq_len": 512})
+    assert split.sequences_in_flight(orch, 1024) == 256 and split.sequences_in_flight(orch, 1024, servers=2) == 128
+    assert split.sequences_in_flight(orch, 100) == 100  # vLLM runs at most max_num_seqs at once
+    inflight = OrchConfig.model_validate({"batch_size": 64, "rollouts_per_example": 8, "async_mode": "in_flight"})
+    assert split.sequences_in_flight(inflight, 1024) == 128  # two batches' worth of groups
+    params = parameter_count(LLAMA_8B)
+    one, two = (vllm_need(LLAMA_8B, "bfloat16", 64, 1024, params, tp=tp) for tp in (1, 2))
+    assert two.weights == one.weights // 2 and two.kv_cache == one.kv_cache // 2 and two.outside == one.outside
+
+
 def test_checkpointing_auto_turns_on_only_where_the_share_needs_it():
     need = vllm_need(QWEN3_0_6B, "bfloat16", 128, 512, parameter_count(QWEN3_0_6B))
     room = H100_GIB - need.total / GIB

@@ -5,7 +5,8 @@ vLLM is sized by need, not by what is left (`vllm_need`):
 - **KV cache** for the largest number of tokens the run can have in vLLM at once: the sequences in flight (orch
   `batch_size` x `oversampling_factor` in `async_mode: gated`, where each batch samples all its groups and the
   pipeline drains between batches; `in_flight_groups` x `rollouts_per_example` in `async_mode: in_flight`; at
-  most vLLM's `max_num_seqs`) x orch `seq_len` tokens, rounded up to vLLM's 16-token blocks, plus
+  most vLLM's `max_num_seqs`; shared by infer `dp` servers, each on its own GPU) x orch `seq_len` tokens, rounded
+  up to vLLM's 16-token blocks, plus
   `KV_HEADROOM`. Bytes per token from the model's config (`kv_bytes_per_token`: layers x KV heads x head_dim x 2
   (K and V) x the dtype's bytes; GQA through `num_key_value_heads`, `head_dim` when the config has it, MLA's
   compressed latent where `kv_lora_rank` is set; sliding-window layers are counted as full ones, the safe side);
@@ -78,14 +79,15 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype: str) -> int:
     return layers * kv_heads * head_dim * 2 * b
 
 
-def sequences_in_flight(orch: Any, max_num_seqs: int) -> int:
-    """Sequences vLLM may hold at once for orch config `orch` (see the module doc), capped at `max_num_seqs`."""
+def sequences_in_flight(orch: Any, max_num_seqs: int, servers: int = 1) -> int:
+    """Sequences one of `servers` vLLM servers (infer `dp`; the orchestrator spreads requests over them) may hold
+    at once for orch config `orch` (see the module doc), capped at `max_num_seqs`."""
     if orch.async_mode == "in_flight":
         groups = orch.in_flight_groups or 2 * orch.batch_size // orch.rollouts_per_example
         n = groups * orch.rollouts_per_example
     else:
         n = math.ceil(orch.batch_size * orch.oversampling_factor)
-    return min(n, max_num_seqs)
+    return min(math.ceil(n / servers), max_num_seqs)
 
 
 def kv_need_bytes(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_len: int) -> int:
@@ -121,12 +123,14 @@ class VllmNeed:
         return self.budget + self.outside
 
 
-def vllm_need(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_len: int, params: int) -> VllmNeed:
-    """vLLM's need for `sequences` sequences of `seq_len` tokens of this model (`params` parameters) in `dtype`
-    (module doc)."""
-    return VllmNeed(weights=params * DTYPE_BYTES[dtype],
-                    profile=int(VLLM_PROFILE_FIXED_GIB * GIB) + profile_activation_bytes(model_config, dtype),
-                    kv_cache=kv_need_bytes(model_config, dtype, sequences, seq_len),
+def vllm_need(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_len: int, params: int,
+              tp: int = 1) -> VllmNeed:
+    """What one GPU of a vLLM server holds for `sequences` sequences of `seq_len` tokens of this model (`params`
+    parameters) in `dtype` (module doc); with tensor parallelism `tp` each GPU holds 1/tp of the weights and of
+    the KV cache (KV heads are split over the ranks)."""
+    return VllmNeed(weights=params * DTYPE_BYTES[dtype] // tp,
+                    profile=int(VLLM_PROFILE_FIXED_GIB * GIB) + profile_activation_bytes(model_config, dtype) // tp,
+                    kv_cache=kv_need_bytes(model_config, dtype, sequences, seq_len) // tp,
                     outside=int(VLLM_OUTSIDE_GIB * GIB))
 
 
@@ -246,8 +250,8 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.memory.measure_in_child`), None to use the estimate
     alone. (Handed in, so that this module depends on `tidal.config` only.)"""
     dtype = vllm_dtype(infer, model_config)
-    sequences = sequences_in_flight(orch, max_num_seqs(infer, total_gib))
-    need = vllm_need(model_config, dtype, sequences, orch.seq_len, params)
+    sequences = sequences_in_flight(orch, max_num_seqs(infer, total_gib), servers=infer.dp)
+    need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp)
     split = plan_split(total_gib, need, sequences=sequences, seq_len=orch.seq_len, kv_bytes_arg=kv_bytes_arg,
                        checkpointing=train.gradient_checkpointing,
                        estimate_gib=lambda ckpt: estimate_gib(train, ckpt),
