@@ -156,11 +156,16 @@ def gpu_split_for(model: str, calibrate: bool = True) -> Any:
     from tidal.inference.vllm_support import has_kv_cache_memory_bytes
     from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
 
+    def measure(train: TrainConfig, ckpt: bool) -> float | None:
+        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
+              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
+        return measure_in_child(train, ckpt)
+
     model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
     return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
                              kv_bytes_arg=has_kv_cache_memory_bytes(),
                              estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
-                             measure_gib=measure_in_child if calibrate else None)
+                             measure_gib=measure if calibrate else None)
 
 
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

@@ -174,3 +174,17 @@ def test_grpo_infer_alone_serves_auto_in_the_default_recipes_dtype():
     assert argv[argv.index("--dtype") + 1] == "float32"  # this CPU machine: the CPU trainer's float32
     argv = vllm_argv(InferConfig(model="tidal:tiny-reverse", dtype="bfloat16"))
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
+
+
+def test_tidal_grpo_wires_the_split_for_its_model_directory():
+    """`tidal grpo`'s split for the bundled model on a fake H100 (the real estimate, no calibration: CPU here)."""
+    from tidal.cli import gpu_split_for
+
+    model = "tidal:tiny-reverse"
+    co = derive_colocate(TrainConfig(model=model), InferConfig(model=model), OrchConfig(), GPU,
+                         gpu_split=gpu_split_for(model, calibrate=False))
+    assert co.infer.dtype == "bfloat16" and co.train.gradient_checkpointing is False
+    assert 0 < co.infer.gpu_memory_utilization <= 0.05  # not 0.98: a 13 MB model's KV cache and overhead
+    kv = int(co.infer.extra_args[co.infer.extra_args.index("--kv-cache-memory-bytes") + 1])
+    assert kv == split.kv_need_bytes({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                      "head_dim": 32, "hidden_size": 256}, "bfloat16", 128, 2048)
