@@ -33,8 +33,12 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from tidal.inference.weight_transfer import GLOO_BACKEND, register
 register()
 register()  # vLLM calls it in every process, maybe more than once
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-print(json.dumps({"registered": GLOO_BACKEND in WeightTransferEngineFactory._registry}))
+try:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+except ImportError:  # a vLLM without weight transfer at all
+    print(json.dumps({"registered": False, "factory": False}))
+else:
+    print(json.dumps({"registered": GLOO_BACKEND in WeightTransferEngineFactory._registry, "factory": True}))
 """
 
 
@@ -47,15 +51,15 @@ def probe(blocked: str) -> tuple[dict, str]:
 def test_the_plugin_registers_nothing_and_breaks_nothing_without_nccl_common():
     pytest.importorskip("vllm")
     got, log = probe("vllm.distributed.weight_transfer.nccl_common")
-    assert got == {"registered": False}
-    assert "nccl_common" in log and "not registered" in log
+    assert got["registered"] is False
+    assert "not registered" in log and ("nccl_common" in log or not got["factory"])
 
 
 def test_the_plugin_registers_the_gloo_engine_where_vllm_has_it():
     pytest.importorskip("vllm")
     if vllm_support.missing_for_nccl_push():
         pytest.skip("this vLLM has no weight-transfer engine")
-    assert probe("")[0] == {"registered": True}
+    assert probe("")[0] == {"registered": True, "factory": True}
 
 
 def fake_vllm(root: Path, *, nccl: bool, kv_bytes: bool) -> Path:
