@@ -176,21 +176,32 @@ class GRPOTrainer:
         (`tidal.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
         import tempfile
 
-        from tidal.assets import resolve_model
-        from tidal.cli import check_model, trainer_footprint_gib
-        from tidal.models.arch import read_arch
+        from tidal.cli import check_model
         from tidal.preflight import check_run
 
-        d = self.derived
         try:
             check_model(self.model, "GRPOTrainer(model=...)")
-            co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib,
-                                 moe=read_arch(resolve_model(self.model)).moe)
+            co = self.derive(calibrate=False)
             with tempfile.TemporaryDirectory(prefix="tidal-preflight-") as scratch:
                 check_run(co.train, co.infer, self.with_data(co.orch, Path(scratch)), self.reward_funcs, self.tooling)
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
         return co
+
+    def derive(self, calibrate: bool) -> Any:
+        """`derive_colocate` on this machine; `calibrate`: the GPU split measures the trainer's peak (one training
+        step on the GPU) instead of trusting the estimate alone."""
+        from tidal.assets import resolve_model
+        from tidal.cli import gpu_split_for
+        from tidal.models.arch import read_arch
+
+        d = self.derived
+        try:
+            return derive_colocate(d.train, d.infer, d.orch, Machine.detect(),
+                                   gpu_split=gpu_split_for(d.train.model, calibrate=calibrate),
+                                   moe=read_arch(resolve_model(self.model)).moe)
+        except ConfigError as exc:
+            raise RefusedConfig(str(exc)) from None
 
     def with_data(self, orch: Any, data: Path) -> Any:
         """A copy of `orch` whose dataset environments read the train / eval rows, written under `data`."""
@@ -213,6 +224,8 @@ class GRPOTrainer:
         from tidal.orchestrator import loop
 
         co = self.colocated  # derived and checked by the constructor (`preflight`)
+        if co.placement.device == "cuda":  # now the GPU split may measure the trainer (one step, before vLLM)
+            co = self.derive(calibrate=True)
         place = co.placement
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):

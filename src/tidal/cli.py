@@ -135,18 +135,35 @@ def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
     return paths
 
 
-def trainer_footprint_gib(train: TrainConfig) -> float:
-    """The trainer's estimated GPU footprint in GiB for `train` (`tidal.trainer.memory`, torch-free)."""
-    from tidal.trainer.memory import train_footprint_gib
+def gpu_split_for(model: str, calibrate: bool = True) -> Any:
+    """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
+    config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
+    measured on the GPU before vLLM starts (`tidal.trainer.memory.measure_in_child`)."""
+    import functools
+    import json
 
-    return train_footprint_gib(train)
+    from tidal.colocate.split import gpu_split
+    from tidal.inference.vllm_support import has_kv_cache_memory_bytes
+    from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
+
+    def measure(train: TrainConfig, ckpt: bool) -> float | None:
+        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
+              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
+        return measure_in_child(train, ckpt)
+
+    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
+    return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
+                             kv_bytes_arg=has_kv_cache_memory_bytes(),
+                             estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
+                             measure_gib=measure if calibrate else None)
 
 
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     info = read_arch(resolve_model(train.model))
+    # the GPU split's calibration (one training step on the GPU) only when the run really starts
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         trainer_gib=trainer_footprint_gib, moe=info.moe)
+                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe)
     from tidal.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
@@ -157,7 +174,9 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return 0
     place = co.placement
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
+    from tidal.inference.vllm_support import check_weight_transfer
 
+    check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
     try:
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
@@ -255,6 +274,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
     from tidal.trainer.health import MismatchError
+    from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom
     from tidal.transport.batch import BatchFormatError
 
     try:
@@ -265,8 +285,9 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         cfg = cfg.model_copy(update={"device": device,
                                      "cpu_affinity": distributed.rank_cores(cfg.cpu_affinity, ranks)})
     try:
-        grpo.run(cfg, run_dir, ranks)
-    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError) as exc:
+        with exits_on_oom(cfg):
+            grpo.run(cfg, run_dir, ranks)
+    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
     distributed.close(ranks)

@@ -37,11 +37,16 @@ class InferConfig(StrictModel):
     port: int = Field(8000, ge=1, le=65535)
     """Bind port."""
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    """Weights/activations dtype (`auto`: the model's dtype; float32 on CPU for the bundled model)."""
+    """Weights/activations dtype. `auto`: in `tidal grpo` the trainer's precision (bfloat16 on a GPU unless train
+    `recipe: fp32`, float32 on CPU; float32 with LoRA on a GPU is refused: vLLM's CUDA LoRA kernels take 16-bit
+    weights only); in `tidal grpo-infer` alone that of the default `recipe: auto` (bfloat16 on a GPU, float32 on
+    CPU). Never vLLM's own `auto`, which would serve a float32 model in 16 bits."""
     max_model_len: int | None = Field(None, ge=16)
     """Maximum context length (null: the model's)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs."""
+    """Run vLLM eagerly: no torch.compile and no CUDA graphs. A much faster first start (the 0.6B shape on an H100:
+    48 s of compilation and 34 s of graph capture saved) and no graph memory, for slower decoding (each step
+    launches its kernels one by one); later starts reuse vLLM's compile cache anyway (docs/gpu.md)."""
     trust_remote_code: bool = False
     """Allow custom model code from the model directory. The trainer has its own key (train
     `trust_remote_code`); `tidal grpo` makes an unset one follow this one and refuses two different values."""

@@ -311,10 +311,12 @@ class TrainConfig(StrictModel):
     skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
     before; much more memory at long rows). Architectures the chunked path does not know use full logits
     anyway (a warning says so). `tidal sft` computes its (label-smoothed) loss the same way."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
     decoder layer's input and recompute the layer in the backward. Much less activation memory for about a
-    third more compute; works with LoRA and packed rows."""
+    third more compute; works with LoRA and packed rows. `auto` (the default): off on CPU; in `tidal grpo` on a
+    GPU on exactly when the trainer's share of the GPU (what vLLM's need leaves) would not hold it without
+    (`tidal.colocate.split`); elsewhere on CUDA on when the estimate without it exceeds the GPU's free memory."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done."""
     logging_steps: int = Field(1, ge=1)

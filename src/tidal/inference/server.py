@@ -89,9 +89,12 @@ def on_cpu() -> bool:
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers, `tidal.inference.dp`)."""
+    from tidal.config.colocate import trainer_dtype
+
+    dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
             "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
-            "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
             "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp), "--max-logprobs", "1"]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
@@ -169,10 +172,14 @@ def serve(cfg: InferConfig) -> int:
     supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
+    from tidal.config.colocate import check_lora_dtype
     from tidal.inference import dp
+    from tidal.inference.vllm_support import check_weight_transfer
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
     check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)
+    check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
+    check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
     if cfg.dp == 1:
         exec_server(cfg)
     host = bind_host(cfg.host)

@@ -213,7 +213,9 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
                  "included)", kind.upper(), r["layers"], r["params"] / 1e6, r["bytes"] / 2**20, r["bytes_per_param"])
-    if cfg.gradient_checkpointing:
+    from tidal.trainer.memory import resolve_checkpointing
+
+    if resolve_checkpointing(cfg, device):  # `auto`: off on CPU; on CUDA when the estimate needs it
         enable_gradient_checkpointing(model)
     model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)
     if cfg.lora:
