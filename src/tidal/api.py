@@ -170,7 +170,7 @@ class GRPOTrainer:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
         from tidal.cli import check_model, prepare_run_dir, trainer_footprint_gib, write_configs
         from tidal.envs import make_env
-        from tidal.inference.server import check_bind_secure, check_port_free
+        from tidal.inference.backends.vllm.server import check_bind_secure, check_port_free
         from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop

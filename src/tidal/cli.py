@@ -164,7 +164,12 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
                          trainer_gib=trainer_footprint_gib, moe=info.moe)
     place = co.placement
     check_trainer_side(co.train, info)
-    from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
+    from tidal.inference.backends.vllm.server import (
+        InsecureBindError,
+        PortInUseError,
+        check_bind_secure,
+        check_port_free,
+    )
 
     try:
         check_bind_secure(co.infer)
@@ -193,11 +198,12 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
-    from tidal.inference.dp import PlacementError
-    from tidal.inference.server import InsecureBindError, PortInUseError, serve
+    from tidal.inference.backends.launch import serve
+    from tidal.inference.backends.vllm.dp import PlacementError
+    from tidal.inference.backends.vllm.server import InsecureBindError, PortInUseError
 
     try:
-        return serve(cfg)  # dp 1: becomes vLLM (does not return); dp N: supervises N servers
+        return serve(cfg)  # dp 1: becomes the server (does not return); dp N: supervises N servers
     except (PortInUseError, InsecureBindError, PlacementError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -220,7 +226,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.client import InferenceError, InferenceUnreachable, NotMultimodal
+    from tidal.inference.protocol import InferenceError, InferenceUnreachable, NotMultimodal
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
