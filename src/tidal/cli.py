@@ -164,6 +164,10 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
                          trainer_gib=trainer_footprint_gib, moe=info.moe)
     place = co.placement
     check_trainer_side(co.train, info)
+    if co.infer.backend == "sglang":  # before anything starts: no SGLang on a machine without CUDA
+        from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
+
+        check_runnable(has_cuda(), sglang_installed())
     from tidal.inference.backends.vllm.server import (
         InsecureBindError,
         PortInUseError,
