@@ -230,7 +230,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.protocol import InferenceError, InferenceUnreachable, NotMultimodal
+    from tidal.inference.protocol import BackendUnsupported, InferenceError, InferenceUnreachable, NotMultimodal
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
@@ -248,7 +248,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
-    except NotMultimodal as exc:  # the model and the environment do not fit: bad input, not a failure to retry
+    except (NotMultimodal, BackendUnsupported) as exc:  # the run cannot be served: bad input, not a failure to retry
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 2
     return 0

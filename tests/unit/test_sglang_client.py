@@ -24,7 +24,7 @@ import pytest
 from tidal.config.orch import ClientSection, SamplingSection
 from tidal.inference.backends import make_client
 from tidal.inference.backends.sglang.client import SglangClient
-from tidal.inference.protocol import InferenceError, NotMultimodal
+from tidal.inference.protocol import BackendUnsupported, InferenceError
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 
 VOCAB, EOS = 16, 0
@@ -293,7 +293,7 @@ def test_errors_name_the_server_and_the_reason(fake):
 
     with pytest.raises(InferenceError, match=r"/generate -> HTTP 400.*gone is not loaded"):
         with_client(url, stale)
-    with pytest.raises(NotMultimodal, match="SGLang client samples token ids only"):
+    with pytest.raises(BackendUnsupported, match="SGLang client samples token ids only"):
         with_client(url, lambda c: c.sample_chat("m", [], [1], 1, 3, 1.0))
 
 
@@ -310,7 +310,7 @@ def test_tokenize_renders_chat_on_the_server_and_refuses_no_generation_prompt(fa
     body = state.seen[-1][1]
     assert body["chat_template_kwargs"] == {"enable_thinking": False} and "add_generation_prompt" not in body
     assert with_client(url, lambda c: c.tokenize_text("m", "ab")) == [ord("a") % VOCAB, ord("b") % VOCAB]
-    with pytest.raises(InferenceError, match="always appends the generation prompt"):
+    with pytest.raises(BackendUnsupported, match="always appends the generation prompt"):
         with_client(url, lambda c: c.tokenize_chat("m", msgs, add_generation_prompt=False))
 
 

@@ -27,6 +27,10 @@ class NotMultimodal(ValueError):
     """A prompt holds images but the served model takes text only (not retried: the run cannot go on)."""
 
 
+class BackendUnsupported(ValueError):
+    """The run asks for something its inference backend cannot do (not retried: the run cannot go on)."""
+
+
 @dataclass
 class Completion:
     """One sampled completion: its token ids, their logprobs under the sampling distribution, its text."""

@@ -14,7 +14,8 @@ Request and response shapes are SGLang 0.5.16's (read from its wheel: `sglang/sr
   defaults (tidal's) the two agree (docs/sglang.md).
 - prompts: `/tokenize` (SGLang serves vLLM's fields: `messages`, `tools`, `chat_template_kwargs`, `prompt`,
   `add_special_tokens`; answer `tokens`). SGLang always renders the generation prompt, so
-  `add_generation_prompt=False` (tool environments' splicing, `tidal.orchestrator.toolloop`) is refused.
+  `add_generation_prompt=False` (tool environments' splicing, `tidal.orchestrator.toolloop`) is refused
+  (`BackendUnsupported`, which stops the orchestrator with exit 2), as are prompts with images (`sample_chat`).
 - teacher logprobs: `/generate` with `logprob_start_len: 0`, `max_new_tokens: 1`; `meta_info.input_token_logprobs`.
 - weights: LoRA adapters with `/load_lora_adapter` {`lora_name`, `lora_path`} and `/unload_lora_adapter`
   {`lora_name`}, then `lora_path: <name>` per `/generate` request; merged weights with `/update_weights_from_disk`
@@ -35,7 +36,7 @@ import httpx
 
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
-from tidal.inference.protocol import Completion, InferenceError, NotMultimodal, server_root
+from tidal.inference.protocol import BackendUnsupported, Completion, InferenceError, server_root
 
 log = logging.getLogger("tidal.client")
 
@@ -87,7 +88,7 @@ class SglangClient(VllmClient):
         """Token ids of `messages` rendered by the server's chat template with the generation prompt (SGLang
         always appends it), the template getting `client.chat_template_kwargs` and the tools' schemas."""
         if not add_generation_prompt:
-            raise InferenceError("SGLang's /tokenize always appends the generation prompt (sglang 0.5.16, "
+            raise BackendUnsupported("SGLang's /tokenize always appends the generation prompt (sglang 0.5.16, "
                                  "serving_chat.py), so tool environments cannot splice tool results with the SGLang "
                                  "backend yet; use backend vllm for tools")
         payload: dict[str, Any] = {"model": model, "messages": messages, "add_special_tokens": False}
@@ -119,8 +120,8 @@ class SglangClient(VllmClient):
     async def sample_chat(self, model: str, messages: list[dict[str, Any]], prompt_ids: list[int], n: int,
                           max_tokens: int, temperature: float, seed: int | None = None,
                           extra: dict[str, Any] | None = None) -> list[Completion]:
-        raise NotMultimodal("prompts with images are sampled through vLLM's chat API; tidal's SGLang client samples "
-                            "token ids only (use backend vllm for vision-language models)")
+        raise BackendUnsupported("prompts with images are sampled through vLLM's chat API; tidal's SGLang client "
+                                 "samples token ids only (use backend vllm for vision-language models)")
 
     async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
         """Untempered logprob of every token of `token_ids` given the ones before it (the first gets 0)."""
