@@ -52,6 +52,7 @@ class FakeSglang:
         self.adapters: dict[str, str] = {}
         self.version = "default"
         self.abort_next = False
+        self.deterministic = True
 
     def generate_one(self, ids: list[int], sp: dict[str, Any], with_text: bool, start: int | None,
                      rng: np.random.Generator) -> dict[str, Any]:
@@ -133,6 +134,8 @@ class FakeSglang:
             return 200, {"object": "list", "data": [{"id": "m"}, *({"id": a} for a in self.adapters)]}
         if path == "/health":
             return 200, {}
+        if path == "/server_info":  # dataclasses.asdict(server_args) + scheduler info
+            return 200, {"tp_size": 1, "enable_deterministic_inference": self.deterministic}
         if path == "/model_info":
             return 200, {"model_path": "/models/m", "weight_version": self.version, "is_generation": True}
         return 404, {"detail": "Not Found"}
@@ -198,6 +201,14 @@ def test_samples_are_token_ids_with_logprobs_after_temperature(fake):
     assert "lora_path" not in body, "the base model is sampled without an adapter"
 
 
+def test_seeded_requests_need_a_deterministic_server(fake):
+    state, url = fake
+    state.deterministic = False
+    with_client(url, lambda c: c.sample("m", [1], 2, 4, 1.0))  # unseeded: fine
+    with pytest.raises(BackendUnsupported, match="--enable-deterministic-inference"):
+        with_client(url, lambda c: c.sample("m", [1], 2, 4, 1.0, seed=3))
+
+
 def test_orchestrator_sampling_keys_are_renamed_and_unknown_ones_refused(fake):
     state, url = fake
     sampling = SamplingSection(temperature=1.0, max_tokens=6, min_tokens=3, top_p=0.9, top_k=5,
@@ -206,6 +217,8 @@ def test_orchestrator_sampling_keys_are_renamed_and_unknown_ones_refused(fake):
     assert all(len(c.token_ids) >= 3 for c in comps), "min_tokens reached SGLang as min_new_tokens"
     sp = state.seen[-1][1]["sampling_params"][0]
     assert (sp["min_new_tokens"], sp["top_p"], sp["top_k"], sp["repetition_penalty"]) == (3, 0.9, 5, 1.1)
+    with_client(url, lambda c: c.sample("m", [1], 1, 4, 1.0, extra={"skip_special_tokens": False}))
+    assert state.seen[-1][1]["sampling_params"][0]["skip_special_tokens"] is False, "tool markers must survive"
     with pytest.raises(InferenceError, match="'logit_bias' has no SGLang equivalent"):
         with_client(url, lambda c: c.sample("m", [1], 1, 4, 1.0, extra={"logit_bias": {}}))
 

@@ -5,7 +5,8 @@ Request and response shapes are SGLang 0.5.16's (read from its wheel: `sglang/sr
 
 - rollouts, token in / token out: `POST /generate` with `input_ids` (a batch: the prompt once per completion),
   `sampling_params` per completion (`max_new_tokens`, `temperature`, `top_p`, ..., `sampling_seed`: seed + i,
-  since one `n: N` request with one seed would give N copies of the same sample), `return_logprob: true` and
+  since one `n: N` request with one seed would give N copies of the same sample; SGLang honours seeds only when
+  started with `--enable-deterministic-inference`, which seeded requests therefore require), `return_logprob: true` and
   `return_text_in_logprobs: true`; each answer holds `output_ids`, `text` and `meta_info.output_token_logprobs`
   (`[logprob, token_id, token_text]` per sampled token) and `meta_info.finish_reason` (`{"type": "stop" |
   "length" | "abort", ...}`). With `SGLANG_RETURN_ORIGINAL_LOGPROB` off (tidal's server sets it), the logprobs are
@@ -41,9 +42,10 @@ from tidal.inference.protocol import BackendUnsupported, Completion, InferenceEr
 log = logging.getLogger("tidal.client")
 
 SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "top_p": "top_p",
-                 "top_k": "top_k", "min_p": "min_p", "stop": "stop", "include_stop_str_in_output": "no_stop_trim"}
-"""The orchestrator's sampling keys (vLLM's names, `tidal.orchestrator.sampling.extra_sampling` and multi-turn
-`stop`) -> SGLang's `sampling_params` names; any other key is an error, never dropped."""
+                 "top_k": "top_k", "min_p": "min_p", "stop": "stop", "include_stop_str_in_output": "no_stop_trim",
+                 "skip_special_tokens": "skip_special_tokens"}
+"""The orchestrator's sampling keys (vLLM's names: `tidal.orchestrator.sampling.extra_sampling`, multi-turn `stop`,
+the tool loop's `skip_special_tokens`) -> SGLang's `sampling_params` names; any other key is an error, never dropped."""
 
 
 def sampling_params(max_tokens: int, temperature: float, seed: int | None,
@@ -82,6 +84,19 @@ class SglangClient(VllmClient):
     def __init__(self, cfg: ClientSection) -> None:
         super().__init__(cfg)
         self.adapters: set[str] = set()
+        self._seeded: dict[str, bool] = {}  # server root -> started with --enable-deterministic-inference
+
+    async def _check_seeds(self, root: str) -> None:
+        """SGLang uses `sampling_seed` only with `--enable-deterministic-inference` (`SamplingBatchInfo`: the seed
+        tensor is None otherwise), so seeded requests (orch `sampling.seed`) need a server started with it."""
+        if root not in self._seeded:
+            r = await self.http.get(f"{root}/server_info", timeout=30.0)
+            self._seeded[root] = r.status_code == 200 and bool(r.json().get("enable_deterministic_inference"))
+        if not self._seeded[root]:
+            raise BackendUnsupported(f"orch sampling.seed is set, but SGLang at {root} ignores request seeds unless "
+                                     "started with --enable-deterministic-inference (add it to infer extra_args, "
+                                     "with --sampling-backend pytorch when top-p/top-k are set) or drop "
+                                     "sampling.seed")
 
     async def tokenize_chat(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True) -> list[int]:
@@ -106,7 +121,10 @@ class SglangClient(VllmClient):
                      seed: int | None = None, extra: dict[str, Any] | None = None) -> list[Completion]:
         """`n` completions of `prompt_ids` through `/generate` (one batch of `n` requests, completion i seeded with
         `seed + i`), with token ids and behaviour logprobs."""
-        url = f"{server_root(self.urls[next(self._rr)])}/generate"
+        root = server_root(self.urls[next(self._rr)])
+        if seed is not None:
+            await self._check_seeds(root)
+        url = f"{root}/generate"
         params = [sampling_params(max_tokens, temperature, None if seed is None else seed + i, extra)
                   for i in range(n)]
         payload = {"input_ids": [list(prompt_ids)] * n, "sampling_params": params, "return_logprob": True,
