@@ -8,9 +8,8 @@
 # the rest from sglang's own Requires-Dist (linux x86_64, CPython 3.12); left out are torch and what pins it (the
 # image's torch stays), CUDA toolkit wheels (nvidia-*: the image's torch brings its own), the kernel libraries
 # only some models or backends use (flash-attn-4, cutlass-dsl, tilelang, helion, humming, tokenspeed-mla,
-# deep-gemm, quack), and every wheel the image already has (../shared/gpu-kit/on-gpu-image.txt). SGLang pins
-# transformers==5.12.1; the image has 5.17.0, which is kept (tidal's trainer uses it; SGLang's pin is not checked
-# at run time). tidal then starts SGLang with `--attention-backend triton --sampling-backend pytorch` through infer
+# deep-gemm, quack), and every wheel the image already has (../shared/gpu-kit/on-gpu-image.txt) except KEEP
+# (below). tidal then starts SGLang with `--attention-backend triton --sampling-backend pytorch` through infer
 # `extra_args` if flashinfer's JIT cannot build there (no nvcc on the image).
 # On the GPU machine: `bash .sglang-kit/stash.sh pN` per part (carrying .sglang-kit/parts/dpN and stash.sh), then
 # `source .sglang-kit/install.sh && ...` in the command that runs tidal (docs/sglang.md has the exact commands).
@@ -21,6 +20,10 @@ PY=${PYTHON:-python3}
 SGLANG=${SGLANG_VERSION:-0.5.16}
 KERNEL=${SGLANG_KERNEL_VERSION:-0.4.5}
 PART=${PART_SIZE:-60M}
+# Packed even though the image has them: sglang 0.5.16 registers a `qwen3_asr` config, which transformers >= 5.17
+# (the image's) already defines ("'qwen3_asr' is already used by a Transformers config" at import: seen here with
+# 5.19), so it needs its own pin (5.12.1) and that pin's tokenizers.
+KEEP='^(transformers|tokenizers|huggingface-hub)$'
 LEAVE_OUT='^(torch|torchaudio|torchvision|torchcodec|triton|nvidia-(?!ml-py).*|cuda-toolkit|flash-attn-4|nvidia-cutlass-dsl|tilelang|helion|humming-kernels|tokenspeed-mla|sgl-deep-gemm|quack-kernels|flashinfer-cubin|flashinfer-jit-cache)$'
 EXCLUDE=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
 mkdir -p "$(dirname "$EXCLUDE")" && { grep -qx "/$OUT/" "$EXCLUDE" 2>/dev/null || echo "/$OUT/" >> "$EXCLUDE"; }
@@ -36,14 +39,14 @@ mkdir -p "$OUT/work/stubs" && $PY "$(dirname "$0")/sglang_bundle_stubs.py" "$OUT
 $PY -m pip install -q --dry-run --ignore-installed --target "$OUT/work/none" "${PLAT[@]}" --report "$OUT/work/report.json" \
   --find-links "$OUT/work/stubs" "sglang==$SGLANG" "sglang-kernel==$KERNEL"
 # 2. What to pack: the resolved pins minus LEAVE_OUT and minus what the GPU image has.
-$PY - "$OUT/work/report.json" "$KIT/on-gpu-image.txt" "$LEAVE_OUT" > "$OUT/work/pack.txt" <<'PYEOF'
+$PY - "$OUT/work/report.json" "$KIT/on-gpu-image.txt" "$LEAVE_OUT" "$KEEP" > "$OUT/work/pack.txt" <<'PYEOF'
 import json, re, sys
 have = {l.strip().lower().replace("-", "_") for l in open(sys.argv[2]) if l.strip()}
-leave = re.compile(sys.argv[3])
+leave, keep = re.compile(sys.argv[3]), re.compile(sys.argv[4])
 for item in json.load(open(sys.argv[1]))["install"]:
     name, version = item["metadata"]["name"], item["metadata"]["version"]
-    key = name.lower().replace("-", "_").replace(".", "_")
-    if leave.match(name.lower().replace("_", "-")) or (key in have and key not in ("sglang", "sglang_kernel")):
+    key, dashed = name.lower().replace("-", "_").replace(".", "_"), name.lower().replace("_", "-")
+    if leave.match(dashed) or (key in have and not keep.match(dashed) and key not in ("sglang", "sglang_kernel")):
         print(f"# left out: {name}=={version}", file=sys.stderr)
         continue
     print(f"{name}=={version}")
