@@ -50,7 +50,7 @@ class FakeSglang:
     def __init__(self) -> None:
         self.seen: list[tuple[str, Any]] = []
         self.adapters: dict[str, str] = {}
-        self.version = "default"
+        self.version = "tidal-launch-1000"  # tidal's launcher: --weight-version tidal-launch-<ns>
         self.abort_next = False
         self.deterministic = True
 
@@ -281,6 +281,20 @@ def test_weights_reload_from_disk_and_versions_come_from_model_info(fake):
     assert with_client(url, go) == {"before": 0, "after": 7}
     with pytest.raises(InferenceError, match="update_weights_from_disk -> HTTP 400.*Failed to load"):
         with_client(url, lambda c: c.reload_weights("/run/missing"))
+
+
+def test_a_restart_is_noticed_by_its_new_launch_stamp_not_by_pushes(fake):
+    state, url = fake
+
+    async def go(c: SglangClient) -> list[float | None]:
+        seen = [next(iter((await c.server_epochs()).values()))]
+        state.version = "3"  # a push (or a reload with a version) replaces the stamp: no restart
+        seen.append(next(iter((await c.server_epochs()).values())))
+        state.version = "tidal-launch-2000"  # restarted
+        seen.append(next(iter((await c.server_epochs()).values())))
+        return seen
+
+    assert with_client(url, go) == [1000.0, 1000.0, 2000.0]
 
 
 def test_teacher_prompt_logprobs_are_untempered_input_logprobs(fake):

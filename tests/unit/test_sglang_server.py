@@ -14,6 +14,14 @@ from tidal.config.load import ConfigError
 from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_argv, sglang_env
 
 
+def argv_of(cfg: InferConfig) -> list[str]:
+    """The command line without its launch stamp (`--weight-version tidal-launch-<ns>`, new at every call)."""
+    argv = sglang_argv(cfg)
+    i = argv.index("--weight-version")
+    assert argv[i + 1].startswith("tidal-launch-")
+    return argv[:i] + argv[i + 2:]
+
+
 def value_after(argv: list[str], flag: str) -> str:
     assert flag in argv, f"{flag} missing from {argv}"
     return argv[argv.index(flag) + 1]
@@ -55,8 +63,8 @@ def test_every_infer_key_is_mapped_refused_or_needs_no_argument():
 @pytest.mark.parametrize("key", sorted(MAPPED))
 def test_a_mapped_key_changes_the_sglang_command_line(key):
     value, check = MAPPED[key]
-    base = sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang"))
-    argv = sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang", **{key: value}))
+    base = argv_of(InferConfig(model="tidal:tiny-reverse", backend="sglang"))
+    argv = argv_of(InferConfig(model="tidal:tiny-reverse", backend="sglang", **{key: value}))
     assert argv != base, f"{key}={value!r} did not change the command line"
     assert check(argv), f"{key}={value!r}: {argv}"
 
@@ -67,6 +75,9 @@ def test_model_is_served_under_its_configured_name_and_lora_targets_everything()
     assert value_after(argv, "--served-model-name") == "tidal:tiny-reverse"
     assert value_after(argv, "--model-path").endswith("tiny-reverse")
     assert value_after(argv, "--max-lora-rank") == "16" and value_after(argv, "--lora-target-modules") == "all"
+    stamps = {value_after(sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang")), "--weight-version")
+              for _ in range(2)}
+    assert len(stamps) == 2, "every start gets its own launch stamp (how the client notices a restart)"
 
 
 def test_the_api_key_comes_from_the_environment_and_logprobs_are_after_temperature(monkeypatch):

@@ -41,6 +41,11 @@ from tidal.inference.protocol import BackendUnsupported, Completion, InferenceEr
 
 log = logging.getLogger("tidal.client")
 
+LAUNCH_VERSION = "tidal-launch-"
+"""Prefix of the weight version each server starts with (`--weight-version tidal-launch-<ns>`, tidal's launcher):
+SGLang reports no process start time, so this stamp, which only a restart brings back, is how the client notices
+one (`SglangClient.server_epochs`)."""
+
 SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "top_p": "top_p",
                  "top_k": "top_k", "min_p": "min_p", "stop": "stop", "include_stop_str_in_output": "no_stop_trim",
                  "skip_special_tokens": "skip_special_tokens"}
@@ -85,6 +90,7 @@ class SglangClient(VllmClient):
         super().__init__(cfg)
         self.adapters: set[str] = set()
         self._seeded: dict[str, bool] = {}  # server root -> started with --enable-deterministic-inference
+        self._launches: dict[str, float] = {}  # server URL -> the launch stamp it reported last
 
     async def _check_seeds(self, root: str) -> None:
         """SGLang uses `sampling_seed` only with `--enable-deterministic-inference` (`SamplingBatchInfo`: the seed
@@ -177,21 +183,35 @@ class SglangClient(VllmClient):
                 log.warning("unloading adapter %s: %s", name, r)
 
     async def server_epochs(self) -> dict[str, float | None]:
-        """None for every server: SGLang exposes no process start time (its /metrics are multiprocess counters),
-        so a restart is noticed by the failed request it causes (an unknown adapter) or, with nccl pushes, by its
-        weight version going back to the base's (docs/sglang.md)."""
-        return dict.fromkeys(self.urls)
+        """Each server's launch stamp (`--weight-version tidal-launch-<ns>` from tidal's launcher, in `/model_info`),
+        which changes when it restarts; SGLang exposes no process start time. A pushed or reloaded version
+        replaces the stamp until the next restart, so the last stamp seen stands; None: never seen one (a server
+        not started by tidal, or no answer)."""
+        async def one(url: str) -> float | None:
+            version = await self._version(url)
+            if version is not None and version.startswith(LAUNCH_VERSION) and version[len(LAUNCH_VERSION):].isdigit():
+                self._launches[url] = float(version[len(LAUNCH_VERSION):])
+            return self._launches.get(url)
+
+        return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
+
+    async def _version(self, url: str) -> str | None:
+        """`/model_info`'s `weight_version` (None: no answer)."""
+        try:
+            r = await self.http.get(f"{server_root(url)}/model_info", timeout=10.0)
+            version = r.json().get("weight_version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return version if isinstance(version, str) else None
 
     async def weight_versions(self) -> dict[str, int]:
         """Each server's weight version (`/model_info` `weight_version`: the step a trainer pushed over NCCL), 0 for
         base weights (`default`) and -1 for a server that does not answer."""
         async def one(url: str) -> int:
-            try:
-                r = await self.http.get(f"{server_root(url)}/model_info", timeout=10.0)
-                version = r.json().get("weight_version") if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
+            version = await self._version(url)
+            if version is None:
                 return -1
-            return int(version) if isinstance(version, str) and version.isdigit() else 0
+            return int(version) if version.isdigit() else 0
 
         return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
 

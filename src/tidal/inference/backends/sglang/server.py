@@ -22,6 +22,7 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 | weight_broadcast_type, weight_reload | no argument: SGLang always serves `/update_weights_from_disk` and the |
 | | distributed update routes |
 | extra_args | appended verbatim |
+| (always) | `--weight-version tidal-launch-<ns>`: the start stamp the client notices restarts by (`LAUNCH_VERSION`) |
 
 The keys in `tidal.config.infer.SGLANG_UNMAPPED` have no equivalent and exit 2 when set. The server always runs
 with `SGLANG_RETURN_ORIGINAL_LOGPROB=false`: its sampled-token logprobs are then those of the temperature-scaled
@@ -35,10 +36,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 
 from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
+from tidal.inference.backends.sglang.client import LAUNCH_VERSION
 from tidal.inference.backends.vllm.server import bind_host, check_bind_secure, check_port_free
 
 API_KEY_VAR = "VLLM_API_KEY"
@@ -50,7 +53,8 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", resolve_model(cfg.model),
             "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
             "--dtype", cfg.dtype, "--tp-size", str(cfg.tp), "--random-seed", str(cfg.seed),
-            "--mem-fraction-static", str(cfg.gpu_memory_utilization)]
+            "--mem-fraction-static", str(cfg.gpu_memory_utilization),
+            "--weight-version", f"{LAUNCH_VERSION}{time.time_ns()}"]
     if cfg.max_model_len:
         argv += ["--context-length", str(cfg.max_model_len)]
     if cfg.enforce_eager:
