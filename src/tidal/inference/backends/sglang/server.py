@@ -132,4 +132,4 @@ def serve(cfg: InferConfig) -> int:
     plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ, cpu=False), cores, os.environ)
     for plan in plans:
         check_port_free(host, plan.port)
-    return dp.run_servers(cfg, plans, host, sglang_argv, sglang_env(cfg))
+    return dp.run_servers(cfg, plans, host, sglang_argv, sglang_env(cfg), engine="SGLang")

@@ -171,7 +171,7 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(signum)
 
 
-def _note_ready(servers: list[_Server], host: str) -> None:
+def _note_ready(servers: list[_Server], host: str, engine: str) -> None:
     import httpx
 
     for s in servers:
@@ -179,15 +179,16 @@ def _note_ready(servers: list[_Server], host: str) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 s.ready = httpx.get(f"http://{host}:{s.plan.port}/health", timeout=1.0).status_code == 200
             if s.ready:
-                print(f"[tidal] vLLM server {s.plan.index} ready on port {s.plan.port}", flush=True)
+                print(f"[tidal] {engine} server {s.plan.index} ready on port {s.plan.port}", flush=True)
                 if all(x.ready for x in servers):
-                    print(f"[tidal] all {len(servers)} vLLM servers ready", flush=True)
+                    print(f"[tidal] all {len(servers)} {engine} servers ready", flush=True)
 
 
 def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str, argv_of: Callable[[InferConfig], list[str]],
-                common: Mapping[str, str]) -> int:
+                common: Mapping[str, str], engine: str = "vLLM") -> int:
     """Start one vLLM server per plan (command line `argv_of(cfg with the plan's port and seed)`, environment
-    `common` plus the plan's) and supervise them; returns the exit code (1 when a server exited on its own,
+    `common` plus the plan's; `engine` names them in the log: `SGLang` for `tidal.inference.backends.sglang`) and
+    supervise them; returns the exit code (1 when a server exited on its own,
     128 + the signal's number after SIGINT / SIGTERM). The caller has checked the ports and the bind address."""
     from tidal.reaper import start_reaper
 
@@ -197,17 +198,17 @@ def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str, argv_of: C
     loopback = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     try:
         for p in plans:
-            placed = ", ".join(f"{k}={v}" for k, v in p.env.items()) or "vLLM's own placement"
-            print(f"[tidal] starting vLLM server {p.index} of {len(plans)} on port {p.port} ({placed})", flush=True)
+            placed = ", ".join(f"{k}={v}" for k, v in p.env.items()) or f"{engine}'s own placement"
+            print(f"[tidal] starting {engine} server {p.index} of {len(plans)} on port {p.port} ({placed})", flush=True)
             argv = argv_of(cfg.model_copy(update={"port": p.port, "seed": p.seed}))
             servers.append(_Server(p, argv, {**common, **p.env}))
         while True:
             for s in servers:
                 if (code := s.proc.poll()) is not None:
-                    print(f"[tidal] vLLM server {s.plan.index} (port {s.plan.port}) exited with code {code}; "
+                    print(f"[tidal] {engine} server {s.plan.index} (port {s.plan.port}) exited with code {code}; "
                           f"stopping the other {len(servers) - 1}", file=sys.stderr, flush=True)
                     return code or 1
-            _note_ready(servers, loopback)
+            _note_ready(servers, loopback, engine)
             time.sleep(0.5)
     except _Stop as stop:
         return 128 + stop.signum
