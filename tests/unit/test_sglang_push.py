@@ -22,3 +22,26 @@ def test_make_pusher_picks_the_backend_and_sglang_refuses_a_cpu_trainer():
     pusher.close()
     with pytest.raises(ValueError, match="backend sglang needs the trainer on a CUDA GPU"):
         make_pusher(config("sglang"), torch.device("cpu"))
+
+
+def test_group_ranks_follow_each_servers_tp_size():
+    from tidal.trainer.weight_push_sglang import rank_offsets
+
+    assert rank_offsets([1]) == ([1], 2)
+    assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8), "server i's workers sit after the previous servers' workers"
+
+
+def test_the_update_request_announces_what_is_broadcast_in_sglangs_fields():
+    from tidal.assets import resolve_model
+    from tidal.trainer.broadcast import policy_weight_specs, policy_weights
+    from tidal.trainer.model import load_base_model
+    from tidal.trainer.weight_push_sglang import update_request
+
+    model = load_base_model(resolve_model("tidal:tiny-reverse"), torch.device("cpu"), torch.bfloat16)
+    body = update_request(policy_weight_specs(model), 5)
+    sent = list(policy_weights(model))
+    assert body["names"] == [n for n, _ in sent], "names in the order rank 0 broadcasts the tensors"
+    assert body["dtypes"] == [str(t.dtype).removeprefix("torch.") for _, t in sent]
+    assert body["shapes"] == [list(t.shape) for _, t in sent]
+    assert body["weight_version"] == "5" and body["flush_cache"] is True
+    assert all(hasattr(torch, d) for d in body["dtypes"]), "SGLang reads each dtype as getattr(torch, name)"

@@ -40,6 +40,20 @@ def server_root(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
+def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Each server's first rank in the group (rank 0 is the trainer) and the group's size."""
+    return [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))], 1 + sum(tp_sizes)
+
+
+def update_request(specs: list[tuple[str, torch.dtype, list[int]]], step: int) -> dict[str, Any]:
+    """The `/update_weights_from_distributed` body announcing the tensors `specs` (name, dtype, shape), in the
+    order rank 0 broadcasts them, as policy version `step`."""
+    return {"names": [name for name, _, _ in specs],
+            "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
+            "shapes": [list(shape) for _, _, shape in specs], "group_name": GROUP, "flush_cache": True,
+            "weight_version": str(step)}
+
+
 class SglangWeightPusher:
     """Broadcasts policies into the SGLang servers at `urls` (their `/v1` base URLs)."""
 
@@ -77,9 +91,7 @@ class SglangWeightPusher:
         """Open the process group: rank 0 here, each server's workers after the previous server's."""
         from sglang.srt.utils import init_custom_process_group  # the servers join through the same function
 
-        sizes = self._tp_sizes()
-        world = 1 + sum(sizes)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        offsets, world = rank_offsets(self._tp_sizes())
         ex = ThreadPoolExecutor(len(self.roots))  # the workers join inside /init_weights_update_group
         try:
             futures = [ex.submit(self._post, r, "init_weights_update_group",
@@ -123,10 +135,7 @@ class SglangWeightPusher:
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
         extra = self.extra(model, step) if self.extra is not None else {}
         specs = policy_weight_specs(model) + [(k, t.dtype, list(t.shape)) for k, t in extra.items()]
-        update = {"names": [name for name, _, _ in specs],
-                  "dtypes": [str(dtype).removeprefix("torch.") for _, dtype, _ in specs],
-                  "shapes": [shape for _, _, shape in specs], "group_name": GROUP, "flush_cache": True,
-                  "weight_version": str(step)}
+        update = update_request(specs, step)
         ex = ThreadPoolExecutor(len(self.roots))
         try:
             futures = [ex.submit(self._post, r, "update_weights_from_distributed", update) for r in self.roots]
