@@ -219,7 +219,7 @@ def test_orchestrator_sampling_keys_are_renamed_and_unknown_ones_refused(fake):
     assert (sp["min_new_tokens"], sp["top_p"], sp["top_k"], sp["repetition_penalty"]) == (3, 0.9, 5, 1.1)
     with_client(url, lambda c: c.sample("m", [1], 1, 4, 1.0, extra={"skip_special_tokens": False}))
     assert state.seen[-1][1]["sampling_params"][0]["skip_special_tokens"] is False, "tool markers must survive"
-    with pytest.raises(InferenceError, match="'logit_bias' has no SGLang equivalent"):
+    with pytest.raises(BackendUnsupported, match="'logit_bias' has no SGLang equivalent"):
         with_client(url, lambda c: c.sample("m", [1], 1, 4, 1.0, extra={"logit_bias": {}}))
 
 

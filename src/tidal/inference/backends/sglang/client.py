@@ -59,8 +59,8 @@ def sampling_params(max_tokens: int, temperature: float, seed: int | None,
     out: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": temperature, "skip_special_tokens": True}
     for key, value in (extra or {}).items():
         if key not in SAMPLING_KEYS:
-            raise InferenceError(f"sampling key '{key}' has no SGLang equivalent in tidal's SGLang client (known: "
-                                 f"{', '.join(sorted(SAMPLING_KEYS))})")
+            raise BackendUnsupported(f"sampling key '{key}' has no SGLang equivalent in tidal's SGLang client "
+                                     f"(known: {', '.join(sorted(SAMPLING_KEYS))})")
         out[SAMPLING_KEYS[key]] = value
     if seed is not None:
         out["sampling_seed"] = seed
@@ -96,8 +96,13 @@ class SglangClient(VllmClient):
         """SGLang uses `sampling_seed` only with `--enable-deterministic-inference` (`SamplingBatchInfo`: the seed
         tensor is None otherwise), so seeded requests (orch `sampling.seed`) need a server started with it."""
         if root not in self._seeded:
-            r = await self.http.get(f"{root}/server_info", timeout=30.0)
-            self._seeded[root] = r.status_code == 200 and bool(r.json().get("enable_deterministic_inference"))
+            try:
+                r = await self.http.get(f"{root}/server_info", timeout=30.0)
+            except httpx.HTTPError as exc:
+                raise InferenceError(f"GET {root}/server_info failed: {exc!r}") from exc
+            if r.status_code != 200:
+                raise InferenceError(f"GET {root}/server_info -> HTTP {r.status_code}: {r.text[:300]}")
+            self._seeded[root] = bool(r.json().get("enable_deterministic_inference"))
         if not self._seeded[root]:
             raise BackendUnsupported(f"orch sampling.seed is set, but SGLang at {root} ignores request seeds unless "
                                      "started with --enable-deterministic-inference (add it to infer extra_args, "
@@ -110,8 +115,8 @@ class SglangClient(VllmClient):
         always appends it), the template getting `client.chat_template_kwargs` and the tools' schemas."""
         if not add_generation_prompt:
             raise BackendUnsupported("SGLang's /tokenize always appends the generation prompt (sglang 0.5.16, "
-                                 "serving_chat.py), so tool environments cannot splice tool results with the SGLang "
-                                 "backend yet; use backend vllm for tools")
+                                     "serving_chat.py), so tool environments cannot splice tool results with the "
+                                     "SGLang backend yet; use backend vllm for tools")
         payload: dict[str, Any] = {"model": model, "messages": messages, "add_special_tokens": False}
         if tools:
             payload["tools"] = tools
