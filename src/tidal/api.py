@@ -218,7 +218,7 @@ class GRPOTrainer:
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
         from tidal.cli import prepare_run_dir, write_configs
-        from tidal.inference.server import check_bind_secure, check_port_free
+        from tidal.inference.backends.vllm.server import check_bind_secure, check_port_free
         from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop

@@ -173,10 +173,20 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
     place = co.placement
-    from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
+    if co.infer.backend == "sglang":  # before anything starts: no SGLang on a machine without CUDA
+        from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
+
+        check_runnable(has_cuda(), sglang_installed())
+    from tidal.inference.backends.vllm.server import (
+        InsecureBindError,
+        PortInUseError,
+        check_bind_secure,
+        check_port_free,
+    )
     from tidal.inference.vllm_support import check_weight_transfer
 
-    check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
+    if co.infer.backend == "vllm":
+        check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
     try:
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
@@ -204,11 +214,12 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
-    from tidal.inference.dp import PlacementError
-    from tidal.inference.server import InsecureBindError, PortInUseError, serve
+    from tidal.inference.backends.launch import serve
+    from tidal.inference.backends.vllm.dp import PlacementError
+    from tidal.inference.backends.vllm.server import InsecureBindError, PortInUseError
 
     try:
-        return serve(cfg)  # dp 1: becomes vLLM (does not return); dp N: supervises N servers
+        return serve(cfg)  # dp 1: becomes the server (does not return); dp N: supervises N servers
     except (PortInUseError, InsecureBindError, PlacementError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -231,7 +242,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.client import InferenceError, InferenceUnreachable, NotMultimodal
+    from tidal.inference.protocol import BackendUnsupported, InferenceError, InferenceUnreachable, NotMultimodal
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
@@ -249,7 +260,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
-    except NotMultimodal as exc:  # the model and the environment do not fit: bad input, not a failure to retry
+    except (NotMultimodal, BackendUnsupported) as exc:  # the run cannot be served: bad input, not a failure to retry
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 2
     return 0

@@ -26,7 +26,7 @@ import torch
 from tests.archs import ARCHS, GRPO_RUN_DEFAULT, build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.models.lora import resolve_lora_targets
 from tidal.models.names import is_expert_key
 from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, reload_keys
@@ -73,7 +73,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
 
 def sample(s: Served, model: str | None = None) -> tuple[list[int], list[Any]]:
     async def go():
-        client = InferenceClient(ClientSection(base_url=[s.url]))
+        client = VllmClient(ClientSection(base_url=[s.url]))
         try:
             prompt = await client.tokenize_chat(str(s.model_dir), MESSAGES)
             return prompt, await client.sample(model or str(s.model_dir), prompt, 8, 32, 1.0, seed=11)
@@ -124,7 +124,7 @@ def full_policy(model_dir: Path, seed: int) -> Any:
 def reload(s: Served, weights_dir: Path) -> None:
     """vLLM reloads the weights in `weights_dir` in place (what `weight_broadcast.reload: merged` does)."""
     async def go():
-        client = InferenceClient(ClientSection(base_url=[s.url]))
+        client = VllmClient(ClientSection(base_url=[s.url]))
         try:
             await client.reload_weights(str(weights_dir))
         finally:

@@ -118,9 +118,9 @@ def full_policy(seed: int) -> torch.nn.Module:
 async def reload(url: str, weights_dir) -> None:
     """vLLM reloads the full weights in `weights_dir` in place (`weight_broadcast.reload: merged`)."""
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
 
-    client = InferenceClient(ClientSection(base_url=[url]))
+    client = VllmClient(ClientSection(base_url=[url]))
     try:
         await client.reload_weights(str(weights_dir))
     finally:

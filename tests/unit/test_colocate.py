@@ -32,7 +32,7 @@ def test_two_cpu_cores_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
 
 
 def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
-    from tidal.inference.server import vllm_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
 
     infer = InferConfig(model="tidal:tiny-reverse")
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), infer, OrchConfig(), CPU2)
@@ -53,7 +53,7 @@ def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
 
 
 def test_vllm_engine_stats_are_off_on_cpu_unless_the_user_keeps_them():
-    from tidal.inference.server import vllm_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
 
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), InferConfig(model="tidal:tiny-reverse"),
                          OrchConfig(), CPU2)

@@ -168,7 +168,7 @@ def test_float32_vllm_with_lora_on_a_gpu_is_refused_before_anything_starts():
 
 def test_grpo_infer_alone_serves_auto_in_the_default_recipes_dtype():
     """vLLM's own `--dtype auto` serves a float32 model in 16 bits: tidal never passes it."""
-    from tidal.inference.server import on_cpu, vllm_argv
+    from tidal.inference.backends.vllm.server import on_cpu, vllm_argv
 
     argv = vllm_argv(InferConfig(model="tidal:tiny-reverse"))
     assert argv[argv.index("--dtype") + 1] == ("float32" if on_cpu() else "bfloat16")  # the default recipe's

@@ -119,7 +119,7 @@ def test_the_split_does_not_defeat_vllms_compile_cache():
     shapes the graph; the split's per-run values must stay out of it, and tidal must not move the cache per run."""
     pytest.importorskip("vllm")
     from tidal.config import InferConfig
-    from tidal.inference.server import vllm_env
+    from tidal.inference.backends.vllm.server import vllm_env
 
     cache = (vllm_support.vllm_root() / "config" / "cache.py").read_text()
     ignored = cache[cache.index("ignored_factors"):cache.index("}", cache.index("ignored_factors"))]

@@ -31,7 +31,7 @@ from tidal.envs.images import (
     prompt_images,
     text_of,
 )
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.trainer.logprobs import forward_logprobs, token_logprobs
 from tidal.trainer.model import load_base_model, load_policy

@@ -25,7 +25,8 @@ The user's configs are never modified. Derivations, in order:
   rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first half (at least one core
   per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
   trainer on core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
-  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers (`tidal.inference.dp`).
+  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
+  (`tidal.inference.backends.vllm.dp`).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
   `lora_rank`) must hold train `lora_rank`. Infer `dtype: auto` follows the trainer's precision (bfloat16 on a
   GPU unless train `recipe: fp32`, float32 on CPU); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA
@@ -255,7 +256,7 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     train, orch = with_resume(train, resume), with_resume(orch, resume)
     check_consistent(train, orch)
     run_dir = str(Path(output_dir or orch.output_dir))
-    client = orch.client.model_copy(update={"base_url": client_urls(infer)})
+    client = orch.client.model_copy(update={"base_url": client_urls(infer), "backend": infer.backend})
     orch = orch.model_copy(update={"output_dir": run_dir, "client": client})
     t: dict[str, Any] = {"output_dir": run_dir, **couple_lengths(train, infer, orch)}
     i: dict[str, Any] = {}
@@ -272,7 +273,8 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     if orch.weight_broadcast.type == "nccl":  # the trainer pushes into this server
         wb = orch.weight_broadcast
         t["weight_broadcast"] = TrainWeightBroadcast(type="nccl", host=wb.host, port=wb.port, timeout=wb.timeout,
-                                                     base_url=list(client.base_url), api_key_var=client.api_key_var)
+                                                     base_url=list(client.base_url), api_key_var=client.api_key_var,
+                                                     backend=infer.backend)
         i["weight_broadcast_type"] = "nccl"
     return train.model_copy(update=t), infer.model_copy(deep=True, update=i), orch
 

@@ -1,4 +1,5 @@
-"""Inference config (`infer.yaml`): how `tidal grpo-infer` starts vLLM's OpenAI-compatible server.
+"""Inference config (`infer.yaml`): how `tidal grpo-infer` starts vLLM's OpenAI-compatible server (or SGLang's,
+`backend: sglang`).
 
 Keys follow the seed's inference table. `host: null` binds to 127.0.0.1 (tidal is stricter than the seed,
 which binds to all interfaces); the API key, if any, comes from the `VLLM_API_KEY` environment variable.
@@ -16,19 +17,23 @@ CHAT_ONLY = ("would have no effect: tidal's rollouts are token-id completions (/
              "applies it to chat completions only")
 
 
-SGLANG_REFUSED = ("is 'vllm' only: an SGLang backend could not be run or tested on this project's machines (no "
-                  "CPU wheels of its kernels; evidence in docs/sglang.md), so tidal ships none")
+SGLANG_UNMAPPED = {
+    "cpu_kvcache_space_gib": "sizes vLLM's CPU KV cache; SGLang runs on GPUs only here (docs/sglang.md)",
+    "rope_scaling": "is passed to vLLM as an hf override; its SGLang form (--json-model-override-args) is not "
+                    "verified on a GPU yet (docs/sglang.md)",
+}
+"""Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
+every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
 
 
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
 
-    REFUSED = {**{k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")},
-               "backend": SGLANG_REFUSED}
+    REFUSED = {k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")}
 
-    backend: str = "vllm"
-    """Rollout engine (seed 003 names SGLang): `vllm` only. SGLang could not run on the machines this project
-    has (docs/sglang.md: its CPU kernels need a source build for AMX Xeons), so tidal ships no untested client."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """Rollout engine: `vllm`, or `sglang` (seed 003: `python -m sglang.launch_server`, GPU machines only; the
+    keys it has no equivalent for exit 2, docs/sglang.md)."""
     model: str
     """Model to serve: a local Hugging Face model directory, a Hub id (`org/name[@revision]`, through the HF
     cache) or `tidal:tiny-reverse` (the bundled model)."""
@@ -98,6 +103,15 @@ class InferConfig(StrictModel):
     `/reset_prefix_cache`; keep the server on localhost or behind an API key)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
+
+    @model_validator(mode="after")
+    def _sglang_keys(self) -> InferConfig:
+        if self.backend == "sglang":
+            unmapped = [k for k in SGLANG_UNMAPPED if getattr(self, k) != type(self).model_fields[k].default]
+            if unmapped:
+                raise ValueError("backend sglang: " + "; ".join(f"{k} {SGLANG_UNMAPPED[k]}" for k in unmapped)
+                                 + " (drop the key or use backend: vllm)")
+        return self
 
     @model_validator(mode="after")
     def _ports_fit(self) -> InferConfig:

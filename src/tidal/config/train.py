@@ -214,6 +214,9 @@ class TrainWeightBroadcast(StrictModel):
     """(nccl) The vLLM servers to push into (orch `client.base_url`)."""
     api_key_var: str = "VLLM_API_KEY"
     """(nccl) Environment variable holding the servers' API key (orch `client.api_key_var`)."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """(nccl) The servers' engine (infer `backend`; `tidal grpo` copies it): vLLM's weight-transfer routes, or
+    SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` (`tidal.trainer.weight_push_sglang`)."""
 
 
 class TrainCkptSection(StrictModel):

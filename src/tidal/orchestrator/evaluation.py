@@ -25,7 +25,7 @@ import numpy as np
 from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
 from tidal.envs.images import has_images, openai_messages
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.protocol import Completion, InferenceClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group

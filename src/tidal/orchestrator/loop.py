@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
-from tidal.inference.client import InferenceClient, InferenceError
+from tidal.inference.backends import make_client
+from tidal.inference.protocol import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsWriter
 from tidal.monitor.sinks import Sinks
 from tidal.orchestrator.assemble import Assembled, assemble, pick_samples
@@ -89,12 +90,12 @@ class Parts:
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
         progress = resume_orch(run_dir, cfg.ckpt, rng, env, buffer)
-        teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
+        teacher = (make_client(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                    if cfg.teacher is not None else None)
         rt = cfg.rollout_transport
         sink: BatchSink = BatchWriter(run_dir) if rt.type == "filesystem" else ZmqBatchServer(rt.host, rt.port, rt.hwm)
         return cls(env, scoring.scorer, buffer, scoring.filters, scoring.custom, rng, progress,
-                   InferenceClient(cfg.client), teacher, sink,
+                   make_client(cfg.client), teacher, sink,
                    Sinks(cfg.report_to, run_dir, {"orch": cfg.model_dump(mode="json")}))
 
     async def close(self) -> None:

