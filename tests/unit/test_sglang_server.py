@@ -30,7 +30,7 @@ def value_after(argv: list[str], flag: str) -> str:
 MAPPED = {  # infer key: (value away from its default, what the argv must then hold)
     "port": (8123, lambda a: value_after(a, "--port") == "8123"),
     "host": ("127.0.0.2", lambda a: value_after(a, "--host") == "127.0.0.2"),
-    "dtype": ("bfloat16", lambda a: value_after(a, "--dtype") == "bfloat16"),
+    "dtype": ("float16", lambda a: value_after(a, "--dtype") == "float16"),
     "max_model_len": (4096, lambda a: value_after(a, "--context-length") == "4096"),
     "gpu_memory_utilization": (0.4, lambda a: value_after(a, "--mem-fraction-static") == "0.4"),
     "tp": (2, lambda a: value_after(a, "--tp-size") == "2"),
@@ -120,3 +120,11 @@ def test_grpo_tells_the_orchestrator_and_the_trainer_which_backend_serves():
     assert r.returncode == 0, r.stderr
     train, infer, orch = [yaml.safe_load(part.split("---\n", 1)[1]) for part in r.stdout.split("# --- ")[1:]]
     assert infer["backend"] == orch["client"]["backend"] == train["weight_broadcast"]["backend"] == "sglang"
+
+
+def test_dtype_auto_is_the_trainers_bfloat16_not_sglangs_own_auto():
+    # SGLang's own `auto` serves a float32 checkpoint in float16; tidal's GPU trainer trains in bfloat16
+    argv = sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang"))
+    assert value_after(argv, "--dtype") == "bfloat16"
+    assert value_after(sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang", dtype="float32")),
+                       "--dtype") == "float32"
