@@ -161,7 +161,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return 0
     info = read_arch(resolve_model(train.model))
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         trainer_gib=trainer_footprint_gib, moe=info.moe)
+                         trainer_gib=trainer_footprint_gib, moe=info.moe, architecture=info.architecture)
     place = co.placement
     check_trainer_side(co.train, info)
     from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
@@ -185,7 +185,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
-                        infer_restarts=args.infer_restarts, infer_env=place.infer_env)
+                        infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
+                        infer_env=place.infer_env)  # shared base weights die with their vLLM
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

