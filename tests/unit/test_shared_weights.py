@@ -321,3 +321,15 @@ def test_ipc_handles_are_json_and_rebuild_with_the_trainers_device_index():
         ipc.rebuild_args({**entry, "dtype": "Tensor"}, 0)
     with pytest.raises(ValueError, match="CUDA tensors only"):
         ipc.encode(torch.zeros(2))
+
+
+def test_tidal_grpo_with_sharing_forced_on_cpu_exits_2(tmp_path):
+    """`tidal grpo --train.share_base_weights true` on this CPU-only machine: exit 2 with the reason, nothing
+    started (the run directory gets no logs)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(tmp_path / "run"),
+                           "--train.share_base_weights", "true"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "share_base_weights is true" in proc.stderr and "CUDA IPC" in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()
