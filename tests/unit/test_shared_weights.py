@@ -100,20 +100,26 @@ def test_trainer_base_built_from_vllm_tensors_gives_the_same_logprobs(layouts, n
         assert not p.requires_grad and p.untyped_storage().data_ptr() in pointers, hf_name
 
 
-def test_a_layout_vllm_changed_is_caught(layouts):
-    """vLLM's qkv rows in another order (as a kernel-specific repack would leave them) build a model of the right
-    shapes; the check against the checkpoint names the scrambled weight."""
+@pytest.mark.parametrize(("name", "fused", "culprit"), [
+    ("llama3", "model.layers.0.self_attn.qkv_proj.weight", "q_proj"),
+    ("qwen3-moe", "model.layers.0.mlp.experts.routed_experts.w13_weight", "experts.0.gate_proj"),
+])
+def test_a_layout_vllm_changed_is_caught(layouts, name, fused, culprit):
+    """vLLM's fused rows in another order (as a kernel-specific repack would leave them: reversed qkv rows,
+    experts' up before gate) build a model of the right shapes; the check against the checkpoint names it."""
     from transformers import AutoModelForCausalLM
 
     from tidal.trainer.shared_base import build_from_tensors, check_against_checkpoint
 
-    model_dir = layouts / "llama3"
+    model_dir = layouts / name
     vllm = load_file(str(model_dir / "vllm.safetensors"))
-    qkv = "model.layers.0.self_attn.qkv_proj.weight"
-    vllm[qkv] = vllm[qkv].flip(0).contiguous()
     model, plan = build_from_tensors(hf_model(model_dir).config, AutoModelForCausalLM, vllm, model_dir,
                                      torch.device("cpu"), torch.float32, "sdpa")
-    with pytest.raises(sw.SharingRefused, match="q_proj.*differs from the checkpoint"):
+    assert check_against_checkpoint(model, plan, model_dir) >= 4
+    vllm[fused] = vllm[fused].flip(-2).contiguous()
+    model, plan = build_from_tensors(hf_model(model_dir).config, AutoModelForCausalLM, vllm, model_dir,
+                                     torch.device("cpu"), torch.float32, "sdpa")
+    with pytest.raises(sw.SharingRefused, match=f"differs from the checkpoint's .*{culprit}"):
         check_against_checkpoint(model, plan, model_dir)
 
 

@@ -127,20 +127,39 @@ def build_from_tensors(config: Any, model_cls: Any, vllm: Mapping[str, torch.Ten
     return model, plan
 
 
+def _expert_pieces(name: str, view: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the part of a fused expert tensor (transformers 5: `mlp.experts.gate_up_proj`
+    (E, 2I, H) = per expert cat(gate, up); `mlp.experts.down_proj` (E, H, I)) that holds it, for expert 0."""
+    prefix = name.rsplit(".", 1)[0]  # ...mlp.experts
+    if name.endswith("experts.gate_up_proj"):
+        inter = view.shape[1] // 2
+        return {f"{prefix}.0.gate_proj.weight": view[0, :inter], f"{prefix}.0.up_proj.weight": view[0, inter:]}
+    if name.endswith("experts.down_proj"):
+        return {f"{prefix}.0.down_proj.weight": view[0]}
+    return {}
+
+
 def check_against_checkpoint(model: torch.nn.Module, plan: SharePlan, model_dir: Path) -> int:
-    """Compare the shared views of decoder layer 0 and the embeddings with the checkpoint (cast to the view's
-    dtype, as vLLM cast it when loading); returns how many were compared. Raises `SharingRefused` naming the
-    first that differs (vLLM changed its layout after loading)."""
+    """Compare the shared views of decoder layer 0 (for experts: expert 0) and the embeddings with the checkpoint
+    (cast to the view's dtype, as vLLM cast it when loading); returns how many tensors were compared. Raises
+    `SharingRefused` naming the first that differs (vLLM changed its layout after loading)."""
     files = checkpoint_files(model_dir)
-    names = [n for n in plan.shared if n in files and (".layers.0." in n or "embed_tokens" in n)]
     params = dict(model.named_parameters())
-    for name, disk in read_tensors(files, names).items():
-        mine = params[name].detach()
+    pieces: dict[str, tuple[str, torch.Tensor]] = {}
+    for name in plan.shared:
+        if ".layers.0." not in name and "embed_tokens" not in name:
+            continue
+        view = params[name].detach()
+        for disk_name, part in ({name: view} if name in files else _expert_pieces(name, view)).items():
+            if disk_name in files:
+                pieces[disk_name] = (name, part)
+    for disk_name, disk in read_tensors(files, list(pieces)).items():
+        name, mine = pieces[disk_name]
         if not torch.equal(mine, disk.to(device=mine.device, dtype=mine.dtype)):
             raise SharingRefused(f"shared weight {name} (vLLM's {plan.shared[name].vllm_name}) differs from the "
-                                 f"checkpoint: vLLM keeps it in a layout tidal does not know; set train "
-                                 f"share_base_weights: false")
-    return len(names)
+                                 f"checkpoint's {disk_name}: vLLM keeps it in a layout tidal does not know; set "
+                                 f"train share_base_weights: false")
+    return len(pieces)
 
 
 def fetch_handles(url: str, timeout_s: float = 120.0) -> dict[str, Any]:
