@@ -19,17 +19,29 @@ from tidal.colocate.ipc import FORMAT, device_uuid, encode
 
 
 class SharedWeightsExtension:
-    """Mixed into vLLM's worker (`self.model_runner` is the worker's); one method, prefixed so that it cannot
-    clash with the worker's own attributes (vLLM checks)."""
+    """Mixed into vLLM's worker (`self.model_runner` is the worker's); methods prefixed `tidal_` so that they
+    cannot clash with the worker's own attributes (vLLM checks)."""
 
     model_runner: Any
+
+    def _tidal_params(self) -> dict[str, Any]:
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return dict(model.named_parameters())
+
+    def tidal_base_layout(self) -> dict[str, Any]:
+        """{"device", "tensors": {vLLM parameter name: {"shape", "dtype"}}} of this worker's model, as it is after
+        loading (on CPU, vLLM's GEMM prepack leaves linear weights empty): what `view_plan` needs, any device."""
+        params = self._tidal_params()
+        first = next(iter(params.values()), None)
+        return {"device": str(first.device) if first is not None else None,
+                "tensors": {n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                            for n, p in params.items()}}
 
     def tidal_export_base(self) -> dict[str, Any]:
         """{"format", "gpu_uuid", "pid", "tensors": {vLLM parameter name: CUDA IPC handle}} of this worker's
         model (tied parameters once)."""
-        runner = self.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        params = dict(model.named_parameters())
+        params = self._tidal_params()
         if not params:
             raise RuntimeError("tidal_export_base: the served model has no parameters")
         first = next(iter(params.values()))
