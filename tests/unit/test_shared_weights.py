@@ -239,6 +239,7 @@ def test_false_keeps_the_trainers_own_copy():
     ({"infer": {"extra_args": ["--quantization", "fp8"]}}, "quantiz"),
     ({"orch": {"weight_broadcast": {"type": "nccl"}}}, "merged weights into vLLM"),
     ({"orch": {"weight_broadcast": {"reload": "merged"}}}, "merged weights into vLLM"),
+    ({"train": {"noise_scheduler": {"enabled": True}, "max_steps": 10}}, "QeRL"),
     ({"arch": "Olmo2ForCausalLM"}, "not verified"),
     ({"arch": None}, "architecture is unknown"),
 ])

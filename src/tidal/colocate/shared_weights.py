@@ -242,6 +242,10 @@ def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | 
         (any(a.split("=")[0] in QUANTIZATION_ARGS for a in infer.extra_args),
          "infer extra_args quantize vLLM's base (--quantization): its quantized layout is kernel-specific and "
          "not viewable as the trainer's projections"),
+        (train.noise_scheduler.enabled,
+         "train noise_scheduler.enabled (QeRL): its noisy norms reach vLLM only inside merged weights or the NCCL "
+         "push, which also write the LoRA-merged linear weights into vLLM's base (the trainer's shared base); an "
+         "adapter + norms-only path is not built"),
         (wb.type == "nccl" or wb.reload == "merged",
          f"orch weight_broadcast (type {wb.type}, reload {wb.reload}) writes merged weights into vLLM's base, "
          f"which the trainer's frozen base would then see; sharing needs LoRA adapters (reload lora/auto)"),
