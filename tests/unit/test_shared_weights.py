@@ -235,7 +235,7 @@ def test_false_keeps_the_trainers_own_copy():
     ({"train": {"qlora_bnb": True}}, "qlora"),
     ({"train": {"recipe": "fp32"}}, "recipe fp32"),
     ({"infer": {"dtype": "float16"}}, "infer dtype float16"),
-    ({"infer": {"tp": 2}, "train": {"gpus": 2}}, "tp 2"),
+    ({"infer": {"tp": 2}, "train": {"gpus": 2}}, "gpus 2"),
     ({"infer": {"extra_args": ["--quantization", "fp8"]}}, "quantiz"),
     ({"orch": {"weight_broadcast": {"type": "nccl"}}}, "merged weights into vLLM"),
     ({"orch": {"weight_broadcast": {"reload": "merged"}}}, "merged weights into vLLM"),
@@ -301,6 +301,17 @@ def test_trainer_refuses_sharing_without_a_server_or_gpu():
     cfg = TrainConfig(model="tidal:tiny-reverse", share_base_weights=True, base_weights_url="http://x:1/v1")
     with pytest.raises(ConfigError, match="CUDA IPC needs a GPU"):
         load_shared_base(cfg, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(("train", "why"), [({"lora": False}, "full fine-tuning"), ({"qlora_fp8": True}, "qlora"),
+                                            ({"broadcast_merged": True}, "merged weights")])
+def test_grpo_train_alone_checks_the_trainer_side(train, why):
+    """`grpo-train` with `share_base_weights: true` and a URL (three processes on one GPU) still refuses a trainer
+    that cannot run on vLLM's frozen tensors (checked before any GPU call)."""
+    from tidal.colocate.shared_weights import train_refusal
+
+    assert train_refusal(TrainConfig(model="m")) is None
+    assert why in (train_refusal(TrainConfig(model="m", **train)) or "")
 
 
 # --- the IPC handle codec (JSON, no pickle) ---

@@ -221,38 +221,52 @@ QUANTIZATION_ARGS = ("--quantization", "-q")
 """vLLM arguments (infer `extra_args`) that quantize the served base (a layout the trainer cannot view)."""
 
 
-def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | None) -> str | None:
-    """Why the base weights cannot be shared in this co-located run (None: they can). `train` / `infer` / `orch`:
-    the derived `TrainConfig` / `InferConfig` / `OrchConfig`; `device`: `cuda` or `cpu`; `architecture`: the
-    model's (config.json), None when unknown. Pure: the caller turns a reason into exit 2 (`true`) or a notice
-    (`auto`)."""
-    wb = orch.weight_broadcast
+def train_refusal(train: Any) -> str | None:
+    """Why the trainer of `train` (a `TrainConfig`) cannot run on a shared base (None: it can); checked by
+    `refusal` in `tidal grpo` and by the trainer itself (`grpo-train` with `share_base_weights: true`)."""
     reasons = [
-        (device != "cuda", "CUDA IPC needs the trainer and vLLM on the same NVIDIA GPU (this run is CPU-only)"),
         (not train.lora, "train lora is false: full fine-tuning updates the base weights, which are vLLM's"),
         (train.qlora_bnb or train.qlora_fp8, "train qlora_bnb / qlora_fp8 quantize the trainer's own copy of the "
                                              "base; a shared base is vLLM's (unquantized) tensors"),
         (train.recipe in ("fp32", "fp8-hybrid", "fp8_hybrid"),
          f"train recipe {train.recipe}: the shared base is vLLM's bfloat16 weights (recipe auto or bf16; fp8-hybrid "
          f"on views of vLLM's tensors is not verified)"),
-        (infer.dtype not in ("auto", "bfloat16"), f"infer dtype {infer.dtype}: the trainer runs a bfloat16 base"),
-        (infer.tp > 1 or infer.dp > 1 or train.gpus > 1,
-         f"infer tp {infer.tp} / dp {infer.dp} / train gpus {train.gpus}: sharing maps one unsharded vLLM worker "
-         f"to one trainer rank (tp 1, dp 1, gpus 1)"),
-        (any(a.split("=")[0] in QUANTIZATION_ARGS for a in infer.extra_args),
-         "infer extra_args quantize vLLM's base (--quantization): its quantized layout is kernel-specific and "
-         "not viewable as the trainer's projections"),
+        (train.gpus > 1, f"train gpus {train.gpus}: sharing maps one unsharded vLLM worker to one trainer rank"),
         (train.noise_scheduler.enabled,
          "train noise_scheduler.enabled (QeRL): its noisy norms reach vLLM only inside merged weights or the NCCL "
          "push, which also write the LoRA-merged linear weights into vLLM's base (the trainer's shared base); an "
          "adapter + norms-only path is not built"),
+        (train.weight_broadcast.type == "nccl" or train.broadcast_merged,
+         "train weight_broadcast nccl / broadcast_merged writes merged weights into vLLM's base, which the "
+         "trainer's frozen base would then see; sharing needs LoRA adapters loaded by vLLM"),
+    ]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | None) -> str | None:
+    """Why the base weights cannot be shared in this co-located run (None: they can). `train` / `infer` / `orch`:
+    the derived `TrainConfig` / `InferConfig` / `OrchConfig`; `device`: `cuda` or `cpu`; `architecture`: the
+    model's (config.json), None when unknown. Pure: the caller turns a reason into exit 2 (`true`) or a notice
+    (`auto`)."""
+    wb = orch.weight_broadcast
+    if device != "cuda":
+        return "CUDA IPC needs the trainer and vLLM on the same NVIDIA GPU (this run is CPU-only)"
+    if (why := train_refusal(train)) is not None:
+        return why
+    reasons = [
+        (infer.dtype not in ("auto", "bfloat16"), f"infer dtype {infer.dtype}: the trainer runs a bfloat16 base"),
+        (infer.tp > 1 or infer.dp > 1,
+         f"infer tp {infer.tp} / dp {infer.dp}: sharing maps one unsharded vLLM worker to one trainer rank (tp 1, "
+         f"dp 1, gpus 1)"),
+        (any(a.split("=")[0] in QUANTIZATION_ARGS for a in infer.extra_args),
+         "infer extra_args quantize vLLM's base (--quantization): its quantized layout is kernel-specific and "
+         "not viewable as the trainer's projections"),
         (wb.type == "nccl" or wb.reload == "merged",
          f"orch weight_broadcast (type {wb.type}, reload {wb.reload}) writes merged weights into vLLM's base, "
          f"which the trainer's frozen base would then see; sharing needs LoRA adapters (reload lora/auto)"),
     ]
-    for bad, why in reasons:
-        if bad:
-            return why
+    if (why := next((why for bad, why in reasons if bad), None)) is not None:
+        return why
     if architecture is None:
         return "the model's architecture is unknown (no config.json architectures)"
     if architecture not in VERIFIED:

@@ -396,7 +396,8 @@ class TrainConfig(StrictModel):
     zero-copy: the base is on the GPU once; docs/colocate.md). `auto`: on where it applies (one NVIDIA GPU, LoRA
     on an unquantized bf16 base, adapters reaching vLLM as LoRA, tp/dp/gpus 1, an architecture whose vLLM layout
     is verified), else off with a notice; `true` where it cannot apply is an error saying why; `false`: the
-    trainer loads its own copy. Outside `tidal grpo` (`grpo-train` alone) only `false`/`auto` (off) run."""
+    trainer loads its own copy. `grpo-train` alone: `auto` is off; `true` needs `base_weights_url` (a vLLM on the
+    same GPU started with infer `export_base_weights: true`) and the trainer-side conditions."""
     base_weights_url: str | None = None
     """(set by `tidal grpo` when `share_base_weights` is on) The co-located vLLM server (`http://host:port/v1`)
     the trainer asks for the CUDA IPC handles of its base weights."""

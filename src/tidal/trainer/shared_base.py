@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tidal.colocate.shared_weights import SharePlan, SharingRefused, view_plan
+from tidal.colocate.shared_weights import SharePlan, SharingRefused, train_refusal, view_plan
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
 
@@ -206,6 +206,8 @@ def load_shared_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype)
                           "share_base_weights: false (or auto)")
     if device.type != "cuda":
         raise ConfigError(f"train share_base_weights: the trainer runs on {device}; CUDA IPC needs a GPU")
+    if (why := train_refusal(cfg)) is not None:
+        raise ConfigError(f"train share_base_weights is true but {why}; set share_base_weights: false")
     config = load_model_config(cfg.model, cfg.trust_remote_code, cfg.rope_scaling)
     model_dir = check_model_dir(cfg.model)
     try:
