@@ -21,7 +21,8 @@ their memory out of the way. Activation offload is not a trainer option (yet): n
 Measured per variant: nvidia-smi's peak `memory.used` of the GPU over the whole run (polled every 0.5 s; the
 number the 40 GB target is about), vLLM's own lines (weights, KV cache) from its log, the trainer's
 `memory/peak_gb` (torch's peak allocation per step) from metrics.jsonl, the mismatch KL and the wall time.
-Writes its section of `bench/GPU.md` ("Co-located GRPO ..."; a run replaces that section only).
+Writes its section of `bench/GPU.md` ("Co-located GRPO ..."; a run replaces that section only), with the rows of
+earlier invocations on the same machine (`--work`/rows.json), so the variants can run one per command.
 
 GPU run (one command; the GPU kit installs vLLM first, ../shared/gpu-kit/README.md):
     source .gpu-kit/install.sh && python bench/colocate_8b.py --variants shared own 2>&1 | tail -40
@@ -214,11 +215,15 @@ def main() -> int:
     root = Path(args.work)
     model = build_model(root / f"llama-3.1-8b-shape-{spec['num_hidden_layers']}l", args.layers)
     device = torch.cuda.get_device_name(0)
+    saved = root / "rows.json"  # rows of earlier invocations (one variant per command fits a 10-minute limit)
+    by_variant = {r["variant"]: r for r in (json.loads(saved.read_text()) if saved.exists() else [])}
     rows = []
     for variant in args.variants:
         rows.append(run_variant(root, model, variant, args, spec))
         print(json.dumps(rows[-1]), flush=True)
-    lines = report(rows, args, device)
+        by_variant[variant] = rows[-1]
+        saved.write_text(json.dumps(list(by_variant.values())))
+    lines = report([by_variant[v] for v in VARIANTS if v in by_variant], args, device)
     write_section(Path(args.out), lines)
     print("\n".join(lines))
     return 0 if all(r["exit"] == 0 for r in rows) else 1
