@@ -163,7 +163,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     info = read_arch(resolve_model(train.model))
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe)
+                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
+                         architecture=info.architecture)
     from tidal.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
@@ -206,7 +207,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
-                        infer_restarts=args.infer_restarts, infer_env=place.infer_env)
+                        infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
+                        infer_env=place.infer_env)  # shared base weights die with their vLLM
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tidal.colocate.shared_weights import shared_bytes
 from tidal.config.load import ConfigError
 
 GIB = 1024**3
@@ -239,6 +240,11 @@ def vllm_dtype(infer: Any, model_config: Mapping[str, Any]) -> str:
     return named if named in DTYPE_BYTES else "bfloat16"
 
 
+def minus(gib: float | None, shared: float) -> float | None:
+    """A measured peak less the shared base (None: not measured; inf: out of memory stays so)."""
+    return None if gib is None else gib - shared
+
+
 def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_config: Mapping[str, Any], params: int,
               kv_bytes_arg: bool, estimate_gib: Callable[[Any, bool], float],
               measure_gib: Callable[[Any, bool], float | None] | None = None,
@@ -250,12 +256,17 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.memory.measure_in_child`), None to use the estimate
     alone. (Handed in, so that this module depends on `tidal.config` only.)"""
     dtype = vllm_dtype(infer, model_config)
+    # train share_base_weights on (`tidal.colocate.shared_weights.apply_sharing` ran first): the trainer's frozen
+    # base is vLLM's tensors, counted once, in vLLM's share; the calibration step loads its own copy, so both the
+    # estimate and the measured peak drop it
+    shared = shared_bytes(model_config, dtype) / GIB if train.share_base_weights is True else 0.0
     sequences = sequences_in_flight(orch, max_num_seqs(infer, total_gib), servers=infer.dp)
     need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp)
     split = plan_split(total_gib, need, sequences=sequences, seq_len=orch.seq_len, kv_bytes_arg=kv_bytes_arg,
                        checkpointing=train.gradient_checkpointing,
-                       estimate_gib=lambda ckpt: estimate_gib(train, ckpt),
-                       measure_gib=(lambda ckpt: measure_gib(train, ckpt)) if measure_gib is not None else None)
+                       estimate_gib=lambda ckpt: estimate_gib(train, ckpt) - shared,
+                       measure_gib=(lambda ckpt: minus(measure_gib(train, ckpt), shared))
+                       if measure_gib is not None else None)
     infer_updates: dict[str, Any] = {"gpu_memory_utilization": split.gpu_memory_utilization}
     if split.kv_cache_memory_bytes is not None and not any(a.startswith("--kv-cache-memory-bytes")
                                                            for a in infer.extra_args):

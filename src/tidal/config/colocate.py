@@ -34,6 +34,9 @@ The user's configs are never modified. Derivations, in order:
   gives the trainer the rest, deciding `gradient_checkpointing: auto`, unless infer.yaml sets
   `gpu_memory_utilization`. With more than one GPU in play (train `gpus` or infer `dp` above 1), server i runs
   on GPU i beside trainer rank i: infer dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
+  Train `share_base_weights` (before the memory split): `auto` turns on where the trainer can borrow vLLM's base weights
+  on one GPU, `true` where it cannot is refused with the reason (`tidal.colocate.shared_weights.apply_sharing`,
+  docs/colocate.md); the split then counts the shared weights once.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -390,14 +393,16 @@ def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tup
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    gpu_split: GpuSplitFn | None = None, moe: bool = False) -> Colocated:
+                    gpu_split: GpuSplitFn | None = None, moe: bool = False,
+                    architecture: str | None = None) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `gpu_split`
     is (the arguments are left untouched). `gpu_split(train, infer, orch, total_gib)`: on a GPU, the memory split
     for the derived configs, as (train updates, infer updates, notice) (`tidal.colocate.split.gpu_split`: vLLM
     sized by need, the trainer the rest, `gradient_checkpointing: auto` decided); not called when infer.yaml
     sets `gpu_memory_utilization`. `moe`: the model is a
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
-    (`moe_on_cpu`). Raises `ConfigError`
+    (`moe_on_cpu`). `architecture`: the model's (config.json), for train `share_base_weights`
+    (`tidal.colocate.shared_weights.apply_sharing`, resolved before the memory split). Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
@@ -406,6 +411,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=paired)
         train, orch = point_at_servers(train, infer, orch)
         notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
+    from tidal.colocate.shared_weights import apply_sharing
+
+    train, infer, shared_note = apply_sharing(train, infer, orch, device, architecture, orch.client.base_url[0])
+    notices += [shared_note] if shared_note else []
     wb = orch.weight_broadcast
     if not train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "

@@ -101,6 +101,13 @@ class InferConfig(StrictModel):
     weight_reload: bool = False
     """Let the orchestrator reload full weights in place (vLLM's dev-mode `/collective_rpc reload_weights` and
     `/reset_prefix_cache`; keep the server on localhost or behind an API key)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV-cache dtype (vLLM's `--kv-cache-dtype`): `auto` follows the model's dtype; `fp8` halves the cache of a
+    bf16 model (GPU: e4m3 on NVIDIA Hopper/Ada)."""
+    export_base_weights: bool = False
+    """(set by `tidal grpo` when train `share_base_weights` is on) Start vLLM with tidal's worker extension
+    (`tidal.colocate.worker_ext`), which hands a co-located trainer CUDA IPC handles of the base weights through
+    vLLM's dev route `/collective_rpc` (keep the server on localhost or behind an API key). GPU only."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 

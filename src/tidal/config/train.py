@@ -395,6 +395,17 @@ class TrainConfig(StrictModel):
     `lora: true` and `gpus: 1`; not with `recipe: fp8-hybrid`."""
     qlora_fp4: bool = False
     """FP4 (NVFP4) QLoRA: refused, it needs Blackwell (SM100+) FP4 matmuls."""
+    share_base_weights: bool | Literal["auto"] = False
+    """(`tidal grpo` on one GPU) Build the trainer's frozen base from vLLM's own weight tensors (CUDA IPC handles,
+    zero-copy: the base is on the GPU once; docs/colocate.md). Default false until the CUDA path has run on a GPU (its
+    mapping is verified on CPU against vLLM's model classes; the IPC hand-over is not yet). `auto`: on where it applies
+    (one NVIDIA GPU, LoRA on an unquantized bf16 base, adapters reaching vLLM as LoRA, tp/dp/gpus 1, an architecture
+    whose vLLM layout is verified), else off with a notice; `true` where it cannot apply is an error saying why;
+    `false`: the trainer loads its own copy. `grpo-train` alone: `auto` is off; `true` needs `base_weights_url` (a vLLM
+    on the same GPU started with infer `export_base_weights: true`) and the trainer-side conditions."""
+    base_weights_url: str | None = None
+    """(set by `tidal grpo` when `share_base_weights` is on) The co-located vLLM server (`http://host:port/v1`)
+    the trainer asks for the CUDA IPC handles of its base weights."""
     max_async_level: int = Field(1, ge=0)
     """Policy lag allowed to inference; the trainer keeps the newest `max_async_level + 1` broadcasts."""
     transport_type: Literal["filesystem", "zmq"] = "filesystem"

@@ -8,6 +8,8 @@ The model is built the way vLLM serves it: train `trust_remote_code` reaches the
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
 QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.quant`).
+Shared base weights (train `share_base_weights` resolved on by `tidal grpo`): the frozen base is built from the
+co-located vLLM's own tensors instead (`tidal.trainer.shared_base`).
 A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
 the families whose image inputs the trainer builds (`tidal.trainer.vision.TRAINABLE`; others are refused), and
 gets LoRA on its language model only (`VISION_MODULES` excluded).
@@ -207,8 +209,13 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
     kind = qlora_kind(cfg)
-    model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
-                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind)
+    if cfg.share_base_weights is True:  # the frozen base is vLLM's tensors (tidal.trainer.shared_base)
+        from tidal.trainer.shared_base import load_shared_base
+
+        model = load_shared_base(cfg, device, resolve_dtype(cfg.recipe, device))
+    else:
+        model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
+                                trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind)
     if kind is not None:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
