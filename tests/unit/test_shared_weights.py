@@ -200,6 +200,7 @@ CPU = Machine(cores=(0, 1))
 
 
 def configs(**train):
+    train.setdefault("share_base_weights", "auto")  # the default is false until the CUDA path has run
     return (TrainConfig(model="m", **train), InferConfig(model="m"),
             OrchConfig())
 
@@ -225,6 +226,13 @@ def test_auto_is_off_on_cpu_silently_and_true_exits_2():
         derive(CPU, share_base_weights=True)
 
 
+def test_the_default_is_off_without_a_notice():
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU,
+                         architecture="LlamaForCausalLM")
+    assert co.train.share_base_weights is False and not co.infer.export_base_weights
+    assert not any("shared" in n for n in co.placement.notices)
+
+
 def test_false_keeps_the_trainers_own_copy():
     co = derive(share_base_weights=False)
     assert co.train.share_base_weights is False and not co.infer.export_base_weights
@@ -233,7 +241,7 @@ def test_false_keeps_the_trainers_own_copy():
 @pytest.mark.parametrize(("kw", "why"), [
     ({"train": {"lora": False}}, "full fine-tuning"),
     ({"train": {"qlora_bnb": True}}, "qlora"),
-    ({"train": {"recipe": "fp32"}}, "recipe fp32"),
+    ({"train": {"recipe": "fp8-hybrid"}}, "recipe fp8-hybrid"),
     ({"infer": {"dtype": "float16"}}, "infer dtype float16"),
     ({"infer": {"tp": 2}, "train": {"gpus": 2}}, "gpus 2"),
     ({"infer": {"extra_args": ["--quantization", "fp8"]}}, "quantiz"),
@@ -257,13 +265,51 @@ def test_where_sharing_cannot_apply(kw, why):
         derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, architecture=arch)
 
 
-def test_the_memory_split_sees_the_resolved_setting():
-    """The trainer's footprint is asked for with `share_base_weights` already resolved, so the split can
-    subtract `shared_bytes` (tidal.colocate.split, issue 26)."""
+def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
+    """The split is asked with `share_base_weights` already resolved, and subtracts `shared_bytes` from the
+    trainer's estimate and its measured peak: a trainer that needs its own 15 GiB copy of an 8B base beside vLLM's
+    does not fit on an 80 GiB GPU, the same trainer on vLLM's copy does."""
+    from tidal.colocate.split import gpu_split
+    from tidal.trainer.memory import parameter_count
+
     seen = []
-    derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0),
-                    trainer_gib=lambda t: seen.append(t.share_base_weights) or 10.0, architecture="LlamaForCausalLM")
+
+    def split(train, infer, orch, total):
+        seen.append(train.share_base_weights)
+        return {}, {}, "split"
+
+    derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0), gpu_split=split,
+                    architecture="LlamaForCausalLM")
     assert seen == [True]
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    shared_gib = sw.shared_bytes(cfg) / 2**30
+    assert 14.5 < shared_gib < 15.5
+    infer, orch = InferConfig(model="m", dtype="bfloat16"), OrchConfig()
+    measured = []
+
+    def run(share, estimate):
+        train = TrainConfig(model="m", gradient_checkpointing=True, share_base_weights=share)
+        return gpu_split(train, infer, orch, 80.0, model_config=cfg, params=parameter_count(cfg), kv_bytes_arg=True,
+                         estimate_gib=lambda t, ckpt: estimate,
+                         measure_gib=lambda t, ckpt: measured.append(estimate) or estimate)
+    # find an estimate that just does not fit with the trainer's own copy
+    estimate = 80.0
+    while True:
+        try:
+            run(False, estimate)
+            break
+        except ConfigError:
+            estimate -= 1.0
+    too_big = estimate + 1.0 + 0.5 * shared_gib
+    with pytest.raises(ConfigError):
+        run(False, too_big)
+    _, _, note = run(True, too_big)  # fits: the shared base is counted once, in vLLM's share
+    import re
+
+    need = float(re.search(r"trainer needs ([0-9.]+) of", note).group(1))
+    assert need < too_big - 0.5 * shared_gib  # the estimate less the shared base (plus overhead and margin)
 
 
 # --- the vLLM side's command line, and the trainer side without a server ---

@@ -188,3 +188,11 @@ def test_tidal_grpo_wires_the_split_for_its_model_directory():
     kv = int(co.infer.extra_args[co.infer.extra_args.index("--kv-cache-memory-bytes") + 1])
     assert kv == split.kv_need_bytes({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
                                       "head_dim": 32, "hidden_size": 256}, "bfloat16", 128, 2048)
+
+
+def test_an_fp8_kv_cache_halves_vllms_cache_of_a_bf16_model():
+    params = parameter_count(LLAMA_8B)
+    bf16 = vllm_need(LLAMA_8B, "bfloat16", 8, 20480, params)
+    fp8 = vllm_need(LLAMA_8B, "bfloat16", 8, 20480, params, kv_dtype="fp8")
+    assert fp8.kv_cache * 2 == pytest.approx(bf16.kv_cache, rel=1e-6)
+    assert fp8.weights == bf16.weights

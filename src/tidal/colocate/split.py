@@ -60,6 +60,8 @@ on the H100 (issue 26), not in `torch.cuda.max_memory_reserved`."""
 CALIBRATION_MARGIN = 0.10
 """Added to a measured trainer peak (fragmentation over a run, a longer step than the calibration's)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""infer `kv_cache_dtype` values that store one byte per element (vLLM's `--kv-cache-dtype`)."""
 
 
 def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -70,7 +72,7 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype: str) -> int:
     """KV cache bytes one token takes in vLLM: per layer K and V of `num_key_value_heads` x `head_dim` (GQA), or
     MLA's compressed latent (`kv_lora_rank` + `qk_rope_head_dim`, one vector) where the config has it."""
     cfg = _text(model_config)
-    b = DTYPE_BYTES[dtype]
+    b = 1 if dtype in KV_FP8 else DTYPE_BYTES[dtype]
     layers = int(cfg["num_hidden_layers"])
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-style): one latent per token and layer
         return layers * (int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)) * b
@@ -125,13 +127,14 @@ class VllmNeed:
 
 
 def vllm_need(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_len: int, params: int,
-              tp: int = 1) -> VllmNeed:
+              tp: int = 1, kv_dtype: str = "auto") -> VllmNeed:
     """What one GPU of a vLLM server holds for `sequences` sequences of `seq_len` tokens of this model (`params`
     parameters) in `dtype` (module doc); with tensor parallelism `tp` each GPU holds 1/tp of the weights and of
-    the KV cache (KV heads are split over the ranks)."""
+    the KV cache (KV heads are split over the ranks). `kv_dtype`: infer `kv_cache_dtype` (`auto`: `dtype`)."""
     return VllmNeed(weights=params * DTYPE_BYTES[dtype] // tp,
                     profile=int(VLLM_PROFILE_FIXED_GIB * GIB) + profile_activation_bytes(model_config, dtype) // tp,
-                    kv_cache=kv_need_bytes(model_config, dtype, sequences, seq_len) // tp,
+                    kv_cache=kv_need_bytes(model_config, dtype if kv_dtype == "auto" else kv_dtype, sequences,
+                                           seq_len) // tp,
                     outside=int(VLLM_OUTSIDE_GIB * GIB))
 
 
@@ -261,7 +264,8 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     # estimate and the measured peak drop it
     shared = shared_bytes(model_config, dtype) / GIB if train.share_base_weights is True else 0.0
     sequences = sequences_in_flight(orch, max_num_seqs(infer, total_gib), servers=infer.dp)
-    need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp)
+    need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp,
+                     kv_dtype=infer.kv_cache_dtype)
     split = plan_split(total_gib, need, sequences=sequences, seq_len=orch.seq_len, kv_bytes_arg=kv_bytes_arg,
                        checkpointing=train.gradient_checkpointing,
                        estimate_gib=lambda ckpt: estimate_gib(train, ckpt) - shared,
