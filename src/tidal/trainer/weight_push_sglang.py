@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,13 +30,10 @@ import httpx
 import torch
 
 from tidal.trainer.broadcast import policy_weight_specs, policy_weights
+from tidal.trainer.weight_push import PushSession, server_root
 
 log = logging.getLogger("tidal.trainer")
 GROUP = "tidal_weights"
-
-
-def server_root(url: str) -> str:
-    return url.rstrip("/").removesuffix("/v1")
 
 
 def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -54,7 +50,7 @@ def update_request(specs: list[tuple[str, torch.dtype, list[int]]], step: int) -
             "weight_version": str(step)}
 
 
-class SglangWeightPusher:
+class SglangWeightPusher(PushSession):
     """Broadcasts policies into the SGLang servers at `urls` (their `/v1` base URLs)."""
 
     def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
@@ -117,20 +113,6 @@ class SglangWeightPusher:
                 log.warning("could not close the weight group on %s: %r", root, exc)
         torch.distributed.destroy_process_group(self.group)
         self.group = None
-
-    def push(self, model: torch.nn.Module, step: int) -> float:
-        """Broadcast `model`'s policy as version `step`; returns the seconds it took. Raises on failure (the
-        group is then closed, and reopened by the next push)."""
-        t0 = time.monotonic()
-        try:
-            if self.group is None:
-                self._open()
-            self._transfer(model, step)
-        except BaseException:
-            self.close()
-            raise
-        self.pushed = step
-        return time.monotonic() - t0
 
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
         extra = self.extra(model, step) if self.extra is not None else {}
