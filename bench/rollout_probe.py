@@ -57,7 +57,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], list[str], dict[str, str], str | None]
 def server_cmd(name: str, port: int) -> tuple[list[str], dict[str, str], dict[str, Any]]:
     from tidal.config.infer import InferConfig
     from tidal.config.load import read_yaml
-    from tidal.inference.server import vllm_argv, vllm_env
+    from tidal.inference.backends.vllm.server import vllm_argv, vllm_env
 
     upd: dict[str, Any] = {}
     extra: list[str] = []

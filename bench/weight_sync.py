@@ -45,7 +45,7 @@ def main() -> int:
 
     from tidal.assets import resolve_model
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.paths import broadcast_dir
     from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
     from tidal.trainer.model import load_base_model
@@ -67,7 +67,7 @@ def main() -> int:
     try:
         wait_healthy(port, proc)
         pusher = WeightPusher([url], "127.0.0.1", free_port(), 600, None, device)
-        client = InferenceClient(ClientSection(base_url=[url], timeout=600))
+        client = VllmClient(ClientSection(base_url=[url], timeout=600))
         loop = asyncio.new_event_loop()
         for step in range(1, args.rounds + 1):
             with torch.no_grad():

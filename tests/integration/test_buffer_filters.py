@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.collect import collect_groups
@@ -40,7 +40,7 @@ def collect(url: str, tmp_path, **kw):
     scorer = Scorer(env.envs, cfg)
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             await client.wait_ready()
             policy = PolicyTracker(client, MODEL, tmp_path, "default")

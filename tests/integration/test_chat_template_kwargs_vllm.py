@@ -1,5 +1,5 @@
 """Real vLLM renders orch `client.chat_template_kwargs`: a copy of the bundled model whose chat template reads
-`enable_thinking` (as Qwen3's does), served by `tidal grpo-infer`; `InferenceClient.tokenize_chat` with and
+`enable_thinking` (as Qwen3's does), served by `tidal grpo-infer`; `VllmClient.tokenize_chat` with and
 without the kwarg gives the ids the tokenizer renders with and without it (slow: a server of its own, ~30 s)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.assets import bundled
 from tidal.config.orch import ClientSection
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def test_vllm_tokenize_applies_the_client_kwargs(tmp_path):
             wait_healthy(port, proc)
 
             async def ids(kwargs: dict | None) -> list[int]:
-                client = InferenceClient(ClientSection(base_url=[f"http://127.0.0.1:{port}/v1"],
+                client = VllmClient(ClientSection(base_url=[f"http://127.0.0.1:{port}/v1"],
                                                        chat_template_kwargs=kwargs or {}))
                 try:
                     return await client.tokenize_chat(str(model), MESSAGES)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
@@ -36,7 +36,7 @@ def test_stream_fills_batches_with_filters_then_closes(vllm_server, tmp_path):
     scorer = Scorer(env.envs, cfg)
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
         try:
             await client.wait_ready()
             policy = PolicyTracker(client, MODEL, tmp_path, "default")
@@ -75,7 +75,7 @@ def test_stream_runs_multi_turn_environments(vllm_server, tmp_path):
     env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
         try:
             await client.wait_ready()
             policy = PolicyTracker(client, MODEL, tmp_path, "default")

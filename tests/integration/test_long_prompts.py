@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.collect import draw_prompts
 
 pytestmark = pytest.mark.vllm
@@ -21,7 +21,7 @@ def draw(url: str, cfg: OrchConfig, n: int) -> tuple[list, list[list[int]], dict
     env = make_env("reverse-text", {})
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             await client.wait_ready()
             counts = {"prompts/skipped": 0.0, "prompts/truncated": 0.0}

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.loop import run
 
 pytestmark = pytest.mark.vllm
@@ -60,7 +60,7 @@ def always_one(completions, **_):
     return [1.0] * len(completions)
 
 
-class CountingClient(InferenceClient):
+class CountingClient(VllmClient):
     """The real client, recording how many prompt-logprob requests are in flight at once."""
 
     def __init__(self, *a, **kw) -> None:
@@ -108,7 +108,7 @@ def collect_once(url: str, tmp_path: Path, **kw):
     env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             policy = PolicyTracker(client, MODEL, tmp_path, "default")
             buffer.new_step()
@@ -147,7 +147,7 @@ def test_several_base_urls_spread_the_requests(vllm_server, nccl_server):
     before = [finished_requests(u) for u in urls]
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=urls))
+        client = VllmClient(ClientSection(base_url=urls))
         try:
             await client.wait_ready()
             prompt = await client.tokenize_chat(MODEL, [{"role": "user", "content": "abc def"}])

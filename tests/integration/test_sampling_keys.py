@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.rollout import rollout_group
 from tidal.orchestrator.sampling import temperature_at
@@ -22,7 +23,7 @@ MESSAGES = [{"role": "system", "content": "Reverse the text."}, {"role": "user",
 
 def rollouts(url: str, cfg: OrchConfig, temperature: float | None = None) -> list[Completion]:
     async def go():
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             await client.wait_ready()
             prompt = await client.tokenize_chat(MODEL, MESSAGES)
@@ -70,7 +71,7 @@ def test_elastic_pool_is_discovered_through_dns(vllm_server):
     port = int(vllm_server.rsplit(":", 1)[1].split("/")[0])
 
     async def go():
-        client = InferenceClient(ClientSection(connect_timeout_s=5, elastic={"hostname": "localhost", "port": port,
+        client = VllmClient(ClientSection(connect_timeout_s=5, elastic={"hostname": "localhost", "port": port,
                                                                               "sync_interval": 0.1}))
         try:
             models = await client.wait_ready()

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import MODEL, free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import Completion
 from tidal.monitor.metrics import read_metrics
 from tidal.orchestrator.advantage import compute_advantages
 from tidal.orchestrator.assemble import build_batch
@@ -146,7 +147,7 @@ def test_final_export_loads_in_transformers_and_is_served_by_vllm(reference, vll
     assert float((lp_merged - lp_base).abs().max()) > 1e-2, "the export holds the trained policy"
 
     async def served(url: str, model: str, load: tuple[str, str] | None = None) -> list[float]:
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             await client.wait_ready()
             if load:

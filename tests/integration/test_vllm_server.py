@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import MODEL
 from tidal.config.orch import ClientSection
-from tidal.inference.client import InferenceClient, InferenceUnreachable
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import InferenceUnreachable
 from tidal.trainer.logprobs import forward_logprobs
 from tidal.trainer.model import load_base_model, load_tokenizer
 
@@ -24,7 +25,7 @@ MESSAGES = [{"role": "system", "content": "Reverse the text."}, {"role": "user",
 
 def sample(url: str, model: str, n: int = 8, temperature: float = 1.0):
     async def go():
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             await client.wait_ready()
             prompt = await client.tokenize_chat(MODEL, MESSAGES)
@@ -102,7 +103,7 @@ def test_unreachable_inference_retries_then_names_the_url():
     cfg = ClientSection(base_url=[f"http://127.0.0.1:{port}/v1"], connect_timeout_s=2.0)
 
     async def go():
-        client = InferenceClient(cfg)
+        client = VllmClient(cfg)
         try:
             await client.wait_ready()
         finally:

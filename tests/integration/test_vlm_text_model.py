@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import MODEL
 from tests.e2e.vlm_env import SquareColour
 from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.client import InferenceClient, NotMultimodal
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import NotMultimodal
 from tidal.orchestrator.collect import draw_prompts
 
 pytestmark = pytest.mark.vllm
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.vllm
 
 def test_an_image_prompt_to_a_text_only_model_is_refused_by_name(vllm_server):
     async def go() -> None:
-        client = InferenceClient(ClientSection(base_url=[vllm_server]))
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
         try:
             await draw_prompts(SquareColour(), random.Random(0), client, MODEL, 2, OrchConfig(), {})
         finally:

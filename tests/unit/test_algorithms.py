@@ -16,7 +16,7 @@ from tidal.config.orch import OrchConfig
 from tidal.config.train import MismatchGuardConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import (
     combine_rewards,
     custom_advantages,

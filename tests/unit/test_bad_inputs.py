@@ -15,7 +15,7 @@ from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import compute_advantages
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.scoring import Scorer
@@ -128,7 +128,7 @@ def test_first_step_after_resume_waits_wait_for_weights_timeout_not_weights_time
     import random
 
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.orchestrator.collect import sample_step
     from tidal.orchestrator.policy import PolicyTracker
 
@@ -136,7 +136,7 @@ def test_first_step_after_resume_waits_wait_for_weights_timeout_not_weights_time
                                      "weights_timeout_s": 600, "batch_size": 4, "rollouts_per_example": 4})
 
     async def go(first: bool) -> float:
-        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
+        client = VllmClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
         policy = PolicyTracker(client, "m", tmp_path, "default")
         t0 = time.monotonic()
         try:

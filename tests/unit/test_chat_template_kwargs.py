@@ -1,5 +1,5 @@
 """`chat_template_kwargs` reach every place a prompt is rendered with a chat template: the orchestrator's
-training prompts and evaluation prompts (vLLM's `/tokenize`, through `InferenceClient.tokenize_chat`) and
+training prompts and evaluation prompts (vLLM's `/tokenize`, through `VllmClient.tokenize_chat`) and
 `tidal sft`'s prompts (the tokenizer's `apply_chat_template`). The tokenizer's template reads a variable,
 `enable_thinking`, the way Qwen3's does, so the rendered ids differ exactly when the kwarg arrives.
 
@@ -25,7 +25,7 @@ from tidal.config import ConfigError, OrchConfig, TrainConfig
 from tidal.config.load import validate
 from tidal.config.orch import ClientSection
 from tidal.envs import make_env
-from tidal.inference.client import InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.collect import draw_prompts
 from tidal.orchestrator.evaluation import Evaluator
@@ -90,8 +90,8 @@ def server(tok):
     srv.shutdown()
 
 
-def client_for(url: str, kwargs: dict[str, Any] | None) -> InferenceClient:
-    return InferenceClient(ClientSection(base_url=[url], chat_template_kwargs=kwargs or {}))
+def client_for(url: str, kwargs: dict[str, Any] | None) -> VllmClient:
+    return VllmClient(ClientSection(base_url=[url], chat_template_kwargs=kwargs or {}))
 
 
 def test_the_template_variable_changes_the_rendered_ids(tok):

@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tidal.config.orch import ClientSection
-from tidal.inference.client import InferenceClient, InferenceError
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import InferenceError
 
 SEEN: list[tuple[str, str | None]] = []
 
@@ -56,7 +57,7 @@ def test_api_key_comes_from_the_named_variable(server, monkeypatch):
     monkeypatch.setenv("MY_INFER_KEY", "k-123")
 
     async def go():
-        client = InferenceClient(ClientSection(base_url=[server], api_key_var="MY_INFER_KEY"))
+        client = VllmClient(ClientSection(base_url=[server], api_key_var="MY_INFER_KEY"))
         try:
             return await client.wait_ready()
         finally:
@@ -68,7 +69,7 @@ def test_api_key_comes_from_the_named_variable(server, monkeypatch):
 
 def test_skip_model_check_probes_health_instead_of_models(server):
     async def go():
-        client = InferenceClient(ClientSection(base_url=[server], skip_model_check=True))
+        client = VllmClient(ClientSection(base_url=[server], skip_model_check=True))
         try:
             return await client.wait_ready()
         finally:
@@ -79,7 +80,7 @@ def test_skip_model_check_probes_health_instead_of_models(server):
 
 def test_request_timeout_is_honoured(server):
     async def go():
-        client = InferenceClient(ClientSection(base_url=[server], timeout=0.5))
+        client = VllmClient(ClientSection(base_url=[server], timeout=0.5))
         try:
             t0 = time.monotonic()
             with pytest.raises(InferenceError, match="Timeout"):

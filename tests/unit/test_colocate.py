@@ -32,7 +32,7 @@ def test_two_cpu_cores_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
 
 
 def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
-    from tidal.inference.server import vllm_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
 
     infer = InferConfig(model="tidal:tiny-reverse")
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), infer, OrchConfig(), CPU2)
@@ -53,7 +53,7 @@ def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
 
 
 def test_vllm_engine_stats_are_off_on_cpu_unless_the_user_keeps_them():
-    from tidal.inference.server import vllm_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
 
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), InferConfig(model="tidal:tiny-reverse"),
                          OrchConfig(), CPU2)
@@ -81,7 +81,8 @@ def test_one_core_is_not_split():
 def test_gpu_machine_leaves_cores_and_reload_alone():
     co = derive_colocate(*configs(), GPU16)
     p = co.placement
-    assert (p.device, p.vllm_cores, p.trainer_cores, dict(p.infer_env), p.notices) == ("cuda", None, None, {}, ())
+    others = tuple(n for n in p.notices if not n.startswith("GPU: base weights"))  # tests/unit/test_shared_weights.py
+    assert (p.device, p.vllm_cores, p.trainer_cores, dict(p.infer_env), others) == ("cuda", None, None, {}, ())
     assert co.train.cpu_affinity is None
     assert co.orch.weight_broadcast.reload == "auto" and not co.train.broadcast_merged and not co.infer.weight_reload
 
@@ -193,7 +194,8 @@ def test_wire_colocate_is_the_machine_independent_part():
     wired = wire_colocate(*configs(max_steps=7), output_dir="/tmp/w")
     co = derive_colocate(*configs(max_steps=7), GPU16, output_dir="/tmp/w")
     assert wired[1].max_lora_rank is None and co.infer.max_lora_rank == co.train.lora_rank == 16  # adapters on GPU
-    wired = (wired[0], wired[1].model_copy(update={"max_lora_rank": 16}), wired[2])
+    assert wired[1].dtype == "auto" and co.infer.dtype == "bfloat16"  # the trainer's precision on a GPU
+    wired = (wired[0], wired[1].model_copy(update={"max_lora_rank": 16, "dtype": "bfloat16"}), wired[2])
     assert [c.model_dump() for c in wired] == [c.model_dump() for c in (co.train, co.infer, co.orch)]
     assert wired[0].cpu_affinity is None and wired[2].weight_broadcast.reload == "auto"  # no placement
 

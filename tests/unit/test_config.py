@@ -251,7 +251,8 @@ def test_grpo_with_nccl_broadcast_configures_all_three_components(tmp_path):
     train, infer, orch = [yaml.safe_load(part.split("---\n", 1)[1]) for part in r.stdout.split("# --- ")[1:]]
     assert infer["weight_broadcast_type"] == "nccl"
     assert train["weight_broadcast"] == {"type": "nccl", "host": "localhost", "port": 29555, "timeout": 77,
-                                         "base_url": ["http://127.0.0.1:8123/v1"], "api_key_var": "MY_KEY"}
+                                         "base_url": ["http://127.0.0.1:8123/v1"], "api_key_var": "MY_KEY",
+                                         "backend": "vllm"}
     assert train["broadcast_merged"] is False, "pushed weights need no merged files"
     assert orch["weight_broadcast"]["type"] == "nccl"
 
@@ -291,7 +292,10 @@ def test_refused_keys_accept_their_defaults_and_oversampling_works_with_filters(
     assert ok.oversampling_factor == 2.0
 
 
-def test_infer_backend_is_vllm_and_sglang_is_refused_with_the_evidence(tmp_path):
+def test_infer_backend_is_vllm_or_sglang_and_sglang_refuses_the_keys_it_cannot_map(tmp_path):
     assert load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: vllm\n")).backend == "vllm"
-    with pytest.raises(ConfigError, match="backend.*could not be run or tested.*docs/sglang.md"):
-        load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: sglang\n"))
+    assert load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: sglang\n")).backend == "sglang"
+    with pytest.raises(ConfigError, match="(?s)i.yaml.*backend sglang: cpu_kvcache_space_gib"):
+        load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: sglang\ncpu_kvcache_space_gib: 4\n"))
+    with pytest.raises(ConfigError, match="backend"):
+        load_config(InferConfig, write(tmp_path, "i.yaml", SEED_INFER + "backend: trtllm\n"))

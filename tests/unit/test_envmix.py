@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tidal.config.orch import OrchConfig
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.ckpt import resume_orch, save_orch
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.scoring import Scorer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tidal.config.orch import OrchConfig
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.filters import Filters, model_vocab_size
 

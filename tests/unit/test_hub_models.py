@@ -192,7 +192,7 @@ def test_online_unknown_repo_is_an_error(hub, monkeypatch):
 
 
 def test_vllm_gets_the_snapshot_and_serves_the_id(hub):
-    from tidal.inference.server import vllm_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
 
     snap = build_cache(hub)
     argv = vllm_argv(InferConfig(model=REPO_ID))

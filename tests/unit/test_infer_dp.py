@@ -19,7 +19,7 @@ import pytest
 from tests.unit.test_reaper import gone_within
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.colocate import Machine, derive_colocate
-from tidal.inference.dp import PlacementError, core_groups, parse_cores, plan_servers
+from tidal.inference.backends.vllm.dp import PlacementError, core_groups, parse_cores, plan_servers
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -155,7 +155,7 @@ def publish(run_dir: Path, step: int) -> None:
 @pytest.mark.parametrize("merged", [False, True])
 def test_each_policy_is_loaded_into_every_server_before_sampling(tmp_path, merged):
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.orchestrator.policy import PolicyTracker
 
     servers = ["127.0.0.1:8000", "127.0.0.1:8001"]
@@ -163,7 +163,7 @@ def test_each_policy_is_loaded_into_every_server_before_sampling(tmp_path, merge
     load = "/collective_rpc" if merged else "/v1/load_lora_adapter"
 
     async def go() -> None:
-        client = InferenceClient(ClientSection(base_url=[f"http://{s}/v1" for s in servers]))
+        client = VllmClient(ClientSection(base_url=[f"http://{s}/v1" for s in servers]))
         client.http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
         tracker = PolicyTracker(client, "m", tmp_path, "default", merged=merged)
         try:
@@ -197,13 +197,13 @@ FAKE_VLLM = textwrap.dedent("""
 """)
 
 SUPERVISOR = textwrap.dedent("""
+    import os
     import sys
-    import tidal.inference.server as server
     from tidal.config.infer import InferConfig
-    from tidal.inference.dp import plan_servers, run_servers
-    server.vllm_argv = lambda cfg: [sys.executable, "-c", sys.argv[1], str(cfg.port)]
+    from tidal.inference.backends.vllm.dp import plan_servers, run_servers
+    argv_of = lambda cfg: [sys.executable, "-c", sys.argv[1], str(cfg.port)]
     cfg = InferConfig(model="tidal:tiny-reverse", port=47000, dp=2)
-    sys.exit(run_servers(cfg, plan_servers(cfg, None, (0, 1), {}), "127.0.0.1"))
+    sys.exit(run_servers(cfg, plan_servers(cfg, None, (0, 1), {}), "127.0.0.1", argv_of, dict(os.environ)))
 """)
 
 

@@ -35,6 +35,6 @@ def test_grpo_infer_execs_vllm_without_importing_torch_or_vllm():
 def test_cpu_detection_without_torch_agrees_with_torch():
     import torch
 
-    from tidal.inference.server import on_cpu
+    from tidal.inference.backends.vllm.server import on_cpu
 
     assert on_cpu() == (not torch.cuda.is_available())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tidal.config.orch import OrchConfig
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.transport.weights import check_adapter
 

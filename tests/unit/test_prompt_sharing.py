@@ -217,7 +217,7 @@ def test_prompt_sharing_on_with_a_model_it_cannot_serve_is_a_config_error(tmp_pa
     from tests.archs import build
     from tidal.config.load import ConfigError
     from tidal.config.train import TrainConfig
-    from tidal.trainer.grpo import check_prompt_sharing
+    from tidal.trainer.preflight import check_prompt_sharing
 
     path = build("gemma2", tmp_path / "g")
     with pytest.raises(ConfigError, match="prompt_sharing: true.*sliding-window.*sequence_len"):

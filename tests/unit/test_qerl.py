@@ -12,9 +12,10 @@ from tidal.assets import resolve_model
 from tidal.config import ConfigError, TrainConfig
 from tidal.config.train import NoiseSchedulerConfig, TrainWeightBroadcast
 from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, publish_adapter
-from tidal.trainer.grpo import check_qerl, qerl_noise, train_step
+from tidal.trainer.grpo import qerl_noise, train_step
 from tidal.trainer.noise import noisy_norms, norm_keys, qerl_sigma
 from tidal.trainer.policy import build_policy
+from tidal.trainer.preflight import check_qerl
 
 
 def test_schedule_zero_first_then_geometric_from_start_to_end():
@@ -60,12 +61,14 @@ def test_noise_lands_on_the_published_norms_only(tmp_path):
 def test_qerl_needs_merged_weights_or_the_push_and_a_run_length():
     on = {"noise_scheduler": NoiseSchedulerConfig(enabled=True), "max_steps": 10}
     cfg = TrainConfig(model="m").model_copy(update=on)
-    check_qerl(cfg, ["k"])
+    merged = cfg.model_copy(update={"broadcast_merged": True})
+    check_qerl(merged)
+    check_qerl(cfg.model_copy(update={"lora": False}))  # a full policy is published as all its weights
     with pytest.raises(ConfigError, match="merged"):
-        check_qerl(cfg, None)
-    check_qerl(cfg.model_copy(update={"weight_broadcast": TrainWeightBroadcast(type="nccl")}), None)
+        check_qerl(cfg)
+    check_qerl(cfg.model_copy(update={"weight_broadcast": TrainWeightBroadcast(type="nccl")}))
     with pytest.raises(ConfigError, match="max_steps"):
-        check_qerl(cfg.model_copy(update={"max_steps": -1}), ["k"])
+        check_qerl(merged.model_copy(update={"max_steps": -1}))
     with pytest.raises(ValueError, match="only applies with noise_scheduler.enabled"):
         TrainConfig.model_validate({"model": "m", "noise_scheduler": {"sigma_start": "1e-1"}})
     assert TrainConfig.model_validate({"model": "m", "noise_scheduler": {"enabled": True, "sigma_start": "1e-1"}}

@@ -154,12 +154,12 @@ def test_orchestrator_waits_for_policy_zero_when_told_the_trainer_publishes_it(t
     import asyncio
 
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.orchestrator.policy import PolicyTracker
 
     async def attempt(await_base: bool) -> float:
         # nothing listens there: only the wait may run
-        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
+        client = VllmClient(ClientSection(base_url=["http://127.0.0.1:9/v1"]))
         try:
             tracker = PolicyTracker(client, "m", tmp_path, "default", await_base=await_base)
             return await tracker._wait_published(0, timeout_s=0.3)

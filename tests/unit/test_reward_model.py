@@ -16,7 +16,7 @@ import pytest
 from tidal.assets import bundled
 from tidal.config import OrchConfig
 from tidal.envs import make_env
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.scoring import Scorer
 from tidal.reward_model import RewardModel
 

@@ -13,7 +13,7 @@ from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope, model_rope_parameters
-from tidal.inference.server import vllm_argv
+from tidal.inference.backends.vllm.server import vllm_argv
 
 LINEAR = {"type": "linear", "factor": 2.0}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tidal.config.infer import InferConfig
-from tidal.inference.server import InsecureBindError, check_bind_secure, vllm_argv
+from tidal.inference.backends.vllm.server import InsecureBindError, check_bind_secure, vllm_argv
 from tidal.rewards.code_exec import unit_tests
 from tidal.sandbox import network_namespace_available, run_python
 
@@ -39,7 +39,7 @@ def test_binding_beyond_localhost_needs_an_api_key(monkeypatch):
 def test_nccl_weight_broadcast_opens_the_weight_transfer_routes_only_when_asked(monkeypatch):
     import json
 
-    from tidal.inference.server import vllm_env
+    from tidal.inference.backends.vllm.server import vllm_env
 
     plain = InferConfig(model="tidal:tiny-reverse")
     assert "--weight-transfer-config" not in vllm_argv(plain) and "VLLM_SERVER_DEV_MODE" not in vllm_env(plain)

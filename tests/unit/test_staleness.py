@@ -13,7 +13,7 @@ import pytest
 
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.staleness import is_stale, launch_allowed, staleness, staleness_metrics
@@ -157,13 +157,13 @@ def test_a_replaced_adapter_is_unloaded_only_when_its_last_request_returns(tmp_p
 
     from tests.unit.test_infer_dp import FakeServers, publish
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.orchestrator.policy import PolicyTracker
 
     fake = FakeServers()
 
     async def go() -> None:
-        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
+        client = VllmClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
         client.http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
         tracker = PolicyTracker(client, "m", tmp_path, "default")
         try:
@@ -195,11 +195,11 @@ def test_merged_reload_during_a_request_records_start_and_end_versions(tmp_path)
 
     from tests.unit.test_infer_dp import FakeServers, publish
     from tidal.config.orch import ClientSection
-    from tidal.inference.client import InferenceClient
+    from tidal.inference.backends.vllm.client import VllmClient
     from tidal.orchestrator.policy import PolicyTracker
 
     async def go() -> None:
-        client = InferenceClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
+        client = VllmClient(ClientSection(base_url=["http://127.0.0.1:8000/v1"]))
         client.http = httpx.AsyncClient(transport=httpx.MockTransport(FakeServers()))
         tracker = PolicyTracker(client, "m", tmp_path, "default", merged=True)
         try:

@@ -25,7 +25,8 @@ import pytest
 from tidal.config import OrchConfig
 from tidal.config.orch import ClientSection
 from tidal.envs import make_env
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.collect import draw_prompts
 from tidal.orchestrator.scoring import Scorer, TrainerState
@@ -248,7 +249,7 @@ def test_standard_prompts_are_tokenized_as_plain_text(tmp_path, tokenize_server)
     envs = [dataset_env(tmp_path / "std", [{"prompt": "abc"}]), dataset_env(tmp_path / "chat", [{"prompt": CHAT}])]
 
     async def go() -> list[list[int]]:
-        client = InferenceClient(ClientSection(base_url=[url]))
+        client = VllmClient(ClientSection(base_url=[url]))
         try:
             return [p for env in envs
                     for p in (await draw_prompts(env, random.Random(0), client, "m", 3, OrchConfig(), {}))[1]]

@@ -1,4 +1,4 @@
-"""tidal's adapter of verifiers 0.4 (`verifiers.v1` tasksets; `tidal.envs.verifiers_v1`), while the venv keeps the
+"""tidal's adapter of verifiers 0.4 (`verifiers.v1` tasksets; `tidal.envs.verifiers.v1`), while the venv keeps the
 classic API (< 0.4, tested beside this in test_verifiers_env.py / test_verifiers_multiturn.py).
 
 `make setup-dev` installs 0.4 into `.venv/verifiers04` (scripts/setup_env.sh; `TIDAL_VERIFIERS04` points elsewhere).

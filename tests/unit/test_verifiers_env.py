@@ -13,7 +13,7 @@ vf = pytest.importorskip("verifiers", reason="the verifiers package is part of t
 from datasets import Dataset  # noqa: E402
 
 from tidal.envs import make_env  # noqa: E402
-from tidal.envs.verifiers_env import VerifiersEnv  # noqa: E402
+from tidal.envs.verifiers import VerifiersEnv  # noqa: E402
 
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b), "difficulty": a % 3} for a in range(7)
         for b in range(5)]

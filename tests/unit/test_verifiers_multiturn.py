@@ -20,7 +20,7 @@ vf = pytest.importorskip("verifiers", reason="the verifiers package is part of t
 from datasets import Dataset  # noqa: E402
 
 from tidal.envs.tools import parse_tool_calls  # noqa: E402
-from tidal.envs.verifiers_env import VerifiersEnv  # noqa: E402
+from tidal.envs.verifiers import VerifiersEnv  # noqa: E402
 from tidal.orchestrator.toolloop import assistant_message  # noqa: E402
 
 ROWS = [{"question": f"Reverse {w}", "answer": w[::-1]} for w in ("abc", "hello", "tidal", "xyz")]

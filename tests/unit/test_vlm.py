@@ -31,7 +31,7 @@ from tidal.envs.images import (
     prompt_images,
     text_of,
 )
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.trainer.logprobs import forward_logprobs, token_logprobs
 from tidal.trainer.model import load_base_model, load_policy
@@ -296,7 +296,7 @@ def test_the_verifiers_adapter_passes_images_through():
     vf = pytest.importorskip("verifiers", reason="the verifiers package is part of the dev install")
     from datasets import Dataset
 
-    from tidal.envs.verifiers_env import VerifiersEnv
+    from tidal.envs.verifiers import VerifiersEnv
 
     png = png_bytes({"type": "image", "image": square((200, 10, 10))})
     rows = [{"prompt": [{"role": "user", "content": [

@@ -17,7 +17,8 @@ import verifiers.v1 as vf
 
 from tidal.envs import make_env
 from tidal.envs.tools import parse_tool_calls
-from tidal.envs.verifiers_v1 import Unsupported, VerifiersV1Env
+from tidal.envs.verifiers import VerifiersV1Env
+from tidal.envs.verifiers.v1_trace import Unsupported
 from tidal.orchestrator.toolloop import assistant_message
 
 

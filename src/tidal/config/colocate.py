@@ -25,12 +25,18 @@ The user's configs are never modified. Derivations, in order:
   rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first half (at least one core
   per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
   trainer on core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
-  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers (`tidal.inference.dp`).
+  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
+  (`tidal.inference.backends.vllm.dp`).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
-  `lora_rank`) must hold train `lora_rank`. On a GPU, vLLM's `gpu_memory_utilization` (unless set in
-  infer.yaml) is what the trainer's estimated footprint leaves of the GPU (`tidal.trainer.memory`). With more
-  than one GPU in play (train `gpus` or infer `dp` above 1), server i runs on GPU i beside trainer rank i: infer
-  dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
+  `lora_rank`) must hold train `lora_rank`. Infer `dtype: auto` follows the trainer's precision (bfloat16 on a
+  GPU unless train `recipe: fp32`, float32 on CPU); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA
+  kernels). On a GPU, the memory split (`tidal.colocate.split`, handed in as `gpu_split`) sizes vLLM by need and
+  gives the trainer the rest, deciding `gradient_checkpointing: auto`, unless infer.yaml sets
+  `gpu_memory_utilization`. With more than one GPU in play (train `gpus` or infer `dp` above 1), server i runs
+  on GPU i beside trainer rank i: infer dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
+  Train `share_base_weights` (before the memory split): `auto` turns on where the trainer can borrow vLLM's base weights
+  on one GPU, `true` where it cannot is refused with the reason (`tidal.colocate.shared_weights.apply_sharing`,
+  docs/colocate.md); the split then counts the shared weights once.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
 """
@@ -87,17 +93,6 @@ def gpu_memory_gib() -> float | None:
         return float(out.split()[0]) / 1024  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-
-
-def vllm_share(total_gib: float, trainer_gib: float, floor: float = 0.05) -> float:
-    """`gpu_memory_utilization` for vLLM on a GPU of `total_gib` beside a trainer needing `trainer_gib`: the rest,
-    rounded down to 0.01. Raises ConfigError when less than `floor` of the GPU would be left for vLLM."""
-    share = int((total_gib - trainer_gib) / total_gib * 100) / 100
-    if share < floor:
-        raise ConfigError(f"the trainer needs about {trainer_gib:.1f} GiB of this {total_gib:.1f} GiB GPU (estimate), "
-                          f"leaving vLLM less than {floor:.0%}; lower per_device_train_batch_size or sequence_len, "
-                          f"or put inference on another GPU (three processes)")
-    return share
 
 
 @dataclass(frozen=True)
@@ -264,7 +259,7 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     train, orch = with_resume(train, resume), with_resume(orch, resume)
     check_consistent(train, orch)
     run_dir = str(Path(output_dir or orch.output_dir))
-    client = orch.client.model_copy(update={"base_url": client_urls(infer)})
+    client = orch.client.model_copy(update={"base_url": client_urls(infer), "backend": infer.backend})
     orch = orch.model_copy(update={"output_dir": run_dir, "client": client})
     t: dict[str, Any] = {"output_dir": run_dir, **couple_lengths(train, infer, orch)}
     i: dict[str, Any] = {}
@@ -281,7 +276,8 @@ def wire_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, outp
     if orch.weight_broadcast.type == "nccl":  # the trainer pushes into this server
         wb = orch.weight_broadcast
         t["weight_broadcast"] = TrainWeightBroadcast(type="nccl", host=wb.host, port=wb.port, timeout=wb.timeout,
-                                                     base_url=list(client.base_url), api_key_var=client.api_key_var)
+                                                     base_url=list(client.base_url), api_key_var=client.api_key_var,
+                                                     backend=infer.backend)
         i["weight_broadcast_type"] = "nccl"
     return train.model_copy(update=t), infer.model_copy(deep=True, update=i), orch
 
@@ -357,14 +353,56 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
             "weights of the LoRA-adapted modules (experts stay as loaded)")
 
 
+GpuSplitFn = Callable[[TrainConfig, InferConfig, OrchConfig, float], tuple[dict[str, Any], dict[str, Any], str]]
+"""`derive_colocate`'s memory split (`tidal.colocate.split.gpu_split` with the model and the machine bound)."""
+
+FP32_LORA_REFUSED = ("vLLM's CUDA LoRA kernels take float16/bfloat16 weights only (vLLM 0.24 on an H100 died at start, "
+                     "in its LoRA warm-up, with float32 and LoRA enabled)")
+
+
+def check_lora_dtype(infer: InferConfig, on_gpu: bool) -> None:
+    """A float32 vLLM with LoRA enabled on a GPU cannot start: refuse it before anything starts."""
+    if on_gpu and infer.dtype == "float32" and infer.enable_lora:
+        raise ConfigError(f"infer dtype float32 with enable_lora on a GPU: {FP32_LORA_REFUSED}; set infer dtype: "
+                          f"auto (the trainer's precision: bfloat16 on a GPU) or bfloat16, or serve merged weights "
+                          f"without LoRA (orch weight_broadcast.reload: merged and infer enable_lora: false)")
+
+
+def trainer_dtype(recipe: str, device: str) -> str:
+    """The dtype of the trainer's weights for train `recipe` on `device` (`tidal.trainer.model.resolve_dtype`):
+    float32 on CPU or with `recipe: fp32`, else bfloat16. Infer `dtype: auto` resolves to it (in `tidal grpo-infer`
+    alone, for the default `recipe: auto`), never to vLLM's own `auto`, which serves a float32 model in 16 bits."""
+    return "float32" if device == "cpu" or recipe == "fp32" else "bfloat16"
+
+
+def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
+    """One precision for the run: infer `dtype: auto` becomes the trainer's weight dtype (bfloat16 on a GPU unless
+    train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.resolve_dtype`), so vLLM samples the policy the
+    trainer scores. An explicit dtype is kept, with a notice when it differs from the trainer's (measured on an
+    H100: a float32 vLLM beside a bf16 trainer gave mismatch_kl 2e-3 to 9e-3 per step, against <= 1e-3 wanted);
+    float32 with LoRA on a GPU is refused (`check_lora_dtype`). Returns (infer, notice or None)."""
+    trainer = trainer_dtype(train.recipe, device)
+    if infer.dtype == "auto":
+        infer = infer.model_copy(update={"dtype": trainer})
+    check_lora_dtype(infer, device == "cuda")
+    if infer.dtype != trainer:
+        return infer, (f"vLLM serves in {infer.dtype} (infer dtype) while the trainer trains in {trainer}: their "
+                       f"logprobs differ by the rounding (mismatch_kl); infer dtype: auto follows the trainer")
+    return infer, None
+
+
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
-                    trainer_gib: Callable[[TrainConfig], float] | None = None, moe: bool = False) -> Colocated:
-    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `trainer_gib`
-    is (the arguments are left untouched). `trainer_gib(train)`: the trainer's estimated GPU footprint for the
-    derived train config (`tidal.trainer.memory`), which sizes vLLM's share of the GPU. `moe`: the model is a
+                    gpu_split: GpuSplitFn | None = None, moe: bool = False,
+                    architecture: str | None = None) -> Colocated:
+    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `gpu_split`
+    is (the arguments are left untouched). `gpu_split(train, infer, orch, total_gib)`: on a GPU, the memory split
+    for the derived configs, as (train updates, infer updates, notice) (`tidal.colocate.split.gpu_split`: vLLM
+    sized by need, the trainer the rest, `gradient_checkpointing: auto` decided); not called when infer.yaml
+    sets `gpu_memory_utilization`. `moe`: the model is a
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
-    (`moe_on_cpu`). Raises `ConfigError`
+    (`moe_on_cpu`). `architecture`: the model's (config.json), for train `share_base_weights`
+    (`tidal.colocate.shared_weights.apply_sharing`, resolved before the memory split). Raises `ConfigError`
     for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
@@ -373,13 +411,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=paired)
         train, orch = point_at_servers(train, infer, orch)
         notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
-    if (device == "cuda" and machine.gpu_memory_gib and trainer_gib is not None
-            and "gpu_memory_utilization" not in infer.model_fields_set):
-        need = trainer_gib(train)
-        share = vllm_share(machine.gpu_memory_gib, need)
-        infer = infer.model_copy(update={"gpu_memory_utilization": share})
-        notices.append(f"GPU: the trainer needs about {need:.1f} GiB of {machine.gpu_memory_gib:.0f} GiB "
-                       f"(estimate); vLLM gets gpu_memory_utilization {share}")
+    from tidal.colocate.shared_weights import apply_sharing
+
+    train, infer, shared_note = apply_sharing(train, infer, orch, device, architecture, orch.client.base_url[0])
+    notices += [shared_note] if shared_note else []
     wb = orch.weight_broadcast
     if not train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
@@ -407,6 +442,14 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         notices.append(note)
     if orch.weight_broadcast.type != "nccl" and orch.weight_broadcast.reload in ("lora", "auto"):
         infer = infer.model_copy(update=check_lora_rank(train, infer))  # adapters go into vLLM
+    infer, precision = couple_precision(train, infer, device)
+    if precision:
+        notices.append(precision)
+    if (device == "cuda" and machine.gpu_memory_gib and gpu_split is not None
+            and "gpu_memory_utilization" not in infer.model_fields_set):
+        t, i, split_note = gpu_split(train, infer, orch, machine.gpu_memory_gib)
+        train, infer = train.model_copy(update=t), infer.model_copy(update=i)
+        notices.append(split_note)
     split = split_cores(machine, train, device, infer.dp * infer.tp)
     infer_env: dict[str, str] = {}
     if split is not None:

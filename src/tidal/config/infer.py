@@ -1,4 +1,5 @@
-"""Inference config (`infer.yaml`): how `tidal grpo-infer` starts vLLM's OpenAI-compatible server.
+"""Inference config (`infer.yaml`): how `tidal grpo-infer` starts vLLM's OpenAI-compatible server (or SGLang's,
+`backend: sglang`).
 
 Keys follow the seed's inference table. `host: null` binds to 127.0.0.1 (tidal is stricter than the seed,
 which binds to all interfaces); the API key, if any, comes from the `VLLM_API_KEY` environment variable.
@@ -16,19 +17,23 @@ CHAT_ONLY = ("would have no effect: tidal's rollouts are token-id completions (/
              "applies it to chat completions only")
 
 
-SGLANG_REFUSED = ("is 'vllm' only: an SGLang backend could not be run or tested on this project's machines (no "
-                  "CPU wheels of its kernels; evidence in docs/sglang.md), so tidal ships none")
+SGLANG_UNMAPPED = {
+    "cpu_kvcache_space_gib": "sizes vLLM's CPU KV cache; SGLang runs on GPUs only here (docs/sglang.md)",
+    "rope_scaling": "is passed to vLLM as an hf override; its SGLang form (--json-model-override-args) is not "
+                    "verified on a GPU yet (docs/sglang.md)",
+}
+"""Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
+every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
 
 
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
 
-    REFUSED = {**{k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")},
-               "backend": SGLANG_REFUSED}
+    REFUSED = {k: CHAT_ONLY for k in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser")}
 
-    backend: str = "vllm"
-    """Rollout engine (seed 003 names SGLang): `vllm` only. SGLang could not run on the machines this project
-    has (docs/sglang.md: its CPU kernels need a source build for AMX Xeons), so tidal ships no untested client."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """Rollout engine: `vllm`, or `sglang` (seed 003: `python -m sglang.launch_server`, GPU machines only; the
+    keys it has no equivalent for exit 2, docs/sglang.md)."""
     model: str
     """Model to serve: a local Hugging Face model directory, a Hub id (`org/name[@revision]`, through the HF
     cache) or `tidal:tiny-reverse` (the bundled model)."""
@@ -37,11 +42,16 @@ class InferConfig(StrictModel):
     port: int = Field(8000, ge=1, le=65535)
     """Bind port."""
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    """Weights/activations dtype (`auto`: the model's dtype; float32 on CPU for the bundled model)."""
+    """Weights/activations dtype. `auto`: in `tidal grpo` the trainer's precision (bfloat16 on a GPU unless train
+    `recipe: fp32`, float32 on CPU; float32 with LoRA on a GPU is refused: vLLM's CUDA LoRA kernels take 16-bit
+    weights only); in `tidal grpo-infer` alone that of the default `recipe: auto` (bfloat16 on a GPU, float32 on
+    CPU). Never vLLM's own `auto`, which would serve a float32 model in 16 bits."""
     max_model_len: int | None = Field(None, ge=16)
     """Maximum context length (null: the model's)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs."""
+    """Run vLLM eagerly: no torch.compile and no CUDA graphs. A much faster first start (the 0.6B shape on an H100:
+    48 s of compilation and 34 s of graph capture saved) and no graph memory, for slower decoding (each step
+    launches its kernels one by one); later starts reuse vLLM's compile cache anyway (docs/gpu.md)."""
     trust_remote_code: bool = False
     """Allow custom model code from the model directory. The trainer has its own key (train
     `trust_remote_code`); `tidal grpo` makes an unset one follow this one and refuses two different values."""
@@ -91,8 +101,24 @@ class InferConfig(StrictModel):
     weight_reload: bool = False
     """Let the orchestrator reload full weights in place (vLLM's dev-mode `/collective_rpc reload_weights` and
     `/reset_prefix_cache`; keep the server on localhost or behind an API key)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV-cache dtype (vLLM's `--kv-cache-dtype`): `auto` follows the model's dtype; `fp8` halves the cache of a
+    bf16 model (GPU: e4m3 on NVIDIA Hopper/Ada)."""
+    export_base_weights: bool = False
+    """(set by `tidal grpo` when train `share_base_weights` is on) Start vLLM with tidal's worker extension
+    (`tidal.colocate.worker_ext`), which hands a co-located trainer CUDA IPC handles of the base weights through
+    vLLM's dev route `/collective_rpc` (keep the server on localhost or behind an API key). GPU only."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
+
+    @model_validator(mode="after")
+    def _sglang_keys(self) -> InferConfig:
+        if self.backend == "sglang":
+            unmapped = [k for k in SGLANG_UNMAPPED if getattr(self, k) != type(self).model_fields[k].default]
+            if unmapped:
+                raise ValueError("backend sglang: " + "; ".join(f"{k} {SGLANG_UNMAPPED[k]}" for k in unmapped)
+                                 + " (drop the key or use backend: vllm)")
+        return self
 
     @model_validator(mode="after")
     def _ports_fit(self) -> InferConfig:

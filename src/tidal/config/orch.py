@@ -158,6 +158,9 @@ class ClientSection(StrictModel):
 
     base_url: list[str] = Field(default_factory=lambda: ["http://localhost:8000/v1"], min_length=1)
     """Inference server URL(s); requests are spread across them round-robin, adapters load on all."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """The servers' engine (infer `backend`; `tidal grpo` copies it): `vllm` (OpenAI-compatible API) or `sglang`
+    (SGLang's native `/generate` and weight routes, `tidal.inference.backends.sglang`)."""
     timeout: float = Field(1200, gt=0)
     """Request timeout (s)."""
     api_key_var: str = "VLLM_API_KEY"

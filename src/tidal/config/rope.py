@@ -5,7 +5,7 @@ dict with the user's (what vLLM's `--hf-overrides {"rope_scaling": ...}` does) s
 Both the trainer and the inference server therefore merge: keys the user does not give keep the model's
 values. The legacy `type` key is read as `rope_type`; a model with one dict per layer type (e.g. Gemma 3) takes
 `{layer_type: {...}}`. Pure dict logic (torch-free), shared by `tidal.trainer.model` and
-`tidal.inference.server`.
+`tidal.inference.backends.vllm.server`.
 """
 
 from __future__ import annotations

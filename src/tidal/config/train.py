@@ -214,6 +214,9 @@ class TrainWeightBroadcast(StrictModel):
     """(nccl) The vLLM servers to push into (orch `client.base_url`)."""
     api_key_var: str = "VLLM_API_KEY"
     """(nccl) Environment variable holding the servers' API key (orch `client.api_key_var`)."""
+    backend: Literal["vllm", "sglang"] = "vllm"
+    """(nccl) The servers' engine (infer `backend`; `tidal grpo` copies it): vLLM's weight-transfer routes, or
+    SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` (`tidal.trainer.weight_push_sglang`)."""
 
 
 class TrainCkptSection(StrictModel):
@@ -311,10 +314,12 @@ class TrainConfig(StrictModel):
     skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
     before; much more memory at long rows). Architectures the chunked path does not know use full logits
     anyway (a warning says so). `tidal sft` computes its (label-smoothed) loss the same way."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
     decoder layer's input and recompute the layer in the backward. Much less activation memory for about a
-    third more compute; works with LoRA and packed rows."""
+    third more compute; works with LoRA and packed rows. `auto` (the default): off on CPU; in `tidal grpo` on a
+    GPU on exactly when the trainer's share of the GPU (what vLLM's need leaves) would not hold it without
+    (`tidal.colocate.split`); elsewhere on CUDA on when the estimate without it exceeds the GPU's free memory."""
     attention: Literal["auto", "flex", "per_sample", "dense"] = "auto"
     """Attention kernel for packed rows (`tidal.trainer.attention`; all compute the same masked attention, by
     test). `auto`: `flex` on CUDA, `per_sample` on CPU (and for vision-language models). `flex`: torch's
@@ -385,9 +390,8 @@ class TrainConfig(StrictModel):
     checkpoints hold all weights and their optimizer state, the export is `final/model/`; with `loss.beta > 0`
     the reference is a second, frozen copy of the initial weights."""
     freeze_embeddings: bool = False
-    """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too). Needed to fully
-    fine-tune a tied-embedding model served by vLLM on CPU through in-place reloads: vLLM-CPU refreshes the
-    embedding but keeps its prepacked copy of the tied lm_head (docs/scale-out.md)."""
+    """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too); they train
+    otherwise. On vLLM-CPU a tied lm_head is re-packed after every in-place update (`tidal.inference.tied_head`)."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r."""
     lora_alpha: int = Field(32, gt=0)
@@ -412,6 +416,17 @@ class TrainConfig(StrictModel):
     `lora: true` and `gpus: 1`; not with `recipe: fp8-hybrid`."""
     qlora_fp4: bool = False
     """FP4 (NVFP4) QLoRA: refused, it needs Blackwell (SM100+) FP4 matmuls."""
+    share_base_weights: bool | Literal["auto"] = False
+    """(`tidal grpo` on one GPU) Build the trainer's frozen base from vLLM's own weight tensors (CUDA IPC handles,
+    zero-copy: the base is on the GPU once; docs/colocate.md). Default false until the CUDA path has run on a GPU (its
+    mapping is verified on CPU against vLLM's model classes; the IPC hand-over is not yet). `auto`: on where it applies
+    (one NVIDIA GPU, LoRA on an unquantized bf16 base, adapters reaching vLLM as LoRA, tp/dp/gpus 1, an architecture
+    whose vLLM layout is verified), else off with a notice; `true` where it cannot apply is an error saying why;
+    `false`: the trainer loads its own copy. `grpo-train` alone: `auto` is off; `true` needs `base_weights_url` (a vLLM
+    on the same GPU started with infer `export_base_weights: true`) and the trainer-side conditions."""
+    base_weights_url: str | None = None
+    """(set by `tidal grpo` when `share_base_weights` is on) The co-located vLLM server (`http://host:port/v1`)
+    the trainer asks for the CUDA IPC handles of its base weights."""
     max_async_level: int = Field(1, ge=0)
     """Policy lag allowed to inference; the trainer keeps the newest `max_async_level + 1` broadcasts."""
     transport_type: Literal["filesystem", "zmq"] = "filesystem"
@@ -491,11 +506,16 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _activations(self) -> TrainConfig:
-        if not self.gradient_checkpointing:
+        if self.gradient_checkpointing is not True:
             for key, default in (("checkpoint_every", 1), ("checkpoint_scope", "layer")):
                 if getattr(self, key) != default:
                     raise ValueError(f"{key} says which layers gradient checkpointing recomputes; set "
-                                     f"gradient_checkpointing: true or drop {key}")
+                                     f"gradient_checkpointing: true (auto may turn it off) or drop {key}")
+            if self.gradient_checkpointing == "auto" and self.offload_activations:
+                raise ValueError("offload_activations with gradient_checkpointing auto: whether it offloads every "
+                                 "layer's activations or nothing would depend on the machine; set "
+                                 "gradient_checkpointing: false (offload all) or true with checkpoint_every > 1 / "
+                                 "checkpoint_scope: mlp")
         elif self.offload_activations and self.checkpoint_every == 1 and self.checkpoint_scope == "layer":
             raise ValueError("offload_activations with every whole layer checkpointed has nothing to offload "
                              "(only layer inputs are kept); set checkpoint_every > 1, checkpoint_scope: mlp, or "

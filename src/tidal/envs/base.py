@@ -73,7 +73,7 @@ class Environment(ABC):
         return [self.reward(example, c) for c in completions]
 
     def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
-        """Scores of one group of sampled rollouts (`tidal.inference.client.Completion`s: `.text`, and for the
+        """Scores of one group of sampled rollouts (`tidal.inference.protocol.Completion`s: `.text`, and for the
         tool loop `.messages` and `.environment`); what the orchestrator calls. The default scores the texts with
         `reward_group`; environments that score conversations (verifiers) override it."""
         return self.reward_group(example, [r.text for r in rollouts])

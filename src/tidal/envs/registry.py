@@ -1,7 +1,7 @@
 """Registry of environments by id: the built-ins, `register`ed classes, `package.module:Name` paths (an
 Environment subclass, or a factory / object giving an Environment or a verifiers environment), and
-`verifiers:NAME` (an installed verifiers environment, `tidal.envs.verifiers_env`; with verifiers 0.4 a taskset
-package, `tidal.envs.verifiers_v1`). A factory may also give a verifiers 0.4 `Taskset`."""
+`verifiers:NAME` (an installed verifiers environment; with verifiers 0.4 a taskset package: `tidal.envs.verifiers`).
+A factory may also give a verifiers 0.4 `Taskset`."""
 
 from __future__ import annotations
 
@@ -42,22 +42,20 @@ def _import(env_id: str) -> Any:
 
 def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """Instantiate environment `env_id` with `args`; unknown ids and bad args raise ValueError."""
-    from tidal.envs import verifiers_env, verifiers_v1
+    from tidal.envs import verifiers
 
     if env_id.startswith("verifiers:"):
-        return verifiers_env.load(env_id.removeprefix("verifiers:"), args)
+        return verifiers.load(env_id.removeprefix("verifiers:"), args)
     target: Any = _REGISTRY.get(env_id)
     if target is None and ":" not in env_id:
         raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, "
                          f"'package.module:Name' or 'verifiers:NAME')")
     if target is None:
         target = _import(env_id)
-    if verifiers_env.is_verifiers_env(target) or verifiers_v1.is_v1_taskset(target):  # a module-level object
+    if verifiers.is_verifiers(target):  # a module-level object
         if args:
             raise ValueError(f"environment '{env_id}' is an environment object; it takes no args (got {args})")
-        if verifiers_v1.is_v1_taskset(target):
-            return verifiers_v1.VerifiersV1Env(target, env_id)
-        return verifiers_env.VerifiersEnv(target, env_id)
+        return verifiers.adapt(target, env_id)
     if not callable(target) or isinstance(target, Environment):
         raise ValueError(f"environment '{env_id}' is neither an Environment subclass nor a factory returning one")
     try:
@@ -66,9 +64,7 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
         raise ValueError(f"environment '{env_id}': bad args {args}: {exc}") from None
     if isinstance(made, Environment):
         return made
-    if verifiers_env.is_verifiers_env(made):
-        return verifiers_env.VerifiersEnv(made, env_id)
-    if verifiers_v1.is_v1_taskset(made):
-        return verifiers_v1.VerifiersV1Env(made, env_id)
+    if verifiers.is_verifiers(made):
+        return verifiers.adapt(made, env_id)
     raise ValueError(f"environment '{env_id}' gave a {type(made).__name__}, not a tidal Environment or a verifiers "
                      "environment")

@@ -7,16 +7,24 @@ the workers (`tidal.trainer.weight_push`). On GPUs this is vLLM's own `nccl` eng
 CPU-only machines the same protocol runs over gloo: `tidal_gloo` is vLLM's dense NCCL engine with the
 communicator swapped for a torch gloo process group (same init/update payloads, same layerwise reload). It is
 registered in every vLLM process through the `vllm.general_plugins` entry point (`register`).
+
+The plugin runs in every vLLM start, also in runs that never push weights, so it must never break one: it
+registers only what the installed vLLM supports. A vLLM without the weight-transfer modules the gloo engine builds
+on (`vllm.distributed.weight_transfer.nccl_common`: vLLM 0.24.0 has none) gets nothing registered, and one line
+in its log says so; asking such a vLLM for the push is refused before anything starts
+(`tidal.inference.vllm_support.check_weight_transfer`).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import torch
 
 GLOO_BACKEND = "tidal_gloo"
+log = logging.getLogger("tidal.weight_transfer")
 
 
 class GlooGroup:
@@ -88,11 +96,28 @@ def _engine_cls() -> type:
 
 
 def register() -> None:
-    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend (idempotent; vLLM may call it often)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, and (CPU) refresh tied lm_heads after
+    in-place weight updates (`tidal.inference.tied_head`). Idempotent; vLLM may call it often. On a vLLM without
+    weight transfer, or without the modules the engine builds on, it registers no backend (the vLLM still starts)."""
+    from tidal.inference.tied_head import install
 
-    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, _engine_cls())
+    try:
+        install()  # another vLLM's layout only loses the hook, with a warning (tied_head.install)
+    except Exception as exc:  # noqa: BLE001 - the plugin must never break a vLLM start
+        log.warning("tidal: the tied lm_head refresh is not installed in this vLLM: %r", exc)
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        if GLOO_BACKEND in WeightTransferEngineFactory._registry:
+            return
+        engine = _engine_cls()
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, engine)
+    except (ImportError, AttributeError) as exc:  # another vLLM: its start must go on; the push is refused up front
+        from tidal.inference.vllm_support import vllm_version
+
+        missing = exc.name if isinstance(exc, ImportError) and exc.name else repr(exc)
+        log.info("tidal: vLLM %s lacks %s: the %s weight-transfer backend is not registered (weight_broadcast.type "
+                 "nccl unavailable with this vLLM)", vllm_version(), missing, GLOO_BACKEND)
 
 
 def transfer_backend(on_cpu: bool) -> str:

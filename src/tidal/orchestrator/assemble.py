@@ -25,7 +25,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.envs.images import text_of
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.filters import Filters

@@ -26,7 +26,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig, TeacherSection
 from tidal.envs.base import Example
 from tidal.envs.images import count_images, has_images, openai_messages, prompt_images, text_of
-from tidal.inference.client import Completion, InferenceClient, InferenceError, NotMultimodal
+from tidal.inference.protocol import Completion, InferenceClient, InferenceError, NotMultimodal
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix

@@ -25,7 +25,7 @@ import numpy as np
 from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
 from tidal.envs.images import has_images, openai_messages
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.protocol import Completion, InferenceClient
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
@@ -43,6 +43,16 @@ def turns(mask: list[int] | None) -> int:
     return 1 + sum(1 for a, b in zip(mask, mask[1:], strict=False) if a == 0 and b == 1)
 
 
+def eval_env(e: Any, scorer: Scorer | None) -> Environment:
+    """The eval environment of section `e`, built; one without a reward of its own needs the run's reward
+    functions (`scorer`), else ValueError."""
+    env = build_env(e)
+    if not env.has_reward and (scorer is None or not scorer.funcs):
+        raise ValueError(f"eval env '{e.name or e.id}' has no reward of its own and the run has no reward "
+                         f"functions to score it with (orch reward_funcs)")
+    return env
+
+
 class Evaluator:
     """The eval environments, their fixed examples, and when the next evaluation is due."""
 
@@ -53,10 +63,7 @@ class Evaluator:
         self.scorer = scorer
         self.sets: dict[str, tuple[Environment, list[Example]]] = {}
         for i, e in enumerate(ecfg.env):
-            env = build_env(e)
-            if not env.has_reward and (scorer is None or not scorer.funcs):
-                raise ValueError(f"eval env '{e.name or e.id}' has no reward of its own and the run has no reward "
-                                 f"functions to score it with (orch reward_funcs)")
+            env = eval_env(e, scorer)
             finite = env.eval_examples()
             if ecfg.num_examples == -1 and finite is not None:
                 examples = list(finite)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tidal.config.orch import GibberishFilter, RepetitionFilter
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 
 
 def model_vocab_size(model_name: str | None) -> int | None:

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
-from tidal.inference.client import InferenceClient, InferenceError
+from tidal.inference.backends import make_client
+from tidal.inference.protocol import InferenceClient, InferenceError
 from tidal.monitor.metrics import MetricsWriter
 from tidal.monitor.sinks import Sinks
-from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.assemble import Assembled, assemble, pick_samples
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.ckpt import Progress, resume_orch, save_orch
@@ -39,6 +39,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.preflight import build_scoring, give_tools
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import RewardFunc, Scorer
 from tidal.orchestrator.stream import GroupStream
@@ -84,18 +85,17 @@ class Parts:
               tooling: Any = None) -> Parts:
         """`reward_funcs`: reward functions given in process (the Python API), after orch `reward_funcs`;
         `tooling`: tools given in process (`tidal.envs.tools.Tooling`) for the environments without their own."""
-        env = EnvMix(cfg.env, cfg.buffer.env_ratios)
-        give_tools(env.envs.values(), tooling)
+        scoring = build_scoring(cfg, reward_funcs, tooling)  # the checks `tidal grpo` runs up front, too
+        env = scoring.env
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
         progress = resume_orch(run_dir, cfg.ckpt, rng, env, buffer)
-        teacher = (InferenceClient(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
+        teacher = (make_client(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
                    if cfg.teacher is not None else None)
         rt = cfg.rollout_transport
         sink: BatchSink = BatchWriter(run_dir) if rt.type == "filesystem" else ZmqBatchServer(rt.host, rt.port, rt.hwm)
-        return cls(env, Scorer(env.envs, cfg, reward_funcs), buffer, Filters(cfg.filters, cfg.model.name),
-                   load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None, rng, progress,
-                   InferenceClient(cfg.client), teacher, sink,
+        return cls(env, scoring.scorer, buffer, scoring.filters, scoring.custom, rng, progress,
+                   make_client(cfg.client), teacher, sink,
                    Sinks(cfg.report_to, run_dir, {"orch": cfg.model_dump(mode="json")}))
 
     async def close(self) -> None:
@@ -124,13 +124,6 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
             "progress/total_samples": p.total_samples, "rollout_time_s": got.rollout_time_s,
             "weights_wait_s": got.waited_s,
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
-
-
-def give_tools(envs: Any, tooling: Any) -> None:
-    """Give `tooling` (tools from the Python API) to the environments that have none of their own."""
-    for e in envs:
-        if tooling is not None and e.tooling is None:
-            e.tooling = tooling
 
 
 async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,

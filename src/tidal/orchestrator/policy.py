@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tidal.inference.client import InferenceClient
+from tidal.inference.protocol import InferenceClient
 from tidal.paths import broadcast_dir, broadcasts_dir
 from tidal.transport import weights
 

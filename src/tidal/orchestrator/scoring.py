@@ -43,7 +43,7 @@ import numpy as np
 
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Environment, Example
-from tidal.inference.client import Completion
+from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import load_function
 
 log = logging.getLogger("tidal.orch")

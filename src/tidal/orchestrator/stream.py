@@ -46,7 +46,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.envs.images import prompt_images
-from tidal.inference.client import Completion, InferenceClient, InferenceError
+from tidal.inference.protocol import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer, example_key
 from tidal.orchestrator.collect import (

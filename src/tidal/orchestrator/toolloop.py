@@ -32,7 +32,7 @@ from typing import Any
 from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
 from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
-from tidal.inference.client import Completion, InferenceClient
+from tidal.inference.protocol import Completion, InferenceClient
 from tidal.orchestrator.sampling import extra_sampling
 
 

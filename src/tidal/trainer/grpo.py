@@ -42,10 +42,10 @@ from tidal.trainer.health import MismatchGuard
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
-from tidal.trainer.model import load_model_config
 from tidal.trainer.noise import qerl_sigma
 from tidal.trainer.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
+from tidal.trainer.preflight import check_train
 from tidal.trainer.quant import qlora_kind
 from tidal.trainer.schedule import OptimizerStep, plan
 from tidal.trainer.vision import attach_images
@@ -239,8 +239,8 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
 
 
 def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
-    """The weight pusher for train `weight_broadcast.type: nccl` (with QeRL: pushing the noisy norms too), else
-    None."""
+    """The weight pusher for train `weight_broadcast.type: nccl` into vLLM or SGLang servers
+    (`weight_broadcast.backend`; with QeRL: pushing the noisy norms too), else None."""
     wb = cfg.weight_broadcast
     if wb.type != "nccl":
         return None
@@ -252,6 +252,11 @@ def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
         return noisy_norms(model, sigma, seed, step)
 
     extra = norms if cfg.noise_scheduler.enabled else None
+    if wb.backend == "sglang":
+        from tidal.trainer.weight_push_sglang import SglangWeightPusher
+
+        return SglangWeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device,
+                                  extra)
     return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device, extra)
 
 
@@ -401,23 +406,6 @@ def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
     return (sigma, cfg.seed) if sigma > 0 else None
 
 
-def check_qerl(cfg: TrainConfig, merged_keys: list[str] | None) -> None:
-    """QeRL noise travels inside the published merged weights or the NCCL push: it needs one of them (not the
-    LoRA-adapter path, whose adapters cannot change a norm), and a known run length."""
-    if not cfg.noise_scheduler.enabled:
-        return
-    from tidal.config.load import ConfigError
-
-    if merged_keys is None and cfg.weight_broadcast.type != "nccl":
-        raise ConfigError("train noise_scheduler.enabled: the noisy RMSNorm weights reach vLLM inside the merged "
-                          "weights of each policy or the NCCL push, and a LoRA adapter cannot carry them; set orch "
-                          "weight_broadcast.reload: merged (train broadcast_merged: true; `tidal grpo` on CPU does "
-                          "it) or weight_broadcast.type: nccl")
-    if cfg.max_steps < 1:
-        raise ConfigError("train noise_scheduler.enabled needs train max_steps (the schedule's intervals are "
-                          "fractions of the run)")
-
-
 def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:
     """A quantized QLoRA base: publish policy 0 as its dequantized full weights (once per run directory), which the
     orchestrator has vLLM reload before the first rollouts, so vLLM samples the policy this trainer scores."""
@@ -435,46 +423,14 @@ def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatc
             and prompt_sharing_blocker(model.config, cfg.sequence_len) is None)
 
 
-def check_prompt_sharing(cfg: TrainConfig) -> None:
-    """`prompt_sharing: true` with a model it cannot apply to is a config error (exit 2)."""
-    if cfg.prompt_sharing is not True:
-        return
-    why = prompt_sharing_blocker(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling),
-                                 cfg.sequence_len)
-    if why is not None:
-        from tidal.config.load import ConfigError
-
-        raise ConfigError(f"train prompt_sharing: true, but {cfg.model} cannot share prompts: {why}; set "
-                          f"prompt_sharing to auto (on where it applies) or false")
-
-
-def check_full_finetune(cfg: TrainConfig) -> None:
-    """Full fine-tuning of a tied-embedding model served by vLLM on CPU would serve a stale lm_head (vLLM-CPU
-    keeps a prepacked copy of the tied head that an in-place reload does not refresh; the NCCL push is not
-    known to do better): refuse on a machine without CUDA unless the embeddings stay frozen."""
-    if cfg.lora or cfg.freeze_embeddings or torch.cuda.is_available():
-        return
-    import json
-
-    from tidal.config.load import ConfigError
-
-    config = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
-    if config.get("tie_word_embeddings", True):
-        raise ConfigError(f"train lora false with {cfg.model} (tied input/output embeddings) served by vLLM on CPU "
-                          f"through in-place reloads: vLLM-CPU does not refresh its copy of a tied lm_head, so it "
-                          f"would sample from a stale one; set train freeze_embeddings: true (or train LoRA)")
-
-
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
-    check_full_finetune(cfg)
-    check_prompt_sharing(cfg)
+    check_train(cfg)  # the refusals `tidal grpo` also runs before anything starts (`tidal.preflight`)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     p = build_policy(cfg, total, ranks)
     # a fully fine-tuned policy is published as its merged (= all) weights
     merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged or not cfg.lora else None
-    check_qerl(cfg, merged_keys)
     source = open_source(cfg, run_dir) if ranks.main else None
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
                                  cfg=cfg)

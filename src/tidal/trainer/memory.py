@@ -11,22 +11,28 @@ in bytes (seed 000 "Automatic memory management"):
 - **LoRA state**: r * (in + out) parameters per adapted linear, each with fp32 weight and gradient and the two
   AdamW moments: 16 bytes per parameter, or 10 with `optimizer: adamw_8bit` (8-bit moments plus a float32
   scale per 256 values); full fine-tuning: gradient and fp32 master beside the weight, and the moments;
-- **activations of one micro-batch** (`rows * sequence_len` tokens): per decoder layer and token the tensors
-  autograd keeps for a SwiGLU block with fused (flash/SDPA) attention, about 8 h + 2 kv + 5 I values of the
-  training dtype (h hidden, kv the key/value width, I the MLP width; no seq^2 term). With activation
-  checkpointing only each layer's input is kept, plus one layer's full set while it is recomputed;
+- **activations of one micro-batch** (`rows * sequence_len` tokens): per decoder layer and token what HF
+  transformers + PEFT keep for the backward (`layer_bytes_per_token`: LoRA's float32 input copies, the float32
+  RMSNorm upcasts, q/k/v/attention output, SwiGLU's gate/up/act: ~97 KB for the Qwen3-0.6B shape in bf16);
+  with a dense (rows, 1, T, T) attention mask (the CUDA trainer's SDPA on packed rows) the boolean mask once and
+  a bias in the training dtype per layer (T^2 terms: they dominate long rows). With activation checkpointing
+  only each layer's input is kept, plus one layer's full set while it is recomputed. Held within 15% of the
+  CUDA peaks measured on an H100 (issue 26; tests/unit/test_memory.py);
 - **logits**: with chunked log-probabilities (`logprob_chunk_size` > 0) a few fp32 (chunk, vocab) buffers;
   without, the full (tokens, vocab) logits in the training dtype plus three fp32 copies;
 - **CUDA overhead** (context, allocator slack, cuBLAS workspaces): a fixed 1 GiB;
 - a 10% margin on the sum.
-It is an estimate for sizing vLLM's share (`gpu_memory_utilization`), not a guarantee: the trainer logs its
-measured peak as `memory/peak_gb` and warns once when it goes past the estimate. Torch-free, so the co-locate
-derivation can call it before anything starts.
+`Footprint.allocated` is what `torch.cuda.max_memory_allocated` reports (no overhead, no margin); `total` sizes the
+trainer's share of a GPU (`tidal.colocate.split`, which also takes a measured peak: `calibrate`). The trainer logs
+its measured peak as `memory/peak_gb` and warns once when it goes past the estimate; a CUDA out-of-memory error
+ends it with `oom_message`. The estimate is torch-free, so the co-locate derivation can call it before anything
+starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +58,12 @@ class Footprint:
     activations: int
     logits: int
     overhead: int
+
+    @property
+    def allocated(self) -> int:
+        """What PyTorch's allocator holds at the peak (`torch.cuda.max_memory_allocated`): every part but the
+        CUDA overhead, without the margin."""
+        return self.weights + self.lora + self.activations + self.logits
 
     @property
     def total(self) -> int:
@@ -105,15 +117,48 @@ def lora_parameter_count(cfg: Mapping[str, Any], rank: int, targets: Iterable[st
     return int(cfg["num_hidden_layers"]) * per_layer
 
 
+def layer_bytes_per_token(cfg: Mapping[str, Any], b: int, lora_targets: set[str] | None, dense_mask: bool) -> int:
+    """Bytes one decoder layer keeps for its backward per token (HF transformers + PEFT, no checkpointing), counted
+    from what autograd saves on a real Qwen3 layer (`torch.autograd.graph.saved_tensors_hooks`, tests/unit/
+    test_memory.py) and matching the CUDA peaks of issue 26 (92.8 KB/token/layer for the 0.6B shape on CPU, ~97 KB
+    with the GPU's masked SDPA):
+    - frozen base linears keep no input; LoRA's A matmul keeps its input cast to the adapters' float32 (PEFT keeps
+      adapters in float32), one copy per adapted module (q, k and v each cast the same hidden state); full
+      fine-tuning keeps each distinct linear input once in the training dtype;
+    - the two RMSNorms keep a float32 upcast of the hidden state each, Qwen3's q/k norms one of q and k;
+    - attention keeps q, k, v and its output (k and v at query width when a dense mask makes SDPA repeat them:
+      GQA without `enable_gqa`), the MLP gate, up and act(gate) (SwiGLU)."""
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    shapes = linear_shapes(cfg)
+    q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
+    inputs = {k: i for k, (i, _) in shapes.items()}
+    if lora_targets is None:  # full fine-tuning: q/k/v share one input, gate/up another
+        kept_inputs = (2 * h + q + inter) * b
+    elif b < 4:  # each adapted module casts its input to float32
+        kept_inputs = sum(inputs[k] for k in lora_targets if k in inputs) * 4
+    else:  # float32 training: the cast is a no-op, shared inputs are kept once
+        wanted = {("qkv" if k in ("q_proj", "k_proj", "v_proj") else "mlp" if k in ("gate_proj", "up_proj") else k)
+                  for k in lora_targets if k in inputs}
+        kept_inputs = sum({"qkv": h, "mlp": h, "o_proj": q, "down_proj": inter}[k] for k in wanted) * 4
+    qk_norm = (q + kv) * 4 if str(cfg.get("model_type", "qwen3")).startswith("qwen3") else 0
+    attention = (2 * q + 2 * (q if dense_mask else kv)) * b
+    return kept_inputs + 2 * h * 4 + qk_norm + attention + 3 * inter * b
+
+
 def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_rank: int | None = 16,
              lora_targets: Iterable[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                             "down_proj"),
              rows: int = 1, sequence_len: int = 2048, gradient_checkpointing: bool = False,
              logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE, base: str | None = None,
-             optimizer_8bit: bool = False) -> Footprint:
+             optimizer_8bit: bool = False, dense_mask: bool = True, checkpoint_every: int = 1,
+             checkpoint_scope: str = "layer", offload_activations: bool = False) -> Footprint:
     """The trainer's footprint for one micro-batch of `rows` packed rows of `sequence_len` tokens (see the module
     doc); `lora_rank` None: full fine-tuning (every parameter trained); `base`: `nf4` / `fp8` for a QLoRA base;
-    `optimizer_8bit`: AdamW moments in 8 bits."""
+    `optimizer_8bit`: AdamW moments in 8 bits; `dense_mask`: attention gets a (rows, 1, T, T) mask (the CUDA
+    trainer's SDPA on packed rows today), which SDPA keeps per layer as a bias in the training dtype.
+    `checkpoint_every` / `checkpoint_scope` / `offload_activations` (`tidal.trainer.activations`): only every k-th
+    layer checkpointed, the others keeping their full set; `mlp` scope counted as not checkpointed (an upper
+    bound: it keeps the attention's part); offloaded layers keep nothing on the device but the one in flight."""
     cfg = _text_config(model_config)
     b = DTYPE_BYTES[dtype]
     params = parameter_count(cfg)
@@ -126,13 +171,22 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
         linear = int(cfg["num_hidden_layers"]) * (attn + mlp)  # MoE experts are fused tensors, not quantized
         largest = max(i * o for i, o in shapes.values())
         weights = int((params - linear) * b + linear * BASE_BYTES_PER_PARAM[base] + 3 * largest * b)
-    trained = lora_parameter_count(cfg, lora_rank, lora_targets) if lora_rank else params
+    targets = set(lora_targets)
+    if "all-linear" in targets:
+        targets = set(linear_shapes(cfg))
+    trained = lora_parameter_count(cfg, lora_rank, targets) if lora_rank else params
     moments = MOMENT_BYTES[optimizer_8bit]
-    h, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-    kv = linear_shapes(cfg)["k_proj"][1]
+    h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     tokens = rows * sequence_len
-    per_layer = tokens * (8 * h + 2 * kv + 5 * inter) * b
-    activations = (layers * tokens * h * b + per_layer) if gradient_checkpointing else layers * per_layer
+    per_layer = tokens * layer_bytes_per_token(cfg, b, targets if lora_rank else None, dense_mask)
+    # (rows, 1, T, T) boolean mask once, plus the bias SDPA derives from it per layer (kept for the backward)
+    mask_bool, mask_bias = (rows * sequence_len**2, rows * sequence_len**2 * b) if dense_mask else (0, 0)
+    # layers whose input alone is kept (recomputed in the backward), and layers keeping their full set
+    recomputed = (-(-layers // checkpoint_every) if gradient_checkpointing and checkpoint_scope == "layer" else 0)
+    kept = 0 if offload_activations else layers - recomputed  # offloaded: in pinned CPU memory
+    activations = recomputed * tokens * h * b + kept * (per_layer + mask_bias) + mask_bool
+    if recomputed or offload_activations:  # one layer's full set while it is recomputed / copied back
+        activations += per_layer + mask_bias
     vocab = int(cfg["vocab_size"])
     logits = 3 * 4 * min(logprob_chunk_size, tokens) * vocab if logprob_chunk_size > 0 else tokens * vocab * (b + 12)
     return Footprint(weights=weights, lora=int(trained * (8 + moments) if lora_rank else trained * (b + 4 + moments)),
@@ -172,9 +226,12 @@ def peak_gib(device: Any) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
-def train_footprint_gib(train: Any) -> float:
-    """The estimated GPU footprint in GiB of the trainer `train` (a TrainConfig) describes, from its model's
-    config.json (torch-free)."""
+def train_estimate(train: Any, gradient_checkpointing: bool | None = None,
+                   dense_mask: bool | None = None) -> Footprint:
+    """The estimated GPU footprint of the trainer `train` (a TrainConfig) describes, from its model's config.json
+    (torch-free). `gradient_checkpointing` None: train's own (`auto` counts as on only when it is resolved: pass a
+    bool). `dense_mask` None: only with train `attention: dense` (flex / per-sample kernels build no (T, T) mask;
+    a model flex cannot serve falls back to it, which the split's calibration step measures)."""
     import json
     from pathlib import Path
 
@@ -182,10 +239,180 @@ def train_footprint_gib(train: Any) -> float:
 
     model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
     targets = [train.lora_target_modules] if isinstance(train.lora_target_modules, str) else train.lora_target_modules
+    ckpt = train.gradient_checkpointing is True if gradient_checkpointing is None else gradient_checkpointing
+    rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
+            else train.per_device_train_batch_size)
     return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
                     lora_rank=train.lora_rank if train.lora else None, lora_targets=targets,
-                    rows=train.per_device_train_batch_size, sequence_len=train.sequence_len,
-                    gradient_checkpointing=train.gradient_checkpointing,
+                    rows=rows, sequence_len=train.sequence_len, gradient_checkpointing=ckpt,
                     logprob_chunk_size=train.logprob_chunk_size,
                     base="nf4" if train.qlora_bnb else "fp8" if train.qlora_fp8 else None,
-                    optimizer_8bit=train.optimizer == "adamw_8bit").total_gib
+                    optimizer_8bit=train.optimizer == "adamw_8bit",
+                    dense_mask=(train.attention == "dense" or bool(_text_config(model_config).get(
+                        "attn_logit_softcapping"))) if dense_mask is None else dense_mask,  # softcap: SDPA
+                    checkpoint_every=getattr(train, "checkpoint_every", 1),
+                    checkpoint_scope=getattr(train, "checkpoint_scope", "layer"),
+                    offload_activations=getattr(train, "offload_activations", False))
+
+
+def train_footprint_gib(train: Any) -> float:
+    """The estimated GPU footprint in GiB (`Footprint.total`) of the trainer `train` describes (torch-free)."""
+    return train_estimate(train).total_gib
+
+
+def checkpointing_needed(estimate_off_gib: float, available_gib: float) -> bool:
+    """`gradient_checkpointing: auto` outside `tidal grpo`'s split: on when the trainer's estimate without it does
+    not fit in what the device has free (`tidal grpo` decides with the split instead: `tidal.colocate.split`)."""
+    return estimate_off_gib > available_gib
+
+
+def resolve_checkpointing(train: Any, device: Any) -> bool:
+    """Whether the trainer checkpoints activations: train `gradient_checkpointing` when true/false; `auto` is off
+    on CPU (as the default always was there: no recomputation, the same speed) and on CUDA on when the estimate
+    without it exceeds the GPU memory free at load time (`checkpointing_needed`; `tidal grpo` writes an explicit
+    value, decided by its memory split)."""
+    if train.gradient_checkpointing != "auto":
+        return bool(train.gradient_checkpointing)
+    if getattr(device, "type", str(device)) != "cuda":
+        return False
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    try:
+        need = train_estimate(train, gradient_checkpointing=False).total_gib
+    except (OSError, ValueError, KeyError):
+        return True  # no estimate: the safe side
+    return checkpointing_needed(need, free / GIB)
+
+
+def oom_message(peak_gib: float, estimate_gib: float | None, total_gib: float | None, checkpointing: bool) -> str:
+    """What the trainer says when CUDA runs out of memory: the measured peak, the estimate vLLM's share was sized
+    with, and the keys that lower the trainer's need or vLLM's share."""
+    est = f"{estimate_gib:.2f} GiB" if estimate_gib is not None else "none (no config.json)"
+    gpu = f" of the {total_gib:.1f} GiB GPU" if total_gib else ""
+    keys = ["train per_device_train_batch_size (or micro_batch_tokens)", "train sequence_len / orch seq_len"]
+    if not checkpointing:
+        keys.insert(0, "train gradient_checkpointing: true")
+    keys += ["train logprob_chunk_size (smaller)", "infer gpu_memory_utilization (lower: vLLM shares this GPU)"]
+    return (f"CUDA out of memory in the trainer: measured peak {peak_gib:.2f} GiB allocated{gpu}, estimate {est}; "
+            f"lower the trainer's need or vLLM's share: {'; '.join(keys)}")
+
+
+class TrainerOutOfMemory(RuntimeError):
+    """CUDA ran out of memory in the trainer; the message says what was measured and what to change."""
+
+
+@contextlib.contextmanager
+def exits_on_oom(train: Any) -> Iterator[None]:
+    """Turn a CUDA out-of-memory error inside the block into `TrainerOutOfMemory` with `oom_message` (`tidal
+    grpo-train` logs it and exits 1; `tidal grpo`'s launcher then stops vLLM and the orchestrator as for any
+    failed component, so nothing is left on the GPU)."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        cuda = torch.cuda.is_available()
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB if cuda else None
+        try:
+            est: float | None = train_footprint_gib(train)
+        except (OSError, ValueError, KeyError):
+            est = None
+        raise TrainerOutOfMemory(oom_message(peak, est, total, train.gradient_checkpointing is True)) from exc
+
+
+# --- calibration: one micro-batch of the run's largest shape, measured (CUDA, before vLLM starts) ----------------
+
+def synthetic_batch(rows: int, sequence_len: int, vocab: int, seed: int = 0) -> Any:
+    """A `TrainingBatch` of `rows` samples of `sequence_len` tokens each (a quarter of each a prompt): the largest
+    micro-batch the trainer packs for a run of these lengths."""
+    import numpy as np
+
+    from tidal.transport.batch import TrainingBatch
+
+    rng = np.random.default_rng(seed)
+    lengths = np.full(rows, sequence_len)
+    mask = np.tile(np.r_[np.zeros(sequence_len // 4), np.ones(sequence_len - sequence_len // 4)], rows)
+    adv = np.repeat(rng.normal(size=rows), sequence_len)
+    return TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(0, vocab, size=rows * sequence_len),
+                         lengths=lengths, loss_mask=mask, inference_logprobs=-rng.random(rows * sequence_len) * 5,
+                         advantages=adv, rewards=rng.random(rows), policy_steps=np.zeros(rows),
+                         truncated=np.zeros(rows, dtype=bool))
+
+
+def calibrate(train: Any) -> dict[str, float]:
+    """Build the trainer `train` describes and run one training step on its largest micro-batch (`synthetic_batch`);
+    returns the measured peak in GiB: `allocated` and `reserved` (torch.cuda's) on CUDA, the peak RSS on CPU."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from tidal.assets import resolve_model
+    from tidal.trainer.grpo import train_step
+    from tidal.trainer.model import load_policy
+    from tidal.trainer.optim import make_optimizer
+
+    model, device = load_policy(train)
+    opt = make_optimizer(model, train)
+    vocab = int(_text_config(json.loads((Path(resolve_model(train.model)) / "config.json").read_text()))["vocab_size"])
+    rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
+            else train.per_device_train_batch_size)
+    batch = synthetic_batch(rows, train.sequence_len, vocab)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak(device)
+    train_step(model, opt, batch, train, device, pad_id=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return {"allocated": torch.cuda.max_memory_allocated(device) / GIB,
+                "reserved": torch.cuda.max_memory_reserved(device) / GIB}
+    peak = peak_gib(device)
+    return {"allocated": peak, "reserved": peak}
+
+
+CALIBRATION_TIMEOUT_S = 900.0
+
+
+def measure_in_child(train: Any, gradient_checkpointing: bool) -> float | None:
+    """`calibrate` in a child process (its CUDA memory is gone when it exits, before vLLM starts): the peak reserved
+    GiB with `gradient_checkpointing` as given; infinity when the step ran out of memory on the empty GPU; None
+    (with a warning) when it could not run."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    import warnings
+
+    cfg = train.model_copy(update={"gradient_checkpointing": gradient_checkpointing, "cpu_affinity": None})
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(cfg.model_dump_json())
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tidal.trainer.memory", f.name], capture_output=True, text=True,
+                              timeout=CALIBRATION_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        warnings.warn(f"trainer memory calibration did not run ({exc!r}); using the estimate alone", stacklevel=2)
+        return None
+    finally:
+        import os
+
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        if "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr:
+            return float("inf")
+        warnings.warn(f"trainer memory calibration failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}; "
+                      f"using the estimate alone", stacklevel=2)
+        return None
+    return float(json.loads(proc.stdout.strip().splitlines()[-1])["reserved"])
+
+
+if __name__ == "__main__":  # python -m tidal.trainer.memory TRAIN.json: one calibration step, JSON on stdout
+    import json
+    import sys
+
+    from tidal.config.train import TrainConfig
+
+    print(json.dumps(calibrate(TrainConfig.model_validate_json(open(sys.argv[1]).read()))), flush=True)

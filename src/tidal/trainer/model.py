@@ -10,6 +10,8 @@ The model is built the way vLLM serves it: train `trust_remote_code` reaches the
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
 QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.quant`).
+Shared base weights (train `share_base_weights` resolved on by `tidal grpo`): the frozen base is built from the
+co-located vLLM's own tensors instead (`tidal.trainer.shared_base`).
 A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
 the families whose image inputs the trainer builds (`tidal.trainer.vision.TRAINABLE`; others are refused), and
 gets LoRA on its language model only (`VISION_MODULES` excluded).
@@ -216,9 +218,14 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
     kind = qlora_kind(cfg)
-    model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
-                            trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind,
-                            attention=cfg.attention)
+    if cfg.share_base_weights is True:  # the frozen base is vLLM's tensors (tidal.trainer.shared_base)
+        from tidal.trainer.shared_base import load_shared_base
+
+        model = load_shared_base(cfg, device, resolve_dtype(cfg.recipe, device))
+    else:
+        model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
+                                trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind,
+                                attention=cfg.attention)
     if kind is not None:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
@@ -227,10 +234,14 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
 
 
 def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """A loaded base `model` made the policy `cfg` trains: activation checkpointing and the activation policy
-    (`tidal.trainer.activations`), the precision recipe, LoRA (or frozen embeddings), compiled layers; in train
-    mode. (bench/gpu_trainer.py builds its random-init models through this too.)"""
-    if cfg.gradient_checkpointing:
+    """A loaded base `model` made the policy `cfg` trains: activation checkpointing (`auto` resolved:
+    `tidal.trainer.memory.resolve_checkpointing`) and the activation policy (`tidal.trainer.activations`), the
+    precision recipe, LoRA (or frozen embeddings), compiled layers; in train mode. (bench/gpu_trainer.py builds its
+    random-init models through this too.)"""
+    from tidal.trainer.memory import resolve_checkpointing
+
+    cfg = cfg.model_copy(update={"gradient_checkpointing": resolve_checkpointing(cfg, device)})
+    if cfg.gradient_checkpointing:  # `auto`: off on CPU; on CUDA when the estimate needs it
         enable_gradient_checkpointing(model)
     if cfg.gradient_checkpointing or cfg.offload_activations:
         log.info("activations: %s", apply_activation_policy(model, cfg, device))

@@ -35,7 +35,40 @@ def server_root(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-class WeightPusher:
+class PushSession:
+    """What every backend's pusher shares: the group opened at the first push and kept, a failed push closing
+    it (the next push reopens it). Subclasses open (`_open`), move one policy (`_transfer`) and close (`close`)."""
+
+    group: Any
+    pushed: int
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _transfer(self, model: torch.nn.Module, step: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def push(self, model: torch.nn.Module, step: int) -> float:
+        """Broadcast `model`'s policy as version `step`; returns the seconds it took. Raises on failure (the
+        group is then closed, and reopened by the next push)."""
+        import time
+
+        t0 = time.monotonic()
+        try:
+            if self.group is None:
+                self._open()
+            self._transfer(model, step)
+        except BaseException:
+            self.close()
+            raise
+        self.pushed = step
+        return time.monotonic() - t0
+
+
+class WeightPusher(PushSession):
     """Broadcasts policies into the vLLM servers at `urls` (their `/v1` base URLs)."""
 
     def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
@@ -104,22 +137,6 @@ class WeightPusher:
         if self.group is not None:
             self.group.destroy()
             self.group = None
-
-    def push(self, model: torch.nn.Module, step: int) -> float:
-        """Broadcast `model`'s policy as version `step`; returns the seconds it took. Raises on failure (the
-        group is then closed, and reopened by the next push)."""
-        import time
-
-        t0 = time.monotonic()
-        try:
-            if self.group is None:
-                self._open()
-            self._transfer(model, step)
-        except BaseException:
-            self.close()
-            raise
-        self.pushed = step
-        return time.monotonic() - t0
 
     def _transfer(self, model: torch.nn.Module, step: int) -> None:
         extra = self.extra(model, step) if self.extra is not None else {}

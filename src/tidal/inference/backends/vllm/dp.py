@@ -21,7 +21,7 @@ seeds; this only keeps unseeded ones from repeating each other), and gets
   tp ranks). With fewer cores than dp x tp, ranks share cores round-robin (2 servers on core 0 of a 2-core
   co-location). A binding vLLM interprets itself (`auto`, `all`, `nobind`, or with `|`) is passed to every
   server as it is.
-dp 1 changes nothing: one server, vLLM's own placement (`tidal.inference.server.exec_server`).
+dp 1 changes nothing: one server, vLLM's own placement (`tidal.inference.backends.vllm.server.exec_server`).
 
 Supervision (`run_servers`): each server is a child in its own process group, killed with it by
 PR_SET_PDEATHSIG and by the reaper (`tidal.reaper`) if this process is killed outright; its output is echoed
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tidal.config.infer import InferConfig
@@ -118,11 +118,10 @@ def plan_servers(cfg: InferConfig, gpus: Sequence[str] | None, cores: Sequence[i
     return [ServerPlan(i, cfg.port + i, cfg.seed + i, envs[i]) for i in range(n)]
 
 
-def visible_gpus(env: Mapping[str, str]) -> list[str] | None:
-    """GPU ids this process may hand out (CUDA_VISIBLE_DEVICES, else 0..count-1); None without a GPU."""
-    from tidal.inference.server import on_cpu
-
-    if on_cpu():
+def visible_gpus(env: Mapping[str, str], cpu: bool) -> list[str] | None:
+    """GPU ids this process may hand out (CUDA_VISIBLE_DEVICES, else 0..count-1); None without a GPU (`cpu`: the
+    server runs on the CPU, `tidal.inference.backends.vllm.server.on_cpu`)."""
+    if cpu:
         return None
     if env.get("CUDA_VISIBLE_DEVICES") is not None:
         return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
@@ -172,7 +171,7 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(signum)
 
 
-def _note_ready(servers: list[_Server], host: str) -> None:
+def _note_ready(servers: list[_Server], host: str, engine: str) -> None:
     import httpx
 
     for s in servers:
@@ -180,15 +179,17 @@ def _note_ready(servers: list[_Server], host: str) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 s.ready = httpx.get(f"http://{host}:{s.plan.port}/health", timeout=1.0).status_code == 200
             if s.ready:
-                print(f"[tidal] vLLM server {s.plan.index} ready on port {s.plan.port}", flush=True)
+                print(f"[tidal] {engine} server {s.plan.index} ready on port {s.plan.port}", flush=True)
                 if all(x.ready for x in servers):
-                    print(f"[tidal] all {len(servers)} vLLM servers ready", flush=True)
+                    print(f"[tidal] all {len(servers)} {engine} servers ready", flush=True)
 
 
-def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str) -> int:
-    """Start one vLLM server per plan and supervise them; returns the exit code (1 when a server exited on its
-    own, 128 + the signal's number after SIGINT / SIGTERM). The caller has checked the ports and the bind address."""
-    from tidal.inference.server import vllm_argv, vllm_env
+def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str, argv_of: Callable[[InferConfig], list[str]],
+                common: Mapping[str, str], engine: str = "vLLM") -> int:
+    """Start one vLLM server per plan (command line `argv_of(cfg with the plan's port and seed)`, environment
+    `common` plus the plan's; `engine` names them in the log: `SGLang` for `tidal.inference.backends.sglang`) and
+    supervise them; returns the exit code (1 when a server exited on its own,
+    128 + the signal's number after SIGINT / SIGTERM). The caller has checked the ports and the bind address."""
     from tidal.reaper import start_reaper
 
     start_reaper()  # killed outright, this process still takes every server and engine along
@@ -196,19 +197,18 @@ def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str) -> int:
     servers: list[_Server] = []
     loopback = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     try:
-        common = vllm_env(cfg)
         for p in plans:
-            placed = ", ".join(f"{k}={v}" for k, v in p.env.items()) or "vLLM's own placement"
-            print(f"[tidal] starting vLLM server {p.index} of {len(plans)} on port {p.port} ({placed})", flush=True)
-            argv = vllm_argv(cfg.model_copy(update={"port": p.port, "seed": p.seed}))
+            placed = ", ".join(f"{k}={v}" for k, v in p.env.items()) or f"{engine}'s own placement"
+            print(f"[tidal] starting {engine} server {p.index} of {len(plans)} on port {p.port} ({placed})", flush=True)
+            argv = argv_of(cfg.model_copy(update={"port": p.port, "seed": p.seed}))
             servers.append(_Server(p, argv, {**common, **p.env}))
         while True:
             for s in servers:
                 if (code := s.proc.poll()) is not None:
-                    print(f"[tidal] vLLM server {s.plan.index} (port {s.plan.port}) exited with code {code}; "
+                    print(f"[tidal] {engine} server {s.plan.index} (port {s.plan.port}) exited with code {code}; "
                           f"stopping the other {len(servers) - 1}", file=sys.stderr, flush=True)
                     return code or 1
-            _note_ready(servers, loopback)
+            _note_ready(servers, loopback, engine)
             time.sleep(0.5)
     except _Stop as stop:
         return 128 + stop.signum

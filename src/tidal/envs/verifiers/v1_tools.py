@@ -18,8 +18,8 @@ import inspect
 from typing import Any
 
 from tidal.envs.tools import ToolCall
-from tidal.envs.verifiers_env import run_sync
-from tidal.envs.verifiers_v1 import Unsupported, new_trace
+from tidal.envs.verifiers.common import run_sync
+from tidal.envs.verifiers.v1_trace import Unsupported, new_trace
 
 
 def _server(toolsets: list[Any]) -> tuple[Any, dict[str, str]]:

