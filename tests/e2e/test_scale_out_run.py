@@ -24,11 +24,15 @@ def test_colocate_run_with_two_trainer_ranks(tmp_path):
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
             try:
-                for p in psutil.Process(proc.pid).children(recursive=True):
-                    if p.pid not in seen:
-                        seen[p.pid] = (p, " ".join(p.cmdline()))
+                children = psutil.Process(proc.pid).children(recursive=True)
             except psutil.Error:
-                pass
+                children = []
+            for p in children:  # read again each time: a child seen between fork and exec has its parent's argv
+                try:
+                    cmd = " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                seen[p.pid] = (seen[p.pid][0] if p.pid in seen else p, cmd)
             time.sleep(0.5)
         out, _ = proc.communicate(timeout=60)
     finally:

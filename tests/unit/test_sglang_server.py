@@ -32,6 +32,7 @@ MAPPED = {  # infer key: (value away from its default, what the argv must then h
     "host": ("127.0.0.2", lambda a: value_after(a, "--host") == "127.0.0.2"),
     "dtype": ("float16", lambda a: value_after(a, "--dtype") == "float16"),
     "max_model_len": (4096, lambda a: value_after(a, "--context-length") == "4096"),
+    "kv_cache_dtype": ("fp8", lambda a: value_after(a, "--kv-cache-dtype") == "fp8_e4m3"),
     "gpu_memory_utilization": (0.4, lambda a: value_after(a, "--mem-fraction-static") == "0.4"),
     "tp": (2, lambda a: value_after(a, "--tp-size") == "2"),
     "seed": (7, lambda a: value_after(a, "--random-seed") == "7"),
@@ -90,7 +91,8 @@ def test_the_api_key_comes_from_the_environment_and_logprobs_are_after_temperatu
 
 @pytest.mark.parametrize("key", sorted(SGLANG_UNMAPPED))
 def test_a_key_sglang_cannot_map_exits_2_naming_it(key):
-    away = {"cpu_kvcache_space_gib": 4.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}[key]
+    away = {"cpu_kvcache_space_gib": 4.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "export_base_weights": True}[key]
     with pytest.raises(ValueError, match=f"backend sglang: {key}"):
         InferConfig(model="m", backend="sglang", **{key: away})
     InferConfig(model="m", backend="vllm", **{key: away})  # vLLM takes it

@@ -21,6 +21,8 @@ SGLANG_UNMAPPED = {
     "cpu_kvcache_space_gib": "sizes vLLM's CPU KV cache; SGLang runs on GPUs only here (docs/sglang.md)",
     "rope_scaling": "is passed to vLLM as an hf override; its SGLang form (--json-model-override-args) is not "
                     "verified on a GPU yet (docs/sglang.md)",
+    "export_base_weights": "hands vLLM's base weights to the trainer through tidal's vLLM worker extension; SGLang "
+                           "has none (train share_base_weights is vLLM-only, docs/colocate.md)",
 }
 """Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""

@@ -6,7 +6,8 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 |---|---|
 | model | `--model-path` (the resolved directory) and `--served-model-name` (the name as configured) |
 | host, port | `--host`, `--port` |
-| dtype | `--dtype` (same choices) |
+| dtype | `--dtype` (same choices; `auto` is the trainer's bfloat16, not SGLang's own `auto`) |
+| kv_cache_dtype | `--kv-cache-dtype` (`fp8` as `fp8_e4m3`, vLLM's meaning on NVIDIA GPUs) |
 | max_model_len | `--context-length` |
 | gpu_memory_utilization | `--mem-fraction-static` (SGLang's static pool: weights + KV cache) |
 | tp | `--tp-size` |
@@ -62,6 +63,8 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
             "--weight-version", f"{LAUNCH_VERSION}{time.time_ns()}"]
     if cfg.max_model_len:
         argv += ["--context-length", str(cfg.max_model_len)]
+    if cfg.kv_cache_dtype != "auto":  # SGLang names the formats; vLLM's `fp8` is e4m3 on NVIDIA GPUs
+        argv += ["--kv-cache-dtype", "fp8_e4m3" if cfg.kv_cache_dtype == "fp8" else cfg.kv_cache_dtype]
     if cfg.enforce_eager:
         argv += ["--disable-decode-cuda-graph", "--disable-prefill-cuda-graph"]
     if cfg.trust_remote_code:
