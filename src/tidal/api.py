@@ -193,13 +193,15 @@ class GRPOTrainer:
         step on the GPU) instead of trusting the estimate alone."""
         from tidal.assets import resolve_model
         from tidal.cli import gpu_split_for
+        from tidal.colocate.shared_weights import sharing_for
         from tidal.models.arch import read_arch
 
         d = self.derived
+        info = read_arch(resolve_model(self.model))
         try:
             return derive_colocate(d.train, d.infer, d.orch, Machine.detect(),
-                                   gpu_split=gpu_split_for(d.train.model, calibrate=calibrate),
-                                   moe=read_arch(resolve_model(self.model)).moe)
+                                   gpu_split=gpu_split_for(d.train.model, calibrate=calibrate), moe=info.moe,
+                                   sharing=sharing_for(info.architecture))
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from tidal.assets import resolve_model
+from tidal.colocate.shared_weights import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
@@ -164,7 +165,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
                          gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
-                         architecture=info.architecture)
+                         sharing=sharing_for(info.architecture))
     from tidal.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts

@@ -207,7 +207,7 @@ def configs(**train):
 
 def derive(machine=GPU, arch="LlamaForCausalLM", infer=None, orch=None, **train):
     t, i, o = configs(**train)
-    return derive_colocate(t, infer or i, orch or o, machine, architecture=arch)
+    return derive_colocate(t, infer or i, orch or o, machine, sharing=sw.sharing_for(arch))
 
 
 def test_auto_shares_on_one_gpu_and_wires_both_sides():
@@ -228,7 +228,7 @@ def test_auto_is_off_on_cpu_silently_and_true_exits_2():
 
 def test_the_default_is_off_without_a_notice():
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU,
-                         architecture="LlamaForCausalLM")
+                         sharing=sw.sharing_for("LlamaForCausalLM"))
     assert co.train.share_base_weights is False and not co.infer.export_base_weights
     assert not any("shared" in n for n in co.placement.notices)
 
@@ -258,11 +258,11 @@ def test_where_sharing_cannot_apply(kw, why):
     if "orch" in kw:
         o = OrchConfig.model_validate(kw["orch"])
     arch = kw.get("arch", "LlamaForCausalLM")
-    co = derive_colocate(t, i, o, GPU, architecture=arch)
+    co = derive_colocate(t, i, o, GPU, sharing=sw.sharing_for(arch))
     assert co.train.share_base_weights == "auto" and not co.infer.export_base_weights
     assert any("not shared" in n and why in n for n in co.placement.notices), co.placement.notices
     with pytest.raises(ConfigError, match=why):
-        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, architecture=arch)
+        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, sharing=sw.sharing_for(arch))
 
 
 def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
@@ -279,7 +279,7 @@ def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
         return {}, {}, "split"
 
     derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0), gpu_split=split,
-                    architecture="LlamaForCausalLM")
+                    sharing=sw.sharing_for("LlamaForCausalLM"))
     assert seen == [True]
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -23,7 +23,7 @@ the memory the sharing saves the trainer (counted once: it stays in vLLM's share
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +273,15 @@ def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | 
         return (f"architecture {architecture}: its vLLM weight layout is not verified for sharing (verified: "
                 f"{', '.join(sorted(VERIFIED))})")
     return None
+
+
+def sharing_for(architecture: str | None) -> Callable[[Any, Any, Any, str, str], tuple[Any, Any, str | None]]:
+    """`derive_colocate`'s `sharing` for a model of `architecture` (`apply_sharing` with it bound): handed in, so
+    that `tidal.config` does not import this package."""
+    def sharing(train: Any, infer: Any, orch: Any, device: str, url: str) -> tuple[Any, Any, str | None]:
+        return apply_sharing(train, infer, orch, device, architecture, url)
+
+    return sharing
 
 
 def apply_sharing(train: Any, infer: Any, orch: Any, device: str, architecture: str | None,

@@ -353,6 +353,10 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
             "weights of the LoRA-adapted modules (experts stay as loaded)")
 
 
+SharingFn = Callable[[TrainConfig, InferConfig, OrchConfig, str, str], tuple[TrainConfig, InferConfig, str | None]]
+"""Resolves train `share_base_weights` (`tidal.colocate.shared_weights.sharing_for`, the architecture bound):
+(train, infer, orch, device, first server URL) -> (train, infer, notice or None)."""
+
 GpuSplitFn = Callable[[TrainConfig, InferConfig, OrchConfig, float], tuple[dict[str, Any], dict[str, Any], str]]
 """`derive_colocate`'s memory split (`tidal.colocate.split.gpu_split` with the model and the machine bound)."""
 
@@ -394,16 +398,16 @@ def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tup
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
                     gpu_split: GpuSplitFn | None = None, moe: bool = False,
-                    architecture: str | None = None) -> Colocated:
+                    sharing: SharingFn | None = None) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `gpu_split`
     is (the arguments are left untouched). `gpu_split(train, infer, orch, total_gib)`: on a GPU, the memory split
     for the derived configs, as (train updates, infer updates, notice) (`tidal.colocate.split.gpu_split`: vLLM
     sized by need, the trainer the rest, `gradient_checkpointing: auto` decided); not called when infer.yaml
     sets `gpu_memory_utilization`. `moe`: the model is a
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
-    (`moe_on_cpu`). `architecture`: the model's (config.json), for train `share_base_weights`
-    (`tidal.colocate.shared_weights.apply_sharing`, resolved before the memory split). Raises `ConfigError`
-    for configs that cannot run together."""
+    (`moe_on_cpu`). `sharing(train, infer, orch, device, url)`: resolves train `share_base_weights` before the
+    memory split (`tidal.colocate.shared_weights.sharing_for(architecture)`); without it `true` is refused.
+    Raises `ConfigError` for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
     notices: list[str] = []
@@ -411,10 +415,12 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=paired)
         train, orch = point_at_servers(train, infer, orch)
         notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
-    from tidal.colocate.shared_weights import apply_sharing
-
-    train, infer, shared_note = apply_sharing(train, infer, orch, device, architecture, orch.client.base_url[0])
-    notices += [shared_note] if shared_note else []
+    if sharing is not None:
+        train, infer, shared_note = sharing(train, infer, orch, device, orch.client.base_url[0])
+        notices += [shared_note] if shared_note else []
+    elif train.share_base_weights is True:
+        raise ConfigError("train share_base_weights is true, but this run's derivation cannot tell whether vLLM's "
+                          "base weights can be shared (no model architecture given); set it to auto or false")
     wb = orch.weight_broadcast
     if not train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
