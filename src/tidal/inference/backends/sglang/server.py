@@ -12,7 +12,9 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 | gpu_memory_utilization | `--mem-fraction-static` (SGLang's static pool: weights + KV cache) |
 | tp | `--tp-size` |
 | dp | N SGLang servers on ports `port`.. (tidal's dp, as for vLLM: `tidal.inference.backends.vllm.dp`) |
-| enable_lora, max_lora_rank | `--enable-lora --max-lora-rank R --lora-target-modules all` (R: 16 when unset) |
+| enable_lora, max_lora_rank | `--enable-lora --max-lora-rank R` (R: 16 when unset) |
+| lora_target_modules | `--lora-target-modules` with the trainer's resolved names (`tidal.models.lora`; |
+| | never `all`, which adds the embeddings and LM head); a name SGLang cannot adapt exits 2 |
 | max_loras, max_cpu_loras | `--max-loras-per-batch`, `--max-loaded-loras` |
 | enable_prefix_caching false | `--disable-radix-cache` |
 | enforce_eager | `--disable-decode-cuda-graph --disable-prefill-cuda-graph` (`--disable-cuda-graph` is deprecated) |
@@ -71,7 +73,7 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or LORA_RANK_DEFAULT),
-                 "--lora-target-modules", "all", "--max-loras-per-batch", str(cfg.max_loras),
+                 "--lora-target-modules", *sglang_lora_targets(cfg), "--max-loras-per-batch", str(cfg.max_loras),
                  "--max-loaded-loras", str(max(cfg.max_cpu_loras, cfg.max_loras))]
     if cfg.enable_prefix_caching is False:
         argv.append("--disable-radix-cache")
@@ -81,6 +83,26 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
     if key and "--api-key" not in cfg.extra_args:
         argv += ["--api-key", key]
     return argv + list(cfg.extra_args)
+
+
+SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                       "gate_up_proj")
+"""The LoRA targets SGLang 0.5.16 serves (`sglang.srt.utils.SUPPORTED_LORA_TARGET_MODULES`, less the embeddings
+and LM head that tidal never trains)."""
+
+
+def sglang_lora_targets(cfg: InferConfig) -> list[str]:
+    """infer `lora_target_modules` resolved on the model, for `--lora-target-modules`. Raises `ConfigError` (exit 2)
+    for a target SGLang cannot serve."""
+    from tidal.models.lora import served_targets
+
+    targets = served_targets(resolve_model(cfg.model), cfg.lora_target_modules, cfg.trust_remote_code)
+    unsupported = [t for t in targets if t not in SGLANG_LORA_MODULES]
+    if unsupported:
+        raise ConfigError(f"infer backend sglang: LoRA on {', '.join(unsupported)} (train/infer lora_target_modules) "
+                          f"is not served by SGLang 0.5.16, which adapts only {', '.join(SGLANG_LORA_MODULES)}; "
+                          "name those in lora_target_modules, or use backend: vllm")
+    return targets
 
 
 def sglang_env(cfg: InferConfig) -> dict[str, str]:

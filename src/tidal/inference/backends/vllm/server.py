@@ -89,6 +89,14 @@ def on_cpu() -> bool:
         return True
 
 
+def lora_targets(cfg: InferConfig) -> list[str]:
+    """infer `lora_target_modules` resolved on the model (`tidal.models.lora.served_targets`): the modules the
+    server builds LoRA layers for, the trainer's adapter targets; never the embeddings or the LM head."""
+    from tidal.models.lora import served_targets
+
+    return served_targets(resolve_model(cfg.model), cfg.lora_target_modules, cfg.trust_remote_code)
+
+
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
     `tidal.inference.backends.vllm.dp`)."""
@@ -107,7 +115,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(round_lora_rank(cfg.max_lora_rank)),
-                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras)]
+                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras),
+                 "--lora-target-modules", *lora_targets(cfg)]
     if cfg.enable_prefix_caching is not None:
         argv.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
     if cfg.log_stats is False:

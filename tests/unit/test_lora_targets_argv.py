@@ -1,0 +1,67 @@
+"""Every architecture: the inference server's LoRA layers are the trainer's LoRA targets (issue 33).
+
+`vllm_argv` (and SGLang's argv) carry `--lora-target-modules` with infer `lora_target_modules` resolved on the
+model, which for `all-linear` must equal what the trainer's PEFT adapter adapts (`tests.archs.ARCHS[...].linear`,
+checked against the real trainer model in test_models.py): never the LM head or the embeddings. `tidal grpo`
+makes infer's key follow train's, and switches LoRA off in vLLM wherever no adapter is ever loaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.archs import ARCHS, build
+from tidal.config.infer import InferConfig
+from tidal.config.load import ConfigError
+
+
+def targets_in(argv: list[str]) -> list[str]:
+    i = argv.index("--lora-target-modules")
+    out = []
+    for arg in argv[i + 1:]:
+        if arg.startswith("--"):
+            break
+        out.append(arg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    return {name: build(name, root / name) for name in ARCHS}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_vllm_argv_names_the_trainers_targets(name, model_dirs):
+    from tidal.inference.backends.vllm.server import vllm_argv
+
+    argv = vllm_argv(InferConfig(model=str(model_dirs[name]), enable_lora=True))
+    got = targets_in(argv)
+    assert got == sorted(ARCHS[name].linear)
+    assert not {"lm_head", "embed_tokens"} & set(got)
+
+
+def test_named_targets_pass_through_and_a_wrong_name_is_refused(model_dirs):
+    from tidal.inference.backends.vllm.server import vllm_argv
+
+    cfg = InferConfig(model=str(model_dirs["llama3"]), lora_target_modules=["q_proj", "v_proj"])
+    assert targets_in(vllm_argv(cfg)) == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="lm_head matches no linear module"):
+        vllm_argv(cfg.model_copy(update={"lora_target_modules": ["lm_head"]}))
+
+
+def test_no_lora_no_target_list(model_dirs):
+    from tidal.inference.backends.vllm.server import vllm_argv
+
+    argv = vllm_argv(InferConfig(model=str(model_dirs["llama3"]), enable_lora=False))
+    assert "--enable-lora" not in argv and "--lora-target-modules" not in argv
+
+
+def test_sglang_argv_names_the_trainers_targets(model_dirs):
+    from tidal.inference.backends.sglang.server import sglang_argv
+
+    argv = sglang_argv(InferConfig(model=str(model_dirs["phi3"]), backend="sglang", gpu_memory_utilization=0.5))
+    assert targets_in(argv) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert "all" not in targets_in(argv)
+    llama = InferConfig(model=str(model_dirs["llama3"]), backend="sglang", gpu_memory_utilization=0.5)
+    assert targets_in(sglang_argv(llama)) == sorted(ARCHS["llama3"].linear)
