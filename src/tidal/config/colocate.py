@@ -25,10 +25,10 @@ The user's configs are never modified. Derivations, in order:
   nobody loads cost memory and kernels). With LoRA, vLLM's LoRA layers are the trainer's targets (infer
   `lora_target_modules` follows train's). On CPU, infer `log_stats: null` becomes false (vLLM's engine
   statistics cost the rollouts ~13% on its core), and the cores are split: vLLM's OpenMP threads on the first
-  half (at least one core per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0,
-  trainer on core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
-  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
-  (`tidal.inference.backends.vllm.dp`).
+  half (at least one core per vLLM rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2
+  cores: vLLM on core 0, trainer on core 1; with dp 2 both servers share core 0), unless the user chose
+  (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp
+  servers (`tidal.inference.backends.vllm.dp`).
   When adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset: train's
   `lora_rank`) must hold train `lora_rank`. Infer `dtype: auto` follows the trainer's precision (bfloat16 on a
   GPU unless train `recipe: fp32`, float32 on CPU); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA
