@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu lint bench bench-weights bench-memory bench-gpu clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check lint bench bench-weights bench-memory bench-gpu clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -36,6 +36,10 @@ test-all: setup-dev
 ## The checks that need an NVIDIA GPU (`gpu` marker); run them on a GPU machine.
 test-gpu: setup-dev
 	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
+
+## Every GPU claim in one command that fits a short lease (scripts/gpu_check.py): checks in priority order, each with its own budget, going on past a failure; writes bench/GPU-CHECK.md. On a machine set up only by the GPU kit: `source .gpu-kit/install.sh && python3 scripts/gpu_check.py`. Without CUDA it runs its CPU mode.
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".

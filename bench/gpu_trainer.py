@@ -11,27 +11,48 @@ real shapes (nothing downloaded):
 - Qwen3-0.6B: 28 layers, hidden 1024, MLP 3072, 16 heads / 8 KV heads of 128, tied embeddings;
 - Qwen3-4B: 36 layers, hidden 2560, MLP 9728, 32 heads / 8 KV heads of 128, tied embeddings;
 - (`--models 8b`, the long-sample rows) Llama-3.1-8B: a `LlamaConfig`, 32 layers, hidden 4096, MLP 14336, 32 heads /
-  8 KV heads of 128, vocabulary 128,256, untied; e.g. `--models 8b --tokens 20480 --sample-len 20480` (one sample);
+  8 KV heads of 128, vocabulary 128,256, untied; e.g. `--models 8b --tokens 20480 --shapes prime-rl` (one sample);
 
 vocabulary 151,936; LoRA r16 (alpha 32) on all linear layers (q/k/v/o/gate/up/down); bfloat16 on CUDA, float32
-on CPU (tidal's `resolve_dtype`). One micro-batch = one packed row of `--tokens` tokens (16,384 by default):
-samples of `--sample-len` tokens (the last one shorter), the first quarter of each a prompt (no loss),
-`position_ids` restarting per sample (no attention across samples); one optimizer step per training step.
+on CPU (tidal's `resolve_dtype`). One micro-batch = one row of `--tokens` tokens (16,384 by default); one optimizer
+step per training step. Each model is measured in two row shapes (`--shapes`, both by default), each its own table:
 
-Measured, in a fresh process per model: `--warmup` steps, then `--steps` timed steps (CUDA synchronized);
-tokens/s = row tokens x steps / seconds. Peak memory: `torch.cuda.max_memory_allocated` over the whole process
-on CUDA (weights, LoRA, optimizer state, activations), the peak resident set size (VmHWM) on CPU.
+- `prime-rl`: one causal sequence of `--tokens` tokens per row, the loss on every token: the shape prime-rl's
+  trainer benchmark feeds (`FakeDataLoader`, `generate_samples=False`: one 16,384-token sequence per micro-batch,
+  `position_ids` 0..16,383, `loss_mask` all ones). Its anchor was measured on this shape, so only these rows carry
+  the ratio to prime-rl (tokens/s, memory), and only in a full-size CUDA run. tidal's flex attention hands such a
+  row to SDPA's causal kernel (no mask), so no flex graph is compiled for it.
+- `packed`: the GRPO shape: samples of `--sample-len` tokens (1,024; the last one shorter) packed into the row, the
+  first quarter of each a prompt (no loss), `position_ids` restarting per sample (no attention across samples).
+  Far less attention per token than one 16k sequence (by the MFU formula below a prime-rl-shape row is 2.3x the
+  model FLOPs of a packed one for the 0.6B, 1.5x for the 4B), so its tokens/s is not comparable with prime-rl's:
+  no ratio. Skipped when `--sample-len` >= `--tokens` (then it is the prime-rl shape).
+
+Measured, in a fresh process per model and shape: `--warmup` steps, each timed on its own (the first one alone is
+reported as "first step": the torch.compile of the flex kernel and of its block masks happens there), then
+`--steps` timed steps (CUDA synchronized); tokens/s = row tokens x steps / seconds. Compiled graphs, counted after
+the warm-up: flex's (`tidal.trainer.attention.flex.compiled_graphs()`, with `graph_budget(tokens)`; "n/a" where that
+module has neither) and all of dynamo's (`counters["stats"]["unique_graphs"]`), plus any compiled during the timed
+steps (a recompile the warm-up did not cover). `--quick` = 1 warm-up + 3 timed steps (a short GPU lease). Peak
+memory: `torch.cuda.max_memory_allocated` over the whole process on CUDA (weights, LoRA, optimizer state,
+activations), the peak resident set size (VmHWM) on CPU.
+
+Every measured row is also printed to stdout as one line `BENCH_ROW {json}` (model, shape, first_step_s, graphs,
+step_s, tokens_per_s, mfu, peak_gib, the prime-rl ratios or null, ...; a failed one with "error"), for a caller to
+parse, e.g. `python bench/gpu_trainer.py --models 0.6b 4b --quick --out $OUT/GPU.md`.
 
 MFU counts model FLOPs per training step the usual way (as prime-rl and PaLM do), not the hardware's:
     FLOPs = 6 * N * T  +  12 * L * n_heads * head_dim * sum_i c_i
 N = parameters of every matmul (all `nn.Linear` weights: q/k/v/o/gate/up/down of every layer, the lm_head
 once even when tied, the LoRA A/B matrices; not the embedding lookup or the norms), T = tokens in the row,
-c_i = keys token i attends to (its position in its sample + 1, causal, no attention across samples), L layers.
+c_i = keys token i attends to (its position in its sample + 1, causal, no attention across samples: up to 16,384 in
+the prime-rl shape, up to 1,024 in the packed one), L layers.
 The first term is forward (2N) + backward (4N) per token; the second is QK^T and AV (2 x 2 x n_heads x head_dim
 per key) times 3 for forward + backward. MFU = FLOPs / step time / peak, with the bf16 dense peak of 989
 TFLOP/s for H100 and H200 (SXM; other GPUs: `--peak-tflops`; CPU: not computed). With LoRA the hardware
 actually skips the frozen weights' gradients (-2N) and gradient checkpointing recomputes the forward (+2N), so
-for this configuration hardware and model FLOPs about agree; the chunked lm_head runs only on loss positions.
+for this configuration hardware and model FLOPs about agree; the chunked lm_head runs only on loss positions (every
+token in the prime-rl shape, three quarters in the packed one).
 
 `--variants` compares the frozen base and the precision recipe (issue 17) in the same run, each in a fresh
 process: `bf16` (the default, as above), `nf4` (`qlora_bnb`), `fp8` (`qlora_fp8`) and `fp8-hybrid` (`recipe:
@@ -46,8 +67,9 @@ checkpointed); its section is "<device> options". `dense` reproduces the attenti
 before issue 27.
 
 Writes `bench/GPU.md`: one section per device kind (a run replaces its own), next to prime-rl's anchor on one
-H100; a run with `--variants` writes its own section ("<device> bases and recipes"). `--layers` and `--tokens`
-shrink the run for a CPU smoke test (e.g. `--layers 2 --tokens 256`).
+H100; a run with `--variants` writes its own section ("<device> bases and recipes"), one with a single `--shapes`
+its own ("<device> packed shape only"). `--layers`, `--tokens` and `--sample-len` shrink the run for a CPU smoke
+test (e.g. `--layers 2 --tokens 256 --sample-len 64 --quick`).
 """
 
 from __future__ import annotations
@@ -83,7 +105,7 @@ LLAMA_8B = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=
                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
 """`8b`: Llama-3.1-8B's config (a `LlamaConfig`; the Qwen3 shapes are `Qwen3Config`s), for the long-sample rows
-(`--models 8b --tokens 20480 --sample-len 20480`, and 65,536)."""
+(`--models 8b --tokens 20480 --shapes prime-rl`, and 65,536)."""
 NAMES = {"0.6b": "Qwen3-0.6B", "4b": "Qwen3-4B", "8b": "Llama-3.1-8B"}
 ANCHOR = {"0.6b": (13.34e3, 10.9, 5.1), "4b": (6.23e3, 21.7, 23.3)}
 """prime-rl on one H100, LoRA: tokens/s, MFU %, peak GiB (the figures issue 14 quotes)."""
@@ -93,21 +115,28 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 # --- child: one model ------------------------------------------------------------------------------------------------
 
-def synthetic_batch(tokens: int, sample_len: int, seed: int = 0, vocab: int = VOCAB) -> Any:
+def synthetic_batch(tokens: int, sample_len: int, seed: int = 0, vocab: int = VOCAB, prompt: bool = True) -> Any:
     """A `TrainingBatch` filling one row of `tokens` tokens: samples of `sample_len` (the last one shorter), a
-    quarter of each a prompt."""
+    quarter of each a prompt (no loss) when `prompt`, else the loss on every token (prime-rl's fake data)."""
     import numpy as np
 
     from tidal.transport.batch import TrainingBatch
 
     rng = np.random.default_rng(seed)
     lengths = np.array([sample_len] * (tokens // sample_len) + ([tokens % sample_len] if tokens % sample_len else []))
-    mask = np.concatenate([np.r_[np.zeros(n // 4), np.ones(n - n // 4)] for n in lengths])
+    cut = (lambda n: n // 4) if prompt else (lambda n: 0)
+    mask = np.concatenate([np.r_[np.zeros(cut(n)), np.ones(n - cut(n))] for n in lengths])
     adv = np.concatenate([np.full(n, a) for n, a in zip(lengths, rng.normal(size=len(lengths)), strict=True)])
     return TrainingBatch(step=1, temperature=1.0, tokens=rng.integers(0, vocab, size=tokens), lengths=lengths,
                          loss_mask=mask, inference_logprobs=-rng.random(tokens) * 5, advantages=adv,
                          rewards=rng.random(len(lengths)), policy_steps=np.zeros(len(lengths)),
                          truncated=np.zeros(len(lengths), dtype=bool))
+
+
+ROW_SHAPES = ("prime-rl", "packed")
+"""`--shapes`: `prime-rl`, one causal sequence of `--tokens` tokens per row with the loss on every token (prime-rl's
+benchmark: `FakeDataLoader`, `generate_samples=False`), the only shape compared with prime-rl; `packed`, the GRPO
+shape: samples of `--sample-len` tokens (a quarter prompt) packed into the row, no ratio to prime-rl."""
 
 
 VARIANTS = {"bf16": {}, "nf4": {"qlora_bnb": True}, "fp8": {"qlora_fp8": True}, "fp8-hybrid": {"recipe": "fp8-hybrid"}}
@@ -220,8 +249,32 @@ def peak_rss() -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+def graph_counts(tokens: int) -> dict[str, int | None]:
+    """Compiled graphs so far in this process: flex's (`tidal.trainer.attention.flex.compiled_graphs`, and its
+    `graph_budget` for rows of `tokens`; None where flex has neither) and all of dynamo's (unique graphs)."""
+    from tidal.trainer.attention import flex
+
+    out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None}
+    try:
+        out["flex_graphs"] = int(flex.compiled_graphs())  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    try:
+        out["flex_graph_budget"] = int(flex.graph_budget(tokens))  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    try:
+        from torch._dynamo.utils import counters
+
+        out["dynamo_graphs"] = int(counters["stats"]["unique_graphs"])
+    except (ImportError, AttributeError, KeyError):
+        pass
+    return out
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build, warm up, time `spec`; returns the figures."""
+    """Build, warm up (each warm-up step timed on its own: the first includes torch.compile), time `spec`;
+    returns the figures."""
     import torch
 
     from tidal.trainer.grpo import train_step
@@ -233,7 +286,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     cuda = device.type == "cuda"
     build_s = time.perf_counter() - t_build
     batch = synthetic_batch(spec["tokens"], spec["sample_len"],
-                            vocab=LLAMA_8B["vocab_size"] if spec["model"] == "8b" else VOCAB)
+                            vocab=LLAMA_8B["vocab_size"] if spec["model"] == "8b" else VOCAB,
+                            prompt=spec.get("shape", "packed") != "prime-rl")
     shape = SHAPES[spec["model"]]
     n = matmul_params(model)
     flops = step_flops(n, batch, spec["layers"], shape["num_attention_heads"], shape["head_dim"])
@@ -241,21 +295,37 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     def one() -> dict[str, Any]:
         return train_step(model, opt, batch, cfg, device, pad_id=0)
 
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    warmup_s = []
     for _ in range(spec["warmup"]):
+        sync()
+        t = time.perf_counter()
         one()
-    if cuda:
-        torch.cuda.synchronize()
+        sync()
+        warmup_s.append(time.perf_counter() - t)
+    graphs = graph_counts(spec["tokens"])
+    sync()
     t0 = time.perf_counter()
     for _ in range(spec["steps"]):
         metrics = one()
-    if cuda:
-        torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - t0) / spec["steps"]
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss()
+    after = graph_counts(spec["tokens"])
+    timed_graphs: dict[str, int | None] = {}  # compiled while timed: a recompile the warm-up did not cover
+    for k in ("flex_graphs", "dynamo_graphs"):
+        before, now = graphs[k], after[k]
+        timed_graphs[k] = now - before if now is not None and before is not None else None
     return {"step_s": seconds, "tokens_per_s": spec["tokens"] / seconds, "tflops_per_step": flops / 1e12,
             "achieved_tflops": flops / seconds / 1e12, "peak_gib": peak / GIB, "matmul_params": n,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "optim_steps": metrics.get("optim/steps"), "loss": metrics["loss"], "build_s": build_s}
+            "optim_steps": metrics.get("optim/steps"), "loss": metrics["loss"], "build_s": build_s,
+            "warmup_s": warmup_s, "first_step_s": warmup_s[0] if warmup_s else None,
+            "samples_per_row": len(batch.lengths), "loss_tokens": int(batch.loss_mask.sum()), **graphs,
+            "flex_graphs_timed": timed_graphs["flex_graphs"], "dynamo_graphs_timed": timed_graphs["dynamo_graphs"]}
 
 
 # --- parent: the models, the table ----------------------------------------------------------------------------------
@@ -267,27 +337,87 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
                           text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{spec['model']} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{label(spec)} ({spec['shape']}) failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
-def table(rows: list[dict[str, Any]], peak_tflops: float | None, full_size: bool) -> list[str]:
-    out = ["| model | layers | tokens per row | step (s) | tokens/s | model TFLOP per step | TFLOP/s | MFU | "
-           "peak memory (GiB) |" + (" vs prime-rl: tokens/s | vs prime-rl: memory |" if full_size else ""),
-           "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if full_size else "")]
+def row_text(tokens: int, sample: int) -> str:
+    """`samples x tokens` of a row, e.g. `16 x 1,024` or `1 x 16,384`."""
+    whole, rest = divmod(tokens, sample)
+    return f"{whole} x {sample:,}" + (f" + 1 x {rest:,}" if rest else "")
+
+
+def shape_text(shape: str, tokens: int, sample: int) -> str:
+    """What a shape's rows hold, for the line above its table."""
+    if shape == "prime-rl":
+        return (f"prime-rl's shape: one causal sequence of {tokens:,} tokens per row (micro-batch), the loss on every "
+                f"token, as prime-rl's trainer benchmark feeds it (`FakeDataLoader`, `generate_samples=False`); MFU "
+                f"counts attention over the whole causal sequence (c_i up to {tokens:,}). The only shape compared "
+                f"with prime-rl.")
+    return (f"Packed GRPO shape: samples of {sample:,} tokens ({row_text(tokens, sample)}; a quarter of each a "
+            f"prompt, no loss) in one {tokens:,}-token row, position_ids restarting per sample, no attention across "
+            f"samples; MFU counts attention within each sample (c_i up to {sample:,}). Not prime-rl's shape: no ratio "
+            f"to prime-rl.")
+
+
+def mfu(r: dict[str, Any], peak_tflops: float | None) -> float | None:
+    return r["achieved_tflops"] / peak_tflops if peak_tflops else None
+
+
+def anchor_ratios(r: dict[str, Any], compare: bool) -> tuple[float, float] | None:
+    """(tokens/s, peak memory) against prime-rl's anchor: only a prime-rl-shape row of a full-size run."""
+    if not compare or r["shape"] != "prime-rl" or r["model"] not in ANCHOR:
+        return None
+    tps, _, mem = ANCHOR[r["model"]]
+    return r["tokens_per_s"] / tps, r["peak_gib"] / mem
+
+
+def graphs_text(r: dict[str, Any]) -> str:
+    """`flex (budget) / dynamo`, with what was compiled during the timed steps, if anything."""
+    def num(key: str) -> str:
+        return "n/a" if r.get(key) is None else str(r[key])
+
+    flex = num("flex_graphs") + (f" (budget {r['flex_graph_budget']})" if r.get("flex_graph_budget") is not None
+                                 else "")
+    timed = [f"+{r[k]} {k.split('_')[0]}" for k in ("flex_graphs_timed", "dynamo_graphs_timed") if r.get(k)]
+    return f"{flex} / {num('dynamo_graphs')}" + (f" ({', '.join(timed)} while timed)" if timed else "")
+
+
+def table(rows: list[dict[str, Any]], peak_tflops: float | None, compare: bool, shape: str) -> list[str]:
+    """One shape's rows; the prime-rl ratio columns only for prime-rl's shape of a full-size run."""
+    ratios = compare and shape == "prime-rl"
+    name = "prime-rl shape: 1 causal sequence per row" if shape == "prime-rl" else "packed GRPO shape"
+    out = [f"| model ({name}) | layers | samples x tokens per row | first step (s), compile included | "
+           "compiled graphs: flex (budget) / all dynamo | timed step (s) | tokens/s | model TFLOP per step | "
+           "TFLOP/s | MFU | peak memory (GiB) |" + (" vs prime-rl: tokens/s | vs prime-rl: memory |" if ratios else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if ratios else "")]
     for r in rows:
-        mfu = f"{100 * r['achieved_tflops'] / peak_tflops:.1f}%" if peak_tflops else "n/a"
-        line = (f"| {label(r)} | {r['layers']} | {r['tokens']} | {r['step_s']:.3f} | "
-                f"{r['tokens_per_s']:,.0f} | {r['tflops_per_step']:.2f} | {r['achieved_tflops']:.3g} | {mfu} | "
-                f"{r['peak_gib']:.2f} |")
-        if full_size and r["model"] in ANCHOR:
-            tps, _, mem = ANCHOR[r["model"]]
-            line += f" {r['tokens_per_s'] / tps:.2f}x | {r['peak_gib'] / mem:.2f}x |"
-        elif full_size:
-            line += " | |"
+        m = mfu(r, peak_tflops)
+        first = "n/a" if r.get("first_step_s") is None else f"{r['first_step_s']:.1f}"
+        line = (f"| {label(r)} | {r['layers']} | {row_text(r['tokens'], r['sample_len'])} | {first} | "
+                f"{graphs_text(r)} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_step']:.2f} | "
+                f"{r['achieved_tflops']:.3g} | {'n/a' if m is None else f'{100 * m:.1f}%'} | {r['peak_gib']:.2f} |")
+        if ratios:
+            vs = anchor_ratios(r, compare)
+            line += f" {vs[0]:.2f}x | {vs[1]:.2f}x |" if vs else " | |"
         out.append(line)
     return out
+
+
+def bench_row(r: dict[str, Any], peak_tflops: float | None, compare: bool, device_name: str) -> str:
+    """The one-line JSON summary of a row a caller parses (`BENCH_ROW {...}` on stdout)."""
+    vs = anchor_ratios(r, compare)
+    keys = ("model", "shape", "variant", "option", "layers", "tokens", "sample_len", "samples_per_row", "loss_tokens",
+            "warmup", "steps", "first_step_s", "warmup_s", "flex_graphs", "flex_graph_budget", "flex_graphs_timed",
+            "dynamo_graphs", "dynamo_graphs_timed", "step_s", "tokens_per_s", "tflops_per_step", "achieved_tflops",
+            "peak_gib", "build_s")
+    out = {k: r.get(k) for k in keys}
+    first = r.get("first_step_s")
+    out |= {"label": label(r), "device": device_name, "mfu": mfu(r, peak_tflops),
+            "compile_s_est": None if first is None else max(first - r["step_s"], 0.0),
+            "vs_prime_rl_tokens_per_s": vs[0] if vs else None, "vs_prime_rl_memory": vs[1] if vs else None}
+    return "BENCH_ROW " + json.dumps(out)
 
 
 def label(r: dict[str, Any]) -> str:
@@ -297,15 +427,16 @@ def label(r: dict[str, Any]) -> str:
 
 
 def variant_ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """Each variant / option against `bf16` `default` of the same model, measured in the same run."""
-    out = ["| model | variant / option | tokens/s vs default | peak memory vs default |", "|---|---|---|---|"]
+    """Each variant / option against `bf16` `default` of the same model and shape, measured in the same run."""
+    out = ["| model | shape | variant / option | tokens/s vs default | peak memory vs default |",
+           "|---|---|---|---|---|"]
     for r in rows:
-        ref = next((b for b in rows if b["model"] == r["model"] and b["variant"] == "bf16"
-                    and b["option"] == "default"), None)
+        ref = next((b for b in rows if b["model"] == r["model"] and b["shape"] == r["shape"]
+                    and b["variant"] == "bf16" and b["option"] == "default"), None)
         if ref is not None and r is not ref:
             speed, memory = r["tokens_per_s"] / ref["tokens_per_s"], r["peak_gib"] / ref["peak_gib"]
-            out.append(f"| {NAMES[r['model']]} | {label(r).removeprefix(NAMES[r['model']]).strip()} | {speed:.2f}x | "
-                       f"{memory:.2f}x |")
+            out.append(f"| {NAMES[r['model']]} | {r['shape']} | "
+                       f"{label(r).removeprefix(NAMES[r['model']]).strip()} | {speed:.2f}x | {memory:.2f}x |")
     return out
 
 
@@ -315,8 +446,32 @@ def anchor_lines() -> list[str]:
 
 
 PENDING = ("Not measured yet: no GPU was available to the session that wrote this benchmark (issue 14's target is "
-           ">= 1.5x prime-rl's tokens/s at no more memory). On an H100 or H200: `make bench-gpu` (both models, 16k "
-           "tokens per row, all 28 / 36 layers) replaces this section with measured figures.")
+           ">= 1.5x prime-rl's tokens/s at no more memory, on prime-rl's shape). On an H100 or H200: `make bench-gpu` "
+           "(both models, both shapes, 16k tokens per row, all 28 / 36 layers; `--quick` for 1 warm-up + 3 timed "
+           "steps) replaces this section with measured figures.")
+
+INTRO = [
+    "# Trainer throughput: tokens/s, MFU and peak memory of tidal's training step", "",
+    "Written by `make bench-gpu` (bench/gpu_trainer.py; its docstring says what is measured and how). Qwen3-0.6B "
+    "and Qwen3-4B shapes (random init, vocabulary 151,936), LoRA r16 on all linear layers, one row of 16,384 tokens "
+    "per micro-batch, tidal's `train_step` (chunked logprobs, GRPO loss, AdamW), gradient checkpointing on. Each "
+    "model in two row shapes, each its own table: prime-rl's (one causal sequence of 16,384 tokens per row, the loss "
+    "on every token) and the packed GRPO shape (16 samples of 1,024 tokens, a quarter of each a prompt, no "
+    "attention across samples). MFU = (6 N T + 12 L n_heads head_dim sum_i c_i) / step time / 989 TFLOP/s (bf16 "
+    "dense, H100/H200); N = matmul parameters, c_i = keys token i attends to (causal, within its sample), so the "
+    "attention term counts what each shape really attends to: by this formula a prime-rl-shape row is 2.3x (0.6B) "
+    "and 1.5x (4B) the model FLOPs of a packed row of the same 16,384 tokens. The first step (its torch.compile "
+    "included) and the compiled graphs (flex's, with its budget, and all of dynamo's) are reported apart from the "
+    "timed steps.", "",
+    "Anchor: prime-rl on one H100 (the figures issue 14 quotes), from prime-rl's trainer benchmark, which feeds one "
+    "16,384-token causal sequence per micro-batch (`FakeDataLoader`, `generate_samples=False`: position_ids "
+    "0..16,383, the loss on every token). Only that shape is compared with it: the prime-rl-shape tables carry the "
+    "ratios; the packed rows (1,024-token samples, far less attention per token) have none, since their tokens/s "
+    "is not the same work. prime-rl's checkpointing and MFU formula are not known here (counting the embedding "
+    "table in N gives a higher MFU than this formula for the same speed), so compare tokens/s and memory first:", "",
+    *anchor_lines(), "",
+    "One section per device kind; a run replaces its own. The CPU section is a smoke test of the script "
+    "(a few layers, short rows): its figures say nothing about GPU throughput.", ""]
 
 
 def write_report(path: Path, device_kind: str, lines: list[str]) -> None:
@@ -328,20 +483,7 @@ def write_report(path: Path, device_kind: str, lines: list[str]) -> None:
             sections[part.split("\n", 1)[0].strip()] = "## " + part.rstrip() + "\n"
     sections[device_kind] = "\n".join([f"## {device_kind}", "", *lines]) + "\n"
     sections.setdefault("CUDA", "\n".join(["## CUDA", "", PENDING]) + "\n")
-    intro = "\n".join([
-        "# Trainer throughput: tokens/s, MFU and peak memory of tidal's training step", "",
-        "Written by `make bench-gpu` (bench/gpu_trainer.py; its docstring says what is measured and how). Qwen3-0.6B "
-        "and Qwen3-4B shapes (random init, vocabulary 151,936), LoRA r16 on all linear layers, one packed row of "
-        "16,384 tokens per micro-batch, tidal's `train_step` (chunked logprobs, GRPO loss, AdamW), gradient "
-        "checkpointing on. MFU = (6 N T + 12 L n_heads head_dim sum_i c_i) / step time / 989 TFLOP/s (bf16 dense, "
-        "H100/H200); N = matmul parameters, c_i = keys token i attends to (causal, within its sample).", "",
-        "Anchor: prime-rl on one H100 (the figures issue 14 quotes). Their sample lengths, checkpointing and MFU "
-        "formula are not known here (counting attention over the whole 16k row, or the embedding table in N, gives "
-        "a higher MFU than this formula for the same speed), so compare tokens/s and memory first:", "",
-        *anchor_lines(), "",
-        "One section per device kind; a run replaces its own. The CPU section is a smoke test of the script "
-        "(a few layers, short rows): its figures say nothing about GPU throughput.", ""])
-    path.write_text(intro + "\n" + "\n".join(sections[k] for k in sorted(sections)))
+    path.write_text("\n".join(INTRO) + "\n" + "\n".join(sections[k] for k in sorted(sections)))
 
 
 def main() -> int:
@@ -350,12 +492,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=["0.6b", "4b"])
+    ap.add_argument("--shapes", nargs="+", choices=ROW_SHAPES, default=list(ROW_SHAPES),
+                    help="row shapes: prime-rl (one causal --tokens sequence per row, compared with prime-rl) and "
+                         "packed (--sample-len samples, no prime-rl ratio); default both")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--tokens", type=int, default=16384, help="tokens per packed row (one micro-batch)")
-    ap.add_argument("--sample-len", type=int, default=1024, help="tokens per sample in the row (a quarter prompt)")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per row (one micro-batch)")
+    ap.add_argument("--sample-len", type=int, default=1024,
+                    help="tokens per sample of the packed shape (a quarter prompt)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
-    ap.add_argument("--steps", type=int, default=5, help="timed training steps")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 5; --quick: 3)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first, each timed apart: the first includes compiling (default 2; --quick: 1)")
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps (for a short GPU lease)")
     ap.add_argument("--chunk", type=int, default=DEFAULT_LOGPROB_CHUNK_SIZE, help="logprob_chunk_size")
     ap.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak (default: 989 on H100/H200)")
@@ -372,48 +520,74 @@ def main() -> int:
         return 0
     import torch
 
+    steps = args.steps if args.steps is not None else 3 if args.quick else 5
+    warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
+    if steps < 1 or warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU, {args.threads} threads"
     peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
                                 if device == "cuda" else None)
+    full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing
+                 and args.models != ["8b"])
+    compare = full_size and not args.variants
     t0 = time.monotonic()
     sample = min(args.sample_len, args.tokens)
+    shapes = [s for s in ROW_SHAPES if s in args.shapes]
+    notes: list[str] = []
+    if "prime-rl" in shapes and "packed" in shapes and sample >= args.tokens:
+        shapes.remove("packed")  # one sample per row: the prime-rl shape already is it
+        notes.append(f"- packed shape: not run, since --sample-len {args.sample_len:,} >= --tokens {args.tokens:,} "
+                     f"makes it one sequence per row (the prime-rl shape's rows).")
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
     for model in args.models:
-        for variant, option in [(v, o) for v in args.variants or ["bf16"] for o in args.options or ["default"]]:
-            layers = args.layers or SHAPES[model]["num_hidden_layers"]
-            spec = dict(model=model, device=device, tokens=args.tokens, sample_len=args.sample_len, layers=layers,
-                        steps=args.steps, warmup=args.warmup, chunk=args.chunk,
-                        checkpointing=not args.no_checkpointing, threads=args.threads, variant=variant,
-                        option=option)
-            try:
-                res = run_child(spec)
-            except RuntimeError as exc:  # e.g. out of memory without checkpointing: say so, measure the rest
-                tail = str(exc).strip().splitlines()[-1][:200]
-                failed.append(f"- {label(spec)}: failed ({tail})")
-                print(failed[-1], flush=True)
-                continue
-            rows.append(spec | res)
-            print(f"{label(spec)}: {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} "
-                  f"TFLOP/s, peak {res['peak_gib']:.2f} GiB, {res['step_s']:.3f} s/step", flush=True)
-    full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing
-                 and args.models != ["8b"])
+        for shape in shapes:
+            for variant, option in [(v, o) for v in args.variants or ["bf16"] for o in args.options or ["default"]]:
+                layers = args.layers or SHAPES[model]["num_hidden_layers"]
+                spec = dict(model=model, shape=shape, device=device, tokens=args.tokens,
+                            sample_len=args.tokens if shape == "prime-rl" else sample, layers=layers, steps=steps,
+                            warmup=warmup, chunk=args.chunk, checkpointing=not args.no_checkpointing,
+                            threads=args.threads, variant=variant, option=option)
+                try:
+                    res = run_child(spec)
+                except RuntimeError as exc:  # e.g. out of memory without checkpointing: say so, measure the rest
+                    tail = str(exc).strip().splitlines()[-1][:200]
+                    failed.append(f"- {label(spec)}, {shape} shape: failed ({tail})")
+                    print(failed[-1], flush=True)
+                    print("BENCH_ROW " + json.dumps({"model": model, "shape": shape, "variant": variant,
+                                                     "option": option, "label": label(spec), "device": name,
+                                                     "error": tail}), flush=True)
+                    continue
+                row = spec | res
+                rows.append(row)
+                first = row["first_step_s"]
+                print(f"{label(spec)} ({shape}): {res['tokens_per_s']:,.0f} tokens/s, {res['achieved_tflops']:.2f} "
+                      f"TFLOP/s, peak {res['peak_gib']:.2f} GiB, {res['step_s']:.3f} s/step; first step "
+                      f"{'n/a' if first is None else f'{first:.1f} s'}, graphs {graphs_text(row)}", flush=True)
+                print(bench_row(row, peak, compare, name), flush=True)
     lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {name} (torch {torch.__version__}) in "
              f"{time.monotonic() - t0:.0f} s; command: `python bench/gpu_trainer.py {' '.join(sys.argv[1:])}`.", "",
-             f"{'bfloat16' if device == 'cuda' else 'float32'}, samples of {sample} tokens "
-             f"({sample // 4} prompt), gradient checkpointing {'off' if args.no_checkpointing else 'on'}, "
-             f"logprob_chunk_size {args.chunk}; {args.warmup} warm-up + {args.steps} timed steps; peak = "
+             f"{'bfloat16' if device == 'cuda' else 'float32'}, {args.tokens:,} tokens per row (one micro-batch), "
+             f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, logprob_chunk_size {args.chunk}; "
+             f"{warmup} warm-up + {steps} timed steps, each model and shape in a fresh process; first step = the first "
+             f"warm-up step alone (any torch.compile included: flex's kernel and block masks, compiled layers), "
+             f"graphs counted after the warm-up (and any compiled while timed); peak = "
              f"{'torch.cuda.max_memory_allocated' if device == 'cuda' else 'peak RSS (VmHWM)'} of the process. "
              f"MFU against {f'{peak:.0f} TFLOP/s' if peak else 'no known peak (n/a)'}."
-             + ("" if full_size else " Not the full-size configuration, so no comparison with prime-rl."), "",
-             *table(rows, peak, full_size and not args.variants)]
+             + ("" if full_size else " Not the full-size configuration, so no comparison with prime-rl.")
+             + (" With --variants, no comparison with prime-rl." if full_size and args.variants else "")]
+    for shape in shapes:
+        shape_rows = [r for r in rows if r["shape"] == shape]
+        if shape_rows:
+            lines += ["", shape_text(shape, args.tokens, sample), "", *table(shape_rows, peak, compare, shape)]
     if args.variants or args.options:
         lines += ["", *variant_ratios(rows)]
-    if failed:
-        lines += ["", "Not measured:", *failed]
+    if failed or notes:
+        lines += ["", "Not measured:", *notes, *failed]
     kind = "CUDA" if device == "cuda" else "CPU (smoke test)"
     parts = [kind, *(["Llama-3.1-8B", f"{args.tokens:,}-token samples"] if args.models == ["8b"] else []),
+             *([f"{' and '.join(args.shapes)} shape only"] if set(args.shapes) != set(ROW_SHAPES) else []),
              *(["bases and recipes"] if args.variants else []), *(["options"] if args.options else [])]
     write_report(Path(args.out), " ".join(parts), lines)
     print("\n".join(lines))

