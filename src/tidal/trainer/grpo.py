@@ -26,7 +26,8 @@ from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
-from tidal.trainer.attention import prompt_sharing_blocker
+from tidal.trainer.attention import prompt_sharing_blocker, uses_flex
+from tidal.trainer.attention.flex import compiled_graphs
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
 from tidal.trainer.distributed import (
     SINGLE,
@@ -164,8 +165,11 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
-                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
+    out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
+                        reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
+    if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: tidal.trainer.attention.flex
+        out["flex_graphs"] = compiled_graphs()
+    return out
 
 
 def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch], ranks: Ranks, optim_steps: int,
