@@ -196,3 +196,47 @@ def test_an_fp8_kv_cache_halves_vllms_cache_of_a_bf16_model():
     fp8 = vllm_need(LLAMA_8B, "bfloat16", 8, 20480, params, kv_dtype="fp8")
     assert fp8.kv_cache * 2 == pytest.approx(bf16.kv_cache, rel=1e-6)
     assert fp8.weights == bf16.weights
+
+
+def test_vllm_serves_no_longer_than_the_kv_cache_it_is_given():
+    """The KV cache is sized for orch seq_len; vLLM 0.24 refuses to start when its cache cannot hold one request of
+    max_model_len (unset: the model's context, 40,960 for Qwen3), so the split sets max_model_len = seq_len
+    unless infer.yaml sets it (issue 33, read in vllm/v1/core/kv_cache_utils.py)."""
+    orch = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 8, "seq_len": 1024})
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), orch, GPU, gpu_split=split_fn())
+    assert co.infer.max_model_len == 1024
+    kv = int(co.infer.extra_args[co.infer.extra_args.index("--kv-cache-memory-bytes") + 1])
+    assert kv >= 1024 * kv_bytes_per_token(QWEN3_0_6B, "bfloat16")  # one request of max_model_len fits
+    kept = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_model_len=2048), orch, GPU,
+                           gpu_split=split_fn())
+    assert kept.infer.max_model_len == 2048
+
+
+QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128}
+
+
+def test_lora_slots_are_counted_in_vllms_share():
+    """vLLM allocates max_loras x rank x (in + out) per wrapped module and layer at start (vllm/lora/layers/
+    base_linear.py): Qwen3-8B, all-linear, 8 slots of rank 64 in bf16 is 2.6 GiB, outside the measured constant."""
+    per_layer = sum(i + o for i, o in [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 12288),
+                                        (4096, 12288), (12288, 4096)])
+    want = 36 * per_layer * 64 * 8 * 2
+    assert split.lora_slot_bytes(QWEN3_8B, "bfloat16", 8, 64, "all-linear") == want
+    assert want / GIB == pytest.approx(2.6, abs=0.05)
+    fused = split.lora_slot_bytes(QWEN3_8B, "bfloat16", 8, 64, ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"])
+    # Phi-3's fused names are one adapter each (one A for q/k/v together): fewer slots
+    assert fused == 36 * ((4096 + 6144) + (4096 + 24576) + (4096 + 4096) + (12288 + 4096)) * 64 * 8 * 2
+    assert split.lora_slot_bytes(QWEN3_8B, "bfloat16", 8, 64, ["q_proj"]) == 36 * 8192 * 64 * 8 * 2
+    base = vllm_need(QWEN3_0_6B, "bfloat16", 64, 512, parameter_count(QWEN3_0_6B))
+    with_lora = vllm_need(QWEN3_0_6B, "bfloat16", 64, 512, parameter_count(QWEN3_0_6B), lora=GIB)
+    assert with_lora.budget - base.budget == GIB
+    orch = OrchConfig.model_validate({"batch_size": 64, "rollouts_per_example": 8, "seq_len": 512})
+    lora = OrchConfig.model_validate({**orch.model_dump(), "weight_broadcast": {"reload": "lora"}})
+    on = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_loras=8, max_lora_rank=64), lora, GPU,
+                         gpu_split=split_fn())
+    merged = OrchConfig.model_validate({**orch.model_dump(), "weight_broadcast": {"reload": "merged"}})
+    off = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_loras=8, max_lora_rank=64), merged,
+                          GPU, gpu_split=split_fn())
+    assert not off.infer.enable_lora
+    assert on.infer.gpu_memory_utilization > off.infer.gpu_memory_utilization

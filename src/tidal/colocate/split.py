@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tidal.colocate.shared_weights import shared_bytes
+from tidal.config.infer import round_lora_rank
 from tidal.config.load import ConfigError
 
 GIB = 1024**3
@@ -107,6 +108,31 @@ def profile_activation_bytes(model_config: Mapping[str, Any], dtype: str,
     return tokens * (2 * int(cfg["intermediate_size"]) + 4 * int(cfg["hidden_size"])) * DTYPE_BYTES[dtype]
 
 
+LORA_SHAPES = {"q_proj": ("h", "q"), "k_proj": ("h", "kv"), "v_proj": ("h", "kv"), "o_proj": ("q", "h"),
+               "gate_proj": ("h", "i"), "up_proj": ("h", "i"), "down_proj": ("i", "h"),
+               "qkv_proj": ("h", "qkv"), "gate_up_proj": ("h", "i2")}
+"""(input, output) of each LoRA target a decoder layer has, by the config sizes of `lora_slot_bytes`."""
+
+
+def lora_slot_bytes(model_config: Mapping[str, Any], dtype: str, max_loras: int, rank: int,
+                    targets: str | list[str]) -> int:
+    """vLLM's LoRA slots: for every wrapped module of every layer, `max_loras` stacked A (rank x in) and B
+    (out x rank) in the model's dtype (vLLM 0.24 `lora/layers/base_linear.py`: allocated at start whether adapters
+    are loaded or not). `targets`: infer `lora_target_modules` (`all-linear`: q/k/v/o/gate/up/down; a name this
+    table does not know counts as the widest projection, the safe side)."""
+    cfg = _text(model_config)
+    h, i = int(cfg["hidden_size"]), int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))
+    heads = int(cfg["num_attention_heads"])
+    hd = int(cfg.get("head_dim") or h // heads)
+    kv = int(cfg.get("num_key_value_heads") or heads) * hd
+    size = {"h": h, "i": i, "i2": 2 * i, "q": heads * hd, "kv": kv, "qkv": heads * hd + 2 * kv}
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] \
+        if targets == "all-linear" else ([targets] if isinstance(targets, str) else targets)
+    per_layer = sum(size[LORA_SHAPES[n][0]] + size[LORA_SHAPES[n][1]] if n in LORA_SHAPES else h + 2 * i
+                    for n in names)
+    return int(cfg["num_hidden_layers"]) * per_layer * rank * max_loras * DTYPE_BYTES[dtype]
+
+
 @dataclass(frozen=True)
 class VllmNeed:
     """What vLLM holds on the GPU, bytes."""
@@ -115,11 +141,13 @@ class VllmNeed:
     profile: int
     kv_cache: int
     outside: int
+    lora: int = 0
+    """LoRA slots (`lora_slot_bytes`; 0 without LoRA)."""
 
     @property
     def budget(self) -> int:
-        """The part inside `gpu_memory_utilization` x total (weights, profile peak, KV cache)."""
-        return self.weights + self.profile + self.kv_cache
+        """The part inside `gpu_memory_utilization` x total (weights, LoRA slots, profile peak, KV cache)."""
+        return self.weights + self.lora + self.profile + self.kv_cache
 
     @property
     def total(self) -> int:
@@ -127,11 +155,12 @@ class VllmNeed:
 
 
 def vllm_need(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_len: int, params: int,
-              tp: int = 1, kv_dtype: str = "auto") -> VllmNeed:
+              tp: int = 1, kv_dtype: str = "auto", lora: int = 0) -> VllmNeed:
     """What one GPU of a vLLM server holds for `sequences` sequences of `seq_len` tokens of this model (`params`
     parameters) in `dtype` (module doc); with tensor parallelism `tp` each GPU holds 1/tp of the weights and of
-    the KV cache (KV heads are split over the ranks). `kv_dtype`: infer `kv_cache_dtype` (`auto`: `dtype`)."""
-    return VllmNeed(weights=params * DTYPE_BYTES[dtype] // tp,
+    the KV cache (KV heads are split over the ranks). `kv_dtype`: infer `kv_cache_dtype` (`auto`: `dtype`).
+    `lora`: the LoRA slots' bytes (`lora_slot_bytes`; split over `tp` too)."""
+    return VllmNeed(weights=params * DTYPE_BYTES[dtype] // tp, lora=lora // tp,
                     profile=int(VLLM_PROFILE_FIXED_GIB * GIB) + profile_activation_bytes(model_config, dtype) // tp,
                     kv_cache=kv_need_bytes(model_config, dtype if kv_dtype == "auto" else kv_dtype, sequences,
                                            seq_len) // tp,
@@ -264,14 +293,18 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     # estimate and the measured peak drop it
     shared = shared_bytes(model_config, dtype) / GIB if train.share_base_weights is True else 0.0
     sequences = sequences_in_flight(orch, max_num_seqs(infer, total_gib), servers=infer.dp)
+    lora = (lora_slot_bytes(model_config, dtype, infer.max_loras, round_lora_rank(infer.max_lora_rank),
+                            infer.lora_target_modules) if infer.enable_lora else 0)
     need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp,
-                     kv_dtype=infer.kv_cache_dtype)
+                     kv_dtype=infer.kv_cache_dtype, lora=lora)
     split = plan_split(total_gib, need, sequences=sequences, seq_len=orch.seq_len, kv_bytes_arg=kv_bytes_arg,
                        checkpointing=train.gradient_checkpointing,
                        estimate_gib=lambda ckpt: estimate_gib(train, ckpt) - shared,
                        measure_gib=(lambda ckpt: minus(measure_gib(train, ckpt), shared))
                        if measure_gib is not None else None)
     infer_updates: dict[str, Any] = {"gpu_memory_utilization": split.gpu_memory_utilization}
+    if infer.max_model_len is None:  # the KV cache holds sequences of seq_len: vLLM 0.24 refuses to start when it
+        infer_updates["max_model_len"] = orch.seq_len  # cannot hold one of the model's full context length
     if split.kv_cache_memory_bytes is not None and not any(a.startswith("--kv-cache-memory-bytes")
                                                            for a in infer.extra_args):
         infer_updates["extra_args"] = [*infer.extra_args, "--kv-cache-memory-bytes", str(split.kv_cache_memory_bytes)]

@@ -28,6 +28,19 @@ SGLANG_UNMAPPED = {
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
 
 
+VALID_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM accepts."""
+
+
+def round_lora_rank(rank: int | None) -> int:
+    """Smallest rank vLLM accepts that is >= `rank` (16 when unset)."""
+    want = rank or 16
+    for r in VALID_LORA_RANKS:
+        if r >= want:
+            return r
+    raise ValueError(f"max_lora_rank {want} exceeds vLLM's largest ({VALID_LORA_RANKS[-1]})")
+
+
 class InferConfig(StrictModel):
     """Everything `tidal grpo-infer` reads from `infer.yaml`."""
 

@@ -23,24 +23,16 @@ import sys
 from pathlib import Path
 
 from tidal.assets import resolve_model
-from tidal.config.infer import InferConfig
+from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
+
+__all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
 WORKER_EXTENSION = "tidal.colocate.worker_ext.SharedWeightsExtension"
 """vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
-VALID_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class PortInUseError(RuntimeError):
     """The configured host:port cannot be bound."""
-
-
-def round_lora_rank(rank: int | None) -> int:
-    """Smallest rank vLLM accepts that is >= `rank` (16 when unset)."""
-    want = rank or 16
-    for r in VALID_LORA_RANKS:
-        if r >= want:
-            return r
-    raise ValueError(f"max_lora_rank {want} exceeds vLLM's largest ({VALID_LORA_RANKS[-1]})")
 
 
 def bind_host(host: str | None) -> str:
