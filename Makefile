@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check lint bench bench-weights bench-memory bench-gpu clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-gpu clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -40,6 +40,11 @@ test-gpu: setup-dev
 ## Every GPU claim in one command that fits a short lease (scripts/gpu_check.py): checks in priority order, each with its own budget, going on past a failure; writes bench/GPU-CHECK.md. On a machine set up only by the GPU kit: `source .gpu-kit/install.sh && python3 scripts/gpu_check.py`. Without CUDA it runs its CPU mode.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB). docs/gpu.md, "make gpu-check".
+gpu-kit:
+	bash ../shared/gpu-kit/make_bundle.sh
+	cd .gpu-kit && cat parts/dp*/p* > bundle.tar && rm -rf parts && mkdir parts && cd parts && split -b 47M -d -a 1 ../bundle.tar p && for f in p*; do mkdir "d$$f" && mv "$$f" "d$$f/"; done && rm ../bundle.tar && ls
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".
