@@ -325,7 +325,8 @@ class TrainConfig(StrictModel):
     test). `auto`: `flex` on CUDA, `per_sample` on CPU (and for vision-language models). `flex`: torch's
     flex_attention with a block mask of the packed layout (shared prompts included), compiled at most twice (with
     and without autograd) per size bucket of rows x width (`flex.graph_budget`: 48 graphs up to 16k tokens per
-    micro-batch; the count is `flex_graphs` in metrics.jsonl); CUDA only (no flex backward on CPU: refused there). `per_sample`: one causal SDPA call per sample.
+    micro-batch; the count is `flex_graphs` in metrics.jsonl); CUDA only (no flex backward on CPU: refused
+    there). `per_sample`: one causal SDPA call per sample.
     `dense`: SDPA with the (T, T) mask, every score computed (the slow reference; a notice says so)."""
     checkpoint_every: int = Field(1, ge=1)
     """(gradient_checkpointing) Checkpoint every k-th decoder layer only (layers 0, k, 2k, ...); the others keep

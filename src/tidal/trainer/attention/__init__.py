@@ -5,7 +5,8 @@ test_packed_attention.py, test_prompt_sharing.py):
 - `per_sample` (`per_sample.py`): one causal SDPA call per sample of a row (and per shared-prompt suffix); the
   CPU default (PyTorch's CPU kernels have no variable-length or block-sparse attention with a backward).
 - `flex` (`flex.py`): torch's flex_attention with a block mask of the row layout, compiled at most twice (with
-  and without autograd) per size bucket of a micro-batch's rows x width (`flex.graph_budget`); the CUDA default. Refused on CPU (no flex backward there).
+  and without autograd) per size bucket of a micro-batch's rows x width (`flex.graph_budget`); the CUDA
+  default. Refused on CPU (no flex backward there).
 - `dense` (`dense.py`): transformers' SDPA with the (B, 1, T, T) mask; computes all T² scores. Only when asked
   (or per call where the others do not apply; they say so).
 `auto`: `flex` on CUDA and `per_sample` on CPU; vision-language models keep `per_sample` everywhere (their
