@@ -1,4 +1,4 @@
-"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft`.
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft` (and `serve-tinker`: docs/tinker.md).
 
 Arguments are parsed and configs validated before torch or vLLM is imported, so config mistakes fail fast
 (exit code 2, with a message naming the file and key). Dotted overrides follow the config files:
@@ -351,6 +351,25 @@ def cmd_env_server(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> i
     return 0
 
 
+def cmd_serve_tinker(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    from pydantic import ValidationError
+
+    from tidal.tinker.config import TinkerServeConfig
+
+    try:
+        cfg = TinkerServeConfig(**{k: v for k, v in vars(args).items() if k in TinkerServeConfig.model_fields
+                                   and v is not None})
+    except ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+    setup_logging("[tinker]")
+    from tidal.tinker.serve import ServeError, run
+
+    try:
+        return run(cfg)
+    except ServeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="GRPO training with vLLM rollouts.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -382,12 +401,23 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, samples and configs of a run")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--out", help="write the HTML here instead of RUN_DIR/report.html")
+    t = sub.add_parser("serve-tinker", help="serve the Tinker API (the tinker SDK drives tidal): docs/tinker.md")
+    t.add_argument("--model", help="the base model (default tidal:tiny-reverse)")
+    t.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    t.add_argument("--port", type=int, help="port of the Tinker API (default 8900)")
+    t.add_argument("--api-key", dest="api_key", help="key clients must send, starting with tml- (default: a random "
+                   "one, printed)")
+    t.add_argument("--output-dir", dest="output_dir", help="checkpoints and logs (default outputs/tinker)")
+    t.add_argument("--device", help="the trainer's device (default auto)")
+    t.add_argument("--vllm-port", dest="vllm_port", type=int, help="port of the vLLM it starts (default: free)")
+    t.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="highest LoRA rank (default 32)")
     return p
 
 
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
-            "report": (cmd_report, set()), "env-server": (cmd_env_server, set())}
+            "report": (cmd_report, set()), "env-server": (cmd_env_server, set()),
+            "serve-tinker": (cmd_serve_tinker, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

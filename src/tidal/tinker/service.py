@@ -1,0 +1,374 @@
+"""The state of tidal's Tinker server: sessions, training models, sampling sessions, checkpoints and futures.
+
+Every training operation (create_model, forward_backward, forward, optim_step, save_weights,
+save_weights_for_sampler, load_weights) is submitted to one worker thread that owns the `TrainerHost`, in the
+order requests arrive: the SDK sends a training client's requests in `seq_id` order (it waits for each one to be
+accepted before sending the next), so they run in that order too. The request returns a future id at once; the
+SDK polls `retrieve_future`, which waits up to `POLL_S` for the result and otherwise answers `try_again`.
+Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurrently, as futures too.
+
+Paths: `tinker://MODEL_ID/weights/NAME` (training state: adapter + optimizer) and
+`tinker://MODEL_ID/sampler_weights/NAME` (adapter for sampling) live under `OUTPUT_DIR/checkpoints/` with the same
+relative path; model ids are `SESSION_ID:train:N` as the SDK derives them. A sampler checkpoint gets a fresh vLLM
+adapter name each time it is (re)written, so vLLM never serves stale weights under a reused name.
+
+Errors a caller can fix (unknown model, bad input, refused option) fail the future with category `user` and a
+message that says what to change; anything else fails it with category `server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.tinker.losses import LossError
+from tidal.tinker.sampler import SampleParams, Sampler, SamplerError
+from tidal.tinker.trainer import AdamStep, LoraSpec, TrainerError, TrainerHost
+from tidal.tinker.wire import FwdBwdRequest, WireError, encode_fwdbwd_output, encode_sample_response
+
+log = logging.getLogger("tidal.tinker")
+POLL_S = 30.0
+"""How long `retrieve_future` waits for a result before answering `try_again` (the SDK polls again at once)."""
+KEEP_S = 300.0
+"""How long a finished future stays retrievable after it was first retrieved."""
+USER_ERRORS = (TrainerError, LossError, WireError, ValueError)
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class UserError(ValueError):
+    """A request the caller can fix."""
+
+
+@dataclass
+class Result:
+    """A finished future's payload: JSON (`data`) or protobuf bytes (`proto`)."""
+
+    data: dict[str, Any] | None = None
+    proto: bytes | None = None
+
+
+@dataclass
+class ModelRecord:
+    session_id: str
+    lora: LoraSpec
+
+
+@dataclass
+class SamplingSession:
+    base_model: str
+    model_path: str | None
+    adapter: tuple[str, Path] | None
+    """(vLLM adapter name, adapter directory), None for the base model."""
+
+
+@dataclass
+class Session:
+    finished: bool = False
+    last_seen: float = field(default_factory=time.time)
+    sampling: list[str] = field(default_factory=list)
+
+
+class TinkerService:
+    """What the routes of `tidal.tinker.app` call."""
+
+    def __init__(self, served_name: str, model_dir: str, architecture: str, max_context: int,
+                 trainer: TrainerHost, sampler: Sampler, output_dir: Path, max_lora_rank: int,
+                 aliases: set[str], vllm_model: str) -> None:
+        self.served_name = served_name
+        self.vllm_model = vllm_model
+        """The base model's name in vLLM."""
+        self.model_dir = model_dir
+        self.architecture = architecture
+        self.max_context = max_context
+        self.trainer = trainer
+        self.sampler = sampler
+        self.root = output_dir / "checkpoints"
+        self.max_lora_rank = max_lora_rank
+        self.names = {served_name, model_dir} | aliases
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.samplers: dict[str, SamplingSession] = {}
+        self.adapter_names: dict[str, str] = {}  # tinker sampler path -> vLLM adapter name
+        self.futures: dict[str, concurrent.futures.Future[Result]] = {}
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
+        self._counter = itertools.count()
+
+    # --- futures -------------------------------------------------------------------------------------------------
+
+    def _new_future(self) -> tuple[str, concurrent.futures.Future[Result]]:
+        rid = f"req-{uuid.uuid4().hex}"
+        fut: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        self.futures[rid] = fut
+        return rid, fut
+
+    def submit_training(self, fn: Any, *args: Any) -> str:
+        """Queue `fn(*args)` (returning a `Result`) on the training thread; the future's id."""
+        rid = f"req-{uuid.uuid4().hex}"
+        self.futures[rid] = self.worker.submit(self._guarded, fn, *args)
+        return rid
+
+    @staticmethod
+    def _guarded(fn: Any, *args: Any) -> Result:
+        try:
+            result: Result = fn(*args)
+            return result
+        except USER_ERRORS:
+            raise
+        except Exception:
+            log.exception("training operation %s failed", getattr(fn, "__name__", fn))
+            raise
+
+    def submit_async(self, coro: Any) -> str:
+        """Run coroutine `coro` (returning a `Result`) on the event loop; the future's id."""
+        rid, fut = self._new_future()
+
+        async def run() -> None:
+            try:
+                fut.set_result(await coro)
+            except Exception as exc:  # noqa: BLE001 - the future carries it to the client
+                if not isinstance(exc, USER_ERRORS + (SamplerError,)):
+                    log.exception("sampling failed")
+                fut.set_exception(exc)
+
+        asyncio.get_running_loop().create_task(run())
+        return rid
+
+    async def retrieve(self, request_id: str) -> dict[str, Any] | Result:
+        """The future's `Result`, a `RequestFailedResponse` dict, or a `TryAgainResponse` dict after `POLL_S`. A
+        finished future stays retrievable for `KEEP_S` (for a client that retries after a lost connection)."""
+        fut = self.futures.get(request_id)
+        if fut is None:
+            return {"error": f"unknown request_id {request_id!r} (finished futures are kept {KEEP_S:.0f} s after "
+                             "their first retrieval)", "category": "user"}
+        try:
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), POLL_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        except USER_ERRORS + (SamplerError,) as exc:
+            category = "server" if isinstance(exc, SamplerError) else "user"
+            return self._done(request_id, {"error": str(exc), "category": category})
+        except Exception as exc:  # noqa: BLE001
+            return self._done(request_id, {"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+        return self._done(request_id, result)
+
+    def _done(self, request_id: str, out: Any) -> Any:
+        asyncio.get_running_loop().call_later(KEEP_S, self.futures.pop, request_id, None)
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        fut = self.futures.get(request_id)
+        if fut is not None:
+            fut.cancel()
+
+    # --- sessions ------------------------------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        sid = f"tidal-{uuid.uuid4().hex[:16]}"
+        self.sessions[sid] = Session()
+        return sid
+
+    def session(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise UserError(f"unknown session {session_id!r}")
+        if s.finished:
+            raise UserError(f"session {session_id} has finished")
+        s.last_seen = time.time()
+        return s
+
+    def finish_session(self, session_id: str) -> None:
+        s = self.sessions.get(session_id)
+        if s is not None:
+            s.finished = True
+
+    # --- models --------------------------------------------------------------------------------------------------
+
+    def check_base(self, base_model: str | None) -> None:
+        if base_model is not None and base_model not in self.names:
+            raise UserError(f"base_model {base_model!r} is not served here; this server serves "
+                            f"{self.served_name!r} (one model per server: start another `tidal serve-tinker "
+                            "--model ...` for another model)")
+
+    def check_lora(self, lora: LoraSpec) -> None:
+        if not 1 <= lora.rank <= self.max_lora_rank:
+            raise UserError(f"LoRA rank {lora.rank}: this server takes ranks 1..{self.max_lora_rank} (start it with "
+                            f"--max-lora-rank {max(lora.rank, 1)} for more)")
+
+    def create_model(self, session_id: str, seq: int, base_model: str, lora: LoraSpec) -> str:
+        """Queue the creation of a LoRA training model; the future's id (its result names the model)."""
+        self.session(session_id)
+        self.check_base(base_model)
+        self.check_lora(lora)
+        model_id = f"{session_id}:train:{seq}"
+
+        def run() -> Result:
+            self.trainer.create(model_id, lora)
+            self.models[model_id] = ModelRecord(session_id, lora)
+            return Result({"model_id": model_id, "type": "create_model"})
+
+        return self.submit_training(run)
+
+    def model(self, model_id: str) -> ModelRecord:
+        rec = self.models.get(model_id)
+        if rec is None:
+            raise UserError(f"unknown model_id {model_id!r}")
+        return rec
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        rec = self.model(model_id)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": rec.lora.rank,
+                "model_name": self.served_name,
+                "model_data": {"arch": self.architecture, "model_name": self.served_name,
+                               "tokenizer_id": self.model_dir}}
+
+    def forward_backward(self, req: FwdBwdRequest) -> str:
+        self.model(req.model_id)
+
+        def run() -> Result:
+            outputs, metrics = self.trainer.forward_backward(req)
+            return Result(proto=encode_fwdbwd_output(outputs, metrics))
+
+        return self.submit_training(run)
+
+    def optim_step(self, model_id: str, step: AdamStep) -> str:
+        self.model(model_id)
+        return self.submit_training(lambda: Result({"metrics": self.trainer.optim_step(model_id, step)}))
+
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+
+    def tinker_path(self, model_id: str, kind: str, name: str) -> str:
+        if not NAME.match(name):
+            raise UserError(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' (no '/')")
+        return f"tinker://{model_id}/{kind}/{name}"
+
+    def local(self, path: str, kinds: tuple[str, ...] = ("weights", "sampler_weights")) -> Path:
+        """The directory of a `tinker://` path of this server; `UserError` for another form or a missing one."""
+        parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] not in kinds or not NAME.match(parts[2]) or ".." in parts[0]:
+            raise UserError(f"{path!r} is not a tinker://MODEL_ID/{'|'.join(kinds)}/NAME path")
+        local = self.root / parts[0] / parts[1] / parts[2]
+        if not (local / "adapter_model.safetensors").is_file():
+            raise UserError(f"no checkpoint at {path} (looked in {local})")
+        return local
+
+    def save_state(self, model_id: str, name: str | None, overwrite: bool) -> str:
+        self.model(model_id)
+        name = name or f"state-{next(self._counter)}"
+        path = self.tinker_path(model_id, "weights", name)
+        local = self.root / model_id / "weights" / name
+        if local.exists() and not overwrite:
+            raise UserError(f"checkpoint {path} exists; pass overwrite=True or another name")
+
+        def run() -> Result:
+            self.trainer.save_state(model_id, local, self.served_name)
+            return Result({"path": path, "type": "save_weights"})
+
+        return self.submit_training(run)
+
+    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None) -> str:
+        """Save the adapter for sampling: under `name` (result: its path), or, without a name, as an ephemeral
+        checkpoint with a new sampling session (result: the session's id)."""
+        rec = self.model(model_id)
+        ephemeral = name is None
+        name = name or f"ephemeral-{next(self._counter)}"
+        path = self.tinker_path(model_id, "sampler_weights", name)
+        local = self.root / model_id / "sampler_weights" / name
+
+        def run() -> Result:
+            self.trainer.save_sampler(model_id, local)
+            self.adapter_names[path] = f"lora-{next(self._counter)}"
+            if not ephemeral:
+                return Result({"path": path, "type": "save_weights_for_sampler"})
+            sid = self._new_sampling_session(session_id or rec.session_id, path)
+            return Result({"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+        return self.submit_training(run)
+
+    def load_state(self, model_id: str, path: str, optimizer: bool) -> str:
+        self.model(model_id)
+        local = self.local(path, ("weights",))
+        return self.submit_training(lambda: self._load(model_id, local, path, optimizer))
+
+    def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool,
+                          base_model: str | None) -> str:
+        """`create_training_client_from_state[_with_optimizer]`: a new model from a training checkpoint."""
+        self.session(session_id)
+        self.check_base(base_model)
+        local = self.local(path, ("weights",))
+        record = TrainerHost.read_record(local)
+        lora = LoraSpec(**record["lora"])
+        self.check_lora(lora)
+        model_id = f"{session_id}:train:{seq}"
+
+        def run() -> Result:
+            self.trainer.create(model_id, lora)
+            self.models[model_id] = ModelRecord(session_id, lora)
+            return self._load(model_id, local, path, optimizer)
+
+        return self.submit_training(run)
+
+    def _load(self, model_id: str, local: Path, path: str, optimizer: bool) -> Result:
+        self.trainer.load_state(model_id, local, optimizer)
+        return Result({"path": path, "model_id": model_id, "type": "load_weights"})
+
+    # --- sampling ------------------------------------------------------------------------------------------------
+
+    def _new_sampling_session(self, session_id: str, model_path: str | None) -> str:
+        adapter = None
+        if model_path is not None:
+            local = self.local(model_path)
+            name = self.adapter_names.setdefault(model_path, f"lora-{next(self._counter)}")
+            adapter = (name, local)
+        sid = f"{session_id}:sample:{len(self.samplers)}"
+        self.samplers[sid] = SamplingSession(self.served_name, model_path, adapter)
+        if session_id in self.sessions:
+            self.sessions[session_id].sampling.append(sid)
+        return sid
+
+    def create_sampling_session(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        self.session(session_id)
+        self.check_base(base_model)
+        return self._new_sampling_session(session_id, model_path)
+
+    def sampler_info(self, sampler_id: str) -> dict[str, Any]:
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise UserError(f"unknown sampler {sampler_id!r}")
+        return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+
+    def sample(self, sampler_id: str | None, model_path: str | None, base_model: str | None, prompt: list[int],
+               n: int, params: SampleParams) -> tuple[str, list[str]]:
+        """Start sampling; (the future's id, one sequence id per sample)."""
+        if sampler_id is not None:
+            if sampler_id not in self.samplers:
+                raise UserError(f"unknown sampling_session_id {sampler_id!r}")
+            session = self.samplers[sampler_id]
+        else:
+            self.check_base(base_model)
+            sid = self._new_sampling_session("anonymous", model_path)
+            session = self.samplers[sid]
+        if not prompt:
+            raise UserError("sample: empty prompt")
+        if n < 1:
+            raise UserError(f"sample: num_samples must be >= 1, got {n}")
+
+        async def run() -> Result:
+            model = self.vllm_model if session.adapter is None else session.adapter[0]
+            if session.adapter is not None:
+                await self.sampler.ensure_adapter(*session.adapter)
+            seqs, prompt_lps, topk = await self.sampler.sample(model, prompt, n, params)
+            return Result(proto=encode_sample_response(seqs, prompt_lps, topk))
+
+        return self.submit_async(run()), [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.served_name, "max_context_length": self.max_context,
+                                      "trainable": True, "sampleable": True}]}
