@@ -52,14 +52,14 @@ def server(tmp_path_factory):
     while not srv.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", facts
+    yield f"http://127.0.0.1:{port}", facts, service
     srv.should_exit = True
     thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    url, _ = server
+    url = server[0]
     sc = tinker.ServiceClient(base_url=url, api_key=KEY)
     yield sc
     sc.close("success").result()
@@ -79,14 +79,14 @@ def datums(seed: int, with_rl: bool = True) -> list[types.Datum]:
 
 
 def test_capabilities_list_the_served_model(server):
-    url, facts = server
+    url, facts = server[:2]
     caps = tinker.RestClient(base_url=url, api_key=KEY).get_server_capabilities().result()
     assert [m.model_name for m in caps.supported_models] == [facts.served_name]
     assert caps.supported_models[0].trainable and caps.supported_models[0].sampleable
 
 
 def test_a_wrong_api_key_is_refused(server):
-    url, _ = server
+    url = server[0]
     with pytest.raises(tinker.AuthenticationError, match="invalid or missing API key"):
         tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
             base_model="tidal:tiny-reverse", rank=4)
@@ -96,7 +96,7 @@ def test_a_wrong_api_key_is_refused(server):
 
 
 def test_sessions_heartbeat_until_finished(server):
-    url, _ = server
+    url = server[0]
     h = {"X-API-Key": KEY}
     sid = httpx.post(f"{url}/api/v1/create_session", headers=h,
                      json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
@@ -105,11 +105,21 @@ def test_sessions_heartbeat_until_finished(server):
     assert httpx.post(f"{url}/api/v1/session_heartbeat", headers=h, json={"session_id": sid}).status_code == 410
 
 
+def test_closing_a_client_frees_its_adapters(server):
+    url, facts, service = server
+    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = sc.create_lora_training_client(base_model=facts.served_name, rank=4).result()
+    assert tc.model_id in service.trainer.adapters
+    sc.close("success").result()
+    service.worker.submit(lambda: None).result()  # the removal is queued behind the model's requests
+    assert tc.model_id not in service.trainer.adapters and tc.model_id not in service.models
+
+
 CONFIGS = {"ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "dro": {"beta": 0.2}}
 
 
 def test_every_builtin_loss_through_the_sdk(client, server):
-    _, facts = server
+    facts = server[1]
     tc = client.create_lora_training_client(base_model=facts.served_name, rank=8, seed=0).result()
     info = tc.get_info()
     assert (info.lora_rank, info.model_data.model_name) == (8, facts.served_name)
@@ -143,7 +153,7 @@ def test_every_builtin_loss_through_the_sdk(client, server):
 
 
 def test_refusals_reach_the_caller_with_their_reason(client, server):
-    _, facts = server
+    facts = server[1]
     with pytest.raises(Exception, match="not served here"):
         client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     with pytest.raises(Exception, match="ranks 1..32"):
@@ -159,7 +169,7 @@ def test_refusals_reach_the_caller_with_their_reason(client, server):
 
 
 def test_checkpoint_with_optimizer_state_resumes_exactly(client, server):
-    _, facts = server
+    facts = server[1]
     tc = client.create_lora_training_client(base_model=facts.served_name, rank=8, seed=1).result()
     adam = types.AdamParams(learning_rate=5e-3)
     for step in range(2):

@@ -6,11 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from tidal.tinker.wire import Sequence, WireError, decode_fwdbwd, encode_fwdbwd_output, encode_sample_response
+pytest.importorskip("tinker")  # the optional `tinker` extra
+from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response  # noqa: E402
+
+from tidal.tinker.wire import (  # noqa: E402
+    Sequence,
+    WireError,
+    decode_fwdbwd,
+    encode_fwdbwd_output,
+    encode_sample_response,
+)
 
 
 def sdk_body(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:

@@ -1,6 +1,6 @@
 """`tidal serve-tinker`: start vLLM, load the base model for training, then serve the Tinker API until stopped.
 
-Start-up order: check the port, the API key and the `tinker` extra (the server reads the SDK's protobuf messages
+Start-up order: check the API key, the `tinker` extra and the ports (the server reads the SDK's protobuf messages
 with the SDK's own module); start vLLM in the background (`tidal.tinker.sampler`), load the trainer's base model
 meanwhile (`tidal.tinker.trainer`), wait for vLLM, then serve with uvicorn. On exit (Ctrl-C, SIGTERM) vLLM is
 stopped; a reaper (`tidal.reaper`) kills it too if this process is killed outright.
@@ -100,11 +100,11 @@ def sampler_targets(facts: ModelFacts) -> list[str]:
 
 def run(cfg: TinkerServeConfig) -> int:
     """Serve until stopped; returns the exit code."""
-    check_sdk()
     try:
         cfg.check_bind()
     except ValueError as exc:
         raise ServeError(str(exc)) from None
+    check_sdk()
     from tidal.inference.backends.vllm.server import PortInUseError, check_port_free, on_cpu
 
     vllm_port = cfg.vllm_port or free_port()

@@ -185,9 +185,15 @@ class TinkerService:
         return s
 
     def finish_session(self, session_id: str) -> None:
+        """Mark the session finished and free its training models' adapters (after their queued requests); its
+        checkpoints stay on disk and its sampling sessions keep working."""
         s = self.sessions.get(session_id)
-        if s is not None:
-            s.finished = True
+        if s is None or s.finished:
+            return
+        s.finished = True
+        for model_id in [m for m, rec in self.models.items() if rec.session_id == session_id]:
+            del self.models[model_id]
+            self.worker.submit(self.trainer.remove, model_id)
 
     # --- models --------------------------------------------------------------------------------------------------
 
