@@ -41,6 +41,20 @@ def test_vllm_argv_names_the_trainers_targets(name, model_dirs):
     assert not {"lm_head", "embed_tokens"} & set(got)
 
 
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_the_torch_free_table_agrees_with_the_meta_model(name, model_dirs):
+    """`tidal grpo-infer` names the targets from config.json where `LINEAR_BY_MODEL_TYPE` decides (no torch import
+    before vLLM's exec): the table must be what the trainer's PEFT resolves on the real module tree."""
+    from tidal.models.lora import linear_names_from_config, meta_model, resolve_lora_targets
+
+    table = linear_names_from_config(str(model_dirs[name]))
+    model, arch = meta_model(str(model_dirs[name]))
+    if table is not None:
+        assert list(table) == resolve_lora_targets(model, "all-linear", arch)
+    else:
+        assert ARCHS[name].config_class in ("Qwen3MoeConfig",), f"{name}: add its model_type to the table"
+
+
 def test_named_targets_pass_through_and_a_wrong_name_is_refused(model_dirs):
     from tidal.inference.backends.vllm.server import vllm_argv
 

@@ -66,10 +66,39 @@ def meta_model(model_dir: str, trust_remote_code: bool = False) -> tuple[Any, st
     return model, (getattr(config, "architectures", None) or [type(model).__name__])[0]
 
 
+DECODER_LINEAR = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+LINEAR_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
+    **{t: DECODER_LINEAR for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite")},
+    "phi3": ("down_proj", "gate_up_proj", "o_proj", "qkv_proj"),
+}
+"""`linear_module_names` of the dense text models whose config.json `model_type` says it all (checked against the
+meta model for every architecture of the test matrix: tests/unit/test_lora_targets_argv.py), so that `tidal
+grpo-infer` names vLLM's LoRA targets without importing torch and transformers (seconds of its start-up on a small
+CPU machine); any other model (mixture of experts, vision-language, remote code) is built on the meta device."""
+
+
+def linear_names_from_config(model_dir: str) -> tuple[str, ...] | None:
+    """`LINEAR_BY_MODEL_TYPE` for `model_dir`'s config.json, None where the table does not decide."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("text_config") or config.get("auto_map"):
+        return None
+    return LINEAR_BY_MODEL_TYPE.get(str(config.get("model_type")))
+
+
 def served_targets(model_dir: str, targets: str | list[str], trust_remote_code: bool = False) -> list[str]:
-    """The leaf names the trainer's LoRA adapts (`resolve_lora_targets` on the meta model of `model_dir`), for the
-    inference server's LoRA layers (vLLM `--lora-target-modules`, SGLang's likewise). Raises `ConfigError` for a
-    name that matches no linear module."""
+    """The leaf names the trainer's LoRA adapts (`resolve_lora_targets` on the meta model of `model_dir`, or
+    `LINEAR_BY_MODEL_TYPE` where it decides), for the inference server's LoRA layers (vLLM `--lora-target-modules`,
+    SGLang's likewise). Raises `ConfigError` for a name that matches no linear module."""
+    known = None if trust_remote_code else linear_names_from_config(model_dir)
+    wanted = [targets] if isinstance(targets, str) and targets != ALL_LINEAR else targets
+    if known is not None and (wanted == ALL_LINEAR or set(wanted) <= set(known)):
+        return list(known) if wanted == ALL_LINEAR else list(wanted)
     model, arch = meta_model(model_dir, trust_remote_code)
     return resolve_lora_targets(model, targets, arch)
 
