@@ -68,7 +68,8 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
     log = work / f"tidal_{recipe}_{mode}.log"
     run(cmd, log, 3600)
     total = time.monotonic() - start
-    ready = re.search(r"inference ready after ([0-9.]+) s", log.read_text())  # the launcher's vLLM start-up
+    # the launcher's vLLM start-up and its phases (`tidal.launcher.STARTUP_PHASES`)
+    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", log.read_text())
     from tidal.monitor.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -80,6 +81,7 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
         elapsed.append(acc)
     return {"rows": rows, "run_dir": run_dir, "total_s": total, "first_step_s": t0,
             "ready_s": float(ready.group(1)) if ready else float("nan"),
+            "ready_phases": (ready.group(2) or "") if ready else "",
             "step_s": statistics.mean(r["step_time_s"] for r in steady),
             "rollout_s": statistics.mean(r["rollout_time_s"] for r in steady),
             "train_s": statistics.mean(r["train_time_s"] for r in steady),
@@ -348,6 +350,8 @@ def main() -> None:
           for p, x in trl.items()],
         f"| vLLM ready (launch to healthy) in tidal's runs, median of {len(ready)} | {statistics.median(ready):.1f} s "
         f"| | {', '.join(f'{v:.1f}' for v in ready)} s | <= 30 s |",
+        f"| vLLM start-up phases, tidal {main_recipe} run (s; tidal.launcher.STARTUP_PHASES, bench/STARTUP.md) | "
+        f"{t['ready_phases'] or 'n/a'} | | | |",
         f"| first step (incl. warm-up), tidal {main_recipe} vs TRL {args.trl_precisions[0]} | "
         f"{t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",
         f"| rollout throughput vs raw vLLM (same concurrency) | {ro['orch_tok_s']:.0f} tok/s | "

