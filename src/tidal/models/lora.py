@@ -58,11 +58,13 @@ def meta_model(model_dir: str, trust_remote_code: bool = False) -> tuple[Any, st
     """(the transformers model built from `model_dir`'s config on the meta device, its architecture name): no
     weights are read, nothing is allocated."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # a vision-language model is built as the trainer builds it (`tidal.trainer.model.auto_model_class`)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
     return model, (getattr(config, "architectures", None) or [type(model).__name__])[0]
 
 
