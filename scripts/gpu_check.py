@@ -192,7 +192,7 @@ def check_env(ctx: Ctx, res: Result) -> None:
     """Device, driver, versions, and the vLLM features tidal relies on (read from its files)."""
     import torch
 
-    from tidal.inference import vllm_support as vs
+    from tidal.inference.backends.vllm import support as vs
 
     f = res.figures
     f["python"] = platform.python_version()
@@ -226,7 +226,7 @@ def check_env(ctx: Ctx, res: Result) -> None:
 
 
 def _vllm_file_version() -> str:
-    from tidal.inference.vllm_support import vllm_root
+    from tidal.inference.backends.vllm.support import vllm_root
 
     root = vllm_root()
     if root is not None and (root / "_version.py").exists():

@@ -144,7 +144,7 @@ def gpu_split_for(model: str, calibrate: bool = True) -> Any:
     import json
 
     from tidal.colocate.split import gpu_split
-    from tidal.inference.vllm_support import has_kv_cache_memory_bytes
+    from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
     from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
 
     def measure(train: TrainConfig, ckpt: bool) -> float | None:
@@ -185,7 +185,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         check_bind_secure,
         check_port_free,
     )
-    from tidal.inference.vllm_support import check_weight_transfer
+    from tidal.inference.backends.vllm.support import check_weight_transfer
 
     if co.infer.backend == "vllm":
         check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now

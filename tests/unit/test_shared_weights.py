@@ -365,7 +365,7 @@ def test_grpo_train_alone_checks_the_trainer_side(train, why):
 def test_ipc_handles_are_json_and_rebuild_with_the_trainers_device_index():
     """A handle as the worker encodes it survives JSON and becomes `rebuild_cuda_tensor`'s arguments with the
     trainer's device index and the exact bytes; CPU tensors, other formats and unknown classes are refused."""
-    from tidal.colocate import ipc
+    from tidal.inference.backends.vllm import ipc
 
     handle, ref = os.urandom(64), b"/torch_1234_5678_0"
     entry = {"format": ipc.FORMAT, "tensor_cls": "Tensor", "size": [256, 128], "stride": [128, 1], "offset": 128,

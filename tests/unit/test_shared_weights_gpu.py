@@ -1,6 +1,6 @@
 """Shared base weights on a GPU (`gpu` marker; run on a machine with CUDA vLLM, e.g. the GPU kit):
 
-- CUDA IPC handles as JSON open another process's tensors without a copy (`tidal.colocate.ipc`);
+- CUDA IPC handles as JSON open another process's tensors without a copy (`tidal.inference.backends.vllm.ipc`);
 - a real vLLM server with infer `export_base_weights` hands its tensors to the trainer, whose base built from
   them (`tidal.trainer.shared_base`) gives the logprobs of the trainer's own loaded copy (bf16: exactly the same
   weights, so to bf16 matmul noise) and agrees with vLLM's sampling logprobs as the non-shared trainer does
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PRODUCER = textwrap.dedent("""
     import json, sys, torch
-    from tidal.colocate.ipc import device_uuid, encode
+    from tidal.inference.backends.vllm.ipc import device_uuid, encode
     torch.manual_seed(0)
     fused = torch.randn(48, 16, device="cuda", dtype=torch.bfloat16)
     print(json.dumps({"uuid": device_uuid(0), "fused": encode(fused), "sum": float(fused.float().sum()),
@@ -37,7 +37,7 @@ PRODUCER = textwrap.dedent("""
 
 
 def test_ipc_handles_open_another_process_tensor_without_a_copy():
-    from tidal.colocate.ipc import decode, local_index
+    from tidal.inference.backends.vllm.ipc import decode, local_index
 
     proc = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)

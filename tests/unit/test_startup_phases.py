@@ -51,7 +51,7 @@ def test_a_missing_phase_folds_into_the_next(monkeypatch):
 def test_the_patterns_are_lines_vllm_prints():
     """Each pattern (but tidal's own) matches a format string in the installed vLLM's source."""
     pytest.importorskip("vllm")
-    from tidal.inference import vllm_support
+    from tidal.inference.backends.vllm import support as vllm_support
 
     root = vllm_support.vllm_root()
     sources = {p: p.read_text(errors="replace") for d in ("entrypoints", "v1", "model_executor") for p in

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tidal.config import ConfigError
-from tidal.inference import vllm_support
-from tidal.inference.vllm_support import TESTED_VLLM, check_weight_transfer, has_kv_cache_memory_bytes
+from tidal.inference.backends.vllm import support as vllm_support
+from tidal.inference.backends.vllm.support import TESTED_VLLM, check_weight_transfer, has_kv_cache_memory_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from tidal.inference.weight_transfer import GLOO_BACKEND, register
+from tidal.inference.backends.vllm.weight_transfer import GLOO_BACKEND, register
 register()
 register()  # vLLM calls it in every process, maybe more than once
 try:
@@ -63,7 +63,7 @@ def test_the_plugin_registers_the_gloo_engine_where_vllm_has_it():
 
 
 def fake_vllm(root: Path, *, nccl: bool, kv_bytes: bool) -> Path:
-    """A vLLM tree on disk with or without the files `tidal.inference.vllm_support` reads."""
+    """A vLLM tree on disk with or without the files `tidal.inference.backends.vllm.support` reads."""
     wt = root / "distributed" / "weight_transfer"
     wt.mkdir(parents=True)
     (wt / "packed_tensor.py").write_text("def packed_nccl_broadcast_producer(): ...\n")

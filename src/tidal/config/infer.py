@@ -129,7 +129,8 @@ class InferConfig(StrictModel):
     bf16 model (GPU: e4m3 on NVIDIA Hopper/Ada)."""
     export_base_weights: bool = False
     """(set by `tidal grpo` when train `share_base_weights` is on) Start vLLM with tidal's worker extension
-    (`tidal.colocate.worker_ext`), which hands a co-located trainer CUDA IPC handles of the base weights through
+    (`tidal.inference.backends.vllm.worker_ext`), which hands a co-located trainer CUDA IPC handles of the base weights
+    through
     vLLM's dev route `/collective_rpc` (keep the server on localhost or behind an API key). GPU only."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""

@@ -393,7 +393,8 @@ class TrainConfig(StrictModel):
     the reference is a second, frozen copy of the initial weights."""
     freeze_embeddings: bool = False
     """(lora: false) Keep the input embeddings frozen (with tied embeddings, the lm_head too); they train
-    otherwise. On vLLM-CPU a tied lm_head is re-packed after every in-place update (`tidal.inference.tied_head`)."""
+    otherwise. On vLLM-CPU a tied lm_head is re-packed after every in-place update
+    (`tidal.inference.backends.vllm.tied_head`)."""
     lora_rank: int = Field(16, ge=1)
     """LoRA rank r."""
     lora_alpha: int = Field(32, gt=0)

@@ -1,8 +1,10 @@
 """The trainer's frozen base built from vLLM's own weight tensors (train `share_base_weights`, docs/colocate.md).
 
 `load_shared_base(cfg, device, dtype)`: ask the co-located vLLM server (`cfg.base_weights_url`) for the CUDA
-IPC handles of its parameters (`tidal.colocate.worker_ext`, through `POST /collective_rpc`), open them on this
-process's index of the same GPU (`tidal.colocate.ipc`), and `build_from_tensors`: the Hugging Face model is
+IPC handles of its parameters (`tidal.inference.backends.vllm.worker_ext`, through `POST /collective_rpc`), open them
+on this
+process's index of the same GPU (`tidal.inference.backends.vllm.ipc`), and `build_from_tensors`: the Hugging Face model
+is
 built on the meta device (no memory), each shared parameter becomes a view of vLLM's tensor as
 `tidal.colocate.shared_weights.view_plan` says (`qkv_proj.narrow(0, start, length)` for `q_proj`, ...), the
 unshared ones (norms) are read from the checkpoint, the non-persistent buffers (RoPE frequencies, Gemma's
@@ -184,7 +186,7 @@ def fetch_handles(url: str, timeout_s: float = 120.0) -> dict[str, Any]:
 def open_handles(export: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     """vLLM's tensors from a `tidal_export_base` answer, opened on `device`, which must be the same physical GPU
     (by UUID) as vLLM's."""
-    from tidal.colocate.ipc import decode, local_index
+    from tidal.inference.backends.vllm.ipc import decode, local_index
 
     index = local_index(str(export["gpu_uuid"]))
     if index is None or (device.index if device.index is not None else torch.cuda.current_device()) != index:

@@ -11,7 +11,8 @@ broadcast), `/finish_weight_update` with the step, `/resume`: every completion c
 
 The process group (trainer + all workers of all servers, each server's workers at its own rank offset) is
 opened at the first push with `/init_weight_transfer_engine` and kept; NCCL on CUDA, gloo on CPU
-(`tidal.inference.weight_transfer`). A push that fails (a server died) drops the group; the next push, or an
+(`tidal.inference.backends.vllm.weight_transfer`). A push that fails (a server died) drops the group; the next push, or
+an
 orchestrator's re-push request (`tidal.transport.weights.request_push`, written when a restarted server is
 behind), opens a new one.
 """
@@ -120,7 +121,7 @@ class WeightPusher(PushSession):
                     self.group = trainer_init({"master_address": self.host, "master_port": self.port,
                                                "world_size": world})
                 else:
-                    from tidal.inference.weight_transfer import GlooGroup
+                    from tidal.inference.backends.vllm.weight_transfer import GlooGroup
 
                     self.group = GlooGroup(self.host, self.port, 0, world, self.timeout_s)
             except OSError as exc:

@@ -29,7 +29,7 @@ from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
-WORKER_EXTENSION = "tidal.colocate.worker_ext.SharedWeightsExtension"
+WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.SharedWeightsExtension"
 """vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
 
 
@@ -125,10 +125,10 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv += ["--tool-call-parser", cfg.tool_call_parser]
     if cfg.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", cfg.kv_cache_dtype]
-    if cfg.export_base_weights:  # the co-located trainer borrows the base weights (tidal.colocate.worker_ext)
+    if cfg.export_base_weights:  # the co-located trainer borrows the base weights (worker_ext.py)
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.weight_broadcast_type == "nccl":
-        from tidal.inference.weight_transfer import transfer_backend
+        from tidal.inference.backends.vllm.weight_transfer import transfer_backend
 
         argv += ["--weight-transfer-config", json.dumps({"backend": transfer_backend(on_cpu())})]
     if cfg.rope_scaling:  # merged over the model's own parameters: a bare rope_scaling resets rope_theta
@@ -264,7 +264,7 @@ def serve(cfg: InferConfig) -> int:
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
     from tidal.config.colocate import check_lora_dtype
     from tidal.inference.backends.vllm import dp
-    from tidal.inference.vllm_support import check_weight_transfer
+    from tidal.inference.backends.vllm.support import check_weight_transfer
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
     check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)

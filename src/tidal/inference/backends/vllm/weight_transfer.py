@@ -12,7 +12,7 @@ The plugin runs in every vLLM start, also in runs that never push weights, so it
 registers only what the installed vLLM supports. A vLLM without the weight-transfer modules the gloo engine builds
 on (`vllm.distributed.weight_transfer.nccl_common`: vLLM 0.24.0 has none) gets nothing registered, and one line
 in its log says so; asking such a vLLM for the push is refused before anything starts
-(`tidal.inference.vllm_support.check_weight_transfer`).
+(`tidal.inference.backends.vllm.support.check_weight_transfer`).
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def _engine_cls() -> type:
 
 def register() -> None:
     """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, and (CPU) refresh tied lm_heads after
-    in-place weight updates (`tidal.inference.tied_head`). Idempotent; vLLM may call it often. On a vLLM without
+    in-place weight updates (`tidal.inference.backends.vllm.tied_head`). Idempotent; vLLM may call it often. On a vLLM
+    without
     weight transfer, or without the modules the engine builds on, it registers no backend (the vLLM still starts)."""
-    from tidal.inference.tied_head import install
+    from tidal.inference.backends.vllm.tied_head import install
 
     try:
         install()  # another vLLM's layout only loses the hook, with a warning (tied_head.install)
@@ -113,7 +114,7 @@ def register() -> None:
         engine = _engine_cls()
         WeightTransferEngineFactory.register_engine(GLOO_BACKEND, engine)
     except (ImportError, AttributeError) as exc:  # another vLLM: its start must go on; the push is refused up front
-        from tidal.inference.vllm_support import vllm_version
+        from tidal.inference.backends.vllm.support import vllm_version
 
         missing = exc.name if isinstance(exc, ImportError) and exc.name else repr(exc)
         log.info("tidal: vLLM %s lacks %s: the %s weight-transfer backend is not registered (weight_broadcast.type "

@@ -3,7 +3,7 @@ seconds and loads torch): its version, `--kv-cache-memory-bytes`, and the NCCL w
 `nccl` push needs (`vllm.distributed.weight_transfer.nccl_common`: not in vLLM 0.24.0, the GPU kit's release).
 
 `check_weight_transfer` turns a missing module into a `ConfigError` naming the version, before anything starts.
-The vLLM plugin (`tidal.inference.weight_transfer.register`) does the same check by import, and registers
+The vLLM plugin (`tidal.inference.backends.vllm.weight_transfer.register`) does the same check by import, and registers
 nothing rather than break a vLLM start.
 """
 
