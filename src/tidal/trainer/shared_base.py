@@ -6,7 +6,7 @@ on this
 process's index of the same GPU (`tidal.inference.backends.vllm.ipc`), and `build_from_tensors`: the Hugging Face model
 is
 built on the meta device (no memory), each shared parameter becomes a view of vLLM's tensor as
-`tidal.colocate.shared_weights.view_plan` says (`qkv_proj.narrow(0, start, length)` for `q_proj`, ...), the
+`tidal.models.shared_weights.view_plan` says (`qkv_proj.narrow(0, start, length)` for `q_proj`, ...), the
 unshared ones (norms) are read from the checkpoint, the non-persistent buffers (RoPE frequencies, Gemma's
 embedding scale) are computed by transformers' own `_init_weights` before any shared tensor is attached, so
 nothing is ever written into vLLM's memory. Shared parameters do not require grad; LoRA (PEFT) wraps the
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from tidal.colocate.shared_weights import SharePlan, SharingRefused, train_refusal, view_plan
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
+from tidal.models.shared_weights import SharePlan, SharingRefused, train_refusal, view_plan
 
 log = logging.getLogger(__name__)
 
