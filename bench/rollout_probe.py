@@ -73,8 +73,8 @@ def server_cmd(name: str, port: int) -> tuple[list[str], dict[str, str], dict[st
     ex = REPO / "src" / "tidal" / "examples" / "reverse_text"
     raw = read_yaml(ex / "infer.yaml")
     if name.split("+")[0] == "colocate":  # what `tidal grpo` derives now for a 2-core CPU machine
+        from tidal.colocate.derive import Machine, derive_colocate
         from tidal.config import OrchConfig, TrainConfig
-        from tidal.config.colocate import Machine, derive_colocate
 
         co = derive_colocate(TrainConfig(**read_yaml(ex / "train.yaml")), InferConfig(**raw),
                              OrchConfig(**read_yaml(ex / "orch.yaml")), Machine(cores=(0, 1)))

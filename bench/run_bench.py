@@ -68,7 +68,7 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
     log = work / f"tidal_{recipe}_{mode}.log"
     run(cmd, log, 3600)
     total = time.monotonic() - start
-    # the launcher's vLLM start-up and its phases (`tidal.launcher.STARTUP_PHASES`)
+    # the launcher's vLLM start-up and its phases (`tidal.colocate.supervise.STARTUP_PHASES`)
     ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", log.read_text())
     from tidal.monitor.metrics import read_metrics
 
@@ -350,7 +350,8 @@ def main() -> None:
           for p, x in trl.items()],
         f"| vLLM ready (launch to healthy) in tidal's runs, median of {len(ready)} | {statistics.median(ready):.1f} s "
         f"| | {', '.join(f'{v:.1f}' for v in ready)} s | <= 30 s |",
-        f"| vLLM start-up phases, tidal {main_recipe} run (s; tidal.launcher.STARTUP_PHASES, bench/STARTUP.md) | "
+        f"| vLLM start-up phases, tidal {main_recipe} run (s; tidal.colocate.supervise.STARTUP_PHASES, "
+        f"bench/STARTUP.md) | "
         f"{t['ready_phases'] or 'n/a'} | | | |",
         f"| first step (incl. warm-up), tidal {main_recipe} vs TRL {args.trl_precisions[0]} | "
         f"{t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",

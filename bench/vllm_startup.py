@@ -56,7 +56,7 @@ EXAMPLE = REPO / "src/tidal/examples/reverse_text/infer.yaml"
 OUT = REPO / "bench/STARTUP.md"
 
 sys.path.insert(0, str(REPO / "src"))
-from tidal.launcher import STARTUP_PHASES as PHASES  # noqa: E402  (the launcher's log line times the same phases)
+from tidal.colocate.supervise import STARTUP_PHASES as PHASES  # noqa: E402  (the launcher's log line times the same phases)
 
 
 @dataclass

@@ -5,7 +5,8 @@
     trainer.train()
 
 runs the same pipeline as `tidal grpo`: a vLLM server and the trainer as supervised subprocesses (the co-locate
-launcher, `tidal.launcher.run_colocate`, with the placement of `tidal.config.colocate.derive_colocate`), and the
+launcher, `tidal.colocate.supervise.run_colocate`, with the placement of `tidal.colocate.derive.derive_colocate`), and
+the
 orchestrator in THIS process, on its own asyncio loop in a thread, so reward functions defined in the script
 (closures and lambdas included) are called where they live; nothing is pickled. `args` maps onto tidal's configs
 by `tidal.config.trl.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl` and read by
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.config.colocate import Machine, derive_colocate
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config.load import ConfigError
 from tidal.config.trl import GRPOConfig, to_tidal
 
@@ -41,7 +42,7 @@ log = logging.getLogger("tidal.api")
 
 
 class RefusedConfig(ConfigError, ValueError):
-    """A run tidal refuses before anything starts (`tidal.preflight`): a `ConfigError` (as `tidal grpo` exits 2
+    """A run tidal refuses before anything starts (`tidal.colocate.preflight`): a `ConfigError` (as `tidal grpo` exits 2
     with) and a `ValueError` (as TRL raises for bad arguments); the message names the key and the fix."""
 
 
@@ -173,11 +174,11 @@ class GRPOTrainer:
 
     def preflight(self) -> Any:
         """The configs `tidal grpo` would derive on this machine, after every check it runs before anything starts
-        (`tidal.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
+        (`tidal.colocate.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
         import tempfile
 
         from tidal.cli import check_model
-        from tidal.preflight import check_run
+        from tidal.colocate.preflight import check_run
 
         try:
             check_model(self.model, "GRPOTrainer(model=...)")
@@ -220,8 +221,8 @@ class GRPOTrainer:
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
         from tidal.cli import prepare_run_dir, write_configs
+        from tidal.colocate.supervise import run_colocate
         from tidal.inference.backends.vllm.server import check_bind_secure, check_port_free
-        from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
 

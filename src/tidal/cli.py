@@ -20,10 +20,10 @@ from typing import Any
 import yaml
 
 from tidal.assets import resolve_model
+from tidal.colocate.derive import Machine, derive_colocate, wire_colocate, with_resume
 from tidal.colocate.sharing import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
-from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
 from tidal.models.arch import read_arch
 from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
@@ -166,7 +166,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
                          gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
                          sharing=sharing_for(info.architecture))
-    from tidal.preflight import check_run
+    from tidal.colocate.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
@@ -203,7 +203,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     else:
         prepare_run_dir(place.run_dir)
     paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
-    from tidal.launcher import run_colocate
+    from tidal.colocate.supervise import run_colocate
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,

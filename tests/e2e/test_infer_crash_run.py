@@ -14,9 +14,9 @@ import pytest
 from tests.archs import build
 from tests.conftest import free_port
 from tidal.cli import write_configs
+from tidal.colocate.derive import Machine, derive_colocate
+from tidal.colocate.supervise import run_colocate
 from tidal.config import InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
-from tidal.launcher import run_colocate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

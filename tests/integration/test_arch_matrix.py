@@ -223,7 +223,7 @@ def test_a_fully_fine_tuned_policy_reaches_vllm_exactly(served, tmp_path, how):
         assert gap < 1e-3 and kl <= 1e-3, f"{served.name}: full weights served differently (gap {gap}, KL {kl})"
     else:
         assert gap > 1e-2, (f"{served.name}: vLLM-CPU now serves experts updated in place exactly (gap {gap}): "
-                            "allow full fine-tuning of MoE on CPU (tidal.config.colocate.moe_on_cpu), update "
+                            "allow full fine-tuning of MoE on CPU (tidal.colocate.derive.moe_on_cpu), update "
                             "tests/archs.py and docs/models.md")
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from tidal import GRPOConfig, GRPOTrainer
 from tidal.api import reward_functions, write_rows
+from tidal.colocate.supervise import InProcess
 from tidal.envs import make_env
-from tidal.launcher import InProcess
 
 ROWS = [{"prompt": "abc", "answer": "cba"}, {"prompt": "de", "answer": "ed"}]
 

@@ -1,4 +1,4 @@
-"""`tidal grpo`'s co-locate derivation (`tidal.config.colocate`): new configs plus a placement, inputs untouched."""
+"""`tidal grpo`'s co-locate derivation (`tidal.colocate.derive`): new configs plus a placement, inputs untouched."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import (
+from tidal.colocate.derive import (
     CPU_NO_LORA_NOTICE,
     NO_LORA_NOTICE,
     Machine,
@@ -18,6 +17,7 @@ from tidal.config.colocate import (
     wire_colocate,
     with_resume,
 )
+from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 
 CPU2 = Machine(cores=(0, 1))
 GPU16 = Machine(cores=tuple(range(16)), has_gpu=True)
@@ -248,7 +248,7 @@ def test_machine_detect_reads_cores_gpu_and_only_the_relevant_variables(monkeypa
 
 
 def test_launcher_child_gets_the_extra_environment_and_the_parent_does_not(tmp_path):
-    from tidal.launcher import Child
+    from tidal.colocate.supervise import Child
 
     child = Child("x", [sys.executable, "-c", "import os; print(os.environ['TIDAL_TEST_VAR'], os.environ['PATH'])"],
                   tmp_path / "x.log", echo=False, env={"TIDAL_TEST_VAR": "bound"})
@@ -257,7 +257,7 @@ def test_launcher_child_gets_the_extra_environment_and_the_parent_does_not(tmp_p
 
 
 def test_colocate_module_imports_no_torch_or_vllm():
-    code = ("import sys, tidal.config.colocate; bad = {'torch', 'vllm', 'transformers'} & set(sys.modules); "
+    code = ("import sys, tidal.colocate.derive; bad = {'torch', 'vllm', 'transformers'} & set(sys.modules); "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tidal.colocate.derive import Machine, derive_colocate, wire_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate, wire_colocate
 from tidal.config.load import validate
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
 from tidal.assets import resolve_model
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
 from tidal.config.train import TrainCkptSection
 from tidal.trainer.broadcast import checkpoint_keys, policy_weight_specs, policy_weights, publish_adapter
 from tidal.trainer.grpo import train_step

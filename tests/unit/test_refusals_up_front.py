@@ -1,6 +1,6 @@
 """Every refusal comes before anything starts: the trainer's and the orchestrator's start-up refusals (and the
 model's length limit) each make `tidal grpo --dry-run` exit 2 naming the key, in a real subprocess that starts
-nothing (`tidal.preflight`). The same checks run in `GRPOTrainer(...)` (a `ValueError`)."""
+nothing (`tidal.colocate.preflight`). The same checks run in `GRPOTrainer(...)` (a `ValueError`)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.archs import ARCHS, config_for
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.colocate.sharing import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
 from tidal.models import shared_weights as sw
 
 ROOT = Path(__file__).resolve().parents[2]

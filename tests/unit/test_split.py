@@ -1,5 +1,5 @@
 """The co-locate GPU split (`tidal.colocate.split`) against the figures measured on an H100 with vLLM 0.24 (issue 26,
-2026-11-24), the precision rule (`tidal.config.colocate.couple_precision`) on a fake GPU machine, and what
+2026-11-24), the precision rule (`tidal.colocate.derive.couple_precision`) on a fake GPU machine, and what
 `derive_colocate` does with both. Pure arithmetic: no GPU needed."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tidal.colocate import split
+from tidal.colocate.derive import Machine, derive_colocate
 from tidal.colocate.split import GIB, gpu_split, kv_bytes_per_token, plan_split, trainer_need_gib, vllm_need
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.config.colocate import Machine, derive_colocate
 from tidal.trainer.memory import parameter_count
 
 H100_GIB = 79.18

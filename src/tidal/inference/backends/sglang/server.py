@@ -55,7 +55,7 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one SGLang server for `cfg` (the API key is added by `sglang_env`'s caller). Infer
     `dtype: auto` is the trainer's (bfloat16: SGLang runs on GPUs only), never SGLang's own `auto`, which serves a
     float32 model in float16."""
-    from tidal.config.colocate import trainer_dtype
+    from tidal.inference.precision import trainer_dtype
 
     dtype = trainer_dtype("auto", "cuda") if cfg.dtype == "auto" else cfg.dtype
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", resolve_model(cfg.model),

@@ -94,7 +94,7 @@ def lora_targets(cfg: InferConfig) -> list[str]:
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
     `tidal.inference.backends.vllm.dp`)."""
-    from tidal.config.colocate import trainer_dtype
+    from tidal.inference.precision import trainer_dtype
 
     dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
     argv = [sys.executable, "-m", server_module(), "--model", resolve_model(cfg.model),
@@ -262,9 +262,9 @@ def serve(cfg: InferConfig) -> int:
     supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.vllm.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
-    from tidal.config.colocate import check_lora_dtype
     from tidal.inference.backends.vllm import dp
     from tidal.inference.backends.vllm.support import check_weight_transfer
+    from tidal.inference.precision import check_lora_dtype
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
     check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)

@@ -12,7 +12,7 @@ that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its o
 (`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
-binding, from `tidal.config.colocate.Placement`).
+binding, from `tidal.colocate.derive.Placement`).
 
 The Python API (`tidal.api.GRPOTrainer`) runs the orchestrator in the caller's process instead of a child
 (`orchestrator=`: an `InProcess` component, its asyncio loop in a thread), so reward functions defined in the
