@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
 from tidal.config.trl import GRPOConfig, to_tidal
+from tidal.paths import final_dir, logs_dir, metrics_path
 
 log = logging.getLogger("tidal.api")
 
@@ -177,8 +177,8 @@ class GRPOTrainer:
         (`tidal.colocate.preflight`, the datasets in a scratch directory); raises `RefusedConfig` (a ValueError)."""
         import tempfile
 
-        from tidal.cli import check_model
         from tidal.colocate.preflight import check_run
+        from tidal.models.arch import check_model
 
         try:
             check_model(self.model, "GRPOTrainer(model=...)")
@@ -192,17 +192,11 @@ class GRPOTrainer:
     def derive(self, calibrate: bool) -> Any:
         """`derive_colocate` on this machine; `calibrate`: the GPU split measures the trainer's peak (one training
         step on the GPU) instead of trusting the estimate alone."""
-        from tidal.assets import resolve_model
-        from tidal.cli import gpu_split_for
-        from tidal.colocate.sharing import sharing_for
-        from tidal.models.arch import read_arch
+        from tidal.colocate import start
 
         d = self.derived
-        info = read_arch(resolve_model(self.model))
         try:
-            return derive_colocate(d.train, d.infer, d.orch, Machine.detect(),
-                                   gpu_split=gpu_split_for(d.train.model, calibrate=calibrate), moe=info.moe,
-                                   sharing=sharing_for(info.architecture))
+            return start.derive(d.train, d.infer, d.orch, calibrate=calibrate)
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
 
@@ -220,40 +214,32 @@ class GRPOTrainer:
 
     def train(self) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
-        from tidal.cli import prepare_run_dir, write_configs
-        from tidal.colocate.supervise import run_colocate
-        from tidal.inference.backends.vllm.server import check_bind_secure, check_port_free
+        from tidal.colocate import start
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
 
         co = self.colocated  # derived and checked by the constructor (`preflight`)
         if co.placement.device == "cuda":  # now the GPU split may measure the trainer (one step, before vLLM)
             co = self.derive(calibrate=True)
-        place = co.placement
-        check_bind_secure(co.infer)
-        for port in range(place.port, place.port + co.infer.dp):
-            check_port_free(place.host, port)
-        for notice in place.notices:
-            print(f"[tidal] {notice}", flush=True)
-        prepare_run_dir(place.run_dir)
-        orch = self.with_data(co.orch, place.run_dir / "data")
-        paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
-        (place.run_dir / "configs" / "reward_funcs.json").write_text(json.dumps(
-            [{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1))
+        run_dir = co.placement.run_dir
+        reward_funcs = json.dumps([{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1)
 
-        async def orchestrate() -> None:
-            await loop.run(orch, place.run_dir, self.reward_funcs, self.tooling)
+        async def orchestrate(orch: OrchConfig, run_dir: Path) -> None:
+            await loop.run(orch, run_dir, self.reward_funcs, self.tooling)
 
-        code = run_colocate(sys.executable, place.run_dir, paths, place.health_urls,
-                            infer_start_timeout_s=self.args.vllm_server_timeout, max_steps=orch.max_steps,
-                            infer_env=place.infer_env, orchestrator=orchestrate)
+        try:
+            code = start.start(co, infer_start_timeout_s=self.args.vllm_server_timeout,
+                               orch_for=lambda orch, run_dir: self.with_data(orch, run_dir / "data"),
+                               orchestrator=orchestrate, extra_configs={"reward_funcs.json": reward_funcs})
+        except ConfigError as exc:
+            raise RefusedConfig(str(exc)) from None
         if code == 130:
             raise KeyboardInterrupt
         if code != 0:
-            raise RuntimeError(f"tidal GRPO run failed (exit code {code}); logs in {place.run_dir / 'logs'}")
-        rows = read_metrics(place.run_dir / "metrics.jsonl")
+            raise RuntimeError(f"tidal GRPO run failed (exit code {code}); logs in {logs_dir(run_dir)}")
+        rows = read_metrics(metrics_path(run_dir))
         last = rows[-1] if rows else {}
-        return TrainOutput(int(last.get("step", 0)), place.run_dir,
+        return TrainOutput(int(last.get("step", 0)), run_dir,
                            {k: float(v) for k, v in last.items() if isinstance(v, int | float)})
 
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -261,7 +247,7 @@ class GRPOTrainer:
         (None: it stays where it is); returns where it is."""
         import shutil
 
-        src = self.run_dir / "final" / "adapter"
+        src = final_dir(self.run_dir, "adapter")
         if not (src / "adapter_config.json").is_file():
             raise RuntimeError(f"no trained adapter in {src}: call train() first")
         if output_dir is None or Path(output_dir).resolve() in (self.run_dir.resolve(), src.resolve()):

@@ -12,20 +12,18 @@ import argparse
 import logging
 import os
 import sys
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tidal.assets import resolve_model
-from tidal.colocate.derive import Machine, derive_colocate, wire_colocate, with_resume
-from tidal.colocate.sharing import sharing_for
+from tidal.colocate import start
+from tidal.colocate.derive import wire_colocate, with_resume
+from tidal.colocate.start import dump
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
-from tidal.models.arch import read_arch
-from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
+from tidal.models.arch import check_model
+from tidal.paths import find_run_dir, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
 
@@ -78,30 +76,12 @@ def split_overrides(extra: list[str], allowed: set[str]) -> dict[str, dict[str, 
     return out
 
 
-def check_model(name: str, source: str) -> None:
-    """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
-    (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
-    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`)."""
-    try:
-        path = resolve_model(name)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{source}: key 'model': {exc}") from None
-    if not Path(path, "config.json").is_file():
-        raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
-                          "give the path of a local Hugging Face model directory, a Hub id (org/name) or "
-                          "tidal:tiny-reverse")
-
-
 def load(component: str, path: str | None, overrides: dict[str, dict[str, str]]) -> Any:
     file = Path(path) if path else example_path(component)
     cfg = load_config(COMPONENTS[component], file, overrides.get(component))
     if isinstance(cfg, TrainConfig | InferConfig):
         check_model(cfg.model, str(file))
     return cfg
-
-
-def dump(cfg: Any) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
 def setup_logging(name: str) -> None:
@@ -111,61 +91,15 @@ def setup_logging(name: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def prepare_run_dir(run_dir: Path) -> None:
-    """A fresh run must not read a previous run's batches: move an old run aside (nothing is deleted)."""
-    if holds_run(run_dir):
-        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(aside)
-        print(f"[tidal] moved the previous run in {run_dir} to {aside}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
 def resume_hint(argv: list[str]) -> str:
     """The command line that resumes this run."""
     return "tidal " + " ".join([*argv, *([] if "--resume" in argv else ["--resume"])])
 
 
-def write_configs(run_dir: Path, configs: dict[str, Any]) -> dict[str, Path]:
-    """Write each component's resolved config to `{run_dir}/configs/{name}.yaml`; returns the paths."""
-    cfg_dir = configs_dir(run_dir)
-    cfg_dir.mkdir(exist_ok=True)
-    paths = {}
-    for name, cfg in configs.items():
-        paths[name] = cfg_dir / f"{name}.yaml"
-        paths[name].write_text(dump(cfg))
-    return paths
-
-
-def gpu_split_for(model: str, calibrate: bool = True) -> Any:
-    """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
-    config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
-    measured on the GPU before vLLM starts (`tidal.trainer.memory.measure_in_child`)."""
-    import functools
-    import json
-
-    from tidal.colocate.split import gpu_split
-    from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
-    from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
-
-    def measure(train: TrainConfig, ckpt: bool) -> float | None:
-        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
-              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
-        return measure_in_child(train, ckpt)
-
-    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
-    return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
-                             kv_bytes_arg=has_kv_cache_memory_bytes(),
-                             estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
-                             measure_gib=measure if calibrate else None)
-
-
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
-    info = read_arch(resolve_model(train.model))
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
-                         sharing=sharing_for(info.architecture))
+    co = start.derive(train, infer, orch, output_dir=args.output_dir, resume=args.resume, calibrate=not args.dry_run)
     from tidal.colocate.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
@@ -174,42 +108,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
         return 0
-    place = co.placement
-    if co.infer.backend == "sglang":  # before anything starts: no SGLang on a machine without CUDA
-        from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
-
-        check_runnable(has_cuda(), sglang_installed())
-    from tidal.inference.backends.vllm.server import (
-        InsecureBindError,
-        PortInUseError,
-        check_bind_secure,
-        check_port_free,
-    )
-    from tidal.inference.backends.vllm.support import check_weight_transfer
-
-    if co.infer.backend == "vllm":
-        check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
-    try:
-        check_bind_secure(co.infer)
-        for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
-            check_port_free(place.host, port)
-    except (PortInUseError, InsecureBindError) as exc:
-        raise ConfigError(str(exc)) from None
-    for notice in place.notices:
-        print(f"[tidal] {notice}", flush=True)
-    if place.resuming:
-        place.run_dir.mkdir(parents=True, exist_ok=True)
-        print(f"[tidal] resuming the run in {place.run_dir}", flush=True)
-    else:
-        prepare_run_dir(place.run_dir)
-    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
-    from tidal.colocate.supervise import run_colocate
-
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
-    return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
-                        max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
-                        infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
-                        infer_env=place.infer_env)  # shared base weights die with their vLLM
+    return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=args.infer_restarts)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -314,7 +214,6 @@ def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         print(dump(cfg))
         return 0
     setup_logging("[sft]")
-    from tidal.assets import resolve_model
     from tidal.trainer import sft
 
     cfg.model = resolve_model(cfg.model)

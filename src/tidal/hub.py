@@ -2,7 +2,7 @@
 
 The cache is looked up first (`HF_HOME` / `HF_HUB_CACHE`, as huggingface_hub reads them): a snapshot of the
 revision that holds a config.json and its safetensors weights is used as it is, without the network. So
-`tidal grpo` downloads a model at most once, in the parent before anything starts (`tidal.cli.check_model`),
+`tidal grpo` downloads a model at most once, in the parent before anything starts (`tidal.models.arch.check_model`),
 and its children (vLLM, trainer, orchestrator) then find the same snapshot (`refs/{revision}` names it). A model
 that is not cached, or only partly, is downloaded with `snapshot_download` (only the files a model needs:
 `ALLOW_PATTERNS`, top level only) unless `HF_HUB_OFFLINE` is set; a cached model is not updated (run

@@ -13,8 +13,8 @@ import pytest
 
 from tests.archs import build
 from tests.conftest import free_port
-from tidal.cli import write_configs
 from tidal.colocate.derive import Machine, derive_colocate
+from tidal.colocate.start import write_configs
 from tidal.colocate.supervise import run_colocate
 from tidal.config import InferConfig, OrchConfig, TrainConfig
 

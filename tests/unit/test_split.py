@@ -178,7 +178,7 @@ def test_grpo_infer_alone_serves_auto_in_the_default_recipes_dtype():
 
 def test_tidal_grpo_wires_the_split_for_its_model_directory():
     """`tidal grpo`'s split for the bundled model on a fake H100 (the real estimate, no calibration: CPU here)."""
-    from tidal.cli import gpu_split_for
+    from tidal.colocate.start import gpu_split_for
 
     model = "tidal:tiny-reverse"
     co = derive_colocate(TrainConfig(model=model), InferConfig(model=model), OrchConfig(), GPU,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -101,3 +102,17 @@ def check_cpu_moe_lora(info: ArchInfo, model: str, on_cpu: bool, enable_lora: bo
         "would fail with \"module 'triton.language' has no attribute 'float32'\"); set infer enable_lora: false "
         "and let the policy reach vLLM as merged weights (orch weight_broadcast.reload: merged or auto, the "
         "tidal grpo default on CPU) or through weight_broadcast.type: nccl (gloo on CPU)")
+
+
+def check_model(name: str, source: str) -> None:
+    """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
+    (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
+    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`)."""
+    try:
+        path = resolve_model(name)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{source}: key 'model': {exc}") from None
+    if not Path(path, "config.json").is_file():
+        raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
+                          "give the path of a local Hugging Face model directory, a Hub id (org/name) or "
+                          "tidal:tiny-reverse")

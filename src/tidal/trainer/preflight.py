@@ -63,7 +63,7 @@ def check_model_build(cfg: TrainConfig, config: dict) -> None:
 
 
 def model_config(model: str) -> dict:
-    """The model directory's config.json as a dict ({} when it has none: `tidal.cli.check_model` names that)."""
+    """The model directory's config.json as a dict ({} when it has none: `tidal.models.arch.check_model` names that)."""
     path = Path(resolve_model(model)) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 

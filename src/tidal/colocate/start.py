@@ -1,0 +1,154 @@
+"""The start of a co-located run, written once: `tidal grpo` (`tidal.cli.cmd_grpo`) and the Python API
+(`tidal.api.GRPOTrainer`) both call it.
+
+- `derive(train, infer, orch, ...)`: `derive_colocate` on this machine, with what only the model and the installed
+  vLLM can tell: the model's architecture (`tidal.models.arch`: mixture of experts, whether its base weights can be
+  shared with vLLM, `tidal.colocate.sharing`) and the GPU memory split (`tidal.colocate.split.gpu_split`: the model's
+  config.json, whether vLLM takes `--kv-cache-memory-bytes`, the trainer's estimate and, with `calibrate`, its peak
+  measured on the GPU before vLLM starts, `tidal.trainer.memory.measure_in_child`);
+- `start(co, ...)`: the checks that need the machine (SGLang runnable, vLLM has the nccl push, a secure bind, free
+  ports), the notices, the run directory (resumed, or a previous run moved aside), the resolved configs in
+  `{run_dir}/configs/` (`tidal.paths.configs_dir`), then the supervisor (`tidal.colocate.supervise.run_colocate`).
+
+The refusals of the derived configs (`tidal.colocate.preflight.check_run`) run between the two, in the caller, so
+that `--dry-run` and `GRPOTrainer(...)` run them without starting anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tidal.assets import resolve_model
+from tidal.colocate.derive import Colocated, GpuSplitFn, Machine, derive_colocate
+from tidal.colocate.sharing import sharing_for
+from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
+from tidal.config.base import StrictModel
+from tidal.models.arch import read_arch
+from tidal.paths import configs_dir, holds_run
+
+
+def dump(cfg: StrictModel) -> str:
+    """A config as the YAML a component reads back."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def gpu_split_for(model: str, calibrate: bool = True) -> GpuSplitFn:
+    """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
+    config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
+    measured on the GPU before vLLM starts (`tidal.trainer.memory.measure_in_child`)."""
+    from tidal.colocate.split import gpu_split
+    from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
+    from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
+
+    def measure(train: TrainConfig, ckpt: bool) -> float | None:
+        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
+              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
+        return measure_in_child(train, ckpt)
+
+    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
+    return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
+                             kv_bytes_arg=has_kv_cache_memory_bytes(),
+                             estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
+                             measure_gib=measure if calibrate else None)
+
+
+def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_dir: str | Path | None = None,
+           resume: bool = False, calibrate: bool = True) -> Colocated:
+    """`derive_colocate` on this machine for the model train.yaml names (module docs); `calibrate`: on a GPU the
+    split measures the trainer's peak (one training step) instead of trusting the estimate alone."""
+    info = read_arch(resolve_model(train.model))
+    return derive_colocate(train, infer, orch, Machine.detect(), output_dir=output_dir, resume=resume,
+                           gpu_split=gpu_split_for(train.model, calibrate=calibrate), moe=info.moe,
+                           sharing=sharing_for(info.architecture))
+
+
+def check_startable(co: Colocated) -> None:
+    """The refusals that need this machine, before anything starts: SGLang without CUDA, a vLLM without the nccl
+    push, an insecure bind, a taken port (each a `ConfigError`)."""
+    if co.infer.backend == "sglang":
+        from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
+
+        check_runnable(has_cuda(), sglang_installed())
+    from tidal.inference.backends.vllm.server import (
+        InsecureBindError,
+        PortInUseError,
+        check_bind_secure,
+        check_port_free,
+    )
+    from tidal.inference.backends.vllm.support import check_weight_transfer
+
+    if co.infer.backend == "vllm":
+        check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now
+    place = co.placement
+    try:
+        check_bind_secure(co.infer)
+        for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
+            check_port_free(place.host, port)
+    except (PortInUseError, InsecureBindError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """A fresh run must not read a previous run's batches: move an old run aside (nothing is deleted)."""
+    if holds_run(run_dir):
+        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        print(f"[tidal] moved the previous run in {run_dir} to {aside}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_configs(run_dir: Path, configs: Mapping[str, StrictModel]) -> dict[str, Path]:
+    """Write each component's resolved config to `{run_dir}/configs/{name}.yaml`; returns the paths."""
+    cfg_dir = configs_dir(run_dir)
+    cfg_dir.mkdir(exist_ok=True)
+    paths = {}
+    for name, cfg in configs.items():
+        paths[name] = cfg_dir / f"{name}.yaml"
+        paths[name].write_text(dump(cfg))
+    return paths
+
+
+OrchFor = Callable[[OrchConfig, Path], OrchConfig]
+"""The orch config the run uses, given the derived one and the run directory (the API's datasets)."""
+InProcessOrch = Callable[[OrchConfig, Path], Coroutine[Any, Any, Any]]
+"""An orchestrator run in this process on (orch, run_dir) instead of a `grpo-orch` child (the API)."""
+
+
+def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, infer_restarts: int = 3,
+          infer_start_timeout_s: float = 600.0, orch_for: OrchFor | None = None,
+          orchestrator: InProcessOrch | None = None, extra_configs: Mapping[str, str] | None = None) -> int:
+    """Start the derived run and supervise it to the end (module docs); returns the exit code (0 done, 1 a component
+    failed, 130 interrupted). `extra_configs`: more files for `{run_dir}/configs/` (name -> text)."""
+    check_startable(co)
+    place = co.placement
+    for notice in place.notices:
+        print(f"[tidal] {notice}", flush=True)
+    if place.resuming:
+        place.run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[tidal] resuming the run in {place.run_dir}", flush=True)
+    else:
+        prepare_run_dir(place.run_dir)
+    orch = orch_for(co.orch, place.run_dir) if orch_for is not None else co.orch
+    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
+    for name, text in (extra_configs or {}).items():
+        (configs_dir(place.run_dir) / name).write_text(text)
+    from tidal.colocate.supervise import run_colocate
+
+    in_process = None
+    if orchestrator is not None:
+        async def in_process() -> None:
+            await orchestrator(orch, place.run_dir)
+
+    return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
+                        infer_start_timeout_s=infer_start_timeout_s, max_steps=orch.max_steps,
+                        resume_hint=resume_hint,
+                        infer_restarts=0 if co.train.share_base_weights is True else infer_restarts,
+                        infer_env=place.infer_env, orchestrator=in_process)  # shared base weights die with their vLLM
