@@ -2,8 +2,8 @@
 
 Runs anywhere; meaningful on a GPU (H100/H200). No vLLM, no orchestrator: the trainer's own `train_step`
 (`tidal.trainer.grpo`: packing -> per micro-batch `forward_logprobs_entropy` with the chunked lm_head
-(`logprob_chunk_size`) -> the GRPO loss (`tidal.trainer.loss.policy_loss`) -> backward -> gradient clipping ->
-AdamW step) on a synthetic `TrainingBatch`, with the policy built the way `tidal.trainer.model.load_policy`
+(`logprob_chunk_size`) -> the GRPO loss (`tidal.trainer.step.loss.policy_loss`) -> backward -> gradient clipping ->
+AdamW step) on a synthetic `TrainingBatch`, with the policy built the way `tidal.trainer.model.load.load_policy`
 builds it (`attn_implementation` for train `attention`, then `prepare_policy`: checkpointing, the activation policy,
 `add_lora`, compiled layers), except that the weights are a random init from a transformers `Qwen3Config` with the
 real shapes (nothing downloaded):
@@ -31,7 +31,8 @@ step per training step. Each model is measured in two row shapes (`--shapes`, bo
 Measured, in a fresh process per model and shape: `--warmup` steps, each timed on its own (the first one alone is
 reported as "first step": the torch.compile of the flex kernel and of its block masks happens there), then
 `--steps` timed steps (CUDA synchronized); tokens/s = row tokens x steps / seconds. Compiled graphs, counted after
-the warm-up: flex's (`tidal.trainer.attention.flex.compiled_graphs()`, with `graph_budget(tokens)`; "n/a" where that
+the warm-up: flex's (`tidal.trainer.model.attention.flex.compiled_graphs()`, with `graph_budget(tokens)`; "n/a" where
+that
 module has neither) and all of dynamo's (`counters["stats"]["unique_graphs"]`), plus any compiled during the timed
 steps (a recompile the warm-up did not cover). `--quick` = 1 warm-up + 3 timed steps (a short GPU lease). Peak
 memory: `torch.cuda.max_memory_allocated` over the whole process on CUDA (weights, LoRA, optimizer state,
@@ -57,7 +58,7 @@ token in the prime-rl shape, three quarters in the packed one).
 `--variants` compares the frozen base and the precision recipe (issue 17) in the same run, each in a fresh
 process: `bf16` (the default, as above), `nf4` (`qlora_bnb`), `fp8` (`qlora_fp8`) and `fp8-hybrid` (`recipe:
 fp8-hybrid`). For the quantized ones the random model is saved to a temporary directory first and loaded the way
-the trainer loads it (`tidal.trainer.model.load_policy`: quantized while loading), so their peak memory is the
+the trainer loads it (`tidal.trainer.model.load.load_policy`: quantized while loading), so their peak memory is the
 quantized base's; the ratios against `bf16` are in the table.
 
 `--options` compares the trainer-speed keys of issue 27 (`OPTIONS`: train `attention` flex / per_sample / dense,
@@ -179,8 +180,8 @@ def build_loaded(spec: dict[str, Any], model: Any) -> tuple[Any, Any, Any, Any]:
     import torch
 
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -202,8 +203,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import attn_implementation, prepare_policy, resolve_dtype
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import attn_implementation, prepare_policy, resolve_dtype
+    from tidal.trainer.step.optim import make_optimizer
 
     device = torch.device(spec["device"])
     cfg = TrainConfig(model="unused", lora_rank=16, lora_alpha=32, sequence_len=spec["tokens"],
@@ -250,9 +251,9 @@ def peak_rss() -> int:
 
 
 def graph_counts(tokens: int) -> dict[str, int | None]:
-    """Compiled graphs so far in this process: flex's (`tidal.trainer.attention.flex.compiled_graphs`, and its
+    """Compiled graphs so far in this process: flex's (`tidal.trainer.model.attention.flex.compiled_graphs`, and its
     `graph_budget` for rows of `tokens`; None where flex has neither) and all of dynamo's (unique graphs)."""
-    from tidal.trainer.attention import flex
+    from tidal.trainer.model.attention import flex
 
     out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None}
     try:

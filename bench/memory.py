@@ -75,7 +75,7 @@ def build_policy(layers: int, checkpointing: bool, device: Any, dtype: Any) -> A
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import add_lora, enable_gradient_checkpointing
+    from tidal.trainer.model.load import add_lora, enable_gradient_checkpointing
 
     torch.manual_seed(0)
     cfg = Qwen3Config(**(QWEN3_0_6B | {"num_hidden_layers": layers}))
@@ -108,8 +108,8 @@ def step(model: Any, mb: dict[str, Any], mode: str, chunk: int) -> None:
     import torch
 
     from tidal.config.train import LossConfig
-    from tidal.trainer.logprobs import forward_logprobs_entropy, split_head
-    from tidal.trainer.loss import LossInputs, LossScale, policy_loss
+    from tidal.trainer.step.logprobs import forward_logprobs_entropy, split_head
+    from tidal.trainer.step.loss import LossInputs, LossScale, policy_loss
 
     if mode == "body only":
         head = split_head(model)

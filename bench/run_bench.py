@@ -176,9 +176,9 @@ def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str, recipe:
 
     from tidal.config.train import TrainConfig
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
-    from tidal.trainer.packing import pack
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
+    from tidal.trainer.step.packing import pack
     from tidal.transport.batch import TrainingBatch
 
     batch = TrainingBatch.load(tidal_dir / "rollouts" / f"step_{args.steps}.safetensors")
@@ -190,7 +190,7 @@ def trainer_bench(args: argparse.Namespace, tidal_dir: Path, model: str, recipe:
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size)]
     tokens = sum(mb.num_tokens for mb in micro)
 
-    from tidal.trainer.precision import autocast_dtype
+    from tidal.trainer.model.precision import autocast_dtype
 
     cast = autocast_dtype(model_)  # recipe bf16 on CPU: the raw loop autocasts too
 

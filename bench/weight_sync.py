@@ -47,9 +47,9 @@ def main() -> int:
     from tidal.config.orch import ClientSection
     from tidal.inference.backends.vllm.client import VllmClient
     from tidal.paths import broadcast_dir
-    from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
-    from tidal.trainer.model import load_base_model
-    from tidal.trainer.weight_push import WeightPusher
+    from tidal.trainer.model.load import load_base_model
+    from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
+    from tidal.trainer.publish.push_vllm import WeightPusher
 
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

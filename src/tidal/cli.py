@@ -187,8 +187,8 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
-    from tidal.trainer.health import MismatchError
     from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom
+    from tidal.trainer.step.health import MismatchError
     from tidal.transport.batch import BatchFormatError
 
     try:

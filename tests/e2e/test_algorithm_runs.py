@@ -78,8 +78,8 @@ def test_combined_algorithm_options_run(vllm_server, tmp_path):
 
     # the batch carries the teacher's (base model's) untempered logprobs and process advantages
     from tidal.assets import resolve_model
-    from tidal.trainer.logprobs import forward_logprobs
-    from tidal.trainer.model import load_base_model
+    from tidal.trainer.model.load import load_base_model
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     batch = TrainingBatch.load(run_dir / "rollouts" / "step_2.safetensors")
     assert batch.teacher_logprobs is not None and batch.max_tokens == 24

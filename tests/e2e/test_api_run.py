@@ -111,7 +111,7 @@ def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_pa
     assert samples and all(s["prompt"] in [r["prompt"] for r in rows] for s in samples)
     # the prompt tokens vLLM saw are the plain text, without any chat-template markup
     from tidal.assets import resolve_model
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
     from tidal.transport.batch import TrainingBatch
 
     tok = load_tokenizer(resolve_model(MODEL))

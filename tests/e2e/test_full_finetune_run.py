@@ -33,7 +33,7 @@ def _model_from(merged: Path, tmp: Path) -> torch.nn.Module:
 @pytest.mark.slow  # default suite budget: full-weight reloads and pushes are served exactly in the default arch matrix
 def test_full_finetune_colocate_run_serves_the_trained_weights(tmp_path):
     from tidal.assets import resolve_model
-    from tidal.trainer.logprobs import forward_logprobs
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     run_dir, port = tmp_path / "run", free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(3), "--train.lora", "false",

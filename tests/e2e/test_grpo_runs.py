@@ -65,8 +65,8 @@ def assert_served_trained_policy(run_dir: Path, step: int) -> None:
     from peft import PeftModel
 
     from tidal.assets import resolve_model
-    from tidal.trainer.logprobs import forward_logprobs
-    from tidal.trainer.model import load_base_model
+    from tidal.trainer.model.load import load_base_model
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     batch = TrainingBatch.load(run_dir / "rollouts" / f"step_{step}.safetensors")
     policy = int(batch.policy_steps[0])

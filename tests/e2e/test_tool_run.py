@@ -49,7 +49,7 @@ def grpo(model: Path, run_dir: Path, steps: int, env: str, *extra: str) -> None:
 def test_tool_calling_run(tmp_path):
     """(No warm start: `tagged_tool_model` writes `<tool_call>` blocks already; they do not parse, so each rollout
     gets an error tool turn and goes on.)"""
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
 
     model = tagged_tool_model(tmp_path / "model")
     run_dir = tmp_path / "run"
@@ -85,7 +85,7 @@ def test_verifiers_tool_env_run(tmp_path):
     """A classic verifiers ToolEnv through the same loop: its tool schemas in the prompt, its own env_response
     answering the parsed calls (here with its error message), its rubric scoring the rollout's messages."""
     pytest.importorskip("verifiers", reason="the verifiers package is part of the dev install")
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
 
     model = tagged_tool_model(tmp_path / "model")
     run_dir = tmp_path / "run"

@@ -23,7 +23,7 @@ def test_verifiers04_toolset_run(tmp_path):
     (the 0.4 session's answer), spliced in as tokens, and the task's reward counts the tool messages."""
     if not (VF04 / "verifiers" / "v1").is_dir():
         pytest.skip(f"verifiers 0.4 is not installed in {VF04} (make setup-dev installs it)")
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
 
     model, run_dir = tagged_tool_model(tmp_path / "model"), tmp_path / "run"
     path = os.pathsep.join([str(VF04), str(ROOT), os.environ.get("PYTHONPATH", "")])

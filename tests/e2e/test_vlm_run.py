@@ -29,9 +29,9 @@ def base_model_gap(model_dir: Path, batch: TrainingBatch) -> float:
     """Mean |base model logprob - vLLM logprob| over the batch's completion tokens (the trainer's image path)."""
     from transformers import AutoModelForImageTextToText
 
-    from tidal.trainer.logprobs import forward_logprobs
-    from tidal.trainer.packing import pack
-    from tidal.trainer.vision import attach_images
+    from tidal.trainer.model.vision import attach_images
+    from tidal.trainer.step.logprobs import forward_logprobs
+    from tidal.trainer.step.packing import pack
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     micro = pack(batch, 512, 4)

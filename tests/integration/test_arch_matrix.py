@@ -29,10 +29,10 @@ from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.models.lora import resolve_lora_targets
 from tidal.models.names import is_expert_key
-from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict, reload_keys
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.model import load_base_model
-from tidal.trainer.weight_push import WeightPusher
+from tidal.trainer.model.load import load_base_model
+from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict, reload_keys
+from tidal.trainer.publish.push_vllm import WeightPusher
+from tidal.trainer.step.logprobs import forward_logprobs
 
 pytestmark = pytest.mark.vllm
 

@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "abc def"}]
 
 def test_vllm_tokenize_applies_the_client_kwargs(tmp_path):
     from tests.unit.test_chat_template_kwargs import NO_THINKING, THINKING_TEMPLATE
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
     from tidal.trainer.sft import render_prompt
 
     model = tmp_path / "thinking-model"

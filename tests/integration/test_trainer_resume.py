@@ -128,8 +128,8 @@ def test_final_export_loads_in_transformers_and_is_served_by_vllm(reference, vll
     from transformers import AutoModelForCausalLM
 
     from tidal.assets import resolve_model
-    from tidal.trainer.logprobs import forward_logprobs
-    from tidal.trainer.model import load_base_model
+    from tidal.trainer.model.load import load_base_model
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     merged_dir, adapter_dir = reference / "final/merged", reference / "final/adapter"
     assert (merged_dir / "STABLE").exists() and (adapter_dir / "STABLE").exists()

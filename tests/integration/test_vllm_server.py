@@ -15,8 +15,8 @@ from tests.conftest import MODEL
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.protocol import InferenceUnreachable
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.model import load_base_model, load_tokenizer
+from tidal.trainer.model.load import load_base_model, load_tokenizer
+from tidal.trainer.step.logprobs import forward_logprobs
 
 pytestmark = pytest.mark.vllm
 

@@ -9,9 +9,9 @@ import torch
 
 from tests.conftest import MODEL, free_port
 from tests.integration.test_vllm_server import sample, trainer_logprobs
-from tidal.trainer.broadcast import lora_merged_weights
-from tidal.trainer.model import load_base_model
-from tidal.trainer.weight_push import WeightPusher
+from tidal.trainer.model.load import load_base_model
+from tidal.trainer.publish.broadcast import lora_merged_weights
+from tidal.trainer.publish.push_vllm import WeightPusher
 
 pytestmark = pytest.mark.vllm
 
@@ -136,7 +136,7 @@ def test_a_fully_fine_tuned_tied_model_is_served_exactly_after_reloads_and_pushe
     from safetensors.torch import save_file
 
     from tidal.assets import resolve_model
-    from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict
+    from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict
 
     url, proc, log = nccl_server
     base = load_base_model(MODEL, torch.device("cpu"), torch.float32).eval()

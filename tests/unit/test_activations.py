@@ -1,4 +1,4 @@
-"""Activation memory (`tidal.trainer.activations`; train `checkpoint_every`, `checkpoint_scope`,
+"""Activation memory (`tidal.trainer.model.activations`; train `checkpoint_every`, `checkpoint_scope`,
 `offload_activations`, `compile_layers`): every setting gives the gradients of no checkpointing (float64, LoRA,
 packed rows), recomputes what it says, and keeps fewer saved activations in the order expected."""
 
@@ -11,11 +11,11 @@ import torch
 from tests.archs import config_for
 from tests.unit.test_packed_attention import packed_positions
 from tidal.config.train import TrainConfig
-from tidal.trainer.activations import apply_activation_policy, decoder_layers
-from tidal.trainer.attention import register
-from tidal.trainer.kernels import compile_layers
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.model import add_lora, enable_gradient_checkpointing
+from tidal.trainer.model.activations import apply_activation_policy, decoder_layers
+from tidal.trainer.model.attention import register
+from tidal.trainer.model.kernels import compile_layers
+from tidal.trainer.model.load import add_lora, enable_gradient_checkpointing
+from tidal.trainer.step.logprobs import forward_logprobs
 
 SETTINGS = {
     "none": {},
@@ -213,7 +213,7 @@ def test_on_cuda_offload_and_partial_checkpointing_keep_less_on_the_device():
         torch.manual_seed(0)
         conf = config_for("qwen3")
         conf.num_hidden_layers, conf.layer_types = 4, ["full_attention"] * 4
-        from tidal.trainer.model import attn_implementation, prepare_policy
+        from tidal.trainer.model.load import attn_implementation, prepare_policy
 
         model = AutoModelForCausalLM.from_config(conf, attn_implementation=attn_implementation(dev, "flex"),
                                                  dtype=torch.bfloat16).to(dev)

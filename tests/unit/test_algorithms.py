@@ -26,8 +26,8 @@ from tidal.orchestrator.advantage import (
 )
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stats import rollout_metrics
-from tidal.trainer.health import MismatchError, MismatchGuard
-from tidal.trainer.loss import LossInputs, LossScale, drift_sums, policy_loss
+from tidal.trainer.step.health import MismatchError, MismatchGuard
+from tidal.trainer.step.loss import LossInputs, LossScale, drift_sums, policy_loss
 
 
 @pytest.mark.parametrize("scale", ["none", "group", "batch"])
@@ -206,7 +206,7 @@ def test_reverse_text_step_rewards_map_to_tokens():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_entropy_matches_float64_loop(temperature):
-    from tidal.trainer.logprobs import entropy
+    from tidal.trainer.step.logprobs import entropy
 
     logits = torch.randn(2, 7, 11) * 3
     got = entropy(logits, temperature, chunk=3)

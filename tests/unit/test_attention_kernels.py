@@ -1,4 +1,4 @@
-"""The attention kernels of `tidal.trainer.attention` (train `attention`): flex_attention with the packed layout's
+"""The attention kernels of `tidal.trainer.model.attention` (train `attention`): flex_attention with the packed layout's
 block mask against the masked float64 reference, for packed documents and the shared-prompt layout, GQA, and the
 models of the architecture matrix; how `auto` chooses; the dense fallback's notice.
 
@@ -18,10 +18,10 @@ import torch
 from tests.archs import ARCHS, config_for
 from tests.unit.test_packed_attention import packed_positions
 from tests.unit.test_prompt_sharing import group_batch
-from tidal.trainer.attention import choose, flex, implementation, layout_mask, register
-from tidal.trainer.attention.flex import bucket, flex_packed_attention
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.packing import pack
+from tidal.trainer.model.attention import choose, flex, implementation, layout_mask, register
+from tidal.trainer.model.attention.flex import bucket, flex_packed_attention
+from tidal.trainer.step.logprobs import forward_logprobs
+from tidal.trainer.step.packing import pack
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu on a GPU)")
 
@@ -212,7 +212,7 @@ def test_train_attention_key_reaches_the_model(tmp_path):
     from tests.archs import build
     from tidal.config.load import ConfigError
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import load_policy
+    from tidal.trainer.model.load import load_policy
 
     path = str(build("llama3", tmp_path / "m"))
     for kind, impl in (("auto", "tidal_packed_sdpa"), ("dense", "sdpa"), ("per_sample", "tidal_packed_sdpa")):
@@ -270,8 +270,8 @@ def test_flex_train_step_on_cuda_matches_dense(tmp_path):
     from tests.archs import build
     from tidal.config.train import TrainConfig
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     path = build("qwen3", tmp_path / "m")
     batch = group_batch(np.random.default_rng(0), prompts=4, group=4)

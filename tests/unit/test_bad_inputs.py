@@ -94,7 +94,7 @@ def test_environment_reward_failure_is_contained_too(monkeypatch):
 def test_empty_completions_make_a_valid_batch_that_trains(tmp_path):
     from tidal.assets import resolve_model
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
+    from tidal.trainer.model.load import load_policy
 
     cfg = OrchConfig.model_validate({"batch_size": 4, "rollouts_per_example": 4, "seq_len": 64})
     comps = [Completion([], [], "", "stop"), Completion([5, 6, 7], [-1.0, -0.5, -2.0], "xyz", "stop"),

@@ -55,7 +55,7 @@ def tok_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(tok_dir):
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
 
     return load_tokenizer(str(tok_dir))
 

@@ -1,6 +1,6 @@
 """Data-parallel trainer ranks and mini-batches (issue: scale-out).
 
-- `tidal.trainer.schedule`: optimizer steps of a batch, token-balanced rank assignment, padding slots.
+- `tidal.trainer.step.schedule`: optimizer steps of a batch, token-balanced rank assignment, padding slots.
 - Dynamic batching (`micro_batch_tokens`): micro-batches within a padded-token budget.
 - Real torch.distributed: 2 gloo CPU ranks under `torchrun` (FSDP2, each `zero_level`) train the same step as
   1 rank with the same micro-batches per optimizer step: parameters equal within 1e-5 after several optimizer
@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
 from tidal.assets import resolve_model
-from tidal.trainer.packing import group_rows, pack
-from tidal.trainer.schedule import optimizer_groups, plan
+from tidal.trainer.step.packing import group_rows, pack
+from tidal.trainer.step.schedule import optimizer_groups, plan
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -124,9 +124,9 @@ def test_two_gloo_ranks_fully_fine_tune_like_one_rank(tmp_path):
 def test_accumulation_one_is_an_optimizer_step_per_micro_batch(loss_type):
     """Each optimizer step normalizes its loss over its own micro-batch, per the loss type's definition."""
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
-    from tidal.trainer.loss import LossInputs, LossScale, policy_loss
     from tidal.trainer.policy import build_policy
+    from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
+    from tidal.trainer.step.loss import LossInputs, LossScale, policy_loss
 
     cfg = config(1, 1, 1, loss_type).model_copy(update={"learning_rate": 5e-3})
     batch = fixed_batch()

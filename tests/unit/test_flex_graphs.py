@@ -1,5 +1,5 @@
 """How many graphs `attention: flex` compiles (issue 33, item 2): a bounded number for a whole run, whatever the row
-widths (`tidal.trainer.attention.flex`, module doc).
+widths (`tidal.trainer.model.attention.flex`, module doc).
 
 On CPU the kernel is compiled here with a counting wrapper around dynamo's eager backend (`flex.COMPILE_ON`), which
 guards exactly as the CUDA build does (inductor only compiles the graphs dynamo hands it): 50 micro-batches of
@@ -22,8 +22,8 @@ import torch
 from tests.archs import config_for
 from tests.unit.test_packed_attention import packed_positions
 from tests.unit.test_prompt_sharing import group_batch
-from tidal.trainer.attention import flex, layout_mask, register
-from tidal.trainer.attention.flex import (
+from tidal.trainer.model.attention import flex, layout_mask, register
+from tidal.trainer.model.attention.flex import (
     BLOCK,
     compiled_graphs,
     flex_packed_attention,
@@ -31,7 +31,7 @@ from tidal.trainer.attention.flex import (
     graph_buckets,
     graph_budget,
 )
-from tidal.trainer.packing import pack
+from tidal.trainer.step.packing import pack
 
 
 class _Module(torch.nn.Module):
@@ -263,8 +263,8 @@ def test_train_step_logs_flex_graphs(tmp_path, monkeypatch):
     import tidal.trainer.grpo as grpo
     from tests.archs import build
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     path = build("llama3", tmp_path / "m")
     cfg = TrainConfig(model=str(path), device="cpu", sequence_len=128, per_device_train_batch_size=4)

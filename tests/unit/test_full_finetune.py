@@ -14,9 +14,9 @@ from tidal.assets import resolve_model
 from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.train import TrainCkptSection
-from tidal.trainer.broadcast import checkpoint_keys, policy_weight_specs, policy_weights, publish_adapter
 from tidal.trainer.grpo import train_step
 from tidal.trainer.policy import build_policy, restore, save
+from tidal.trainer.publish.broadcast import checkpoint_keys, policy_weight_specs, policy_weights, publish_adapter
 
 
 def full_config(**update: object) -> TrainConfig:

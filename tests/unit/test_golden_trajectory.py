@@ -173,8 +173,8 @@ def run_trajectory(config: dict[str, Any], paths: list[Path],
     METRICS of every step."""
     from tidal.config.train import TrainConfig
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy, load_tokenizer
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy, load_tokenizer
+    from tidal.trainer.step.optim import make_optimizer
     from tidal.transport.batch import TrainingBatch
 
     cfg = TrainConfig(**config)

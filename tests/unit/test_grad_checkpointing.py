@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tidal.config.train import TrainConfig
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.model import load_policy
+from tidal.trainer.model.load import load_policy
+from tidal.trainer.step.logprobs import forward_logprobs
 
 V = 97
 
@@ -94,7 +94,7 @@ def test_train_step_with_checkpointing_matches(tmp_path):
     from tests.unit.test_train_step import own_batch
     from tidal.assets import resolve_model
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.step.optim import make_optimizer
 
     results = []
     for checkpointing in (False, True):

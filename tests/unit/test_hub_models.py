@@ -203,7 +203,7 @@ def test_vllm_gets_the_snapshot_and_serves_the_id(hub):
 def test_trainer_loads_tokenizer_and_model_from_the_id(hub):
     import torch
 
-    from tidal.trainer.model import load_base_model, load_tokenizer
+    from tidal.trainer.model.load import load_base_model, load_tokenizer
 
     build_cache(hub)
     tok = load_tokenizer(REPO_ID)

@@ -1,4 +1,4 @@
-"""Chunked log-probabilities (tidal.trainer.logprobs): values, entropies and gradients equal a float64
+"""Chunked log-probabilities (tidal.trainer.step.logprobs): values, entropies and gradients equal a float64
 full-logits reference on fresh random inputs (temperature, tied and untied embeddings, a loss mask, a
 LoRA-wrapped lm_head with dropout), and every architecture in LOGIT_TRANSFORMS reproduces the model's own
 logits (soft-capping, scaling). Random-init models from transformers configs; no downloads, no timings."""
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.trainer.logprobs import (
+from tidal.trainer.step.logprobs import (
     LOGIT_TRANSFORMS,
     Head,
     _warn_full_logits,
@@ -223,7 +223,7 @@ def test_unlisted_architecture_takes_the_full_logits_path(caplog):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     ids, pos, _ = packed_inputs(1, [12], torch.Generator().manual_seed(1))
     _warn_full_logits.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="tidal.trainer.logprobs"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="tidal.trainer.step.logprobs"), torch.no_grad():
         lp = forward_logprobs(model, ids, pos, 0.9, chunk_size=4)
         want, _ = reference(model(input_ids=ids, position_ids=pos, use_cache=False).logits, ids, 0.9)
     assert "GPT2LMHeadModel" in caplog.text and "full logits" in caplog.text

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.config.train import LossConfig
-from tidal.trainer.loss import LossInputs, LossScale, policy_loss
+from tidal.trainer.step.loss import LossInputs, LossScale, policy_loss
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -105,7 +105,7 @@ def test_the_per_layer_term_is_what_autograd_saves_on_a_real_qwen3_layer():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tidal.trainer.memory import layer_bytes_per_token
-    from tidal.trainer.model import add_lora
+    from tidal.trainer.model.load import add_lora
 
     shape = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 64, "vocab_size": 300, "tie_word_embeddings": True}
@@ -137,7 +137,7 @@ def test_the_per_layer_term_is_what_autograd_saves_on_a_real_qwen3_layer():
 
 
 def test_selective_checkpointing_and_offload_sit_between_full_checkpointing_and_none():
-    """The activation policy's keys (`tidal.trainer.activations`) change the estimate the split uses: every k-th
+    """The activation policy's keys (`tidal.trainer.model.activations`) change the estimate the split uses: every k-th
     layer checkpointed keeps the others' full set; offload keeps one layer's set on the device."""
     def act(**kw):
         return estimate(QWEN3_0_6B, rows=1, sequence_len=4096, dense_mask=False, **kw).activations

@@ -23,7 +23,7 @@ def test_checkpointing_auto_is_off_on_cpu_and_explicit_values_stand():
 
 
 def test_the_bundled_trainer_loads_without_checkpointing_on_cpu():
-    from tidal.trainer.model import load_policy
+    from tidal.trainer.model.load import load_policy
 
     model, _ = load_policy(TrainConfig(model="tidal:tiny-reverse", device="cpu"))
     assert not model.get_base_model().is_gradient_checkpointing  # type: ignore[operator]

@@ -15,7 +15,7 @@ import torch
 from tidal.assets import bundled
 from tidal.config import ConfigError, TrainConfig
 from tidal.config.load import validate
-from tidal.trainer.model import load_base_model, load_policy, load_tokenizer, resolve_device
+from tidal.trainer.model.load import load_base_model, load_policy, load_tokenizer, resolve_device
 
 TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=128, rope_theta=1e6)

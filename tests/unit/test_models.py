@@ -19,14 +19,14 @@ from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.models.arch import check_cpu_moe_lora, check_trainable, read_arch
 from tidal.models.lora import check_targets, resolve_lora_targets
-from tidal.trainer.broadcast import (
+from tidal.trainer.model.load import load_base_model
+from tidal.trainer.publish.broadcast import (
     checkpoint_keys,
     merged_state_dict,
     policy_weight_specs,
     policy_weights,
     reload_keys,
 )
-from tidal.trainer.model import load_base_model
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 
 from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
-from tidal.trainer.optim import MIN_8BIT_SIZE, make_optimizer
 from tidal.trainer.state import load_state, save_state
+from tidal.trainer.step.optim import MIN_8BIT_SIZE, make_optimizer
 
 STEPS = 200
 LOSS_RTOL = 0.05
@@ -101,8 +101,8 @@ def test_trainer_checkpoint_resumes_adamw_8bit_lora_policy_exactly(tmp_path):
     from tidal.config.train import TrainCkptSection
     from tidal.trainer import distributed as dist
     from tidal.trainer.ckpt import load_trainer, save_trainer
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_scheduler
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_scheduler
 
     cfg = TrainConfig(model=resolve_model("tidal:tiny-reverse"), device="cpu", optimizer="adamw_8bit",
                       learning_rate=1e-2, lora_rank=16, lora_alpha=32)

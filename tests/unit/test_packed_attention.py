@@ -1,5 +1,5 @@
-"""Per-sample attention of packed rows (`tidal.trainer.attention`) and `recipe: bf16` on CPU (bfloat16 autocast,
-`tidal.trainer.precision`): checked against transformers' masked SDPA in float64 on every architecture of the
+"""Per-sample attention of packed rows (`tidal.trainer.model.attention`) and `recipe: bf16` on CPU (bfloat16 autocast,
+`tidal.trainer.model.precision`): checked against transformers' masked SDPA in float64 on every architecture of the
 matrix, and against a hand-written mixed-precision computation."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.archs import ARCHS, config_for
-from tidal.trainer.attention import ATTN_IMPLEMENTATION, register, segments
-from tidal.trainer.logprobs import final_hidden, forward_logprobs, split_head
+from tidal.trainer.model.attention import ATTN_IMPLEMENTATION, register, segments
+from tidal.trainer.step.logprobs import final_hidden, forward_logprobs, split_head
 
 
 def packed_positions(rng: np.random.Generator, rows: int, width: int, pad: bool) -> torch.Tensor:
@@ -121,7 +121,7 @@ def test_padding_mask_takes_the_masked_path():
 def _bf16_policy(tmp_path):
     from tidal.assets import resolve_model
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import load_policy
+    from tidal.trainer.model.load import load_policy
 
     models = {}
     for recipe in ("fp32", "bf16"):
@@ -140,7 +140,7 @@ def test_recipe_bf16_on_cpu_autocasts_the_body_not_the_head(tmp_path):
     float32 by bf16 rounding, not more), the lm_head in float32 (the logprobs equal a hand-written computation
     with a float32 head on the autocast body), and the chunked backward's gradients equal autograd's through that
     hand-written computation (to bf16 rounding)."""
-    from tidal.trainer.precision import AUTOCAST_ATTR
+    from tidal.trainer.model.precision import AUTOCAST_ATTR
 
     models = _bf16_policy(tmp_path)
     m = models["bf16"]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.packing import assign_rows, pack, packing_efficiency
+from tidal.trainer.step.logprobs import forward_logprobs
+from tidal.trainer.step.packing import assign_rows, pack, packing_efficiency
 from tidal.transport.batch import TrainingBatch
 
 

@@ -1,4 +1,4 @@
-"""train `recipe` (tidal.trainer.precision): `fp8-hybrid` runs the base linears through float8 casts — emulated on
+"""train `recipe` (tidal.trainer.model.precision): `fp8-hybrid` runs the base linears through float8 casts — emulated on
 this CPU — and a linear layer's output and input gradient equal float64 references computed from e4m3 / e5m2
 quantized operands with per-tensor scales; LoRA factors stay high precision and get gradients; the bundled model
 trains a GRPO step under it. `nvfp4` and `qlora_fp4` are refused with exit 2 naming the key and the hardware."""
@@ -16,7 +16,7 @@ import torch
 from tidal.assets import resolve_model
 from tidal.config import ConfigError, load_config
 from tidal.config.train import TrainConfig
-from tidal.trainer.precision import apply_recipe, fp8_linear_class
+from tidal.trainer.model.precision import apply_recipe, fp8_linear_class
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CPU = torch.device("cpu")
@@ -138,8 +138,8 @@ def test_bundled_model_trains_a_grpo_step_under_fp8_hybrid():
     shows as a small, non-zero mismatch; the adapters move."""
     from tests.unit.test_train_step import own_batch
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     model_dir = resolve_model("tidal:tiny-reverse")
     ref, _ = load_policy(TrainConfig(model=model_dir, device="cpu", recipe="fp32"))

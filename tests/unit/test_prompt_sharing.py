@@ -1,4 +1,5 @@
-"""Shared prompts (train `prompt_sharing`; `tidal.trainer.packing`, `tidal.trainer.attention`): each prompt's tokens
+"""Shared prompts (train `prompt_sharing`; `tidal.trainer.step.packing`, `tidal.trainer.model.attention`): each
+prompt's tokens
 are packed once, every sample's tokens keep their data and positions, and logprobs and gradients equal packing
 every sample whole (float64, every architecture of the matrix; tidal's per-sample attention and SDPA with the 4D
 mask), with far fewer tokens processed."""
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from tests.archs import ARCHS, config_for
-from tidal.trainer.attention import ATTN_IMPLEMENTATION, layout, layout_mask, prompt_sharing_blocker, register
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.packing import MicroBatch, pack, shared_tokens
+from tidal.trainer.model.attention import ATTN_IMPLEMENTATION, layout, layout_mask, prompt_sharing_blocker, register
+from tidal.trainer.step.logprobs import forward_logprobs
+from tidal.trainer.step.packing import MicroBatch, pack, shared_tokens
 from tidal.transport.batch import TrainingBatch
 
 
@@ -193,8 +194,8 @@ def test_train_step_shares_prompts_with_the_same_result(tmp_path):
     from tests.archs import build
     from tidal.config.train import TrainConfig
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     path = build("llama3", tmp_path / "m")
     rng = np.random.default_rng()

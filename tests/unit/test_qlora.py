@@ -1,4 +1,4 @@
-"""QLoRA bases (train `qlora_bnb` NF4, `qlora_fp8` FP8; tidal.trainer.quant): the base's linear layers are stored
+"""QLoRA bases (train `qlora_bnb` NF4, `qlora_fp8` FP8; tidal.trainer.model.quant): the base's linear layers are stored
 quantized (bytes per parameter measured), LoRA trains on top, and what the trainer publishes — policy 0 and the
 merged weights of later policies — is exactly the policy it scores: a plain model built from the published
 weights gives the trainer's logits. Merged weights are checked against a float64 dequant + B A reference. Random-
@@ -13,10 +13,10 @@ import torch
 from pydantic import ValidationError
 
 from tidal.config.train import TrainConfig
-from tidal.trainer.broadcast import checkpoint_keys, lora_layers, merged_state_dict
 from tidal.trainer.memory import estimate
-from tidal.trainer.model import load_policy
-from tidal.trainer.quant import base_report, dense_weight, quantized_linears
+from tidal.trainer.model.load import load_policy
+from tidal.trainer.model.quant import base_report, dense_weight, quantized_linears
+from tidal.trainer.publish.broadcast import checkpoint_keys, lora_layers, merged_state_dict
 from tidal.transport import weights
 
 V = 211
@@ -180,8 +180,8 @@ def test_qlora_with_recipe_bf16_on_cpu_is_the_float32_policy_to_bf16_rounding(tm
     adapters' gradients within a few percent in norm."""
     import numpy as np
 
-    from tidal.trainer.logprobs import forward_logprobs
-    from tidal.trainer.precision import AUTOCAST_ATTR
+    from tidal.trainer.model.precision import AUTOCAST_ATTR
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     model_dir = save_tiny("llama", tmp_path / "base")
     models = {}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.trainer.packing import pack
 from tidal.trainer.sft import sft_loss
+from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 
 

@@ -12,8 +12,8 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.paths import STABLE
-from tidal.trainer.packing import pack
 from tidal.trainer.sft import check_save_to, save, sft_loss
+from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 
 

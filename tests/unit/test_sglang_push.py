@@ -1,4 +1,4 @@
-"""Train `weight_broadcast.backend: sglang` picks the SGLang pusher (tidal.trainer.weight_push_sglang), which needs
+"""Train `weight_broadcast.backend: sglang` picks the SGLang pusher (tidal.trainer.publish.push_sglang), which needs
 a CUDA trainer; the push itself runs in tests/e2e/test_sglang_gpu.py on a GPU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from tidal.config.train import TrainConfig
 from tidal.trainer.grpo import make_pusher
-from tidal.trainer.weight_push import WeightPusher
+from tidal.trainer.publish.push_vllm import WeightPusher
 
 
 def config(backend: str) -> TrainConfig:
@@ -25,7 +25,7 @@ def test_make_pusher_picks_the_backend_and_sglang_refuses_a_cpu_trainer():
 
 
 def test_group_ranks_follow_each_servers_tp_size():
-    from tidal.trainer.weight_push_sglang import rank_offsets
+    from tidal.trainer.publish.push_sglang import rank_offsets
 
     assert rank_offsets([1]) == ([1], 2)
     assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8), "server i's workers sit after the previous servers' workers"
@@ -33,9 +33,9 @@ def test_group_ranks_follow_each_servers_tp_size():
 
 def test_the_update_request_announces_what_is_broadcast_in_sglangs_fields():
     from tidal.assets import resolve_model
-    from tidal.trainer.broadcast import policy_weight_specs, policy_weights
-    from tidal.trainer.model import load_base_model
-    from tidal.trainer.weight_push_sglang import update_request
+    from tidal.trainer.model.load import load_base_model
+    from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
+    from tidal.trainer.publish.push_sglang import update_request
 
     model = load_base_model(resolve_model("tidal:tiny-reverse"), torch.device("cpu"), torch.bfloat16)
     body = update_request(policy_weight_specs(model), 5)

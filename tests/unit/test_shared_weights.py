@@ -79,7 +79,7 @@ def test_views_of_vllm_tensors_are_the_hf_weights(layouts, name):
 def test_trainer_base_built_from_vllm_tensors_gives_the_same_logprobs(layouts, name):
     """The trainer's model with views of vLLM's tensors (norms from disk, buffers by transformers) computes the
     logits of the normally loaded model; the shared parameters are vLLM's memory (no copy) and frozen."""
-    from tidal.trainer.shared_base import build_from_tensors, check_against_checkpoint
+    from tidal.trainer.model.shared_base import build_from_tensors, check_against_checkpoint
 
     model_dir = layouts / name
     vllm = load_file(str(model_dir / "vllm.safetensors"))
@@ -110,7 +110,7 @@ def test_a_layout_vllm_changed_is_caught(layouts, name, fused, culprit):
     experts' up before gate) build a model of the right shapes; the check against the checkpoint names it."""
     from transformers import AutoModelForCausalLM
 
-    from tidal.trainer.shared_base import build_from_tensors, check_against_checkpoint
+    from tidal.trainer.model.shared_base import build_from_tensors, check_against_checkpoint
 
     model_dir = layouts / name
     vllm = load_file(str(model_dir / "vllm.safetensors"))
@@ -127,7 +127,7 @@ def test_a_layout_vllm_changed_is_caught(layouts, name, fused, culprit):
 def test_vllm_tensors_of_another_dtype_are_refused(layouts):
     from transformers import AutoModelForCausalLM
 
-    from tidal.trainer.shared_base import build_from_tensors
+    from tidal.trainer.model.shared_base import build_from_tensors
 
     model_dir = layouts / "llama3"
     vllm = {n: t.to(torch.bfloat16) for n, t in load_file(str(model_dir / "vllm.safetensors")).items()}
@@ -340,7 +340,7 @@ def test_grpo_infer_refuses_export_on_cpu(tmp_path):
 
 
 def test_trainer_refuses_sharing_without_a_server_or_gpu():
-    from tidal.trainer.shared_base import load_shared_base
+    from tidal.trainer.model.shared_base import load_shared_base
 
     with pytest.raises(ConfigError, match="base_weights_url is unset"):
         load_shared_base(TrainConfig(model="tidal:tiny-reverse", share_base_weights=True), torch.device("cpu"),

@@ -2,7 +2,7 @@
 
 - CUDA IPC handles as JSON open another process's tensors without a copy (`tidal.inference.backends.vllm.ipc`);
 - a real vLLM server with infer `export_base_weights` hands its tensors to the trainer, whose base built from
-  them (`tidal.trainer.shared_base`) gives the logprobs of the trainer's own loaded copy (bf16: exactly the same
+  them (`tidal.trainer.model.shared_base`) gives the logprobs of the trainer's own loaded copy (bf16: exactly the same
   weights, so to bf16 matmul noise) and agrees with vLLM's sampling logprobs as the non-shared trainer does
   (mismatch KL of both within 1e-3 of each other); the trainer's GPU memory grows by far less than the weights.
 
@@ -85,7 +85,7 @@ def served(tmp_path_factory) -> Iterator[tuple[Path, str]]:
 def test_trainer_on_vllms_weights_matches_its_own_copy_and_vllm(served):
     from tests.integration.test_arch_matrix import Served, agreement
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model import load_policy
+    from tidal.trainer.model.load import load_policy
 
     model_dir, url = served
     own, device = load_policy(TrainConfig(model=str(model_dir), device="cuda:0", share_base_weights=False))
@@ -100,7 +100,7 @@ def test_trainer_on_vllms_weights_matches_its_own_copy_and_vllm(served):
     assert frozen and not any(p.requires_grad for p in frozen)
     ids = torch.randint(0, 128, (1, 64), device=device, generator=torch.Generator(device).manual_seed(0))
     pos = torch.arange(64, device=device)[None]
-    from tidal.trainer.logprobs import forward_logprobs
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     with torch.no_grad():
         a = forward_logprobs(own.eval(), ids, pos, 1.0).double()

@@ -8,7 +8,7 @@ import pytest
 from tidal.config.train import TrainConfig
 from tidal.envs import make_env
 from tidal.envs.reverse_text import extract_answer, similarity
-from tidal.trainer.optim import lr_factor
+from tidal.trainer.step.optim import lr_factor
 from tidal.transport.batch import BatchFormatError, TrainingBatch
 from tidal.transport.filesystem import BatchReader, BatchWriter
 

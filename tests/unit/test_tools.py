@@ -207,7 +207,7 @@ def test_tool_suffix_is_what_the_template_renders_after_the_turn(tmp_path, strip
     follow (a reasoning template dropping `<think>` blocks: prefix comparison would fail there)."""
     from tests.e2e.tool_env import THINK_STRIPPING_TEMPLATE, TOOL_TEMPLATE, reverse, tool_model
     from tidal.orchestrator.toolloop import assistant_message, tool_suffix
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
 
     tok = load_tokenizer(str(tool_model(tmp_path / "m", THINK_STRIPPING_TEMPLATE if stripping else TOOL_TEMPLATE)))
     tools = Tooling([reverse]).schemas

@@ -10,9 +10,9 @@ import torch
 from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.trainer.grpo import train_step
-from tidal.trainer.logprobs import forward_logprobs
-from tidal.trainer.model import load_policy
-from tidal.trainer.optim import make_optimizer
+from tidal.trainer.model.load import load_policy
+from tidal.trainer.step.logprobs import forward_logprobs
+from tidal.trainer.step.optim import make_optimizer
 from tidal.transport.batch import TrainingBatch
 
 
@@ -62,7 +62,7 @@ def test_merged_broadcast_equals_peft_merge(tmp_path):
     checkpoint's tensor names, and the training model is left as it was."""
     from safetensors.torch import load_file
 
-    from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
+    from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
 
     path = resolve_model("tidal:tiny-reverse")
     cfg = TrainConfig(model=path, learning_rate=1e-2, per_device_train_batch_size=2, sequence_len=40)

@@ -33,10 +33,10 @@ from tidal.envs.images import (
 )
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
-from tidal.trainer.logprobs import forward_logprobs, token_logprobs
-from tidal.trainer.model import load_base_model, load_policy
-from tidal.trainer.packing import pack
-from tidal.trainer.vision import NotAVisionModel, attach_images, embed, image_processor
+from tidal.trainer.model.load import load_base_model, load_policy
+from tidal.trainer.model.vision import NotAVisionModel, attach_images, embed, image_processor
+from tidal.trainer.step.logprobs import forward_logprobs, token_logprobs
+from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 
 
@@ -340,7 +340,7 @@ def test_teacher_logprobs_of_image_prompts_are_refused():
 
 
 def test_sft_of_image_prompts_is_refused():
-    from tidal.trainer.model import load_tokenizer
+    from tidal.trainer.model.load import load_tokenizer
     from tidal.trainer.sft import make_sft_batch
 
     with pytest.raises(ValueError, match="environment 'sq' has images"):

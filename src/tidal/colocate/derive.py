@@ -371,7 +371,7 @@ GpuSplitFn = Callable[[TrainConfig, InferConfig, OrchConfig, float], tuple[dict[
 
 def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
     """One precision for the run: infer `dtype: auto` becomes the trainer's weight dtype (bfloat16 on a GPU unless
-    train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.resolve_dtype`), so vLLM samples the policy the
+    train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.load.resolve_dtype`), so vLLM samples the policy the
     trainer scores. An explicit dtype is kept, with a notice when it differs from the trainer's (measured on an
     H100: a float32 vLLM beside a bf16 trainer gave mismatch_kl 2e-3 to 9e-3 per step, against <= 1e-3 wanted);
     float32 with LoRA on a GPU is refused (`check_lora_dtype`). Returns (infer, notice or None)."""

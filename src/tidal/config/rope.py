@@ -4,7 +4,7 @@ Since transformers 5 a config's `rope_parameters` holds `rope_theta` next to the
 dict with the user's (what vLLM's `--hf-overrides {"rope_scaling": ...}` does) silently resets `rope_theta`.
 Both the trainer and the inference server therefore merge: keys the user does not give keep the model's
 values. The legacy `type` key is read as `rope_type`; a model with one dict per layer type (e.g. Gemma 3) takes
-`{layer_type: {...}}`. Pure dict logic (torch-free), shared by `tidal.trainer.model` and
+`{layer_type: {...}}`. Pure dict logic (torch-free), shared by `tidal.trainer.model.load` and
 `tidal.inference.backends.vllm.server`.
 """
 

@@ -4,9 +4,9 @@ Precision (`recipe`): `auto` (the default) is bfloat16 on GPU and float32 on CPU
 model in float32 too, so trainer and inference logprobs agree to ~1e-6). `bf16` on CPU keeps float32 weights and
 multiplies in bfloat16 (autocast; the fast CPU mode on CPUs with AVX512-BF16).
 `fp8-hybrid` keeps those weights and runs the base model's linear matmuls in FP8 (real FP8 GEMMs on SM89+ GPUs,
-an emulation with the same casts and scales elsewhere, CPU included; `tidal.trainer.precision`). `nvfp4` and
+an emulation with the same casts and scales elsewhere, CPU included; `tidal.trainer.model.precision`). `nvfp4` and
 `qlora_fp4` need Blackwell FP4 matmuls and are refused. QLoRA bases (`qlora_bnb` NF4, `qlora_fp8` FP8) are
-`tidal.trainer.quant`.
+`tidal.trainer.model.quant`.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ QERL_KEYS = ("sigma_start", "sigma_end", "num_stages")
 
 
 class NoiseSchedulerConfig(StrictModel):
-    """QeRL noisy RMSNorm weights in the inference model during rollouts (`tidal.trainer.noise`); the trainer
+    """QeRL noisy RMSNorm weights in the inference model during rollouts (`tidal.trainer.model.noise`); the trainer
     keeps the clean weights. The noise reaches vLLM inside the merged weights of each policy (merged reloads:
     `tidal grpo` on CPU, or orch `weight_broadcast.reload: merged`) or with the NCCL push (`weight_broadcast.type:
     nccl`: every RMSNorm weight pushed beside the merged LoRA weights); the LoRA-adapter path cannot carry it."""
@@ -216,7 +216,7 @@ class TrainWeightBroadcast(StrictModel):
     """(nccl) Environment variable holding the servers' API key (orch `client.api_key_var`)."""
     backend: Literal["vllm", "sglang"] = "vllm"
     """(nccl) The servers' engine (infer `backend`; `tidal grpo` copies it): vLLM's weight-transfer routes, or
-    SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` (`tidal.trainer.weight_push_sglang`)."""
+    SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` (`tidal.trainer.publish.push_sglang`)."""
 
 
 class TrainCkptSection(StrictModel):
@@ -321,7 +321,7 @@ class TrainConfig(StrictModel):
     GPU on exactly when the trainer's share of the GPU (what vLLM's need leaves) would not hold it without
     (`tidal.colocate.split`); elsewhere on CUDA on when the estimate without it exceeds the GPU's free memory."""
     attention: Literal["auto", "flex", "per_sample", "dense"] = "auto"
-    """Attention kernel for packed rows (`tidal.trainer.attention`; all compute the same masked attention, by
+    """Attention kernel for packed rows (`tidal.trainer.model.attention`; all compute the same masked attention, by
     test). `auto`: `flex` on CUDA, `per_sample` on CPU (and for vision-language models). `flex`: torch's
     flex_attention with a block mask of the packed layout (shared prompts included), compiled at most twice (with
     and without autograd) per size bucket of rows x width (`flex.graph_budget`: 48 graphs up to 16k tokens per
@@ -330,7 +330,7 @@ class TrainConfig(StrictModel):
     `dense`: SDPA with the (T, T) mask, every score computed (the slow reference; a notice says so)."""
     checkpoint_every: int = Field(1, ge=1)
     """(gradient_checkpointing) Checkpoint every k-th decoder layer only (layers 0, k, 2k, ...); the others keep
-    their activations: less recompute for more memory. 1: every layer (`tidal.trainer.activations`)."""
+    their activations: less recompute for more memory. 1: every layer (`tidal.trainer.model.activations`)."""
     checkpoint_scope: Literal["layer", "mlp"] = "layer"
     """(gradient_checkpointing) What a checkpointed layer recomputes in the backward: `layer`, the whole decoder
     layer (only its input is kept); `mlp`, only its MLP block (the attention's activations are kept, the MLP's

@@ -21,7 +21,7 @@ def check_lora_dtype(infer: InferConfig, on_gpu: bool) -> None:
 
 
 def trainer_dtype(recipe: str, device: str) -> str:
-    """The dtype of the trainer's weights for train `recipe` on `device` (`tidal.trainer.model.resolve_dtype`):
+    """The dtype of the trainer's weights for train `recipe` on `device` (`tidal.trainer.model.load.resolve_dtype`):
     float32 on CPU or with `recipe: fp32`, else bfloat16. Infer `dtype: auto` resolves to it (in `tidal grpo-infer`
     alone, for the default `recipe: auto`), never to vLLM's own `auto`, which serves a float32 model in 16 bits."""
     return "float32" if device == "cpu" or recipe == "fp32" else "bfloat16"

@@ -61,7 +61,7 @@ def meta_model(model_dir: str, trust_remote_code: bool = False) -> tuple[Any, st
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    # a vision-language model is built as the trainer builds it (`tidal.trainer.model.auto_model_class`)
+    # a vision-language model is built as the trainer builds it (`tidal.trainer.model.load.auto_model_class`)
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config, trust_remote_code=trust_remote_code)

@@ -58,7 +58,7 @@ def checkpoint_tensors(model: Any, named: Iterable[tuple[str, Any]]) -> Iterator
 def base_weights(model: Any, dense: Callable[[Any], Any] | None = None) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) of every parameter and buffer of `model`, PEFT's LoRA factors excepted,
     detached (the base weights of the LoRA-adapted modules unmerged); `dense` turns a parameter into its dense
-    tensor (a quantized QLoRA weight dequantized, `tidal.trainer.quant.dense_weight`)."""
+    tensor (a quantized QLoRA weight dequantized, `tidal.trainer.model.quant.dense_weight`)."""
     base = unwrap(model)
     as_tensor = dense or (lambda p: p.detach())
     named = [(n, as_tensor(p)) for n, p in base.named_parameters() if ".lora_" not in n]

@@ -1,7 +1,7 @@
 """Zero-copy base weights: which of the trainer's (Hugging Face) parameters are views of vLLM's tensors.
 
 In `tidal grpo` on one GPU, vLLM loads the base model and the trainer builds its frozen base from CUDA IPC
-handles of vLLM's own parameters (`tidal.inference.backends.vllm.worker_ext`, `tidal.trainer.shared_base`), so the
+handles of vLLM's own parameters (`tidal.inference.backends.vllm.worker_ext`, `tidal.trainer.model.shared_base`), so the
 weights
 are on the GPU once. vLLM fuses some projections: `qkv_proj = cat(q_proj, k_proj, v_proj)` and
 `gate_up_proj = cat(gate_proj, up_proj)` along dim 0 (the output features; `stacked_params_mapping` in each

@@ -124,7 +124,7 @@ def run(cfg: TinkerServeConfig) -> int:
     from tidal.tinker.sampler import Sampler
     from tidal.tinker.service import TinkerService
     from tidal.tinker.trainer import TrainerHost
-    from tidal.trainer.model import resolve_device
+    from tidal.trainer.model.load import resolve_device
 
     start_reaper()  # vLLM's processes die with this one, however it dies
     infer = infer_config(cfg, vllm_port)

@@ -1,6 +1,6 @@
 """The training side of tidal's Tinker server: one base model, one PEFT LoRA adapter per Tinker training client.
 
-The base model is loaded once (`tidal.trainer.model.load_base_model`: float32 on CPU, bfloat16 on a GPU, tidal's
+The base model is loaded once (`tidal.trainer.model.load.load_base_model`: float32 on CPU, bfloat16 on a GPU, tidal's
 attention) and every `create_model` adds a named adapter to it (PEFT's multi-adapter model); an operation first
 makes its adapter the active one, so each training client has its own LoRA weights, gradients and AdamW state.
 Everything here runs on one thread (`tidal.tinker.service` queues the operations), in the order the SDK sent
@@ -13,7 +13,7 @@ them.
   the sampler cannot serve, is refused (`TrainerError`).
 - `forward_backward` / `forward`: the datums of a request are packed into rows of at most `micro_batch_tokens`
   tokens (restarting position ids; tidal's attention keeps the sequences apart), the final hidden states go
-  through `tidal.trainer.logprobs.chunked_logprobs` (the lm_head a chunk at a time, float32), giving each datum's
+  through `tidal.trainer.step.logprobs.chunked_logprobs` (the lm_head a chunk at a time, float32), giving each datum's
   logprobs of its `target_tokens` ((N,) or (N, K): K candidates per position), then `tidal.tinker.losses`.
   Gradients accumulate over requests until `optim_step`, as Tinker's do.
 - `optim_step`: torch AdamW (decoupled weight decay) with the request's `AdamParams` (learning rate, betas, eps,
@@ -162,7 +162,7 @@ class TrainerHost:
 
     def __init__(self, model_path: str, device: torch.device, *, micro_batch_tokens: int = 8192,
                  unembed_ok: bool = True) -> None:
-        from tidal.trainer.model import load_base_model, resolve_dtype
+        from tidal.trainer.model.load import load_base_model, resolve_dtype
 
         self.model_path = model_path
         self.device = device
@@ -254,7 +254,7 @@ class TrainerHost:
 
     def _row_logprobs(self, data: list[Datum]) -> list[torch.Tensor]:
         """The target logprobs ((N,) or (N, K)) of each datum of one packed row."""
-        from tidal.trainer.logprobs import chunked_logprobs, final_hidden, split_head
+        from tidal.trainer.step.logprobs import chunked_logprobs, final_hidden, split_head
 
         ids = torch.tensor([t for d in data for t in d.tokens], device=self.device)[None]  # (1, T)
         pos = torch.cat([torch.arange(len(d.tokens), device=self.device) for d in data])[None]  # (1, T)

@@ -53,7 +53,7 @@ def save_trainer(run_dir: Path, step: int, model: Any, optimizer: dict[str, Any]
     """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval). `model`: the
     (unsharded) policy; `optimizer`: its name-keyed state (`distributed.optimizer_state`); `rank_rngs`: every
     rank's torch RNG state (`distributed.rng_states`)."""
-    from tidal.trainer.broadcast import is_peft
+    from tidal.trainer.publish.broadcast import is_peft
 
     def fill(tmp: Path) -> None:
         # the adapter (LoRA), or every weight (full fine-tuning: a Hugging Face model directory)
@@ -107,7 +107,7 @@ def load_trainer(run_dir: Path, step: int, model: Any,
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from tidal.trainer.broadcast import is_peft
+    from tidal.trainer.publish.broadcast import is_peft
 
     d = ckpt_dir(run_dir, COMPONENT, step)
     state = load_state(d, "trainer_state")
@@ -141,7 +141,7 @@ def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] 
                    noise: tuple[float, int] | None = None) -> None:
     """After resuming at `step`: drop later broadcasts, publish broadcast `step` again, cut metrics.jsonl."""
     from tidal.monitor.metrics import truncate_metrics
-    from tidal.trainer.broadcast import publish_adapter
+    from tidal.trainer.publish.broadcast import publish_adapter
 
     weights.drop_after(run_dir, step)
     if step > 0:

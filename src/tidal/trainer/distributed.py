@@ -8,7 +8,7 @@ nodes: docs/scale-out.md) the process is a rank directly. NCCL on GPUs (rank r o
 CPU-only machines, so CI runs the real thing with CPU ranks.
 
 Roles. Every rank holds a shard of the policy (FSDP2 `fully_shard` on each decoder layer and on the root) and of
-the optimizer state, and runs its share of each step's micro-batches (`tidal.trainer.schedule`). Rank 0 alone
+the optimizer state, and runs its share of each step's micro-batches (`tidal.trainer.step.schedule`). Rank 0 alone
 talks to the outside: it reads each batch and broadcasts it to the others in the batch's own pickle-free wire
 format (`broadcast_batch`), and it writes metrics, publishes policies, pushes weights and writes checkpoints and
 exports. For that it keeps a plain, unsharded copy of the policy on CPU, the *view*, refreshed from the gathered

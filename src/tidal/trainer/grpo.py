@@ -2,7 +2,7 @@
 
 For step n = 1, 2, ...: wait for `rollouts/step_n` -> pack into micro-batches -> cut them into optimizer steps
 (`gradient_accumulation_steps` per rank, or `steps_per_generation`) spread over the trainer ranks
-(`tidal.trainer.schedule`) -> per micro-batch: forward (logprobs at the rollouts' temperature), GRPO loss,
+(`tidal.trainer.step.schedule`) -> per micro-batch: forward (logprobs at the rollouts' temperature), GRPO loss,
 backward; per optimizer step: clip, AdamW step at its point of the LR schedule -> (`weight_broadcast.type:
 nccl`: push policy n into the vLLM servers) -> publish `broadcasts/step_n` -> append the step's metrics (the
 orchestrator's, carried in the batch, plus the trainer's, reduced over the ranks) to `metrics.jsonl`. Stops at
@@ -26,9 +26,6 @@ from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
-from tidal.trainer.attention import prompt_sharing_blocker, uses_flex
-from tidal.trainer.attention.flex import compiled_graphs
-from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
 from tidal.trainer.distributed import (
     SINGLE,
     Ranks,
@@ -39,17 +36,20 @@ from tidal.trainer.distributed import (
     reshard,
     set_gradient_sync,
 )
-from tidal.trainer.health import MismatchGuard
-from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
-from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
-from tidal.trainer.noise import qerl_sigma
-from tidal.trainer.packing import MicroBatch, pack, packing_efficiency, shared_tokens
+from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
+from tidal.trainer.model.attention.flex import compiled_graphs
+from tidal.trainer.model.noise import qerl_sigma
+from tidal.trainer.model.quant import qlora_kind
+from tidal.trainer.model.vision import attach_images
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
-from tidal.trainer.quant import qlora_kind
-from tidal.trainer.schedule import OptimizerStep, plan
-from tidal.trainer.vision import attach_images
+from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
+from tidal.trainer.step.health import MismatchGuard
+from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
+from tidal.trainer.step.loss import LossInputs, LossScale, LossSums, policy_loss
+from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
+from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.filesystem import BatchReader
@@ -107,7 +107,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None,
                reference: torch.nn.Module | None = None) -> dict[str, Any]:
     """One training step on `batch`: its micro-batches cut into optimizer steps (`gradient_accumulation_steps` /
-    `steps_per_generation`, spread over the ranks: `tidal.trainer.schedule`), `loss.num_iterations` times;
+    `steps_per_generation`, spread over the ranks: `tidal.trainer.step.schedule`), `loss.num_iterations` times;
     with `sched`, each optimizer step takes its own point of the LR schedule. Returns the trainer's metrics,
     reduced over the ranks."""
     lc = cfg.loss
@@ -154,7 +154,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                 loss, s = policy_loss(inputs, lc, scales[g])
                 set_gradient_sync(model, cfg.zero_level, j == len(slots) - 1)
                 (loss if counted else loss * 0.0).backward()
-                if not counted:  # a padding slot (see tidal.trainer.schedule): same keys, nothing counted
+                if not counted:  # a padding slot (see tidal.trainer.step.schedule): same keys, nothing counted
                     sums += dict.fromkeys(s, 0.0)
                     continue
                 sums += s
@@ -167,7 +167,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             opt.zero_grad(set_to_none=True)
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
-    if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: tidal.trainer.attention.flex
+    if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
         out["flex_graphs"] = compiled_graphs()
     return out
 
@@ -248,8 +248,8 @@ def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
     wb = cfg.weight_broadcast
     if wb.type != "nccl":
         return None
-    from tidal.trainer.noise import noisy_norms
-    from tidal.trainer.weight_push import WeightPusher
+    from tidal.trainer.model.noise import noisy_norms
+    from tidal.trainer.publish.push_vllm import WeightPusher
 
     def norms(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
         sigma, seed = qerl_noise(cfg, step) or (0.0, cfg.seed)
@@ -257,7 +257,7 @@ def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
 
     extra = norms if cfg.noise_scheduler.enabled else None
     if wb.backend == "sglang":
-        from tidal.trainer.weight_push_sglang import SglangWeightPusher
+        from tidal.trainer.publish.push_sglang import SglangWeightPusher
 
         return SglangWeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device,
                                   extra)
@@ -371,7 +371,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
 
 def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: int) -> None:
     """After the last step: a final checkpoint, the exports (`export.*`) and the run report (rank 0)."""
-    from tidal.trainer.export import export_final
+    from tidal.trainer.publish.export import export_final
 
     if cfg.ckpt.interval and step > resumed_from and step % cfg.ckpt.interval:
         save(p, run_dir, step, cfg)  # the last step too: a longer run resumes
@@ -405,7 +405,7 @@ def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Polic
 
 
 def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
-    """(sigma, seed) of policy `step`'s QeRL noise, None without noise (`tidal.trainer.noise`)."""
+    """(sigma, seed) of policy `step`'s QeRL noise, None without noise (`tidal.trainer.model.noise`)."""
     sigma = qerl_sigma(step, cfg.max_steps, cfg.noise_scheduler)
     return (sigma, cfg.seed) if sigma > 0 else None
 
@@ -422,7 +422,7 @@ def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatch) -> bool:
-    """Whether this step packs each prompt once (train `prompt_sharing`; `tidal.trainer.packing`)."""
+    """Whether this step packs each prompt once (train `prompt_sharing`; `tidal.trainer.step.packing`)."""
     return (cfg.prompt_sharing is not False and not batch.has_images
             and prompt_sharing_blocker(model.config, cfg.sequence_len) is None)
 

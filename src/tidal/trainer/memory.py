@@ -156,7 +156,7 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
     doc); `lora_rank` None: full fine-tuning (every parameter trained); `base`: `nf4` / `fp8` for a QLoRA base;
     `optimizer_8bit`: AdamW moments in 8 bits; `dense_mask`: attention gets a (rows, 1, T, T) mask (the CUDA
     trainer's SDPA on packed rows today), which SDPA keeps per layer as a bias in the training dtype.
-    `checkpoint_every` / `checkpoint_scope` / `offload_activations` (`tidal.trainer.activations`): only every k-th
+    `checkpoint_every` / `checkpoint_scope` / `offload_activations` (`tidal.trainer.model.activations`): only every k-th
     layer checkpointed, the others keeping their full set; `mlp` scope counted as not checkpointed (an upper
     bound: it keeps the attention's part); offloaded layers keep nothing on the device but the one in flight."""
     cfg = _text_config(model_config)
@@ -351,8 +351,8 @@ def calibrate(train: Any) -> dict[str, float]:
 
     from tidal.assets import resolve_model
     from tidal.trainer.grpo import train_step
-    from tidal.trainer.model import load_policy
-    from tidal.trainer.optim import make_optimizer
+    from tidal.trainer.model.load import load_policy
+    from tidal.trainer.step.optim import make_optimizer
 
     model, device = load_policy(train)
     opt = make_optimizer(model, train)

@@ -21,8 +21,8 @@ import torch
 from tidal.config.train import TrainConfig
 from tidal.trainer import distributed as dist
 from tidal.trainer.distributed import Ranks
-from tidal.trainer.model import load_policy, load_tokenizer
-from tidal.trainer.optim import make_optimizer, make_scheduler
+from tidal.trainer.model.load import load_policy, load_tokenizer
+from tidal.trainer.step.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger("tidal.trainer")
 

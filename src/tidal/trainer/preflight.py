@@ -41,8 +41,8 @@ def check_prompt_sharing(cfg: TrainConfig) -> None:
     """`prompt_sharing: true` with a model it cannot apply to is a config error (exit 2)."""
     if cfg.prompt_sharing is not True:
         return
-    from tidal.trainer.attention import prompt_sharing_blocker
-    from tidal.trainer.model import load_model_config
+    from tidal.trainer.model.attention import prompt_sharing_blocker
+    from tidal.trainer.model.load import load_model_config
 
     why = prompt_sharing_blocker(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling),
                                  cfg.sequence_len)
@@ -52,12 +52,12 @@ def check_prompt_sharing(cfg: TrainConfig) -> None:
 
 
 def check_model_build(cfg: TrainConfig, config: dict) -> None:
-    """How the trainer builds the model (`tidal.trainer.model`): train `rope_scaling` must be valid for it, and a
+    """How the trainer builds the model (`tidal.trainer.model.load`): train `rope_scaling` must be valid for it, and a
     vision-language model must be one whose image inputs the trainer builds. Loads the transformers config (and
     torch) only when one of them applies."""
     if not cfg.rope_scaling and "vision_config" not in config:
         return
-    from tidal.trainer.model import auto_model_class, load_model_config
+    from tidal.trainer.model.load import auto_model_class, load_model_config
 
     auto_model_class(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling), cfg.model)
 

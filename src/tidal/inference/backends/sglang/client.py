@@ -20,7 +20,7 @@ Request and response shapes are SGLang 0.5.16's (read from its wheel: `sglang/sr
 - teacher logprobs: `/generate` with `logprob_start_len: 0`, `max_new_tokens: 1`; `meta_info.input_token_logprobs`.
 - weights: LoRA adapters with `/load_lora_adapter` {`lora_name`, `lora_path`} and `/unload_lora_adapter`
   {`lora_name`}, then `lora_path: <name>` per `/generate` request; merged weights with `/update_weights_from_disk`
-  {`model_path`, `flush_cache`}; the version pushed over NCCL (`tidal.trainer.weight_push_sglang`) from
+  {`model_path`, `flush_cache`}; the version pushed over NCCL (`tidal.trainer.publish.push_sglang`) from
   `/model_info`'s `weight_version`.
 
 The connection pool, readiness probes (`/v1/models`, `/health`), elastic discovery and `/tokenize` are the vLLM

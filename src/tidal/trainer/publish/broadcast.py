@@ -7,7 +7,7 @@ feed the final export and the NCCL push (`policy_weights`). A fully fine-tuned p
 has no adapter: it is published as its merged weights only, which are then simply all its weights. Names
 are the checkpoint's (`tidal.models.names`: transformers' fused MoE experts are split back per expert); a
 LoRA policy of a mixture-of-experts model publishes its merged weights without the experts (`reload_keys`). A
-quantized QLoRA base (`tidal.trainer.quant`) is merged and published dequantized: the weights its forward
+quantized QLoRA base (`tidal.trainer.model.quant`) is merged and published dequantized: the weights its forward
 multiplies by.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, is_expert_key, plain_name
-from tidal.trainer.quant import dense_spec, dense_weight
+from tidal.trainer.model.quant import dense_spec, dense_weight
 from tidal.transport import weights
 
 
@@ -104,7 +104,7 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
                     merged_keys: list[str] | None = None, noise: tuple[float, int] | None = None) -> Path:
     """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
     checkpoint's tensor names; a fully fine-tuned model publishes those only); prune all but the newest `keep`
-    policies. `noise` = (sigma, seed): QeRL noise on the merged copy's RMSNorm weights (`tidal.trainer.noise`)."""
+    policies. `noise` = (sigma, seed): QeRL noise on the merged copy's RMSNorm weights (`tidal.trainer.model.noise`)."""
     if not is_peft(model) and merged_keys is None:
         raise ValueError("a fully fine-tuned policy is published as merged weights: merged_keys are needed")
 
@@ -117,7 +117,7 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             (tmp / "merged").mkdir()
             merged = merged_state_dict(model, reload_keys(model, merged_keys))
             if noise is not None:  # QeRL: (sigma, seed) noise on the served copy's RMSNorm weights
-                from tidal.trainer.noise import add_norm_noise, norm_keys
+                from tidal.trainer.model.noise import add_norm_noise, norm_keys
 
                 add_norm_noise(merged, norm_keys(model), noise[0], noise[1], step)
             save_file(merged, str(tmp / "merged" / "model.safetensors"), metadata={"format": "pt"})

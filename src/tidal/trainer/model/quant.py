@@ -15,7 +15,7 @@ stored quantized while LoRA adapters train on top in the model dtype:
 
 vLLM must sample the policy the trainer scores, which is the *dequantized* base plus LoRA, not the checkpoint's
 original weights: the trainer publishes policy 0 as the dequantized base's full weights (`broadcasts/step_0/
-merged`) and later policies' merged weights from the dequantized base too (`tidal.trainer.broadcast`); the
+merged`) and later policies' merged weights from the dequantized base too (`tidal.trainer.publish.broadcast`); the
 orchestrator reloads policy 0 before its first rollouts (orch `weight_broadcast.policy_zero: published`).
 `dense_weight` is the one place that turns a quantized weight back into the tensor the forward multiplies by.
 

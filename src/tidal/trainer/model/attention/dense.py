@@ -3,7 +3,7 @@ mask transformers builds for packed rows (or the packer's layout mask with share
 
 A kernel given a mask computes every one of the T x T scores, the causal half and the other samples' blocks
 included: on a 16,384-token row of 16 samples that is 22x flex_attention's cost on an H100 (issue 27). It is
-what the trainer ran on CUDA before `tidal.trainer.attention.flex`, it reads every mask transformers can build,
+what the trainer ran on CUDA before `tidal.trainer.model.attention.flex`, it reads every mask transformers can build,
 and it is the reference the other kernels are tested against; choosing it says so once in the log.
 """
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from tidal.trainer.attention import dense, flex, per_sample
-from tidal.trainer.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
+from tidal.trainer.model.attention import dense, flex, per_sample
+from tidal.trainer.model.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
 
 __all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "implementation", "layout", "layout_mask",
            "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout", "uses_flex"]

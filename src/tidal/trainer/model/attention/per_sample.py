@@ -1,7 +1,7 @@
 """Per-sample attention (train `attention: per_sample`, the CPU default): each sample of a packed row attends only to
 its own tokens, computed sample by sample.
 
-The trainer packs several samples into one row (`tidal.trainer.packing`), each restarting its `position_ids` at
+The trainer packs several samples into one row (`tidal.trainer.step.packing`), each restarting its `position_ids` at
 0. transformers' `sdpa` attention turns that into a (B, 1, T, T) block-diagonal causal mask, and a kernel given
 a mask computes all T x T scores: on a 512-token row of four 120-token samples, 4.5x the work the samples need
 (and the causal half is not skipped either). `packed_sdpa_attention` (registered with transformers as
@@ -19,11 +19,11 @@ sample, attention logit soft-capping, position ids that are not (B, T) or (1, T)
 "causal within each sample" (a padding mask, say: the mask transformers built is compared with the spans' own).
 
 On CPU the per-sample scores are computed in float32 even under bfloat16 autocast (train `recipe: bf16` on CPU,
-`tidal.trainer.precision`): PyTorch's CPU flash-attention backward is ~3x slower in bfloat16 than in float32
+`tidal.trainer.model.precision`): PyTorch's CPU flash-attention backward is ~3x slower in bfloat16 than in float32
 (measured on the bench's shapes), and the softmax keeps float32 precision. The output is cast back to the query's
 dtype.
 
-Shared prompts (`tidal.trainer.packing`, train `prompt_sharing`): a span whose first position q is not 0 is a
+Shared prompts (`tidal.trainer.step.packing`, train `prompt_sharing`): a span whose first position q is not 0 is a
 *suffix*: it continues the row's last span that started at position 0 (its *root*) after that root's first q
 tokens, the shared prompt. It attends to those q tokens and causally to itself: one SDPA call with the root's
 first q keys/values put before its own and a (L, q + L) bottom-right causal mask. `layout_mask` is the same rule as
@@ -32,8 +32,8 @@ unchanged), so the mask stays the truth: the per-sample path runs only when it e
 with that mask (GPU, or any case above) computes the same thing.
 
 This is the CPU counterpart of flash-attention's variable-length kernels (not available on CPU); on CUDA the
-default is flex_attention with a block mask of the same layout (`tidal.trainer.attention.flex`). The row layout
-(`segments`, `layout`, `layout_mask`) lives in `tidal.trainer.attention.layout`.
+default is flex_attention with a block mask of the same layout (`tidal.trainer.model.attention.flex`). The row layout
+(`segments`, `layout`, `layout_mask`) lives in `tidal.trainer.model.attention.layout`.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tidal.trainer.attention.layout import Span, layout, spans_mask
+from tidal.trainer.model.attention.layout import Span, layout, spans_mask
 
 NAME = "tidal_packed_sdpa"
-"""The name under which `tidal.trainer.attention.register` makes `packed_sdpa_attention` known to transformers."""
+"""The name under which `tidal.trainer.model.attention.register` makes `packed_sdpa_attention` known to transformers."""
 
 
 def _per_sample_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,

@@ -18,7 +18,7 @@ from typing import Any
 from tidal.assets import resolve_model
 from tidal.config.train import ExportSection
 from tidal.paths import atomic_dir, final_dir
-from tidal.trainer.broadcast import checkpoint_keys, merged_state_dict
+from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict
 
 
 def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
@@ -38,7 +38,7 @@ def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: 
                  run_dir: Path) -> dict[str, Path]:
     """Write what `export` asks for (`base_model`: train `model`, whose files the merged export copies);
     returns {"adapter": path, "merged": path} for what was written."""
-    from tidal.trainer.broadcast import is_peft
+    from tidal.trainer.publish.broadcast import is_peft
 
     out: dict[str, Path] = {}
     if not is_peft(model):

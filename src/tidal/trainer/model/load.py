@@ -1,19 +1,19 @@
 """Load the policy: a transformers causal LM from a local directory, wrapped with PEFT LoRA adapters.
 
 Precision: float32 on CPU (matches vLLM CPU serving the bundled float32 model, so trainer and inference
-logprobs agree); bfloat16 on CUDA. Attention: train `attention` (`tidal.trainer.attention`: flex_attention with
+logprobs agree); bfloat16 on CUDA. Attention: train `attention` (`tidal.trainer.model.attention`: flex_attention with
 the packed layout's block mask on CUDA, per-sample SDPA on CPU); packed rows are read from restarting
 `position_ids` (checked by tests/unit/test_packing.py). Activation memory (selective checkpointing, offload) and
-compiled layers: `tidal.trainer.activations`.
+compiled layers: `tidal.trainer.model.activations`.
 
 The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
 (`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
-QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.quant`).
+QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.model.quant`).
 Shared base weights (train `share_base_weights` resolved on by `tidal grpo`): the frozen base is built from the
-co-located vLLM's own tensors instead (`tidal.trainer.shared_base`).
+co-located vLLM's own tensors instead (`tidal.trainer.model.shared_base`).
 A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
-the families whose image inputs the trainer builds (`tidal.trainer.vision.TRAINABLE`; others are refused), and
+the families whose image inputs the trainer builds (`tidal.trainer.model.vision.TRAINABLE`; others are refused), and
 gets LoRA on its language model only (`VISION_MODULES` excluded).
 """
 
@@ -29,11 +29,11 @@ import torch
 from tidal.config.load import ConfigError
 from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
-from tidal.trainer.activations import apply_activation_policy
-from tidal.trainer.kernels import compile_layers
-from tidal.trainer.precision import apply_recipe
-from tidal.trainer.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
-from tidal.trainer.vision import TRAINABLE, VISION_MODULES, is_vision_config
+from tidal.trainer.model.activations import apply_activation_policy
+from tidal.trainer.model.kernels import compile_layers
+from tidal.trainer.model.precision import apply_recipe
+from tidal.trainer.model.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
+from tidal.trainer.model.vision import TRAINABLE, VISION_MODULES, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
-    """The weights' dtype: float32 on CPU (`recipe: bf16` there autocasts the matmuls: `tidal.trainer.precision`)
+    """The weights' dtype: float32 on CPU (`recipe: bf16` there autocasts the matmuls: `tidal.trainer.model.precision`)
     or with `recipe: fp32`; bfloat16 otherwise (`fp8-hybrid` keeps bf16 weights and runs the linear layers'
     matmuls in FP8)."""
     if device.type == "cpu" or recipe == "fp32":
@@ -125,7 +125,8 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
 
 def auto_model_class(config: Any, path: str) -> Any:
     """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
-    trainer builds (`tidal.trainer.vision.TRAINABLE`); another VLM raises `ConfigError` naming its architecture."""
+    trainer builds (`tidal.trainer.model.vision.TRAINABLE`); another VLM raises `ConfigError` naming its
+    architecture."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not is_vision_config(config):
@@ -138,10 +139,11 @@ def auto_model_class(config: Any, path: str) -> Any:
 
 
 def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False) -> str:
-    """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.attention.choose`: `auto`
+    """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.model.attention.choose`:
+    `auto`
     is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
     `ConfigError` naming the key."""
-    from tidal.trainer.attention import implementation
+    from tidal.trainer.model.attention import implementation
 
     try:
         return implementation(kind, device, vision)
@@ -155,7 +157,7 @@ def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trus
     """The plain causal LM in `dtype` on `device`, with train `attention`'s kernel (`attn_implementation`: flex on
     CUDA, per packed sample on CPU); `trust_remote_code` and `rope_scaling` as in train.yaml (the config is loaded and
     changed first, then the model is built from it); `quantized`: its linear layers stored in NF4 or FP8 (QLoRA,
-    `tidal.trainer.quant`)."""
+    `tidal.trainer.model.quant`)."""
     config = load_model_config(path, trust_remote_code, rope_scaling)
     extra: dict[str, Any] = {}
     if quantized is not None:  # quantized while loading, straight onto the device
@@ -218,8 +220,8 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
     kind = qlora_kind(cfg)
-    if cfg.share_base_weights is True:  # the frozen base is vLLM's tensors (tidal.trainer.shared_base)
-        from tidal.trainer.shared_base import load_shared_base
+    if cfg.share_base_weights is True:  # the frozen base is vLLM's tensors (tidal.trainer.model.shared_base)
+        from tidal.trainer.model.shared_base import load_shared_base
 
         model = load_shared_base(cfg, device, resolve_dtype(cfg.recipe, device))
     else:
@@ -235,7 +237,7 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
 
 def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     """A loaded base `model` made the policy `cfg` trains: activation checkpointing (`auto` resolved:
-    `tidal.trainer.memory.resolve_checkpointing`) and the activation policy (`tidal.trainer.activations`), the
+    `tidal.trainer.memory.resolve_checkpointing`) and the activation policy (`tidal.trainer.model.activations`), the
     precision recipe, LoRA (or frozen embeddings), compiled layers; in train mode. (bench/gpu_trainer.py builds its
     random-init models through this too.)"""
     from tidal.trainer.memory import resolve_checkpointing
@@ -245,7 +247,7 @@ def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
         enable_gradient_checkpointing(model)
     if cfg.gradient_checkpointing or cfg.offload_activations:
         log.info("activations: %s", apply_activation_policy(model, cfg, device))
-    model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/precision.py)
+    model = apply_recipe(model, cfg.recipe, device)  # fp8-hybrid: float8 base matmuls (trainer/model/precision.py)
     if cfg.lora:
         model = add_lora(model, cfg)
     elif cfg.freeze_embeddings:

@@ -8,7 +8,7 @@ row (not to `sequence_len`), so padding stays small. Padding tokens get their ow
 dynamic batching) as many rows as fit a token budget, counting padding: equal work per micro-batch whether the
 rows hold one long sample or many short ones. A batch with images (`TrainingBatch.has_images`) adds each
 micro-batch's `prompt_mask` and `image_ids` (its samples' images in row-major placeholder order); the trainer
-turns them into `images` (`tidal.trainer.vision.ImageInputs`).
+turns them into `images` (`tidal.trainer.model.vision.ImageInputs`).
 
 Shared prompts (`share_prompts`, train `prompt_sharing`): the completions of a GRPO group repeat one prompt, and
 on short completions most of a row is prompt (the bundled example: 56 of 72 tokens). Samples whose tokens before
@@ -17,7 +17,7 @@ their first loss token are identical (one group's prompt; the same prompt drawn 
 prompt's last token again, then the completion) with positions p-1.. — so every token keeps the position it has
 in its own sample, and the standard alignment holds (a token's logprob comes from the column before it: a
 completion's first token from the repeated last prompt token). Each such suffix attends to the p-1 shared tokens
-and causally to itself (`tidal.trainer.attention.layout_mask`, which the micro-batch carries as its 4D
+and causally to itself (`tidal.trainer.model.attention.layout_mask`, which the micro-batch carries as its 4D
 `attention_mask`); the forward is the unshared one's, token for token, and the prompt's gradient is the sum of
 what each completion sends it. A unit longer than `sequence_len` is cut into several, each with its own copy of
 the prompt. The shared tokens count as the unit's first sample (`seq_ids`); they carry no loss.
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.trainer.attention import layout_mask, uses_flex
-from tidal.trainer.attention.flex import layout_block_mask
+from tidal.trainer.model.attention import layout_mask, uses_flex
+from tidal.trainer.model.attention.flex import layout_block_mask
 from tidal.transport.batch import TrainingBatch
 
 
@@ -52,7 +52,7 @@ class MicroBatch:
     image_ids: torch.Tensor | None = None
     """(N,) the batch's image indices, in the order of their placeholders in the flattened rows (with images)."""
     images: Any = None
-    """`tidal.trainer.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
+    """`tidal.trainer.model.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
     shared_layout: bool = False
     """Rows hold shared prompts (see the module doc): the model gets `attention_mask`."""
 
@@ -71,7 +71,8 @@ class MicroBatch:
 
     def mask_for(self, model: torch.nn.Module) -> Any:
         """The `attention_mask` to give `model`'s forward: with shared prompts and a model on train `attention: flex`,
-        the layout as flex_attention's block mask (`tidal.trainer.attention.flex.layout_block_mask`, the same rule as
+        the layout as flex_attention's block mask (`tidal.trainer.model.attention.flex.layout_block_mask`, the same
+        rule as
         `attention_mask`, no T x T tensor at all), built once; otherwise `attention_mask`."""
         if not (self.shared_layout and uses_flex(model)):
             return self.attention_mask

@@ -8,9 +8,9 @@
   bfloat16 with float32 accumulation — 2.2x the float32 matmul throughput on a CPU with AVX512-BF16 units
   (measured on the bench machine's Zen 4, one core; `has_bf16_matmul` says whether this CPU has them: without,
   the numerics are the same and slower than float32, and a notice says so). Two places stay float32: the
-  attention scores (`tidal.trainer.attention`) and the lm_head, whose logits feed the log-probabilities
-  (`tidal.trainer.logprobs`: bfloat16 logits would be rounded by up to 0.03 at magnitude 8). The model carries
-  its autocast dtype as the attribute `AUTOCAST_ATTR`, read by every forward of `tidal.trainer.logprobs`.
+  attention scores (`tidal.trainer.model.attention`) and the lm_head, whose logits feed the log-probabilities
+  (`tidal.trainer.step.logprobs`: bfloat16 logits would be rounded by up to 0.03 at magnitude 8). The model carries
+  its autocast dtype as the attribute `AUTOCAST_ATTR`, read by every forward of `tidal.trainer.step.logprobs`.
 - `fp8-hybrid` (alias `fp8_hybrid`): FP8 forward and backward matmuls with higher-precision master weights, via
   torchao's float8 training (`torchao.float8`, tensorwise dynamic scaling): before each matmul the input and the
   weight are cast to float8 e4m3 and, in the backward, the output gradient to e5m2, each with one scale per

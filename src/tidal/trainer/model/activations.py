@@ -1,6 +1,6 @@
 """Activation memory of the decoder layers: which layers gradient checkpointing recomputes, what it recomputes, and
 where the kept activations live (train `gradient_checkpointing`, `checkpoint_every`, `checkpoint_scope`,
-`offload_activations`). (`compile_layers` is `tidal.trainer.kernels`.)
+`offload_activations`). (`compile_layers` is `tidal.trainer.model.kernels`.)
 
 Without checkpointing, HF + PEFT keep about 90 KB per token per layer of a Qwen3-0.6B in bfloat16 (57 GiB for a
 16k-token row; issue 27); checkpointing every layer keeps only each layer's input and recomputes the layer in the

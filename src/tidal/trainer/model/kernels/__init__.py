@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.trainer.activations import decoder_layers
+from tidal.trainer.model.activations import decoder_layers
 
 
 def compile_layers(model: torch.nn.Module) -> int:

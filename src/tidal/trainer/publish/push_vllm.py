@@ -3,7 +3,7 @@
 After each optimizer step the trainer (rank 0) broadcasts the merged weights of every LoRA-adapted module
 (W + scale * B A, under the base checkpoint's names; nothing else changed), or with full fine-tuning every
 weight (`broadcast.policy_weights`), plus any `extra` tensors (QeRL: every RMSNorm weight with policy n's
-noise, `tidal.trainer.noise.noisy_norms`), into vLLM's workers through
+noise, `tidal.trainer.model.noise.noisy_norms`), into vLLM's workers through
 vLLM's weight-transfer engine and its RL routes, then stamps the servers with the step as their
 `weight_version`. Per push, on every server: `/pause?mode=wait` (in-flight requests finish on the old
 policy, new ones queue, caches are dropped), `/start_weight_update`, `/update_weights` (the workers join the
@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import torch
 
-from tidal.trainer.broadcast import policy_weight_specs, policy_weights
+from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
 
 log = logging.getLogger("tidal.trainer")
 

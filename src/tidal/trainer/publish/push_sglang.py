@@ -1,7 +1,7 @@
 """Trainer side of `weight_broadcast.type: nccl` with SGLang servers (train `weight_broadcast.backend: sglang`).
 
-The same interface as `tidal.trainer.weight_push.WeightPusher` (vLLM): `push(model, step)`, `close()`, `pushed`,
-`failures`. The trainer (rank 0) pushes the same tensors (`tidal.trainer.broadcast.policy_weights`, then any
+The same interface as `tidal.trainer.publish.push_vllm.WeightPusher` (vLLM): `push(model, step)`, `close()`, `pushed`,
+`failures`. The trainer (rank 0) pushes the same tensors (`tidal.trainer.publish.broadcast.policy_weights`, then any
 `extra`, e.g. QeRL's noisy norms) through SGLang 0.5.16's routes (`sglang/srt/entrypoints/http_server.py`):
 
 - opening: `POST /init_weights_update_group` {`master_address`, `master_port`, `rank_offset`, `world_size`,
@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 import torch
 
-from tidal.trainer.broadcast import policy_weight_specs, policy_weights
-from tidal.trainer.weight_push import PushSession, server_root
+from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
+from tidal.trainer.publish.push_vllm import PushSession, server_root
 
 log = logging.getLogger("tidal.trainer")
 GROUP = "tidal_weights"

@@ -57,7 +57,7 @@ Rows that each hold one causal sequence (no packing, no padding: the long-sample
 Not for flex (the call goes to transformers' SDPA with the dense mask, and a one-line notice says why, once):
 attention dropout in training, soft-capped logits (Gemma 2), a KV cache (query length != key length), a 4D mask
 that is not the layout. CPU: torch's flex_attention has no backward there (torch 2.13), so `attention: flex`
-is refused on CPU (`tidal.trainer.attention.implementation`); its eager forward still runs on CPU, which is how
+is refused on CPU (`tidal.trainer.model.attention.implementation`); its eager forward still runs on CPU, which is how
 the float64 equivalence tests check the masks (tests/unit/test_flex_graphs.py compiles it there with dynamo's
 eager backend to count graphs: `COMPILE_ON`).
 """
@@ -70,12 +70,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tidal.trainer.attention.layout import layout, spans_mask, token_layout
+from tidal.trainer.model.attention.layout import layout, spans_mask, token_layout
 
 log = logging.getLogger("tidal.trainer")
 
 NAME = "tidal_flex"
-"""The name under which `tidal.trainer.attention.register` makes `flex_packed_attention` known to transformers."""
+"""The name under which `tidal.trainer.model.attention.register` makes `flex_packed_attention` known to transformers."""
 BLOCK = 128
 """flex_attention's tile (its default `BLOCK_SIZE`); bucket sizes are multiples of it."""
 COMPILE_ON: tuple[str, ...] = ("cuda",)
@@ -399,7 +399,8 @@ def _check(count: int) -> None:
         _SEEN["warned"].add("promise")
         log.warning("attention flex: %d compiled graphs, more than the %d promised for micro-batches up to %d "
                     "tokens (graph_budget): something besides the bucket, grad mode and the model varies between "
-                    "calls (a mask tidal did not build? see tidal.trainer.attention.flex); dynamo's recompile limit "
+                    "calls (a mask tidal did not build? see tidal.trainer.model.attention.flex); dynamo's recompile "
+                    "limit "
                     "is %d, and %s. Set TORCH_LOGS=recompiles to see which guard fails, and report it",
                     count, promise, _SEEN["largest"], limit, past)
     if count >= 0.75 * limit and "limit" not in _SEEN["warned"]:

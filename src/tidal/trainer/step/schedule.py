@@ -1,6 +1,6 @@
 """Which micro-batches each rank runs, in which optimizer step, for one rollout batch (pure functions).
 
-A rollout batch packs into M micro-batches (`tidal.trainer.packing`). They are cut, in order, into optimizer
+A rollout batch packs into M micro-batches (`tidal.trainer.step.packing`). They are cut, in order, into optimizer
 steps: `gradient_accumulation_steps` G micro-batches per rank per step (seed 000: "micro-batches per optimizer
 step"), i.e. G x ranks per step, or, with TRL's `steps_per_generation` S, into S near-equal shares. Each
 optimizer step's loss is normalized over its own micro-batches (`LossScale` of the step's share).

@@ -25,14 +25,14 @@ The full-logits path (the model's own `forward`, then `token_logprobs`) is kept 
 architectures not in `LOGIT_TRANSFORMS`, whose logits the chunked path might not reproduce (one warning per
 architecture). tests/unit/test_logprobs_chunked.py checks every listed architecture against the model's logits.
 
-Mixed precision (train `recipe: bf16` on CPU, `tidal.trainer.precision`): a model carrying an autocast dtype runs
+Mixed precision (train `recipe: bf16` on CPU, `tidal.trainer.model.precision`): a model carrying an autocast dtype runs
 every forward here under `torch.autocast` to it, except the lm_head on the chunked path, which multiplies in the
 weights' dtype (float32): the logits are what the logprobs are, and bfloat16 would round them (the full-logits
 path is the model's own forward, lm_head included, under autocast). The chunked backward restores the
 forward's autocast state before it rebuilds a chunk's graph.
 
-Vision-language models: with `images` (a micro-batch's `tidal.trainer.vision.ImageInputs`) the model runs on
-input embeddings that carry the image features (`tidal.trainer.vision.embed`); the targets are the token ids.
+Vision-language models: with `images` (a micro-batch's `tidal.trainer.model.vision.ImageInputs`) the model runs on
+input embeddings that carry the image features (`tidal.trainer.model.vision.embed`); the targets are the token ids.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
-from tidal.trainer.precision import autocast_dtype
+from tidal.trainer.model.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def split_head(model: torch.nn.Module) -> Head | None:
 @functools.cache
 def _warn_full_logits(name: str) -> None:
     log.warning("logprobs: %s is not among the architectures whose logits tidal computes in chunks "
-                "(tidal.trainer.logprobs.LOGIT_TRANSFORMS); using its full logits (more memory)", name)
+                "(tidal.trainer.step.logprobs.LOGIT_TRANSFORMS); using its full logits (more memory)", name)
 
 
 # --- the chunked computation ---------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def _inputs(model: torch.nn.Module, input_ids: torch.Tensor, images: Any) -> dic
     """The model's token inputs: `input_ids`, or (with `images`) the embeddings carrying the image features."""
     if images is None:
         return {"input_ids": input_ids}
-    from tidal.trainer.vision import embed
+    from tidal.trainer.model.vision import embed
 
     return {"inputs_embeds": embed(model, input_ids, images)}
 
@@ -318,7 +318,7 @@ def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, po
     model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
     `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
     are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs).
-    `attention_mask`: the micro-batch's (B, 1, T, T) mask when its rows share prompts (`tidal.trainer.packing`)."""
+    `attention_mask`: the micro-batch's (B, 1, T, T) mask when its rows share prompts (`tidal.trainer.step.packing`)."""
     cast = autocast_dtype(model)
     with contextlib.nullcontext() if cast is None else torch.autocast(input_ids.device.type, dtype=cast):
         return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images,
