@@ -203,7 +203,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from tidal.config.train import TrainConfig
-    from tidal.trainer.model.load import attn_implementation, prepare_policy, resolve_dtype
+    from tidal.trainer.model.hf import attn_implementation
+    from tidal.trainer.model.load import prepare_policy, resolve_dtype
     from tidal.trainer.step.optim import make_optimizer
 
     device = torch.device(spec["device"])

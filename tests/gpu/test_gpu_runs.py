@@ -170,9 +170,10 @@ def test_sigkill_of_the_launcher_then_resume_leaves_nothing(tmp_path):
 @needs_cuda_vllm
 def test_the_estimate_holds_one_measured_calibration_step(qwen3_0_6b):
     """The issue's step shape (8 rows x 512 tokens of the 0.6B shape, no checkpointing) measured on the GPU
-    (`tidal.trainer.memory.calibrate`, in a child) against the estimate."""
+    (`tidal.trainer.calibrate.calibrate`, in a child) against the estimate."""
     from tidal.config import TrainConfig
-    from tidal.trainer.memory import measure_in_child, train_estimate
+    from tidal.models.memory import train_estimate
+    from tidal.trainer.calibrate import measure_in_child
 
     cfg = TrainConfig(model=str(qwen3_0_6b), per_device_train_batch_size=8, sequence_len=512, device="cuda")
     measured = measure_in_child(cfg, False)

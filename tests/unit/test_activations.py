@@ -213,7 +213,8 @@ def test_on_cuda_offload_and_partial_checkpointing_keep_less_on_the_device():
         torch.manual_seed(0)
         conf = config_for("qwen3")
         conf.num_hidden_layers, conf.layer_types = 4, ["full_attention"] * 4
-        from tidal.trainer.model.load import attn_implementation, prepare_policy
+        from tidal.trainer.model.hf import attn_implementation
+        from tidal.trainer.model.load import prepare_policy
 
         model = AutoModelForCausalLM.from_config(conf, attn_implementation=attn_implementation(dev, "flex"),
                                                  dtype=torch.bfloat16).to(dev)

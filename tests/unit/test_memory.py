@@ -1,4 +1,4 @@
-"""The trainer's footprint estimate (`tidal.trainer.memory`) and the co-locate GPU split it drives: parameter
+"""The trainer's footprint estimate (`tidal.models.memory`) and the co-locate GPU split it drives: parameter
 counts against real models built from configs, the parts' behaviour, and vLLM's share of the GPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tidal.config import TrainConfig
-from tidal.trainer.memory import GIB, estimate, lora_parameter_count, parameter_count
+from tidal.models.memory import GIB, estimate, lora_parameter_count, parameter_count
 
 QWEN3 = {"model_type": "qwen3", "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 300,
@@ -63,7 +63,7 @@ def test_the_estimate_behaves_like_the_trainer():
 
 
 def test_tidal_grpo_estimates_from_the_model_directory():
-    from tidal.trainer.memory import train_footprint_gib
+    from tidal.models.memory import train_footprint_gib
 
     base = TrainConfig(model="tidal:tiny-reverse", sequence_len=4096, per_device_train_batch_size=8,
                        gradient_checkpointing=False)
@@ -104,7 +104,7 @@ def test_the_per_layer_term_is_what_autograd_saves_on_a_real_qwen3_layer():
     keeps q, k, v, out as on the GPU): the difference per token is one layer's term."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tidal.trainer.memory import layer_bytes_per_token
+    from tidal.models.memory import layer_bytes_per_token
     from tidal.trainer.model.load import add_lora
 
     shape = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -155,7 +155,7 @@ def test_selective_checkpointing_and_offload_sit_between_full_checkpointing_and_
 
 
 def test_the_trainer_estimate_drops_the_dense_mask_unless_attention_is_dense():
-    from tidal.trainer.memory import train_estimate
+    from tidal.models.memory import train_estimate
 
     flex = train_estimate(TrainConfig(model="tidal:tiny-reverse", sequence_len=1024), gradient_checkpointing=False)
     dense = train_estimate(TrainConfig(model="tidal:tiny-reverse", sequence_len=1024, attention="dense"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.config import TrainConfig
-from tidal.trainer import memory
+from tidal.trainer import calibrate, memory
 from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom, oom_message, resolve_checkpointing
 
 
@@ -51,18 +51,18 @@ def test_a_cuda_oom_becomes_the_message_and_other_errors_pass(tmp_path):
 def test_calibrate_runs_one_step_of_the_largest_micro_batch():
     cfg = TrainConfig(model="tidal:tiny-reverse", device="cpu", per_device_train_batch_size=2, sequence_len=64,
                       gradient_checkpointing=False)
-    batch = memory.synthetic_batch(2, 64, 128)
+    batch = calibrate.synthetic_batch(2, 64, 128)
     assert batch.tokens.shape == (128,) and batch.lengths.tolist() == [64, 64]
     assert batch.loss_mask[:16].sum() == 0 and batch.loss_mask[16:64].all()  # a quarter prompt
-    peak = memory.calibrate(cfg)
+    peak = calibrate.calibrate(cfg)
     assert 0 < peak["allocated"] <= peak["reserved"] < 64  # CPU: the process's peak RSS in GiB
 
 
 def test_the_calibration_runs_in_a_child_and_reports_its_peak():
     cfg = TrainConfig(model="tidal:tiny-reverse", device="cpu", per_device_train_batch_size=1, sequence_len=32,
                       cpu_affinity=[0])
-    got = memory.measure_in_child(cfg, False)
+    got = calibrate.measure_in_child(cfg, False)
     assert got is not None and 0 < got < 64 and not math.isinf(got)
     bad = cfg.model_copy(update={"model": "/nonexistent/model"})
     with pytest.warns(UserWarning, match="calibration failed"):
-        assert memory.measure_in_child(bad, False) is None
+        assert calibrate.measure_in_child(bad, False) is None

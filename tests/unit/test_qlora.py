@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from tidal.config.train import TrainConfig
-from tidal.trainer.memory import estimate
+from tidal.models.memory import estimate
 from tidal.trainer.model.load import load_policy
 from tidal.trainer.model.quant import base_report, dense_weight, quantized_linears
 from tidal.trainer.publish.broadcast import checkpoint_keys, lora_layers, merged_state_dict

@@ -50,7 +50,7 @@ def test_vllm_gets_the_merged_parameters(model_dir):
 
 
 def test_trainer_builds_the_same_rope(model_dir):
-    from tidal.trainer.model.load import load_model_config
+    from tidal.trainer.model.hf import load_model_config
 
     cfg = load_model_config(str(model_dir), rope_scaling=LINEAR)
     assert cfg.rope_parameters["rope_theta"] == 1e6 and cfg.rope_parameters["rope_type"] == "linear"

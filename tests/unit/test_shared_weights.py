@@ -271,7 +271,7 @@ def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
     trainer's estimate and its measured peak: a trainer that needs its own 15 GiB copy of an 8B base beside vLLM's
     does not fit on an 80 GiB GPU, the same trainer on vLLM's copy does."""
     from tidal.colocate.split import gpu_split
-    from tidal.trainer.memory import parameter_count
+    from tidal.models.memory import parameter_count
 
     seen = []
 

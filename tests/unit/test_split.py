@@ -10,7 +10,7 @@ from tidal.colocate import split
 from tidal.colocate.derive import Machine, derive_colocate
 from tidal.colocate.split import GIB, gpu_split, kv_bytes_per_token, plan_split, trainer_need_gib, vllm_need
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.trainer.memory import parameter_count
+from tidal.models.memory import parameter_count
 
 H100_GIB = 79.18
 """Total memory of the H100 the figures come from (torch.cuda.mem_get_info)."""

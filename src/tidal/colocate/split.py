@@ -19,9 +19,9 @@ exactly that and skips its KV profiling) and sets `gpu_memory_utilization` to vL
 start that this much is free: a restarted server beside a running trainer must pass); otherwise the share alone,
 which vLLM fills with KV cache up to that fraction.
 
-The trainer gets the rest. Its need is the larger of the estimate (`tidal.trainer.memory.estimate`, total with
+The trainer gets the rest. Its need is the larger of the estimate (`tidal.models.memory.estimate`, total with
 its overhead and margin) and the peak measured by one micro-batch of the run's largest shape on the GPU before
-vLLM starts (`tidal.trainer.memory.calibrate`), plus the CUDA context and `CALIBRATION_MARGIN` (`trainer_need_gib`).
+vLLM starts (`tidal.trainer.calibrate.calibrate`), plus the CUDA context and `CALIBRATION_MARGIN` (`trainer_need_gib`).
 Train `gradient_checkpointing: auto` is decided here: off when the trainer's need without it fits in its share,
 else on (`plan_split`). When even that does not fit, `ConfigError` names the keys to change.
 
@@ -284,8 +284,8 @@ def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_conf
     """(train updates, infer updates, notice) for `tidal grpo` on one GPU of `total_gib` (`plan_split` on the
     derived configs): infer `gpu_memory_utilization` (and `extra_args` `--kv-cache-memory-bytes` when
     `kv_bytes_arg`), train `gradient_checkpointing` when it was `auto`. `params`: the model's parameter count;
-    `estimate_gib(train, ckpt)`: the trainer's estimate (`tidal.trainer.memory.train_estimate`, total);
-    `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.memory.measure_in_child`), None to use the estimate
+    `estimate_gib(train, ckpt)`: the trainer's estimate (`tidal.models.memory.train_estimate`, total);
+    `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.calibrate.measure_in_child`), None to use the estimate
     alone. (Handed in, so that this module depends on `tidal.config` only.)"""
     dtype = vllm_dtype(infer, model_config)
     # train share_base_weights on (`tidal.colocate.sharing.apply_sharing` ran first): the trainer's frozen

@@ -5,7 +5,7 @@
   vLLM can tell: the model's architecture (`tidal.models.arch`: mixture of experts, whether its base weights can be
   shared with vLLM, `tidal.colocate.sharing`) and the GPU memory split (`tidal.colocate.split.gpu_split`: the model's
   config.json, whether vLLM takes `--kv-cache-memory-bytes`, the trainer's estimate and, with `calibrate`, its peak
-  measured on the GPU before vLLM starts, `tidal.trainer.memory.measure_in_child`);
+  measured on the GPU before vLLM starts, `tidal.trainer.calibrate.measure_in_child`);
 - `start(co, ...)`: the checks that need the machine (SGLang runnable, vLLM has the nccl push, a secure bind, free
   ports), the notices, the run directory (resumed, or a previous run moved aside), the resolved configs in
   `{run_dir}/configs/` (`tidal.paths.configs_dir`), then the supervisor (`tidal.colocate.supervise.run_colocate`).
@@ -43,10 +43,11 @@ def dump(cfg: StrictModel) -> str:
 def gpu_split_for(model: str, calibrate: bool = True) -> GpuSplitFn:
     """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
     config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
-    measured on the GPU before vLLM starts (`tidal.trainer.memory.measure_in_child`)."""
+    measured on the GPU before vLLM starts (`tidal.trainer.calibrate.measure_in_child`)."""
     from tidal.colocate.split import gpu_split
     from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
-    from tidal.trainer.memory import measure_in_child, parameter_count, train_estimate
+    from tidal.models.memory import parameter_count, train_estimate
+    from tidal.trainer.calibrate import measure_in_child
 
     def measure(train: TrainConfig, ckpt: bool) -> float | None:
         print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "

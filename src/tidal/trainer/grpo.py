@@ -24,6 +24,7 @@ import torch
 
 from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
+from tidal.models.memory import train_footprint_gib
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
 from tidal.trainer.distributed import (
@@ -36,7 +37,7 @@ from tidal.trainer.distributed import (
     reshard,
     set_gradient_sync,
 )
-from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
+from tidal.trainer.memory import peak_gib, reset_peak
 from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
 from tidal.trainer.model.noise import qerl_sigma

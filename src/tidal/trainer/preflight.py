@@ -42,7 +42,7 @@ def check_prompt_sharing(cfg: TrainConfig) -> None:
     if cfg.prompt_sharing is not True:
         return
     from tidal.trainer.model.attention import prompt_sharing_blocker
-    from tidal.trainer.model.load import load_model_config
+    from tidal.trainer.model.hf import load_model_config
 
     why = prompt_sharing_blocker(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling),
                                  cfg.sequence_len)
@@ -57,7 +57,7 @@ def check_model_build(cfg: TrainConfig, config: dict) -> None:
     torch) only when one of them applies."""
     if not cfg.rope_scaling and "vision_config" not in config:
         return
-    from tidal.trainer.model.load import auto_model_class, load_model_config
+    from tidal.trainer.model.hf import auto_model_class, load_model_config
 
     auto_model_class(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling), cfg.model)
 

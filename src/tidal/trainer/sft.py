@@ -29,7 +29,8 @@ from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE, TrainConfig
 from tidal.envs import make_env
 from tidal.envs.images import has_images
 from tidal.paths import STABLE, atomic_dir
-from tidal.trainer.model.load import check_model_dir, load_policy, load_tokenizer
+from tidal.trainer.model.hf import check_model_dir
+from tidal.trainer.model.load import load_policy, load_tokenizer
 from tidal.trainer.step.logprobs import Head, _chunk_logits, forward_logprobs, split_head
 from tidal.trainer.step.optim import make_optimizer, make_scheduler
 from tidal.trainer.step.packing import pack

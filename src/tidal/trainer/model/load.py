@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidal.config.load import ConfigError
-from tidal.config.rope import merge_rope
 from tidal.config.train import TrainConfig
 from tidal.trainer.model.activations import apply_activation_policy
+from tidal.trainer.model.hf import (
+    attn_implementation,
+    auto_model_class,
+    check_model_dir,
+    load_model_config,
+)
 from tidal.trainer.model.kernels import compile_layers
 from tidal.trainer.model.precision import apply_recipe
 from tidal.trainer.model.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
-from tidal.trainer.model.vision import TRAINABLE, VISION_MODULES, is_vision_config
+from tidal.trainer.model.vision import VISION_MODULES, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -66,89 +70,11 @@ def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def check_model_dir(path: str) -> Path:
-    """The model directory (`tidal:NAME` for a bundled one) must hold a config.json; nothing is downloaded."""
-    from tidal.assets import resolve_model
-
-    p = Path(resolve_model(path))
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model '{path}': no config.json there; give the path of a local Hugging Face model directory "
-            "(tidal never downloads models)")
-    return p
-
-
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """The model directory's tokenizer (`trust_remote_code`: train `trust_remote_code`, for custom tokenizer code)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
-
-
-def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
-    """Apply train `rope_scaling` onto a transformers `config` in place, before the model is built. It is merged
-    over the config's RoPE parameters: keys it does not give keep the model's values (since transformers 5,
-    `rope_theta` lives in the same dict, and a plain replacement would reset it to the class default). The
-    legacy `type` key is read as `rope_type`. Per-layer-type RoPE (e.g. Gemma 3) takes `{layer_type: {...}}`.
-    Raises `ConfigError` naming the key for a dict transformers rejects."""
-    if not hasattr(config, "rope_parameters"):  # transformers < 5: rope_theta is a separate attribute
-        config.rope_scaling = merge_rope(None, rope_scaling, "train rope_scaling")
-        return
-    merged = merge_rope(config.rope_parameters, rope_scaling, "train rope_scaling")
-    per_type = bool(merged) and all(isinstance(v, dict) for v in merged.values())
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    for params in merged.values() if per_type else [merged]:
-        kind = params.get("rope_type", "default")
-        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
-            raise ConfigError(f"train rope_scaling {rope_scaling}: unknown rope_type {kind!r} (valid: default, "
-                              f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
-    config.rope_parameters = merged
-    try:
-        for step in ("standardize_rope_params", "validate_rope"):
-            fn = getattr(config, step, None)
-            if callable(fn):
-                fn()
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"train rope_scaling {rope_scaling} is not valid for this model: {exc}") from None
-
-
-def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: dict[str, Any] | None = None) -> Any:
-    """The model directory's Hugging Face config, with `rope_scaling` applied (`apply_rope_scaling`)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
-    if rope_scaling:
-        apply_rope_scaling(config, rope_scaling)
-    return config
-
-
-def auto_model_class(config: Any, path: str) -> Any:
-    """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
-    trainer builds (`tidal.trainer.model.vision.TRAINABLE`); another VLM raises `ConfigError` naming its
-    architecture."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    if not is_vision_config(config):
-        return AutoModelForCausalLM
-    archs = list(getattr(config, "architectures", None) or [type(config).__name__])
-    if not set(archs) & set(TRAINABLE):
-        raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
-                          f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
-    return AutoModelForImageTextToText
-
-
-def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False) -> str:
-    """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.model.attention.choose`:
-    `auto`
-    is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
-    `ConfigError` naming the key."""
-    from tidal.trainer.model.attention import implementation
-
-    try:
-        return implementation(kind, device, vision)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,

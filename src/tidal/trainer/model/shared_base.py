@@ -200,7 +200,7 @@ def load_shared_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype)
     """The trainer's base model built from the co-located vLLM's weights (see the module docstring). Raises
     `ConfigError` (exit 2) when `share_base_weights` is on without a server to share with, or when the layout,
     dtype or device rules it out."""
-    from tidal.trainer.model.load import attn_implementation, auto_model_class, check_model_dir, load_model_config
+    from tidal.trainer.model.hf import attn_implementation, auto_model_class, check_model_dir, load_model_config
 
     if not cfg.base_weights_url:
         raise ConfigError("train share_base_weights is true but base_weights_url is unset: sharing vLLM's weights "
