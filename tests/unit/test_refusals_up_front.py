@@ -116,7 +116,7 @@ def test_the_python_api_refuses_in_its_constructor(kw, match):
 
 def test_the_model_limit_follows_vllms_rule_for_rope_scaling():
     from tidal.config import ConfigError
-    from tidal.config.limits import check_lengths, max_positions
+    from tidal.models.limits import check_lengths, max_positions
 
     base = {"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
     assert max_positions(base) == (1024, "max_position_embeddings")

@@ -12,8 +12,8 @@ import pytest
 from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
-from tidal.config.rope import merge_rope, model_rope_parameters
 from tidal.inference.backends.vllm.server import vllm_argv
+from tidal.models.rope import merge_rope, model_rope_parameters
 
 LINEAR = {"type": "linear", "factor": 2.0}
 

@@ -3,7 +3,7 @@
 start, so no refusal can come after vLLM was started.
 
 `check_run(train, infer, orch)` on the configs `derive_colocate` returns, in order:
-- the model's length limit (`tidal.config.limits`): orch `seq_len`, infer `max_model_len` and (trainer side)
+- the model's length limit (`tidal.models.limits`): orch `seq_len`, infer `max_model_len` and (trainer side)
   train `sequence_len` within the positions the model holds, RoPE scaling included;
 - the trainer side: transformers knows the architecture, named LoRA targets exist (`tidal.models`), and the
   trainer's own refusals (`tidal.trainer.preflight.check_train`: lengths, RoPE scaling, VLMs, QeRL, prompt
@@ -20,13 +20,14 @@ from typing import Any
 
 from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
-from tidal.config.limits import check_lengths
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.models.arch import check_trainable, read_arch
+from tidal.models.config import model_config
+from tidal.models.limits import check_lengths
 from tidal.orchestrator.preflight import check_orch
-from tidal.trainer.preflight import check_train, model_config
+from tidal.trainer.preflight import check_train
 
 
 def check_trainer_side(train: TrainConfig) -> None:
@@ -53,7 +54,7 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
               tooling: Any = None) -> None:
     """Every up-front refusal of the derived configs of a co-located run (module docs); `reward_funcs` /
     `tooling`: given in process (the Python API)."""
-    check_lengths(infer.model, model_config(infer.model),
+    check_lengths(infer.model, model_config(infer.model, missing_ok=True),
                   {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len}, infer.rope_scaling)
     check_trainer_side(train)
     check_teacher(train, orch)

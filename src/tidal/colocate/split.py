@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from tidal.config.infer import round_lora_rank
 from tidal.config.load import ConfigError
+from tidal.models.config import text_config
 from tidal.models.shared_weights import shared_bytes
 
 GIB = 1024**3
@@ -65,14 +66,10 @@ KV_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 """infer `kv_cache_dtype` values that store one byte per element (vLLM's `--kv-cache-dtype`)."""
 
 
-def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    return cfg.get("text_config") or cfg
-
-
 def kv_bytes_per_token(model_config: Mapping[str, Any], dtype: str) -> int:
     """KV cache bytes one token takes in vLLM: per layer K and V of `num_key_value_heads` x `head_dim` (GQA), or
     MLA's compressed latent (`kv_lora_rank` + `qk_rope_head_dim`, one vector) where the config has it."""
-    cfg = _text(model_config)
+    cfg = text_config(model_config)
     b = 1 if dtype in KV_FP8 else DTYPE_BYTES[dtype]
     layers = int(cfg["num_hidden_layers"])
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-style): one latent per token and layer
@@ -104,7 +101,7 @@ def profile_activation_bytes(model_config: Mapping[str, Any], dtype: str,
                              tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS) -> int:
     """vLLM's step activations at `tokens` tokens (no autograd: the widest live tensors of one layer, SwiGLU's
     gate+up and a few hidden-size buffers)."""
-    cfg = _text(model_config)
+    cfg = text_config(model_config)
     return tokens * (2 * int(cfg["intermediate_size"]) + 4 * int(cfg["hidden_size"])) * DTYPE_BYTES[dtype]
 
 
@@ -120,7 +117,7 @@ def lora_slot_bytes(model_config: Mapping[str, Any], dtype: str, max_loras: int,
     (out x rank) in the model's dtype (vLLM 0.24 `lora/layers/base_linear.py`: allocated at start whether adapters
     are loaded or not). `targets`: infer `lora_target_modules` (`all-linear`: q/k/v/o/gate/up/down; a name this
     table does not know counts as the widest projection, the safe side)."""
-    cfg = _text(model_config)
+    cfg = text_config(model_config)
     h, i = int(cfg["hidden_size"]), int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))
     heads = int(cfg["num_attention_heads"])
     hd = int(cfg.get("head_dim") or h // heads)
@@ -268,7 +265,7 @@ def vllm_dtype(infer: Any, model_config: Mapping[str, Any]) -> str:
     """The dtype vLLM serves in: infer `dtype`, `auto` being the model's (bf16 when it does not say)."""
     if infer.dtype != "auto":
         return str(infer.dtype)
-    named = str(_text(model_config).get("dtype") or model_config.get("torch_dtype") or "bfloat16")
+    named = str(text_config(model_config).get("dtype") or model_config.get("torch_dtype") or "bfloat16")
     return named if named in DTYPE_BYTES else "bfloat16"
 
 

@@ -17,7 +17,6 @@ that `--dry-run` and `GRPOTrainer(...)` run them without starting anything.
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -32,6 +31,7 @@ from tidal.colocate.sharing import sharing_for
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.base import StrictModel
 from tidal.models.arch import read_arch
+from tidal.models.config import model_config
 from tidal.paths import configs_dir, holds_run
 
 
@@ -54,8 +54,8 @@ def gpu_split_for(model: str, calibrate: bool = True) -> GpuSplitFn:
               f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
         return measure_in_child(train, ckpt)
 
-    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
-    return functools.partial(gpu_split, model_config=model_config, params=parameter_count(model_config),
+    config = model_config(model)
+    return functools.partial(gpu_split, model_config=config, params=parameter_count(config),
                              kv_bytes_arg=has_kv_cache_memory_bytes(),
                              estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
                              measure_gib=measure if calibrate else None)

@@ -30,13 +30,12 @@ and full fine-tuning of a MoE model on CPU is refused (`tidal.colocate.derive.mo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
+from tidal.models.config import read_config, text_config
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json keys that give the number of routed experts of a mixture-of-experts model."""
@@ -61,15 +60,9 @@ class ArchInfo:
         return f"{self.architecture}{' (mixture of experts)' if self.moe else ''}"
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config (`text_config` of multimodal configs, else the config itself)."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) else config
-
-
 def read_arch(model_dir: str | Path) -> ArchInfo:
     """`ArchInfo` of the model directory `model_dir` (its config.json)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_config(model_dir)
     text = text_config(config)
     archs = config.get("architectures") or ["?"]
     moe = any(isinstance(text.get(k), int) and text[k] > 0 for k in EXPERT_KEYS)

@@ -81,11 +81,10 @@ CPU machine); any other model (mixture of experts, vision-language, remote code)
 
 def linear_names_from_config(model_dir: str) -> tuple[str, ...] | None:
     """`LINEAR_BY_MODEL_TYPE` for `model_dir`'s config.json, None where the table does not decide."""
-    import json
-    from pathlib import Path
+    from tidal.models.config import read_config
 
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = read_config(model_dir)
     except (OSError, ValueError):
         return None
     if config.get("text_config") or config.get("auto_map"):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
+from tidal.models.config import model_config as read_model_config
+from tidal.models.config import text_config
 
 GIB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GIB
@@ -74,11 +76,6 @@ class Footprint:
         return self.total / GIB
 
 
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config (vision-language configs nest it under `text_config`)."""
-    return cfg.get("text_config") or cfg
-
-
 def linear_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     """(in, out) of each linear kind of one decoder layer, by module name (dense MLP width; MoE below)."""
     h = int(cfg["hidden_size"])
@@ -93,7 +90,7 @@ def linear_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
 
 def parameter_count(cfg: Mapping[str, Any]) -> int:
     """Parameters of a decoder-only model from its config (norms and biases left out: < 0.1%)."""
-    cfg = _text_config(cfg)
+    cfg = text_config(cfg)
     shapes = linear_shapes(cfg)
     attn = sum(i * o for k, (i, o) in shapes.items() if k.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
     mlp = sum(i * o for k, (i, o) in shapes.items() if k in ("gate_proj", "up_proj", "down_proj"))
@@ -105,7 +102,7 @@ def parameter_count(cfg: Mapping[str, Any]) -> int:
 
 def lora_parameter_count(cfg: Mapping[str, Any], rank: int, targets: Iterable[str]) -> int:
     """LoRA parameters (r * (in + out) per adapted linear) for the named target modules of every layer."""
-    cfg = _text_config(cfg)
+    cfg = text_config(cfg)
     shapes = linear_shapes(cfg)
     wanted = set(targets)
     if "all-linear" in wanted:
@@ -158,7 +155,7 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
     `checkpoint_every` / `checkpoint_scope` / `offload_activations` (`tidal.trainer.model.activations`): only every k-th
     layer checkpointed, the others keeping their full set; `mlp` scope counted as not checkpointed (an upper
     bound: it keeps the attention's part); offloaded layers keep nothing on the device but the one in flight."""
-    cfg = _text_config(model_config)
+    cfg = text_config(model_config)
     b = DTYPE_BYTES[dtype]
     params = parameter_count(cfg)
     weights = params * b
@@ -198,12 +195,7 @@ def train_estimate(train: Any, gradient_checkpointing: bool | None = None,
     (torch-free). `gradient_checkpointing` None: train's own (`auto` counts as on only when it is resolved: pass a
     bool). `dense_mask` None: only with train `attention: dense` (flex / per-sample kernels build no (T, T) mask;
     a model flex cannot serve falls back to it, which the split's calibration step measures)."""
-    import json
-    from pathlib import Path
-
-    from tidal.assets import resolve_model
-
-    model_config = json.loads((Path(resolve_model(train.model)) / "config.json").read_text())
+    model_config = read_model_config(train.model)
     targets = [train.lora_target_modules] if isinstance(train.lora_target_modules, str) else train.lora_target_modules
     ckpt = train.gradient_checkpointing is True if gradient_checkpointing is None else gradient_checkpointing
     rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
@@ -214,7 +206,7 @@ def train_estimate(train: Any, gradient_checkpointing: bool | None = None,
                     logprob_chunk_size=train.logprob_chunk_size,
                     base="nf4" if train.qlora_bnb else "fp8" if train.qlora_fp8 else None,
                     optimizer_8bit=train.optimizer == "adamw_8bit",
-                    dense_mask=(train.attention == "dense" or bool(_text_config(model_config).get(
+                    dense_mask=(train.attention == "dense" or bool(text_config(model_config).get(
                         "attn_logit_softcapping"))) if dense_mask is None else dense_mask,  # softcap: SDPA
                     checkpoint_every=getattr(train, "checkpoint_every", 1),
                     checkpoint_scope=getattr(train, "checkpoint_scope", "layer"),

@@ -28,7 +28,8 @@ def is_expert_key(key: str) -> bool:
 
 def config_is_moe(config: Any) -> bool:
     """A transformers config of a mixture-of-experts model (`tidal.models.arch.EXPERT_KEYS`)."""
-    from tidal.models.arch import EXPERT_KEYS, text_config
+    from tidal.models.arch import EXPERT_KEYS
+    from tidal.models.config import text_config
 
     d = text_config(config.to_dict())
     return any(isinstance(d.get(k), int) and d[k] > 0 for k in EXPERT_KEYS)

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.models.config import text_config
+
 VERIFIED: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -162,18 +164,13 @@ def view_plan(architecture: str, hf_shapes: Mapping[str, tuple[int, ...]],
     return SharePlan(shared, tuple(unshared))
 
 
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
-
-
 def shared_param_count(config: Mapping[str, Any]) -> int:
     """Parameters of the shared base (everything but the norms) of a `VERIFIED` model, from its config.json
     dict: embeddings, an untied lm_head, per layer q/k/v/o (+ Qwen2's q/k/v biases), the MLP or the experts
     and their router. Raises `SharingRefused` for an architecture not verified."""
     arch = str((config.get("architectures") or ["?"])[0])
     fam = family(arch)
-    c = _text_config(config)
+    c = text_config(config)
     hidden, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     heads = int(c["num_attention_heads"])
     kv = int(c.get("num_key_value_heads") or heads)

@@ -9,9 +9,7 @@ the flagged completions get no loss (their loss mask is cleared in the batch; `f
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -23,10 +21,10 @@ def model_vocab_size(model_name: str | None) -> int | None:
     """`vocab_size` from the model directory's config.json (a `tidal:` name or a local path), if readable."""
     if not model_name:
         return None
-    from tidal.assets import resolve_model
+    from tidal.models.config import model_config
 
     try:
-        return int(json.loads((Path(resolve_model(model_name)) / "config.json").read_text())["vocab_size"])
+        return int(model_config(model_name)["vocab_size"])
     except (OSError, KeyError, ValueError, TypeError):
         return None
 

@@ -13,7 +13,6 @@ accepts the `--model` spelling.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import socket
@@ -63,14 +62,14 @@ def model_facts(cfg: TinkerServeConfig, sampler_on_cpu: bool) -> ModelFacts:
     LoRA target of vLLM on CPU (checked against PEFT), and on a GPU when the vocabulary is at least the hidden size
     (vLLM 0.24's CUDA warm-up mis-sizes a tied head otherwise: docs/design.md)."""
     from tidal.assets import resolve_model
-    from tidal.models.arch import text_config
+    from tidal.models.config import read_config, text_config
 
     model_dir = str(Path(resolve_model(cfg.model)).resolve())
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise ServeError(f"--model {cfg.model!r}: no config.json in {model_dir}; give a local Hugging Face model "
                          "directory, a Hub id or tidal:tiny-reverse")
-    config = json.loads(config_file.read_text())
+    config = read_config(model_dir)
     text = text_config(config)
     max_context = int(cfg.max_model_len or text.get("max_position_embeddings") or 2048)
     unembed_ok = sampler_on_cpu or int(text.get("vocab_size", 0)) >= int(text.get("hidden_size", 0))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.models.memory import GIB, _text_config
+from tidal.models.config import model_config, text_config
+from tidal.models.memory import GIB
 from tidal.trainer.memory import peak_gib, reset_peak
 
 
@@ -32,19 +33,16 @@ def synthetic_batch(rows: int, sequence_len: int, vocab: int, seed: int = 0) -> 
 def calibrate(train: Any) -> dict[str, float]:
     """Build the trainer `train` describes and run one training step on its largest micro-batch (`synthetic_batch`);
     returns the measured peak in GiB: `allocated` and `reserved` (torch.cuda's) on CUDA, the peak RSS on CPU."""
-    import json
-    from pathlib import Path
 
     import torch
 
-    from tidal.assets import resolve_model
     from tidal.trainer.grpo import train_step
     from tidal.trainer.model.load import load_policy
     from tidal.trainer.step.optim import make_optimizer
 
     model, device = load_policy(train)
     opt = make_optimizer(model, train)
-    vocab = int(_text_config(json.loads((Path(resolve_model(train.model)) / "config.json").read_text()))["vocab_size"])
+    vocab = int(text_config(model_config(train.model))["vocab_size"])
     rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
             else train.per_device_train_batch_size)
     batch = synthetic_batch(rows, train.sequence_len, vocab)

@@ -8,13 +8,11 @@ applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from tidal.assets import resolve_model
-from tidal.config.limits import check_lengths
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
+from tidal.models.config import model_config
+from tidal.models.limits import check_lengths
 
 
 def publishes_merged(cfg: TrainConfig) -> bool:
@@ -62,15 +60,9 @@ def check_model_build(cfg: TrainConfig, config: dict) -> None:
     auto_model_class(load_model_config(resolve_model(cfg.model), cfg.trust_remote_code, cfg.rope_scaling), cfg.model)
 
 
-def model_config(model: str) -> dict:
-    """The model directory's config.json as a dict ({} when it has none: `tidal.models.arch.check_model` names that)."""
-    path = Path(resolve_model(model)) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def check_train(cfg: TrainConfig) -> None:
     """Every up-front refusal of a train config (`grpo-train`, and `tidal grpo` on its derived config)."""
-    config = model_config(cfg.model)
+    config = model_config(cfg.model, missing_ok=True)
     check_model_build(cfg, config)
     check_lengths(cfg.model, config, {"train sequence_len": cfg.sequence_len}, cfg.rope_scaling)
     check_qerl(cfg)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tidal.config.load import ConfigError
-from tidal.config.rope import merge_rope
+from tidal.models.rope import merge_rope
 from tidal.trainer.model.vision import TRAINABLE, is_vision_config
 
 

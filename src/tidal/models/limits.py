@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidal.config.load import ConfigError
-from tidal.config.rope import merge_rope, model_rope_parameters
+from tidal.models.config import text_config
+from tidal.models.rope import merge_rope, model_rope_parameters
 
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
@@ -26,16 +27,10 @@ UNSCALED_ROPE = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn",
 """RoPE types whose `factor` does not stretch the config's length (vLLM: already scaled there)."""
 
 
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a config.json dict (a VLM's `text_config`, else the dict itself)."""
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
-
-
 def max_positions(config: Mapping[str, Any], rope_scaling: Mapping[str, Any] | None = None,
                   key: str = "rope_scaling") -> tuple[int, str] | None:
     """(positions the model holds, how that was found) for a config.json dict with `rope_scaling` (the run's;
-    merged over the model's own RoPE parameters, `tidal.config.rope`) applied; None when no key bounds it."""
+    merged over the model's own RoPE parameters, `tidal.models.rope`) applied; None when no key bounds it."""
     text = text_config(config)
     found = [(int(text[k]), k) for k in LENGTH_KEYS if isinstance(text.get(k), int | float) and text[k] > 0]
     if not found:
