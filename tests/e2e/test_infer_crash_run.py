@@ -13,7 +13,7 @@ import pytest
 
 from tests.archs import build
 from tests.conftest import free_port
-from tidal.colocate.derive import Machine, derive_colocate
+from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
 from tidal.colocate.start import write_configs
 from tidal.colocate.supervise import run_colocate
 from tidal.config import InferConfig, OrchConfig, TrainConfig
@@ -27,7 +27,8 @@ def test_a_server_that_dies_at_its_first_request_is_named_and_not_restarted_in_a
     orch = OrchConfig.model_validate({"max_steps": 2, "batch_size": 8, "rollouts_per_example": 4,
                                       "sampling": {"max_tokens": 8}})
     infer = InferConfig(model=model, port=free_port(), enable_lora=False, extra_args=["--enable-lora"])
-    co = derive_colocate(TrainConfig(model=model), infer, orch, Machine.detect(), output_dir=run_dir, moe=True)
+    co = derive_colocate(TrainConfig(model=model), infer, orch, Machine.detect(), output_dir=run_dir,
+                         model=ModelFacts(moe=True))
     run_dir.mkdir()
     paths = write_configs(run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
     code = run_colocate(sys.executable, run_dir, paths, co.placement.health_urls, infer_env=co.placement.infer_env,

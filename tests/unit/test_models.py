@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.archs import ARCHS, build
-from tidal.colocate.derive import Machine, derive_colocate
+from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.models.arch import check_cpu_moe_lora, check_trainable, read_arch
 from tidal.models.lora import check_targets, resolve_lora_targets
@@ -101,19 +101,22 @@ def test_moe_with_lora_on_cpu_is_refused_before_vllm_starts(zoo):
     assert r.returncode == 2 and "Qwen3MoeForCausalLM" in r.stderr and "vLLM on CPU" in r.stderr, r.stderr[-2000:]
 
 
+MOE = ModelFacts(moe=True)
+
+
 def test_tidal_grpo_on_cpu_serves_moe_without_lora_and_refuses_lora_reloads():
     cpu = Machine(cores=(0, 1))
-    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), cpu, moe=True)
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), cpu, model=MOE)
     assert not co.infer.enable_lora and co.orch.weight_broadcast.reload == "merged"
     assert any("mixture-of-experts" in n for n in co.placement.notices)
     lora = OrchConfig.model_validate({"weight_broadcast": {"reload": "lora"}})
     assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu).infer.enable_lora  # dense
     with pytest.raises(ConfigError, match="mixture of experts.*reload is 'lora'"):
-        derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu, moe=True)
+        derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, cpu, model=MOE)
     with pytest.raises(ConfigError, match="mixture of experts and train lora is false"):
-        derive_colocate(TrainConfig(model="m", lora=False), InferConfig(model="m"), OrchConfig(), cpu, moe=True)
+        derive_colocate(TrainConfig(model="m", lora=False), InferConfig(model="m"), OrchConfig(), cpu, model=MOE)
     gpu = Machine(cores=(0, 1), has_gpu=True)
-    assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, gpu, moe=True).infer.enable_lora
+    assert derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), lora, gpu, model=MOE).infer.enable_lora
 
 
 def test_an_architecture_the_trainer_cannot_load_is_refused_before_the_run(zoo, tmp_path):

@@ -20,8 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.archs import ARCHS, config_for
-from tidal.colocate.derive import Machine, derive_colocate
-from tidal.colocate.sharing import sharing_for
+from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.models import shared_weights as sw
 
@@ -208,7 +207,7 @@ def configs(**train):
 
 def derive(machine=GPU, arch="LlamaForCausalLM", infer=None, orch=None, **train):
     t, i, o = configs(**train)
-    return derive_colocate(t, infer or i, orch or o, machine, sharing=sharing_for(arch))
+    return derive_colocate(t, infer or i, orch or o, machine, model=ModelFacts(architecture=arch))
 
 
 def test_auto_shares_on_one_gpu_and_wires_both_sides():
@@ -229,7 +228,7 @@ def test_auto_is_off_on_cpu_silently_and_true_exits_2():
 
 def test_the_default_is_off_without_a_notice():
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), GPU,
-                         sharing=sharing_for("LlamaForCausalLM"))
+                         model=ModelFacts(architecture="LlamaForCausalLM"))
     assert co.train.share_base_weights is False and not co.infer.export_base_weights
     assert not any("shared" in n for n in co.placement.notices)
 
@@ -259,32 +258,34 @@ def test_where_sharing_cannot_apply(kw, why):
     if "orch" in kw:
         o = OrchConfig.model_validate(kw["orch"])
     arch = kw.get("arch", "LlamaForCausalLM")
-    co = derive_colocate(t, i, o, GPU, sharing=sharing_for(arch))
+    co = derive_colocate(t, i, o, GPU, model=ModelFacts(architecture=arch))
     assert co.train.share_base_weights == "auto" and not co.infer.export_base_weights
     assert any("not shared" in n and why in n for n in co.placement.notices), co.placement.notices
     with pytest.raises(ConfigError, match=why):
-        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU, sharing=sharing_for(arch))
+        derive_colocate(t.model_copy(update={"share_base_weights": True}), i, o, GPU,
+                        model=ModelFacts(architecture=arch))
 
 
 def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
     """The split is asked with `share_base_weights` already resolved, and subtracts `shared_bytes` from the
     trainer's estimate and its measured peak: a trainer that needs its own 15 GiB copy of an 8B base beside vLLM's
     does not fit on an 80 GiB GPU, the same trainer on vLLM's copy does."""
-    from tidal.colocate.split import gpu_split
-    from tidal.models.memory import parameter_count
+    import re
 
-    seen = []
+    from tidal.colocate.split import split_updates
+    from tidal.models.memory import train_estimate
 
-    def split(train, infer, orch, total):
-        seen.append(train.share_base_weights)
-        return {}, {}, "split"
-
-    derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0), gpu_split=split,
-                    sharing=sharing_for("LlamaForCausalLM"))
-    assert seen == [True]
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    co = derive_colocate(*configs(), Machine(cores=(0,), has_gpu=True, gpu_memory_gib=80.0),
+                         model=ModelFacts(architecture="LlamaForCausalLM", config=cfg))
+    assert co.train.share_base_weights is True
+    note = next(n for n in co.placement.notices if "trainer needs" in n)
+    estimate_gib = train_estimate(co.train, "checkpointing on" in note, model_config=cfg).total_gib
+    split_need = float(re.search(r"trainer needs ([0-9.]+) of", note).group(1))
+    assert split_need == pytest.approx(estimate_gib - sw.shared_bytes(cfg) / 2**30, abs=0.051), \
+        "the split is asked with share_base_weights resolved (true), so it counts the base once"
     shared_gib = sw.shared_bytes(cfg) / 2**30
     assert 14.5 < shared_gib < 15.5
     infer, orch = InferConfig(model="m", dtype="bfloat16"), OrchConfig()
@@ -292,9 +293,9 @@ def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
 
     def run(share, estimate):
         train = TrainConfig(model="m", gradient_checkpointing=True, share_base_weights=share)
-        return gpu_split(train, infer, orch, 80.0, model_config=cfg, params=parameter_count(cfg), kv_bytes_arg=True,
-                         estimate_gib=lambda t, ckpt: estimate,
-                         measure_gib=lambda t, ckpt: measured.append(estimate) or estimate)
+        return split_updates(train, infer, orch, 80.0, model_config=cfg, kv_bytes_arg=True,
+                             estimate_gib=lambda t, ckpt: estimate,
+                             measure_gib=lambda t, ckpt: measured.append(estimate) or estimate)
     # find an estimate that just does not fit with the trainer's own copy
     estimate = 80.0
     while True:
@@ -307,7 +308,6 @@ def test_the_memory_split_sees_the_resolved_setting_and_counts_the_base_once():
     with pytest.raises(ConfigError):
         run(False, too_big)
     _, _, note = run(True, too_big)  # fits: the shared base is counted once, in vLLM's share
-    import re
 
     need = float(re.search(r"trainer needs ([0-9.]+) of", note).group(1))
     assert need < too_big - 0.5 * shared_gib  # the estimate less the shared base (plus overhead and margin)

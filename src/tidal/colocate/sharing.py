@@ -8,13 +8,15 @@ turns train `share_base_weights: auto` on where nothing refuses it and refuses `
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
+from tidal.config.infer import InferConfig
+from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
+from tidal.config.train import TrainConfig
 from tidal.models.shared_weights import QUANTIZATION_ARGS, VERIFIED, train_refusal
 
 
-def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | None) -> str | None:
+def refusal(train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: str,
+            architecture: str | None) -> str | None:
     """Why the base weights cannot be shared in this co-located run (None: they can). `train` / `infer` / `orch`:
     the derived `TrainConfig` / `InferConfig` / `OrchConfig`; `device`: `cuda` or `cpu`; `architecture`: the
     model's (config.json), None when unknown. Pure: the caller turns a reason into exit 2 (`true`) or a notice
@@ -46,24 +48,13 @@ def refusal(train: Any, infer: Any, orch: Any, device: str, architecture: str | 
     return None
 
 
-def sharing_for(architecture: str | None) -> Callable[[Any, Any, Any, str, str], tuple[Any, Any, str | None]]:
-    """`derive_colocate`'s `sharing` for a model of `architecture` (`apply_sharing` with it bound): handed in, so
-    that `tidal.config` does not import this package."""
-    def sharing(train: Any, infer: Any, orch: Any, device: str, url: str) -> tuple[Any, Any, str | None]:
-        return apply_sharing(train, infer, orch, device, architecture, url)
-
-    return sharing
-
-
-def apply_sharing(train: Any, infer: Any, orch: Any, device: str, architecture: str | None,
-                  url: str) -> tuple[Any, Any, str | None]:
+def apply_sharing(train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: str, architecture: str | None,
+                  url: str) -> tuple[TrainConfig, InferConfig, str | None]:
     """(train, infer, notice): train `share_base_weights` `auto` becomes true where `refusal` finds nothing (else
     it stays, meaning off, with a notice on a GPU); `true` where it finds something raises `ConfigError` (exit 2)
     with the reason.
     On: the trainer asks the vLLM server at `url` for its handles (train `base_weights_url`), vLLM starts with
     tidal's worker extension (infer `export_base_weights`)."""
-    from tidal.config.load import ConfigError
-
     setting = train.share_base_weights
     if setting is False:
         return train, infer, None

@@ -26,7 +26,8 @@ Train `gradient_checkpointing: auto` is decided here: off when the trainer's nee
 else on (`plan_split`). When even that does not fit, `ConfigError` names the keys to change.
 
 Pure arithmetic (no torch, no vLLM import): the figures of issue 26 are its test fixtures (tests/unit/
-test_split.py). `gpu_split` is the adapter `tidal.colocate.derive.derive_colocate` calls.
+test_split.py, `split_updates`); `gpu_split`, what `tidal.colocate.derive.derive_colocate` calls, adds the
+trainer's estimate and calibration.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tidal.config.infer import round_lora_rank
+from tidal.config.infer import InferConfig, round_lora_rank
 from tidal.config.load import ConfigError
+from tidal.config.orch import OrchConfig
+from tidal.config.train import TrainConfig
 from tidal.models.config import text_config
+from tidal.models.memory import parameter_count, train_estimate
 from tidal.models.shared_weights import shared_bytes
 
 GIB = 1024**3
@@ -80,7 +84,7 @@ def kv_bytes_per_token(model_config: Mapping[str, Any], dtype: str) -> int:
     return layers * kv_heads * head_dim * 2 * b
 
 
-def sequences_in_flight(orch: Any, max_num_seqs: int, servers: int = 1) -> int:
+def sequences_in_flight(orch: OrchConfig, max_num_seqs: int, servers: int = 1) -> int:
     """Sequences one of `servers` vLLM servers (infer `dp`; the orchestrator spreads requests over them) may hold
     at once for orch config `orch` (see the module doc), capped at `max_num_seqs`."""
     if orch.async_mode == "in_flight":
@@ -249,7 +253,7 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
                     gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len, measured_gib=measured)
 
 
-def max_num_seqs(infer: Any, total_gib: float) -> int:
+def max_num_seqs(infer: InferConfig, total_gib: float) -> int:
     """vLLM's `max_num_seqs`: infer `extra_args` `--max-num-seqs N`, else vLLM's default for its OpenAI server
     (1024 on a >= 70 GiB GPU, 256 below)."""
     args = list(infer.extra_args)
@@ -261,7 +265,7 @@ def max_num_seqs(infer: Any, total_gib: float) -> int:
     return 1024 if total_gib >= 70 else 256
 
 
-def vllm_dtype(infer: Any, model_config: Mapping[str, Any]) -> str:
+def vllm_dtype(infer: InferConfig, model_config: Mapping[str, Any]) -> str:
     """The dtype vLLM serves in: infer `dtype`, `auto` being the model's (bf16 when it does not say)."""
     if infer.dtype != "auto":
         return str(infer.dtype)
@@ -274,16 +278,40 @@ def minus(gib: float | None, shared: float) -> float | None:
     return None if gib is None else gib - shared
 
 
-def gpu_split(train: Any, infer: Any, orch: Any, total_gib: float, *, model_config: Mapping[str, Any], params: int,
-              kv_bytes_arg: bool, estimate_gib: Callable[[Any, bool], float],
-              measure_gib: Callable[[Any, bool], float | None] | None = None,
+TrainerGib = Callable[[TrainConfig, bool], float]
+"""The trainer's need in GiB for (train config, gradient checkpointing on)."""
+TrainerPeak = Callable[[TrainConfig, bool], float | None]
+"""The trainer's measured peak in GiB for (train config, gradient checkpointing on); None: not measured."""
+
+
+def gpu_split(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gib: float, *,
+              model_config: Mapping[str, Any], kv_bytes_arg: bool, calibrate: bool,
               ) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """`split_updates` with the trainer's estimate (`tidal.models.memory.train_estimate`, total) and, with
+    `calibrate`, its peak measured on the GPU before vLLM starts (`tidal.trainer.calibrate.measure_in_child`):
+    what `tidal.colocate.derive.derive_colocate` calls on a GPU."""
+    def estimate(t: TrainConfig, ckpt: bool) -> float:
+        return train_estimate(t, ckpt, model_config=model_config).total_gib
+
+    def measure(t: TrainConfig, ckpt: bool) -> float | None:
+        from tidal.trainer.calibrate import measure_in_child
+
+        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
+              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
+        return measure_in_child(t, ckpt)
+
+    return split_updates(train, infer, orch, total_gib, model_config=model_config, kv_bytes_arg=kv_bytes_arg,
+                         estimate_gib=estimate, measure_gib=measure if calibrate else None)
+
+
+def split_updates(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gib: float, *,
+                  model_config: Mapping[str, Any], kv_bytes_arg: bool, estimate_gib: TrainerGib,
+                  measure_gib: TrainerPeak | None = None) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(train updates, infer updates, notice) for `tidal grpo` on one GPU of `total_gib` (`plan_split` on the
     derived configs): infer `gpu_memory_utilization` (and `extra_args` `--kv-cache-memory-bytes` when
-    `kv_bytes_arg`), train `gradient_checkpointing` when it was `auto`. `params`: the model's parameter count;
-    `estimate_gib(train, ckpt)`: the trainer's estimate (`tidal.models.memory.train_estimate`, total);
-    `measure_gib(train, ckpt)`: the calibration (`tidal.trainer.calibrate.measure_in_child`), None to use the estimate
-    alone. (Handed in, so that this module depends on `tidal.config` only.)"""
+    `kv_bytes_arg`), train `gradient_checkpointing` when it was `auto`. `estimate_gib(train, ckpt)`: the trainer's
+    estimate; `measure_gib(train, ckpt)`: its measured peak, None to use the estimate alone. Pure arithmetic."""
+    params = parameter_count(model_config)
     dtype = vllm_dtype(infer, model_config)
     # train share_base_weights on (`tidal.colocate.sharing.apply_sharing` ran first): the trainer's frozen
     # base is vLLM's tensors, counted once, in vLLM's share; the calibration step loads its own copy, so both the

@@ -16,7 +16,6 @@ that `--dry-run` and `GRPOTrainer(...)` run them without starting anything.
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,13 +24,9 @@ from typing import Any
 
 import yaml
 
-from tidal.assets import resolve_model
-from tidal.colocate.derive import Colocated, GpuSplitFn, Machine, derive_colocate
-from tidal.colocate.sharing import sharing_for
+from tidal.colocate.derive import Colocated, Machine, ModelFacts, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.base import StrictModel
-from tidal.models.arch import read_arch
-from tidal.models.config import model_config
 from tidal.paths import configs_dir, holds_run
 
 
@@ -40,35 +35,12 @@ def dump(cfg: StrictModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def gpu_split_for(model: str, calibrate: bool = True) -> GpuSplitFn:
-    """`derive_colocate`'s memory split for `model` on this machine (`tidal.colocate.split.gpu_split`): the model's
-    config.json, whether the installed vLLM takes `--kv-cache-memory-bytes`, and (`calibrate`) the trainer's peak
-    measured on the GPU before vLLM starts (`tidal.trainer.calibrate.measure_in_child`)."""
-    from tidal.colocate.split import gpu_split
-    from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
-    from tidal.models.memory import parameter_count, train_estimate
-    from tidal.trainer.calibrate import measure_in_child
-
-    def measure(train: TrainConfig, ckpt: bool) -> float | None:
-        print(f"[tidal] GPU: measuring the trainer's peak memory before vLLM starts (one step of its largest "
-              f"micro-batch, gradient checkpointing {'on' if ckpt else 'off'})", flush=True)
-        return measure_in_child(train, ckpt)
-
-    config = model_config(model)
-    return functools.partial(gpu_split, model_config=config, params=parameter_count(config),
-                             kv_bytes_arg=has_kv_cache_memory_bytes(),
-                             estimate_gib=lambda train, ckpt: train_estimate(train, ckpt).total_gib,
-                             measure_gib=measure if calibrate else None)
-
-
 def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_dir: str | Path | None = None,
            resume: bool = False, calibrate: bool = True) -> Colocated:
     """`derive_colocate` on this machine for the model train.yaml names (module docs); `calibrate`: on a GPU the
     split measures the trainer's peak (one training step) instead of trusting the estimate alone."""
-    info = read_arch(resolve_model(train.model))
     return derive_colocate(train, infer, orch, Machine.detect(), output_dir=output_dir, resume=resume,
-                           gpu_split=gpu_split_for(train.model, calibrate=calibrate), moe=info.moe,
-                           sharing=sharing_for(info.architecture))
+                           model=ModelFacts.read(train.model), calibrate=calibrate)
 
 
 def check_startable(co: Colocated) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.config.train import TrainConfig
 from tidal.models.config import text_config
 
 VERIFIED: dict[str, str] = {
@@ -220,7 +221,7 @@ QUANTIZATION_ARGS = ("--quantization", "-q")
 """vLLM arguments (infer `extra_args`) that quantize the served base (a layout the trainer cannot view)."""
 
 
-def train_refusal(train: Any) -> str | None:
+def train_refusal(train: TrainConfig) -> str | None:
     """Why the trainer of `train` (a `TrainConfig`) cannot run on a shared base (None: it can); checked by
     `refusal` in `tidal grpo` and by the trainer itself (`grpo-train` with `share_base_weights: true`)."""
     reasons = [
