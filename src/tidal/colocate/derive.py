@@ -469,6 +469,13 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
                                      kv_bytes_arg=machine.vllm_kv_cache_memory_bytes, calibrate=calibrate)
         train, infer = train.model_copy(update=t), infer.model_copy(update=i)
         notices.append(split_note)
+    return place(machine, train, infer, orch, device, notices)
+
+
+def place(machine: Machine, train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: Literal["cpu", "cuda"],
+          notices: list[str]) -> Colocated:
+    """The derived configs placed on `machine`: on CPU the cores split between vLLM and the trainer (`split_cores`),
+    and the `Placement` (run directory, servers, health endpoints, the inference child's environment, notices)."""
     split = split_cores(machine, train, device, infer.dp * infer.tp)
     infer_env: dict[str, str] = {}
     if split is not None:
