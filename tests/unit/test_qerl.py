@@ -11,8 +11,8 @@ from tests.unit.dist_worker import config, fixed_batch
 from tidal.assets import resolve_model
 from tidal.config import ConfigError, TrainConfig
 from tidal.config.train import NoiseSchedulerConfig, TrainWeightBroadcast
-from tidal.trainer.grpo import qerl_noise, train_step
-from tidal.trainer.model.noise import noisy_norms, norm_keys, qerl_sigma
+from tidal.trainer.grpo import train_step
+from tidal.trainer.model.noise import noisy_norms, norm_keys, qerl_noise, qerl_sigma
 from tidal.trainer.policy import build_policy
 from tidal.trainer.preflight import check_qerl
 from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict, publish_adapter

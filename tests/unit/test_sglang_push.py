@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tidal.config.train import TrainConfig
-from tidal.trainer.grpo import make_pusher
+from tidal.trainer.publish.push import make_pusher
 from tidal.trainer.publish.push_vllm import WeightPusher
 
 

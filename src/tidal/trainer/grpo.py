@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,13 @@ from tidal.trainer.distributed import (
 from tidal.trainer.memory import peak_gib, reset_peak
 from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
-from tidal.trainer.model.noise import qerl_sigma
+from tidal.trainer.model.noise import qerl_noise
 from tidal.trainer.model.quant import qlora_kind
 from tidal.trainer.model.vision import attach_images
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
 from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
+from tidal.trainer.publish.push import make_pusher, push_policy
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.step.loss import LossInputs, LossScale, LossSums, policy_loss
@@ -243,43 +243,6 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
     return step
 
 
-def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
-    """The weight pusher for train `weight_broadcast.type: nccl` into vLLM or SGLang servers
-    (`weight_broadcast.backend`; with QeRL: pushing the noisy norms too), else None."""
-    wb = cfg.weight_broadcast
-    if wb.type != "nccl":
-        return None
-    from tidal.trainer.model.noise import noisy_norms
-    from tidal.trainer.publish.push_vllm import WeightPusher
-
-    def norms(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
-        sigma, seed = qerl_noise(cfg, step) or (0.0, cfg.seed)
-        return noisy_norms(model, sigma, seed, step)
-
-    extra = norms if cfg.noise_scheduler.enabled else None
-    if wb.backend == "sglang":
-        from tidal.trainer.publish.push_sglang import SglangWeightPusher
-
-        return SglangWeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device,
-                                  extra)
-    return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device, extra)
-
-
-def push_policy(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> float:
-    """Push policy `step` into the inference servers; a failure (a server died) is logged, not fatal: the
-    orchestrator asks for the policy again once the server is back (`serve_push_request`)."""
-    try:
-        seconds = pusher.push(model, step)
-    except Exception as exc:  # noqa: BLE001 - inference may be restarting; the orchestrator asks again
-        log.warning("could not push policy %d into inference (%r); it is pushed again when the orchestrator "
-                    "asks for it", step, exc)
-        return 0.0
-    asked = weights.push_requested(run_dir)
-    if asked is not None and asked <= step:
-        weights.clear_push_request(run_dir)
-    return seconds
-
-
 def serve_push_request(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> None:
     """While waiting for a batch: push the current policy (`step`) again if the orchestrator asked for it."""
     asked = weights.push_requested(run_dir)
@@ -403,12 +366,6 @@ def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Polic
         if batch is not None and batch.step != step:
             raise ValueError(f"batch {step} from {source.where} holds step {batch.step}")
     return broadcast_batch(p.ranks, batch)  # None too: then every rank leaves the loop
-
-
-def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
-    """(sigma, seed) of policy `step`'s QeRL noise, None without noise (`tidal.trainer.model.noise`)."""
-    sigma = qerl_sigma(step, cfg.max_steps, cfg.noise_scheduler)
-    return (sigma, cfg.seed) if sigma > 0 else None
 
 
 def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:

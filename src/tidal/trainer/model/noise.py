@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tidal.config.train import NoiseSchedulerConfig
+from tidal.config.train import NoiseSchedulerConfig, TrainConfig
 
 
 def qerl_sigma(step: int, total: int, cfg: NoiseSchedulerConfig) -> float:
@@ -29,6 +29,12 @@ def qerl_sigma(step: int, total: int, cfg: NoiseSchedulerConfig) -> float:
         return 0.0
     span = max(cfg.num_stages - 2, 1)
     return float(cfg.sigma_start * (cfg.sigma_end / cfg.sigma_start) ** ((stage - 1) / span))
+
+
+def qerl_noise(cfg: TrainConfig, step: int) -> tuple[float, int] | None:
+    """(sigma, seed) of policy `step`'s QeRL noise, None without noise (`qerl_sigma`)."""
+    sigma = qerl_sigma(step, cfg.max_steps, cfg.noise_scheduler)
+    return (sigma, cfg.seed) if sigma > 0 else None
 
 
 def norm_keys(model: Any) -> list[str]:
