@@ -320,8 +320,8 @@ def judge_run(res: Result, code: int, text: str, run_dir: Path, steps: int,
     if kls:
         res.figures["mismatch_kl max"] = max(k for k in kls if k is not None)
     if rows:
-        res.figures["reward first -> last"] = f"{rows[0].get('reward', float('nan')):.3f} -> " \
-                                               f"{rows[-1].get('reward', float('nan')):.3f}"
+        res.figures["reward first -> last"] = f"{rows[0].get('reward/mean', float('nan')):.3f} -> " \
+                                               f"{rows[-1].get('reward/mean', float('nan')):.3f}"
         peaks = [r.get("memory/peak_gb") for r in rows if r.get("memory/peak_gb") is not None]
         if peaks:
             res.figures["trainer peak GB"] = max(peaks)
