@@ -450,7 +450,7 @@ def check_shared_base(ctx: Ctx, res: Result) -> None:
     run_dir = ctx.work / "h_shared"
     code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "h_shared.log",
                       "--train.share_base_weights", "true", "--orch.max_steps", "10")
-    judge_run(res, code, text, run_dir, 10)
+    judge_run(res, code, text, run_dir, 10, on_policy_steps=1)
     if left := wait_gone(before):
         raise CheckFailed(f"processes left on the GPU: {sorted(left)}")
     ctx.shared["shared_base_ok"] = True
@@ -491,10 +491,19 @@ def check_sigkill_resume(ctx: Ctx, res: Result) -> None:
     res.figures["exit"] = code
     if code != 0:
         raise CheckFailed(f"--resume exited with {code}")
-    last = max((r["step"] for r in metrics(run_dir)), default=0)
+    rows = metrics(run_dir)
+    last = max((r["step"] for r in rows), default=0)
     res.figures["last step"] = last
     if last != 8:
         raise CheckFailed(f"the resumed run stopped at step {last}, not 8")
+    # The resumed orchestrator samples its first batch with the checkpoint's adapter and the trainer resumes from
+    # the same weights: an on-policy step with a trained (non-zero) LoRA adapter served by vLLM.
+    first = min((r for r in rows if r["step"] > res.figures["killed at step"]), key=lambda r: r["step"], default={})
+    kl = first.get("mismatch_kl")
+    res.figures["mismatch_kl at the first resumed step"] = kl
+    if kl is None or kl > MISMATCH_KL_MAX:
+        raise CheckFailed(f"mismatch_kl {kl} at the first resumed step (on-policy, trained adapter) > "
+                          f"{MISMATCH_KL_MAX}")
 
 
 def check_sglang(ctx: Ctx, res: Result) -> None:
@@ -527,13 +536,13 @@ CHECKS = (
     Check("a", "environment and vLLM features", check_env, 60, 60, 5),
     Check("b", "vLLM starts the bundled model with LoRA (cold)", check_vllm_lora_start, 200, 180, 60),
     Check("c", "bundled tidal grpo, no flags (20 steps) + warm start (d)", check_grpo_bundled, 220, None, 90),
-    Check("c2", "on-policy bundled run (max_async_level 0): LoRA served = trained", check_on_policy, 150, None,
+    Check("c2", "on-policy bundled run (max_async_level 0): LoRA served = trained", check_on_policy, 210, None,
           90),
     Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
     Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
     Check("g", "Qwen3-0.6B shape through tidal grpo: LoRA, merged", check_0_6b, 420, None, 200),
     Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
-    Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 200, None, 120),
+    Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 260, None, 150),
     Check("j", "SGLang backend", check_sglang, 200, None, 5),
 )
 
