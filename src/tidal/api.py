@@ -195,13 +195,16 @@ class GRPOTrainer:
         from tidal.cli import gpu_split_for
         from tidal.colocate.shared_weights import sharing_for
         from tidal.models.arch import read_arch
+        from tidal.models.routes import colocate_replay
 
         d = self.derived
         info = read_arch(resolve_model(self.model))
         try:
-            return derive_colocate(d.train, d.infer, d.orch, Machine.detect(),
+            machine = Machine.detect()
+            return derive_colocate(d.train, d.infer, d.orch, machine,
                                    gpu_split=gpu_split_for(d.train.model, calibrate=calibrate), moe=info.moe,
-                                   sharing=sharing_for(info.architecture))
+                                   sharing=sharing_for(info.architecture),
+                                   replay_routes=colocate_replay(d.train, d.infer.backend, info, machine.has_gpu))
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
 

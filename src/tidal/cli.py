@@ -25,6 +25,7 @@ from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
 from tidal.models.arch import read_arch
+from tidal.models.routes import colocate_replay
 from tidal.paths import configs_dir, find_run_dir, holds_run, metrics_path, rollouts_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
@@ -163,9 +164,11 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     info = read_arch(resolve_model(train.model))
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
+    machine = Machine.detect()
+    co = derive_colocate(train, infer, orch, machine, output_dir=args.output_dir, resume=args.resume,
                          gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
-                         sharing=sharing_for(info.architecture))
+                         sharing=sharing_for(info.architecture),
+                         replay_routes=colocate_replay(train, infer.backend, info, machine.has_gpu))
     from tidal.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts

