@@ -3,9 +3,9 @@
 Replaying the trainer's own routes gives exactly the unpatched model's logits; replacing one token's experts at
 one layer changes that token's logits and, when the layer is not the last, those of the later tokens of its own
 sequence (they attend to its hidden state in the layers above), nothing before it and nothing in another row;
-the replayed gate weights are (to float32's precision: the routers' softmax runs in float32) the float64 softmax of the router logits at the replayed experts, renormalised as
-the architecture does. The routes travel through TrainingBatch (safetensors) and packing, and a training step on
-a batch with routes reports router agreement 1 for the model's own routes.
+the replayed gate weights are (to float32's precision: the routers' softmax runs in float32) the float64 softmax
+of the router logits at the replayed experts, renormalised as the architecture does. The routes travel through
+the client, TrainingBatch (safetensors) and packing; the refusals exit 2.
 """
 
 from __future__ import annotations

@@ -26,13 +26,28 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
 from tidal.config.load import ConfigError
-from tidal.config.train import TrainConfig
-from tidal.models.arch import ArchInfo
+
+if TYPE_CHECKING:
+    from tidal.config.train import TrainConfig
+
+
+class ArchInfo(Protocol):
+    """What this module reads of `tidal.models.arch.ArchInfo` (not imported: it reaches transformers, and the
+    orchestrator imports this module)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def model_type(self) -> str: ...
+    @property
+    def moe(self) -> bool: ...
+
+    def describe(self) -> str: ...
 
 REPLAYABLE = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE"}
 """model_type -> name of the MoE architectures whose router tidal replays (transformers' `*TopKRouter`)."""

@@ -26,6 +26,7 @@ from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.envs.images import text_of
 from tidal.inference.protocol import Completion
+from tidal.models.routes import batch_routes
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.filters import Filters
@@ -33,7 +34,6 @@ from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.staleness import staleness, staleness_metrics
 from tidal.orchestrator.stats import rollout_metrics
-from tidal.models.routes import batch_routes
 from tidal.transport.batch import TrainingBatch
 
 RESERVED_METRICS = frozenset({"step", "loss", "grad_norm", "tokens", "policy_step", "learning_rate", "entropy",

@@ -26,6 +26,7 @@ from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
+from tidal.trainer import router_replay
 from tidal.trainer.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.attention.flex import compiled_graphs
 from tidal.trainer.broadcast import checkpoint_keys, publish_adapter
@@ -40,7 +41,6 @@ from tidal.trainer.distributed import (
     set_gradient_sync,
 )
 from tidal.trainer.health import MismatchGuard
-from tidal.trainer import router_replay
 from tidal.trainer.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.loss import LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.memory import peak_gib, reset_peak, train_footprint_gib
