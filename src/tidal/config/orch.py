@@ -251,7 +251,20 @@ class ClientSection(StrictModel):
     and evaluation prompts alike), e.g. `{enable_thinking: false}` for Qwen3. `tidal sft` renders its prompts
     with train `sft.chat_template_kwargs`: give both the same value."""
 
+    return_routed_experts: bool = False
+    """Ask the servers for each token's routed experts (they must run with infer `return_routed_experts`): completions
+    are requested from vLLM's token-in/token-out `/inference/v1/generate` (vLLM 0.24 returns routes there only), and
+    the batch carries the routes (`routed_experts`, uint8/int16 per token x layer x top_k) for train
+    `router_replay`. vLLM backend only; `tidal grpo` sets it when train `router_replay` resolves on."""
+
     _template_kwargs = field_validator("chat_template_kwargs")(check_chat_template_kwargs)
+
+    @model_validator(mode="after")
+    def _routes_backend(self) -> ClientSection:
+        if self.return_routed_experts and self.backend != "vllm":
+            raise ValueError("client.return_routed_experts: tidal's SGLang backend neither asks SGLang for routed "
+                             "experts nor reads them; use backend: vllm or set it false")
+        return self
 
 
 class BufferSection(StrictModel):

@@ -314,6 +314,14 @@ class TrainConfig(StrictModel):
     skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
     before; much more memory at long rows). Architectures the chunked path does not know use full logits
     anyway (a warning says so). `tidal sft` computes its (label-smoothed) loss the same way."""
+    router_replay: bool | Literal["auto"] = "auto"
+    """MoE router replay (R3, `tidal.trainer.model.router_replay`): the trainer's mixture-of-experts blocks route each
+    token to the experts vLLM routed it to (the batch's `routed_experts`), keeping the trainer's own gate weights
+    over them; metric `router/agreement` (share of token-layer routes where the trainer's own top-k equals vLLM's)
+    whenever a batch carries routes. `auto`: on for Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE models whose batches
+    carry routes (`tidal grpo` asks vLLM for them where it can return them: on GPUs, not on vLLM-CPU); `true`:
+    required (a dense model, another MoE architecture, or in `tidal grpo` an engine without routes exits 2; a batch
+    without routes stops the trainer); `false`: never replay (agreement is still measured when routes arrive)."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Activation checkpointing (transformers' `gradient_checkpointing_enable`, non-reentrant): keep only each
     decoder layer's input and recompute the layer in the backward. Much less activation memory for about a

@@ -52,6 +52,9 @@ class Completion:
     prompt_ids: list[int] | None = None
     """The prompt these tokens continue when the rollout changed it (an environment's `reset` observation);
     None: the group's prompt."""
+    routed_experts: Any = None
+    """(prompt + completion tokens - 1, layers, top_k) numpy integers: the experts the engine routed each token to
+    (orch `client.return_routed_experts`, MoE router replay: `tidal.models.routes`); None: not asked for."""
 
 
 def server_root(base_url: str) -> str:

@@ -26,6 +26,7 @@ from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.envs.images import text_of
 from tidal.inference.protocol import Completion
+from tidal.models.routes import batch_routes
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.filters import Filters
@@ -113,6 +114,8 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
                           policy_steps_end=np.array(ends if keep else [], dtype=np.int32),
                           truncated=np.array(truncated),
                           max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
+                          routed_experts=batch_routes([(n, c.routed_experts if c.mask is None else None)
+                                                       for n, (_, c) in zip(lengths, comps, strict=False)]),
                           **(image_arrays(prompts, groups, images) if keep and images else {}))
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
                "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": max(lag, int(starts != ends)),

@@ -37,6 +37,7 @@ from tidal.trainer.distributed import (
     set_gradient_sync,
 )
 from tidal.trainer.memory import peak_gib, reset_peak
+from tidal.trainer.model import router_replay
 from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
 from tidal.trainer.model.noise import qerl_noise
@@ -96,6 +97,7 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
     with torch.no_grad():
         for st in steps[1:]:
             for i in st.slots[ranks.rank]:
+                router_replay.use(model, micro[i].routed_experts)
                 old[i] = forward_logprobs(model, micro[i].input_ids, micro[i].position_ids, temperature,
                                           chunk_size=chunk, loss_mask=micro[i].loss_mask, images=micro[i].images,
                                           attention_mask=micro[i].mask_for(model))
@@ -120,6 +122,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     if lc.teacher_tau and batch.teacher_logprobs is None:
         raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
                          f"logprobs; configure the orchestrator's `teacher`")
+    router_replay.prepare(model, cfg.router_replay, batch.routed_experts is not None, batch.step)
     steps = plan([mb.input_ids.numel() for mb in micro], ranks.world, cfg.gradient_accumulation_steps,
                  cfg.steps_per_generation)
     max_len = batch.max_tokens or int(batch.lengths.max(initial=1))
@@ -140,6 +143,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             slots, real = st.slots[ranks.rank], st.real[ranks.rank]
             for j, (i, counted) in enumerate(zip(slots, real, strict=True)):
                 mb = micro[i]
+                router_replay.use(model, mb.routed_experts)  # kept through the backward (checkpoint recompute)
                 if it == 0:  # no-grad passes before the graph is built (FSDP: its backward follows its forward)
                     r = (_ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size, reference)
                          if lc.beta else None)
@@ -168,6 +172,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             opt.zero_grad(set_to_none=True)
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
+    out |= router_replay.step_metrics(model, lambda v: reduce_values(ranks, v))
     if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
         out["flex_graphs"] = compiled_graphs()
     return out

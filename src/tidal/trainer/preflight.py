@@ -67,3 +67,13 @@ def check_train(cfg: TrainConfig) -> None:
     check_lengths(cfg.model, config, {"train sequence_len": cfg.sequence_len}, cfg.rope_scaling)
     check_qerl(cfg)
     check_prompt_sharing(cfg)
+    check_router_replay(cfg)
+
+
+def check_router_replay(cfg: TrainConfig) -> None:
+    """`router_replay: true` on a model whose routes tidal cannot replay (dense, or another MoE architecture)."""
+    if cfg.router_replay is True:
+        from tidal.models.arch import read_arch
+        from tidal.models.routes import resolve_router_replay
+
+        resolve_router_replay(True, read_arch(resolve_model(cfg.model)), cfg.model, None)

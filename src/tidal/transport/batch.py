@@ -18,6 +18,9 @@ Images (prompts with images, `tidal.envs.images`): each distinct image once, as 
 sample's prompt holds (the completions of one prompt share them); `prompt_lengths` (per sample) is where each
 sample's prompt ends, so the trainer puts image features on the prompt's placeholder tokens only (a model may
 also sample a placeholder token in its completion). All five are present together or not at all.
+
+`routed_experts` (optional, MoE router replay): per token the experts the inference engine routed it to, (tokens,
+layers, top_k) uint8 or int16, `tidal.models.routes.no_route` where a token has none (`tidal.models.routes`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ _ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "infe
 _OPTIONAL = {"teacher_logprobs": np.float32, "policy_steps_end": np.int32}
 _IMAGES = {"image_data": np.uint8, "image_lengths": np.int64, "sample_images": np.int32,
            "sample_image_counts": np.int32, "prompt_lengths": np.int32}
+_ROUTES = "routed_experts"
+"""Optional (tokens, layers, top_k) uint8 | int16 array: its dtype travels as stored."""
 _PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs")
 _PER_SAMPLE = ("rewards", "policy_steps", "truncated")
 
@@ -65,6 +70,7 @@ class TrainingBatch:
     sample_image_counts: np.ndarray | None = None
     prompt_lengths: np.ndarray | None = None
     policy_steps_end: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.truncated is None:
@@ -72,6 +78,8 @@ class TrainingBatch:
         for name, dtype in (_ARRAYS | _OPTIONAL | _IMAGES).items():
             if getattr(self, name) is not None:
                 setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        if self.routed_experts is not None:
+            self.routed_experts = np.ascontiguousarray(self.routed_experts)
         self.validate()
 
     @property
@@ -90,6 +98,10 @@ class TrainingBatch:
         if n and self.lengths.min() < 1:
             raise ValueError("every sample needs at least one token")
         self._validate_images()
+        r = self.routed_experts
+        if r is not None and (r.ndim != 3 or len(r) != total or r.dtype not in (np.uint8, np.int16)):
+            raise ValueError(f"routed_experts must be (tokens={total}, layers, top_k) uint8 or int16, got {r.dtype} "
+                             f"{r.shape}")
 
     @property
     def has_images(self) -> bool:
@@ -147,7 +159,8 @@ class TrainingBatch:
     def _meta_arrays(self) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         meta = {"step": str(self.step), "temperature": repr(self.temperature), "max_tokens": str(self.max_tokens),
                 "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/2"}
-        return meta, {k: getattr(self, k) for k in _ARRAYS | _OPTIONAL | _IMAGES if getattr(self, k) is not None}
+        return meta, {k: getattr(self, k) for k in [*_ARRAYS, *_OPTIONAL, *_IMAGES, _ROUTES]
+                      if getattr(self, k) is not None}
 
     def to_bytes(self) -> bytes:
         """The same safetensors encoding as `save`, in memory (for the zmq transport)."""
@@ -170,7 +183,7 @@ class TrainingBatch:
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
                        **{k: arrays[k] for k in _ARRAYS},
-                       **{k: arrays[k] for k in _OPTIONAL | _IMAGES if k in arrays})
+                       **{k: arrays[k] for k in [*_OPTIONAL, *_IMAGES, _ROUTES] if k in arrays})
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt message
             raise BatchFormatError(f"corrupt or not a tidal batch: {exc}") from exc
 
@@ -185,7 +198,7 @@ class TrainingBatch:
                 if meta.get("format") != "tidal.TrainingBatch/2":
                     raise ValueError(f"format {meta.get('format')!r}, expected 'tidal.TrainingBatch/2'")
                 arrays = {k: f.get_tensor(k) for k in _ARRAYS}
-                arrays |= {k: f.get_tensor(k) for k in _OPTIONAL | _IMAGES if k in f.keys()}  # noqa: SIM118
+                arrays |= {k: f.get_tensor(k) for k in [*_OPTIONAL, *_IMAGES, _ROUTES] if k in f.keys()}  # noqa: SIM118
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
                        **arrays)

@@ -53,6 +53,9 @@ class MicroBatch:
     """(N,) the batch's image indices, in the order of their placeholders in the flattened rows (with images)."""
     images: Any = None
     """`tidal.trainer.model.vision.ImageInputs` of this micro-batch (set by the trainer; None: text only)."""
+    routed_experts: torch.Tensor | None = None
+    """(B, T, layers, top_k) int16 routes the inference engine took (-1: none; batches with routes only,
+    `tidal.trainer.model.router_replay`)."""
     shared_layout: bool = False
     """Rows hold shared prompts (see the module doc): the model gets `attention_mask`."""
 
@@ -207,6 +210,7 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         seq = np.full((len(group), width), -1, dtype=np.int64)
         tlp = np.zeros((len(group), width), dtype=np.float32) if teacher is not None else None
         prompt = np.zeros((len(group), width), dtype=bool) if batch.has_images else None
+        routes = _route_rows(batch, len(group), width)
         images: list[int] = []
         shared_rows = False
         for r, row in enumerate(group):
@@ -227,6 +231,8 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
                     if tlp is not None and teacher is not None:
                         tlp[r, at:at + n] = teacher[part]
                     seq[r, at:at + n] = i
+                    if routes is not None and batch.routed_experts is not None:
+                        routes[r, at:at + n] = _routes_of(batch.routed_experts[part])
                     if prompt is not None and batch.prompt_lengths is not None:
                         prompt[r, at:at + int(batch.prompt_lengths[i])] = True
                         images += batch.images_of(i)
@@ -236,9 +242,26 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         mb = MicroBatch(t[0], t[1], t[2], t[3], t[4], t[5], None if tlp is None else torch.from_numpy(tlp))
         if prompt is not None:
             mb.prompt_mask, mb.image_ids = torch.from_numpy(prompt), torch.tensor(images, dtype=torch.long)
+        if routes is not None:
+            mb.routed_experts = torch.from_numpy(routes)
         if shared_rows:
             mb.shared_layout = True  # its `attention_mask` is built where it is used
         out.append(mb)
+    return out
+
+
+def _route_rows(batch: TrainingBatch, rows: int, width: int) -> np.ndarray | None:
+    """(rows, width, layers, top_k) int16 routes, all -1 (no route), for a batch with routes; else None."""
+    if batch.routed_experts is None:
+        return None
+    return np.full((rows, width, *batch.routed_experts.shape[1:]), -1, dtype=np.int16)
+
+
+def _routes_of(stored: np.ndarray) -> np.ndarray:
+    """A batch's stored routes as int16 with -1 for no route (uint8 marks none with 255)."""
+    out = stored.astype(np.int16)
+    if stored.dtype == np.uint8:
+        out[stored == 255] = -1
     return out
 
 

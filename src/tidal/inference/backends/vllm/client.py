@@ -152,6 +152,8 @@ class VllmClient:
                      seed: int | None = None, extra: dict[str, Any] | None = None) -> list[Completion]:
         """`n` completions of `prompt_ids`, with token ids and sampled-token logprobs; `extra`: more vLLM
         sampling keys (repetition_penalty, min_tokens)."""
+        if self.cfg.return_routed_experts:
+            return await self._sample_routed(model, prompt_ids, n, max_tokens, temperature, seed, extra)
         url = f"{self.urls[next(self._rr)]}/completions"
         payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                                    "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
@@ -169,6 +171,38 @@ class VllmClient:
             texts = choice["logprobs"].get("tokens")
             comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or "",
                                     list(texts) if texts is not None and len(texts) == len(ids) else None))
+        return comps
+
+    async def _sample_routed(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                             seed: int | None, extra: dict[str, Any] | None) -> list[Completion]:
+        """`sample` through vLLM's token-in/token-out `/inference/v1/generate`, the route that returns each token's
+        routed experts in vLLM 0.24 (`tidal.models.routes`): token ids, logprobs and routes per completion; the
+        text from `/detokenize` (without the final token when it stopped the completion: the EOS that
+        `/v1/completions` leaves out of its text)."""
+        from tidal.models.routes import decode_routes
+
+        root = server_root(self.urls[next(self._rr)])
+        url = f"{root}/inference/v1/generate"
+        params: dict[str, Any] = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
+                                  "top_k": -1, "logprobs": 0, "skip_special_tokens": True, **(extra or {})}
+        if seed is not None:
+            params["seed"] = seed
+        out = await self._post(url, {"model": model, "token_ids": prompt_ids, "sampling_params": params})
+        comps = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            ids = list(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(ids) != len(content):
+                raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
+            if not choice.get("routed_experts"):
+                raise InferenceError(f"{url}: no routed_experts in the answer: start vLLM with infer "
+                                     "return_routed_experts: true (--enable-return-routed-experts)")
+            routes = decode_routes(choice["routed_experts"])
+            reason = choice.get("finish_reason") or ""
+            shown = ids[:-1] if reason == "stop" and ids and "stop" not in params else ids
+            text = (await self._post(f"{root}/detokenize", {"model": model, "tokens": shown}))["prompt"]
+            comps.append(Completion(ids, [float(c["logprob"]) for c in content], text, reason,
+                                    routed_experts=routes))
         return comps
 
     async def sample_chat(self, model: str, messages: list[dict[str, Any]], prompt_ids: list[int], n: int,

@@ -139,6 +139,12 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv += ["--hf-overrides", json.dumps({"rope_parameters": merged})]
     if worker_in_engine_threads(cfg, os.environ) is not None:
         argv += ["--distributed-executor-backend", "uni"]
+    if cfg.return_routed_experts:  # MoE router replay: routes come back from /inference/v1/generate
+        from tidal.inference.backends.vllm.support import has_source
+
+        argv.append("--enable-return-routed-experts")
+        if has_source("entrypoints/scale_out/factories.py", "--enable-scale-out"):  # vLLM > 0.24 hides that route
+            argv.append("--enable-scale-out")
     return argv + list(cfg.extra_args)
 
 
@@ -267,7 +273,12 @@ def serve(cfg: InferConfig) -> int:
     from tidal.inference.precision import check_lora_dtype
     from tidal.models.arch import check_cpu_moe_lora, read_arch
 
-    check_cpu_moe_lora(read_arch(resolve_model(cfg.model)), cfg.model, on_cpu(), cfg.enable_lora)
+    info = read_arch(resolve_model(cfg.model))
+    check_cpu_moe_lora(info, cfg.model, on_cpu(), cfg.enable_lora)
+    if cfg.return_routed_experts:
+        from tidal.models.routes import check_engine_routes
+
+        check_engine_routes(cfg.backend, on_cpu(), cfg.model, info)
     check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
     check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
     if cfg.export_base_weights and (on_cpu() or cfg.tp > 1 or cfg.dp > 1):
