@@ -21,6 +21,7 @@ import yaml
 
 from tidal.assets import resolve_model
 from tidal.colocate.shared_weights import sharing_for
+from tidal.colocate.teacher import derive_teacher, serves_teacher, with_teacher
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.config.colocate import Machine, derive_colocate, wire_colocate, with_resume
@@ -159,20 +160,50 @@ def gpu_split_for(model: str, calibrate: bool = True) -> Any:
                              measure_gib=measure if calibrate else None)
 
 
+def teacher_need_for(model: str) -> Any:
+    """`tidal.colocate.teacher.teacher_need` with the teacher model's config.json and parameter count bound."""
+    import functools
+    import json
+
+    from tidal.colocate.teacher import teacher_need
+    from tidal.trainer.memory import parameter_count
+
+    model_config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
+    return functools.partial(teacher_need, model_config=model_config, params=parameter_count(model_config))
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     info = read_arch(resolve_model(train.model))
+    machine = Machine.detect()
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=args.output_dir, resume=args.resume,
-                         gpu_split=gpu_split_for(train.model, calibrate=not args.dry_run), moe=info.moe,
-                         sharing=sharing_for(info.architecture))
+    split, teacher_need = gpu_split_for(train.model, calibrate=not args.dry_run), None
+    if serves_teacher(orch):  # tidal grpo serves orch teacher.model itself: its memory is reserved first
+        assert orch.teacher is not None
+        check_model(orch.teacher.model, "orch teacher")
+        teacher_need = teacher_need_for(orch.teacher.model) if machine.has_gpu else None
+        split = with_teacher(split, teacher_need) if teacher_need is not None else split
+    co = derive_colocate(train, infer, orch, machine, output_dir=args.output_dir, resume=args.resume,
+                         gpu_split=split, moe=info.moe, sharing=sharing_for(info.architecture))
+    from tidal.inference.vllm_support import has_kv_cache_memory_bytes
+
+    co, teacher = derive_teacher(co, machine.gpu_memory_gib, teacher_need,
+                                 kv_bytes_arg=machine.has_gpu and has_kv_cache_memory_bytes())
     from tidal.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
+    if teacher is not None:
+        from tidal.config.limits import check_lengths
+        from tidal.trainer.preflight import model_config
+
+        check_lengths(teacher.infer.model, model_config(teacher.infer.model),
+                      {"orch seq_len": co.orch.seq_len}, None)
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
         wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
+        if teacher is not None:
+            print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
         return 0
     place = co.placement
     if co.infer.backend == "sglang":  # before anything starts: no SGLang on a machine without CUDA
@@ -193,23 +224,28 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
             check_port_free(place.host, port)
+        if teacher is not None:
+            check_port_free(place.host, teacher.infer.port)
     except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
-    for notice in place.notices:
+    for notice in (*place.notices, *(teacher.notices if teacher is not None else ())):
         print(f"[tidal] {notice}", flush=True)
     if place.resuming:
         place.run_dir.mkdir(parents=True, exist_ok=True)
         print(f"[tidal] resuming the run in {place.run_dir}", flush=True)
     else:
         prepare_run_dir(place.run_dir)
-    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
+    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch,
+                                          **({"teacher": teacher.infer} if teacher is not None else {})})
     from tidal.launcher import run_colocate
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
                         infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
-                        infer_env=place.infer_env)  # shared base weights die with their vLLM
+                        infer_env=place.infer_env,  # shared base weights die with their vLLM
+                        teacher_health=teacher.health_url if teacher is not None else None,
+                        teacher_env=teacher.env if teacher is not None else None)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
