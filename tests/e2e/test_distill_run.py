@@ -37,6 +37,21 @@ def processes_with(text: str) -> list[int]:
     return out
 
 
+def group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` (field 5 of /proc/PID/stat)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(int(pid))
+    return out
+
+
+def server_groups(port: int) -> set[int]:
+    """Process groups of the vLLM API server(s) listening on `port` (`tidal grpo-infer` execs vLLM's server)."""
+    return {os.getpgid(pid) for pid in processes_with(f"--port {port} ") if pid != os.getpid()}
+
+
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -62,13 +77,18 @@ def test_tidal_grpo_starts_supervises_and_stops_the_teacher(tmp_path):
     started = threading.Event()
     reader = threading.Thread(target=read_lines, args=(proc, lines, started), daemon=True)
     reader.start()
-    teacher_cfg = str(run_dir / "configs" / "teacher.yaml")
+    groups: set[int] = set()
     try:
         assert started.wait(timeout=600), "".join(lines)[-4000:]
-        pids = processes_with(teacher_cfg)
-        assert pids, "no teacher server process"
-        os.killpg(os.getpgid(pids[0]), signal.SIGKILL)  # the teacher's group: its API server and engine
-        proc.wait(timeout=600)
+        teacher, policy = server_groups(port + 1), server_groups(port)
+        assert len(teacher) == 1 and len(policy) == 1, (teacher, policy)
+        groups |= teacher | policy
+        os.killpg(teacher.pop(), signal.SIGKILL)  # the teacher's group: its API server, engine and worker
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            groups |= server_groups(port + 1)  # the restarted teacher
+            time.sleep(0.5)
+        proc.wait(timeout=60)
         reader.join(timeout=10)
     finally:
         kill_group(proc)
@@ -81,8 +101,9 @@ def test_tidal_grpo_starts_supervises_and_stops_the_teacher(tmp_path):
     assert abs(rows[0]["teacher/reverse_kl"]) < 1e-3, rows[0]  # on-policy step 1: student = teacher
     assert all(r["teacher/latency_s"] > 0 for r in rows)
     assert rows[0]["inference_retries"] >= 1 or rows[1].get("inference_retries", 0) >= 1
+    assert len(groups) >= 3, groups  # the policy's server, the teacher's, the restarted teacher's
     time.sleep(1)
-    assert processes_with(teacher_cfg) == [] and processes_with(str(run_dir / "configs" / "infer.yaml")) == []
+    assert {g: group_members(g) for g in groups} == {g: [] for g in groups}, "processes left running"
     assert not port_in_use(port) and not port_in_use(port + 1)
 
 
