@@ -245,7 +245,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
                         infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
                         infer_env=place.infer_env,  # shared base weights die with their vLLM
                         teacher_health=teacher.health_url if teacher is not None else None,
-                        teacher_env=teacher.env if teacher is not None else None)
+                        teacher_env=teacher.env if teacher is not None else None,
+                        teacher_restarts=args.infer_restarts)  # the teacher shares nothing with the trainer
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:

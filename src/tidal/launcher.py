@@ -337,14 +337,16 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                  resume_hint: str | None = None, infer_restarts: int = 3,
                  infer_env: Mapping[str, str] | None = None,
                  orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
-                 teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None) -> int:
+                 teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
+                 teacher_restarts: int | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
     `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
     health endpoint of each inference server (infer `dp`), all waited for. With `configs["teacher"]` a teacher
     server (`tidal.colocate.teacher`) starts beside inference (`grpo-infer` on that config, log `logs/teacher.log`,
-    `teacher_env` added), is waited for at `teacher_health`, restarted like inference and stopped with the run."""
+    `teacher_env` added), is waited for at `teacher_health`, restarted like inference (up to `teacher_restarts`
+    times, None: `infer_restarts`) and stopped with the run."""
     health = [health_url] if isinstance(health_url, str) else list(health_url)
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
@@ -383,7 +385,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                       logs / "train.log", echo=True, emit=emit)
         children += [orch, train]
         restarter = InferRestarts(infer_argv, infer_env, infer_restarts)
-        teacher_restarter = InferRestarts(teacher_argv, teacher_env, infer_restarts)
+        teacher_restarter = InferRestarts(teacher_argv, teacher_env,
+                                          infer_restarts if teacher_restarts is None else teacher_restarts)
         while True:
             if infer.poll() is not None:
                 children.remove(infer)

@@ -117,3 +117,17 @@ def test_on_a_gpu_the_teacher_server_gets_the_share_the_split_reserved():
     assert server.infer.gpu_memory_utilization == share(t_need, 79.18) < 0.1
     assert server.infer.extra_args == ["--kv-cache-memory-bytes", str(t_need.kv_cache)]
     assert any("teacher vLLM" in n for n in server.notices)
+
+
+def test_tidal_grpo_dry_run_shows_the_teacher_server_and_refuses_a_missing_teacher_model(capsys):
+    from tidal.cli import main
+
+    assert main(["grpo", "--dry-run", "--orch.teacher.model", "tidal:tiny-reverse", "--infer.port", "8200",
+                 "--orch.advantage.type", "none", "--train.loss.teacher_tau", "1"]) == 0
+    out = capsys.readouterr().out
+    teacher = out.split("# --- teacher (served by tidal grpo at http://127.0.0.1:8201/v1) ---\n")[1]
+    assert "model: tidal:tiny-reverse\n" in teacher and "port: 8201\n" in teacher and "enable_lora: false" in teacher
+    assert main(["grpo", "--dry-run", "--orch.teacher.model", "/nonexistent/teacher"]) == 2
+    assert "orch teacher: key 'model'" in capsys.readouterr().err
+    assert main(["grpo", "--dry-run", "--orch.advantage.type", "none"]) == 2  # reward-free without a teacher term
+    assert "teacher_tau is 0" in capsys.readouterr().err
