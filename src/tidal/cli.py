@@ -103,10 +103,13 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.colocate.preflight import check_run
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
+    teacher = co.teacher
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
         wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
             print(f"# --- {name} ---\n{dump(cfg)}")
+        if teacher is not None:
+            print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
         return 0
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=args.infer_restarts)

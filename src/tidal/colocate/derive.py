@@ -47,12 +47,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tidal.colocate.sharing import apply_sharing
-from tidal.colocate.split import gpu_split
+from tidal.colocate.split import VllmNeed, gpu_split
+from tidal.colocate.teacher import (
+    TeacherServer,
+    notice,
+    reserved_gib,
+    serves_teacher,
+    share,
+    teacher_infer,
+    teacher_need,
+)
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
@@ -173,6 +182,8 @@ class Colocated:
     infer: InferConfig
     orch: OrchConfig
     placement: Placement
+    teacher: TeacherServer | None = None
+    """The teacher server `tidal grpo` starts (orch `teacher` without an address: `with_teacher`), else None."""
 
 
 def with_resume(cfg: C, resume: bool) -> C:
@@ -415,7 +426,7 @@ def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tup
 
 def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, machine: Machine,
                     output_dir: str | Path | None = None, resume: bool = False, model: ModelFacts | None = None,
-                    calibrate: bool = False) -> Colocated:
+                    calibrate: bool = False, teacher: ModelFacts | None = None) -> Colocated:
     """The configs `tidal grpo` writes for its children and their placement on `machine` (the arguments are left
     untouched). `model` (`ModelFacts.read`): its architecture resolves train `share_base_weights` before the memory
     split (`tidal.colocate.sharing.apply_sharing`; without it `true` is refused); `moe`: a mixture of experts, which
@@ -423,8 +434,10 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     (`tidal.colocate.split.gpu_split`: vLLM sized by need, the trainer the rest, `gradient_checkpointing: auto`
     decided; with `calibrate`, the trainer's peak measured on the GPU first), not done when infer.yaml sets
     `gpu_memory_utilization`; train `router_replay` resolved on for this model, engine and machine
-    (`tidal.models.routes`): vLLM returns routed experts and the orchestrator asks for them. Pure when `calibrate`
-    is false. Raises `ConfigError` for configs that cannot run together."""
+    (`tidal.models.routes`): vLLM returns routed experts and the orchestrator asks for them. `teacher`
+    (`ModelFacts.read` of orch `teacher.model`, when `tidal grpo` serves it): on a GPU its server's need is reserved
+    before the split, and the result carries the teacher server (`with_teacher`). Pure when `calibrate` is false.
+    Raises `ConfigError` for configs that cannot run together."""
     train, infer, orch = wire_colocate(train, infer, orch, output_dir, resume)
     if model is not None and model.arch is not None and colocate_replay(train, infer.backend, model.arch,
                                                                         machine.has_gpu):
@@ -474,13 +487,48 @@ def derive_colocate(train: TrainConfig, infer: InferConfig, orch: OrchConfig, ma
     infer, precision = couple_precision(train, infer, device)
     if precision:
         notices.append(precision)
+    t_need = None
+    if device == "cuda" and machine.gpu_memory_gib and serves_teacher(orch) and teacher and teacher.config:
+        t_need = teacher_need(teacher_infer(infer, orch), orch, machine.gpu_memory_gib, model_config=teacher.config)
     if (device == "cuda" and machine.gpu_memory_gib and model is not None and model.config is not None
             and "gpu_memory_utilization" not in infer.model_fields_set):
         t, i, split_note = gpu_split(train, infer, orch, machine.gpu_memory_gib, model_config=model.config,
-                                     kv_bytes_arg=machine.vllm_kv_cache_memory_bytes, calibrate=calibrate)
+                                     kv_bytes_arg=machine.vllm_kv_cache_memory_bytes, calibrate=calibrate,
+                                     reserved_gib=reserved_gib(t_need, machine.gpu_memory_gib) if t_need else 0.0)
         train, infer = train.model_copy(update=t), infer.model_copy(update=i)
         notices.append(split_note)
-    return place(machine, train, infer, orch, device, notices)
+    return with_teacher(place(machine, train, infer, orch, device, notices), machine.gpu_memory_gib, t_need,
+                        kv_bytes_arg=machine.vllm_kv_cache_memory_bytes)
+
+
+def with_teacher(co: Colocated, gpu_memory_gib: float | None = None, need: VllmNeed | None = None,
+                 kv_bytes_arg: bool = False) -> Colocated:
+    """The run with the teacher server `tidal grpo` starts (`Colocated.teacher`; orch `teacher.base_url` pointed at
+    it), or `co` unchanged when orch names no teacher or gives its address (`tidal.colocate.teacher`). On a GPU of
+    `gpu_memory_gib`, `need` (`teacher_need`, reserved before the split) is the teacher's `gpu_memory_utilization`
+    (and `--kv-cache-memory-bytes` when `kv_bytes_arg`)."""
+    if not serves_teacher(co.orch):
+        return co
+    assert co.orch.teacher is not None
+    train, infer, place_ = co.train, co.infer, co.placement
+    if place_.device == "cuda" and (train.gpus > 1 or infer.dp * infer.tp > 1):
+        raise ConfigError(f"orch teacher.base_url is null (tidal grpo starts the teacher) but the run uses several "
+                          f"GPUs (train gpus {train.gpus}, infer dp x tp {infer.dp} x {infer.tp}): tidal grpo places "
+                          f"a teacher server on one shared GPU only; start it yourself (tidal grpo-infer --model "
+                          f"{co.orch.teacher.model} --infer.port PORT) and set orch teacher.base_url")
+    t_infer = teacher_infer(infer, co.orch)
+    notices = [f"teacher: serving {t_infer.model} on port {t_infer.port} (log: logs/teacher.log)"]
+    if place_.device == "cuda" and gpu_memory_gib and need is not None:
+        update: dict[str, Any] = {"gpu_memory_utilization": share(need, gpu_memory_gib)}
+        if kv_bytes_arg:
+            update["extra_args"] = ["--kv-cache-memory-bytes", str(need.kv_cache)]
+        t_infer = t_infer.model_copy(update=update)
+        notices.append(f"GPU: {notice(need, gpu_memory_gib)}")
+    url = client_url(t_infer)
+    orch = co.orch.model_copy(update={"teacher": co.orch.teacher.model_copy(update={"base_url": url})})
+    server = TeacherServer(infer=t_infer, base_url=url, health_url=f"{url.removesuffix('/v1')}/health",
+                           env=dict(place_.infer_env), notices=tuple(notices))
+    return replace(co, orch=orch, teacher=server)
 
 
 def place(machine: Machine, train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: Literal["cpu", "cuda"],

@@ -10,7 +10,8 @@ start, so no refusal can come after vLLM was started.
   sharing);
 - the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
   custom advantage function and the eval environments are built once and dropped;
-- across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise).
+- across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise);
+  orch `advantage.type: none` (reward-free distillation) needs `loss.teacher_tau > 0`.
 Each raises `ConfigError` (the CLI exits 2; the Python API raises it as a `ValueError`).
 """
 
@@ -43,11 +44,16 @@ def check_trainer_side(train: TrainConfig) -> None:
 
 
 def check_teacher(train: TrainConfig, orch: OrchConfig) -> None:
-    """Distillation (train `loss.teacher_tau > 0`) needs the teacher's logprobs in every batch (orch `teacher`)."""
+    """Distillation (train `loss.teacher_tau > 0`) needs the teacher's logprobs in every batch (orch `teacher`), and
+    a reward-free run (orch `advantage.type: none`) needs the teacher term."""
     if train.loss.teacher_tau > 0 and orch.teacher is None:
         raise ConfigError(f"train loss.teacher_tau is {train.loss.teacher_tau} but orch teacher is not set: the "
                           f"batches would carry no teacher logprobs; set orch teacher (base_url, model) or "
                           f"loss.teacher_tau: 0")
+    if orch.advantage.type == "none" and train.loss.teacher_tau <= 0:
+        raise ConfigError("orch advantage.type is 'none' (reward-free) but train loss.teacher_tau is 0: no token "
+                          "would carry any signal; set loss.teacher_tau > 0 (e.g. 1.0) and orch teacher, or use "
+                          "advantage.type: default")
 
 
 def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_funcs: list[Any] | None = None,

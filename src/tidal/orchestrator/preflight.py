@@ -57,6 +57,18 @@ def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None,
         raise ConfigError(f"orch: {exc}") from None
 
 
+def teacher_url(cfg: OrchConfig) -> str:
+    """orch `teacher.base_url`; `ConfigError` when it is null outside `tidal grpo` (which starts the teacher)."""
+    assert cfg.teacher is not None
+    if cfg.teacher.base_url is None:
+        raise ConfigError(f"orch teacher.base_url is null, which only `tidal grpo` serves (it starts a teacher "
+                          f"server for teacher.model itself); grpo-orch needs the address of a running teacher "
+                          f"server: start one with `tidal grpo-infer --model {cfg.teacher.model} --infer.port PORT` "
+                          f"(docs/algorithms.md, on-policy distillation) and set teacher.base_url: "
+                          f"http://HOST:PORT/v1")
+    return cfg.teacher.base_url
+
+
 def served_elsewhere(cfg: OrchConfig) -> bool:
     """Some environment of the run (training or eval) runs in a server of its own."""
     sections = [*cfg.env, *(cfg.eval.env if cfg.eval is not None else [])]
@@ -65,7 +77,10 @@ def served_elsewhere(cfg: OrchConfig) -> bool:
 
 def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> None:
     """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and drop them.
-    With environments served elsewhere only the filters and the custom advantage function are built."""
+    With environments served elsewhere only the filters and the custom advantage function are built. A teacher
+    needs an address (`teacher_url`)."""
+    if cfg.teacher is not None:
+        teacher_url(cfg)
     if served_elsewhere(cfg):
         try:
             Filters(cfg.filters, cfg.model.name)

@@ -159,10 +159,11 @@ class Scorer:
         self.weights = [cfg.env_reward_weight] * len(self.scored) + func_weights
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"reward function names must be unique, got {self.names} (set reward_funcs[].name)")
-        if not self.names and not self.skip:
+        if not self.names and not self.skip and cfg.advantage.type != "none":
             raise ValueError(f"nothing scores the completions: environment(s) {', '.join(self.envs)} have no reward "
                              f"of their own (e.g. id 'dataset'); add reward functions (orch reward_funcs, or "
-                             f"GRPOTrainer(reward_funcs=...))")
+                             f"GRPOTrainer(reward_funcs=...)), or train reward-free (advantage.type: none with a "
+                             f"teacher: docs/algorithms.md)")
 
     def score(self, example: Example, comps: list[Completion], step: int) -> np.ndarray:
         """(G, K) rewards of one group; NaN where a function returned None, `reward_default` where it failed."""
