@@ -41,7 +41,7 @@ def drive(url: str, key: str, unembed: bool, figures: dict[str, Any]) -> None:
     ex = env.sample(random.Random(0))
     prompt = list(tok.apply_chat_template(ex.prompt, tokenize=True, add_generation_prompt=True)["input_ids"])
     params = types.SamplingParams(max_tokens=24, temperature=1.0, seed=1)
-    sampler0 = service.create_sampling_client(model_path=tc.save_weights_for_sampler("step-0").result().path)
+    sampler0 = service.create_sampling_client(model_path=tc.save_weights_for_sampler("step-0").result().path).result()
     seqs = sampler0.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
     figures["first sample s"] = round(time.monotonic() - started, 1)
     rewards = [env.reward(ex, tok.decode(s.tokens, skip_special_tokens=True)) for s in seqs]
@@ -67,7 +67,7 @@ def drive(url: str, key: str, unembed: bool, figures: dict[str, Any]) -> None:
     gaps = [abs(a - b) for s, out in zip(seqs, is_out.loss_fn_outputs, strict=True)
             for a, b in zip(s.logprobs, out["logprobs"].to_numpy()[len(prompt) - 1:], strict=True)]
     figures["vLLM vs trainer logprob max |d| (step 0)"] = float(f"{max(gaps):.3g}")
-    sampler1 = service.create_sampling_client(model_path=tc.save_weights_for_sampler("step-1").result().path)
+    sampler1 = service.create_sampling_client(model_path=tc.save_weights_for_sampler("step-1").result().path).result()
     again = sampler1.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
     figures["sampled logprobs step 0 -> 1 (first seq, 4 tokens)"] = [
         [round(x, 3) for x in seqs[0].logprobs[:4]], [round(x, 3) for x in again[0].logprobs[:4]]]

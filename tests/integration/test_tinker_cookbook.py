@@ -102,8 +102,8 @@ def test_cookbook_rl_loop(server, tmp_path):
     url, _ = server
     service = tinker.ServiceClient(base_url=url, api_key=KEY)
     try:
-        trained = service.create_sampling_client(model_path=final["sampler_path"])
-        base = service.create_sampling_client(base_model=model)
+        trained = service.create_sampling_client(model_path=final["sampler_path"]).result()
+        base = service.create_sampling_client(base_model=model).result()
         tokens = types.ModelInput.from_ints([1, 34, 47, 34, 36, 2, 101, 1, 16, 34, 34, 24, 34, 35, 16, 29, 35, 101, 4])
         lp_trained, lp_base = trained.compute_logprobs(tokens).result(), base.compute_logprobs(tokens).result()
         assert max(abs(a - b) for a, b in zip(lp_trained[1:], lp_base[1:], strict=True)) > 1e-3
