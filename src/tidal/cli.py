@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="the trainer's device (default auto)")
     t.add_argument("--vllm-port", dest="vllm_port", type=int, help="port of the vLLM it starts (default: free)")
     t.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="highest LoRA rank (default 32)")
+    t.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                   help="run vLLM without torch.compile and CUDA graphs (a faster start on a GPU)")
     return p
 
 

@@ -1,13 +1,15 @@
 """`make gpu-check` cannot rot: its CPU mode runs in the default suite (issue 33).
 
 The CPU mode runs the checks that mean something on CPU (environment and vLLM's features, vLLM started with the
-trainer's LoRA targets and an adapter loaded and applied, the trainer benchmark as a 1-layer smoke) and writes the
+trainer's LoRA targets and an adapter loaded and applied, `tidal serve-tinker` driven by the tinker SDK, the trainer
+benchmark as a 1-layer smoke) and writes the
 same report the GPU mode does. The check runner itself: a failing or crashing check does not stop the next one, and
 a check the deadline leaves no room for is reported as not reached.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -27,9 +29,13 @@ def test_cpu_mode_runs_and_reports(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| check")}
     assert rows["a"] == rows["b"] == rows["e"] == "pass", rows
+    # t: serve-tinker driven by the SDK (skipped only where the optional `tinker` extra is not installed)
+    assert rows["t"] == ("pass" if importlib.util.find_spec("tinker") else "skipped"), rows
     assert all(rows[k] == "skipped" for k in ["c", "c2", *"fghijk"]), rows
     text = out.read_text()
     assert "ready_s" in text and "--lora-target-modules" in text and "Qwen3-0.6B" in text
+    if importlib.util.find_spec("tinker"):
+        assert "cross_entropy loss:sum" in text and "logprob change of the step-0 tokens" in text
 
 
 def test_a_failure_does_not_stop_the_next_check_and_the_deadline_is_kept(tmp_path):

@@ -30,3 +30,21 @@ def test_without_the_extra_it_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tinker", None)  # as if `tinker` were not installed
     assert main(["serve-tinker", "--port", "1"]) == 2
     assert "pip install 'tidal[tinker]'" in capsys.readouterr().err
+
+
+def test_enforce_eager_reaches_vllms_argv():
+    """`--enforce-eager` -> the config -> infer `enforce_eager` -> vLLM's `--enforce-eager` (off by default)."""
+    import argparse
+
+    from tidal.cli import build_parser
+    from tidal.inference.backends.vllm.server import vllm_argv
+    from tidal.tinker.serve import infer_config
+
+    def argv_of(cli: list[str]) -> list[str]:
+        args: argparse.Namespace = build_parser().parse_args(["serve-tinker", *cli])
+        cfg = TinkerServeConfig(**{k: v for k, v in vars(args).items() if k in TinkerServeConfig.model_fields
+                                   and v is not None})
+        return vllm_argv(infer_config(cfg, 8123))
+
+    assert "--enforce-eager" in argv_of(["--enforce-eager"])
+    assert "--enforce-eager" not in argv_of([])

@@ -88,3 +88,29 @@ def test_sample_response_decodes_in_the_sdk():
                                               [(5, pytest.approx(-0.3)), (6, pytest.approx(-1.0))]]
     assert got.prompt_logprobs == [None, -1.5, -0.25]
     assert got.topk_prompt_logprobs is not None and got.topk_prompt_logprobs[0][0][0] == 3
+
+
+def test_provenance_spans_are_checked_then_ignored():
+    """tinker-cookbook's RL loop attaches provenance to every datum (any loss): tidal reads past it, after checking
+    that each span list tiles its field, as the SDK's `with_provenance` promises."""
+    plain = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "logprobs": [0.0, 0.0, -1.0, -2.0],
+                                        "advantages": [0.0, 0.0, 1.0, 1.0]})
+    spanned = plain.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s0", length=3),
+                     types.SampledProvenanceSpan(sequence_id="s0", length=1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s0", offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id="s0", length=2)])
+    got, want = decode_fwdbwd(sdk_body([spanned], "importance_sampling")), decode_fwdbwd(sdk_body([plain]))
+    assert got.data[0].tokens == want.data[0].tokens
+    for k in want.data[0].inputs:
+        np.testing.assert_array_equal(got.data[0].inputs[k], want.data[0].inputs[k])
+    msg = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[spanned], loss_fn="importance_sampling"),
+        model_id="s:train:0", seq_id=1))
+    msg.data[0].loss_fn_input_spans[1].sampled_tokens.length = 3  # now covers 5 of the 4 targets
+    with pytest.raises(WireError, match="loss_fn_inputs provenance spans cover 5 positions, the field has 4"):
+        decode_fwdbwd(msg.SerializeToString())
+    del msg.data[0].loss_fn_input_spans[:]
+    with pytest.raises(WireError, match="as a pair"):
+        decode_fwdbwd(msg.SerializeToString())

@@ -47,6 +47,10 @@ class TinkerServeConfig(StrictModel):
     """vLLM-CPU's KV cache (GiB)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM's share of the GPU; the trainer shares the same GPU."""
+    enforce_eager: bool = False
+    """Run the vLLM it starts eagerly (infer `enforce_eager`: no torch.compile, no CUDA graphs): on a GPU a start
+    ~80 s shorter for slower decoding (`make gpu-check`'s `t` uses it); on CPU with LoRA vLLM compiles nothing
+    anyway."""
 
     @field_validator("api_key")
     @classmethod

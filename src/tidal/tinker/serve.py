@@ -84,7 +84,7 @@ def infer_config(cfg: TinkerServeConfig, port: int) -> Any:
     return InferConfig(model=cfg.model, host="127.0.0.1", port=port, enable_lora=True,
                        max_lora_rank=round_lora_rank(cfg.max_lora_rank), max_loras=cfg.max_loras,
                        max_model_len=cfg.max_model_len, cpu_kvcache_space_gib=cfg.cpu_kvcache_space_gib,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization)
+                       gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
 
 
 def sampler_targets(facts: ModelFacts) -> list[str]:

@@ -7,7 +7,8 @@ This module turns those messages into plain typed records (`FwdBwdRequest`, `Dat
 and knows nothing of torch or of the server. Tensors: dense or sparse CSR (the SDK sparsifies 2-D `target_tokens`
 and `weights` when that is smaller; unlisted cells are 0), float32 / int64 / int32 / bfloat16. Model inputs: token
 chunks only; an image or audio chunk is refused (`WireError`), as is a zstd-compressed body (tidal's client config
-never asks the SDK to compress).
+never asks the SDK to compress). Provenance spans are checked and then not used (only `stable_reinforce`, which tidal
+refuses, reads them).
 """
 
 from __future__ import annotations
@@ -88,6 +89,25 @@ def decode_tensor(msg) -> np.ndarray:  # type: ignore[no-untyped-def]
     return arr.copy()
 
 
+def _check_provenance(i: int, d, n_tokens: int, inputs: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+    """Provenance spans (`Datum.with_provenance`; tinker-cookbook's RL loop attaches them to every datum) say which
+    sampled sequence each position came from. Only `stable_reinforce` reads them, and tidal refuses that loss, so
+    they are checked (both lists or neither, each tiling its field, as the SDK's `with_provenance` requires) and
+    otherwise not used."""
+    spans, loss_spans = list(d.model_input_spans), list(d.loss_fn_input_spans)
+    if not spans and not loss_spans:
+        return
+    if not spans or not loss_spans:
+        raise WireError(f"datum {i}: provenance comes as a pair (model_input_spans and loss_fn_input_spans)")
+    targets = inputs.get("target_tokens")
+    for name, field_spans, want in (("model_input", spans, n_tokens),
+                                    ("loss_fn_inputs", loss_spans, None if targets is None else len(targets))):
+        lengths = [getattr(s, s.WhichOneof("span") or "prompt_tokens").length for s in field_spans]
+        if any(n < 0 for n in lengths) or (want is not None and sum(lengths) != want):
+            raise WireError(f"datum {i}: {name} provenance spans cover {sum(lengths)} positions, the field has "
+                            f"{want}")
+
+
 def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdRequest:
     """The protobuf body of `/api/v1/forward_backward` -> `FwdBwdRequest`."""
     if content_encoding and content_encoding.lower() not in ("identity",):
@@ -113,9 +133,9 @@ def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdReq
                 raise WireError(f"datum {i}: model_input chunk of type {kind!r}; tidal's Tinker server takes token "
                                 "chunks (EncodedTextChunk) only")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        if len(d.model_input_spans) or len(d.loss_fn_input_spans):
-            raise WireError(f"datum {i}: provenance spans (stable_reinforce) are not supported by tidal")
-        data.append(Datum(tokens, {k: decode_tensor(v) for k, v in d.loss_fn_inputs.items()}))
+        inputs = {k: decode_tensor(v) for k, v in d.loss_fn_inputs.items()}
+        _check_provenance(i, d, len(tokens), inputs)
+        data.append(Datum(tokens, inputs))
     return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
 
 
