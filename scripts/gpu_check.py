@@ -628,6 +628,8 @@ CHECKS = (
     Check("c", "bundled tidal grpo, no flags (20 steps) + warm start (d)", check_grpo_bundled, 220, None, 90),
     Check("c2", "on-policy bundled run (max_async_level 0): LoRA served = trained", check_on_policy, 210, None,
           90),
+    Check("k", "MoE router replay: vLLM returns routes, tidal grpo replays them", check_router_replay, 170, None,
+          60),
     Check("t", "serve-tinker driven by the tinker SDK (LoRA, IS + CE, optim, sample)", check_tinker, 240, 240, 90),
     Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
     Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
@@ -635,8 +637,6 @@ CHECKS = (
     Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
     Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 260, None, 150),
     Check("j", "SGLang backend", check_sglang, 200, None, 5),
-    Check("k", "MoE router replay: vLLM returns routes, tidal grpo replays them", check_router_replay, 120, None,
-          60),
 )
 
 
