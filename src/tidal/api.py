@@ -224,6 +224,7 @@ class GRPOTrainer:
         from tidal.launcher import run_colocate
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
+        from tidal.startup import start_plan
 
         co = self.colocated  # derived and checked by the constructor (`preflight`)
         if co.placement.device == "cuda":  # now the GPU split may measure the trainer (one step, before vLLM)
@@ -245,7 +246,8 @@ class GRPOTrainer:
 
         code = run_colocate(sys.executable, place.run_dir, paths, place.health_urls,
                             infer_start_timeout_s=self.args.vllm_server_timeout, max_steps=orch.max_steps,
-                            infer_env=place.infer_env, orchestrator=orchestrate)
+                            infer_env=place.infer_env, orchestrator=orchestrate,
+                            plan=start_plan(place.device))  # on CPU: orchestrator and trainer start with vLLM
         if code == 130:
             raise KeyboardInterrupt
         if code != 0:

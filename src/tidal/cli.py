@@ -204,12 +204,14 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         prepare_run_dir(place.run_dir)
     paths = write_configs(place.run_dir, {"train": co.train, "infer": co.infer, "orch": co.orch})
     from tidal.launcher import run_colocate
+    from tidal.startup import start_plan
 
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     return run_colocate(sys.executable, place.run_dir, paths, place.health_urls, live=live,
                         max_steps=co.orch.max_steps, resume_hint=resume_hint(sys.argv[1:]),
                         infer_restarts=0 if co.train.share_base_weights is True else args.infer_restarts,
-                        infer_env=place.infer_env)  # shared base weights die with their vLLM
+                        infer_env=place.infer_env,  # shared base weights die with their vLLM
+                        plan=start_plan(place.device, args.startup))
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -275,6 +277,15 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return 0
     from tidal.trainer import distributed, grpo
 
+    if args.start_gate:  # started with vLLM by `tidal grpo` on a GPU: imports done, CUDA untouched (tidal.startup)
+        setup_logging("[train]")
+        from tidal.startup import wait_for_gate
+
+        try:
+            wait_for_gate(Path(args.start_gate), cfg.batch_timeout_s)
+        except TimeoutError as exc:
+            logging.getLogger("tidal.trainer").error("stopping: %s", exc)
+            return 1
     if cfg.gpus > 1 and not distributed.under_rendezvous():  # become the agent of `gpus` ranks of this command
         setup_logging("[train]")
         from tidal.reaper import start_reaper
@@ -393,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "`model`, infer `model`, orch `model.name`): tidal:NAME, a local directory or a Hub id")
     g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
                    help="restart the inference server up to N times if it dies (default 3)")
+    g.add_argument("--startup", choices=("auto", "sequential"), default="auto",
+                   help="auto: on CPU the orchestrator and trainer start with vLLM, on a GPU the trainer imports "
+                        "with it and builds its model once vLLM is up; sequential: both start once vLLM answers "
+                        "/health (the order before; a baseline for benchmarks)")
+    sub.choices["grpo-train"].add_argument(
+        "--start-gate", metavar="FILE", help="wait until FILE exists before building the model (tidal grpo sets it "
+        "on a GPU: vLLM sizes its memory first)")
     e = sub.add_parser("env-server", help="serve an environment over HTTP (for orch env[].address)")
     e.add_argument("env_id", help="registered id or package.module:Class")
     e.add_argument("--args", default="{}", help="environment arguments as JSON")

@@ -1,11 +1,14 @@
 """Co-locate mode (`tidal grpo`): run inference, orchestrator and trainer as supervised child processes.
 
 Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`; with infer `dp: N` one `tidal grpo-infer`
-child runs N servers, their lines prefixed `[dp{i}:{port}]`), then the orchestrator and the trainer once every
-server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
-`logs/`. Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is
-stopped. If inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its
-requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
+child runs N servers, their lines prefixed `[dp{i}:{port}]`); the orchestrator and the trainer start with it or
+once every server answers `/health`, as `tidal.startup.start_plan` says (on CPU with it; on a GPU the trainer
+imports with it and builds its model after `/health`); their output is echoed with a `[orch]`/`[train]` prefix and
+kept in `logs/`. The launcher prints vLLM's start-up phases when it is ready and the run's milestones (orchestrator
+and trainer ready, first batch) when the first step is done.
+Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is stopped. If
+inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its requests and
+loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
 that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
 (killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
@@ -38,8 +41,9 @@ from typing import Any
 
 import httpx
 
-from tidal.paths import logs_dir, metrics_path
+from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
 from tidal.reaper import signal_group, start_reaper, stop_groups
+from tidal.startup import SEQUENTIAL, Milestones, StartPlan
 
 STOP_TIMEOUT_S = 20.0
 HEALTH_POLL_S = 0.1
@@ -225,12 +229,17 @@ def stop_all(children: list[Component]) -> None:
     stop_groups(children, STOP_TIMEOUT_S)
 
 
-def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) -> None:
-    """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers)."""
+def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float,
+                 watch: Sequence[Component] = ()) -> None:
+    """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers); `watch`: components started
+    with it (`tidal.startup`), whose failure ends the wait."""
     start, waiting = time.monotonic(), [urls] if isinstance(urls, str) else list(urls)
     while time.monotonic() - start < timeout_s:
         if infer.poll() is not None:
             raise ComponentFailed(infer, "exited while starting")
+        for c in watch:
+            if c.poll() not in (None, 0):
+                raise ComponentFailed(c, f"exited with code {c.poll()} while vLLM was starting")
         for url in list(waiting):
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=2.0).status_code == 200:
@@ -327,12 +336,45 @@ class InferRestarts:
         return Child("infer", self.argv, dead.log_path, echo=False, env=self.env)
 
 
+class Starter:
+    """Starts the orchestrator and the trainer, each either with vLLM (`early`) or after `/health`, as `plan` says;
+    their log lines feed `milestones`."""
+
+    def __init__(self, cli: list[str], run_dir: Path, configs: dict[str, Path], plan: StartPlan,
+                 milestones: Milestones, emit: Callable[[str, str], None] | None, echo_inproc: bool,
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None) -> None:
+        self.cli, self.run_dir, self.configs, self.plan = cli, run_dir, configs, plan
+        self.milestones, self.emit, self.echo_inproc, self.orchestrator = milestones, emit, echo_inproc, orchestrator
+        self.orch: Component | None = None
+        self.train: Component | None = None
+
+    def start(self, early: bool) -> list[Component]:
+        """Start the components whose turn it is (`early`: with vLLM); returns them."""
+        started: list[Component] = []
+        logs, run = logs_dir(self.run_dir), ["--output-dir", str(self.run_dir)]
+        if self.plan.orch_early == early:
+            self.orch = (InProcess("orch", self.orchestrator, logs / "orch.log", echo=self.echo_inproc)
+                         if self.orchestrator is not None else
+                         Child("orch", [*self.cli, "grpo-orch", str(self.configs["orch"]), *run], logs / "orch.log",
+                               echo=True, emit=self.emit, on_line=lambda line: self.milestones.feed("orch", line)))
+            started.append(self.orch)
+        if self.plan.train_early == early:
+            gate = ["--start-gate", str(infer_ready_path(self.run_dir))] if early and self.plan.train_gated else []
+            self.train = Child("train", [*self.cli, "grpo-train", str(self.configs["train"]), *run, *gate],
+                               logs / "train.log", echo=True, emit=self.emit,
+                               on_line=lambda line: self.milestones.feed("train", line))
+            started.append(self.train)
+        return started
+
+
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3,
                  infer_env: Mapping[str, str] | None = None,
-                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None) -> int:
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
+                 plan: StartPlan | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
+    `plan`: which components start with vLLM (`tidal.startup.start_plan`; None: both after `/health`).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
     `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
@@ -342,6 +384,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     cli = [python, "-m", "tidal.cli"]
     start_reaper()  # if this launcher is killed outright, nothing it started survives it
     children: list[Component] = []
+    milestones_told = False
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
     # as ignored, and Ctrl-C / SIGINT must still stop the run. (Only the main thread may install handlers.)
     previous = ({sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -352,23 +395,30 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         board.live.start()
     try:
         infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
+        gate = infer_ready_path(run_dir)
+        gate.unlink(missing_ok=True)  # a resumed run's gate is from its previous start
         clock = StartupClock()
+        milestones = Milestones(clock.start)
         infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env, on_line=clock.feed)
         children.append(infer)
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
-        wait_healthy(health, infer, infer_start_timeout_s)
+        starter = Starter(cli, run_dir, configs, plan or SEQUENTIAL, milestones, emit, board is None, orchestrator)
+        early = starter.start(early=True)
+        children += early
+        wait_healthy(health, infer, infer_start_timeout_s, watch=early)
+        write_atomic(gate, "ready\n")  # a gated trainer (GPU) now builds its model
         ready_s = time.monotonic() - clock.start
-        print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); starting orchestrator "
-              "and trainer", flush=True)
-        orch: Component = (
-            InProcess("orch", orchestrator, logs / "orch.log", echo=board is None) if orchestrator is not None else
-            Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)], logs / "orch.log",
-                  echo=True, emit=emit))
-        train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
-                      logs / "train.log", echo=True, emit=emit)
-        children += [orch, train]
+        milestones.mark("vLLM ready")
+        print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); "
+              f"{starter.plan.describe()}", flush=True)
+        children += starter.start(early=False)
+        orch, train = starter.orch, starter.train
+        assert orch is not None and train is not None
         restarter = InferRestarts(infer_argv, infer_env, infer_restarts)
         while True:
+            if milestones.done() and not milestones_told:
+                milestones_told = True
+                print(f"[tidal] {milestones.summary()}", flush=True)
             if infer.poll() is not None:
                 children.remove(infer)
                 infer = restarter.restart(infer)
