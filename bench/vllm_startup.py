@@ -305,6 +305,7 @@ def main() -> None:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/tidal-vllm-startup"))
     ap.add_argument("--grpo-steps", type=int, default=0,
                     help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
+    ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -312,13 +313,13 @@ def main() -> None:
     runs: list[Run] = []
     grpo: list[GrpoRun] = []
     for _ in range(args.rounds):
-        for v in variants:
+        for v in [] if args.grpo_only and args.grpo_steps else variants:
             runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
             grpo.append(time_grpo(v, args.grpo_steps, args.log_dir))
             print(fmt_grpo(grpo[-1]), flush=True)
-    report = table(runs) + ("\n\n" + grpo_table(grpo, args.grpo_steps) if grpo else "")
+    report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps)] if grpo else []))
     print(report)
     if args.write:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
