@@ -17,6 +17,10 @@
    docs/performance.md) and a TRL run per `--trl-precisions` (TRL's `bf16=False` / `bf16=True`, autocast on CPU
    too), every tidal run against every TRL run; the mismatch KL at step 1 shows what bf16 costs in exactness.
    The last recipe is the main run (in-flight run, overlap, trainer baseline).
+7. Start-up (issue 37): vLLM's phases and the run's milestones (orchestrator and trainer ready, first batch, first
+   step) of the main run, the first step done after `tidal grpo` started, and the same run again with the start-up
+   before issue 37 (`BEFORE_37`: three vLLM processes, orchestrator and trainer after `/health`) as the baseline;
+   the whole-run ratio against TRL for both (`--no-startup-baseline` skips that run).
 
 Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
 baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16;
@@ -56,32 +60,56 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = 
         raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
 
 
-def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe: str = "fp32") -> dict[str, Any]:
-    """One `tidal grpo` run with orch `async_mode: mode` and train `recipe`."""
-    run_dir = work / f"tidal_run_{recipe}_{mode}"
+BEFORE_37 = ["--startup", "sequential", "--infer.extra_args", '["--distributed-executor-backend", "mp"]']
+"""`tidal grpo` arguments that restore the start-up before issue 37 (bench/STARTUP.md): vLLM's mp executor (API
+server, engine core and worker: three processes importing torch + vLLM one after the other) and the orchestrator
+and trainer started only once vLLM is healthy."""
+
+
+def run_timed(cmd: list[str], log: Path, timeout: float, metrics: Path) -> tuple[float, float]:
+    """Run `cmd` (output to `log`); returns (seconds to its first metrics row, i.e. the first step done; whole)."""
+    first, start = float("nan"), time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        while proc.poll() is None:
+            if first != first and metrics.exists() and metrics.stat().st_size:
+                first = time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                proc.kill()
+            time.sleep(0.1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+    return first, time.monotonic() - start
+
+
+def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe: str = "fp32",
+              extra: tuple[str, ...] = (), tag: str = "") -> dict[str, Any]:
+    """One `tidal grpo` run with orch `async_mode: mode`, train `recipe` and `extra` arguments."""
+    run_dir = work / f"tidal_run_{recipe}_{mode}{tag}"
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), "--orch.max_steps",
            str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
            "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
            "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port),
-           "--orch.async_mode", mode, "--train.recipe", recipe]
-    start = time.monotonic()
-    log = work / f"tidal_{recipe}_{mode}.log"
-    run(cmd, log, 3600)
-    total = time.monotonic() - start
-    # the launcher's vLLM start-up and its phases (`tidal.colocate.supervise.STARTUP_PHASES`)
-    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", log.read_text())
+           "--orch.async_mode", mode, "--train.recipe", recipe, *extra]
+    log = work / f"tidal_{recipe}_{mode}{tag}.log"
+    first_done, total = run_timed(cmd, log, 3600, run_dir / "metrics.jsonl")
+    # the launcher's vLLM start-up and its phases (`tidal.colocate.supervise.STARTUP_PHASES`), and the run's milestones
+    # (`tidal.colocate.start_order.Milestones`)
+    text = log.read_text()
+    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", text)
+    told = re.search(r"first step done after [0-9.]+ s \(([^)]*) s since vLLM was started\)", text)
     from tidal.monitor.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     steady = [r for r in rows if r["step"] >= 3] or rows[-1:]
-    t0 = rows[0]["step_time_s"]  # elapsed is measured from the end of the trainer's first wait
+    t0 = rows[0]["step_time_s"]  # elapsed is measured from the arrival of the first batch
     elapsed, acc = [], 0.0
     for r in rows:
         acc += r["step_time_s"]
         elapsed.append(acc)
-    return {"rows": rows, "run_dir": run_dir, "total_s": total, "first_step_s": t0,
+    return {"rows": rows, "run_dir": run_dir, "total_s": total, "first_step_s": t0, "first_done_s": first_done,
             "ready_s": float(ready.group(1)) if ready else float("nan"),
-            "ready_phases": (ready.group(2) or "") if ready else "",
+            "ready_phases": (ready.group(2) or "") if ready else "", "milestones": told.group(1) if told else "",
             "step_s": statistics.mean(r["step_time_s"] for r in steady),
             "rollout_s": statistics.mean(r["rollout_time_s"] for r in steady),
             "train_s": statistics.mean(r["train_time_s"] for r in steady),
@@ -279,6 +307,9 @@ def main() -> None:
                     help="train recipe of the tidal runs, each its own run (measure 6); the last is the main one")
     ap.add_argument("--trl-precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                     help="TRL runs: bf16=False / bf16=True (autocast on CPU)")
+    ap.add_argument("--no-startup-baseline", action="store_true",
+                    help="skip the tidal run with the start-up before issue 37 (mp executor, orchestrator and trainer "
+                         "after vLLM's /health), run to compare start-ups in the same bench run")
     ap.add_argument("--skip-baselines", action="store_true", help="only the tidal run(s): no TRL, rollout or "
                     "trainer baselines (a quick smoke of the async modes)")
     args = ap.parse_args()
@@ -299,6 +330,12 @@ def main() -> None:
     f = tidal_run(args, work, "in_flight", main_recipe) if args.async_mode == "both" else None
     if f is not None:
         print(f"bench: tidal {main_recipe} in_flight {f['step_s']:.2f} s/step", flush=True)
+    before = (None if args.no_startup_baseline else
+              tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated", main_recipe,
+                        tuple(BEFORE_37), "_before37"))
+    if before is not None:
+        print(f"bench: tidal {main_recipe}, start-up before issue 37: first step done {before['first_done_s']:.1f} s, "
+              f"whole run {before['total_s']:.0f} s (now {t['first_done_s']:.1f} s, {t['total_s']:.0f} s)", flush=True)
     trl = {}
     for prec in args.trl_precisions:
         trl[prec] = trl_run(args, work, model, prec)
@@ -346,13 +383,19 @@ def main() -> None:
         "| measure | tidal | baseline | ratio | target |", "|---|---|---|---|---|",
         *step_rows,
         *[f"| whole {args.steps}-step run (vLLM start-up included; TRL: model load excluded): tidal {main_recipe} vs "
-          f"TRL {p} | {t['total_s']:.0f} s | {x['total_s']:.0f} s | **{x['total_s'] / t['total_s']:.2f}x** | |"
+          f"TRL {p} | {t['total_s']:.0f} s | {x['total_s']:.0f} s | **{x['total_s'] / t['total_s']:.2f}x** | >= 2x |"
           for p, x in trl.items()],
+        *(startup_rows(t, before, trl, main_recipe) if before is not None else []),
         f"| vLLM ready (launch to healthy) in tidal's runs, median of {len(ready)} | {statistics.median(ready):.1f} s "
         f"| | {', '.join(f'{v:.1f}' for v in ready)} s | <= 30 s |",
+        f"| first step done after `tidal grpo` started, tidal {main_recipe} | {t['first_done_s']:.1f} s | | | "
+        f"<= 40 s |",
         f"| vLLM start-up phases, tidal {main_recipe} run (s; tidal.colocate.supervise.STARTUP_PHASES, "
         f"bench/STARTUP.md) | "
         f"{t['ready_phases'] or 'n/a'} | | | |",
+        f"| run start-up milestones, tidal {main_recipe} run (s since vLLM was started; "
+        f"tidal.colocate.start_order.Milestones) | "
+        f"{t['milestones'] or 'n/a'} | | | |",
         f"| first step (incl. warm-up), tidal {main_recipe} vs TRL {args.trl_precisions[0]} | "
         f"{t['first_step_s']:.1f} s | {r['first_step_s']:.1f} s | | |",
         f"| rollout throughput vs raw vLLM (same concurrency) | {ro['orch_tok_s']:.0f} tok/s | "
@@ -373,6 +416,22 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def startup_rows(now: dict[str, Any], before: dict[str, Any], trl: dict[str, dict[str, Any]], recipe: str) -> list[str]:
+    """Table rows comparing this checkout's start-up with the one before issue 37 (`BEFORE_37`), same bench run."""
+    rows = [f"| start-up before/after (same bench run, tidal {recipe}): vLLM ready | {now['ready_s']:.1f} s | "
+            f"{before['ready_s']:.1f} s (before: 3 vLLM processes) | {before['ready_s'] - now['ready_s']:+.1f} s saved "
+            "| |",
+            f"| start-up before/after: first step done after `tidal grpo` started | {now['first_done_s']:.1f} s | "
+            f"{before['first_done_s']:.1f} s (before: + orchestrator and trainer after /health) | "
+            f"{before['first_done_s'] - now['first_done_s']:+.1f} s saved | |",
+            f"| start-up before/after: whole {len(now['rows'])}-step run | {now['total_s']:.0f} s | "
+            f"{before['total_s']:.0f} s | {before['total_s'] - now['total_s']:+.0f} s saved | |",
+            f"| start-up before: phases; milestones (s since vLLM was started) | {before['ready_phases'] or 'n/a'}; "
+            f"{before['milestones'] or 'n/a'} | | | |"]
+    return rows + [f"| whole run with the start-up before issue 37 vs TRL {p} | {before['total_s']:.0f} s | "
+                   f"{x['total_s']:.0f} s | {x['total_s'] / before['total_s']:.2f}x | |" for p, x in trl.items()]
 
 
 def async_rows(gated: dict[str, Any], inflight: dict[str, Any]) -> list[str]:

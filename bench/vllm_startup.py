@@ -20,8 +20,10 @@ Phases (from the log lines of tidal and vLLM 0.32's processes):
   ready          -> first `/health` 200
 
 With `--grpo-steps N` each round also runs every variant as `tidal grpo` (bundled example, N steps) and reports
-vLLM ready (with the launcher's phases), the first step done (first metrics row), the whole run, rollout and step
-time, and the step-1 mismatch KL.
+vLLM ready (with the launcher's phases), the launcher's start-up milestones (orchestrator and trainer ready, first
+batch), the first step done (first metrics row, since `tidal grpo` started), the whole run, rollout and step time,
+and the step-1 mismatch KL. Variant `before` is the start-up before issue 37 (three vLLM processes, orchestrator
+and trainer after `/health`); `sequential` only the latter.
 
 Run: `PYTHONPATH=src python bench/vllm_startup.py [--rounds 2] [--variants default,mp] [--grpo-steps 6] [--write]`;
 `--write` replaces bench/STARTUP.md's generated table with this run's figures.
@@ -69,6 +71,8 @@ class Variant:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     src: str = str(REPO / "src")
+    grpo_args: list[str] = field(default_factory=list)
+    """More `tidal grpo` arguments (the `--grpo-steps` runs only; `tidal grpo-infer` does not take them)."""
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -78,6 +82,13 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("mp", "the same with vLLM's mp executor (`--distributed-executor-backend mp` in extra_args: tidal then "
             "leaves the executor and OMP_NUM_THREADS alone): API server, engine core and worker, 3 vLLM processes, "
             "the start-up before the change", args=["--infer.extra_args", '["--distributed-executor-backend", "mp"]']),
+    Variant("before", "the start-up before issue 37: vLLM's mp executor (3 vLLM processes) and, in `tidal grpo`, "
+            "the orchestrator and trainer started once vLLM is healthy (`--startup sequential`)",
+            args=["--infer.extra_args", '["--distributed-executor-backend", "mp"]'],
+            grpo_args=["--startup", "sequential"]),
+    Variant("sequential", "this checkout's vLLM start (in-engine worker), but the orchestrator and trainer started "
+            "once vLLM is healthy (`tidal grpo --startup sequential`): what the overlap alone saves",
+            grpo_args=["--startup", "sequential"]),
     Variant("uni-allcores", "uni executor with torch's default thread count (VLLM_CPU_OMP_THREADS_BIND=nobind: tidal "
             "leaves OMP_NUM_THREADS unset, so the engine core uses every core)",
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
@@ -216,6 +227,8 @@ class GrpoRun:
     step_s: float
     mismatch_kl: float
     load: float
+    milestones: str = ""
+    """The launcher's `first step done` line: orchestrator / trainer ready, first batch (s since vLLM started)."""
 
 
 def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
@@ -227,7 +240,7 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
 
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
-            "--infer.port", str(free_port()), *variant.args]
+            "--infer.port", str(free_port()), *variant.args, *variant.grpo_args]
     env = {**os.environ, "PYTHONPATH": variant.src, "PYTHONUNBUFFERED": "1", **variant.env}
     metrics, first = out / "metrics.jsonl", float("nan")
     start = time.monotonic()
@@ -240,25 +253,28 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
     total = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{variant.name}: tidal grpo exited {proc.returncode}; see {out / 'launcher.log'}")
-    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", (out / "launcher.log").read_text())
+    text = (out / "launcher.log").read_text()
+    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", text)
+    told = re.search(r"first step done after [0-9.]+ s \(([^)]*) s since vLLM was started\)", text)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = [r for r in rows if r["step"] >= 3] or rows[-1:]
     return GrpoRun(variant.name, float(ready.group(1)) if ready else float("nan"),
                    (ready.group(2) or "") if ready else "", first, total,
                    statistics.median(r["rollout_time_s"] for r in steady),
                    statistics.median(r["step_time_s"] for r in steady), float(rows[0].get("mismatch_kl", "nan")),
-                   os.getloadavg()[0])
+                   os.getloadavg()[0], told.group(1) if told else "")
 
 
 def fmt_grpo(r: GrpoRun) -> str:
-    return (f"| {r.variant} | **{r.ready_s:.1f}** | {r.phases} | **{r.first_step_s:.1f}** | {r.total_s:.1f} | "
-            f"{r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
+    return (f"| {r.variant} | **{r.ready_s:.1f}** | {r.phases} | {r.milestones or '-'} | **{r.first_step_s:.1f}** | "
+            f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
 
 
 def grpo_table(runs: list[GrpoRun], steps: int) -> str:
     lines = [f"`tidal grpo`, bundled example, {steps} steps:", "",
-             "| variant | vLLM ready s | phases s | first step done s | whole run s | rollout s/step (steps >= 3) | "
-             "step s (steps >= 3) | step-1 mismatch_kl | load 1-min |", "|---|---|---|---|---|---|---|---|---|",
+             "| variant | vLLM ready s | phases s | milestones (s since vLLM started) | first step done s | "
+             "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step-1 mismatch_kl | load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|---|",
              *(fmt_grpo(r) for r in runs), "", "Medians:", ""]
     for name in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == name]
@@ -289,6 +305,7 @@ def main() -> None:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/tidal-vllm-startup"))
     ap.add_argument("--grpo-steps", type=int, default=0,
                     help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
+    ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -296,13 +313,13 @@ def main() -> None:
     runs: list[Run] = []
     grpo: list[GrpoRun] = []
     for _ in range(args.rounds):
-        for v in variants:
+        for v in [] if args.grpo_only and args.grpo_steps else variants:
             runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
             grpo.append(time_grpo(v, args.grpo_steps, args.log_dir))
             print(fmt_grpo(grpo[-1]), flush=True)
-    report = table(runs) + ("\n\n" + grpo_table(grpo, args.grpo_steps) if grpo else "")
+    report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps)] if grpo else []))
     print(report)
     if args.write:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")

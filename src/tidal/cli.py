@@ -112,7 +112,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
         return 0
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
-    return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=args.infer_restarts)
+    return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=args.infer_restarts,
+                       startup=args.startup)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -178,6 +179,16 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return 0
     from tidal.trainer import distributed, grpo
 
+    # started with vLLM by `tidal grpo` on a GPU: imports done, CUDA untouched (tidal.colocate.start_order)
+    if args.start_gate:
+        setup_logging("[train]")
+        from tidal.colocate.start_order import wait_for_gate
+
+        try:
+            wait_for_gate(Path(args.start_gate), cfg.batch_timeout_s)
+        except TimeoutError as exc:
+            logging.getLogger("tidal.trainer").error("stopping: %s", exc)
+            return 1
     if cfg.gpus > 1 and not distributed.under_rendezvous():  # become the agent of `gpus` ranks of this command
         setup_logging("[train]")
         from tidal.reaper import start_reaper
@@ -295,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "`model`, infer `model`, orch `model.name`): tidal:NAME, a local directory or a Hub id")
     g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
                    help="restart the inference server up to N times if it dies (default 3)")
+    g.add_argument("--startup", choices=("auto", "sequential"), default="auto",
+                   help="auto: on CPU the orchestrator and trainer start with vLLM, on a GPU the trainer imports "
+                        "with it and builds its model once vLLM is up; sequential: both start once vLLM answers "
+                        "/health (the order before; a baseline for benchmarks)")
+    sub.choices["grpo-train"].add_argument(
+        "--start-gate", metavar="FILE", help="wait until FILE exists before building the model (tidal grpo sets it "
+        "on a GPU: vLLM sizes its memory first)")
     e = sub.add_parser("env-server", help="serve an environment over HTTP (for orch env[].address)")
     e.add_argument("env_id", help="registered id or package.module:Class")
     e.add_argument("--args", default="{}", help="environment arguments as JSON")

@@ -7,7 +7,8 @@ Layout of a run directory (`--output-dir`, or orch `output_dir`):
     broadcasts/step_{n}/            policy n (trainer -> orchestrator): PEFT adapter, `merged/`, `STABLE`
     broadcasts/PUSH_REQUEST         an orchestrator asks for the current policy again (weight_broadcast nccl)
     checkpoints/{trainer,orch}/step_{n}/   checkpoints, each with `STABLE`
-    metrics.jsonl, samples.jsonl, eval.jsonl, report.html, tensorboard/, configs/, logs/, final/{adapter,merged}/
+    metrics.jsonl, samples.jsonl, eval.jsonl, report.html, tensorboard/, configs/, logs/ (+ INFER_READY),
+    final/{adapter,merged}/
 
 Durability rule (one for everything another process or a later run reads): a file is written under a temp
 name beside its final name, fsynced, renamed into place and its directory fsynced (`atomic_file`); a directory
@@ -95,6 +96,12 @@ def configs_dir(run_dir: Path) -> Path:
 
 def logs_dir(run_dir: Path) -> Path:
     return run_dir / "logs"
+
+
+def infer_ready_path(run_dir: Path) -> Path:
+    """`tidal grpo`'s gate: written once every inference server answers `/health`; a trainer started with vLLM
+    on a GPU waits for it before touching CUDA (`tidal.colocate.start_order`)."""
+    return run_dir / "logs" / "INFER_READY"
 
 
 def final_dir(run_dir: Path, what: str) -> Path:

@@ -104,6 +104,8 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     assert len(evals) >= 2 and evals[-1]["policy_step"] >= 1 and evals[-1]["eval/rev/examples"] == 6
     assert all(0 <= e["eval/rev/reward/mean"] <= 1 for e in evals)
     assert "run complete" in out and str(run_dir / "metrics.jsonl") in out
+    # issue 37: on CPU the orchestrator and trainer start with vLLM; the launcher times the run's start-up
+    assert "orchestrator and trainer started with it" in out and "[tidal] first step done after " in out
     check_metrics(run_dir, 3)
     assert_adapter_changed(run_dir, 3)
     assert (run_dir / "rollouts" / "DONE").read_text() == "3"

@@ -114,6 +114,13 @@ def test_bundled_grpo_with_no_flags(tmp_path):
     check_run(proc, run, 20)
     assert "GPU (" in proc.stdout and "KV cache" in proc.stdout  # the split's notice
     assert gpu_pids() <= before, "nothing of the run left on the GPU"
+    # issue 37 (tidal.colocate.start_order): the trainer's process imports while vLLM starts, but builds its model
+    # (touches CUDA) only after vLLM is up, so vLLM's memory profiling and start check see the GPU as the split
+    # planned it
+    assert "the trainer builds its model once vLLM is up" in proc.stdout, proc.stdout[-3000:]
+    train_log = (run / "logs" / "train.log").read_text()
+    assert train_log.index("waiting for the inference server before building the model") < \
+        train_log.index("trainer ready on cuda"), train_log[-3000:]
 
 
 @needs_cuda_vllm

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from tidal.colocate.derive import Colocated, Machine, ModelFacts, derive_colocate
+from tidal.colocate.start_order import StartupMode, start_plan
 from tidal.colocate.teacher import serves_teacher
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.base import StrictModel
@@ -110,9 +111,11 @@ InProcessOrch = Callable[[OrchConfig, Path], Coroutine[Any, Any, Any]]
 
 def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, infer_restarts: int = 3,
           infer_start_timeout_s: float = 600.0, orch_for: OrchFor | None = None,
-          orchestrator: InProcessOrch | None = None, extra_configs: Mapping[str, str] | None = None) -> int:
+          orchestrator: InProcessOrch | None = None, extra_configs: Mapping[str, str] | None = None,
+          startup: StartupMode = "auto") -> int:
     """Start the derived run and supervise it to the end (module docs); returns the exit code (0 done, 1 a component
-    failed, 130 interrupted). `extra_configs`: more files for `{run_dir}/configs/` (name -> text)."""
+    failed, 130 interrupted). `extra_configs`: more files for `{run_dir}/configs/` (name -> text); `startup`: which
+    components start with vLLM (`tidal.colocate.start_order.start_plan`)."""
     check_startable(co)
     place = co.placement
     for notice in (*place.notices, *(co.teacher.notices if co.teacher is not None else ())):
@@ -141,4 +144,5 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
                         infer_env=place.infer_env, orchestrator=in_process,  # shared base weights die with vLLM
                         teacher_health=co.teacher.health_url if co.teacher is not None else None,
                         teacher_env=co.teacher.env if co.teacher is not None else None,
-                        teacher_restarts=infer_restarts)  # the teacher shares nothing with the trainer
+                        teacher_restarts=infer_restarts,  # the teacher shares nothing with the trainer
+                        plan=start_plan(place.device, startup))

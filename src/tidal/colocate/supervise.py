@@ -1,11 +1,14 @@
 """Co-locate mode (`tidal grpo`): run inference, orchestrator and trainer as supervised child processes.
 
-Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`; with infer `dp: N` one `tidal grpo-infer`
-child runs N servers, their lines prefixed `[dp{i}:{port}]`), then the orchestrator and the trainer once every
-server answers `/health`; their output is echoed with a `[orch]`/`[train]` prefix and kept in
-`logs/`. Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is
-stopped. If inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its
-requests and loads the current policy into the new server). If the trainer or the orchestrator dies, the
+Start-up: vLLM first (its log goes to `{run_dir}/logs/infer.log`; with infer `dp: N` one `tidal grpo-infer` child
+runs N servers, their lines prefixed `[dp{i}:{port}]`); the orchestrator and the trainer start with it or once every
+server answers `/health`, as `tidal.colocate.start_order.start_plan` says (on CPU with it; on a GPU the trainer
+imports with it and builds its model after `/health`); their output is echoed with a `[orch]`/`[train]` prefix and
+kept in `logs/`. The launcher prints vLLM's start-up phases when it is ready and the run's milestones (orchestrator
+and trainer ready, first batch) when the first step is done.
+Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is stopped. If
+inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its requests and
+loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
 that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
 (killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
@@ -40,7 +43,8 @@ from typing import Any
 
 import httpx
 
-from tidal.paths import logs_dir, metrics_path
+from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
+from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
 from tidal.reaper import signal_group, start_reaper, stop_groups
 
 STOP_TIMEOUT_S = 20.0
@@ -227,12 +231,17 @@ def stop_all(children: list[Component]) -> None:
     stop_groups(children, STOP_TIMEOUT_S)
 
 
-def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float) -> None:
-    """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers)."""
+def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float,
+                 watch: Sequence[Component] = ()) -> None:
+    """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers); `watch`: components started
+    with it (`tidal.colocate.start_order`), whose failure ends the wait."""
     start, waiting = time.monotonic(), [urls] if isinstance(urls, str) else list(urls)
     while time.monotonic() - start < timeout_s:
         if infer.poll() is not None:
             raise ComponentFailed(infer, "exited while starting")
+        for c in watch:
+            if c.poll() not in (None, 0):
+                raise ComponentFailed(c, f"exited with code {c.poll()} while vLLM was starting")
         for url in list(waiting):
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=2.0).status_code == 200:
@@ -312,10 +321,20 @@ class InferRestarts:
     error (`death_cause`) as the one before it: a failure that repeats (e.g. at every first request) is
     reported instead of retried."""
 
-    def __init__(self, argv: list[str], env: Mapping[str, str] | None, limit: int) -> None:
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None, limit: int,
+                 child: Child | None = None) -> None:
         self.argv, self.env, self.limit = argv, env, limit
+        self.child = child
+        """The server this policy keeps running (`check`)."""
         self.count = 0
         self.last_cause: str | None = None
+
+    def check(self, children: list[Component]) -> None:
+        """Restart `child` when it has died, replacing it in `children` (`restart`)."""
+        if self.child is not None and self.child.poll() is not None:
+            children.remove(self.child)
+            self.child = self.restart(self.child)
+            children.append(self.child)
 
     def restart(self, dead: Child) -> Child:
         """A new server for the `dead` one, or `ComponentFailed` naming the exit code and the cause."""
@@ -332,21 +351,88 @@ class InferRestarts:
         return Child(dead.name, self.argv, dead.log_path, echo=False, env=self.env)
 
 
+class Starter:
+    """Starts the orchestrator and the trainer, each either with vLLM (`early`) or after `/health`, as `plan` says;
+    their log lines feed `milestones`."""
+
+    def __init__(self, cli: list[str], run_dir: Path, configs: dict[str, Path], plan: StartPlan,
+                 milestones: Milestones, emit: Callable[[str, str], None] | None, echo_inproc: bool,
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None) -> None:
+        self.cli, self.run_dir, self.configs, self.plan = cli, run_dir, configs, plan
+        self.milestones, self.emit, self.echo_inproc, self.orchestrator = milestones, emit, echo_inproc, orchestrator
+        self.orch: Component | None = None
+        self.train: Component | None = None
+
+    def start(self, early: bool) -> list[Component]:
+        """Start the components whose turn it is (`early`: with vLLM); returns them."""
+        started: list[Component] = []
+        logs, run = logs_dir(self.run_dir), ["--output-dir", str(self.run_dir)]
+        if self.plan.orch_early == early:
+            self.orch = (InProcess("orch", self.orchestrator, logs / "orch.log", echo=self.echo_inproc)
+                         if self.orchestrator is not None else
+                         Child("orch", [*self.cli, "grpo-orch", str(self.configs["orch"]), *run], logs / "orch.log",
+                               echo=True, emit=self.emit, on_line=lambda line: self.milestones.feed("orch", line)))
+            started.append(self.orch)
+        if self.plan.train_early == early:
+            gate = ["--start-gate", str(infer_ready_path(self.run_dir))] if early and self.plan.train_gated else []
+            self.train = Child("train", [*self.cli, "grpo-train", str(self.configs["train"]), *run, *gate],
+                               logs / "train.log", echo=True, emit=self.emit,
+                               on_line=lambda line: self.milestones.feed("train", line))
+            started.append(self.train)
+        return started
+
+
+def start_teacher(cli: list[str], configs: dict[str, Path], logs: Path, env: Mapping[str, str] | None,
+                  restarts: int) -> InferRestarts | None:
+    """The teacher server `tidal grpo` runs (`configs["teacher"]`, `tidal.colocate.teacher`) started, with its
+    restart policy; None without one."""
+    if "teacher" not in configs:
+        return None
+    argv = [*cli, "grpo-infer", str(configs["teacher"])]
+    child = Child("teacher", argv, logs / "teacher.log", echo=False, env=env)
+    print(f"[tidal] starting the teacher's vLLM (log: {child.log_path})", flush=True)
+    return InferRestarts(argv, env, restarts, child)
+
+
+def supervise_to_end(orch: Component, train: Component, servers: list[InferRestarts], children: list[Component],
+                     milestones: Milestones, board: LiveBoard | None, health: list[str]) -> None:
+    """Watch the running components until the orchestrator and the trainer have both exited 0: a dead vLLM (the
+    policy's or the teacher's, `servers`) is restarted, any other failure raises `ComponentFailed`; the run's
+    start-up milestones are told once the first step is done."""
+    told = False
+    while True:
+        if milestones.done() and not told:
+            told = True
+            print(f"[tidal] {milestones.summary()}", flush=True)
+        for server in servers:  # a dead vLLM (policy or teacher) is restarted
+            server.check(children)
+        for c in (orch, train):
+            code = c.poll()
+            if code not in (None, 0):
+                raise ComponentFailed(c, f"exited with code {code}")
+        if orch.poll() == 0 and train.poll() == 0:
+            return
+        if board is not None:
+            more = f" (+{len(health) - 1} more)" if len(health) > 1 else ""
+            board.refresh(infer_state=f"vLLM serving at {health[0].removesuffix('/health')}{more}")
+        time.sleep(0.2)
+
+
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
-                 resume_hint: str | None = None, infer_restarts: int = 3,
-                 infer_env: Mapping[str, str] | None = None,
+                 resume_hint: str | None = None, infer_restarts: int = 3, infer_env: Mapping[str, str] | None = None,
                  orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
                  teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
-                 teacher_restarts: int | None = None) -> int:
+                 teacher_restarts: int | None = None, plan: StartPlan | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
+    `plan`: which components start with vLLM (`tidal.colocate.start_order.start_plan`; None: both after `/health`).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
     `infer_env`: extra environment variables of the inference server (also after a restart). `health_url`: the
     health endpoint of each inference server (infer `dp`), all waited for. With `configs["teacher"]` a teacher
     server (`tidal.colocate.teacher`) starts beside inference (`grpo-infer` on that config, log `logs/teacher.log`,
-    `teacher_env` added), is waited for at `teacher_health`, restarted like inference (up to `teacher_restarts`
-    times, None: `infer_restarts`) and stopped with the run."""
+    `teacher_env` added), waited for at `teacher_health`, restarted like inference (`teacher_restarts` times, None:
+    `infer_restarts`) and stopped with the run."""
     health = [health_url] if isinstance(health_url, str) else list(health_url)
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
@@ -362,50 +448,32 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         board.live.start()
     try:
         infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
+        gate = infer_ready_path(run_dir)
+        gate.unlink(missing_ok=True)  # a resumed run's gate is from its previous start
         clock = StartupClock()
+        milestones = Milestones(clock.start)
         infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env, on_line=clock.feed)
         children.append(infer)
         print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
-        teacher, teacher_argv = None, [*cli, "grpo-infer", str(configs.get("teacher"))]
-        if "teacher" in configs:
-            teacher = Child("teacher", teacher_argv, logs / "teacher.log", echo=False, env=teacher_env)
-            children.append(teacher)
-            print(f"[tidal] starting the teacher's vLLM (log: {teacher.log_path})", flush=True)
-        wait_healthy(health, infer, infer_start_timeout_s)
-        if teacher is not None and teacher_health is not None:
-            wait_healthy(teacher_health, teacher, infer_start_timeout_s)
+        servers = [InferRestarts(infer_argv, infer_env, infer_restarts, infer)]
+        teacher = start_teacher(cli, configs, logs, teacher_env,
+                                infer_restarts if teacher_restarts is None else teacher_restarts)
+        if teacher is not None and teacher.child is not None:  # on-policy distillation: beside the policy's vLLM
+            children, servers = [*children, teacher.child], [*servers, teacher]
+        starter = Starter(cli, run_dir, configs, plan or SEQUENTIAL, milestones, emit, board is None, orchestrator)
+        early = starter.start(early=True)
+        children += early
+        wait_healthy(health, infer, infer_start_timeout_s, watch=early)
+        if teacher is not None and teacher.child is not None and teacher_health is not None:
+            wait_healthy(teacher_health, teacher.child, infer_start_timeout_s, watch=early)
+        write_atomic(gate, "ready\n")  # a gated trainer (GPU) now builds its model (after every vLLM is up)
         ready_s = time.monotonic() - clock.start
-        print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); starting orchestrator "
-              "and trainer", flush=True)
-        orch: Component = (
-            InProcess("orch", orchestrator, logs / "orch.log", echo=board is None) if orchestrator is not None else
-            Child("orch", [*cli, "grpo-orch", str(configs["orch"]), "--output-dir", str(run_dir)], logs / "orch.log",
-                  echo=True, emit=emit))
-        train = Child("train", [*cli, "grpo-train", str(configs["train"]), "--output-dir", str(run_dir)],
-                      logs / "train.log", echo=True, emit=emit)
-        children += [orch, train]
-        restarter = InferRestarts(infer_argv, infer_env, infer_restarts)
-        teacher_restarter = InferRestarts(teacher_argv, teacher_env,
-                                          infer_restarts if teacher_restarts is None else teacher_restarts)
-        while True:
-            if infer.poll() is not None:
-                children.remove(infer)
-                infer = restarter.restart(infer)
-                children.append(infer)
-            if teacher is not None and teacher.poll() is not None:
-                children.remove(teacher)
-                teacher = teacher_restarter.restart(teacher)
-                children.append(teacher)
-            for c in (orch, train):
-                code = c.poll()
-                if code not in (None, 0):
-                    raise ComponentFailed(c, f"exited with code {code}")
-            if orch.poll() == 0 and train.poll() == 0:
-                break
-            if board is not None:
-                more = f" (+{len(health) - 1} more)" if len(health) > 1 else ""
-                board.refresh(infer_state=f"vLLM serving at {health[0].removesuffix('/health')}{more}")
-            time.sleep(0.2)
+        milestones.mark("vLLM ready")
+        print(f"[tidal] inference ready after {ready_s:.1f} s ({clock.summary(ready_s)} s); "
+              f"{starter.plan.describe()}", flush=True)
+        children += starter.start(early=False)
+        assert starter.orch is not None and starter.train is not None
+        supervise_to_end(starter.orch, starter.train, servers, children, milestones, board, health)
         print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
         return 0
     except ComponentFailed as exc:

@@ -412,7 +412,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     guard = MismatchGuard(cfg.mismatch_guard)
     peaks = PeakWatch(cfg, p.device)
     step_times: list[float] = []
-    last_done = time.monotonic()
+    last_done: float | None = None  # the first step counts from its batch's arrival: a trainer started with vLLM
+    # (tidal.colocate.start_order) waits for batch 1 through vLLM's start-up, which is `wait_time_s`, not step time
     while total is None or step < total:
         wait_start = time.monotonic()
         batch = next_batch(step + 1, source, cfg, p, run_dir, pusher)
@@ -423,7 +424,7 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
         record = {"step": step, **batch.metrics, "resumed_from": resumed_from, "wait_time_s": waited,
                   **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys, peaks)}
         now = time.monotonic()
-        record["step_time_s"], last_done = now - last_done, now
+        record["step_time_s"], last_done = now - (wait_start + waited if last_done is None else last_done), now
         if metrics is None:
             continue
         metrics.write(record)

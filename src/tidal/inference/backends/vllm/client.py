@@ -28,9 +28,11 @@ from tidal.envs.images import has_images, openai_messages
 from tidal.inference.protocol import Completion, InferenceError, InferenceUnreachable, NotMultimodal, server_root
 
 log = logging.getLogger("tidal.client")
-READY_POLL_MAX_S = 2.0
+READY_POLL_MAX_S = 0.5
 """Longest wait between two readiness probes of a starting server (a start takes ~20-50 s on 2 cores; a longer
-backoff would let the orchestrator notice a ready server up to that much later)."""
+backoff would let the orchestrator notice a ready server up to that much later). 0.5 s since `tidal grpo` starts
+the orchestrator with vLLM on CPU (`tidal.colocate.start_order`), so its first request waits on this probe: a refused
+connection costs well under a millisecond."""
 
 
 class VllmClient:
