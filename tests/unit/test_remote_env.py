@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tidal.config.orch import EnvSection, OrchConfig
+from tidal.config.environments import EnvSection
+from tidal.config.orch import OrchConfig
 from tidal.envs import make_env
 from tidal.envs.remote import RemoteEnvironment
 from tidal.orchestrator.envmix import EnvMix, build_env

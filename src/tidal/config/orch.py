@@ -1,4 +1,5 @@
-"""Orchestrator config (`orch.yaml`): sampling, environments, client, buffer, advantage and transport.
+"""Orchestrator config (`orch.yaml`): sampling, client, buffer, advantage and transport; its environments
+(`env[]`) are `tidal.config.environments`.
 
 Keys follow the seed's orchestrator tables; every key of them is implemented (docs/configuration.md lists
 each with its status).
@@ -11,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
+from tidal.config.environments import EnvSection
 
 TEMPLATE_OWN_KWARGS = ("messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
                        "chat_template", "tools", "return_dict")
@@ -39,132 +41,6 @@ class ModelSection(StrictModel):
     differs (exit 2)."""
     lora_alpha: float | None = Field(None, gt=0)
     """Expected LoRA alpha of the trainer's adapters (null: any); checked like `lora_rank`."""
-
-
-class ToolsSection(StrictModel):
-    """Tool calling in the model's own chat format (`tidal.envs.tools`): the tools' JSON schemas go to the chat
-    template (`tools=`), each model turn's tool calls are parsed and run, and their results come back as `tool`
-    messages (tokens with no loss) until the model answers without a call or `max_iterations` is reached. Needs
-    conversational prompts and a chat template that renders tools."""
-
-    functions: list[str] = Field(default_factory=list)
-    """Tool functions as import paths (`package.module:function`): type-hinted, with a Google-style docstring."""
-    environment_factory: str | None = None
-    """TRL's `environment_factory` as an import path (`package.module:Class`): one instance per rollout,
-    `reset(**row)` with the example's columns, its public methods are tools, an optional `get_reward()` is a
-    reward column named after the class."""
-    format: Literal["auto", "hermes", "mistral", "llama3_json"] = "auto"
-    """How the model writes tool calls: `hermes` (`<tool_call>{json}</tool_call>`, Qwen), `mistral`
-    (`[TOOL_CALLS][...]`), `llama3_json` (a bare `{"name", "parameters"}` object), `auto`: whichever appears."""
-    max_iterations: int | None = Field(None, ge=0)
-    """Most tool-calling rounds per rollout (TRL's `max_tool_calling_iterations`); null: until the token budget
-    ends the rollout."""
-
-    @model_validator(mode="after")
-    def _some_tools(self) -> ToolsSection:
-        if not self.functions and self.environment_factory is None:
-            raise ValueError("tools: give functions (import paths) or an environment_factory")
-        return self
-
-
-class OpenEnvArgs(StrictModel):
-    """`args` of an OpenEnv environment (`id: tidal.envs.openenv:OpenEnv`, `tidal.envs.openenv`): an OpenEnv server
-    (openenv-core 0.3, `pip install 'tidal[openenv]'`) reached at `base_url` or started by tidal from `app`. Each
-    example is `reset(seed)`; the model's turns are the actions (`step`), the observations come back as user messages,
-    and the episode's step rewards are the reward, until `done` or `max_turns`."""
-
-    base_url: str | None = None
-    """`http://host:port` of a running OpenEnv server (its HTTP `/reset` and WebSocket `/ws` routes)."""
-    app: str | None = None
-    """The server's ASGI app as an import path (`package.module:app`, what `create_app(...)` returned): tidal serves
-    it with uvicorn on a free localhost port and stops it with the run. Set this or `base_url`."""
-    max_turns: int = Field(1, ge=1)
-    """Model turns (actions) per episode; the episode also ends when the server says `done`."""
-    action_field: str = "message"
-    """The action's field that gets the model's turn text (`{action_field: text}`)."""
-    action_parser: str | None = None
-    """Import path of `fn(text) -> dict` building the action from the turn's text (replaces `action_field`); a
-    ValueError means an invalid action (the episode ends there)."""
-    observation_template: str | None = None
-    """`str.format` template over the observation's fields giving the user message (e.g. `"{prompt}"`); null: the
-    observation's only string field, or all its fields as JSON."""
-    system_prompt: str | None = None
-    """A system message before the first observation (null: none)."""
-    reset_args: dict[str, Any] = Field(default_factory=dict)
-    """More keyword arguments of every `reset` besides `seed` (the environment's own, e.g. a difficulty)."""
-    reward: Literal["sum", "last"] = "sum"
-    """The episode's reward: the sum of its step rewards, or the last step's (a null reward counts as 0)."""
-    max_sessions: int = Field(1, ge=1)
-    """Episodes open at once (WebSocket sessions); at most the server's `max_concurrent_envs` (1 unless its
-    environment sets `SUPPORTS_CONCURRENT_SESSIONS` and the app raises it)."""
-    timeout_s: float = Field(60.0, gt=0)
-    """Seconds per request to the server (a reset, a step); a request past it fails the episode."""
-    startup_timeout_s: float = Field(60.0, gt=0)
-    """Seconds to wait for the server's `/health` when the run starts (and for `app` to come up)."""
-
-    @model_validator(mode="after")
-    def _one_server(self) -> OpenEnvArgs:
-        if (self.base_url is None) == (self.app is None):
-            raise ValueError("set base_url (a running OpenEnv server) or app (an import path tidal serves), "
-                             "exactly one")
-        if "seed" in self.reset_args:
-            raise ValueError("reset_args may not set seed: tidal draws each episode's seed from the run's RNG")
-        return self
-
-    @field_validator("app", "action_parser")
-    @classmethod
-    def _import_path(cls, value: str | None) -> str | None:
-        module, sep, name = (value or "m:n").partition(":")
-        if not (module and sep and name):
-            raise ValueError(f"'{value}' is not an import path 'package.module:name'")
-        return value
-
-
-OPENENV_IDS = ("tidal.envs.openenv:OpenEnv", "openenv")
-"""`env[].id`s of the OpenEnv environment (its `args` are `OpenEnvArgs`); the short `openenv` works once
-`tidal.envs.registry` lists the class under its `id` (not yet: use the import path)."""
-
-
-def check_openenv_args(args: dict[str, Any]) -> OpenEnvArgs:
-    """`args` as `OpenEnvArgs`; a ValueError names each bad key (`args.KEY: why`)."""
-    from pydantic import ValidationError
-
-    try:
-        return OpenEnvArgs.model_validate(args)
-    except ValidationError as exc:
-        bad = "; ".join(f"args{''.join('.' + str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                        for e in exc.errors())
-        raise ValueError(f"OpenEnv environment: {bad} (keys: {', '.join(OpenEnvArgs.model_fields)})") from None
-
-
-class EnvSection(StrictModel):
-    """One environment to sample training examples from."""
-
-    id: str
-    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv
-    server, its `args` in docs/orchestrator.md) or `package.module:Class`."""
-    name: str | None = None
-    """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Environment-specific keyword arguments."""
-    address: str | None = None
-    """`http://host:port` of a running `tidal env-server` serving this environment (null: not remote)."""
-    spawn: bool = False
-    """Run the environment in a `tidal env-server` subprocess started by the orchestrator (null address and
-    false: in process)."""
-    tools: ToolsSection | None = None
-    """Tools the model may call in this environment's rollouts (null: the environment's own, if any)."""
-
-    @model_validator(mode="after")
-    def _one_place(self) -> EnvSection:
-        if self.address is not None and self.spawn:
-            raise ValueError(f"env '{self.name or self.id}': set address (a running server) or spawn, not both")
-        if self.id in OPENENV_IDS:
-            if self.address is not None or self.spawn:
-                raise ValueError(f"env '{self.name or self.id}': an OpenEnv server is given by args.base_url or "
-                                 f"args.app, not address/spawn (those serve tidal's own environments)")
-            check_openenv_args(self.args)
-        return self
 
 
 class TempSchedulerSection(StrictModel):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tidal.config.orch import EnvSection
+from tidal.config.environments import EnvSection
 from tidal.envs import Environment, Example, make_env
 from tidal.envs.tools import tooling_from_config
 

@@ -21,7 +21,7 @@ import random
 import threading
 from typing import Any
 
-from tidal.config.orch import check_openenv_args
+from tidal.config.environments import check_openenv_args
 from tidal.envs.base import Environment, Example
 from tidal.envs.openenv.server import ServerError, ServerHandle
 from tidal.envs.openenv.session import Episode, InvalidAction, ObservationError, OpenEnvTooling, render_observation
