@@ -44,11 +44,26 @@ def _future(request_id: str, **extra: Any) -> dict[str, Any]:
     return {"request_id": request_id, **extra}
 
 
+async def _body(request: Request, model: Any) -> Any:
+    """The request's JSON body validated by `model` (an SDK request type)."""
+    return model.model_validate(await request.json())
+
+
 def build_app(service: TinkerService, api_key: str) -> FastAPI:
     """The FastAPI app serving `service` to clients that send `api_key`."""
-    from tinker import types
-
     app = FastAPI(title="tidal Tinker-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_guards(app, api_key)
+    _add_service_routes(app, service)
+    _add_training_routes(app, service)
+    _add_checkpoint_routes(app, service)
+    _add_sampling_routes(app, service)
+    _add_future_routes(app, service)
+    _add_not_implemented(app)
+    return app
+
+
+def _add_guards(app: FastAPI, api_key: str) -> None:
+    """The API-key check on every `/api/v1` route but `healthz`, and 400 for a refused request."""
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Any:
@@ -64,10 +79,10 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
     async def refused(request: Request, exc: ValueError) -> JSONResponse:
         return _error(400, str(exc))
 
-    async def body(request: Request, model: Any) -> Any:
-        return model.model_validate(await request.json())
 
-    # --- service -------------------------------------------------------------------------------------------------
+def _add_service_routes(app: FastAPI, service: TinkerService) -> None:
+    """Health, client configuration, telemetry, capabilities and sessions (create, heartbeat, finish)."""
+    from tinker import types
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict[str, str]:
@@ -75,7 +90,7 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
 
     @app.post("/api/v1/client/config")
     async def client_config(request: Request) -> dict[str, Any]:
-        await body(request, types.ClientConfigRequest)
+        await _body(request, types.ClientConfigRequest)
         return CLIENT_CONFIG
 
     @app.post("/api/v1/client/dynamic_config")
@@ -92,13 +107,13 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        await body(request, types.CreateSessionRequest)
+        await _body(request, types.CreateSessionRequest)
         return {"type": "create_session", "session_id": service.create_session(),
                 "info_message": f"tidal serve-tinker: {service.served_name}"}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> Any:
-        req = await body(request, types.SessionHeartbeatRequest)
+        req = await _body(request, types.SessionHeartbeatRequest)
         s = service.sessions.get(req.session_id)
         if s is None or s.finished:
             return _error(410, f"session {req.session_id} has finished or is unknown")
@@ -110,11 +125,14 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
         service.finish_session(session_id)
         return None
 
-    # --- training ------------------------------------------------------------------------------------------------
+
+def _add_training_routes(app: FastAPI, service: TinkerService) -> None:
+    """Training models: create one (LoRA, AdamW), its info, forward/backward and optimizer steps."""
+    from tinker import types
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        req = await body(request, types.CreateModelRequest)
+        req = await _body(request, types.CreateModelRequest)
         if req.optimizer_config.type != "adamw":
             raise UserError(f"optimizer {req.optimizer_config.type!r}: tidal trains with AdamW only")
         if req.lora_config is None:
@@ -125,7 +143,7 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        req = await body(request, types.GetInfoRequest)
+        req = await _body(request, types.GetInfoRequest)
         return service.info(req.model_id)
 
     @app.post("/api/v1/forward_backward")
@@ -137,7 +155,7 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        req = await body(request, types.OptimStepRequest)
+        req = await _body(request, types.OptimStepRequest)
         p = req.optim_params
         if not isinstance(p, types.AdamParams):
             raise UserError(f"optim_step with {getattr(p, 'type', type(p).__name__)} parameters: tidal trains with "
@@ -145,20 +163,25 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
         step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         return _future(service.optim_step(req.model_id, step), model_id=req.model_id)
 
+
+def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
+    """Saving and loading a training model's state, and its weights for sampling."""
+    from tinker import types
+
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        req = await body(request, types.SaveWeightsRequest)
+        req = await _body(request, types.SaveWeightsRequest)
         return _future(service.save_state(req.model_id, req.path, req.overwrite), model_id=req.model_id)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        req = await body(request, types.SaveWeightsForSamplerRequest)
+        req = await _body(request, types.SaveWeightsForSamplerRequest)
         session = service.models[req.model_id].session_id if req.model_id in service.models else None
         return _future(service.save_for_sampler(req.model_id, req.path, session), model_id=req.model_id)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        req = await body(request, types.LoadWeightsRequest)
+        req = await _body(request, types.LoadWeightsRequest)
         if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
             raise UserError(f"optimizer {req.optimizer_config.type!r}: tidal trains with AdamW only")
         if req.session_id is not None:  # create-via-load
@@ -174,11 +197,14 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
         return _error(404, "save_weights_external is not implemented by tidal's Tinker server; the sampler "
                            "checkpoints under OUTPUT_DIR/checkpoints are PEFT adapter directories already")
 
-    # --- sampling ------------------------------------------------------------------------------------------------
+
+def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
+    """Sampling sessions, sampler info and `asample`."""
+    from tinker import types
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        req = await body(request, types.CreateSamplingSessionRequest)
+        req = await _body(request, types.CreateSamplingSessionRequest)
         sid = service.create_sampling_session(req.session_id, req.model_path, req.base_model)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
@@ -188,7 +214,7 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        req = await body(request, types.SampleRequest)
+        req = await _body(request, types.SampleRequest)
         refused = [what for what, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                                          ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
                                          ("record_stability_info", bool(req.record_stability_info))) if on]
@@ -209,11 +235,14 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
                                       req.num_samples, params)
         return _future(rid, sample_sequence_ids=seq_ids)
 
-    # --- futures -------------------------------------------------------------------------------------------------
+
+def _add_future_routes(app: FastAPI, service: TinkerService) -> None:
+    """Retrieving and cancelling futures."""
+    from tinker import types
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
-        req = await body(request, types.FutureRetrieveRequest)
+        req = await _body(request, types.FutureRetrieveRequest)
         out = await service.retrieve(req.request_id)
         if isinstance(out, Result):
             if out.proto is not None:
@@ -225,8 +254,10 @@ def build_app(service: TinkerService, api_key: str) -> FastAPI:
     async def cancel_future(request: Request) -> None:
         service.cancel((await request.json()).get("request_id", ""))
 
+
+def _add_not_implemented(app: FastAPI) -> None:
+    """404 with a message for every other `/api/v1` route (registered last: it matches every path)."""
+
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def not_implemented(rest: str) -> JSONResponse:
         return _error(404, f"/api/v1/{rest} is not implemented by tidal's Tinker server (see docs/tinker.md)")
-
-    return app
