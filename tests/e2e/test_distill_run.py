@@ -66,13 +66,13 @@ def read_lines(proc: subprocess.Popen, lines: list[str], started: threading.Even
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if "starting orchestrator and trainer" in line:
+        if "[tidal] inference ready after" in line:  # both servers answer (the launcher waits for each)
             started.set()
 
 
 class Run:
-    """`tidal grpo ARGS` with its output read in a thread; `wait_started` returns once the orchestrator and trainer
-    start (both servers answer)."""
+    """`tidal grpo ARGS` with its output read in a thread; `wait_started` returns once both servers answer (the
+    launcher's 'inference ready' line)."""
 
     def __init__(self, *args: str) -> None:
         self.proc = tidal("grpo", *args)
