@@ -235,6 +235,7 @@ def test_client_reads_routes_from_generate() -> None:
     (comp,) = asyncio.run(go())
     assert seen[0]["path"] == "/inference/v1/generate" and seen[0]["token_ids"] == [9, 8, 7, 3]
     assert seen[0]["sampling_params"]["n"] == 1 and seen[0]["sampling_params"]["seed"] == 3
+    assert seen[0]["sampling_params"]["output_kind"] == 2  # FINAL_ONLY: vLLM 0.24 answers all n (test_short_groups)
     assert comp.token_ids == [5, 6, 2] and comp.logprobs == [-0.5] * 3 and comp.text == "fg"  # EOS left out
     assert (comp.routed_experts == routes).all()
     stacked = batch_routes([(7, comp.routed_experts), (5, None)])

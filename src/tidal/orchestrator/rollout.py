@@ -17,8 +17,19 @@ from typing import Any
 from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
 from tidal.envs.images import has_images
-from tidal.inference.protocol import Completion, InferenceClient
+from tidal.inference.protocol import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.sampling import extra_sampling
+
+
+def full_group(comps: list[Completion], n: int, client: InferenceClient) -> list[Completion]:
+    """`comps` when the sampler returned the `n` completions asked for, else InferenceError: a group shorter than
+    `rollouts_per_example` would only fail later, where advantages split the rewards into groups of `n`. As an
+    InferenceError, a training step is retried once the server answers (counted in `inference_retries`) and an
+    evaluation skipped."""
+    if len(comps) != n:
+        raise InferenceError(f"the inference server ({', '.join(client.urls)}) returned {len(comps)} completions of "
+                             f"one prompt, asked for {n} (rollouts_per_example)")
+    return comps
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
@@ -35,8 +46,9 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
     extra = extra_sampling(sampling, max_tokens)
     temp = sampling.temperature if temperature is None else temperature
     if messages is not None:
-        return await client.sample_chat(model, messages, prompt_ids, n, max_tokens, temp, seed, extra)
-    return await client.sample(model, prompt_ids, n, max_tokens, temp, seed, extra)
+        return full_group(await client.sample_chat(model, messages, prompt_ids, n, max_tokens, temp, seed, extra), n,
+                          client)
+    return full_group(await client.sample(model, prompt_ids, n, max_tokens, temp, seed, extra), n, client)
 
 
 async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
@@ -50,7 +62,7 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
                          "images; tidal samples prompts with images single-turn only (max_turns: 1)")
     budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
     extra = {**extra_sampling(sampling, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
-    first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
+    first = full_group(await client.sample(model, prompt_ids, n, budget, temperature, seed, extra), n, client)
 
     async def continue_one(i: int, c: Completion) -> Completion:
         ids, lps, mask, text = list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.text

@@ -33,6 +33,7 @@ from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
 from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
 from tidal.inference.protocol import Completion, InferenceClient
+from tidal.orchestrator.rollout import full_group
 from tidal.orchestrator.sampling import extra_sampling
 
 
@@ -154,7 +155,7 @@ async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int],
     if budget < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
     extra = {**extra_sampling(sampling, budget), "skip_special_tokens": False}
-    first = await client.sample(model, prompt_ids, n, budget, temperature, seed, extra)
+    first = full_group(await client.sample(model, prompt_ids, n, budget, temperature, seed, extra), n, client)
 
     def sampler(i: int) -> Any:
         async def sample_next(ids: list[int], room: int, round_: int) -> Completion:

@@ -28,6 +28,12 @@ from tidal.envs.images import has_images, openai_messages
 from tidal.inference.protocol import Completion, InferenceError, InferenceUnreachable, NotMultimodal, server_root
 
 log = logging.getLogger("tidal.client")
+FINAL_ONLY = 2
+"""vLLM's `RequestOutputKind.FINAL_ONLY` (vllm/sampling_params.py, 0.24 and 0.32), as `/inference/v1/generate` parses
+it: SamplingParams' enum fields are validated by value (pydantic), so the name is refused. Without it vLLM 0.24 keeps
+the default CUMULATIVE, and with `n` > 1 its non-streaming generator answers with the choices of the last engine
+output only (one child's, often unfinished; vllm/v1/engine/parallel_sampling.py `ParentRequest.get_outputs`);
+0.32 sets FINAL_ONLY itself for a non-streaming request."""
 READY_POLL_MAX_S = 0.5
 """Longest wait between two readiness probes of a starting server (a start takes ~20-50 s on 2 cores; a longer
 backoff would let the orchestrator notice a ready server up to that much later). 0.5 s since `tidal grpo` starts
@@ -155,7 +161,7 @@ class VllmClient:
         """`n` completions of `prompt_ids`, with token ids and sampled-token logprobs; `extra`: more vLLM
         sampling keys (repetition_penalty, min_tokens)."""
         if self.cfg.return_routed_experts:
-            return await self._sample_routed(model, prompt_ids, n, max_tokens, temperature, seed, extra)
+            return await self.sample_generate(model, prompt_ids, n, max_tokens, temperature, seed, extra)
         url = f"{self.urls[next(self._rr)]}/completions"
         payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                                    "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
@@ -165,7 +171,7 @@ class VllmClient:
         payload.update(extra or {})
         out = await self._post(url, payload)
         comps = []
-        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+        for choice in all_choices(out, url, n):
             ids = list(choice["token_ids"])
             lps = [float(x) for x in choice["logprobs"]["token_logprobs"]]
             if len(ids) != len(lps):
@@ -175,37 +181,44 @@ class VllmClient:
                                     list(texts) if texts is not None and len(texts) == len(ids) else None))
         return comps
 
-    async def _sample_routed(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
-                             seed: int | None, extra: dict[str, Any] | None) -> list[Completion]:
+    async def sample_generate(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                              seed: int | None = None, extra: dict[str, Any] | None = None,
+                              routes: bool = True) -> list[Completion]:
         """`sample` through vLLM's token-in/token-out `/inference/v1/generate`, the route that returns each token's
-        routed experts in vLLM 0.24 (`tidal.models.routes`): token ids, logprobs and routes per completion; the
+        routed experts in vLLM 0.24 (`tidal.models.routes`; `sample` takes it with `client.return_routed_experts`):
+        token ids, logprobs and (`routes`) routes per completion, an answer without routes being an error; the
         text from `/detokenize` (without the final token when it stopped the completion: the EOS that
-        `/v1/completions` leaves out of its text)."""
-        from tidal.models.routes import decode_routes
-
+        `/v1/completions` leaves out of its text). Asks for `FINAL_ONLY` outputs, so all `n` choices come back."""
         root = server_root(self.urls[next(self._rr)])
         url = f"{root}/inference/v1/generate"
         params: dict[str, Any] = {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
-                                  "top_k": -1, "logprobs": 0, "skip_special_tokens": True, **(extra or {})}
+                                  "top_k": -1, "logprobs": 0, "skip_special_tokens": True, **(extra or {}),
+                                  "output_kind": FINAL_ONLY}
         if seed is not None:
             params["seed"] = seed
         out = await self._post(url, {"model": model, "token_ids": prompt_ids, "sampling_params": params})
         comps = []
-        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+        for choice in all_choices(out, url, n):
             ids = list(choice["token_ids"])
             content = (choice.get("logprobs") or {}).get("content") or []
             if len(ids) != len(content):
                 raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
-            if not choice.get("routed_experts"):
-                raise InferenceError(f"{url}: no routed_experts in the answer: start vLLM with infer "
-                                     "return_routed_experts: true (--enable-return-routed-experts)")
-            routes = decode_routes(choice["routed_experts"])
             reason = choice.get("finish_reason") or ""
             shown = ids[:-1] if reason == "stop" and ids and "stop" not in params else ids
             text = (await self._post(f"{root}/detokenize", {"model": model, "tokens": shown}))["prompt"]
             comps.append(Completion(ids, [float(c["logprob"]) for c in content], text, reason,
-                                    routed_experts=routes))
+                                    routed_experts=self._routes(url, choice) if routes else None))
         return comps
+
+    @staticmethod
+    def _routes(url: str, choice: dict[str, Any]) -> Any:
+        """A `/inference/v1/generate` choice's routed experts, decoded (`tidal.models.routes.decode_routes`)."""
+        from tidal.models.routes import decode_routes
+
+        if not choice.get("routed_experts"):
+            raise InferenceError(f"{url}: no routed_experts in the answer: start vLLM with infer "
+                                 "return_routed_experts: true (--enable-return-routed-experts)")
+        return decode_routes(choice["routed_experts"])
 
     async def sample_chat(self, model: str, messages: list[dict[str, Any]], prompt_ids: list[int], n: int,
                           max_tokens: int, temperature: float, seed: int | None = None,
@@ -228,7 +241,7 @@ class VllmClient:
             raise InferenceError(f"{url}: the chat API rendered {len(out.get('prompt_token_ids') or [])} prompt "
                                  f"tokens, /tokenize {len(prompt_ids)}; they must agree (tokens, not text)")
         comps = []
-        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+        for choice in all_choices(out, url, n):
             ids = list(choice["token_ids"])
             content = (choice.get("logprobs") or {}).get("content") or []
             if len(ids) != len(content):
@@ -322,3 +335,14 @@ class VllmClient:
         for r in results:
             if isinstance(r, Exception):
                 log.warning("unloading adapter %s: %s", name, r)
+
+
+def all_choices(out: dict[str, Any], url: str, n: int) -> list[dict[str, Any]]:
+    """The answer's choices by index: exactly the `n` asked for, indices 0..n-1, else InferenceError (a group
+    shorter than `rollouts_per_example` must not reach the orchestrator's advantages)."""
+    choices = sorted(out.get("choices") or [], key=lambda c: int(c.get("index", -1)))
+    indices = [int(c.get("index", -1)) for c in choices]
+    if indices != list(range(n)):
+        raise InferenceError(f"{url}: asked for {n} completions, got {len(choices)} (choice indices "
+                             f"{indices[:20]}{' ...' if len(indices) > 20 else ''})")
+    return choices
