@@ -130,6 +130,37 @@ def stop_groups(items: Sequence[Stoppable], timeout_s: float) -> None:
         c.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.proc.wait(timeout=5)
+    for c in items:  # a killed member (vLLM's engine core) is in the process table until reaped: wait it out
+        if isinstance(pid := getattr(c.proc, "pid", None), int):
+            wait_group_gone(pid, GROUP_GONE_S)
+
+
+GROUP_GONE_S = 5.0
+"""How long `stop_groups` waits for a SIGKILLed group's last members to be gone."""
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                raw = Path(f"/proc/{entry}/stat").read_text()
+                fields = raw[raw.rfind(")") + 2:].split()
+                if int(fields[3]) == pgid and fields[0] != "Z":
+                    out.append(int(entry))
+    return out
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until process group `pgid` has no live process left (a zombie, dead but not yet reaped, counts as
+    gone); False when some are left after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def start_reaper(pid: int | None = None) -> subprocess.Popen[bytes] | None:

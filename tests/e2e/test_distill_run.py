@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import MODEL, free_port, kill_group, tidal
 from tests.e2e.distill_student import noised_copy
 from tidal.monitor.metrics import read_metrics
+from tidal.reaper import group_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -39,13 +40,8 @@ def processes_with(text: str) -> list[int]:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids in process group `pgid` (field 5 of /proc/PID/stat)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                out.append(int(pid))
-    return out
+    """Live pids in process group `pgid` (a zombie, dead but not yet reaped by init, is not left running)."""
+    return group_alive(pgid)
 
 
 def server_groups(port: int) -> set[int]:

@@ -91,3 +91,28 @@ def test_descendants_follow_the_process_tree():
     table = {10: (1, 5), 11: (10, 6), 12: (11, 7), 13: (1, 8)}
     assert descendants(table, 10) == {11: 6, 12: 7}
     assert os.getpid() in process_table()
+
+
+def test_stop_groups_returns_once_every_member_of_the_group_is_gone():
+    """`stop_groups` (the launcher's stop) returns only when no live process of a child's group is left, the
+    members the leader started included (vLLM's engine core beside its API server)."""
+    from tidal.reaper import group_alive, stop_groups
+
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "m = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                               "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+                               "print(m.pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert leader.stdout is not None
+    member = int(leader.stdout.readline())
+    assert sorted(group_alive(leader.pid)) == sorted([leader.pid, member])
+
+    class Item:
+        proc = leader
+
+        def signal_group(self, sig: int) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader.pid, sig)
+
+    stop_groups([Item()], timeout_s=0.5)
+    assert group_alive(leader.pid) == []
