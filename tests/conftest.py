@@ -57,6 +57,28 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300) -> Non
     raise TimeoutError(f"vLLM on port {port} not healthy after {timeout} s")
 
 
+@contextlib.contextmanager
+def serving_tinker(out: Path, key: str, timeout: float = 600) -> Iterator[str]:
+    """`tidal serve-tinker` on the bundled model, its log in `out`; yields its base URL once `/api/v1/healthz`
+    answers, and stops it (the whole process group) afterwards."""
+    port, log = free_port(), out / "serve.log"
+    with open(log, "w") as f:
+        proc = tidal("serve-tinker", "--port", str(port), "--api-key", key, "--output-dir", str(out), stdout=f)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{base}/api/v1/healthz", timeout=2).status_code == 200:
+                        break
+                time.sleep(1)
+            yield base
+        finally:
+            kill_group(proc)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory) -> Iterator[str]:
     """A real vLLM server on the bundled model (LoRA enabled); yields its base URL (`http://.../v1`)."""

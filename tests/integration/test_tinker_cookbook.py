@@ -17,13 +17,11 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import free_port, kill_group, tidal
+from tests.conftest import serving_tinker
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -40,26 +38,9 @@ def server(tmp_path_factory):
     if not (COOKBOOK / "tinker_cookbook" / "rl" / "train.py").is_file():
         pytest.skip(f"tinker-cookbook is not installed in {COOKBOOK} (make setup-dev installs it; "
                     "TIDAL_TINKER_COOKBOOK names another directory)")
-    out = tmp_path_factory.mktemp("serve_tinker_cookbook")
-    port, log = free_port(), out / "serve.log"
-    with open(log, "w") as f:
-        proc = tidal("serve-tinker", "--port", str(port), "--api-key", KEY, "--output-dir", str(out), stdout=f)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"{base}/api/v1/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-            model = tinker.RestClient(base_url=base, api_key=KEY).get_server_capabilities().result()
-            yield base, model.supported_models[0].model_name
-        finally:
-            kill_group(proc)
+    with serving_tinker(tmp_path_factory.mktemp("serve_tinker_cookbook"), KEY) as base:
+        model = tinker.RestClient(base_url=base, api_key=KEY).get_server_capabilities().result()
+        yield base, model.supported_models[0].model_name
 
 
 def run_example(server, *args: str, tmp: Path) -> None:

@@ -12,13 +12,11 @@
 from __future__ import annotations
 
 import random
-import time
 
-import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import free_port, kill_group, tidal
+from tests.conftest import serving_tinker
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -31,26 +29,8 @@ KEY = "tml-loops"
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve_tinker")
-    port = free_port()
-    log = out / "serve.log"
-    with open(log, "w") as f:
-        proc = tidal("serve-tinker", "--port", str(port), "--api-key", KEY, "--output-dir", str(out), stdout=f)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"{base}/api/v1/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-            yield base
-        finally:
-            kill_group(proc)
+    with serving_tinker(tmp_path_factory.mktemp("serve_tinker"), KEY) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
