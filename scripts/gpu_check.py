@@ -263,6 +263,21 @@ def make_adapter(out: Path) -> Path:
     return out
 
 
+def wait_ready(proc: subprocess.Popen[Any], url: str, what: str, started: float, budget: float) -> None:
+    """Until `url` answers, `budget` seconds from `started` (a fixed limit: not the run's shrinking time left);
+    `CheckFailed` when `proc` exits first or the budget runs out."""
+    while True:
+        if proc.poll() is not None:
+            raise CheckFailed(f"{what} exited with {proc.returncode} before it was ready")
+        if time.monotonic() - started > budget:
+            raise CheckFailed(f"{what} not ready within {budget:.0f} s")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+
+
 def check_vllm_lora_start(ctx: Ctx, res: Result) -> None:
     """`tidal grpo-infer` on the bundled model with LoRA: ready time, an adapter loaded at runtime, a completion
     sampled through it."""
@@ -280,16 +295,7 @@ def check_vllm_lora_start(ctx: Ctx, res: Result) -> None:
     try:
         budget = min(res.figures.pop("_budget"), ctx.left())
         base = f"http://127.0.0.1:{port}"
-        while True:
-            if proc.poll() is not None:
-                raise CheckFailed(f"vLLM exited with {proc.returncode} before it was ready")
-            if time.monotonic() - started > budget:
-                raise CheckFailed(f"vLLM not ready within {budget:.0f} s")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2).read()
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_ready(proc, f"{base}/health", "vLLM", started, budget)
         res.figures["ready_s"] = round(time.monotonic() - started, 1)
         argv_line = next((ln for ln in log.read_text(errors="replace").splitlines() if "starting vLLM" in ln), "")
         res.figures["argv"] = argv_line[-200:]
@@ -544,16 +550,7 @@ def check_tinker(ctx: Ctx, res: Result) -> None:
     ctx.logs.append(str(log))
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise CheckFailed(f"serve-tinker exited with {proc.returncode} before it was ready")
-            if time.monotonic() - started > budget:  # (the run's time left shrinks as this waits: fixed above)
-                raise CheckFailed(f"serve-tinker not ready within {budget:.0f} s")
-            try:
-                urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2).read()
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_ready(proc, f"{url}/api/v1/healthz", "serve-tinker", started, budget)
         res.figures["ready_s"] = round(time.monotonic() - started, 1)
         # the bundled model's vocabulary is below its hidden size: vLLM 0.24 on CUDA takes no lm_head LoRA there
         code, text = run(ctx, [PY, "scripts/tinker_check.py", url, key, *(["--unembed"] if ctx.cpu else [])],
