@@ -199,10 +199,7 @@ class VllmClient:
         out = await self._post(url, {"model": model, "token_ids": prompt_ids, "sampling_params": params})
         comps = []
         for choice in all_choices(out, url, n):
-            ids = list(choice["token_ids"])
-            content = (choice.get("logprobs") or {}).get("content") or []
-            if len(ids) != len(content):
-                raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
+            ids, content = token_logprobs(choice, url)
             reason = choice.get("finish_reason") or ""
             shown = ids[:-1] if reason == "stop" and ids and "stop" not in params else ids
             text = (await self._post(f"{root}/detokenize", {"model": model, "tokens": shown}))["prompt"]
@@ -242,10 +239,7 @@ class VllmClient:
                                  f"tokens, /tokenize {len(prompt_ids)}; they must agree (tokens, not text)")
         comps = []
         for choice in all_choices(out, url, n):
-            ids = list(choice["token_ids"])
-            content = (choice.get("logprobs") or {}).get("content") or []
-            if len(ids) != len(content):
-                raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
+            ids, content = token_logprobs(choice, url)
             msg = choice["message"]  # with infer reasoning_parser, vLLM splits the reasoning out of the content
             text = (msg.get("reasoning") or msg.get("reasoning_content") or "") + (msg.get("content") or "")
             comps.append(Completion(ids, [float(c["logprob"]) for c in content], text,
@@ -335,6 +329,16 @@ class VllmClient:
         for r in results:
             if isinstance(r, Exception):
                 log.warning("unloading adapter %s: %s", name, r)
+
+
+def token_logprobs(choice: dict[str, Any], url: str) -> tuple[list[int], list[dict[str, Any]]]:
+    """A chat or generate choice's sampled token ids and their logprob entries, one per token, else
+    InferenceError."""
+    ids = list(choice["token_ids"])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(ids) != len(content):
+        raise InferenceError(f"{url}: {len(ids)} token ids but {len(content)} logprobs")
+    return ids, content
 
 
 def all_choices(out: dict[str, Any], url: str, n: int) -> list[dict[str, Any]]:
