@@ -121,9 +121,9 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
+    from tidal.inference.backends.dp import PlacementError
     from tidal.inference.backends.launch import serve
-    from tidal.inference.backends.vllm.dp import PlacementError
-    from tidal.inference.backends.vllm.server import InsecureBindError, PortInUseError
+    from tidal.procs import InsecureBindError, PortInUseError
 
     try:
         return serve(cfg)  # dp 1: becomes the server (does not return); dp N: supervises N servers

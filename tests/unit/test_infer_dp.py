@@ -19,7 +19,7 @@ import pytest
 from tests.unit.test_reaper import gone_within
 from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
-from tidal.inference.backends.vllm.dp import PlacementError, core_groups, parse_cores, plan_servers
+from tidal.inference.backends.dp import PlacementError, core_groups, parse_cores, plan_servers
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -200,7 +200,7 @@ SUPERVISOR = textwrap.dedent("""
     import os
     import sys
     from tidal.config.infer import InferConfig
-    from tidal.inference.backends.vllm.dp import plan_servers, run_servers
+    from tidal.inference.backends.dp import plan_servers, run_servers
     argv_of = lambda cfg: [sys.executable, "-c", sys.argv[1], str(cfg.port)]
     cfg = InferConfig(model="tidal:tiny-reverse", port=47000, dp=2)
     sys.exit(run_servers(cfg, plan_servers(cfg, None, (0, 1), {}), "127.0.0.1", argv_of, dict(os.environ)))

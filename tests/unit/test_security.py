@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tidal.config.infer import InferConfig
-from tidal.inference.backends.vllm.server import InsecureBindError, check_bind_secure, vllm_argv
+from tidal.inference.backends.vllm.server import vllm_argv
+from tidal.procs import InsecureBindError, check_bind_secure
 from tidal.rewards.code_exec import unit_tests
 from tidal.sandbox import network_namespace_available, run_python
 

@@ -51,7 +51,7 @@ MAPPED = {  # infer key: (value away from its default, what the argv must then h
 NO_ARGUMENT = {  # keys that need no SGLang argument (the launch is the same; their effect is elsewhere)
     "backend": "selects this launcher",
     "model": "always --model-path and --served-model-name (test_model_is_served_under_its_configured_name)",
-    "dp": "tidal's dp: N servers on consecutive ports (tidal.inference.backends.vllm.dp, shared)",
+    "dp": "tidal's dp: N servers on consecutive ports (tidal.inference.backends.dp, shared)",
     "weight_broadcast_type": "SGLang always serves its distributed update routes",
     "weight_reload": "SGLang always serves /update_weights_from_disk",
 }

@@ -10,8 +10,8 @@ Shutdown: when the orchestrator and the trainer have both exited 0 the run is do
 inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its requests and
 loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
-that resumes the run. Ctrl-C / SIGTERM stop everything. Each child runs in its own process group
-(killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
+that resumes the run. Ctrl-C / SIGTERM stop everything. Each child (`tidal.procs.Child`) runs in its own process
+group (killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
 (`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -41,22 +39,10 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from tidal import procs
 from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
 from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
-from tidal.reaper import signal_group, start_reaper, stop_groups
-
-STOP_TIMEOUT_S = 20.0
-HEALTH_POLL_S = 0.1
-"""How often the launcher asks a starting inference server for `/health` (a local GET costs well under 1 ms; a
-long interval only delays the orchestrator and trainer by up to that much)."""
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
+from tidal.reaper import start_reaper
 
 STARTUP_PHASES: tuple[tuple[str, str], ...] = (
     ("tidal", r"tidal grpo-infer: starting vLLM"),
@@ -105,52 +91,32 @@ class StartupClock:
         return ", ".join(f"{name} {s:.1f}" for name, s in self.phases(ready_s).items())
 
 
-class Child:
-    """One component process (environment: this process's, plus `env`), its log file and (optionally) a console
-    echo; `on_line` sees every line (decoded) as it is logged."""
+def _each(*hooks: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """One line hook calling each of `hooks` (None skipped); one that raises does not keep the next from its line."""
+    todo = [h for h in hooks if h is not None]
+    if len(todo) < 2:
+        return todo[0] if todo else None
+
+    def call(line: str) -> None:
+        for hook in todo:
+            with contextlib.suppress(Exception):
+                hook(line)
+    return call
+
+
+class Child(procs.Child):
+    """One component process (`tidal.procs.Child`: its own process group, killed with this launcher; environment:
+    this process's, plus `env`), its log file and (optionally) a console echo, through `emit` (the live board) when
+    given, else with a `[name]` prefix; `on_line` sees every line (decoded) as it is logged."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, echo: bool,
                  emit: Callable[[str, str], None] | None = None, env: Mapping[str, str] | None = None,
                  on_line: Callable[[str], None] | None = None) -> None:
-        self.name, self.log_path, self.emit, self.on_line = name, log_path, emit, on_line
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.offset = log_path.stat().st_size if log_path.exists() else 0  # a restarted child appends to its log
-        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent, env=child_env)
-        self._pump = threading.Thread(target=self._copy, args=(echo,), daemon=True)
-        self._pump.start()
-
-    def _copy(self, echo: bool) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "ab") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                if self.on_line is not None:
-                    with contextlib.suppress(Exception):  # a timing aid must never stop the log
-                        self.on_line(line.decode(errors="replace"))
-                if echo and self.emit is not None:
-                    self.emit(self.name, line.decode(errors="replace"))
-                elif echo:
-                    sys.stdout.write(f"[{self.name}] {line.decode(errors='replace')}")
-                    sys.stdout.flush()
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def signal_group(self, sig: int) -> None:
-        signal_group(self.proc, sig)
-
-    def tail(self, lines: int = 25) -> str:
-        """The last `lines` lines this process wrote (not those of an earlier process with the same log)."""
-        self._pump.join(timeout=2)
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.offset)
-                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        self.emit = emit
+        board = (lambda line: emit(name, line)) if echo and emit is not None else None
+        super().__init__(name, argv, log_path=log_path, echo=echo and emit is None, on_line=_each(on_line, board),
+                         env=env)
+        self.log_path: Path = log_path
 
 
 class InProcess:
@@ -227,29 +193,26 @@ Component = Child | InProcess
 
 
 def stop_all(children: list[Component]) -> None:
-    """SIGTERM every child's process group, then SIGKILL what is left after STOP_TIMEOUT_S."""
-    stop_groups(children, STOP_TIMEOUT_S)
+    """SIGTERM every child's process group, then SIGKILL what is left after `procs.STOP_TIMEOUT_S`."""
+    procs.stop(children)
 
 
 def wait_healthy(urls: str | Sequence[str], infer: Component, timeout_s: float,
                  watch: Sequence[Component] = ()) -> None:
     """Wait until every health URL in `urls` answers 200 (all of infer `dp` servers); `watch`: components started
     with it (`tidal.colocate.start_order`), whose failure ends the wait."""
-    start, waiting = time.monotonic(), [urls] if isinstance(urls, str) else list(urls)
-    while time.monotonic() - start < timeout_s:
-        if infer.poll() is not None:
-            raise ComponentFailed(infer, "exited while starting")
+    def check() -> None:
         for c in watch:
             if c.poll() not in (None, 0):
                 raise ComponentFailed(c, f"exited with code {c.poll()} while vLLM was starting")
-        for url in list(waiting):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    waiting.remove(url)
-        if not waiting:
-            return
-        time.sleep(HEALTH_POLL_S)
-    raise ComponentFailed(infer, f"did not become healthy at {', '.join(waiting)} within {timeout_s:.0f} s")
+
+    try:
+        procs.wait_healthy(urls, infer, timeout_s, check=check)
+    except procs.NotHealthy as exc:
+        if exc.code is not None:
+            raise ComponentFailed(infer, "exited while starting") from None
+        raise ComponentFailed(infer, f"did not become healthy at {', '.join(exc.waiting)} within {timeout_s:.0f} s"
+                              ) from None
 
 
 EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) ERROR .*?\] )?((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (\S.*)$")

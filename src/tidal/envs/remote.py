@@ -18,11 +18,8 @@ files) travel as PNG data URLs (`example_to_json`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import random
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -33,6 +30,7 @@ import httpx
 
 from tidal.envs.base import Environment, Example
 from tidal.envs.images import has_images, openai_messages
+from tidal.procs import Child, free_port
 
 
 def example_to_json(example: Example) -> dict[str, Any]:
@@ -174,19 +172,10 @@ class RemoteEnvironment(Environment):
 
 
 def spawn_server(env_id: str, args: dict[str, Any]) -> str:
-    """Start `tidal env-server` for `env_id` as a child process on a free localhost port; returns its address.
-    The child is stopped when this process exits."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "env-server", env_id, "--args", json.dumps(args),
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def stop() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-
-    atexit.register(stop)
+    """Start `tidal env-server` for `env_id` as a child process (`tidal.procs.Child`) on a free localhost port;
+    returns its address. The child (its whole group) is stopped when this process exits."""
+    port = free_port()
+    child = Child("env-server", [sys.executable, "-m", "tidal.cli", "env-server", env_id, "--args", json.dumps(args),
+                                 "--port", str(port)])
+    atexit.register(child.stop, 5.0)
     return f"http://127.0.0.1:{port}"

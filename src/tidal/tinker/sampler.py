@@ -3,9 +3,10 @@
 vLLM is started like `tidal grpo-infer` starts it (`tidal.inference.backends.vllm.server.vllm_argv`: processed
 logprobs, tidal's generation config, runtime LoRA loading) on 127.0.0.1, with LoRA layers for every linear module
 the trainer may adapt, plus the output layer when `unembed` (vLLM serves an lm_head adapter; checked against PEFT
-on CPU), and up to 20 logprobs per position for the SDK's top-k requests. A sampler checkpoint is loaded under its
-own adapter name the first time it is sampled (`/v1/load_lora_adapter`); the least recently used adapters are
-unloaded beyond `MAX_LOADED` and loaded again when asked for.
+on CPU), and up to 20 logprobs per position for the SDK's top-k requests; it is a `tidal.procs.Child` (its own
+process group, stopped as a whole, killed if this process dies), its output in `vllm.log`. A sampler checkpoint is
+loaded under its own adapter name the first time it is sampled (`/v1/load_lora_adapter`); the least recently used
+adapters are unloaded beyond `MAX_LOADED` and loaded again when asked for.
 
 `sample` maps the SDK's `SamplingParams` onto vLLM's completions API from token ids: `max_tokens`, `temperature`,
 `top_p`, `top_k`, `seed`; `stop` as strings or token ids (None keeps EOS; `[]` also ignores EOS). It returns the
@@ -19,10 +20,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
-import signal
-import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tidal.procs import Child, NotHealthy, wait_healthy
 from tidal.tinker.wire import Sequence
 
 log = logging.getLogger("tidal.tinker")
@@ -97,45 +95,35 @@ class Sampler:
         self.targets = targets
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{infer_cfg.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self.loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # adapter name -> path
         self._lock = asyncio.Lock()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
 
     def start(self) -> None:
+        """Start vLLM (`tidal.procs.Child`: its own process group, killed if this process dies), its output
+        appended to `log_path`."""
         from tidal.inference.backends.vllm.server import vllm_argv, vllm_env
 
         argv = vllm_command(vllm_argv(self.infer_cfg), self.targets)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(argv, env=vllm_env(self.infer_cfg), stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        self.child = Child("vllm", argv, log_path=self.log_path, env=vllm_env(self.infer_cfg))
         log.info("vLLM starting on %s (log: %s)", self.url, self.log_path)
 
     def wait_ready(self, timeout: float = 900.0) -> None:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc is not None and self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path.is_file() else ""
-                raise SamplerError(f"vLLM exited with {self.proc.returncode} while starting:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    log.info("vLLM ready after %.0f s", time.monotonic() - start)
-                    return
-            time.sleep(0.5)
-        raise SamplerError(f"vLLM not ready after {timeout:.0f} s (log: {self.log_path})")
+        try:
+            waited = wait_healthy(f"{self.url}/health", self.child, timeout, poll_s=0.5)
+        except NotHealthy as exc:
+            if exc.code is not None:
+                assert self.child is not None
+                raise SamplerError(f"vLLM exited with {exc.code} while starting:\n{self.child.tail(40)[-3000:]}"
+                                   ) from None
+            raise SamplerError(f"vLLM not ready after {timeout:.0f} s (log: {self.log_path})") from None
+        log.info("vLLM ready after %.0f s", waited)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        """Stop vLLM and its engine processes (the whole group; SIGKILL after 20 s)."""
+        if self.child is not None:
+            self.child.stop(20.0)
 
     async def _post(self, route: str, payload: dict[str, Any]) -> Any:
         try:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.procs import PortInUseError, check_port_free, free_port
 from tidal.tinker.config import TinkerServeConfig
 
 log = logging.getLogger("tidal.tinker")
@@ -27,12 +27,6 @@ log = logging.getLogger("tidal.tinker")
 
 class ServeError(RuntimeError):
     """The server cannot start (the message says why and what to change)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_sdk() -> None:
@@ -104,7 +98,7 @@ def run(cfg: TinkerServeConfig) -> int:
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     check_sdk()
-    from tidal.inference.backends.vllm.server import PortInUseError, check_port_free, on_cpu
+    from tidal.inference.backends.vllm.server import on_cpu
 
     vllm_port = cfg.vllm_port or free_port()
     try:

@@ -2,9 +2,10 @@
 
 `serve_app("package.module:app", ...)` runs `python -m uvicorn package.module:app` on a free localhost port (the
 app is what openenv-core's `create_app(Environment, Action, Observation)` returns, as an OpenEnv environment's
-`server/app.py` defines it) with this process's interpreter, working directory and environment, and stops it when
-this process exits (SIGTERM, then SIGKILL after 5 s; tidal's reaper covers a SIGKILLed orchestrator). Its stderr
-goes to a temporary file whose tail is quoted when it does not come up.
+`server/app.py` defines it) with this process's interpreter, working directory and environment, as a
+`tidal.procs.Child` (its own process group, SIGKILLed if this process dies), and stops its group when this process
+exits (SIGTERM, then SIGKILL after 5 s; tidal's reaper covers the rest of a SIGKILLed orchestrator's family). The
+tail of its output is quoted when it does not come up.
 
 `ServerHandle` waits for `GET /health` and draws first observations with the stateless `POST /reset` route (a fresh
 environment instance per call, closed after it; no WebSocket session is taken), both over plain HTTP (httpx).
@@ -13,40 +14,31 @@ environment instance per call, closed after it; no WebSocket session is taken), 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-from typing import IO, Any
+from typing import Any
 
 import httpx
+
+from tidal.procs import Child, NotHealthy, free_port, wait_healthy
+
+STOP_TIMEOUT_S = 5.0
 
 
 class ServerError(Exception):
     """The OpenEnv server failed a request (unreachable, an error status, a timeout, a malformed answer)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class AppProcess:
-    """`app` served by uvicorn in a child process on 127.0.0.1."""
+    """`app` served by uvicorn in a child process (`tidal.procs.Child`) on 127.0.0.1."""
 
     def __init__(self, app: str) -> None:
         module, sep, attr = app.partition(":")
         if not sep or not module or not attr:
             raise ValueError(f"OpenEnv args.app '{app}' must be an import path 'package.module:app'")
         self.app, self.port = app, free_port()
-        self.log: IO[bytes] = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning", "--no-access-log"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.child = Child("openenv", [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port",
+                                       str(self.port), "--log-level", "warning", "--no-access-log"])
+        self.proc = self.child.proc
         atexit.register(self.stop)
 
     @property
@@ -54,26 +46,14 @@ class AppProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def exited(self) -> str | None:
-        """None while it runs; else its exit status and the tail of its stderr."""
-        code = self.proc.poll()
+        """None while it runs; else its exit status and the tail of its output."""
+        code = self.child.poll()
         if code is None:
             return None
-        self.log.seek(0)
-        tail = self.log.read().decode(errors="replace")[-2000:]
-        return f"exit status {code}; its stderr ends:\n{tail}"
+        return f"exit status {code}; its output ends:\n{self.child.tail(40)[-2000:]}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                self.proc.wait(timeout=5)
-        with contextlib.suppress(OSError):
-            self.log.close()
+        self.child.stop(STOP_TIMEOUT_S)
 
 
 class ServerHandle:
@@ -97,26 +77,18 @@ class ServerHandle:
             return
         if self.app is not None:
             self.process = AppProcess(self.app)
-        http = httpx.Client(timeout=self.timeout_s)
-        deadline, last = time.monotonic() + startup_timeout_s, "no answer yet"
-        while True:
+        try:
+            wait_healthy(f"{self.base_url}/health", self.process.child if self.process else None, startup_timeout_s,
+                         poll_s=0.2, get_timeout_s=self.timeout_s)
+        except NotHealthy as exc:
             if self.process is not None and (why := self.process.exited()) is not None:
-                raise ValueError(f"OpenEnv app '{self.app}' did not start ({why})")
-            try:
-                r = http.get(f"{self.base_url}/health")
-                if r.status_code == 200:
-                    break
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() > deadline:
-                if self.process is not None:
-                    self.process.stop()
-                where = f"app '{self.app}' at {self.base_url}" if self.app else f"server at {self.base_url}"
-                raise ValueError(f"OpenEnv {where}: /health did not answer within {startup_timeout_s:g} s "
-                                 f"(args.startup_timeout_s; last: {last})")
-            time.sleep(0.2)
-        self.http = http
+                raise ValueError(f"OpenEnv app '{self.app}' did not start ({why})") from None
+            if self.process is not None:
+                self.process.stop()
+            where = f"app '{self.app}' at {self.base_url}" if self.app else f"server at {self.base_url}"
+            raise ValueError(f"OpenEnv {where}: /health did not answer within {startup_timeout_s:g} s "
+                             f"(args.startup_timeout_s; last: {exc.last})") from None
+        self.http = httpx.Client(timeout=self.timeout_s)
 
     def reset(self, seed: int, reset_args: dict[str, Any]) -> dict[str, Any]:
         """`POST /reset` with `seed`: the first observation's payload `{observation, reward, done}`."""

@@ -11,7 +11,7 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 | max_model_len | `--context-length` |
 | gpu_memory_utilization | `--mem-fraction-static` (SGLang's static pool: weights + KV cache) |
 | tp | `--tp-size` |
-| dp | N SGLang servers on ports `port`.. (tidal's dp, as for vLLM: `tidal.inference.backends.vllm.dp`) |
+| dp | N SGLang servers on ports `port`.. (tidal's dp, as for vLLM: `tidal.inference.backends.dp`) |
 | enable_lora, max_lora_rank | `--enable-lora --max-lora-rank R` (R: 16 when unset) |
 | lora_target_modules | `--lora-target-modules` with the trainer's resolved names (`tidal.models.lora`; |
 | | never `all`, which adds the embeddings and LM head); a name SGLang cannot adapt exits 2 |
@@ -45,7 +45,7 @@ from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.inference.backends.sglang.client import LAUNCH_VERSION
-from tidal.inference.backends.vllm.server import bind_host, check_bind_secure, check_port_free
+from tidal.procs import bind_host, check_bind_secure, check_port_free
 
 API_KEY_VAR = "VLLM_API_KEY"
 LORA_RANK_DEFAULT = 16
@@ -156,7 +156,7 @@ def serve(cfg: InferConfig) -> int:
         start_reaper()  # SGLang's scheduler and detokenizer processes die with it
         print(f"tidal grpo-infer: starting SGLang on {host}:{cfg.port}", flush=True)
         os.execve(argv[0], argv, sglang_env(cfg))
-    from tidal.inference.backends.vllm import dp
+    from tidal.inference.backends import dp
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     plans = dp.plan_servers(cfg, dp.visible_gpus(os.environ, cpu=False), cores, os.environ)

