@@ -25,7 +25,7 @@ from tidal.orchestrator.advantage import compute_advantages, group_advantages
 from tidal.orchestrator.assemble import assemble
 from tidal.orchestrator.collect import Collected, StepSample
 from tidal.orchestrator.filters import Filters
-from tidal.orchestrator.outage import EnvFailures, EnvOutage, Outage, judged, keeps_group
+from tidal.orchestrator.outage import EnvFailures, EnvOutage, Outage, judged, keeps_group, probe
 from tidal.orchestrator.scoring import Scorer
 from tidal.rewards import ServiceUnavailable
 
@@ -131,6 +131,13 @@ class Down:
         if self.back is not None and self.probes >= self.back:
             return None
         return "environment 'far' at http://127.0.0.1:9: ConnectError: refused"
+
+
+def test_probe_asks_every_environment_of_a_mix():
+    class Mix:
+        envs = {"near": Down(back=1), "far": Down()}
+
+    assert "environment 'far'" in probe(Mix()) and probe(Down(back=1)) is None
 
 
 def fake_time():

@@ -40,8 +40,9 @@ BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 
-class EnvOutage(RuntimeError):
-    """An environment outage outlasted `env_outage.timeout_s`: the run stops (nothing was trained on it)."""
+class EnvOutage(TimeoutError):
+    """An environment outage outlasted `env_outage.timeout_s`: the run stops (nothing was trained on it). A
+    TimeoutError, so `tidal grpo-orch` stops with its message (exit 1), as for a policy that never came."""
 
 
 def judged(comps: Sequence[Completion]) -> np.ndarray:
@@ -89,7 +90,7 @@ class EnvFailures:
 def probe(env: Any) -> str | None:
     """Why an environment (or each of an `EnvMix`'s) cannot be reached now, or None when all answer (or have
     nothing to ask: `Environment.unavailable`)."""
-    for e in getattr(env, "envs", {env.id: env}).values():
+    for e in (env.envs.values() if hasattr(env, "envs") else [env]):
         why = e.unavailable()
         if why is not None:
             return str(why)
