@@ -2,8 +2,9 @@
 openenv_reverse`, written with openenv-core's `create_app`, served by uvicorn; no containers) and `tidal grpo` trains
 two steps against it with real vLLM and the bundled model. Episodes are multi-turn (the server's feedback comes back
 as a user message spliced in as tokens with no loss, the model continues from the exact token ids) and the server
-fails every other episode's step on purpose: those score `reward_default` and are counted in
-`reward/openenv/errors`, and the run finishes."""
+fails the episodes of every other example at their first step on purpose: those are not judged (a failure on the
+environment's side: no loss, their groups dropped and counted in `env/dropped_groups`; `env_outage.fraction` 1 keeps
+half a step failed from being an outage), and the run finishes."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def test_openenv_run_trains_and_counts_server_failures(tmp_path):
     try:
         proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps", "2",
                      "--orch.batch_size", "16", "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens",
-                     "256", "--orch.sampling.seed", "7", "--orch.env", f"[{{id: 'tidal.envs.openenv:OpenEnv', "
-                     f"args: {args}}}]")
+                     "256", "--orch.sampling.seed", "7", "--orch.env_outage.fraction", "1", "--orch.env",
+                     f"[{{id: 'tidal.envs.openenv:OpenEnv', args: {args}}}]")
         try:
             out, _ = proc.communicate(timeout=900)
         finally:
@@ -62,8 +63,9 @@ def test_openenv_run_trains_and_counts_server_failures(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch_kl"] < 1e-3, "every turn was sampled from the exact token ids trained on"
     assert all(r["reward/openenv/mean"] is not None for r in rows)
-    errors = sum(r["reward/openenv/errors"] for r in rows)
-    assert 0 < errors < 32, "the failing episodes (even seeds) were counted, the others scored"
+    assert sum(r["reward/openenv/errors"] for r in rows) == 0, "a server failure is not a failed reward"
+    dropped = sum(r["env/dropped_groups"] for r in rows)
+    assert 0 < dropped < 8, "the failing episodes' groups (even seeds) were dropped and counted, the others scored"
     assert "an episode failed" in out and "EXECUTION_ERROR" in out, "the first failure is logged with its cause"
     batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
     prompt_end = [int(np.argmax(batch.loss_mask[s] > 0)) for s in batch.samples()]

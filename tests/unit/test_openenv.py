@@ -4,8 +4,8 @@ environment of `tests.e2e.openenv_reverse`, written with openenv-core's `create_
 scripted inference client whose chat rendering is the bundled model's template, so the spliced observation tokens
 are checked against the template. Covers single- and multi-turn episodes, rewards, the session slots, and every
 kind of server failure (a step that raises, a timeout, a refused connection, a failing reset, a reset that does not
-reproduce the prompt), each scored as a failed reward and never raised; invalid actions; the config keys; and tidal
-without openenv-core (the `openenv` extra)."""
+reproduce the prompt), each an unjudged rollout (`Completion.env_error`) and never raised; invalid actions; the config
+keys; and tidal without openenv-core (the `openenv` extra)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("openenv.core", reason="openenv-core is the optional `openenv` extra: pip install 'tidal[openenv]'")
@@ -198,7 +199,7 @@ def scorer_of(env: OpenEnv, url: str) -> Scorer:
     return Scorer({"openenv": env}, cfg)
 
 
-def test_server_failures_are_failed_rewards_not_errors(server, tok, caplog):
+def test_server_failures_are_unjudged_rollouts_not_errors(server, tok, caplog):
     env = make(server, max_turns=2, timeout_s=1.0)
     ex = env.sample(random.Random(3))
     ex, _, comps = rollouts(env, tok, [["BOOM"], ["ok", "SLOW"], [answer(ex)]], seed=3)
@@ -206,14 +207,16 @@ def test_server_failures_are_failed_rewards_not_errors(server, tok, caplog):
     assert "EXECUTION_ERROR" in eps[0].error and "the environment broke" in eps[0].error
     assert eps[1].error is not None and "TimeoutError" in eps[1].error and eps[1].rewards == [0.0]
     assert eps[2].error is None
+    assert [c.env_error is not None for c in comps] == [True, True, False]
+    assert comps[0].env_error.startswith(f"OpenEnv environment at {server}: RuntimeError")
     scores = env.score_rollouts(ex, comps)
     assert math.isnan(scores[0]) and math.isnan(scores[1]) and scores[2] == 1.0
     scorer = scorer_of(env, server)
     ex.task = "openenv"
     scores = scorer.score(ex, comps, 1)
-    assert scores[:, 0].tolist() == [-1.0, -1.0, 1.0], "failed episodes score reward_default"
-    assert scores[:, 1].tolist() == [1.0, 2.0, 1.0], "reward functions get the episodes"
-    assert scorer.take_error_counts()["reward/openenv/errors"] == 2.0
+    assert np.isnan(scores[:2]).all(), "failed episodes are not judged: no reward_default, no reward function"
+    assert scores[2].tolist() == [1.0, 1.0], "the judged episode: the server's reward and the reward function's"
+    assert scorer.take_error_counts()["reward/openenv/errors"] == 0.0
     assert env.failures["server failure"] == 2
     assert "OpenEnv environment at" in caplog.text and "logged once" in caplog.text
 
@@ -240,6 +243,7 @@ def test_a_failing_reset_and_a_dead_server_never_raise(tok):
 
     comps = asyncio.run(run())
     assert all("ConnectionError" in c.environment.error for c in comps), [c.environment.error for c in comps]
+    assert all(c.env_error is not None for c in comps) and "ConnectError" in env.unavailable()
     assert env.tooling.slots.sem._value == 8
 
 

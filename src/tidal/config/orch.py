@@ -380,6 +380,21 @@ class ReportSection(StrictModel):
     """Write TensorBoard event files under `{output_dir}/tensorboard`."""
 
 
+class EnvOutageSection(StrictModel):
+    """Environment outages: a step most of whose rollouts failed on the environment's side (its server refused
+    the connection, answered 5xx or timed out; a reward function raised `tidal.rewards.ServiceUnavailable`) is not
+    trained on: the orchestrator waits for the environment with backoff and samples the step again
+    (docs/orchestrator.md, "Environment failures vs model failures")."""
+
+    fraction: float = Field(0.5, gt=0, le=1)
+    """Share of a step's rollouts failed on the environment's side at which the step is an outage (waited out
+    and sampled again, never trained on); below it the failed rollouts only get no loss and stay out of their
+    group's baseline (a group left with fewer than 2 judged rollouts is dropped: `env/dropped_groups`)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """How long one outage may last (from its first failed step) before the orchestrator stops (exit 1) with a
+    message naming the environment and its URL."""
+
+
 class OrchConfig(StrictModel):
     """Everything `tidal grpo-orch` reads from `orch.yaml`."""
 
@@ -445,9 +460,13 @@ class OrchConfig(StrictModel):
     """Checkpointing and resume."""
     reward_default: float = 0.0
     """Score given to a completion when a reward function raises, returns NaN/inf or exceeds
-    `reward_timeout_s` (counted in `reward/errors`, logged once per function with its traceback)."""
+    `reward_timeout_s` (counted in `reward/errors`, logged once per function with its traceback). Not for a
+    failure on the environment's side (a function raising `tidal.rewards.ServiceUnavailable`, an environment server
+    down): those rollouts are not judged at all (`env_outage`)."""
     reward_timeout_s: float = Field(60.0, gt=0)
     """Longest one reward call (one group) may take before it scores `reward_default`."""
+    env_outage: EnvOutageSection = Field(default_factory=EnvOutageSection)
+    """When failures on the environment's side stop a step (an environment outage) and for how long."""
     long_prompts: Literal["skip", "truncate"] = "skip"
     """A prompt that leaves no room for a completion under `seq_len`: `skip` draws another example, `truncate`
     keeps its last tokens (counted in `prompts/skipped` / `prompts/truncated`)."""

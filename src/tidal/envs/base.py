@@ -83,6 +83,13 @@ class Environment(ABC):
         order. Used by `advantage.type: process`; environments without step rewards raise."""
         raise NotImplementedError(f"environment '{self.id}' has no step rewards (advantage.type: process)")
 
+    def unavailable(self) -> str | None:
+        """Why the service this environment runs on cannot be reached now (naming it and where it runs), or None
+        when it answers or there is none to ask. The orchestrator asks while it waits out an environment outage
+        (`tidal.orchestrator.outage`); an environment whose calls fail on its own side raises
+        `tidal.rewards.ServiceUnavailable` from them."""
+        return None
+
     def eval_examples(self) -> list[Example] | None:
         """A finite held-out evaluation set, if the environment has one (None: evaluation draws generated
         examples with a fixed seed)."""

@@ -11,8 +11,10 @@
 The orchestrator uses it through `RemoteEnvironment` when `env[].address` is set, or spawns one itself with
 `env[].spawn: true` (a subprocess on a free localhost port, stopped with the orchestrator). The sampler's RNG
 stays in the orchestrator: each example is drawn from a seed it takes from that RNG, so runs (and resumes)
-stay reproducible. The server binds to 127.0.0.1 unless told otherwise. Image parts of prompts (PIL images,
-files) travel as PNG data URLs (`example_to_json`).
+stay reproducible. A server that cannot be reached, times out or answers 5xx raises
+`tidal.rewards.ServiceUnavailable` in the client: the rollouts it concerns are not judged, and an orchestrator
+waits out an outage (`tidal.orchestrator.outage`, probing `/info`). The server binds to 127.0.0.1 unless told
+otherwise. Image parts of prompts (PIL images, files) travel as PNG data URLs (`example_to_json`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import httpx
 from tidal.envs.base import Environment, Example
 from tidal.envs.images import has_images, openai_messages
 from tidal.procs import Child, free_port
+from tidal.rewards import ServiceUnavailable
 
 
 def example_to_json(example: Example) -> dict[str, Any]:
@@ -145,10 +148,26 @@ class RemoteEnvironment(Environment):
                          f"start it with `tidal env-server ID --port PORT` (env[].address)")
 
     def _post(self, route: str, body: dict[str, Any]) -> Any:
-        r = self.http.post(f"{self.address}{route}", json=body)
+        """The route's JSON answer; ServiceUnavailable when the server cannot be reached, times out or answers a
+        server error (5xx: the environment's side failed), RuntimeError for any other refusal."""
+        where = f"environment '{self.id}' at {self.address}" if hasattr(self, "id") else self.address
+        try:
+            r = self.http.post(f"{self.address}{route}", json=body)
+        except httpx.HTTPError as exc:  # refused, dropped, timed out
+            raise ServiceUnavailable(where, f"POST {route}: {type(exc).__name__}: {exc}") from None
+        if r.status_code >= 500:
+            raise ServiceUnavailable(where, f"POST {route}: HTTP {r.status_code}: {r.text[:500]}")
         if r.status_code != 200:
             raise RuntimeError(f"environment server {self.address}{route}: {r.text[:500]}")
         return r.json()
+
+    def unavailable(self) -> str | None:
+        """Why the server does not answer `GET /info` now, or None."""
+        try:
+            r = self.http.get(f"{self.address}/info")
+        except httpx.HTTPError as exc:
+            return f"environment '{self.id}' at {self.address}: {type(exc).__name__}: {exc}"
+        return None if r.status_code == 200 else f"environment '{self.id}' at {self.address}: HTTP {r.status_code}"
 
     def sample(self, rng: random.Random) -> Example:
         return example_from_json(self._post("/sample", {"seed": rng.getrandbits(63)}))

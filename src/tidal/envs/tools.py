@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tidal.rewards import ServiceUnavailable
+
 ToolFormat = Literal["auto", "hermes", "mistral", "llama3_json"]
 FORMATS: tuple[str, ...] = ("auto", "hermes", "mistral", "llama3_json")
 
@@ -190,6 +192,9 @@ class ToolSession:
         self.tools = {t.__name__: t for t in tools}
         self.calls = 0
         self.failures = 0
+        self.env_error: str | None = None
+        """Why a tool's service was unreachable (it raised `tidal.rewards.ServiceUnavailable`): the rollout ends,
+        not judged; None: it was not."""
 
     async def run(self, call: ToolCall) -> dict[str, Any]:
         """Run one call (sync tools in a thread, async ones awaited); the `tool` message with its result, or with
@@ -206,6 +211,9 @@ class ToolSession:
                 value = await fn(**call.arguments)
             else:
                 value = await asyncio.to_thread(fn, **call.arguments)
+        except ServiceUnavailable as exc:  # the tool's service is down: not the model's doing
+            self.env_error = f"tool '{call.name}': {exc}"
+            value = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - the model sees the error, as TRL does
             self.failures += 1
             value = {"error": f"{type(exc).__name__}: {exc}"}
@@ -218,7 +226,8 @@ class ToolSession:
     async def after_turn(self, history: list[dict[str, Any]], calls: list[ToolCall]) -> list[dict[str, Any]] | None:
         """The messages that answer the last assistant turn (the last of `history`, whose tool calls are `calls`):
         the tool results, or None (the rollout ends) when it called no tool. The loop's interface to a session."""
-        return await self.respond(calls) if calls else None
+        results = await self.respond(calls) if calls else None
+        return None if self.env_error is not None else results
 
 
 class Tooling:

@@ -55,6 +55,10 @@ class Completion:
     routed_experts: Any = None
     """(prompt + completion tokens - 1, layers, top_k) numpy integers: the experts the engine routed each token to
     (orch `client.return_routed_experts`, MoE router replay: `tidal.models.routes`); None: not asked for."""
+    env_error: str | None = None
+    """Why the environment's side failed this rollout (its server unreachable, a server error, a timeout, a
+    service a reward function needs: `tidal.rewards.ServiceUnavailable`); such a rollout was not judged, carries no
+    loss and stays out of its group's baseline (`tidal.orchestrator.outage`). None: judged."""
 
 
 def server_root(base_url: str) -> str:

@@ -10,6 +10,8 @@ Rollouts are laid out group by group (`group_size` completions of the same promp
   steps ending at or after t.
 - Several reward functions: `r = sum_k w_k r_k` over the functions that returned a value (None -> skipped,
   TRL's semantics for multi-task data); a rollout no function scored gets 0.
+- Rollouts failed on the environment's side (`judged` False: `tidal.orchestrator.outage`) take no part in any
+  baseline or std and get advantage 0.
 - Custom: `import_path` names `module:function` (or `module.function`) called as
   `fn(rewards=..., lengths=..., group_size=..., **kwargs)`, returning one advantage per rollout.
 """
@@ -42,9 +44,14 @@ def _std(x: np.ndarray, axis: int | None = None) -> np.ndarray:
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = "none",
-                     lengths: np.ndarray | None = None, length_weighted_mean: bool = False) -> np.ndarray:
-    """(N,) rewards -> (N,) outcome advantages (see module doc)."""
+                     lengths: np.ndarray | None = None, length_weighted_mean: bool = False,
+                     judged: np.ndarray | None = None) -> np.ndarray:
+    """(N,) rewards -> (N,) outcome advantages (see module doc). `judged` (N,) bool: only those rollouts enter
+    their group's baseline and the stds; the others (failed on the environment's side: `outage`) get 0."""
     r = _groups(np.asarray(rewards, dtype=np.float64), group_size)
+    if judged is not None and not np.asarray(judged, dtype=bool).all():
+        return _judged_advantages(r, _groups(np.asarray(judged, dtype=bool), group_size), scale_rewards, lengths,
+                                  length_weighted_mean)
     if length_weighted_mean:
         if lengths is None:
             raise ValueError("length_weighted_mean needs the completion lengths")
@@ -60,6 +67,28 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = 
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
     return adv.reshape(-1)
+
+
+def _judged_advantages(r: np.ndarray, j: np.ndarray, scale_rewards: str, lengths: np.ndarray | None,
+                       length_weighted_mean: bool) -> np.ndarray:
+    """`group_advantages` over the judged rollouts `j` (G groups, n) only; 0 for the others."""
+    if length_weighted_mean and lengths is None:
+        raise ValueError("length_weighted_mean needs the completion lengths")
+    r = np.where(j, r, 0.0)  # an unjudged rollout's reward (NaN or reward_default) takes no part
+    w = j * (_groups(np.asarray(lengths, dtype=np.float64), r.shape[1]) if length_weighted_mean else 1.0)
+    base = (w * r).sum(axis=1, keepdims=True) / np.maximum(w.sum(axis=1, keepdims=True),
+                                                           1.0 if length_weighted_mean else 1e-300)
+    adv = r - base
+    count = j.sum(axis=1)
+    if scale_rewards == "group":
+        mean = (j * r).sum(axis=1) / np.maximum(count, 1)
+        var = (j * (r - mean[:, None]) ** 2).sum(axis=1) / np.maximum(count - 1, 1)
+        adv = adv / (np.where(count >= 2, np.sqrt(var), 0.0)[:, None] + EPS)
+    elif scale_rewards == "batch":
+        adv = adv / (_std(r[j]) + EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    return np.where(j, adv, 0.0).reshape(-1)
 
 
 def process_advantages(step_rewards: Sequence[Sequence[tuple[int, float]]], completion_lengths: Sequence[int],
@@ -126,17 +155,28 @@ def custom_advantages(fn: Callable[..., Any], import_path: str, rewards: np.ndar
 
 def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np.ndarray, comp_lens: np.ndarray,
                        step_rewards: list[list[tuple[int, float]]] | None,
-                       custom: Callable[..., Any] | None) -> list[np.ndarray]:
+                       custom: Callable[..., Any] | None, judged: np.ndarray | None = None) -> list[np.ndarray]:
     """One per-token advantage array per completion, following orch `advantage` (`type`: group-relative,
-    process rewards, or a custom function); completions come in groups of `group_size`."""
+    process rewards, or a custom function); completions come in groups of `group_size`. `judged` (N,) bool: the
+    rollouts the environment judged; the others (`outage`) get advantage 0 and stay out of every baseline (a
+    custom function sees their group's judged mean as their reward)."""
+    j = np.ones(len(comp_lens), dtype=bool) if judged is None else np.asarray(judged, dtype=bool)
     if advantage.type == "none":  # reward-free distillation: the trainer's teacher term is the whole signal
         return [np.zeros(int(n)) for n in comp_lens]
     if advantage.type == "process":
         assert step_rewards is not None
-        return process_advantages(step_rewards, [int(n) for n in comp_lens], group_size)
+        steps = [s if ok else [] for s, ok in zip(step_rewards, j, strict=True)]
+        return process_advantages(steps, [int(n) for n in comp_lens], group_size)
     if advantage.type == "custom":
         assert custom is not None and advantage.import_path is not None
-        adv = custom_advantages(custom, advantage.import_path, rewards, comp_lens, group_size, advantage.kwargs or {})
+        r = np.asarray(rewards, dtype=np.float64)
+        if not j.all():  # an unjudged rollout takes its group's judged mean: it moves neither mean nor sum
+            g, jg = _groups(r, group_size), _groups(j, group_size)
+            means = np.where(jg, g, 0.0).sum(axis=1, keepdims=True) / np.maximum(jg.sum(axis=1, keepdims=True), 1)
+            r = np.where(jg, g, means).reshape(-1)
+        adv = custom_advantages(custom, advantage.import_path, r, comp_lens, group_size, advantage.kwargs or {})
+        adv = np.where(j, adv, 0.0)
     else:
-        adv = group_advantages(rewards, group_size, advantage.scale_rewards, comp_lens, advantage.length_weighted_mean)
+        adv = group_advantages(rewards, group_size, advantage.scale_rewards, comp_lens, advantage.length_weighted_mean,
+                               j)
     return [np.full(int(n), v) for v, n in zip(adv, comp_lens, strict=True)]

@@ -1,17 +1,17 @@
 """Batch assembly: the sampled groups of one step -> rewards -> advantages -> filters -> `TrainingBatch`.
 
-Rewards are the weighted sums of the reward functions (`combine_rewards`; a completion that every function
-scored None gets 0 and is counted); advantages follow `advantage.*` (`compute_advantages`); enforced filters
-mask completions out of the loss. The batch holds prompt + completion token ids per sample (loss on the
-completion's model tokens only), vLLM's logprobs (each token's true behaviour logprob, whatever policy sampled
-it: nothing recomputes them), the per-token advantages, the policy versions that sampled each sample
-(`policy_steps`, start, and `policy_steps_end`; `staleness`) and the temperature it was sampled at. A batch
-whose oldest policy lags more than `max_off_policy_steps` behind is written empty (its samples dropped) so step
-numbering stays intact (gated mode; the in-flight stream drops stale groups before assembly and waits for
-fresh ones). Staleness metrics (`staleness/*`, `dropped_stale`) come with every batch. The step's orchestrator
-metrics ride along in `batch.metrics` (the trainer writes them to metrics.jsonl). Prompts with images add the
-batch's image arrays (`image_arrays`: each distinct image once, shared by the completions of its prompt).
-"""
+Rewards are the weighted sums of the reward functions (`combine_rewards`; a completion that every function scored
+None gets 0 and is counted); advantages follow `advantage.*` (`compute_advantages`); enforced filters mask
+completions out of the loss, and so does a failure on the environment's side (`Completion.env_error`: no loss,
+advantage 0, out of every baseline and reward metric; `env/failed`, `env/dropped_groups`: `outage`). The batch holds
+prompt + completion token ids per sample (loss on the completion's model tokens only), vLLM's logprobs (each token's
+true behaviour logprob, whatever policy sampled it: nothing recomputes them), the per-token advantages, the policy
+versions that sampled each sample (`policy_steps`, start, and `policy_steps_end`; `staleness`) and the temperature
+it was sampled at. A batch whose oldest policy lags more than `max_off_policy_steps` behind is written empty (its
+samples dropped) so step numbering stays intact (gated mode; the in-flight stream drops stale groups before assembly
+and waits for fresh ones). Staleness metrics (`staleness/*`, `dropped_stale`) come with every batch. The step's
+orchestrator metrics ride along in `batch.metrics` (the trainer writes them to metrics.jsonl). Prompts with images
+add the batch's image arrays (`image_arrays`: each distinct image once, shared by the completions of its prompt)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.distill import distill_metrics
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.outage import judged
 from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.staleness import staleness, staleness_metrics
@@ -160,23 +161,29 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
     this step (the caller adds progress and timing)."""
     got = sample.collected
     per_func = np.concatenate(got.per_func)
-    rewards, unscored = combine_rewards(per_func, scorer.weights)
+    flat = [(ex, c) for ex, comps in zip(got.examples, got.groups, strict=True) for c in comps]
+    ok = judged([c for _, c in flat])  # False: failed on the environment's side (NaN rows; `outage`)
+    rewards, _ = combine_rewards(per_func, scorer.weights)
+    rewards[~ok] = 0.0
+    unscored = int((np.isnan(per_func).all(axis=1) & ok).sum()) if per_func.shape[1] else 0
     if unscored and cfg.advantage.type != "none":  # reward-free: nothing needs to score
         log.warning("step %d: %d completion(s) got None from every reward function; they score 0", step, unscored)
-    flat = [(ex, c) for ex, comps in zip(got.examples, got.groups, strict=True) for c in comps]
     comp_lens = np.array([len(c.token_ids) for _, c in flat])
-    steps = [scorer.step_rewards(ex, c) for ex, c in flat] if cfg.advantage.type == "process" else None
-    advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom)
+    steps = ([scorer.step_rewards(ex, c) if c.env_error is None else [] for ex, c in flat]
+             if cfg.advantage.type == "process" else None)
+    advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom, ok)
     masked, filter_metrics = filters.apply([c for _, c in flat])
+    masked = masked | ~ok  # an unjudged rollout carries no loss
     batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, got.versions, cfg,
                                  sample.teacher, masked, got.images, sample.dropped_stale)
     metrics |= filter_metrics
     if sample.teacher is not None:
         metrics |= distill_metrics(batch, sample.teacher_time_s)
-    metrics |= rollout_metrics(rewards, per_func, scorer.names, comp_lens,
+    metrics |= rollout_metrics(np.where(ok, rewards, np.nan), per_func, scorer.names, comp_lens,
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
     metrics |= scorer.take_error_counts()
     metrics["completions/empty"] = float((comp_lens == 0).sum())
+    metrics |= {"env/failed": float((~ok).sum()), "env/dropped_groups": float(got.env.dropped_groups)}
     metrics |= scorer.take_logged_metrics(set(metrics) | RESERVED_METRICS)
     batch.metrics = metrics
     return Assembled(batch, flat, rewards, advantages, int(comp_lens.sum()))

@@ -7,9 +7,10 @@ environments run their turns, environments with tools the loop of `toolloop`) an
 filters (dynamic sampling, online difficulty filtering) it samples `oversampling_factor` x the groups still missing,
 over up to `max_sampling_rounds` rounds, and tops the batch up with rejected groups if it is still short. A step
 whose inference requests fail (the server died or restarted) is sampled again once the server answers, with the same
-examples and the policy loaded again. With a `teacher`, its logprobs of every sequence come along. A prompt's images
-(`tidal.envs.images`) are encoded once per group and travel with it to the batch.
-"""
+examples and the policy loaded again. A group left with fewer than 2 rollouts the environment judged is dropped, and
+a step that is an environment outage is waited out and sampled again (`outage`). With a `teacher`, its logprobs of
+every sequence come along. A prompt's images (`tidal.envs.images`) are encoded once per group and travel with it to
+the batch."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ from tidal.inference.protocol import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.outage import EnvFailures, Outage, judged
 from tidal.orchestrator.policy import PolicyTracker, required_policy
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.toolloop import tool_group
+from tidal.rewards import ServiceUnavailable
 
 log = logging.getLogger("tidal.orch")
 
@@ -107,6 +110,8 @@ class Collected:
     """PNG bytes of each group's prompt images, in placeholder order (empty: a text prompt)."""
     versions: list[tuple[int, int]] = field(default_factory=list)
     """(start, end) policy versions that produced each group (`staleness` module doc)."""
+    env: EnvFailures = field(default_factory=EnvFailures)
+    """Failures on the environment's side among every group scored for the batch (`outage`)."""
 
     def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray,
             images: list[bytes] | None = None, version: tuple[int, int] = (0, 0)) -> None:
@@ -164,7 +169,9 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         for ex, p, g, im in zip(examples, prompts, groups, images, strict=True):
             p = g[0].prompt_ids or p  # an environment's reset observation changed the prompt
             scores = scorer.score(ex, g, step)
-            ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0])
+            if not kept.env.add(g):  # fewer than 2 rollouts judged (the others failed on the environment's side)
+                continue
+            ok = buffer.judge(ex, combine_rewards(scores, scorer.weights)[0][judged(g)])
             if not ok:
                 buffer.counts["buffer/dropped_groups"] += 1
             version = (policy.step, policy.step)  # gated: the whole batch is sampled by the one served policy
@@ -207,14 +214,18 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
                       teacher: InferenceClient | None, first_after_resume: bool = False,
                       scorer: Scorer | None = None, buffer: Buffer | None = None) -> StepSample:
     """Prompts, completions, scores (and teacher logprobs) of batch `step`. A failed request (the server died
-    or restarted) is retried after the server answers again, with the same examples and the policy reloaded.
+    or restarted) is retried after the server answers again, with the same examples and the policy reloaded; an
+    environment outage (`outage`: most rollouts failed on the environment's side, or drawing the examples did) is
+    waited out and the step sampled again with the same examples (`env/outage_waits`).
     The first step after a resume waits `ckpt.wait_for_weights_timeout` (if set) for its policy."""
     state = rng.getstate()
     timeout = cfg.weights_timeout_s
     if first_after_resume and cfg.ckpt.wait_for_weights_timeout:
         timeout = cfg.ckpt.wait_for_weights_timeout
     buffer = buffer or Buffer(cfg.buffer, cfg.dynamic_sampling)
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+    outage, failures = Outage(cfg.env_outage, env), 0
+    while True:
+        counts["env/outage_waits"] = float(outage.waits)
         try:
             if await client.discover():
                 policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
@@ -223,21 +234,30 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
             buffer.new_step()
             assert scorer is not None
             got = await collect_groups(step, cfg, env, rng, client, base, policy, counts, scorer, buffer)
+            if got.env.is_outage(cfg.env_outage.fraction):
+                await outage.wait(f"step {step}: {got.env.describe()}")
+                rng.setstate(state)
+                continue
+            outage.clear()
             out = StepSample(got, waited, time.monotonic() - t0)
             if teacher is not None and cfg.teacher is not None:
                 t1 = time.monotonic()
                 out.teacher = await teacher_logprobs(teacher, cfg.teacher, got)
                 out.teacher_time_s = time.monotonic() - t1
             return out
+        except ServiceUnavailable as exc:  # an environment could not draw the step's examples
+            await outage.wait(f"step {step}: drawing its examples failed: {exc}")
+            rng.setstate(state)
         except InferenceError as exc:
-            if attempt == MAX_ATTEMPTS:
+            failures += 1
+            if failures == MAX_ATTEMPTS:
                 raise
             log.warning("step %d: inference request failed (%s); waiting for the server, then retrying the "
-                        "step (attempt %d of %d)", step, str(exc)[:300], attempt + 1, MAX_ATTEMPTS)
+                        "step (attempt %d of %d)", step, str(exc)[:300], failures + 1, MAX_ATTEMPTS)
             rng.setstate(state)
             for c in (client, teacher):
                 if c is not None:
                     await c.wait_ready()
             policy.invalidate()
             counts["inference_retries"] = counts.get("inference_retries", 0.0) + 1
-    raise AssertionError("unreachable")
+

@@ -1,13 +1,13 @@
 """Rollouts of one prompt: `n` single-turn completions, or `n` multi-turn rollouts with an environment.
 
-Single-turn: one vLLM request for `n` completions within `sampling.max_tokens` and what `seq_len` leaves.
-Multi-turn: each model turn ends at EOS or one of the environment's `stop` strings; the environment's reply is
-appended as tokens with no loss (mask 0) and the model continues from the exact token ids, within
-`env.max_turns` turns and the same token budget. Used for training batches and for evaluation.
-A prompt with images is sampled through the chat API from its messages (`messages`: images as data URLs), the
-token ids checked against the prompt's; multi-turn rollouts of prompts with images are refused (vLLM would
-have to take the images again with every continuation's token prompt).
-"""
+Single-turn: one vLLM request for `n` completions within `sampling.max_tokens` and what `seq_len` leaves. Multi-
+turn: each model turn ends at EOS or one of the environment's `stop` strings; the environment's reply is appended as
+tokens with no loss (mask 0) and the model continues from the exact token ids, within `env.max_turns` turns and the
+same token budget; a reply that raises `tidal.rewards.ServiceUnavailable` (a `tidal env-server` unreachable) ends
+the rollout unjudged (`Completion.env_error`). Used for training batches and for evaluation. A prompt with images is
+sampled through the chat API from its messages (`messages`: images as data URLs), the token ids checked against the
+prompt's; multi-turn rollouts of prompts with images are refused (vLLM would have to take the images again with
+every continuation's token prompt)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tidal.envs.base import Environment, Example
 from tidal.envs.images import has_images
 from tidal.inference.protocol import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.sampling import extra_sampling
+from tidal.rewards import ServiceUnavailable
 
 
 def full_group(comps: list[Completion], n: int, client: InferenceClient) -> list[Completion]:
@@ -66,9 +67,13 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
 
     async def continue_one(i: int, c: Completion) -> Completion:
         ids, lps, mask, text = list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.text
-        finish = c.finish_reason
+        finish, env_error = c.finish_reason, None
         for turn in range(1, env.max_turns):
-            reply = env.respond(example, text) if finish != "length" else None
+            try:
+                reply = env.respond(example, text) if finish != "length" else None
+            except ServiceUnavailable as exc:  # the environment's side failed: the rollout is not judged
+                env_error = str(exc)
+                break
             if reply is None:
                 break
             reply_ids = await client.tokenize_text(model, reply)
@@ -84,6 +89,6 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
             ids, lps, text = ids + nxt.token_ids, lps + nxt.logprobs, text + nxt.text
             mask += [1] * len(nxt.token_ids)
             finish = nxt.finish_reason
-        return Completion(ids, lps, text, finish, None, mask)
+        return Completion(ids, lps, text, finish, None, mask, env_error=env_error)
 
     return list(await asyncio.gather(*(continue_one(i, c) for i, c in enumerate(first))))

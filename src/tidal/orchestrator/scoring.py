@@ -20,7 +20,9 @@ gathers them); the others run one after another, in order. Every call runs in a 
 `reward_timeout_s`. None (not applicable, e.g. a math reward on a coding prompt) is kept as NaN and skipped when
 the total is summed (`advantage.combine_rewards`). A function that raises, times out or returns the wrong number
 of values scores `reward_default` for the group and is counted and logged (once per function and kind of
-failure).
+failure). One that raises `tidal.rewards.ServiceUnavailable` (a service it depends on is unreachable), like a
+rollout whose environment failed on its own side (`Completion.env_error`), leaves the rollouts unjudged: their
+row is NaN and `env_error` says why (`tidal.orchestrator.outage`).
 
 Functions come from orch `reward_funcs` (import paths) and, for the Python API, as callables given in process
 (`extra`), so closures and lambdas work: nothing is pickled.
@@ -45,6 +47,7 @@ from tidal.config.orch import OrchConfig
 from tidal.envs.base import Environment, Example
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import load_function
+from tidal.rewards import ServiceUnavailable
 
 log = logging.getLogger("tidal.orch")
 
@@ -96,6 +99,8 @@ class Pending:
     def _target(self, fn: Callable[[], Any]) -> None:
         try:
             self.box["value"] = settle(fn())
+        except ServiceUnavailable as exc:  # not the completions' fault: they were not judged
+            self.box["unavailable"] = exc
         except BaseException as exc:  # noqa: BLE001 - reported to the caller with its traceback
             self.box["error"] = "".join(traceback.format_exception(exc))
 
@@ -106,6 +111,8 @@ class Pending:
             raise RewardFailure("timeout", f"still running after {self.timeout_s:g} s (reward_timeout_s)")
         if "error" in self.box:
             raise RewardFailure("raised", self.box["error"])
+        if "unavailable" in self.box:
+            raise self.box["unavailable"]
         return self.box.get("value")
 
 
@@ -166,7 +173,9 @@ class Scorer:
                              f"teacher: docs/algorithms.md)")
 
     def score(self, example: Example, comps: list[Completion], step: int) -> np.ndarray:
-        """(G, K) rewards of one group; NaN where a function returned None, `reward_default` where it failed."""
+        """(G, K) rewards of one group; NaN where a function returned None, `reward_default` where it failed; NaN
+        rows for the rollouts not judged (their `env_error` set: failed on the environment's side, or a function
+        raised ServiceUnavailable)."""
         g = len(comps)
         out = np.zeros((g, len(self.names)))
         if self.skip:
@@ -179,9 +188,16 @@ class Scorer:
             (lambda: env.score_rollouts(example, comps)) if name == env_name else None
             for name in self.scored]
         calls += self.func_calls(env, example, comps, step)
-        for k, values in enumerate(self.run_calls(calls)):
-            if values is not None:
-                out[:, k] = self._checked(self.names[k], values, g, step, allow_none=k >= n_env)
+        outcomes = self.run_calls(calls)
+        for k, values in enumerate(outcomes):
+            if isinstance(values, ServiceUnavailable):
+                for c in comps:
+                    c.env_error = c.env_error or f"{self.names[k]}: {values}"
+        failed = np.array([c.env_error is not None for c in comps], dtype=bool)
+        for k, values in enumerate(outcomes):
+            if values is not None and not isinstance(values, ServiceUnavailable):
+                out[:, k] = self._checked(self.names[k], values, g, step, allow_none=k >= n_env, skip=failed)
+        out[failed] = math.nan
         return out
 
     def run_calls(self, calls: list[Callable[[], Any] | None]) -> list[Any]:
@@ -201,7 +217,7 @@ class Scorer:
     def _outcome(p: Pending) -> Any:
         try:
             return p.result()
-        except RewardFailure as exc:
+        except (RewardFailure, ServiceUnavailable) as exc:
             return exc
 
     def func_calls(self, env: Environment, example: Example, comps: list[Completion],
@@ -231,6 +247,8 @@ class Scorer:
         per = np.full((g, len(self.funcs)), math.nan)
         outcomes = self.run_calls(list(self.func_calls(env, example, comps, step)))
         for k, ((name, _, _), values) in enumerate(zip(self.funcs, outcomes, strict=True)):
+            if isinstance(values, ServiceUnavailable):  # evaluation has no baseline to protect
+                values = RewardFailure("raised", str(values))
             per[:, k] = self._checked(name, values, g, step, allow_none=True)
         total: np.ndarray = np.nansum(per * np.asarray(self.weights[len(self.scored):]), axis=1)
         return total
@@ -243,9 +261,12 @@ class Scorer:
         """The first (or only) environment."""
         return next(iter(self.envs.values()))
 
-    def _checked(self, name: str, values: Any, g: int, step: int, allow_none: bool) -> np.ndarray:
+    def _checked(self, name: str, values: Any, g: int, step: int, allow_none: bool,
+                 skip: np.ndarray | None = None) -> np.ndarray:
         """One function's values for a group of `g` (or its RewardFailure) as floats: NaN for an allowed None,
-        `reward_default` for a failure or a non-finite value (counted and logged)."""
+        `reward_default` for a failure or a non-finite value (counted and logged); NaN, neither checked nor
+        counted, where `skip` (rollouts not judged)."""
+        skip = np.zeros(g, dtype=bool) if skip is None else skip
         try:
             if isinstance(values, RewardFailure):
                 raise values
@@ -256,11 +277,11 @@ class Scorer:
             if len(values) != g:
                 raise RewardFailure("bad output", f"returned {len(values)} values for {g} completions")
         except RewardFailure as exc:
-            self._fail(name, exc.kind, exc.detail, g, step)
-            return np.full(g, self.default)
+            self._fail(name, exc.kind, exc.detail, int((~skip).sum()), step)
+            return np.where(skip, math.nan, self.default)
         out = np.empty(g)
         for i, v in enumerate(values):
-            if v is None and allow_none:
+            if (v is None and allow_none) or skip[i]:
                 out[i] = math.nan
                 continue
             try:

@@ -10,13 +10,17 @@ import numpy as np
 
 def rollout_metrics(rewards: np.ndarray, per_func: np.ndarray, names: Sequence[str], completion_lengths: np.ndarray,
                     truncated: np.ndarray, group_size: int) -> dict[str, Any]:
-    """`rewards` (N,) totals, `per_func` (N, K) with NaN for None, lengths (N,), truncated (N,) bool."""
+    """`rewards` (N,) totals (NaN: a rollout not judged, left out), `per_func` (N, K) with NaN for None, lengths
+    (N,), truncated (N,) bool."""
     r = np.asarray(rewards, dtype=np.float64)
     lens = np.asarray(completion_lengths, dtype=np.float64)
     trunc = np.asarray(truncated, dtype=bool)
     groups = r.reshape(-1, group_size)
-    out: dict[str, Any] = {"reward/mean": float(r.mean()), "reward/std": float(r.std()),
-                           "frac_reward_zero_std": float((groups.max(axis=1) == groups.min(axis=1)).mean())}
+    scored = ~np.isnan(r)
+    out: dict[str, Any] = {
+        "reward/mean": float(r[scored].mean()) if scored.any() else 0.0,
+        "reward/std": float(r[scored].std()) if scored.any() else 0.0,
+        "frac_reward_zero_std": float((np.fmax.reduce(groups, axis=1) == np.fmin.reduce(groups, axis=1)).mean())}
     for k, name in enumerate(names):
         col = per_func[:, k]
         scored = col[~np.isnan(col)]

@@ -23,6 +23,11 @@ trainer's push pauses the servers with `mode=wait`, so running requests finish o
 samples have start == end unless the push lands between two turns of a multi-turn rollout). The
 logprobs are those vLLM reported while sampling, the true behaviour logprobs of each token.
 
+Environment failures (`outage`) are judged per group: a group left with fewer than 2 judged rollouts is dropped
+(counted), and a group mostly failed on the environment's side is an outage: it waits the environment out with
+backoff while the launcher starts no new group (a batch fills once the environment is back), past
+`env_outage.timeout_s` the run stops.
+
 Simplifications: a failed request (server restart) retries its own group with the policy loaded again, up to
 `MAX_ATTEMPTS` times in a row; no example is in flight twice at once (the buffer's dedupe covers the in-flight
 window, not exactly one batch); examples drawn ahead are not rewound at a checkpoint, so a resumed run draws
@@ -57,9 +62,12 @@ from tidal.orchestrator.collect import (
     group_rollouts,
     teacher_logprobs,
 )
+from tidal.orchestrator.outage import EnvFailures, Outage
+from tidal.orchestrator.outage import judged as judged_mask
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.staleness import is_stale, launch_allowed
+from tidal.rewards import ServiceUnavailable
 from tidal.transport import weights
 
 log = logging.getLogger("tidal.orch")
@@ -102,6 +110,9 @@ class GroupStream:
         self.changed = asyncio.Event()
         self.timeout_s = first_timeout_s or cfg.weights_timeout_s
         self._tasks: list[asyncio.Task[None]] = []
+        self.outage = Outage(cfg.env_outage, env)
+        self.env_tally = EnvFailures()  # since the last batch was taken
+        self._outage_waits = 0
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,8 +184,12 @@ class GroupStream:
     async def _launch(self) -> None:
         while True:
             await self._wait_for_room()
-            examples, prompts = await draw_prompts(self.env, self.rng, self.client, self.base, 1, self.cfg,
-                                                   self.counts, self.buffer)
+            try:
+                examples, prompts = await draw_prompts(self.env, self.rng, self.client, self.base, 1, self.cfg,
+                                                       self.counts, self.buffer)
+            except ServiceUnavailable as exc:  # an environment cannot draw examples: an outage
+                await self.outage.wait(f"drawing an example failed: {exc}")
+                continue
             ex, prompt = examples[0], prompts[0]
             key = example_key(ex, self.buffer.cfg.hash_keys)
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
@@ -192,7 +207,7 @@ class GroupStream:
         gated_since: float | None = None
         while True:
             self._drop_stale()
-            room = len(self.running) + len(self.ready) < self.cap
+            room = len(self.running) + len(self.ready) < self.cap and not self.outage.waiting
             if room and launch_allowed(self.filling, self.policy.step, self.cfg.max_async_level):
                 return
             now = time.monotonic()
@@ -231,11 +246,26 @@ class GroupStream:
                     self.policy.release(model)
             p = comps[0].prompt_ids or prompt  # an environment's reset observation changed the prompt
             scores = self.scorer.score(ex, comps, step)
+            if not await self._judged_enough(comps):
+                self._forget(ex)
+                return
             self.ready.append(Group(ex, p, comps, scores, images, (start, end)))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to `take`
             self._fail(exc)
+
+    async def _judged_enough(self, comps: list[Completion]) -> bool:
+        """Count a scored group's failures on the environment's side; a group mostly failed so is an outage,
+        waited out (the launcher starts no group meanwhile) before it returns. Whether the group keeps a baseline
+        (`outage.keeps_group`; dropped ones are counted in `env/dropped_groups`)."""
+        group = EnvFailures()
+        group.add(comps)
+        if group.is_outage(self.cfg.env_outage.fraction):
+            await self.outage.wait(f"a group of batch {self.filling}: {group.describe()}")
+        elif not group.failed:
+            self.outage.clear()
+        return self.env_tally.add(comps)
 
     # --- the consumer ----------------------------------------------------------------------------------------
     def _drop_stale(self) -> None:
@@ -288,7 +318,7 @@ class GroupStream:
                 self.dropped = (self.dropped[0] + len(g.completions), self.dropped[1] + 1)
                 continue
             judged += 1
-            ok = buf.judge(g.example, combine_rewards(g.scores, self.scorer.weights)[0])
+            ok = buf.judge(g.example, combine_rewards(g.scores, self.scorer.weights)[0][judged_mask(g.completions)])
             if not ok:
                 buf.counts["buffer/dropped_groups"] += 1
             (kept if ok else spare).add(g.example, g.prompt, g.completions, g.scores, g.images, g.version)
@@ -303,6 +333,8 @@ class GroupStream:
         for k, v in self.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         self.counts = {}
+        kept.env, self.env_tally = self.env_tally, EnvFailures()
+        counts["env/outage_waits"], self._outage_waits = self.outage.waits - self._outage_waits, self.outage.waits
         dropped, self.dropped = self.dropped, (0, 0)
         if dropped[1]:
             log.info("batch %d: dropped %d group(s) staler than max_off_policy_steps %d", step, dropped[1],

@@ -16,6 +16,8 @@ tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends
 ends otherwise than at EOS (the token budget), after `max_iterations` tool rounds, or when the tool results
 would not fit the budget (they are then left out, finish `length`).
 
+A session whose environment failed on its own side (`env_error`: an OpenEnv server, a tool raising
+`tidal.rewards.ServiceUnavailable`) ends the rollout, which carries the reason in `Completion.env_error`.
 A rollout's `Completion` carries its `messages` (assistant turns with `tool_calls`, the answers: what reward
 functions get as the completion), its session's `environment`, and as `text` the model turns with each answer as a
 `[ROLE NAME] CONTENT` line between them (what an environment's own `reward` and the samples log see).
@@ -130,7 +132,7 @@ async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int]
         round_ += 1
         c = await sample_next(prompt_ids + ids, room, round_)
     return Completion(ids, lps, "".join(texts), finish, None, mask, messages=out_msgs,
-                      environment=session.environment)
+                      environment=session.environment, env_error=getattr(session, "env_error", None))
 
 
 async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,

@@ -6,8 +6,9 @@
 - Episodes: through tidal's tool loop (`tooling` is an `OpenEnvTooling`), one WebSocket session per rollout
   (`tidal.envs.openenv.session`): reset with the example's seed, the model's turns as actions, observations as
   user messages, until `done` or `max_turns`.
-- Rewards: each rollout's `Episode` (its step rewards: `sum` or `last`); a server failure scores NaN, which the
-  scorer counts as a failed reward and replaces by `reward_default`.
+- Rewards: each rollout's `Episode` (its step rewards: `sum` or `last`); an episode the server failed was not judged
+  (`Completion.env_error`: no loss, out of its group's baseline; many of them make an outage the orchestrator waits
+  out: `tidal.orchestrator.outage`, which asks `/health` through `unavailable`).
 - The server is started (`app`) or reached (`base_url`) on the first `sample`, not when the environment is built, so
   `tidal grpo`'s up-front checks build it without starting a server; a server that does not come up then stops the
   run with the reason (a setup error); once it is up, its failures are counted, never raised.
@@ -20,6 +21,8 @@ import logging
 import random
 import threading
 from typing import Any
+
+import httpx
 
 from tidal.config.environments import check_openenv_args
 from tidal.envs.base import Environment, Example
@@ -127,12 +130,23 @@ class OpenEnv(Environment):
             return
         self._logged.add(kind)
         if kind == "server failure":
-            log.warning("OpenEnv environment at %s: an episode failed (%s); failed episodes score as failed rewards "
-                        "(reward_default, counted in reward/{name}/errors); logged once", self.server.base_url,
-                        detail[:1000])
+            log.warning("OpenEnv environment at %s: an episode failed (%s); episodes the server failed are not "
+                        "judged: no loss, out of their group's baseline (counted in env/failed); logged once",
+                        self.server.base_url, detail[:1000])
         else:
             log.warning("OpenEnv environment at %s: %s (%s); the episode ended there with the rewards it had; "
                         "logged once", self.server.base_url, kind, detail[:1000])
+
+    def unavailable(self) -> str | None:
+        """Why the server does not answer `GET /health` now, or None (also before it was first reached)."""
+        http = self.server.http
+        if http is None:
+            return None
+        try:
+            r = http.get(f"{self.server.base_url}/health")
+        except httpx.HTTPError as exc:
+            return f"OpenEnv environment at {self.server.base_url}: {type(exc).__name__}: {exc}"
+        return None if r.status_code == 200 else f"OpenEnv environment at {self.server.base_url}: HTTP {r.status_code}"
 
     def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
         """Each rollout's episode reward (`args.reward`); NaN for a failed episode (or a rollout without one)."""

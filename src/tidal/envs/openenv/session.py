@@ -13,10 +13,11 @@ The rollout's `Episode` (observations, actions, step rewards, how it ended) is w
 reward functions get in `environments`.
 
 Failures of the server (refused connections, server-side errors, timeouts, a dropped connection, a `reset` that does
-not reproduce the prompt) end the episode with `Episode.error` set; it scores NaN, which the scorer counts as a
-failed reward (`reward/{name}/errors`) and replaces by `reward_default`. The run goes on. An action the server's
-Action model rejects (or that `action_parser` refuses) is the model's doing, not a failure: the episode ends there
-(`Episode.invalid_action`) with the rewards it had.
+not reproduce the prompt) end the episode with `Episode.error` set: the rollout failed on the environment's side
+(`OpenEnvSession.env_error`, `Completion.env_error`), was not judged, carries no loss and stays out of its group's
+baseline; when most of a step's episodes fail so, the orchestrator waits the outage out
+(`tidal.orchestrator.outage`). An action the server's Action model rejects (or that `action_parser` refuses) is the
+model's doing, not a failure: the episode ends there (`Episode.invalid_action`) with the rewards it had.
 
 A session holds one of `max_sessions` slots from its first `after_turn` until it closes: when the episode ends, or
 when the rollout's task ends for any other reason (a truncated turn, an error in the loop: a done-callback on the
@@ -166,6 +167,12 @@ class OpenEnvSession:
         self.environment = self.episode
         self.client: Any = None
         self.sem: asyncio.Semaphore | None = None
+
+    @property
+    def env_error(self) -> str | None:
+        """Why the server failed this episode (naming the server), or None: the rollout's `Completion.env_error`."""
+        error = self.episode.error
+        return None if error is None else f"OpenEnv environment at {self.tooling.env.server.base_url}: {error}"
 
     async def after_turn(self, history: list[dict[str, Any]], calls: list[Any]) -> list[dict[str, Any]] | None:
         """Step the last assistant turn of `history` as the action; the next observation as a user message, or
