@@ -18,8 +18,8 @@ from typing import Any
 
 from tidal.assets import resolve_model
 from tidal.colocate import start
-from tidal.colocate.derive import wire_colocate, with_resume
 from tidal.colocate.start import dump
+from tidal.colocate.wire import wire_colocate, with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.models.arch import check_model

@@ -9,14 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.colocate.derive import (
-    CPU_NO_LORA_NOTICE,
-    NO_LORA_NOTICE,
-    Machine,
-    derive_colocate,
-    wire_colocate,
-    with_resume,
-)
+from tidal.colocate.derive import CPU_NO_LORA_NOTICE, NO_LORA_NOTICE, Machine, derive_colocate
+from tidal.colocate.wire import wire_colocate, with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 
 CPU2 = Machine(cores=(0, 1))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.colocate.derive import Machine, derive_colocate, wire_colocate
+from tidal.colocate.derive import Machine, derive_colocate
+from tidal.colocate.wire import wire_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.load import validate
 

@@ -96,14 +96,14 @@ def test_merged_weight_is_dequantized_base_plus_lora_delta_in_float64(tmp_path, 
 
 
 def test_policy_zero_is_published_dequantized_and_kept_by_pruning(tmp_path):
-    from tidal.trainer.grpo import publish_base
     from tidal.trainer.policy import build_policy
+    from tidal.trainer.publish.broadcast import publish_base
 
     model_dir = save_tiny("qwen3", tmp_path / "base")
     cfg = TrainConfig(model=model_dir, device="cpu", lora_rank=4, qlora_bnb=True)
     run_dir = tmp_path / "run"
     p = build_policy(cfg, 3)
-    publish_base(p, cfg, run_dir)
+    publish_base(p.view, cfg, run_dir)
     stamp = weights.policy_stamp(run_dir, 0)
     assert stamp
     from safetensors.torch import load_file
@@ -113,7 +113,7 @@ def test_policy_zero_is_published_dequantized_and_kept_by_pruning(tmp_path):
     for name, module in quantized_linears(p.model):
         key = f"{name.removeprefix('base_model.model.')}.weight"
         assert torch.equal(served[key], dense_weight(module.weight)), key
-    publish_base(p, cfg, run_dir)  # once per run directory
+    publish_base(p.view, cfg, run_dir)  # once per run directory
     assert weights.policy_stamp(run_dir, 0) == stamp
     for step in (1, 2, 3):  # later policies prune older ones, never policy 0
         weights.publish(run_dir, step, lambda d: None, keep=1)

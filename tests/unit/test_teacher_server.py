@@ -8,9 +8,17 @@ import math
 
 import pytest
 
-from tidal.colocate.derive import Machine, ModelFacts, derive_colocate, with_teacher
-from tidal.colocate.split import GIB, KV_BLOCK_TOKENS, KV_HEADROOM, VLLM_OUTSIDE_GIB, kv_bytes_per_token, split_updates
-from tidal.colocate.teacher import reserved_gib, share, teacher_infer, teacher_need
+from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
+from tidal.colocate.split import (
+    GIB,
+    KV_BLOCK_TOKENS,
+    KV_HEADROOM,
+    VLLM_OUTSIDE_GIB,
+    gpu_share,
+    kv_bytes_per_token,
+    split_updates,
+)
+from tidal.colocate.teacher import reserved_gib, teacher_infer, teacher_need
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 
 QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
@@ -43,21 +51,20 @@ def test_the_teacher_config_follows_the_policy_server_on_the_next_port_without_l
 def test_on_cpu_the_teacher_shares_vllms_cores_and_the_orchestrator_is_pointed_at_it():
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), InferConfig(model="tidal:tiny-reverse", port=8300),
                          orch(), CPU2)
-    co2 = with_teacher(co)
-    server = co2.teacher
+    server = co.teacher
     assert server is not None
-    assert server.base_url == "http://127.0.0.1:8301/v1" == co2.orch.teacher.base_url  # type: ignore[union-attr]
+    assert server.base_url == "http://127.0.0.1:8301/v1" == co.orch.teacher.base_url  # type: ignore[union-attr]
     assert server.health_url == "http://127.0.0.1:8301/health"
     assert server.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"} == co.placement.infer_env  # the trainer keeps core 1
     assert server.infer.dtype == "float32" and server.infer.gpu_memory_utilization == 0.9  # untouched on CPU
-    assert co2.train is co.train and co2.infer is co.infer
+    assert server.reserved_gib == 0.0 and co.train.cpu_affinity == [1]
 
 
 def test_a_teacher_with_an_address_is_the_users_to_run():
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), orch(base_url="http://h:9/v1"), CPU2)
-    assert with_teacher(co) == co and co.teacher is None
+    assert co.teacher is None and co.orch.teacher is not None and co.orch.teacher.base_url == "http://h:9/v1"
     co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), CPU2)
-    assert with_teacher(co) == co and co.teacher is None
+    assert co.teacher is None and co.orch.teacher is None
 
 
 def test_several_gpus_are_refused_with_the_three_process_command():
@@ -75,8 +82,8 @@ def test_the_teachers_gpu_need_by_hand():
     without_logprobs = teacher_need(t, o, 79.18, model_config={**QWEN3_8B, "vocab_size": 0}, params=P_8B)
     assert need.profile - without_logprobs.profile == 4 * 1024 * 151936 * 4  # float32 prompt logprobs
     assert need.outside == int(VLLM_OUTSIDE_GIB * GIB) and need.lora == 0
-    assert share(need, 79.18) * 79.18 * GIB >= need.budget > (share(need, 79.18) - 0.01) * 79.18 * GIB
-    assert reserved_gib(need, 79.18) == pytest.approx(share(need, 79.18) * 79.18 + VLLM_OUTSIDE_GIB)
+    assert gpu_share(need, 79.18) * 79.18 * GIB >= need.budget > (gpu_share(need, 79.18) - 0.01) * 79.18 * GIB
+    assert reserved_gib(need, 79.18) == pytest.approx(gpu_share(need, 79.18) * 79.18 + VLLM_OUTSIDE_GIB)
 
 
 def split_for(model_config, estimate, reserved=0.0):
@@ -111,7 +118,7 @@ def test_derive_colocate_reserves_the_teacher_it_serves_and_gives_it_that_share(
     alone = derive_colocate(train, infer, orch(base_url="http://h:9/v1"), H100, model=facts)
     co = derive_colocate(train, infer, orch(), H100, model=facts, teacher=teacher)
     assert alone.teacher is None and co.teacher is not None
-    assert co.teacher.infer.gpu_memory_utilization == share(
+    assert co.teacher.infer.gpu_memory_utilization == gpu_share(
         teacher_need(co.teacher.infer, co.orch, 79.18, model_config=QWEN3_8B), 79.18)
     split_notes = [n for n in co.placement.notices if "trainer" in n and "GiB" in n]
     assert split_notes and any("teacher vLLM" in n for n in co.teacher.notices)
@@ -126,7 +133,8 @@ def test_on_a_gpu_the_teacher_server_gets_the_share_the_split_reserved():
     assert server is not None and server.env == {}
     t_need = teacher_need(server.infer, co.orch, 79.18, model_config=QWEN3_0_6B, params=P_0_6B)
     assert server.infer.dtype == "bfloat16" == co.infer.dtype
-    assert server.infer.gpu_memory_utilization == share(t_need, 79.18) < 0.1
+    assert server.infer.gpu_memory_utilization == gpu_share(t_need, 79.18) < 0.1
+    assert server.reserved_gib == reserved_gib(t_need, 79.18), "what the split reserved for it"
     assert server.infer.extra_args == ["--kv-cache-memory-bytes", str(t_need.kv_cache)]
     assert any("teacher vLLM" in n for n in server.notices)
 

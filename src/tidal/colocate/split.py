@@ -168,6 +168,12 @@ def vllm_need(model_config: Mapping[str, Any], dtype: str, sequences: int, seq_l
                     outside=int(VLLM_OUTSIDE_GIB * GIB))
 
 
+def gpu_share(need: VllmNeed, total_gib: float) -> float:
+    """The `gpu_memory_utilization` holding `need`'s budget on a GPU of `total_gib`, rounded up to 0.01 (the
+    policy's vLLM and a teacher server alike)."""
+    return math.ceil(need.budget / GIB / total_gib * 100) / 100
+
+
 def trainer_need_gib(estimate_gib: float, measured_gib: float | None) -> float:
     """The trainer's need: the estimate (its total: overhead and margin included), or the measured peak
     (`torch.cuda.max_memory_reserved` of the calibration step) plus the CUDA context and `CALIBRATION_MARGIN`
@@ -226,7 +232,7 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
     measured). `checkpointing: auto` tries without first (no recomputation) and takes checkpointing when the
     trainer would not fit without; an estimate that already does not fit is not measured. Raises ConfigError
     naming the keys to change when the two cannot both fit."""
-    share = math.ceil(vllm.budget / GIB / total_gib * 100) / 100
+    share = gpu_share(vllm, total_gib)
     room = total_gib - share * total_gib - vllm.outside / GIB - reserved_gib
     options = [False, True] if checkpointing == "auto" else [bool(checkpointing)]
     need, ckpt, est, measured = 0.0, options[-1], 0.0, None

@@ -3,7 +3,8 @@
 When orch `teacher.base_url` is null, `tidal grpo` serves orch `teacher.model` itself: one more `tidal grpo-infer`
 child, started beside the policy's server, supervised like it (restarted when it dies; the orchestrator retries
 the step once both answer: `tidal.colocate.supervise.run_colocate`) and stopped with the run. With an address the
-user runs the teacher (three-process mode) and nothing here applies. The derivation, pure:
+user runs the teacher (three-process mode) and nothing here applies. The derivation, pure, all in
+`derive_teacher` (one rule of `tidal.colocate.derive.RULES`, after the CPU cores are split and before the GPU is):
 
 - `teacher_infer`: the teacher's infer config from the policy's derived one: model `teacher.model`, the same
   host, the port after the policy's servers (infer `port + dp`), no LoRA (nothing is ever loaded into it), no
@@ -14,23 +15,25 @@ user runs the teacher (three-process mode) and nothing here applies. The derivat
 - GPU: the teacher shares the one GPU with the policy's vLLM and the trainer. Its need (`teacher_need`: weights,
   profile, the full-vocabulary prompt logprobs of a step, KV cache for `teacher.max_concurrency` sequences of
   `seq_len`, and what vLLM holds outside its share) is reserved before the policy/trainer split
-  (`tidal.colocate.derive.derive_colocate` hands `reserved_gib` to `tidal.colocate.split.gpu_split`), and
-  becomes the teacher's
-  `gpu_memory_utilization` (and `--kv-cache-memory-bytes` where vLLM has it). Several GPUs (train `gpus` or infer
-  dp x tp above 1) are refused: run the teacher yourself and give its address (`tidal.colocate.derive.with_teacher`
-  places it and points the orchestrator at it).
+  (`TeacherServer.reserved_gib`, handed to `tidal.colocate.split.gpu_split`), and becomes the teacher's
+  `gpu_memory_utilization` (`tidal.colocate.split.gpu_share`; and `--kv-cache-memory-bytes` where vLLM has it).
+  Several GPUs (train `gpus` or infer dp x tp above 1) are refused: run the teacher yourself and give its address.
+- the orchestrator is pointed at the server (orch `teacher.base_url`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
-from tidal.colocate.split import GIB, VllmNeed, max_num_seqs, vllm_dtype, vllm_need
+from tidal.colocate.split import GIB, VllmNeed, gpu_share, max_num_seqs, vllm_dtype, vllm_need
+from tidal.colocate.wire import client_url
 from tidal.config.infer import InferConfig
+from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
+from tidal.config.train import TrainConfig
+from tidal.models.config import text_config
 from tidal.models.memory import parameter_count
 
 LOGPROB_BYTES = 4
@@ -50,6 +53,8 @@ class TeacherServer:
     """Environment variables added to its process (its CPU cores)."""
     notices: tuple[str, ...]
     """Lines to tell the user before starting."""
+    reserved_gib: float = 0.0
+    """GiB it holds on the GPU it shares, reserved before the policy/trainer split (0: not on a GPU, or unsized)."""
 
 
 def serves_teacher(orch: OrchConfig) -> bool:
@@ -74,7 +79,7 @@ def teacher_need(teacher: InferConfig, orch: OrchConfig, total_gib: float, *, mo
     counted from `model_config`)."""
     assert orch.teacher is not None
     params = parameter_count(model_config) if params is None else params
-    text = model_config.get("text_config") or model_config
+    text = text_config(model_config)
     sequences = min(orch.teacher.max_concurrency, max_num_seqs(teacher, total_gib))
     need = vllm_need(model_config, vllm_dtype(teacher, model_config), sequences, orch.seq_len, params,
                      kv_dtype=teacher.kv_cache_dtype)
@@ -82,17 +87,44 @@ def teacher_need(teacher: InferConfig, orch: OrchConfig, total_gib: float, *, mo
     return replace(need, profile=need.profile + logprobs)
 
 
-def share(need: VllmNeed, total_gib: float) -> float:
-    """The `gpu_memory_utilization` holding `need`'s budget (rounded up to 0.01, as the policy server's)."""
-    return math.ceil(need.budget / GIB / total_gib * 100) / 100
-
-
 def reserved_gib(need: VllmNeed, total_gib: float) -> float:
     """GiB the teacher server holds on the GPU: its share plus what vLLM holds beyond it."""
-    return share(need, total_gib) * total_gib + need.outside / GIB
+    return gpu_share(need, total_gib) * total_gib + need.outside / GIB
 
 
 def notice(need: VllmNeed, total_gib: float) -> str:
-    return (f"teacher vLLM {reserved_gib(need, total_gib):.1f} GiB (gpu_memory_utilization {share(need, total_gib)}: "
-            f"weights {need.weights / GIB:.1f}, KV cache {need.kv_cache / GIB:.1f}, CUDA graphs + context "
-            f"{need.outside / GIB:.1f}), reserved before the split")
+    return (f"teacher vLLM {reserved_gib(need, total_gib):.1f} GiB (gpu_memory_utilization "
+            f"{gpu_share(need, total_gib)}: weights {need.weights / GIB:.1f}, KV cache {need.kv_cache / GIB:.1f}, "
+            f"CUDA graphs + context {need.outside / GIB:.1f}), reserved before the split")
+
+
+def derive_teacher(train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: Literal["cpu", "cuda"],
+                   env: Mapping[str, str], gpu_memory_gib: float | None, model_config: Mapping[str, Any] | None, *,
+                   kv_bytes_arg: bool = False) -> tuple[OrchConfig, TeacherServer | None]:
+    """(orch pointed at the teacher server, the server) for the derived policy configs (module doc), or (`orch`,
+    None) when orch names no teacher or gives its address. `env`: the inference child's environment (its CPU
+    cores), shared by the teacher; on a GPU of `gpu_memory_gib`, `model_config` (the teacher's config.json; None:
+    unsized) sizes its share (`kv_bytes_arg`: the installed vLLM takes `--kv-cache-memory-bytes`)."""
+    if not serves_teacher(orch):
+        return orch, None
+    assert orch.teacher is not None
+    if device == "cuda" and (train.gpus > 1 or infer.dp * infer.tp > 1):
+        raise ConfigError(f"orch teacher.base_url is null (tidal grpo starts the teacher) but the run uses several "
+                          f"GPUs (train gpus {train.gpus}, infer dp x tp {infer.dp} x {infer.tp}): tidal grpo places "
+                          f"a teacher server on one shared GPU only; start it yourself (tidal grpo-infer --model "
+                          f"{orch.teacher.model} --infer.port PORT) and set orch teacher.base_url")
+    t_infer = teacher_infer(infer, orch)
+    notices = [f"teacher: serving {t_infer.model} on port {t_infer.port} (log: logs/teacher.log)"]
+    reserved = 0.0
+    if device == "cuda" and gpu_memory_gib and model_config:
+        need = teacher_need(t_infer, orch, gpu_memory_gib, model_config=model_config)
+        update: dict[str, Any] = {"gpu_memory_utilization": gpu_share(need, gpu_memory_gib)}
+        if kv_bytes_arg:
+            update["extra_args"] = ["--kv-cache-memory-bytes", str(need.kv_cache)]
+        t_infer = t_infer.model_copy(update=update)
+        notices.append(f"GPU: {notice(need, gpu_memory_gib)}")
+        reserved = reserved_gib(need, gpu_memory_gib)
+    url = client_url(t_infer)
+    server = TeacherServer(infer=t_infer, base_url=url, health_url=f"{url.removesuffix('/v1')}/health", env=dict(env),
+                           notices=tuple(notices), reserved_gib=reserved)
+    return orch.model_copy(update={"teacher": orch.teacher.model_copy(update={"base_url": url})}), server

@@ -45,8 +45,8 @@ from tidal.trainer.model.quant import qlora_kind
 from tidal.trainer.model.vision import attach_images
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
-from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
-from tidal.trainer.publish.push import make_pusher, push_policy
+from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, publish_base
+from tidal.trainer.publish.push import Pusher, make_pusher
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
 from tidal.trainer.step.loss import LossInputs, LossScale, LossSums, policy_loss
@@ -248,27 +248,6 @@ def resume(resume_step: int | None, run_dir: Path, p: Policy, merged_keys: list[
     return step
 
 
-def serve_push_request(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> None:
-    """While waiting for a batch: push the current policy (`step`) again if the orchestrator asked for it."""
-    asked = weights.push_requested(run_dir)
-    if asked is None or asked > step or step == 0:
-        return
-    if pusher.failures == 0:
-        log.info("the orchestrator asked for policy %d again (an inference server restarted); pushing policy %d",
-                 asked, step)
-    try:
-        pusher.push(model, step)
-    except Exception as exc:  # noqa: BLE001 - tried again on the next poll
-        if pusher.failures % 15 == 0:
-            log.warning("could not push policy %d yet (%r); retrying every 2 s", step, exc)
-        pusher.failures += 1
-        time.sleep(2.0)
-        return
-    log.info("pushed policy %d again", step)
-    pusher.failures = 0
-    weights.clear_push_request(run_dir)
-
-
 def open_source(cfg: TrainConfig, run_dir: Path) -> BatchSource:
     """Where batches come from: `rollouts/` (filesystem) or the orchestrator's zmq server."""
     if cfg.transport_type == "zmq":
@@ -306,8 +285,8 @@ class PeakWatch:
         return peak
 
 
-def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConfig, run_dir: Path, pusher: Any,
-                      merged_keys: list[str] | None, peak: PeakWatch) -> dict[str, Any]:
+def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConfig, run_dir: Path,
+                      pusher: Pusher | None, merged_keys: list[str] | None, peak: PeakWatch) -> dict[str, Any]:
     """Trainer step `step` on `batch`, then push (nccl) and publish policy `step`, and checkpoint every
     `ckpt.interval` steps; returns the trainer's metrics with their timings (every rank runs it; rank 0
     publishes)."""
@@ -324,7 +303,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     noise = qerl_noise(cfg, step)
     if p.ranks.main:
         assert p.view is not None
-        push_time = push_policy(pusher, p.view, run_dir, step) if pusher else 0.0
+        push_time = pusher.push_policy(p.view, run_dir, step) if pusher else 0.0
         publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys, noise=noise)
     ckpt_time = 0.0
     if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
@@ -359,29 +338,18 @@ def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: 
 
 
 def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Policy, run_dir: Path,
-               pusher: Any) -> TrainingBatch | None:
+               pusher: Pusher | None) -> TrainingBatch | None:
     """Batch `step` (None: the run is over): rank 0 waits for it, then every rank gets it."""
     batch = None
     if p.ranks.main:
         assert source is not None
-        on_tick = (functools.partial(serve_push_request, pusher, p.view, run_dir, step - 1)
+        on_tick = (functools.partial(pusher.serve_push_request, p.view, run_dir, step - 1)
                    if pusher and p.view is not None else None)
         batch = source.wait(step, cfg.batch_timeout_s, on_wait=functools.partial(_note_wait, step),
                             on_tick=on_tick)
         if batch is not None and batch.step != step:
             raise ValueError(f"batch {step} from {source.where} holds step {batch.step}")
     return broadcast_batch(p.ranks, batch)  # None too: then every rank leaves the loop
-
-
-def publish_base(p: Policy, cfg: TrainConfig, run_dir: Path) -> None:
-    """A quantized QLoRA base: publish policy 0 as its dequantized full weights (once per run directory), which the
-    orchestrator has vLLM reload before the first rollouts, so vLLM samples the policy this trainer scores."""
-    if weights.policy_stamp(run_dir, 0):
-        return
-    assert p.view is not None
-    start = time.monotonic()
-    publish_adapter(p.view, run_dir, 0, merged_keys=checkpoint_keys(resolve_model(cfg.model)))
-    log.info("published policy 0: the %s base dequantized (%.1f s)", qlora_kind(cfg), time.monotonic() - start)
 
 
 def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatch) -> bool:
@@ -402,7 +370,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
                                  cfg=cfg)
     if ranks.main and qlora_kind(cfg) is not None:
-        publish_base(p, cfg, run_dir)
+        assert p.view is not None
+        publish_base(p.view, cfg, run_dir)
     pusher = make_pusher(cfg, p.device) if ranks.main else None
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,

@@ -8,18 +8,24 @@ has no adapter: it is published as its merged weights only, which are then simpl
 are the checkpoint's (`tidal.models.names`: transformers' fused MoE experts are split back per expert); a
 LoRA policy of a mixture-of-experts model publishes its merged weights without the experts (`reload_keys`). A
 quantized QLoRA base (`tidal.trainer.model.quant`) is merged and published dequantized: the weights its forward
-multiplies by.
+multiplies by; it is served as policy 0 before the first rollouts (`publish_base`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.assets import resolve_model
+from tidal.config.train import TrainConfig
 from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, is_expert_key, plain_name
-from tidal.trainer.model.quant import dense_spec, dense_weight
+from tidal.trainer.model.quant import dense_spec, dense_weight, qlora_kind
 from tidal.transport import weights
+
+log = logging.getLogger("tidal.trainer")
 
 
 def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
@@ -123,6 +129,17 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
             save_file(merged, str(tmp / "merged" / "model.safetensors"), metadata={"format": "pt"})
 
     return weights.publish(run_dir, step, fill, keep)
+
+
+def publish_base(model: Any, cfg: TrainConfig, run_dir: Path) -> None:
+    """A quantized QLoRA base: publish policy 0 as `model`'s dequantized full weights (once per run directory),
+    which the orchestrator has vLLM reload before the first rollouts, so vLLM samples the policy this trainer
+    scores."""
+    if weights.policy_stamp(run_dir, 0):
+        return
+    start = time.monotonic()
+    publish_adapter(model, run_dir, 0, merged_keys=checkpoint_keys(resolve_model(cfg.model)))
+    log.info("published policy 0: the %s base dequantized (%.1f s)", qlora_kind(cfg), time.monotonic() - start)
 
 
 def checkpoint_keys(model_dir: str | Path) -> list[str]:

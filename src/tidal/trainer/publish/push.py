@@ -1,26 +1,46 @@
-"""Pushing each new policy straight into the inference servers (train `weight_broadcast.type: nccl`): which
-pusher serves the run is chosen here, once (`make_pusher`: vLLM's weight-transfer engine, `push_vllm`, or SGLang's,
-`push_sglang`; with QeRL the noisy norms go along), and a push that fails is logged and served again when the
-orchestrator asks for it (`push_policy`).
+"""Pushing each new policy straight into the inference servers (train `weight_broadcast.type: nccl`): what the
+training loop sees of a pusher (`Pusher`), and which pusher serves the run, chosen here, once (`make_pusher`:
+vLLM's weight-transfer engine, `push_vllm`, or SGLang's, `push_sglang`; with QeRL the noisy norms go along). Both
+are `tidal.trainer.publish.session.PushSession`s: a failed push is logged and served again when the orchestrator
+asks for it, each pusher keeping its own retry state.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from tidal.config.train import TrainConfig
 from tidal.trainer.model.noise import qerl_noise
-from tidal.transport import weights
-
-log = logging.getLogger("tidal.trainer")
 
 
-def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
+class Pusher(Protocol):
+    """A weight pusher into one engine's servers (`tidal.trainer.publish.session.PushSession`)."""
+
+    pushed: int
+    """The last policy step pushed (0: none yet)."""
+
+    def push(self, model: torch.nn.Module, step: int) -> float:
+        """Broadcast `model`'s policy as version `step`; the seconds it took. Raises on failure."""
+        ...
+
+    def push_policy(self, model: torch.nn.Module, run_dir: Path, step: int) -> float:
+        """`push` after a training step: a failure is logged, not raised (0.0 seconds)."""
+        ...
+
+    def serve_push_request(self, model: torch.nn.Module, run_dir: Path, step: int) -> None:
+        """While waiting for a batch: push policy `step` again when the orchestrator asked for it."""
+        ...
+
+    def close(self) -> None:
+        """Close the process group (the next push reopens it)."""
+        ...
+
+
+def make_pusher(cfg: TrainConfig, device: torch.device) -> Pusher | None:
     """The weight pusher for train `weight_broadcast.type: nccl` into vLLM or SGLang servers
     (`weight_broadcast.backend`; with QeRL: pushing the noisy norms too), else None."""
     wb = cfg.weight_broadcast
@@ -40,18 +60,3 @@ def make_pusher(cfg: TrainConfig, device: torch.device) -> Any:
         return SglangWeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device,
                                   extra)
     return WeightPusher(wb.base_url, wb.host, wb.port, wb.timeout, os.environ.get(wb.api_key_var), device, extra)
-
-
-def push_policy(pusher: Any, model: torch.nn.Module, run_dir: Path, step: int) -> float:
-    """Push policy `step` into the inference servers; a failure (a server died) is logged, not fatal: the
-    orchestrator asks for the policy again once the server is back (`serve_push_request`)."""
-    try:
-        seconds = pusher.push(model, step)
-    except Exception as exc:  # noqa: BLE001 - inference may be restarting; the orchestrator asks again
-        log.warning("could not push policy %d into inference (%r); it is pushed again when the orchestrator "
-                    "asks for it", step, exc)
-        return 0.0
-    asked = weights.push_requested(run_dir)
-    if asked is not None and asked <= step:
-        weights.clear_push_request(run_dir)
-    return seconds

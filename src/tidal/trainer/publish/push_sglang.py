@@ -1,8 +1,9 @@
 """Trainer side of `weight_broadcast.type: nccl` with SGLang servers (train `weight_broadcast.backend: sglang`).
 
-The same interface as `tidal.trainer.publish.push_vllm.WeightPusher` (vLLM): `push(model, step)`, `close()`, `pushed`,
-`failures`. The trainer (rank 0) pushes the same tensors (`tidal.trainer.publish.broadcast.policy_weights`, then any
-`extra`, e.g. QeRL's noisy norms) through SGLang 0.5.16's routes (`sglang/srt/entrypoints/http_server.py`):
+A `tidal.trainer.publish.session.PushSession` like `tidal.trainer.publish.push_vllm.WeightPusher` (vLLM): the same
+`tidal.trainer.publish.push.Pusher`. The trainer (rank 0) pushes the same tensors
+(`tidal.trainer.publish.broadcast.policy_weights`, then any `extra`, e.g. QeRL's noisy norms) through SGLang 0.5.16's
+routes (`sglang/srt/entrypoints/http_server.py`):
 
 - opening: `POST /init_weights_update_group` {`master_address`, `master_port`, `rank_offset`, `world_size`,
   `group_name`, `backend: "nccl"`} on every server while rank 0 joins the same rendezvous with SGLang's own
@@ -22,15 +23,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import torch
 
 from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
-from tidal.trainer.publish.push_vllm import PushSession, server_root
+from tidal.trainer.publish.session import ExtraTensors, PushSession
 
 log = logging.getLogger("tidal.trainer")
 GROUP = "tidal_weights"
@@ -54,19 +53,11 @@ class SglangWeightPusher(PushSession):
     """Broadcasts policies into the SGLang servers at `urls` (their `/v1` base URLs)."""
 
     def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
-                 device: torch.device,
-                 extra: Callable[[torch.nn.Module, int], dict[str, torch.Tensor]] | None = None) -> None:
+                 device: torch.device, extra: ExtraTensors | None = None) -> None:
         if device.type != "cuda":
             raise ValueError("weight_broadcast type nccl with backend sglang needs the trainer on a CUDA GPU "
                              "(SGLang serves on GPUs only); use weight_broadcast.type: filesystem")
-        self.extra = extra
-        self.roots = [server_root(u) for u in urls]
-        self.host, self.port, self.timeout_s, self.device = host, port, timeout_s, device
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
-        self.group: Any = None
-        self.pushed = 0
-        self.failures = 0
+        super().__init__(urls, host, port, timeout_s, api_key, device, extra)
 
     def _post(self, root: str, path: str, payload: dict[str, Any]) -> Any:
         r = self.http.post(f"{root}/{path}", json=payload)

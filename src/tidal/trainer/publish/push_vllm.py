@@ -12,79 +12,32 @@ broadcast), `/finish_weight_update` with the step, `/resume`: every completion c
 The process group (trainer + all workers of all servers, each server's workers at its own rank offset) is
 opened at the first push with `/init_weight_transfer_engine` and kept; NCCL on CUDA, gloo on CPU
 (`tidal.inference.backends.vllm.weight_transfer`). A push that fails (a server died) drops the group; the next push, or
-an
-orchestrator's re-push request (`tidal.transport.weights.request_push`, written when a restarted server is
-behind), opens a new one.
+an orchestrator's re-push request (`tidal.transport.weights.request_push`, written when a restarted server is
+behind), opens a new one (`tidal.trainer.publish.session.PushSession`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import torch
 
 from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
+from tidal.trainer.publish.session import ExtraTensors, PushSession
 
 log = logging.getLogger("tidal.trainer")
-
-
-def server_root(url: str) -> str:
-    return url.rstrip("/").removesuffix("/v1")
-
-
-class PushSession:
-    """What every backend's pusher shares: the group opened at the first push and kept, a failed push closing
-    it (the next push reopens it). Subclasses open (`_open`), move one policy (`_transfer`) and close (`close`)."""
-
-    group: Any
-    pushed: int
-
-    def _open(self) -> None:
-        raise NotImplementedError
-
-    def _transfer(self, model: torch.nn.Module, step: int) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def push(self, model: torch.nn.Module, step: int) -> float:
-        """Broadcast `model`'s policy as version `step`; returns the seconds it took. Raises on failure (the
-        group is then closed, and reopened by the next push)."""
-        import time
-
-        t0 = time.monotonic()
-        try:
-            if self.group is None:
-                self._open()
-            self._transfer(model, step)
-        except BaseException:
-            self.close()
-            raise
-        self.pushed = step
-        return time.monotonic() - t0
 
 
 class WeightPusher(PushSession):
     """Broadcasts policies into the vLLM servers at `urls` (their `/v1` base URLs)."""
 
     def __init__(self, urls: list[str], host: str, port: int, timeout_s: float, api_key: str | None,
-                 device: torch.device,
-                 extra: Callable[[torch.nn.Module, int], dict[str, torch.Tensor]] | None = None) -> None:
-        self.extra = extra  # (model, step) -> more named tensors pushed with policy `step` (QeRL noisy norms)
-        self.roots = [server_root(u) for u in urls]
-        self.host, self.port, self.timeout_s = host, port, timeout_s
+                 device: torch.device, extra: ExtraTensors | None = None) -> None:
+        super().__init__(urls, host, port, timeout_s, api_key, device, extra)
         self.cuda = device.type == "cuda"
-        self.device = device  # merged tensors go there for NCCL (rank 0's view of a sharded policy is on CPU)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
-        self.group: Any = None
-        self.pushed = 0
-        self.failures = 0  # failed re-push attempts in a row (the trainer logs some of them)
 
     def _post(self, root: str, path: str, payload: dict[str, Any] | None = None,
               params: dict[str, str] | None = None) -> Any:
