@@ -6,13 +6,13 @@
 
 runs the same pipeline as `tidal grpo`: a vLLM server and the trainer as supervised subprocesses (the co-locate
 launcher, `tidal.colocate.supervise.run_colocate`, with the placement of `tidal.colocate.derive.derive_colocate`), and
-the
-orchestrator in THIS process, on its own asyncio loop in a thread, so reward functions defined in the script
+the orchestrator in THIS process, on its own asyncio loop in a thread, so reward functions defined in the script
 (closures and lambdas included) are called where they live; nothing is pickled. `args` maps onto tidal's configs
-by `tidal.config.trl.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl` and read by
-the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a standard prompt (no chat template), a
-list of messages a conversational one; every other column reaches the reward functions. The resolved configs
-land in `{output_dir}/configs/` as with `tidal grpo`.
+by `tidal.config.trl.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl`
+(`tidal.paths.data_dir`) and read by the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a
+standard prompt (no chat template), a list of messages a conversational one; every other column reaches the reward
+functions. The resolved configs land in `{output_dir}/configs/` as with `tidal grpo`.
+`train(resume_from_checkpoint=True | path)` resumes the run from its checkpoints, as `tidal grpo --resume` does.
 
 Differences from TRL (docs/trl.md): without `peft_config` every weight trains, as in TRL; `model` must be a name
 or path, not a loaded model;
@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.checkpoint import complete_steps
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.trl import GRPOConfig, to_tidal
-from tidal.paths import final_dir, logs_dir, metrics_path
+from tidal.paths import ckpt_dir, ckpt_root, data_dir, final_dir, logs_dir, metrics_path
 
 log = logging.getLogger("tidal.api")
 
@@ -125,6 +126,33 @@ def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list
     return out
 
 
+def resume_step(resume_from_checkpoint: bool | str | Path | None, run_dir: Path) -> int | None:
+    """TRL's `train(resume_from_checkpoint=...)` -> the step tidal resumes (train/orch `ckpt.resume_step`), or None
+    for a fresh run. True: the newest step whose trainer and orchestrator checkpoints are both complete (TRL raises
+    ValueError without one; so does this); a path: `{run_dir}/checkpoints/{trainer|orch}/step_N` of this run, complete
+    on both sides (ValueError for any other path)."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    steps = sorted(set(complete_steps(run_dir, "trainer")) & set(complete_steps(run_dir, "orch")))
+    have = ", ".join(str(ckpt_dir(run_dir, "trainer", s)) for s in steps) or "none"
+    if resume_from_checkpoint is True:
+        if not steps:
+            raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {run_dir / 'checkpoints'} (the "
+                             f"run in GRPOConfig output_dir {run_dir}; checkpoints are written every save_steps)")
+        return steps[-1]
+    if not isinstance(resume_from_checkpoint, str | Path):
+        raise TypeError(f"resume_from_checkpoint must be a bool, a path or None, got "
+                        f"{type(resume_from_checkpoint).__name__}")
+    path = Path(resume_from_checkpoint).resolve()
+    for component in ("trainer", "orch"):
+        name = path.name.removeprefix("step_")
+        if path.parent == ckpt_root(run_dir, component).resolve() and name.isdigit() and int(name) in steps:
+            return int(name)
+    raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is not a complete checkpoint of the run "
+                     f"in GRPOConfig output_dir {run_dir} (tidal resumes a run from its own checkpoints, trainer and "
+                     f"orchestrator of one step); its checkpoints: {have}")
+
+
 def make_tooling(tools: Any, environment_factory: Any, max_iterations: int | None) -> Any:
     """The run's `tidal.envs.tools.Tooling` from TRL's `tools` (functions) and `environment_factory`, or None."""
     from tidal.envs.tools import Tooling
@@ -189,14 +217,19 @@ class GRPOTrainer:
             raise RefusedConfig(str(exc)) from None
         return co
 
-    def derive(self, calibrate: bool) -> Any:
+    def derive(self, calibrate: bool, resume: int | None = None) -> Any:
         """`derive_colocate` on this machine; `calibrate`: the GPU split measures the trainer's peak (one training
-        step on the GPU) instead of trusting the estimate alone."""
+        step on the GPU) instead of trusting the estimate alone; `resume`: the checkpoint step the run resumes
+        (train/orch `ckpt.resume_step`; None: a fresh run)."""
         from tidal.colocate import start
 
         d = self.derived
+        train, orch = d.train, d.orch
+        if resume is not None:
+            train = train.model_copy(deep=True, update={"ckpt": train.ckpt.model_copy(update={"resume_step": resume})})
+            orch = orch.model_copy(deep=True, update={"ckpt": orch.ckpt.model_copy(update={"resume_step": resume})})
         try:
-            return start.derive(d.train, d.infer, d.orch, calibrate=calibrate)
+            return start.derive(train, d.infer, orch, calibrate=calibrate)
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
 
@@ -212,15 +245,19 @@ class GRPOTrainer:
                 section.args = {"path": str(path.resolve())}
         return orch
 
-    def train(self) -> TrainOutput:
-        """Run GRPO to the end; raises RuntimeError naming the failed component and its log."""
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Run GRPO to the end; raises RuntimeError naming the failed component and its log.
+        `resume_from_checkpoint` (TRL's): True continues the run in `output_dir` from its newest checkpoint, a path
+        from that checkpoint of this run (`resume_step`); None or False starts afresh."""
         from tidal.colocate import start
         from tidal.monitor.metrics import read_metrics
         from tidal.orchestrator import loop
 
+        step = resume_step(resume_from_checkpoint, self.run_dir)
         co = self.colocated  # derived and checked by the constructor (`preflight`)
-        if co.placement.device == "cuda":  # now the GPU split may measure the trainer (one step, before vLLM)
-            co = self.derive(calibrate=True)
+        gpu = co.placement.device == "cuda"
+        if gpu or step is not None:  # on a GPU the split may now measure the trainer (one step, before vLLM)
+            co = self.derive(calibrate=gpu, resume=step)
         run_dir = co.placement.run_dir
         reward_funcs = json.dumps([{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1)
 
@@ -229,7 +266,7 @@ class GRPOTrainer:
 
         try:
             code = start.start(co, infer_start_timeout_s=self.args.vllm_server_timeout,
-                               orch_for=lambda orch, run_dir: self.with_data(orch, run_dir / "data"),
+                               orch_for=lambda orch, run_dir: self.with_data(orch, data_dir(run_dir)),
                                orchestrator=orchestrate, extra_configs={"reward_funcs.json": reward_funcs})
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None

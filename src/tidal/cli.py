@@ -23,7 +23,7 @@ from tidal.colocate.wire import wire_colocate, with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.models.arch import check_model
-from tidal.paths import find_run_dir, metrics_path, rollouts_dir, step_files
+from tidal.paths import find_run_dir, metrics_path, rollouts_dir, sft_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
 
@@ -104,6 +104,10 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
     check_run(co.train, co.infer, co.orch)  # every refusal of grpo-train / grpo-orch, before anything starts
     teacher = co.teacher
+    if args.infer_restarts and co.train.share_base_weights is True and teacher is None:
+        raise ConfigError(f"--infer-restarts {args.infer_restarts}: with train share_base_weights the trainer holds "
+                          "vLLM's weights, so a dead vLLM is not restarted (the run stops; --resume continues it); "
+                          "leave --infer-restarts out or set --train.share_base_weights false")
     if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
         wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
         for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
@@ -112,7 +116,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
         return 0
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
-    return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=args.infer_restarts,
+    restarts = 3 if args.infer_restarts is None else args.infer_restarts
+    return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=restarts,
                        startup=args.startup)
 
 
@@ -132,10 +137,12 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
 
 def load_single(component: str, args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> Any:
-    """Config of a one-component command with `--output-dir` applied; None after printing it for --dry-run."""
+    """Config of a one-component command with `--output-dir` and `--resume` applied; None after printing it for
+    --dry-run."""
     cfg = load(component, args.config, ov)
     if getattr(args, "output_dir", None):
         cfg.output_dir = args.output_dir
+    cfg = with_resume(cfg, args.resume)
     if args.dry_run:
         print(dump(cfg))
         return None
@@ -153,7 +160,6 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.orchestrator import loop
 
     run_dir = Path(cfg.output_dir)
-    cfg = with_resume(cfg, args.resume)
     resuming = cfg.ckpt.resume_step is not None
     if not resuming and step_files(rollouts_dir(run_dir), ".safetensors"):
         raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); pass --resume to continue it "
@@ -197,7 +203,6 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return distributed.launch_ranks(cfg.gpus, args.argv, cfg.cpu_affinity)
     rank = distributed.env_ranks()
     setup_logging(f"[train r{rank.rank}]" if rank.sharded else "[train]")
-    cfg = with_resume(cfg, args.resume)
     run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
@@ -224,8 +229,14 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 
 def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     cfg = load("train", args.config, ov)
+    if args.output_dir:
+        if cfg.sft.save_to:
+            raise ConfigError(f"--output-dir {args.output_dir}: tidal sft writes nothing but its result, and train "
+                              f"sft.save_to ({cfg.sft.save_to}) already says where; give one of them")
+        cfg.output_dir = args.output_dir
+    out = sft_dir(Path(cfg.output_dir), cfg.sft.save_to)
     if args.dry_run:
-        print(dump(cfg))
+        print(f"# tidal sft: {cfg.sft.steps(cfg.max_steps)} steps, the result in {out}\n{dump(cfg)}")
         return 0
     setup_logging("[sft]")
     from tidal.trainer import sft
@@ -259,8 +270,8 @@ def cmd_env_server(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> i
         raise ConfigError(f"env-server: {exc}") from None
     try:
         serve(env, args.host, args.port)
-    except PermissionError as exc:
-        raise ConfigError(str(exc)) from None
+    except OSError as exc:  # no API key beyond loopback (PermissionError), a taken port, an unknown host
+        raise ConfigError(f"--host {args.host} --port {args.port}: {exc}") from None
     return 0
 
 
@@ -281,6 +292,14 @@ def cmd_serve_tinker(args: argparse.Namespace, ov: dict[str, dict[str, str]]) ->
         return run(cfg)
     except ServeError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative; give 0 or more")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--output-dir", help="run directory for every component's output")
         s.add_argument("--model", metavar="MODEL", help="the model of every component this command runs (train "
                        "`model`, infer `model`, orch `model.name`): tidal:NAME, a local directory or a Hub id")
-    g.add_argument("--infer-restarts", type=int, default=3, metavar="N",
+    g.add_argument("--infer-restarts", type=count, metavar="N",
                    help="restart the inference server up to N times if it dies (default 3)")
     g.add_argument("--startup", choices=("auto", "sequential"), default="auto",
                    help="auto: on CPU the orchestrator and trainer start with vLLM, on a GPU the trainer imports "

@@ -9,6 +9,13 @@ Layout of a run directory (`--output-dir`, or orch `output_dir`):
     checkpoints/{trainer,orch}/step_{n}/   checkpoints, each with `STABLE`
     metrics.jsonl, samples.jsonl, eval.jsonl, report.html, tensorboard/, configs/, logs/ (+ INFER_READY),
     final/{adapter,merged}/
+    data/{train,NAME}.jsonl         the Python API's datasets (`tidal.api`: `GRPOTrainer`'s train / eval rows)
+    sft/ (+ sft/step_{n}/)          `tidal sft`'s result (adapter or full model) and snapshots, each with `STABLE`
+
+Layout of a `tidal serve-tinker` directory (`--output-dir`):
+
+    checkpoints/{MODEL_ID}/{weights,sampler_weights}/{NAME}/   `tinker://MODEL_ID/KIND/NAME`, each with `STABLE`
+    vllm.log
 
 Durability rule (one for everything another process or a later run reads): a file is written under a temp
 name beside its final name, fsynced, renamed into place and its directory fsynced (`atomic_file`); a directory
@@ -107,6 +114,22 @@ def infer_ready_path(run_dir: Path) -> Path:
 def final_dir(run_dir: Path, what: str) -> Path:
     """`final/adapter`, `final/merged` or (full fine-tuning) `final/model`: the exports written when training ends."""
     return run_dir / "final" / what
+
+
+def data_dir(run_dir: Path) -> Path:
+    """The Python API's datasets as JSON lines (`train.jsonl`, one `{name}.jsonl` per eval dataset)."""
+    return run_dir / "data"
+
+
+def sft_dir(run_dir: Path, save_to: str | None = None) -> Path:
+    """`tidal sft`'s result: train `sft.save_to` when set, else `{run_dir}/sft`."""
+    return Path(save_to) if save_to else run_dir / "sft"
+
+
+def tinker_ckpt_dir(run_dir: Path, model_id: str, kind: str, name: str) -> Path:
+    """`tinker://{model_id}/{kind}/{name}` of a `tidal serve-tinker` directory (`kind`: weights or
+    sampler_weights)."""
+    return run_dir / "checkpoints" / model_id / kind / name
 
 
 def holds_run(run_dir: Path) -> bool:

@@ -25,7 +25,7 @@ def warm_start(tmp_path: Path, steps: int, per_step: int) -> Path:
                  "--train.learning_rate", "4e-3", "--train.warmup_steps", "5", "--train.lr_scheduler_type", "constant",
                  "--train.sequence_len", "512", "--train.per_device_train_batch_size", "8",
                  "--sft.examples_per_step", str(per_step), "--sft.env", "tests.e2e.tool_env:ReverseTool",
-                 "--sft.save_to", str(out), "--output-dir", str(tmp_path / "sft_run"))
+                 "--sft.save_to", str(out))
     try:
         log, _ = proc.communicate(timeout=900)
     finally:

@@ -168,3 +168,72 @@ def test_tools_and_environment_factory_make_the_run_tooling():
         make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, max_tool_calling_iterations=1))
     with pytest.raises(ValueError, match="tool .*type hints"):
         make(tools=[lambda x: x])
+
+
+def complete_checkpoint(run_dir, component, step):
+    from tidal.paths import STABLE, ckpt_dir
+
+    d = ckpt_dir(run_dir, component, step)
+    d.mkdir(parents=True)
+    (d / STABLE).write_text("")
+    return d
+
+
+def test_resume_from_checkpoint_true_a_path_or_nothing(tmp_path):
+    from tidal.api import resume_step
+
+    run = tmp_path / "run"
+    assert resume_step(None, run) is None and resume_step(False, run) is None
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True: no complete checkpoint in .*run/checkpoints"):
+        resume_step(True, run)  # as TRL: nothing to resume is an error, not a fresh start
+    for step in (5, 10):
+        complete_checkpoint(run, "trainer", step)
+    orch5 = complete_checkpoint(run, "orch", 5)
+    (run / "checkpoints" / "orch" / "step_10").mkdir()  # no STABLE: incomplete
+    assert resume_step(True, run) == 5  # the newest step complete on both sides
+    assert resume_step(str(orch5), run) == 5 and resume_step(run / "checkpoints" / "trainer" / "step_5", run) == 5
+    for path in (run / "checkpoints" / "trainer" / "step_10", tmp_path / "other" / "checkpoints" / "trainer" / "step_5",
+                 run / "checkpoint-500"):
+        with pytest.raises(ValueError, match=r"is not a complete checkpoint of the run .* its checkpoints: "
+                                             r".*trainer/step_5$"):
+            resume_step(str(path), run)
+    with pytest.raises(TypeError, match="must be a bool, a path or None"):
+        resume_step(5, run)
+
+
+@pytest.mark.parametrize("resume", [None, True, "path"])
+def test_train_resume_from_checkpoint_reaches_both_components(tmp_path, monkeypatch, resume):
+    """`trainer.train(resume_from_checkpoint=...)`, TRL's way to resume, becomes train and orch
+    `ckpt.resume_step` of the run the launcher starts (and a resuming placement: the run is not moved aside)."""
+    from tidal.colocate import start
+    from tidal.paths import metrics_path
+
+    run = tmp_path / "run"
+    t = make(args=GRPOConfig(output_dir=str(run), num_generations=2, per_device_train_batch_size=4, save_steps=1))
+    complete_checkpoint(run, "trainer", 2)
+    complete_checkpoint(run, "orch", 2)
+    started = []
+
+    def fake_start(co, **kw):
+        started.append(co)
+        metrics_path(run).write_text(json.dumps({"step": 3, "loss": 0.5}) + "\n")
+        return 0
+
+    monkeypatch.setattr(start, "start", fake_start)
+    arg = str(run / "checkpoints" / "orch" / "step_2") if resume == "path" else resume
+    out = t.train(resume_from_checkpoint=arg)
+    co = started[0]
+    want = None if resume is None else 2
+    assert co.train.ckpt.resume_step == co.orch.ckpt.resume_step == want
+    assert co.placement.resuming is (want is not None) and out.global_step == 3
+
+
+def test_train_refuses_a_resume_with_nothing_to_resume(tmp_path, monkeypatch):
+    from tidal.colocate import start
+
+    monkeypatch.setattr(start, "start", lambda co, **kw: pytest.fail("started"))
+    t = make(args=GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=4))
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        t.train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match="is not a complete checkpoint of the run"):
+        t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-500"))

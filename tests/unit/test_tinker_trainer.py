@@ -131,3 +131,38 @@ def test_bad_datums_are_refused(host):
                                       loss_fn="importance_sampling"))
     with pytest.raises(TrainerError, match="unknown model_id"):
         host.forward_backward(request("nope", make_data(0)))
+
+
+def test_checkpoints_are_atomic_and_loads_need_stable(host, tmp_path, monkeypatch):
+    """save_state / save_sampler fill a temp directory renamed into place with `STABLE` last
+    (`tidal.paths.atomic_dir`); a failed save leaves the previous checkpoint; the service loads only complete ones."""
+    import safetensors.torch
+
+    from tidal.paths import STABLE, tinker_ckpt_dir
+    from tidal.tinker.service import TinkerService, UserError
+
+    host.create("ckpt", LoraSpec(rank=4, seed=5))
+    state = tinker_ckpt_dir(tmp_path, "ckpt", "weights", "a")
+    host.save_state("ckpt", state, "base")
+    host.save_sampler("ckpt", tinker_ckpt_dir(tmp_path, "ckpt", "sampler_weights", "a"))
+    for d in (state, tinker_ckpt_dir(tmp_path, "ckpt", "sampler_weights", "a")):
+        assert (d / STABLE).is_file() and (d / "adapter_model.safetensors").is_file()
+    assert TrainerHost.read_record(state)["lora"]["rank"] == 4
+    before = (state / "adapter_model.safetensors").read_bytes()
+
+    def disk_full(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    host.adapters["ckpt"].steps = 7
+    with pytest.raises(OSError, match="disk full"):
+        host.save_state("ckpt", state, "base")
+    assert (state / "adapter_model.safetensors").read_bytes() == before and (state / STABLE).is_file()
+    assert TrainerHost.read_record(state)["steps"] == 0
+    assert sorted(p.name for p in state.parent.iterdir()) == ["a"]  # no temp left behind
+    service = TinkerService("m", "m", "arch", 64, host, None, tmp_path, 32, set(), "m")  # type: ignore[arg-type]
+    assert service.local("tinker://ckpt/weights/a") == state
+    (state / STABLE).unlink()
+    with pytest.raises(UserError, match="no \\(complete\\) checkpoint"):
+        service.local("tinker://ckpt/weights/a")
+    service.worker.shutdown()

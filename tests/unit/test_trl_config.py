@@ -41,7 +41,8 @@ ALTERNATIVES: dict[str, Any] = {
     "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
     "generation_batch_size": 16, "steps_per_generation": 2, "chat_template_kwargs": {"enable_thinking": False},
     "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "learning_rate": 1e-5,
-    "lr_scheduler_type": "cosine", "warmup_steps": 3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99,
+    "lr_scheduler_type": "cosine", "warmup_steps": 3, "warmup_ratio": 0.5, "weight_decay": 0.1, "adam_beta1": 0.8,
+    "adam_beta2": 0.99,
     "max_grad_norm": 0.5, "optim": "adamw_8bit", "gradient_checkpointing": False, "bf16": False, "seed": 7,
     "trust_remote_code": True,
     "max_steps": 5, "num_train_epochs": 1.0, "beta": 0.04, "epsilon": 0.1, "epsilon_high": 0.28, "delta": 2.0,
@@ -174,3 +175,70 @@ def test_a_real_peft_lora_config_maps():
     peft = pytest.importorskip("peft")
     t = derive(peft=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM")).train
     assert (t.lora_rank, t.lora_alpha, t.lora_target_modules) == (4, 8, ["q_proj"])
+
+
+def schedule(d: Any) -> list[float]:
+    """The LR factor of every optimizer step of the derived run: the train config as `tidal grpo` wires it (train
+    `max_steps` from orch), through the trainer's schedule (`lr_factor` at batch + k / K, `tidal.trainer.grpo`)."""
+    from tidal.colocate.derive import wire_colocate
+    from tidal.trainer.step.optim import lr_factor
+
+    train, _, _ = wire_colocate(d.train, d.infer, d.orch)
+    k = d.optimizer_steps_per_batch * train.loss.num_iterations
+    return [lr_factor(b + i / k, train.lr_scheduler_type, train.warmup_steps, train.max_steps)
+            for b in range(train.max_steps) for i in range(k)]
+
+
+def test_warmup_ratio_is_a_share_of_the_runs_optimizer_steps():
+    # TRL's defaults: one optimizer step per batch; ceil(0.1 x 25) = 3 warmup steps (transformers' get_warmup_steps)
+    d = derive(warmup_ratio=0.1, max_steps=25, lr_scheduler_type="cosine")
+    assert d.orch.max_steps == 25 and d.train.warmup_steps == 3
+    lrs = schedule(d)
+    assert len(lrs) == 25 and all(f < 1 for f in lrs[:3]) and lrs[3] == 1.0 and lrs[:4] == sorted(lrs[:4])
+    assert lrs[4:] == sorted(lrs[4:], reverse=True) and lrs[-1] < 0.01  # cosine to ~0 over the run
+    # 4 optimizer steps per batch: 40 optimizer steps = 10 batches; ceil(0.1 x 40) = 4 optimizer steps = 1 batch
+    d = derive(warmup_ratio=0.1, max_steps=40, per_device_train_batch_size=4, steps_per_generation=8,
+               gradient_accumulation_steps=2, lr_scheduler_type="cosine")
+    assert d.orch.max_steps == 10 and d.optimizer_steps_per_batch == 4 and d.train.warmup_steps == 1
+    lrs = schedule(d)
+    assert len(lrs) == 40 and all(f < 1 for f in lrs[:4]) and lrs[4] == 1.0 and lrs[-1] < 0.02
+    assert derive(warmup_ratio=0.0).train.warmup_steps == 0
+
+
+def test_warmup_steps_count_optimizer_steps_and_below_1_are_a_ratio():
+    four = {"per_device_train_batch_size": 4, "steps_per_generation": 8, "gradient_accumulation_steps": 2,
+            "max_steps": 40}  # 4 optimizer steps per batch, 10 batches
+    assert derive(warmup_steps=8, **four).train.warmup_steps == 2  # 8 optimizer steps = 2 batches
+    assert derive(warmup_steps=5, **four).train.warmup_steps == 2  # rounded up to whole batches
+    assert derive(warmup_steps=0.25, **four).train.warmup_steps == 3  # transformers 5: ceil(0.25 x 40) = 10 -> 3
+    assert derive(warmup_steps=10, warmup_ratio=0.25, **four).train.warmup_steps == 3  # both say 10: fine
+    with pytest.raises(ValueError, match=r"warmup_steps 4 \(4 optimizer steps\) and warmup_ratio 0.25 \(10 of the "
+                                         r"run's 40\) disagree"):
+        derive(warmup_steps=4, warmup_ratio=0.25, **four)
+    with pytest.raises(ValueError, match=r"warmup_steps 2.5: give a whole number of optimizer steps, or a ratio"):
+        derive(warmup_steps=2.5)
+    with pytest.raises(ValidationError, match="warmup_ratio"):
+        GRPOConfig(warmup_ratio=1.5)
+
+
+def test_a_usual_trl_script_builds():
+    """A TRL user's GRPO script (warmup_ratio, cosine, save_steps, report_to none, dr_grpo, two reward functions,
+    a LoRA peft_config) maps as written, with warmup_ratio 0.1 and 0."""
+    for ratio in (0.1, 0.0):
+        args = GRPOConfig(output_dir="outputs/trl", learning_rate=5e-6, adam_beta1=0.9, adam_beta2=0.99,
+                          weight_decay=0.1, warmup_ratio=ratio, lr_scheduler_type="cosine", optim="adamw_torch_fused",
+                          logging_steps=1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                          num_generations=8, max_prompt_length=256, max_completion_length=200, max_steps=250,
+                          save_steps=250, max_grad_norm=0.1, report_to="none", loss_type="dr_grpo", bf16=True)
+        d = to_tidal(args, "tidal:tiny-reverse", 100, 2, FakeLora())
+        t = d.train
+        assert t.warmup_steps == (25 if ratio else 0) and t.lr_scheduler_type == "cosine" and t.lora
+        assert t.loss.loss_type == "dr_grpo" and d.orch.ckpt.interval == t.ckpt.interval == 250
+        assert d.orch.report_to is None and d.orch.max_steps == 250
+
+
+def test_resume_from_checkpoint_is_an_argument_of_train_not_a_config_key():
+    with pytest.raises(ValidationError, match=r"resume_from_checkpoint' is not read by the trainer .*trainer.train\("
+                                              r"resume_from_checkpoint=...\)"):
+        GRPOConfig(resume_from_checkpoint="outputs/checkpoint-500")
+    assert GRPOConfig(resume_from_checkpoint=None).resume_from_checkpoint is None

@@ -245,6 +245,10 @@ class ExportSection(StrictModel):
     `AutoModelForCausalLM.from_pretrained` and servable by vLLM as a plain model."""
 
 
+DEFAULT_SFT_STEPS = 100
+"""`tidal sft`'s steps when neither `sft.max_steps` nor a positive train `max_steps` says (the bundled train.yaml)."""
+
+
 class SftSection(StrictModel):
     """`tidal sft`: supervised warm start on an environment's reference completions."""
 
@@ -254,6 +258,10 @@ class SftSection(StrictModel):
     """Arguments of that environment."""
     examples_per_step: int = Field(32, ge=1)
     """Examples per optimizer step."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of `tidal sft`. Null: train `max_steps` when it is > 0, else `DEFAULT_SFT_STEPS` (100): the
+    GRPO trainer's `max_steps: -1` ("until the orchestrator is done", as in the bundled train.yaml) means nothing to
+    SFT, so `tidal sft train.yaml` runs 100 steps. Set this to give one train.yaml different GRPO and SFT lengths."""
     save_to: str | None = None
     """Where to save the result (null: `{output_dir}/sft`). Full weights when `lora: false`, else the adapter."""
     label_smoothing: float = Field(0.0, ge=0, lt=1)
@@ -266,6 +274,12 @@ class SftSection(StrictModel):
     both the same value so the model is warm-started on the prompt format it is then trained on."""
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_chat_template_kwargs)
+
+    def steps(self, train_max_steps: int) -> int:
+        """The steps `tidal sft` runs (see `max_steps`)."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return train_max_steps if train_max_steps > 0 else DEFAULT_SFT_STEPS
 
 
 class TrainConfig(StrictModel):
@@ -352,7 +366,7 @@ class TrainConfig(StrictModel):
     adds), once per shape; pays on CUDA with `attention: flex` (the per-sample kernel's loop breaks the graph).
     The first steps are slower while it compiles."""
     max_steps: int = Field(-1, ge=-1)
-    """Training steps; -1 runs until the orchestrator says it is done."""
+    """Training steps; -1 runs until the orchestrator says it is done (`tidal sft`: see `sft.max_steps`)."""
     logging_steps: int = Field(1, ge=1)
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
     gradient_accumulation_steps: int = Field(4, ge=1)

@@ -9,7 +9,8 @@ Units. TRL counts optimizer steps; tidal counts rollout batches (one trainer ste
 several optimizer steps). One TRL generation batch is `per_device_train_batch_size x steps_per_generation`
 completions (= orch `batch_size`, world size 1), trained in `steps_per_generation / gradient_accumulation_steps`
 optimizer steps (train `steps_per_generation`), each repeated `num_iterations` times. So `max_steps`,
-`save_steps`, `logging_steps` and `eval_steps` become batches: `ceil(n / optimizer steps per batch)`.
+`save_steps`, `logging_steps`, `eval_steps` and the warmup (`warmup_steps`, or `warmup_ratio` x the run's
+optimizer steps) become batches: `ceil(n / optimizer steps per batch)`.
 
 `to_tidal(args, model, ...)` is pure and torch-free: it returns the three validated configs.
 """
@@ -33,11 +34,14 @@ from tidal.config.train import TrainConfig
 class GRPOConfig(StrictModel):
     """TRL's `GRPOConfig`, the keys tidal implements (TRL's defaults unless noted) and those it refuses."""
 
+    REFUSED: ClassVar[dict[str, str]] = {
+        "resume_from_checkpoint": "is not read by the trainer (in transformers neither): pass it to "
+                                  "trainer.train(resume_from_checkpoint=...)"}
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({
         "fp16", "disable_dropout", "cast_lm_head_to_fp32", "use_liger_kernel", "push_to_hub", "hub_model_id",
         "gradient_checkpointing_kwargs", "model_init_kwargs", "vllm_enable_sleep_mode", "generation_kwargs",
         "sync_ref_model", "per_device_eval_batch_size", "adam_epsilon", "lr_scheduler_kwargs",
-        "resume_from_checkpoint", "torch_compile", "eval_on_start", "load_best_model_at_end", "warmup_ratio",
+        "torch_compile", "eval_on_start", "load_best_model_at_end",
         "num_completions_to_print", "wandb_log_unique_prompts", "vllm_server_base_url", "shuffle_dataset",
         "remove_unused_columns", "use_transformers_paged", "vllm_structured_outputs_regex", "router_aux_loss_coef",
         "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
@@ -89,8 +93,14 @@ class GRPOConfig(StrictModel):
     """Peak learning rate (train `learning_rate`)."""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     """Schedule after warmup (train `lr_scheduler_type`; `constant_with_warmup` is `constant`)."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup, optimizer steps (train `warmup_steps`)."""
+    warmup_steps: int | float = Field(0, ge=0)
+    """Linear warmup: a whole number of optimizer steps, or (transformers 5) a ratio in (0, 1) of the run's
+    optimizer steps, ceil(ratio x steps) (train `warmup_steps`, in batches: ceil(steps / optimizer steps per
+    batch))."""
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    """Linear warmup over ceil(ratio x the run's optimizer steps) (transformers 4's key; train `warmup_steps` in
+    batches). With `warmup_steps` > 0 as well, both must give the same steps (transformers would let `warmup_steps`
+    win and ignore this; tidal ignores no key)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay (train `weight_decay`)."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -216,15 +226,14 @@ class GRPOConfig(StrictModel):
     lr_scheduler_kwargs: dict[str, Any] | None = None
     """Not supported."""
     resume_from_checkpoint: str | None = None
-    """Not supported (resume with `tidal grpo --resume` on the run directory's configs)."""
+    """Refused: as in transformers the trainer does not read it; pass it to
+    `trainer.train(resume_from_checkpoint=...)`."""
     torch_compile: bool = False
     """Not supported."""
     eval_on_start: bool = False
     """Not supported."""
     load_best_model_at_end: bool = False
     """Not supported."""
-    warmup_ratio: float = 0.0
-    """Not supported (use warmup_steps)."""
     num_completions_to_print: int | None = None
     """Not supported."""
     wandb_log_unique_prompts: bool = False
@@ -336,7 +345,9 @@ MAPPING: dict[str, str] = {
     "per_device_train_batch_size": "train `per_device_train_batch_size`",
     "gradient_accumulation_steps": "train `steps_per_generation` (optimizer steps per batch)",
     "learning_rate": "train `learning_rate`", "lr_scheduler_type": "train `lr_scheduler_type`",
-    "warmup_steps": "train `warmup_steps`", "weight_decay": "train `weight_decay`",
+    "warmup_steps": "train `warmup_steps` (batches; < 1: a ratio of the run's optimizer steps)",
+    "warmup_ratio": "train `warmup_steps` (ceil(ratio x the run's optimizer steps), in batches)",
+    "weight_decay": "train `weight_decay`",
     "adam_beta1": "train `adam_beta1`", "adam_beta2": "train `adam_beta2`",
     "max_grad_norm": "train `max_grad_norm`", "optim": "train `optimizer`",
     "gradient_checkpointing": "train `gradient_checkpointing`", "bf16": "train `recipe`",
@@ -459,7 +470,28 @@ def report_section(args: GRPOConfig) -> dict[str, Any] | None:
             "samples": True if args.log_completions else None}
 
 
-def train_keys(args: GRPOConfig, model: str, per_batch: int) -> dict[str, Any]:
+def warmup_batches(args: GRPOConfig, batches_total: int, opt_per_batch: int) -> int:
+    """TRL's warmup (`warmup_steps`: optimizer steps, or a ratio below 1; `warmup_ratio`) of a run of
+    `batches_total` batches of `opt_per_batch` optimizer steps -> train `warmup_steps` (batches, rounded up).
+    transformers' `get_warmup_steps`: a ratio r gives ceil(r x the run's optimizer steps)."""
+    total = batches_total * opt_per_batch
+
+    def steps(key: str, value: float) -> int:
+        if value >= 1 and value != int(value):
+            raise ValueError(f"GRPOConfig {key} {value}: give a whole number of optimizer steps, or a ratio below 1")
+        return int(value) if value >= 1 else math.ceil(value * total)
+
+    by_steps = steps("warmup_steps", args.warmup_steps) if args.warmup_steps > 0 else None
+    by_ratio = math.ceil(args.warmup_ratio * total) if args.warmup_ratio > 0 else None
+    if by_steps is not None and by_ratio is not None and by_steps != by_ratio:
+        raise ValueError(f"GRPOConfig warmup_steps {args.warmup_steps} ({by_steps} optimizer steps) and warmup_ratio "
+                         f"{args.warmup_ratio} ({by_ratio} of the run's {total}) disagree; transformers would use "
+                         f"warmup_steps and ignore warmup_ratio: set one of them")
+    warmup = by_steps if by_steps is not None else by_ratio or 0
+    return math.ceil(warmup / opt_per_batch)
+
+
+def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dict[str, Any]:
     loss: dict[str, Any] = {
         "loss_type": args.loss_type, "beta": args.beta, "epsilon": args.epsilon, "epsilon_high": args.epsilon_high,
         "delta": args.delta, "importance_sampling_level": args.importance_sampling_level,
@@ -476,7 +508,7 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int) -> dict[str, Any]:
         "model": model, "output_dir": args.output_dir, "per_device_train_batch_size": args.per_device_train_batch_size,
         "steps_per_generation": per_batch, "learning_rate": args.learning_rate,
         "lr_scheduler_type": "constant" if args.lr_scheduler_type == "constant_with_warmup" else args.lr_scheduler_type,
-        "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
+        "warmup_steps": warmup, "weight_decay": args.weight_decay, "adam_beta1": args.adam_beta1,
         "adam_beta2": args.adam_beta2, "max_grad_norm": args.max_grad_norm,
         "optimizer": "adamw_8bit" if "8bit" in args.optim else "adamw",
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
@@ -531,7 +563,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
                              "max_model_len": args.vllm_max_model_length or seq_len}
     if args.vllm_gpu_memory_utilization is not None:
         infer["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
-    train = train_keys(args, model, per_batch) | peft_keys(peft_config)
+    train = train_keys(args, model, per_batch, warmup_batches(args, max_steps, opt_per_batch)) | peft_keys(peft_config)
     train["ckpt"] = dict(ckpt)
     return Derived(TrainConfig.model_validate(train), InferConfig.model_validate(infer),
                    OrchConfig.model_validate(orch), per_batch)

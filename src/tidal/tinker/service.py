@@ -9,7 +9,8 @@ Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurren
 
 Paths: `tinker://MODEL_ID/weights/NAME` (training state: adapter + optimizer) and
 `tinker://MODEL_ID/sampler_weights/NAME` (adapter for sampling) live under `OUTPUT_DIR/checkpoints/` with the same
-relative path; model ids are `SESSION_ID:train:N` as the SDK derives them. A sampler checkpoint gets a fresh vLLM
+relative path (`tidal.paths.tinker_ckpt_dir`), each written atomically with a `STABLE` marker, which a load
+requires; model ids are `SESSION_ID:train:N` as the SDK derives them. A sampler checkpoint gets a fresh vLLM
 adapter name each time it is (re)written, so vLLM never serves stale weights under a reused name.
 
 Errors a caller can fix (unknown model, bad input, refused option) fail the future with category `user` and a
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.paths import STABLE, tinker_ckpt_dir
 from tidal.tinker.losses import LossError
 from tidal.tinker.sampler import SampleParams, Sampler, SamplerError
 from tidal.tinker.trainer import AdamStep, LoraSpec, TrainerError, TrainerHost
@@ -90,7 +92,7 @@ class TinkerService:
         self.max_context = max_context
         self.trainer = trainer
         self.sampler = sampler
-        self.root = output_dir / "checkpoints"
+        self.output_dir = output_dir
         self.max_lora_rank = max_lora_rank
         self.names = {served_name, model_dir} | aliases
         self.sessions: dict[str, Session] = {}
@@ -260,16 +262,16 @@ class TinkerService:
         parts = path[len("tinker://"):].split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] not in kinds or not NAME.match(parts[2]) or ".." in parts[0]:
             raise UserError(f"{path!r} is not a tinker://MODEL_ID/{'|'.join(kinds)}/NAME path")
-        local = self.root / parts[0] / parts[1] / parts[2]
-        if not (local / "adapter_model.safetensors").is_file():
-            raise UserError(f"no checkpoint at {path} (looked in {local})")
+        local = tinker_ckpt_dir(self.output_dir, parts[0], parts[1], parts[2])
+        if not (local / STABLE).is_file():
+            raise UserError(f"no (complete) checkpoint at {path} (looked for {local / STABLE})")
         return local
 
     def save_state(self, model_id: str, name: str | None, overwrite: bool) -> str:
         self.model(model_id)
         name = name or f"state-{next(self._counter)}"
         path = self.tinker_path(model_id, "weights", name)
-        local = self.root / model_id / "weights" / name
+        local = tinker_ckpt_dir(self.output_dir, model_id, "weights", name)
         if local.exists() and not overwrite:
             raise UserError(f"checkpoint {path} exists; pass overwrite=True or another name")
 
@@ -286,7 +288,7 @@ class TinkerService:
         ephemeral = name is None
         name = name or f"ephemeral-{next(self._counter)}"
         path = self.tinker_path(model_id, "sampler_weights", name)
-        local = self.root / model_id / "sampler_weights" / name
+        local = tinker_ckpt_dir(self.output_dir, model_id, "sampler_weights", name)
 
         def run() -> Result:
             self.trainer.save_sampler(model_id, local)

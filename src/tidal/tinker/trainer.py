@@ -20,7 +20,8 @@ them.
   weight decay) and, when `grad_clip_norm` > 0, the global gradient norm clipped first; gradients are then reset.
 - Checkpoints: `save_sampler` writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
   that vLLM loads; `save_state` adds the AdamW moments and step (optimizer.safetensors) and tidal's record of the
-  adapter (tidal_tinker.json). Tensors only, no pickle.
+  adapter (tidal_tinker.json). Tensors only, no pickle. Each is filled in a temp directory and renamed into place,
+  `STABLE` last (`tidal.paths.atomic_dir`): a crash or a full disk leaves the previous checkpoint of that name.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidal.paths import atomic_dir
 from tidal.tinker.losses import LossError, check_request, datum_loss
 from tidal.tinker.wire import Datum, FwdBwdRequest
 
@@ -306,21 +308,26 @@ class TrainerHost:
     def _state_dict(self, adapter: Adapter) -> dict[str, torch.Tensor]:
         return {k: p.detach().cpu().contiguous() for k, p in adapter.params.items()}
 
+    def _write_adapter(self, adapter: Adapter, directory: Path) -> None:
+        """adapter_config.json and adapter_model.safetensors of `adapter` into `directory`."""
+        from safetensors.torch import save_file
+
+        self.peft.peft_config[adapter.name].save_pretrained(str(directory))
+        save_file(self._state_dict(adapter), str(directory / "adapter_model.safetensors"))
+
     def save_sampler(self, model_id: str, path: Path) -> None:
-        """A PEFT adapter directory vLLM loads: adapter_config.json and adapter_model.safetensors."""
+        """A PEFT adapter directory vLLM loads: adapter_config.json and adapter_model.safetensors, written
+        atomically (`tidal.paths.atomic_dir`: a temp directory renamed to `path`, `STABLE` last)."""
+        adapter = self._activate(model_id)
+        with atomic_dir(path) as tmp:
+            self._write_adapter(adapter, tmp)
+
+    def save_state(self, model_id: str, path: Path, base_model: str) -> None:
+        """`save_sampler` plus the AdamW state (optimizer.safetensors) and tidal's record (tidal_tinker.json), in one
+        atomic directory (`STABLE` last)."""
         from safetensors.torch import save_file
 
         adapter = self._activate(model_id)
-        path.mkdir(parents=True, exist_ok=True)
-        self.peft.peft_config[adapter.name].save_pretrained(str(path))
-        save_file(self._state_dict(adapter), str(path / "adapter_model.safetensors"))
-
-    def save_state(self, model_id: str, path: Path, base_model: str) -> None:
-        """`save_sampler` plus the AdamW state (optimizer.safetensors) and tidal's record (tidal_tinker.json)."""
-        from safetensors.torch import save_file
-
-        self.save_sampler(model_id, path)
-        adapter = self.adapters[model_id]
         moments: dict[str, torch.Tensor] = {}
         if adapter.optimizer is not None:
             by_param = {id(p): k for k, p in adapter.params.items()}
@@ -330,9 +337,11 @@ class TrainerHost:
                     if slot in st:
                         t = torch.as_tensor(st[slot]).detach().cpu()
                         moments[f"{key}::{slot}"] = t.reshape(1) if slot == "step" else t.contiguous()
-        save_file(moments, str(path / OPTIM_FILE))
         record = {"base_model": base_model, "lora": asdict(adapter.spec), "steps": adapter.steps}
-        (path / STATE_FILE).write_text(json.dumps(record, indent=1))
+        with atomic_dir(path) as tmp:
+            self._write_adapter(adapter, tmp)
+            save_file(moments, str(tmp / OPTIM_FILE))
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1))
 
     @staticmethod
     def read_record(path: Path) -> dict[str, Any]:

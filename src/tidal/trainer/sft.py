@@ -6,7 +6,9 @@ batches and minimizes the mean (label-smoothed) negative log-likelihood of the c
 computed like the GRPO trainer's log-probabilities: from the final hidden states of the completion positions,
 `logprob_chunk_size` positions at a time (no (tokens, vocab) logits tensor; 0: the full logits). The result
 (and every `save_every` snapshot) is written to a temporary directory and renamed into place, with a `STABLE`
-marker last (`tidal.paths.atomic_dir`), so a crash never leaves a half-written model. Used to warm-start the
+marker last (`tidal.paths.atomic_dir`), so a crash never leaves a half-written model, to `sft.save_to` or else
+`{output_dir}/sft` (`tidal.paths.sft_dir`). It runs `sft.max_steps` steps, else train `max_steps`, else 100 (the
+bundled train.yaml's `max_steps: -1` means "until the orchestrator is done", nothing to SFT). Used to warm-start the
 bundled tiny model (`scripts/build_tiny_model.py`).
 """
 
@@ -28,7 +30,7 @@ from tidal.config.load import ConfigError
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE, TrainConfig
 from tidal.envs import make_env
 from tidal.envs.images import has_images
-from tidal.paths import STABLE, atomic_dir
+from tidal.paths import STABLE, atomic_dir, sft_dir
 from tidal.trainer.model.hf import check_model_dir
 from tidal.trainer.model.load import load_policy, load_tokenizer
 from tidal.trainer.step.logprobs import Head, _chunk_logits, forward_logprobs, split_head
@@ -125,19 +127,21 @@ def check_save_to(out: Path, model_dir: Path) -> None:
 
 
 def run(cfg: TrainConfig) -> Path:
-    """Train for `max_steps` steps and save; returns the save directory."""
-    if cfg.max_steps <= 0:
-        raise ValueError("tidal sft needs max_steps > 0")
-    out = Path(cfg.sft.save_to or Path(cfg.output_dir) / "sft")
+    """Train for `sft.steps(max_steps)` steps (`SftSection.max_steps`) and save; returns the save directory."""
+    steps = cfg.sft.steps(cfg.max_steps)
+    out = sft_dir(Path(cfg.output_dir), cfg.sft.save_to)
     check_save_to(out, check_model_dir(cfg.model))
+    try:
+        env = make_env(cfg.sft.env, cfg.sft.env_args)
+    except ValueError as exc:
+        raise ConfigError(f"train sft.env / sft.env_args: {exc}") from None
     tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    env = make_env(cfg.sft.env, cfg.sft.env_args)
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
     opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, steps)
     start = time.monotonic()
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(1, steps + 1):
         examples = [env.sample(rng) for _ in range(cfg.sft.examples_per_step)]
         batch = make_sft_batch(tok, examples, [env.reference_completion(e) for e in examples], step,
                                cfg.sft.chat_template_kwargs, env.tooling.schemas if env.tooling is not None else None)
@@ -152,10 +156,10 @@ def run(cfg: TrainConfig) -> Path:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if cfg.sft.save_every and step % cfg.sft.save_every == 0 and step < cfg.max_steps:
+        if cfg.sft.save_every and step % cfg.sft.save_every == 0 and step < steps:
             save(model, tok, cfg.lora, out / f"step_{step}")
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            log.info("sft step %d/%d | nll %.4f | lr %.2e | %.0f s", step, cfg.max_steps, nll,
+        if step % cfg.logging_steps == 0 or step == steps:
+            log.info("sft step %d/%d | nll %.4f | lr %.2e | %.0f s", step, steps, nll,
                      sched.get_last_lr()[0], time.monotonic() - start)
     save(model, tok, cfg.lora, out)
     return out

@@ -1,0 +1,346 @@
+"""Every flag in every `tidal COMMAND --help` has its effect (issue 41), checked the cheapest honest way: the
+`--dry-run` output, the run directory a command writes, the arguments its component is started with (the component
+itself replaced by a recorder, so no vLLM, orchestrator loop or trainer starts), or an exit-2 error naming the
+flag's value. `test_every_flag_in_the_help_has_a_check` parses the help text: a new command or flag without an
+entry in `CHECKS` fails it. `tidal sft` really trains the bundled tiny model for one step (a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tidal import cli
+from tidal.assets import resolve_model
+from tidal.cli import main
+from tidal.paths import STABLE, report_path, rollouts_dir
+
+TINY = str(resolve_model("tidal:tiny-reverse"))
+"""The bundled model's directory: a valid `--model` value that differs from every bundled config's."""
+
+
+def help_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def commands(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    usage = re.search(r"\{([a-z,-]+)\}", help_text(capsys))
+    assert usage is not None
+    return usage.group(1).split(",")
+
+
+def flags(text: str) -> set[str]:
+    """Long options and positionals of one command's help text (`-h` aside)."""
+    out: set[str] = set()
+    section = ""
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            section = line
+        elif section.startswith("positional") and re.match(r"^  \S", line):
+            out.add(line.split()[0])
+        elif section.startswith("options") and re.match(r"^  -", line):
+            out |= {f for f in re.findall(r"--[a-z][a-z-]*", line.split("  ")[1]) if f != "--help"}
+    return out
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def sections(out: str) -> dict[str, Any]:
+    """`tidal grpo --dry-run`'s printed configs by name."""
+    parts = re.split(r"^# --- (\w+)[^\n]*\n", out, flags=re.M)
+    return {name: yaml.safe_load(body) for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def bundled(component: str, tmp_path: Path, **changes: Any) -> str:
+    """A copy of the bundled `component`.yaml with `changes` (the file a positional / --FILE flag names)."""
+    data = yaml.safe_load(cli.example_path(component).read_text()) | changes
+    path = tmp_path / f"my-{component}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture
+def no_reaper(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidal.reaper
+
+    monkeypatch.setattr(tidal.reaper, "start_reaper", lambda pid=None: None)
+
+
+# --- tidal grpo ------------------------------------------------------------------------------------------------
+
+def test_grpo_files(capsys, tmp_path):
+    code, out, _ = run(capsys, "grpo", "--dry-run", "--train", bundled("train", tmp_path, learning_rate=0.00123),
+                       "--infer", bundled("infer", tmp_path, max_lora_rank=32),
+                       "--orch", bundled("orch", tmp_path, max_steps=7))
+    got = sections(out)
+    assert code == 0 and got["train"]["learning_rate"] == 0.00123 and got["infer"]["max_lora_rank"] == 32
+    assert got["orch"]["max_steps"] == 7
+
+
+def test_grpo_dry_run_starts_nothing(capsys, monkeypatch):
+    from tidal.colocate import start
+
+    monkeypatch.setattr(start, "start", lambda co, **kw: pytest.fail("--dry-run started the run"))
+    code, out, _ = run(capsys, "grpo", "--dry-run")
+    assert code == 0 and set(sections(out)) == {"train", "infer", "orch"}
+
+
+def test_grpo_resume_output_dir_and_model(capsys, tmp_path):
+    got = sections(run(capsys, "grpo", "--dry-run", "--resume", "--output-dir", str(tmp_path / "r"),
+                       "--model", TINY)[1])
+    assert got["train"]["ckpt"]["resume_step"] == got["orch"]["ckpt"]["resume_step"] == -1
+    assert got["train"]["output_dir"] == got["orch"]["output_dir"] == str(tmp_path / "r")
+    assert got["train"]["model"] == got["infer"]["model"] == got["orch"]["model"]["name"] == TINY
+    plain = sections(run(capsys, "grpo", "--dry-run")[1])
+    assert plain["train"]["ckpt"]["resume_step"] is None and plain["train"]["model"] == "tidal:tiny-reverse"
+
+
+def started_grpo(capsys, monkeypatch, tmp_path, *argv: str) -> dict[str, Any]:
+    """The arguments `tidal grpo` starts its run with (the launcher replaced by a recorder)."""
+    from tidal.colocate import start
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(start, "start", lambda co, **kw: seen.update(kw, co=co) or 0)
+    assert run(capsys, "grpo", "--output-dir", str(tmp_path / "run"), *argv)[0] == 0
+    return seen
+
+
+def test_grpo_infer_restarts_and_startup(capsys, monkeypatch, tmp_path):
+    default = started_grpo(capsys, monkeypatch, tmp_path)
+    assert default["infer_restarts"] == 3 and default["startup"] == "auto"
+    assert default["co"].placement.run_dir == tmp_path / "run"
+    given = started_grpo(capsys, monkeypatch, tmp_path, "--infer-restarts", "0", "--startup", "sequential")
+    assert given["infer_restarts"] == 0 and given["startup"] == "sequential"
+    with pytest.raises(SystemExit) as exc:
+        main(["grpo", "--infer-restarts", "-1"])
+    assert exc.value.code == 2 and "-1 is negative" in capsys.readouterr().err
+
+
+def test_grpo_infer_restarts_with_shared_base_weights_is_refused(capsys, monkeypatch, tmp_path):
+    """On a GPU `share_base_weights` makes tidal grpo restart vLLM 0 times: an explicit --infer-restarts N would be
+    ignored, so it exits 2 (the derived run is made to share weights here: this machine has no GPU)."""
+    import dataclasses
+
+    from tidal.colocate import start
+
+    real = start.derive
+    monkeypatch.setattr(start, "derive", lambda *a, **kw: dataclasses.replace(
+        real(*a, **kw), train=real(*a, **kw).train.model_copy(update={"share_base_weights": True})))
+    monkeypatch.setattr("tidal.colocate.preflight.check_run", lambda *a, **kw: None)
+    monkeypatch.setattr(start, "start", lambda co, **kw: pytest.fail("started"))
+    code, _, err = run(capsys, "grpo", "--output-dir", str(tmp_path), "--infer-restarts", "2")
+    assert code == 2 and "--infer-restarts 2: with train share_base_weights" in err
+
+
+# --- tidal grpo-infer ------------------------------------------------------------------------------------------
+
+def test_grpo_infer(capsys, monkeypatch, tmp_path):
+    import tidal.inference.backends.launch as launch
+
+    monkeypatch.setattr(launch, "serve", lambda cfg: pytest.fail("--dry-run started vLLM"))
+    code, out, _ = run(capsys, "grpo-infer", bundled("infer", tmp_path, port=8123), "--dry-run", "--model", TINY)
+    got = yaml.safe_load(out)
+    assert code == 0 and got["port"] == 8123 and got["model"] == TINY
+    served: list[Any] = []
+    monkeypatch.setattr(launch, "serve", lambda cfg: served.append(cfg) or 0)
+    assert run(capsys, "grpo-infer", "--model", TINY)[0] == 0 and served[0].model == TINY
+
+
+# --- tidal grpo-orch -------------------------------------------------------------------------------------------
+
+def test_grpo_orch_dry_run(capsys, tmp_path):
+    code, out, _ = run(capsys, "grpo-orch", bundled("orch", tmp_path, batch_size=32), "--dry-run", "--resume",
+                       "--output-dir", str(tmp_path / "r"), "--model", TINY)
+    got = yaml.safe_load(out)
+    assert code == 0 and got["batch_size"] == 32 and got["ckpt"]["resume_step"] == -1
+    assert got["output_dir"] == str(tmp_path / "r") and got["model"]["name"] == TINY
+
+
+def test_grpo_orch_runs_in_the_output_dir(capsys, monkeypatch, tmp_path, no_reaper):
+    from tidal.orchestrator import loop
+
+    seen: list[Any] = []
+
+    async def fake_run(cfg, run_dir, *a):
+        seen.append((cfg, run_dir))
+
+    monkeypatch.setattr(loop, "run", fake_run)
+    assert run(capsys, "grpo-orch", "--output-dir", str(tmp_path / "r"), "--resume")[0] == 0
+    cfg, run_dir = seen[0]
+    assert run_dir == tmp_path / "r" and cfg.ckpt.resume_step == -1
+    (rollouts_dir(tmp_path / "r")).mkdir(parents=True)
+    (rollouts_dir(tmp_path / "r") / "step_1.safetensors").write_bytes(b"")
+    code, _, err = run(capsys, "grpo-orch", "--output-dir", str(tmp_path / "r"))  # a run there, no --resume
+    assert code == 2 and f"output_dir {tmp_path / 'r'} already holds a run" in err
+
+
+# --- tidal grpo-train ------------------------------------------------------------------------------------------
+
+def test_grpo_train_dry_run(capsys, tmp_path):
+    code, out, _ = run(capsys, "grpo-train", bundled("train", tmp_path, learning_rate=0.00123), "--dry-run",
+                       "--resume", "--output-dir", str(tmp_path / "r"), "--model", TINY)
+    got = yaml.safe_load(out)
+    assert code == 0 and got["learning_rate"] == 0.00123 and got["ckpt"]["resume_step"] == -1
+    assert got["output_dir"] == str(tmp_path / "r") and got["model"] == TINY
+
+
+def test_grpo_train_output_dir_and_start_gate(capsys, monkeypatch, tmp_path):
+    from tidal.trainer import grpo
+
+    seen: list[Any] = []
+    monkeypatch.setattr(grpo, "run", lambda cfg, run_dir, ranks: seen.append((cfg, run_dir)) or 1)
+    gate = tmp_path / "gate"
+    code, _, _ = run(capsys, "grpo-train", "--output-dir", str(tmp_path / "r"), "--start-gate", str(gate),
+                     "--train.batch_timeout_s", "0.1")
+    assert code == 1 and not seen  # the gate never opened: the trainer never built its model
+    gate.write_text("")
+    assert run(capsys, "grpo-train", "--output-dir", str(tmp_path / "r"), "--start-gate", str(gate))[0] == 0
+    cfg, run_dir = seen[0]
+    assert run_dir == tmp_path / "r" and rollouts_dir(run_dir).is_dir() and cfg.output_dir == str(tmp_path / "r")
+
+
+# --- tidal sft -------------------------------------------------------------------------------------------------
+
+def test_sft_bundled_config_dry_run(capsys, tmp_path):
+    """The README's `tidal sft` with the bundled train.yaml (max_steps -1): 100 steps, not an error."""
+    code, out, _ = run(capsys, "sft", "--dry-run")
+    assert code == 0 and out.startswith("# tidal sft: 100 steps, the result in outputs/reverse-text/sft\n")
+    code, out, _ = run(capsys, "sft", bundled("train", tmp_path, max_steps=7), "--dry-run", "--model", TINY,
+                       "--output-dir", str(tmp_path / "x"))
+    assert code == 0 and out.startswith(f"# tidal sft: 7 steps, the result in {tmp_path / 'x' / 'sft'}\n")
+    assert yaml.safe_load(out)["model"] == TINY
+    assert run(capsys, "sft", "--dry-run", "--sft.max_steps", "3")[1].startswith("# tidal sft: 3 steps")
+
+
+def test_sft_output_dir_is_where_the_result_goes(capsys, tmp_path, monkeypatch):
+    """`tidal sft --output-dir X` saves to X/sft (it used to save under the current directory)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    code, _, _ = run(capsys, "sft", "--output-dir", str(tmp_path / "x"), "--sft.max_steps", "1",
+                     "--sft.examples_per_step", "2", "--train.sequence_len", "256")
+    assert code == 0 and (tmp_path / "x" / "sft" / STABLE).is_file()
+    assert (tmp_path / "x" / "sft" / "adapter_config.json").is_file() and not any(cwd.iterdir())
+
+
+def test_sft_refusals_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "sft", "--output-dir", str(tmp_path), "--sft.save_to", str(tmp_path / "s"))
+    assert code == 2 and f"--output-dir {tmp_path}: tidal sft writes nothing but its result" in err
+    code, _, err = run(capsys, "sft", "--output-dir", str(tmp_path), "--sft.env", "no-such-env")
+    assert code == 2 and "sft.env" in err and "unknown environment id 'no-such-env'" in err
+
+
+# --- tidal env-server ------------------------------------------------------------------------------------------
+
+def test_env_server(capsys, monkeypatch):
+    import tidal.envs.remote as remote
+
+    seen: list[Any] = []
+    monkeypatch.setattr(remote, "serve", lambda env, host, port: seen.append((env, host, port)))
+    assert run(capsys, "env-server", "reverse-text", "--args", json.dumps({"min_len": 5, "max_len": 6}),
+               "--host", "localhost", "--port", "8123")[0] == 0
+    env, host, port = seen[0]
+    assert (env.id, env.min_len, env.max_len, host, port) == ("reverse-text", 5, 6, "localhost", 8123)
+    code, _, err = run(capsys, "env-server", "reverse-text", "--args", '{"nope": 1}')
+    assert code == 2 and "bad args" in err
+
+
+def test_env_server_on_a_taken_port_exits_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "tidal.cli", "env-server", "reverse-text", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--port {port}" in r.stderr and "in use" in r.stderr
+
+
+# --- tidal report ----------------------------------------------------------------------------------------------
+
+def test_report(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert run(capsys, "report", str(run_dir))[0] == 2  # no metrics.jsonl
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                   for s in (1, 2)))
+    code, out, _ = run(capsys, "report", str(run_dir))
+    assert code == 0 and out.strip() == str(report_path(run_dir)) and report_path(run_dir).is_file()
+    report_path(run_dir).unlink()
+    code, out, _ = run(capsys, "report", str(run_dir), "--out", str(tmp_path / "r.html"))
+    assert code == 0 and (tmp_path / "r.html").is_file() and not report_path(run_dir).exists()
+
+
+# --- tidal serve-tinker ----------------------------------------------------------------------------------------
+
+TINKER = {"--model": ("model", TINY), "--host": ("host", "localhost"), "--port": ("port", 8123),
+          "--api-key": ("api_key", "tml-k"), "--output-dir": ("output_dir", Path("/tmp/t")),
+          "--device": ("device", "cpu"), "--vllm-port": ("vllm_port", 8124), "--max-lora-rank": ("max_lora_rank", 8),
+          "--enforce-eager": ("enforce_eager", True)}
+
+
+@pytest.mark.parametrize("flag", sorted(TINKER))
+def test_serve_tinker(flag, capsys, monkeypatch):
+    """Each flag sets its `TinkerServeConfig` key (what `tidal.tinker.serve.run` starts from; the server's own
+    tests follow those keys: test_tinker_cli.py, tests/integration/test_tinker_server.py)."""
+    import tidal.tinker.serve as serve
+    from tidal.tinker.config import TinkerServeConfig
+
+    seen: list[Any] = []
+    monkeypatch.setattr(serve, "run", lambda cfg: seen.append(cfg) or 0)
+    key, value = TINKER[flag]
+    argv = [flag] if value is True else [flag, str(value)]
+    assert run(capsys, "serve-tinker", *argv)[0] == 0
+    assert getattr(seen[0], key) == value != getattr(TinkerServeConfig(), key)
+
+
+# --- the table ---------------------------------------------------------------------------------------------------
+
+GRPO_RUN = test_grpo_resume_output_dir_and_model
+ORCH_RUN = test_grpo_orch_runs_in_the_output_dir
+TRAIN_RUN = test_grpo_train_output_dir_and_start_gate
+CHECKS: dict[str, dict[str, Any]] = {
+    "grpo": {"--train": test_grpo_files, "--infer": test_grpo_files, "--orch": test_grpo_files,
+             "--dry-run": test_grpo_dry_run_starts_nothing, "--resume": GRPO_RUN, "--output-dir": GRPO_RUN,
+             "--model": GRPO_RUN, "--infer-restarts": test_grpo_infer_restarts_and_startup,
+             "--startup": test_grpo_infer_restarts_and_startup},
+    "grpo-infer": {"config": test_grpo_infer, "--dry-run": test_grpo_infer, "--model": test_grpo_infer},
+    "grpo-orch": {"config": test_grpo_orch_dry_run, "--dry-run": test_grpo_orch_dry_run, "--resume": ORCH_RUN,
+                  "--output-dir": ORCH_RUN, "--model": test_grpo_orch_dry_run},
+    "grpo-train": {"config": test_grpo_train_dry_run, "--dry-run": test_grpo_train_dry_run,
+                   "--resume": test_grpo_train_dry_run, "--output-dir": TRAIN_RUN,
+                   "--model": test_grpo_train_dry_run, "--start-gate": TRAIN_RUN},
+    "sft": {"config": test_sft_bundled_config_dry_run, "--dry-run": test_sft_bundled_config_dry_run,
+            "--output-dir": test_sft_output_dir_is_where_the_result_goes, "--model": test_sft_bundled_config_dry_run},
+    "env-server": {"env_id": test_env_server, "--args": test_env_server, "--host": test_env_server,
+                   "--port": test_env_server},
+    "report": {"RUN_DIR": test_report, "--out": test_report},
+    "serve-tinker": {flag: test_serve_tinker for flag in TINKER},
+}
+"""command -> flag in its --help -> the test that checks the flag's effect."""
+
+
+def test_every_flag_in_the_help_has_a_check(capsys):
+    names = commands(capsys)
+    assert sorted(names) == sorted(CHECKS), "a command without an entry in CHECKS (or one that is gone)"
+    for name in names:
+        assert flags(help_text(capsys, name)) == set(CHECKS[name]), f"tidal {name}: flags and CHECKS differ"
+
+
+def test_dotted_overrides_need_a_known_component(capsys):
+    """Not in --help, but flags too: `--COMPONENT.KEY VALUE` for the components a command runs."""
+    code, _, err = run(capsys, "grpo-orch", "--dry-run", "--train.learning_rate", "1")
+    assert code == 2 and "override --train.learning_rate: this command takes overrides for orch" in err
