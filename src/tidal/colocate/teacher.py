@@ -31,6 +31,7 @@ from typing import Any
 from tidal.colocate.split import GIB, VllmNeed, max_num_seqs, vllm_dtype, vllm_need
 from tidal.config.infer import InferConfig
 from tidal.config.orch import OrchConfig
+from tidal.models.config import text_config
 from tidal.models.memory import parameter_count
 
 LOGPROB_BYTES = 4
@@ -74,7 +75,7 @@ def teacher_need(teacher: InferConfig, orch: OrchConfig, total_gib: float, *, mo
     counted from `model_config`)."""
     assert orch.teacher is not None
     params = parameter_count(model_config) if params is None else params
-    text = model_config.get("text_config") or model_config
+    text = text_config(model_config)
     sequences = min(orch.teacher.max_concurrency, max_num_seqs(teacher, total_gib))
     need = vllm_need(model_config, vllm_dtype(teacher, model_config), sequences, orch.seq_len, params,
                      kv_dtype=teacher.kv_cache_dtype)
