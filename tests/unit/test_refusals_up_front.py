@@ -226,3 +226,13 @@ def test_the_cpu_memory_need_adds_vllms_copy_and_the_trainers():
     with pytest.raises(ConfigError, match=r"need at least \d+\.\d GiB \(vLLM weights 0\.0, vLLM KV cache 2\.0, "
                                           r"trainer \d\.\d GiB.*\), 1\.5 GiB is available"):
         check_cpu_memory(train, infer, config, available_gib=1.5)
+
+
+def test_the_python_api_refuses_a_reward_model_directory_without_weights(tmp_path):
+    from tidal import GRPOConfig, GRPOTrainer
+
+    with pytest.raises(ValueError, match=r"reward function 'no-weights': model directory .* holds a config.json but "
+                                         r"no weight files"):
+        GRPOTrainer("tidal:tiny-reverse", reward_funcs=str(weightless_model(tmp_path)),
+                    args=GRPOConfig(output_dir=str(tmp_path / "never-written")), train_dataset=[{"prompt": "ab"}])
+    assert not (tmp_path / "never-written").exists()
