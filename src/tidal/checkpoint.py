@@ -17,6 +17,9 @@ from pathlib import Path
 
 from tidal.paths import atomic_dir, ckpt_dir, ckpt_root, stable_steps
 
+TRAINER = "trainer"
+"""The trainer's checkpoints (`checkpoints/trainer/`): a run with one can be resumed (`tidal grpo --resume`)."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""

@@ -48,9 +48,10 @@ class RewardModel:
                 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
                 from tidal.assets import resolve_model
+                from tidal.models.files import is_model_dir
 
                 path = resolve_model(self.model_name)
-                if not Path(path, "config.json").is_file():
+                if not is_model_dir(path):
                     raise ValueError(f"reward model '{self.model_name}' is not a model directory (no config.json)")
                 tok = AutoTokenizer.from_pretrained(path, trust_remote_code=self.trust_remote_code)
                 if tok.pad_token is None:
@@ -88,6 +89,19 @@ class RewardModel:
                 logits = model(**{k: v.to(self.device) for k, v in batch.items()}).logits  # (B, num_labels)
             scores += [float(x) for x in logits[:, 0].float().cpu()]
         return scores
+
+
+IMPORT_PATH = "tidal.reward_model:reward_model"
+"""orch `reward_funcs[].import_path` of the YAML form (`reward_model`; the model in `kwargs.model`)."""
+
+
+def named_models(sections: list[Any], in_process: list[Any] | None = None) -> list[tuple[str, str]]:
+    """(model, where it is named) of every reward model of a run: orch `reward_funcs` `sections` of the YAML form
+    and the `RewardModel`s among the (name, function, weight) reward functions given `in_process` (the API)."""
+    found = [(str(s.kwargs["model"]), f"orch reward_funcs[{i}].kwargs.model") for i, s in enumerate(sections)
+             if s.import_path == IMPORT_PATH and "model" in s.kwargs]
+    return found + [(f.model_name, f"reward function '{name}'") for name, f, _ in in_process or []
+                    if isinstance(f, RewardModel)]
 
 
 _LOADED: dict[tuple[str, str], RewardModel] = {}

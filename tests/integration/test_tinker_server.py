@@ -32,13 +32,13 @@ def server(tmp_path_factory):
 
     from tidal.tinker.app import build_app
     from tidal.tinker.sampler import Sampler
-    from tidal.tinker.serve import infer_config, model_facts
+    from tidal.tinker.serve import infer_config, served_model
     from tidal.tinker.service import TinkerService
     from tidal.tinker.trainer import TrainerHost
 
     out = tmp_path_factory.mktemp("tinker")
     cfg = TinkerServeConfig(output_dir=out)
-    facts = model_facts(cfg, sampler_on_cpu=True)
+    facts = served_model(cfg, sampler_on_cpu=True)
     trainer = TrainerHost(facts.model_dir, torch.device("cpu"), micro_batch_tokens=64)
     infer = infer_config(cfg, free_port())
     sampler = Sampler(infer, [], out / "vllm.log")  # never started: these tests do not sample

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -67,3 +68,18 @@ def test_soft_overlong_punishment_matches_dapo():
     assert got == pytest.approx(want)
     with pytest.raises(ValueError):
         soft_overlong_punishment([[1]], max_completion_len=4, soft_punish_cache=5)
+
+
+def test_vocab_size_of_a_vision_language_model_comes_from_its_text_config(tmp_path):
+    """A VLM's config.json (Idefics3 / SmolVLM, as transformers writes it) has its vocabulary under `text_config`
+    only: the gibberish filter reads it there (`tidal.models.config.text_config`) instead of asking for
+    `filters[].vocab_size`."""
+    from transformers import Idefics3Config
+
+    config = Idefics3Config(text_config={"model_type": "llama", "vocab_size": 77, "pad_token_id": 0},
+                            vision_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2})
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    assert "vocab_size" not in json.loads((tmp_path / "config.json").read_text()), "the case under test"
+    assert model_vocab_size(str(tmp_path)) == 77
+    gibberish = OrchConfig.model_validate({"filters": [{"type": "gibberish"}]}).filters
+    assert Filters(gibberish, str(tmp_path)).vocab == 77

@@ -6,6 +6,7 @@ checkpoint, and the up-front refusals (trainer side, MoE with LoRA on vLLM-CPU).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_an_architecture_the_trainer_cannot_load_is_refused_before_the_run(zoo, 
     bad.mkdir()
     config = json.loads((zoo["llama3"] / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    shutil.copy(zoo["llama3"] / "model.safetensors", bad)  # complete, but for an architecture nobody knows
     with pytest.raises(ConfigError, match="NoSuchForCausalLM cannot be loaded by the trainer"):
         check_trainable(read_arch(bad), str(bad), trust_remote_code=False)
     check_trainable(read_arch(zoo["phi3"]), "phi3", trust_remote_code=False)

@@ -134,3 +134,105 @@ def test_the_model_limit_follows_vllms_rule_for_rope_scaling():
     with pytest.raises(ConfigError, match=r"orch seq_len is 1025, but model m holds 1024 positions.*factor: 2"):
         check_lengths("m", base, {"orch seq_len": 1025})
     check_lengths("m", base, {"orch seq_len": 3000}, {"rope_type": "linear", "factor": 4.0})
+
+
+def weightless_model(tmp_path: Path) -> Path:
+    """The bundled model's directory without its weights: config.json, tokenizer and chat template only."""
+    import shutil
+
+    from tidal.assets import bundled
+
+    out = tmp_path / "no-weights"
+    shutil.copytree(bundled("tidal:tiny-reverse"), out, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    return out
+
+
+def test_a_model_directory_without_weights_exits_2_naming_what_is_missing(tmp_path):
+    """Before: the dry run passed (exit 0), and the real run started vLLM before the trainer died with
+    transformers' `OSError: Error no file named model.safetensors`."""
+    model = weightless_model(tmp_path)
+    refused = dry_run("--model", str(model), "--output-dir", str(tmp_path / "run"))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"model directory {model.resolve()}" in refused.stderr, refused.stderr[-2000:]
+    assert "no weight files (*.safetensors, *.bin, *.pt, model.safetensors.index.json" in refused.stderr
+    assert not (tmp_path / "run").exists(), "nothing was started or written"
+
+
+def test_teacher_and_reward_model_directories_without_weights_exit_2(tmp_path, capsys):
+    """The teacher `tidal grpo` serves and a reward model in a local directory are checked the same way (a Hub id
+    is left to load when used)."""
+    from tidal.cli import main
+
+    model = str(weightless_model(tmp_path))
+    runs = {"orch teacher": orch_file(tmp_path, "teacher", teacher={"model": model}),
+            "orch reward_funcs[0].kwargs.model": orch_file(tmp_path, "rm", reward_funcs=[
+                {"import_path": "tidal.reward_model:reward_model", "kwargs": {"model": model}}])}
+    for where, orch in runs.items():
+        assert main(["grpo", "--dry-run", "--orch", orch]) == 2, where
+        err = capsys.readouterr().err
+        assert where in err and "holds a config.json but no weight files" in err, f"{where}: {err[-2000:]}"
+    hub = orch_file(tmp_path, "hub-rm", reward_funcs=[{"import_path": "tidal.reward_model:reward_model",
+                                                       "kwargs": {"model": "nobody/not-downloaded-here"}}])
+    assert main(["grpo", "--dry-run", "--orch", hub]) == 0, capsys.readouterr().err[-2000:]
+
+
+def huge_model(tmp_path: Path) -> Path:
+    """A Llama-3-70B-shaped config.json with the bundled tokenizer and a stand-in weights file (the dry run reads
+    no weight, it only checks they are there)."""
+    import json
+    import shutil
+
+    from tidal.assets import bundled
+
+    out = tmp_path / "llama-70b-shape"
+    shutil.copytree(bundled("tidal:tiny-reverse"), out, ignore=shutil.ignore_patterns("*.safetensors", "config*"))
+    (out / "model.safetensors").write_bytes(b"stand-in")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))
+    return out
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="on a GPU machine the GPU split refuses it instead")
+def test_a_model_beyond_this_machines_memory_exits_2_with_the_figures(tmp_path, capsys):
+    from tidal.cli import main
+
+    assert main(["grpo", "--dry-run", "--model", str(huge_model(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"does not fit this machine's memory: vLLM and the trainer need at least \d+\.\d GiB "
+                     r"\(vLLM weights \d+\.\d, vLLM KV cache 1\.0, trainer \d+\.\d GiB.*\), \d+\.\d GiB is available",
+                     err), err[-2000:]
+
+
+def test_the_cpu_memory_need_adds_vllms_copy_and_the_trainers():
+    from tidal.colocate.cpu_memory import check_cpu_memory, cpu_need
+    from tidal.config import ConfigError, InferConfig, TrainConfig
+    from tidal.models.config import model_config
+    from tidal.models.memory import GIB, parameter_count
+
+    config = model_config("tidal:tiny-reverse")
+    train = TrainConfig(model="tidal:tiny-reverse", sequence_len=512)
+    infer = InferConfig(model="tidal:tiny-reverse", dtype="float32", enable_lora=False, cpu_kvcache_space_gib=2)
+    need = cpu_need(train, infer, config)
+    assert need.parts["vLLM weights"] == parameter_count(config) * 4 and need.parts["vLLM KV cache"] == 2 * GIB
+    assert need.parts["trainer"] > GIB  # the estimate's runtime GiB, weights, LoRA state, activations, margin
+    two = cpu_need(train, infer.model_copy(update={"dp": 2}), config, teacher=(infer, config))
+    assert two.parts["vLLM KV cache x 2 servers"] == 4 * GIB and two.parts["teacher vLLM KV cache"] == 2 * GIB
+    check_cpu_memory(train, infer, config, available_gib=need.total / GIB + 0.1)  # fits
+    check_cpu_memory(train, infer, config, available_gib=None)  # unknown: not checked
+    with pytest.raises(ConfigError, match=r"need at least \d+\.\d GiB \(vLLM weights 0\.0, vLLM KV cache 2\.0, "
+                                          r"trainer \d\.\d GiB.*\), 1\.5 GiB is available"):
+        check_cpu_memory(train, infer, config, available_gib=1.5)
+
+
+def test_the_python_api_refuses_a_reward_model_directory_without_weights(tmp_path):
+    from tidal import GRPOConfig, GRPOTrainer
+
+    with pytest.raises(ValueError, match=r"reward function 'no-weights': model directory .* holds a config.json but "
+                                         r"no weight files"):
+        GRPOTrainer("tidal:tiny-reverse", reward_funcs=str(weightless_model(tmp_path)),
+                    args=GRPOConfig(output_dir=str(tmp_path / "never-written")), train_dataset=[{"prompt": "ab"}])
+    assert not (tmp_path / "never-written").exists()

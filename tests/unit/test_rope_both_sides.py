@@ -49,6 +49,17 @@ def test_vllm_gets_the_merged_parameters(model_dir):
     assert served.rope_parameters["rope_theta"] == 1e6 and served.rope_parameters["factor"] == 2.0
 
 
+def test_a_vlms_own_rope_parameters_are_read_from_its_text_config(tmp_path):
+    """A VLM's config.json keeps `rope_parameters` under `text_config` (`tidal.models.config.text_config`): the
+    override keeps its `rope_theta` instead of sending the user's `rope_scaling` alone."""
+    text = {"model_type": "llama", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3", "text_config": text,
+                                                      "vision_config": {}}))
+    argv = vllm_argv(InferConfig(model=str(tmp_path), rope_scaling=LINEAR))
+    override = json.loads(argv[argv.index("--hf-overrides") + 1])
+    assert override["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "linear", "factor": 2.0}
+
+
 def test_trainer_builds_the_same_rope(model_dir):
     from tidal.trainer.model.hf import load_model_config
 

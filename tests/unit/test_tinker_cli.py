@@ -48,3 +48,23 @@ def test_enforce_eager_reaches_vllms_argv():
 
     assert "--enforce-eager" in argv_of(["--enforce-eager"])
     assert "--enforce-eager" not in argv_of([])
+
+
+def test_the_served_context_length_applies_the_models_rope_factor(tmp_path):
+    """The context length the server reports is the positions the model holds, as vLLM counts them
+    (`tidal.models.limits`): `max_position_embeddings` x a linear RoPE factor, read from a VLM's text config; an
+    explicit `--max-model-len` wins; a model directory without config.json is refused."""
+    import json
+
+    from tidal.tinker.serve import ServeError, served_model
+
+    text = {"vocab_size": 128, "hidden_size": 64, "max_position_embeddings": 1024,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
+                                                      "text_config": text, "vision_config": {}}))
+    model = served_model(TinkerServeConfig(model=str(tmp_path)), sampler_on_cpu=True)
+    assert model.max_context == 4096 and model.architecture == "Idefics3ForConditionalGeneration"
+    assert served_model(TinkerServeConfig(model=str(tmp_path), max_model_len=2000), True).max_context == 2000
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ServeError, match="no config.json"):
+        served_model(TinkerServeConfig(model=str(tmp_path / "empty")), True)

@@ -86,16 +86,20 @@ class Machine:
     """Memory of the GPU the co-located trainer and vLLM share (the first visible one), when known."""
     vllm_kv_cache_memory_bytes: bool = True
     """The installed vLLM takes `--kv-cache-memory-bytes` (`tidal.inference.backends.vllm.support`)."""
+    memory_available_gib: float | None = None
+    """Memory the machine can give without swapping (`tidal.colocate.cpu_memory`), when known."""
 
     @classmethod
     def detect(cls) -> Machine:
+        from tidal.colocate.cpu_memory import available_memory_gib
         from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
 
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         has_gpu = Path("/dev/nvidiactl").exists()
         return cls(cores=tuple(cores), has_gpu=has_gpu, env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ},
                    gpu_memory_gib=gpu_memory_gib() if has_gpu else None,
-                   vllm_kv_cache_memory_bytes=has_kv_cache_memory_bytes())
+                   vllm_kv_cache_memory_bytes=has_kv_cache_memory_bytes(),
+                   memory_available_gib=available_memory_gib())
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ start, so no refusal can come after vLLM was started.
 - the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
   custom advantage function and the eval environments are built once and dropped;
 - across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise);
-  orch `advantage.type: none` (reward-free distillation) needs `loss.teacher_tau > 0`.
+  orch `advantage.type: none` (reward-free distillation) needs `loss.teacher_tau > 0`;
+- a reward model in a local directory (orch `reward_funcs` of `tidal.reward_model`, or one given in process)
+  must be a model directory with its weights (`tidal.models.files.check_local_model`), as the policy's and the
+  teacher's directories must (`tidal.models.arch.check_model`, when the configs are loaded).
 Each raises `ConfigError` (the CLI exits 2; the Python API raises it as a `ValueError`).
 """
 
@@ -26,8 +29,10 @@ from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.models.arch import check_trainable, read_arch
 from tidal.models.config import model_config
+from tidal.models.files import check_local_model
 from tidal.models.limits import check_lengths
 from tidal.orchestrator.preflight import check_orch
+from tidal.reward_model import named_models
 from tidal.trainer.preflight import check_train
 
 
@@ -64,4 +69,6 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
                   {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len}, infer.rope_scaling)
     check_trainer_side(train)
     check_teacher(train, orch)
+    for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
+        check_local_model(model, where)
     check_orch(orch, reward_funcs, tooling)

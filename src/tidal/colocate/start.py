@@ -5,7 +5,8 @@
   vLLM can tell: the model's architecture (`tidal.models.arch`: mixture of experts, whether its base weights can be
   shared with vLLM, `tidal.colocate.sharing`) and the GPU memory split (`tidal.colocate.split.gpu_split`: the model's
   config.json, whether vLLM takes `--kv-cache-memory-bytes`, the trainer's estimate and, with `calibrate`, its peak
-  measured on the GPU before vLLM starts, `tidal.trainer.calibrate.measure_in_child`);
+  measured on the GPU before vLLM starts, `tidal.trainer.calibrate.measure_in_child`); on a CPU-only machine, whether
+  vLLM and the trainer fit its memory (`tidal.colocate.cpu_memory`);
 - `start(co, ...)`: the checks that need the machine (SGLang runnable, vLLM has the nccl push, a secure bind, free
   ports), the notices, the run directory (resumed, or a previous run moved aside), the resolved configs in
   `{run_dir}/configs/` (`tidal.paths.configs_dir`), then the supervisor (`tidal.colocate.supervise.run_colocate`).
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from tidal.colocate.cpu_memory import check_cpu_memory
 from tidal.colocate.derive import Colocated, Machine, ModelFacts, derive_colocate
 from tidal.colocate.start_order import StartupMode, start_plan
 from tidal.colocate.teacher import serves_teacher
@@ -48,10 +50,14 @@ def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_d
         assert orch.teacher is not None
         check_model(orch.teacher.model, "orch teacher")
         teacher = ModelFacts.read(orch.teacher.model)
-    co = derive_colocate(train, infer, orch, Machine.detect(), output_dir=output_dir, resume=resume,
-                         model=ModelFacts.read(train.model), calibrate=calibrate, teacher=teacher)
-    if co.teacher is not None and teacher is not None and teacher.config is not None:
-        check_lengths(co.teacher.infer.model, teacher.config, {"orch seq_len": co.orch.seq_len}, None)
+    machine, model = Machine.detect(), ModelFacts.read(train.model)
+    co = derive_colocate(train, infer, orch, machine, output_dir=output_dir, resume=resume, model=model,
+                         calibrate=calibrate, teacher=teacher)
+    served = (co.teacher.infer, teacher.config) if co.teacher is not None and teacher and teacher.config else None
+    if served is not None:
+        check_lengths(served[0].model, served[1], {"orch seq_len": co.orch.seq_len}, None)
+    if co.placement.device == "cpu":  # vLLM's copy and the trainer's share the machine's memory
+        check_cpu_memory(co.train, co.infer, model.config, machine.memory_available_gib, served)
     return co
 
 

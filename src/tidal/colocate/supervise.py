@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import procs
+from tidal.checkpoint import TRAINER, complete_steps
 from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
 from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
 from tidal.reaper import start_reaper
@@ -442,7 +443,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     except ComponentFailed as exc:
         hint = (f"\n[tidal] resume the run with: {resume_hint}\n(trainer and orchestrator continue from their newest "
                 f"checkpoints under {run_dir / 'checkpoints'}; they are written every ckpt.interval steps)"
-                if resume_hint else "")
+                if resume_hint and complete_steps(run_dir, TRAINER) else "")  # nothing to resume from without one
         print(f"[tidal] error: the {NAMES[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
               f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}{hint}", file=sys.stderr,
               flush=True)

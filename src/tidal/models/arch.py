@@ -36,6 +36,7 @@ from pathlib import Path
 from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
 from tidal.models.config import read_config, text_config
+from tidal.models.files import check_weights, is_model_dir
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json keys that give the number of routed experts of a mixture-of-experts model."""
@@ -100,12 +101,14 @@ def check_cpu_moe_lora(info: ArchInfo, model: str, on_cpu: bool, enable_lora: bo
 def check_model(name: str, source: str) -> None:
     """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
     (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
-    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`)."""
+    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`). A local
+    directory must hold its weights (`tidal.models.files.check_weights`)."""
     try:
         path = resolve_model(name)
     except FileNotFoundError as exc:
         raise ConfigError(f"{source}: key 'model': {exc}") from None
-    if not Path(path, "config.json").is_file():
+    if not is_model_dir(path):
         raise ConfigError(f"{source}: key 'model': '{name}' is not a model directory (no config.json there); "
                           "give the path of a local Hugging Face model directory, a Hub id (org/name) or "
                           "tidal:tiny-reverse")
+    check_weights(name, path, f"{source}: key 'model'")

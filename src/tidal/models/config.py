@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.assets import resolve_model
-
-CONFIG_FILE = "config.json"
+from tidal.models.files import CONFIG_FILE, is_model_dir
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -27,7 +26,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
 def model_config(model: str, missing_ok: bool = False) -> dict[str, Any]:
     """The config.json of the model `model` names (resolved first); `missing_ok`: {} when the directory has none."""
     path = Path(resolve_model(model))
-    if missing_ok and not (path / CONFIG_FILE).is_file():
+    if missing_ok and not is_model_dir(path):
         return {}
     return read_config(path)
 

@@ -190,19 +190,20 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
 
 
 def train_estimate(train: Any, gradient_checkpointing: bool | None = None, dense_mask: bool | None = None,
-                   model_config: Mapping[str, Any] | None = None) -> Footprint:
+                   model_config: Mapping[str, Any] | None = None, dtype: str | None = None) -> Footprint:
     """The estimated GPU footprint of the trainer `train` (a TrainConfig) describes, from its model's config.json
     (torch-free). `gradient_checkpointing` None: train's own (`auto` counts as on only when it is resolved: pass a
     bool). `dense_mask` None: only with train `attention: dense` (flex / per-sample kernels build no (T, T) mask;
     a model flex cannot serve falls back to it, which the split's calibration step measures). `model_config`: the
-    model's config.json when the caller has read it already."""
+    model's config.json when the caller has read it already. `dtype`: the training dtype (None: float32 with train
+    `recipe: fp32`, else bfloat16, the GPU's)."""
     if model_config is None:
         model_config = read_model_config(train.model)
     targets = [train.lora_target_modules] if isinstance(train.lora_target_modules, str) else train.lora_target_modules
     ckpt = train.gradient_checkpointing is True if gradient_checkpointing is None else gradient_checkpointing
     rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
             else train.per_device_train_batch_size)
-    return estimate(model_config, dtype="float32" if train.recipe == "fp32" else "bfloat16",
+    return estimate(model_config, dtype=dtype or ("float32" if train.recipe == "fp32" else "bfloat16"),
                     lora_rank=train.lora_rank if train.lora else None, lora_targets=targets,
                     rows=rows, sequence_len=train.sequence_len, gradient_checkpointing=ckpt,
                     logprob_chunk_size=train.logprob_chunk_size,

@@ -18,13 +18,14 @@ from tidal.inference.protocol import Completion
 
 
 def model_vocab_size(model_name: str | None) -> int | None:
-    """`vocab_size` from the model directory's config.json (a `tidal:` name or a local path), if readable."""
+    """`vocab_size` from the model directory's config.json (a `tidal:` name or a local path; a vision-language
+    model's in its `text_config`, `tidal.models.config`), if readable."""
     if not model_name:
         return None
-    from tidal.models.config import model_config
+    from tidal.models.config import model_config, text_config
 
     try:
-        return int(model_config(model_name)["vocab_size"])
+        return int(text_config(model_config(model_name))["vocab_size"])
     except (OSError, KeyError, ValueError, TypeError):
         return None
 

@@ -40,8 +40,8 @@ def check_sdk() -> None:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    """What the server derives from `--model` at start."""
+class ServedModel:
+    """The model `tidal serve-tinker` serves and trains: what the server derives from `--model` at start."""
 
     model_dir: str
     served_name: str
@@ -51,24 +51,27 @@ class ModelFacts:
     """Whether vLLM gets LoRA layers on the output layer (train_unembed)."""
 
 
-def model_facts(cfg: TinkerServeConfig, sampler_on_cpu: bool) -> ModelFacts:
-    """The model's directory, served name and the facts the server needs from its config.json. The lm_head is a
-    LoRA target of vLLM on CPU (checked against PEFT), and on a GPU when the vocabulary is at least the hidden size
-    (vLLM 0.24's CUDA warm-up mis-sizes a tied head otherwise: docs/design.md)."""
+def served_model(cfg: TinkerServeConfig, sampler_on_cpu: bool) -> ServedModel:
+    """The model's directory, served name and what the server needs from its config.json: the context length
+    (`--max-model-len`, else the positions the model holds, RoPE factor included: `tidal.models.limits`). The
+    lm_head is a LoRA target of vLLM on CPU (checked against PEFT), and on a GPU when the vocabulary is at least the
+    hidden size (vLLM 0.24's CUDA warm-up mis-sizes a tied head otherwise: docs/design.md)."""
     from tidal.assets import resolve_model
     from tidal.models.config import read_config, text_config
+    from tidal.models.files import is_model_dir
+    from tidal.models.limits import max_positions
 
     model_dir = str(Path(resolve_model(cfg.model)).resolve())
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
+    if not is_model_dir(model_dir):
         raise ServeError(f"--model {cfg.model!r}: no config.json in {model_dir}; give a local Hugging Face model "
                          "directory, a Hub id or tidal:tiny-reverse")
     config = read_config(model_dir)
     text = text_config(config)
-    max_context = int(cfg.max_model_len or text.get("max_position_embeddings") or 2048)
+    limit = max_positions(config)
+    max_context = int(cfg.max_model_len or (limit[0] if limit is not None else 2048))
     unembed_ok = sampler_on_cpu or int(text.get("vocab_size", 0)) >= int(text.get("hidden_size", 0))
     served = model_dir if ":" in cfg.model else cfg.model
-    return ModelFacts(model_dir, served, str((config.get("architectures") or ["?"])[0]), max_context, unembed_ok)
+    return ServedModel(model_dir, served, str((config.get("architectures") or ["?"])[0]), max_context, unembed_ok)
 
 
 def infer_config(cfg: TinkerServeConfig, port: int) -> Any:
@@ -81,7 +84,7 @@ def infer_config(cfg: TinkerServeConfig, port: int) -> Any:
                        gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
 
 
-def sampler_targets(facts: ModelFacts) -> list[str]:
+def sampler_targets(facts: ServedModel) -> list[str]:
     """vLLM's `--lora-target-modules`: every linear module the trainer may adapt, plus the output layer when
     `unembed_ok`."""
     from tidal.models.lora import meta_model
@@ -107,7 +110,7 @@ def run(cfg: TinkerServeConfig) -> int:
     except PortInUseError as exc:
         raise ServeError(str(exc)) from None
     api_key = cfg.api_key or f"tml-{secrets.token_urlsafe(24)}"
-    facts = model_facts(cfg, on_cpu())
+    facts = served_model(cfg, on_cpu())
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
 
     import uvicorn

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.checkpoint import CheckpointError, prune_checkpoints, write_checkpoint
+from tidal.checkpoint import TRAINER, CheckpointError, prune_checkpoints, write_checkpoint
 from tidal.config.train import TrainCkptSection
 from tidal.paths import ckpt_dir, metrics_path
 from tidal.trainer.state import load_state, save_state
 from tidal.transport import weights
 
 log = logging.getLogger("tidal.trainer")
-COMPONENT = "trainer"
+COMPONENT = TRAINER
 
 
 def rng_state() -> dict[str, Any]:

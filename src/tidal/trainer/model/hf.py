@@ -20,9 +20,10 @@ from tidal.trainer.model.vision import TRAINABLE, is_vision_config
 def check_model_dir(path: str) -> Path:
     """The model directory (`tidal:NAME` for a bundled one) must hold a config.json; nothing is downloaded."""
     from tidal.assets import resolve_model
+    from tidal.models.files import is_model_dir
 
     p = Path(resolve_model(path))
-    if not (p / "config.json").is_file():
+    if not is_model_dir(p):
         raise FileNotFoundError(
             f"model '{path}': no config.json there; give the path of a local Hugging Face model directory "
             "(tidal never downloads models)")

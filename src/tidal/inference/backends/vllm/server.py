@@ -112,10 +112,11 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
 
         argv += ["--weight-transfer-config", json.dumps({"backend": transfer_backend(on_cpu())})]
     if cfg.rope_scaling:  # merged over the model's own parameters: a bare rope_scaling resets rope_theta
-        from tidal.models.config import model_config
+        from tidal.models.config import model_config, text_config
         from tidal.models.rope import merge_rope, model_rope_parameters
 
-        merged = merge_rope(model_rope_parameters(model_config(cfg.model)), cfg.rope_scaling, "infer rope_scaling")
+        own = model_rope_parameters(text_config(model_config(cfg.model)))  # a VLM's are in its text config
+        merged = merge_rope(own, cfg.rope_scaling, "infer rope_scaling")
         argv += ["--hf-overrides", json.dumps({"rope_parameters": merged})]
     if worker_in_engine_threads(cfg, os.environ) is not None:
         argv += ["--distributed-executor-backend", "uni"]
