@@ -633,7 +633,8 @@ def model_section(key: str, t: dict[str, Any], r: dict[str, Any], wl: dict[str, 
              f"{ratio(t.get('peak_gib'), r.get('peak_gib'))} |",
              f"| completion length, mean per step | {fmt(t.get('completion_len_mean'))} | "
              f"{fmt(r.get('completion_len_mean'))} | |",
-             f"| tidal mismatch_kl per step (step 1 on-policy; later steps hold one optimizer step of drift) | "
+             f"| tidal mismatch_kl per step (step 1 on-policy, later ones + one optimizer step of drift; the EOS "
+             f"mask of min_tokens counts too: ~0 for random weights, not for the trained bundled model) | "
              f"{', '.join(f'{k:.2e}' for k in kl) or '-'} | | |",
              f"| whole side, s | {fmt(t.get('seconds'), '.0f')} | {fmt(r.get('seconds'), '.0f')} | |", "",
              goal_line(t, r), ""]
