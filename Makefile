@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-gpu clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-gpu bench-gpu-e2e clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -41,11 +41,12 @@ test-gpu: setup-dev
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
-## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh). docs/gpu.md, "make gpu-check".
+## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh) and .gpu-kit/trl (TRL 1.16 + datasets, 2.6 MiB, for bench-gpu-e2e). docs/gpu.md, "make gpu-check".
 gpu-kit:
 	bash ../shared/gpu-kit/make_bundle.sh
 	cd .gpu-kit && cat parts/dp*/p* > bundle.tar && rm -rf parts && mkdir parts && cd parts && split -b 47M -d -a 1 ../bundle.tar p && for f in p*; do mkdir "d$$f" && mv "$$f" "d$$f/"; done && rm ../bundle.tar && ls
 	bash scripts/gpu_kit_tinker.sh
+	bash scripts/gpu_kit_trl.sh
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".
@@ -64,6 +65,11 @@ bench-memory: setup
 ## trainer-only tokens/s, MFU and peak memory of tidal's training step (Qwen3-0.6B / 4B shapes, LoRA r16, 16k-token rows); meaningful on a GPU; writes bench/GPU.md. CPU smoke: make bench-gpu BENCH_ARGS="--layers 2 --tokens 256".
 bench-gpu: setup
 	$(BIN)/python bench/gpu_trainer.py $(BENCH_ARGS)
+
+## tidal vs TRL 1.16's GRPOTrainer (vLLM colocate, LoRA r16, bf16) end to end on one GPU, same workload (8 prompts x 16 rollouts x 1,024 pinned tokens, 2 warm-up + 5 timed steps), Qwen3-0.6B and 4B shapes (--long: + Llama-3.1-8B): steps/s, tokens/s, step split, start-up, whole-GPU peak memory, mismatch_kl; writes bench/GPU-E2E.md. On a GPU lease: `source .gpu-kit/install.sh && python3 bench/gpu_e2e.py --models 0.6b` carrying .gpu-kit/install.sh and .gpu-kit/trl (docs/gpu.md). CPU smoke: BENCH_ARGS="--cpu --models tiny --prompts 1 --generations 4 --completion-tokens 8 --warmup 1 --steps 1 --out /tmp/GPU-E2E.md".
+bench-gpu-e2e: setup
+	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
+	$(BIN)/python bench/gpu_e2e.py $(BENCH_ARGS)
 
 ## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
 lint: setup-dev
