@@ -63,3 +63,17 @@ def test_the_import_graph_has_no_circle():
     circles = [m for m in graph.modules
                if any(graph.chain_exists(importer=i, imported=m) for i in graph.find_modules_directly_imported_by(m))]
     assert not circles, f"modules on an import circle: {sorted(circles)}"
+
+
+def test_every_top_level_package_has_a_layer():
+    """A new wing (a package or module directly under src/tidal) is placed in import-linter's layers contract
+    (pyproject.toml), so `make lint` checks which way its imports point; one left out is checked by nothing."""
+    import tomllib
+
+    config = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())
+    layers = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")["layers"]
+    named = {name.strip() for layer in layers for name in layer.split("|")}
+    tops = {f"tidal.{p.stem}" for p in SRC.glob("*.py") if p.stem != "__init__"}
+    tops |= {f"tidal.{p.name}" for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    assert not tops - named, f"place these in the layers contract of pyproject.toml: {sorted(tops - named)}"
+    assert not named - tops, f"the layers contract names modules that are gone: {sorted(named - tops)}"
