@@ -35,14 +35,15 @@ The user's configs are never modified. Derivations, in order:
   rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0, trainer on
   core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
   VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
-  (`tidal.inference.backends.vllm.dp`).
+  (`tidal.inference.backends.dp`).
   `teacher`: a teacher server `tidal grpo` starts (orch `teacher` without an address, `tidal.colocate.teacher`)
   shares vLLM's cores, or on a GPU has its need reserved before the split.
   `memory_split`: on a GPU (`tidal.colocate.split.gpu_split`) vLLM is sized by need and the trainer gets the rest,
   deciding `gradient_checkpointing: auto`, unless infer.yaml sets `gpu_memory_utilization`.
   Then `place` records the `Placement`.
 
-`Machine.detect()` is the only part that looks at the machine. Torch-free, like the rest of `tidal.config`.
+`Machine.detect()` is the only part that looks at the machine. Torch-free: configs and facts in, configs and a
+placement out.
 """
 
 from __future__ import annotations

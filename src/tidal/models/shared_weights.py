@@ -2,8 +2,7 @@
 
 In `tidal grpo` on one GPU, vLLM loads the base model and the trainer builds its frozen base from CUDA IPC
 handles of vLLM's own parameters (`tidal.inference.backends.vllm.worker_ext`, `tidal.trainer.model.shared_base`), so the
-weights
-are on the GPU once. vLLM fuses some projections: `qkv_proj = cat(q_proj, k_proj, v_proj)` and
+weights are on the GPU once. vLLM fuses some projections: `qkv_proj = cat(q_proj, k_proj, v_proj)` and
 `gate_up_proj = cat(gate_proj, up_proj)` along dim 0 (the output features; `stacked_params_mapping` in each
 model's `load_weights`), and a mixture of experts keeps its experts as `w13_weight = (E, 2I, H)` (gate then up)
 and `w2_weight = (E, H, I)` (`FusedMoE`), which is the layout transformers 5 loads Qwen3-MoE experts in

@@ -11,8 +11,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from tidal.config.base import StrictModel
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from tidal.procs import LOOPBACK
 
 
 class TinkerServeConfig(StrictModel):

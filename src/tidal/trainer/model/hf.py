@@ -85,8 +85,7 @@ def auto_model_class(config: Any, path: str) -> Any:
 
 def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False) -> str:
     """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.model.attention.choose`:
-    `auto`
-    is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
+    `auto` is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
     `ConfigError` naming the key."""
     from tidal.trainer.model.attention import implementation
 

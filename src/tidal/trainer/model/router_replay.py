@@ -13,7 +13,7 @@ How: transformers 5 gives every supported architecture (`tidal.models.routes.REP
 MoE block hands to its experts. `install(model, replay)` registers a forward hook on each router (decoder layer
 index from its module name, as vLLM numbers its routes) that swaps in the replayed experts and their weights; no
 model code is forked. `use(model, routes)` sets the (B, T, layers, k) routes of the micro-batch about to run
-(packed like its tokens, `tidal.trainer.packing`; -1 = no route: the router's own choice stands); they stay set
+(packed like its tokens, `tidal.trainer.step.packing`; -1 = no route: the router's own choice stands); they stay set
 through its backward, so a checkpointed layer recomputes with the same experts. With `replay` off the hooks only
 measure. Metric `router/agreement`: the share of token-layer routes (tokens with a route) where the trainer's own
 top-k set equals the sampler's, counted in the training forward (with autograd), once per layer and micro-batch.

@@ -1,11 +1,9 @@
 """The trainer's frozen base built from vLLM's own weight tensors (train `share_base_weights`, docs/colocate.md).
 
 `load_shared_base(cfg, device, dtype)`: ask the co-located vLLM server (`cfg.base_weights_url`) for the CUDA
-IPC handles of its parameters (`tidal.inference.backends.vllm.worker_ext`, through `POST /collective_rpc`), open them
-on this
-process's index of the same GPU (`tidal.inference.backends.vllm.ipc`), and `build_from_tensors`: the Hugging Face model
-is
-built on the meta device (no memory), each shared parameter becomes a view of vLLM's tensor as
+IPC handles of its parameters (`tidal.inference.backends.vllm.worker_ext`, through `POST /collective_rpc`), open
+them on this process's index of the same GPU (`tidal.inference.backends.vllm.ipc`), and `build_from_tensors`: the
+Hugging Face model is built on the meta device (no memory), each shared parameter becomes a view of vLLM's tensor as
 `tidal.models.shared_weights.view_plan` says (`qkv_proj.narrow(0, start, length)` for `q_proj`, ...), the
 unshared ones (norms) are read from the checkpoint, the non-persistent buffers (RoPE frequencies, Gemma's
 embedding scale) are computed by transformers' own `_init_weights` before any shared tensor is attached, so

@@ -97,9 +97,9 @@ def _engine_cls() -> type:
 
 def register() -> None:
     """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, and (CPU) refresh tied lm_heads after
-    in-place weight updates (`tidal.inference.backends.vllm.tied_head`). Idempotent; vLLM may call it often. On a vLLM
-    without
-    weight transfer, or without the modules the engine builds on, it registers no backend (the vLLM still starts)."""
+    in-place weight updates (`tidal.inference.backends.vllm.tied_head`). Idempotent; vLLM may call it often. On a
+    vLLM without weight transfer, or without the modules the engine builds on, it registers no backend (the vLLM
+    still starts)."""
     from tidal.inference.backends.vllm.tied_head import install
 
     try:

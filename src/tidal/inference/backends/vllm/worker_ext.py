@@ -6,8 +6,7 @@ called through `collective_rpc`; tidal calls `tidal_export_base` over the dev-mo
 (`POST /collective_rpc {"method": "tidal_export_base"}`, infer `export_base_weights`), which returns each
 worker's dict as JSON. The dict holds, per parameter of the served model (`named_parameters`, names as vLLM has
 them, LoRA `base_layer` levels included), its `tidal.inference.backends.vllm.ipc` handle, plus the GPU's UUID, so the
-trainer
-opens the handles on the same physical GPU whatever its device numbering. Nothing is copied; the worker keeps
+trainer opens the handles on the same physical GPU whatever its device numbering. Nothing is copied; the worker keeps
 owning the memory. Started by `tidal.inference.backends.vllm.server` with infer `export_base_weights: true`.
 """
 
