@@ -66,3 +66,26 @@ def test_the_calibration_runs_in_a_child_and_reports_its_peak():
     bad = cfg.model_copy(update={"model": "/nonexistent/model"})
     with pytest.warns(UserWarning, match="calibration failed"):
         assert calibrate.measure_in_child(bad, False) is None
+
+
+def test_a_replaying_moe_calibration_batch_carries_routes_and_the_step_runs(tmp_path):
+    """A MoE run with router replay (the runs where the estimate is least sure) is measured, not refused: the
+    calibration batch carries routes, top_k distinct experts per token and layer (an H100 run's calibration died on
+    'batch 1 carries no routed experts' and the split fell back to the estimate)."""
+    from tests.archs import build
+    from tidal.models.config import model_config, text_config
+    from tidal.models.routes import moe_shape
+
+    model = build("qwen3-moe", tmp_path / "moe")
+    config = text_config(model_config(str(model)))
+    layers, experts, top_k = moe_shape(config)
+    routes = calibrate.synthetic_routes(96, config, True, seed=3)
+    assert routes.shape == (96, layers, top_k) and int(routes.max()) < experts
+    assert all(len(set(r.tolist())) == top_k for r in routes.reshape(-1, top_k))  # distinct experts
+    assert calibrate.synthetic_routes(96, config, False) is None
+    assert calibrate.synthetic_routes(96, {**config, "model_type": "not_replayed"}, "auto") is None
+    assert calibrate.synthetic_routes(96, text_config(model_config("tidal:tiny-reverse")), True) is None  # dense
+    cfg = TrainConfig(model=str(model), device="cpu", per_device_train_batch_size=2, sequence_len=48,
+                      gradient_checkpointing=False, router_replay=True)
+    peak = calibrate.calibrate(cfg)
+    assert 0 < peak["allocated"] <= peak["reserved"] < 64

@@ -1,7 +1,9 @@
 """The trainer's peak memory measured before vLLM starts (`tidal grpo` on a GPU, `tidal.colocate.split`): build the
 trainer a TrainConfig describes and run one training step on its largest micro-batch (`calibrate`), in a child
 process so that its CUDA memory is gone before vLLM starts (`measure_in_child`; `python -m tidal.trainer.calibrate
-TRAIN.json` prints the peak as JSON).
+TRAIN.json` prints the peak as JSON). A mixture-of-experts model whose run replays routes (train `router_replay`
+true, or `auto` on an architecture tidal replays) gets a batch that carries routes (`synthetic_routes`), as its real
+batches will: the replay hooks run in the measured step, and `router_replay: true` does not refuse the batch.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 
 from tidal.models.config import model_config, text_config
 from tidal.models.memory import GIB
+from tidal.models.routes import REPLAYABLE, moe_shape, route_dtype
 from tidal.trainer.memory import peak_gib, reset_peak
 
 
@@ -30,6 +33,21 @@ def synthetic_batch(rows: int, sequence_len: int, vocab: int, seed: int = 0) -> 
                          truncated=np.zeros(rows, dtype=bool))
 
 
+def synthetic_routes(tokens: int, config: dict[str, Any], setting: bool | str, seed: int = 0) -> Any:
+    """(tokens, layers, top_k) routed experts for a calibration batch of a (text) config.json `config`: top_k distinct
+    experts per token and layer, uniformly drawn; None when the run replays no routes (train `router_replay`
+    `setting` false, a dense model, or `auto` on an architecture tidal does not replay)."""
+    import numpy as np
+
+    layers, experts, top_k = moe_shape(config)
+    replays = setting is True or (setting == "auto" and config.get("model_type") in REPLAYABLE)
+    if not replays or not experts or not top_k:
+        return None
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :top_k]  # distinct per token-layer
+    return picks.astype(route_dtype(experts))
+
+
 def calibrate(train: Any) -> dict[str, float]:
     """Build the trainer `train` describes and run one training step on its largest micro-batch (`synthetic_batch`);
     returns the measured peak in GiB: `allocated` and `reserved` (torch.cuda's) on CUDA, the peak RSS on CPU."""
@@ -42,10 +60,11 @@ def calibrate(train: Any) -> dict[str, float]:
 
     model, device = load_policy(train)
     opt = make_optimizer(model, train)
-    vocab = int(text_config(model_config(train.model))["vocab_size"])
+    config = text_config(model_config(train.model))
     rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
             else train.per_device_train_batch_size)
-    batch = synthetic_batch(rows, train.sequence_len, vocab)
+    batch = synthetic_batch(rows, train.sequence_len, int(config["vocab_size"]))
+    batch.routed_experts = synthetic_routes(len(batch.tokens), config, train.router_replay)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
