@@ -6,14 +6,18 @@ per 16 x 16 pixels; Qwen2.5-VL's first block windowed, its second full; Qwen3-VL
 merger) and the image processor vLLM and the trainer load (`Qwen2VLImageProcessor`, from 256 to 2304 pixels). A
 40 x 32 image becomes a (1, 4, 4) grid: 4 image tokens; 48 x 32 a (1, 4, 6) grid: 6 tokens.
 
-No tokenizer: the tests build token ids directly (`VISION_START`, the image's `IMAGE_TOKEN_ID` x its tokens,
+The bundled tiny model's tokenizer and chat template come along (so `tidal grpo --dry-run` takes the directory);
+the trainer's tests build token ids directly (`VISION_START`, the image's `IMAGE_TOKEN_ID` x its tokens,
 `VISION_END`), the way Qwen's chat template and processor expand an image.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+from tidal.assets import bundled
 
 VISION_START, VISION_END, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 100, 101, 103, 104
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -61,4 +65,6 @@ def build_tiny_qwen_vl(out: Path, arch: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     (out / "generation_config.json").unlink(missing_ok=True)
     (out / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(bundled("tidal:tiny-reverse")) / name, out / name)
     return out

@@ -5,6 +5,7 @@ paths, gradients of full fine-tuning (vision tower included) and LoRA on the lan
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.tiny_qwen_vl import ARCHS, IMAGE_TOKEN_ID, VISION_END, VISION_START, build_tiny_qwen_vl
+from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.envs.images import png_bytes
@@ -82,7 +84,8 @@ def reference_logprobs(ref: torch.nn.Module, ids: list[int], px: dict[str, torch
 
 
 def models(model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """tidal's float64 model (its packed attention) and the float64 reference (transformers SDPA: its eager attention takes the softmax in float32), same weights."""
+    """tidal's float64 model (its packed attention) and the float64 reference, same weights (transformers' SDPA
+    attention: its eager attention takes the softmax in float32)."""
     from transformers import AutoModelForImageTextToText
 
     mine = load_base_model(str(model_dir), torch.device("cpu"), torch.float64).eval()
@@ -220,3 +223,40 @@ def test_a_text_batch_keeps_samples_apart(qwen_dir):
         got = forward_logprobs(mine, mb.input_ids, mb.position_ids, 1.0, chunk_size=4, loss_mask=mb.loss_mask)
         want = [reference_logprobs(ref, ids, {}, 1.0) for ids in seqs]
     assert per_sample_check(mb, got, want) == 3
+
+
+# --- the inference side: vLLM's Qwen-VL code imports torchvision ----------------------------------------------------
+
+def test_tidal_grpo_exits_2_where_torchvision_does_not_import(qwen_dir, monkeypatch, capsys):
+    """Where torchvision does not import (this CPU machine: not installed; a CUDA wheel next to a CPU torch: its
+    import fails), `tidal grpo --dry-run` on a Qwen-VL model exits 2 before anything starts, saying why and what to
+    install; where it imports, the run's checks pass (the trainer takes the model)."""
+    from tidal.cli import main
+    from tidal.inference.backends.vllm import support
+
+    monkeypatch.setattr(support, "torchvision_problem", lambda: "torchvision is not installed")
+    run = ["grpo", "--dry-run", "--model", str(qwen_dir), "--output-dir", str(qwen_dir.parent / "run")]
+    assert main(run) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"infer model '.*' is a Qwen(2_5_VL|3VL)ForConditionalGeneration: vLLM .*'s model code for it "
+                     r"imports torchvision, and here torchvision is not installed.*pip install torchvision", err), err
+    assert "# --- train ---" not in out and not (qwen_dir.parent / "run").exists()
+    monkeypatch.setattr(support, "torchvision_problem", lambda: None)
+    assert main(run) == 0, capsys.readouterr().err[-2000:]
+    assert "# --- train ---" in capsys.readouterr().out
+
+
+def test_the_torchvision_probe_names_what_goes_wrong(monkeypatch):
+    """The real probe on this machine, and the refusal's words for a CPU torch; other architectures are not
+    probed."""
+    from tidal.inference.backends.vllm import support
+
+    problem = support.torchvision_problem()
+    assert problem is None or "torchvision" in problem
+    monkeypatch.setattr(support, "torchvision_problem", lambda: "`import torchvision` fails: RuntimeError: operator "
+                                                                "torchvision::nms does not exist")
+    monkeypatch.setattr(support.importlib.metadata, "version", lambda dist: "2.13.0+cpu")
+    with pytest.raises(ConfigError, match=r"torchvision::nms does not exist.*matches torch 2\.13\.0\+cpu: pip "
+                                          r"install torchvision --index-url https://download.pytorch.org/whl/cpu"):
+        support.check_vision_imports("Qwen3VLForConditionalGeneration", "m")
+    support.check_vision_imports("Idefics3ForConditionalGeneration", "m")  # vLLM's Idefics3 code needs none
