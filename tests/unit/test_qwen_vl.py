@@ -260,3 +260,46 @@ def test_the_torchvision_probe_names_what_goes_wrong(monkeypatch):
                                           r"install torchvision --index-url https://download.pytorch.org/whl/cpu"):
         support.check_vision_imports("Qwen3VLForConditionalGeneration", "m")
     support.check_vision_imports("Idefics3ForConditionalGeneration", "m")  # vLLM's Idefics3 code needs none
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_sft_loss_keeps_packed_samples_apart(qwen_dir, smoothing):
+    """`tidal sft` of text on a Qwen-VL model: the packed loss equals the sum of each sample's own (float64)."""
+    from tidal.trainer.sft import sft_loss
+
+    mine, ref = models(qwen_dir)
+    batch, seqs, _ = qwen_batch(qwen_dir, [[], [], []], seed=11)
+    (mb,) = pack(batch, sequence_len=256, rows_per_micro_batch=1)
+    with torch.no_grad():
+        got = sft_loss(mine, mb, smoothing, chunk_size=4)
+        want = 0.0
+        for i, ids in enumerate(seqs):
+            t = torch.tensor([ids])
+            logp = torch.log_softmax(ref(input_ids=t, use_cache=False).logits[0, :-1], -1)  # (L-1, V)
+            per = (1 - smoothing) * -logp.gather(-1, t[0, 1:, None])[:, 0] + smoothing * -logp.mean(-1)
+            n = int((mb.loss_mask & (mb.seq_ids == i)).sum())
+            want += float(per[-n:].sum())
+    assert abs(float(got) - want) < 1e-8 * abs(want)
+
+
+def test_a_sampled_image_token_is_a_text_token(qwen_dir):
+    """A completion that samples the image token: embedded as a plain token (as vLLM does) and positioned as text
+    (all three M-RoPE streams equal, continuing the prompt's), only the prompt's placeholders carry image features."""
+    from tidal.trainer.model.vision import embed
+
+    mine, _ = models(qwen_dir)
+    batch, seqs, _ = qwen_batch(qwen_dir, [[picture(1, (40, 32))]], seed=13)
+    batch.tokens[-2] = IMAGE_TOKEN_ID  # in the completion (loss tokens), not the prompt
+    (mb,) = pack(batch, sequence_len=256, rows_per_micro_batch=1)
+    attach_images(mine, batch, [mb], str(qwen_dir), "tiny-qwen-vl")
+    sampled = (mb.input_ids[0] == IMAGE_TOKEN_ID) & ~mb.prompt_mask[0]
+    assert int(sampled.sum()) == 1 and int(mb.images.mask.sum()) == 4
+    pos = mb.images.mrope[:, 0]  # (3, T)
+    done = ~mb.prompt_mask[0] & (mb.seq_ids[0] >= 0)
+    assert torch.equal(pos[0, done], pos[1, done]) and torch.equal(pos[0, done], pos[2, done])
+    assert torch.equal(pos[0, done].diff(), torch.ones(int(done.sum()) - 1, dtype=pos.dtype))
+    with torch.no_grad():
+        emb = embed(mine, mb.input_ids, mb.images)
+        assert torch.equal(emb[0, sampled][0], mine.get_input_embeddings().weight[IMAGE_TOKEN_ID])
+        lp = forward_logprobs(mine, mb.input_ids, mb.position_ids, 1.0, loss_mask=mb.loss_mask, images=mb.images)
+    assert torch.isfinite(lp).all()
