@@ -241,6 +241,12 @@ def test_tidal_grpo_exits_2_where_torchvision_does_not_import(qwen_dir, monkeypa
     assert re.search(r"infer model '.*' is a Qwen(2_5_VL|3VL)ForConditionalGeneration: vLLM .*'s model code for it "
                      r"imports torchvision, and here torchvision is not installed.*pip install torchvision", err), err
     assert "# --- train ---" not in out and not (qwen_dir.parent / "run").exists()
+    # `tidal grpo-infer` alone refuses the same way before it execs vLLM (which must not happen here)
+    from tidal.inference.backends.vllm import server
+
+    monkeypatch.setattr(server, "exec_server", lambda cfg: pytest.fail("grpo-infer went on to start vLLM"))
+    assert main(["grpo-infer", "--model", str(qwen_dir)]) == 2
+    assert "imports torchvision, and here torchvision is not installed" in capsys.readouterr().err
     monkeypatch.setattr(support, "torchvision_problem", lambda: None)
     assert main(run) == 0, capsys.readouterr().err[-2000:]
     assert "# --- train ---" in capsys.readouterr().out
