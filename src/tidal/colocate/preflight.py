@@ -68,13 +68,14 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
               tooling: Any = None) -> None:
     """Every up-front refusal of the derived configs of a co-located run (module docs); `reward_funcs` /
     `tooling`: given in process (the Python API)."""
-    check_lengths(infer.model, model_config(infer.model, missing_ok=True),
-                  {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len}, infer.rope_scaling)
+    served = model_config(infer.model, missing_ok=True)
+    check_lengths(infer.model, served, {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len},
+                  infer.rope_scaling)
     check_trainer_side(train)
     if infer.backend == "vllm":
         from tidal.inference.backends.vllm.support import check_vision_imports
 
-        check_vision_imports(read_arch(resolve_model(infer.model)).architecture, infer.model)
+        check_vision_imports(str((served.get("architectures") or ["?"])[0]), infer.model)
     check_teacher(train, orch)
     for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
         check_local_model(model, where)
