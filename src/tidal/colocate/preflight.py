@@ -12,6 +12,9 @@ start, so no refusal can come after vLLM was started.
   custom advantage function and the eval environments are built once and dropped;
 - across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise);
   orch `advantage.type: none` (reward-free distillation) needs `loss.teacher_tau > 0`;
+- the inference side's model code: vLLM's Qwen-VL code imports torchvision, so a Qwen-VL model where
+  torchvision does not import is refused here, saying what to install
+  (`tidal.inference.backends.vllm.support.check_vision_imports`), not left to a stack trace from vLLM's start;
 - a reward model in a local directory (orch `reward_funcs` of `tidal.reward_model`, or one given in process)
   must be a model directory with its weights (`tidal.models.files.check_local_model`), as the policy's and the
   teacher's directories must (`tidal.models.arch.check_model`, when the configs are loaded).
@@ -65,9 +68,14 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
               tooling: Any = None) -> None:
     """Every up-front refusal of the derived configs of a co-located run (module docs); `reward_funcs` /
     `tooling`: given in process (the Python API)."""
-    check_lengths(infer.model, model_config(infer.model, missing_ok=True),
-                  {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len}, infer.rope_scaling)
+    served = model_config(infer.model, missing_ok=True)
+    check_lengths(infer.model, served, {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len},
+                  infer.rope_scaling)
     check_trainer_side(train)
+    if infer.backend == "vllm":
+        from tidal.inference.backends.vllm.support import check_vision_imports
+
+        check_vision_imports(str((served.get("architectures") or ["?"])[0]), infer.model)
     check_teacher(train, orch)
     for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
         check_local_model(model, where)

@@ -23,15 +23,21 @@ from typing import Any
 from tidal.config.load import ConfigError
 
 ALL_LINEAR = "all-linear"
+VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector")
+"""Submodule names of the vision tower / projector of transformers' VLMs: no LoRA there (the trainer excludes
+them), and their linear modules' leaf names are not the language model's (Qwen2.5-VL's merger is an
+`nn.Sequential` whose leaves are named `0` and `2`: as a PEFT target, `0` would select decoder layer 0)."""
 
 
 def linear_module_names(model: Any) -> list[str]:
-    """Sorted leaf names of the model's `nn.Linear` modules, the output layer (lm_head) excepted."""
+    """Sorted leaf names of the model's `nn.Linear` modules, the output layer (lm_head) and a vision-language
+    model's vision tower and projector (`VISION_MODULES`) excepted."""
     import torch
 
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and module is not output}
+             if isinstance(module, torch.nn.Linear) and module is not output
+             and not set(name.split(".")) & set(VISION_MODULES)}
     return sorted(names)
 
 

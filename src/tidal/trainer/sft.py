@@ -33,6 +33,7 @@ from tidal.envs.images import has_images
 from tidal.paths import STABLE, atomic_dir, sft_dir
 from tidal.trainer.model.hf import check_model_dir
 from tidal.trainer.model.load import load_policy, load_tokenizer
+from tidal.trainer.model.vision import model_inputs
 from tidal.trainer.step.logprobs import Head, _chunk_logits, forward_logprobs, split_head
 from tidal.trainer.step.optim import make_optimizer, make_scheduler
 from tidal.trainer.step.packing import pack
@@ -98,13 +99,14 @@ def sft_loss(model: torch.nn.Module, mb: Any, label_smoothing: float,
     head = split_head(model) if chunk_size > 0 else None
     if head is not None:
         sel = mb.loss_mask[:, 1:].bool()  # (B, T-1): positions whose next token carries loss
-        hidden = head.body(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                           use_cache=False).last_hidden_state[:, :-1][sel]  # (N, H)
+        with model_inputs(model, mb.input_ids, mb.position_ids, None) as inputs:  # Qwen-VL: (4, B, T) positions
+            hidden = head.body(**inputs, use_cache=False).last_hidden_state[:, :-1][sel]  # (N, H)
         targets = mb.input_ids[:, 1:][sel]  # (N,)
         parts = [checkpoint(_smoothed_chunk, head, hidden[s:s + chunk_size], targets[s:s + chunk_size],
                             label_smoothing, use_reentrant=False) for s in range(0, hidden.shape[0], chunk_size)]
         return torch.stack(parts).sum() if parts else hidden.sum() * 0
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+    with model_inputs(model, mb.input_ids, mb.position_ids, None) as inputs:
+        logits = model(**inputs, use_cache=False).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V) predicts ids[:, 1:]
     nll = -logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     smooth = -logp.mean(-1)  # (B, T-1) cross-entropy against the uniform distribution

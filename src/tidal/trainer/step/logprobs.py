@@ -48,6 +48,7 @@ import torch
 
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
 from tidal.trainer.model.precision import autocast_dtype
+from tidal.trainer.model.vision import model_inputs
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
 """`*ForCausalLM` class name -> its logit transform. Each listed class computes `self.model(...)
 .last_hidden_state`, then `self.lm_head(hidden)` and only this transform (read from transformers' source)."""
 VLM_LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
-    "Idefics3ForConditionalGeneration": _plain,
+    "Idefics3ForConditionalGeneration": _plain, "Qwen2_5_VLForConditionalGeneration": _plain,
+    "Qwen3VLForConditionalGeneration": _plain,
 }
 """The same for vision-language models (`*ForConditionalGeneration`; checked by tests/unit/test_vlm.py)."""
 
@@ -253,21 +255,12 @@ def _place(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(out, (1, 0))
 
 
-def _inputs(model: torch.nn.Module, input_ids: torch.Tensor, images: Any) -> dict[str, torch.Tensor]:
-    """The model's token inputs: `input_ids`, or (with `images`) the embeddings carrying the image features."""
-    if images is None:
-        return {"input_ids": input_ids}
-    from tidal.trainer.model.vision import embed
-
-    return {"inputs_embeds": embed(model, input_ids, images)}
-
-
 def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       temperature: float, sel: torch.Tensor, with_entropy: bool, images: Any = None,
                       attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole (B, T, V) logits from the model's own forward (chunk size 0, or an unlisted architecture)."""
-    out = model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False,
-                **_mask(attention_mask))
+    with model_inputs(model, input_ids, position_ids, images) as inputs:
+        out = model(**inputs, use_cache=False, **_mask(attention_mask))
     keep = torch.nn.functional.pad(sel, (1, 0))  # (B, T)
     lp = token_logprobs(out.logits, input_ids, temperature)
     lp = torch.where(keep, lp, torch.zeros_like(lp)) if not bool(keep.all()) else lp
@@ -299,8 +292,9 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
 
     handle = head.body.register_forward_hook(catch)
     try:
-        model(**_inputs(model, input_ids, images), position_ids=position_ids, use_cache=False,
-              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device), **_mask(attention_mask))
+        with model_inputs(model, input_ids, position_ids, images) as inputs:
+            model(**inputs, use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+                  **_mask(attention_mask))
     finally:
         handle.remove()
     if len(caught) != 1:

@@ -242,6 +242,10 @@ def serve(cfg: InferConfig) -> int:
         check_engine_routes(cfg.backend, on_cpu(), cfg.model, info)
     check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
     check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
+    if cfg.backend == "vllm":
+        from tidal.inference.backends.vllm.support import check_vision_imports
+
+        check_vision_imports(info.architecture, cfg.model)  # a Qwen-VL without torchvision: refused now
     if cfg.export_base_weights and (on_cpu() or cfg.tp > 1 or cfg.dp > 1):
         from tidal.config.load import ConfigError
 

@@ -1,6 +1,8 @@
 """What the installed vLLM supports, read from its files on disk without importing it (importing vLLM costs
-seconds and loads torch): its version, `--kv-cache-memory-bytes`, and the NCCL weight-transfer modules the
-`nccl` push needs (`vllm.distributed.weight_transfer.nccl_common`: not in vLLM 0.24.0, the GPU kit's release).
+seconds and loads torch): its version, `--kv-cache-memory-bytes`, the NCCL weight-transfer modules the
+`nccl` push needs (`vllm.distributed.weight_transfer.nccl_common`: not in vLLM 0.24.0, the GPU kit's release), and
+whether the torchvision its Qwen-VL model code imports works here (`check_vision_imports`, tried in a child process
+only for those models).
 
 `check_weight_transfer` turns a missing module into a `ConfigError` naming the version, before anything starts.
 The vLLM plugin (`tidal.inference.backends.vllm.weight_transfer.register`) does the same check by import, and registers
@@ -72,3 +74,52 @@ def check_weight_transfer(weight_broadcast_type: str, root: Path | None = None) 
                           f"transfer engine, but the installed vLLM {vllm_version()} has no {', '.join(missing)}; use "
                           f"weight_broadcast.type: filesystem (LoRA or merged reloads), or a vLLM with it (tested: "
                           f"{TESTED_VLLM[-1]})")
+
+
+TORCHVISION_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                     "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+"""Architectures whose vLLM model code imports torchvision (vLLM 0.32's `model_executor/models/qwen2_vl.py`,
+`qwen2_5_vl.py`, `qwen3_vl.py` import `smart_resize` from transformers' `image_processing_qwen2_vl`, which imports
+`torchvision.transforms.v2`): without a working torchvision the server dies while inspecting the model."""
+
+
+def torchvision_problem() -> str | None:
+    """None when `import torchvision` works in this Python; else what goes wrong (not installed, or the import's
+    error: a CUDA build next to a CPU torch fails with `operator torchvision::nms does not exist`). The import is
+    tried in a child process (it loads torch: seconds), only when a spec is found."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torchvision") is None:
+        return "torchvision is not installed"
+    try:
+        done = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True,
+                              timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return "`import torchvision` did not finish in 300 s"
+    if done.returncode == 0:
+        return None
+    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    return f"`import torchvision` fails: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
+def check_vision_imports(architecture: str, model: str) -> None:
+    """Raise ConfigError, before anything starts, when vLLM's model code for `architecture` needs torchvision and
+    torchvision does not import here (`torchvision_problem`), saying why and what to install."""
+    if architecture not in TORCHVISION_ARCHS:
+        return
+    problem = torchvision_problem()
+    if problem is None:
+        return
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    cpu = "+cpu" in torch
+    how = ("pip install torchvision --index-url https://download.pytorch.org/whl/cpu (a CPU build; PyPI's wheels "
+           "are CUDA builds, which fail to import next to a CPU torch)" if cpu else
+           "pip install torchvision (the release built for this torch)")
+    raise ConfigError(f"infer model '{model}' is a {architecture}: vLLM {vllm_version()}'s model code for it "
+                      f"imports torchvision, and here {problem}, so vLLM could not load it. Install the torchvision "
+                      f"that matches torch {torch}: {how}; or run on a machine where it imports (the GPU machines "
+                      "have it). tidal's trainer supports this model; see docs/vlm.md")
