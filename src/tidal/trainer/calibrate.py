@@ -64,7 +64,7 @@ def calibrate(train: Any) -> dict[str, float]:
     rows = (train.micro_batch_tokens // train.sequence_len if train.micro_batch_tokens
             else train.per_device_train_batch_size)
     batch = synthetic_batch(rows, train.sequence_len, int(config["vocab_size"]))
-    batch.routed_experts = synthetic_routes(len(batch.tokens), config, train.router_replay)
+    batch.routed_experts = synthetic_routes(len(batch.tokens), dict(config), train.router_replay)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
