@@ -7,9 +7,12 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
   (`PolicyTracker.lease` / `release`); merged reloads and nccl pushes change the weights between two decoding
   steps of running requests (vLLM applies them between engine steps), so a request can span two policies;
 - the **launcher** starts one group (one prompt, `rollouts_per_example` completions; multi-turn and tool
-  environments run their loops) whenever fewer than `in_flight_groups` groups are running or waiting to be
-  batched, and the gate allows it: while batch n is being filled, a group starts only when the served policy is
-  >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated mode's bound applied per group;
+  environments run their loops) whenever its completions fit in `in_flight_groups` x `rollouts_per_example`
+  beside the completions running and the finished groups waiting to be batched (a single-turn group is sampled as
+  one request per completion, so a group waiting for its last long completion holds one slot: over-provisioning
+  under long-tailed lengths, vLLM's batch stays full), and the gate allows it: while batch n is being filled, a
+  group starts only when the served policy is >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated
+  mode's bound applied per group;
 - **`take(n)`** fills batch n from the finished groups in completion order: a group's staleness is
   (n - 1) - its start version; one above `max_off_policy_steps` is dropped whole (advantages stay valid; counted
   in `dropped_stale`; a finished group already stale for the batch being filled is dropped at once, freeing its
