@@ -338,7 +338,8 @@ def main() -> None:
     ap.add_argument("--skip-baselines", action="store_true", help="only the tidal run(s): no TRL, rollout or "
                     "trainer baselines (a quick smoke of the async modes)")
     ap.add_argument("--workload", default="both", choices=["uniform", "longtail", "both"],
-                    help="with --async-mode both: add the long-tail rows (measure 8) to the uniform workload's")
+                    help="with --async-mode both: add the long-tail rows (measure 8) to the uniform workload's; "
+                         "with --longtail-quick: the workloads it runs")
     ap.add_argument("--longtail-max-tokens", type=int, default=256,
                     help="sampling.max_tokens of the long-tail workload (its texts are up to 4 letters shorter)")
     ap.add_argument("--longtail-extra", default="",
@@ -518,14 +519,16 @@ def machine() -> str:
 
 
 def longtail_quick(args: argparse.Namespace) -> None:
-    """`--longtail-quick`: measure 8 alone, both workloads, written to bench/ROLLOUT-LONGTAIL.md's results block."""
+    """`--longtail-quick`: measure 8 alone (`--workload`: both by default), added at the top of the results in
+    bench/ROLLOUT-LONGTAIL.md (after its `<!-- results -->` marker; earlier results stay below)."""
     import longtail
 
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-longtail-"))
     print(f"bench: work dir {work}", flush=True)
     load0 = os.getloadavg()
     runs: dict[tuple[str, str], dict[str, Any]] = {}
-    for workload in ("longtail", "uniform"):
+    workloads = ("longtail", "uniform") if args.workload == "both" else (args.workload,)
+    for workload in workloads:
         for mode in ("gated", "in_flight"):
             runs[workload, mode] = r = measured_run(args, work, mode, workload, args.recipes[-1])
             print(f"bench: {workload} {mode}: {r['step_s']:.2f} s/step, vLLM busy {r['busy']:.0%} "
@@ -541,14 +544,13 @@ def longtail_quick(args: argparse.Namespace) -> None:
              f"{args.longtail_max_tokens - 4}), max_tokens {args.longtail_max_tokens}; uniform: `reverse-text`, "
              f"max_tokens {args.max_tokens}; in-flight runs add: `{args.longtail_extra or '-'}`", "",
              "| measure | in-flight | gated | ratio | target |", "|---|---|---|---|---|",
-             *longtail.rows("long tail", runs["longtail", "gated"], runs["longtail", "in_flight"]),
-             *longtail.rows("uniform", runs["uniform", "gated"], runs["uniform", "in_flight"]), "",
+             *[row for w in workloads for row in longtail.rows("long tail" if w == "longtail" else w,
+                                                               runs[w, "gated"], runs[w, "in_flight"])], "",
              f"Raw logs: `{work}`."]
     print("\n".join(lines))
     out = Path(args.out).with_name("ROLLOUT-LONGTAIL.md")
     text = out.read_text() if out.exists() else "# Long-tail rollouts: gated vs in-flight\n\n<!-- results -->\n"
-    head, _, _ = text.partition("<!-- results -->")
-    out.write_text(head + "<!-- results -->\n" + "\n".join(lines) + "\n")
+    out.write_text(text.replace("<!-- results -->", "<!-- results -->\n" + "\n".join(lines) + "\n", 1))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,26 @@ def test_args_checked_when_the_config_loads():
         make_env("reverse-text-longtail", {"distribution": "zipf"})
     with pytest.raises(ValueError, match=r"args\.alpha"):
         make_env("reverse-text-longtail", {"alpha": 0})
+
+
+def test_bench_reads_vllm_running_sequences_from_metrics():
+    """bench/longtail.py's `/metrics` reader: vLLM's gauges (per engine, summed) and the steady-state cut."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "longtail.py"
+    spec = importlib.util.spec_from_file_location("bench_longtail", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = ('# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+            '# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 37.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n')
+    assert mod.parse_gauges(page) == {"running": 40.0, "waiting": 5.0}
+    assert mod.parse_gauges("process_cpu_seconds_total 3.0\n") == {}
+    s = mod.Sampler(1, Path("/nonexistent"))
+    s.samples = [(0.0, 1, 50.0, 0.0), (0.1, 2, 0.0, 0.0), (0.2, 2, 10.0, 1.0), (0.3, 4, 99.0, 0.0)]
+    assert s.busy(2, 4) == {"busy": 0.5, "running": 5.0, "waiting": 0.5, "samples": 2.0}
