@@ -49,7 +49,8 @@ gpu-kit:
 	bash scripts/gpu_kit_trl.sh
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
-## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both".
+## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both" (with the long-tail rows, bench/longtail.py).
+## The long-tail rows alone, both workloads (~13 min on 2 cores; bench/ROLLOUT-LONGTAIL.md): make bench BENCH_ARGS="--longtail-quick --steps 16 --recipes fp32".
 bench: setup-dev
 	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)

@@ -17,6 +17,12 @@
    docs/performance.md) and a TRL run per `--trl-precisions` (TRL's `bf16=False` / `bf16=True`, autocast on CPU
    too), every tidal run against every TRL run; the mismatch KL at step 1 shows what bf16 costs in exactness.
    The last recipe is the main run (in-flight run, overlap, trainer baseline).
+8. Long tail (issue 44, `bench/longtail.py`): with `--workload longtail|both` (default both, with `--async-mode
+   both`), gated and in-flight runs on `reverse-text-longtail` (lengths log-normal: most completions stop early, a
+   few run to `--longtail-max-tokens`): time per step, vLLM busy fraction and running sequences (sampled from its
+   `/metrics`), trainer idle fraction, staleness, groups dropped, reward against samples trained.
+   `--longtail-quick` runs only those rows, for both workloads (4 runs, ~6 min on 2 cores), and writes
+   `bench/ROLLOUT-LONGTAIL.md`.
 7. Start-up (issue 37): vLLM's phases and the run's milestones (orchestrator and trainer ready, first batch, first
    step) of the main run, the first step done after `tidal grpo` started, and the same run again with the start-up
    before issue 37 (`BEFORE_37`: three vLLM processes, orchestrator and trainer after `/health`) as the baseline;
@@ -120,6 +126,25 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
             "dropped": sum(r.get("dropped_stale_groups", 0.0) for r in rows),
             "switched": sum(r.get("policy_switch_samples", 0.0) for r in rows),
             "curve": [(e, r["reward/mean"]) for e, r in zip(elapsed, rows, strict=True)]}
+
+
+def measured_run(args: argparse.Namespace, work: Path, mode: str, workload: str,
+                 recipe: str = "fp32") -> dict[str, Any]:
+    """A `tidal_run` with vLLM's `/metrics` sampled (`bench/longtail.py`; engine statistics on for every mode) on
+    the `uniform` workload (reverse-text, `--max-tokens`) or the `longtail` one (`reverse-text-longtail`,
+    `--longtail-max-tokens`)."""
+    import longtail
+
+    extra = ["--infer.log_stats", "true"]
+    if workload == "longtail":
+        flag, env = longtail.LONGTAIL_ARGS
+        extra += [flag, env.replace("MAXLEN", str(args.longtail_max_tokens - 4)), "--orch.sampling.max_tokens",
+                  str(args.longtail_max_tokens)]
+    extra += shlex.split(args.longtail_extra) if mode == "in_flight" else []
+    tag = f"_{workload}"
+    with longtail.Sampler(args.port, work / f"tidal_run_{recipe}_{mode}{tag}" / "metrics.jsonl") as sampler:
+        got = tidal_run(args, work, mode, recipe, tuple(extra), tag)
+    return longtail.summarize(got, sampler, args.steps)
 
 
 def trl_run(args: argparse.Namespace, work: Path, model: str, precision: str = "fp32") -> dict[str, Any]:
@@ -312,7 +337,20 @@ def main() -> None:
                          "after vLLM's /health), run to compare start-ups in the same bench run")
     ap.add_argument("--skip-baselines", action="store_true", help="only the tidal run(s): no TRL, rollout or "
                     "trainer baselines (a quick smoke of the async modes)")
+    ap.add_argument("--workload", default="both", choices=["uniform", "longtail", "both"],
+                    help="with --async-mode both: add the long-tail rows (measure 8) to the uniform workload's; "
+                         "with --longtail-quick: the workloads it runs")
+    ap.add_argument("--longtail-max-tokens", type=int, default=256,
+                    help="sampling.max_tokens of the long-tail workload (its texts are up to 4 letters shorter)")
+    ap.add_argument("--longtail-extra", default="",
+                    help="more `tidal grpo` arguments for the in-flight runs of measure 8, one string "
+                         "(`--longtail-extra='--orch.in_flight_groups 24'`)")
+    ap.add_argument("--longtail-quick", action="store_true",
+                    help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
+                         "writes bench/ROLLOUT-LONGTAIL.md")
     args = ap.parse_args()
+    if args.longtail_quick:
+        return longtail_quick(args)
     if args.skip_baselines:
         return async_only(args)
 
@@ -330,6 +368,8 @@ def main() -> None:
     f = tidal_run(args, work, "in_flight", main_recipe) if args.async_mode == "both" else None
     if f is not None:
         print(f"bench: tidal {main_recipe} in_flight {f['step_s']:.2f} s/step", flush=True)
+    lt = ({m: measured_run(args, work, m, "longtail", main_recipe) for m in ("gated", "in_flight")}
+          if f is not None and args.workload != "uniform" else None)
     before = (None if args.no_startup_baseline else
               tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated", main_recipe,
                         tuple(BEFORE_37), "_before37"))
@@ -410,7 +450,8 @@ def main() -> None:
         *[f"| steady-state split, tidal {rc} | rollout {g['rollout_s']:.2f} s, train {g['train_s']:.2f} s | | | |"
           for rc, g in gated.items()],
         *[f"| mismatch KL at step 1 (same policy both sides), tidal {rc} | {v:.2e} | | | |" for rc, v in mkl.items()],
-        *(async_rows(t, f) if f is not None else []), "",
+        *(async_rows(t, f) if f is not None else []),
+        *(longtail_rows(lt["gated"], lt["in_flight"]) if lt is not None else []), "",
         f"Whole runs: {whole} (tidal: vLLM start-up included; TRL: model load excluded). Reward against time: "
         f"`bench/reward_vs_time.png`. Raw logs: `{work}`.",
     ]
@@ -460,6 +501,56 @@ def async_only(args: argparse.Namespace) -> None:
         print("\n".join(async_rows(runs["gated"], runs["in_flight"])))
         plot({f"tidal ({m})": t["curve"] for m, t in runs.items()}, work / "reward_vs_time.png")
         print(f"bench: reward against time: {work / 'reward_vs_time.png'}")
+
+
+def longtail_rows(gated: dict[str, Any], inflight: dict[str, Any]) -> list[str]:
+    import longtail
+
+    return longtail.rows("long tail", gated, inflight)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def longtail_quick(args: argparse.Namespace) -> None:
+    """`--longtail-quick`: measure 8 alone (`--workload`: both by default), added at the top of the results in
+    bench/ROLLOUT-LONGTAIL.md (after its `<!-- results -->` marker; earlier results stay below)."""
+    import longtail
+
+    work = Path(tempfile.mkdtemp(prefix="tidal-bench-longtail-"))
+    print(f"bench: work dir {work}", flush=True)
+    load0 = os.getloadavg()
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    workloads = ("longtail", "uniform") if args.workload == "both" else (args.workload,)
+    for workload in workloads:
+        for mode in ("gated", "in_flight"):
+            runs[workload, mode] = r = measured_run(args, work, mode, workload, args.recipes[-1])
+            print(f"bench: {workload} {mode}: {r['step_s']:.2f} s/step, vLLM busy {r['busy']:.0%} "
+                  f"({r['running']:.1f} running), trainer idle {r['idle']:.0%}", flush=True)
+    cmd = ".venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
+    lines = [f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()}, device "
+             f"{args.device}; load average before / after: {load0[0]:.1f} / {os.getloadavg()[0]:.1f}",
+             f"- versions: python {platform.python_version()}, {versions()}",
+             f"- command: `{cmd}`",
+             f"- workloads: bundled model, {args.prompts} prompts x {args.generations} completions per step, "
+             f"{args.steps} steps, recipe {args.recipes[-1]}, LoRA r16, lr 2e-3, vLLM engine statistics on in every "
+             f"run; long tail: `reverse-text-longtail` (log-normal lengths, median 8, sigma 1.25, max_len "
+             f"{args.longtail_max_tokens - 4}), max_tokens {args.longtail_max_tokens}; uniform: `reverse-text`, "
+             f"max_tokens {args.max_tokens}; in-flight runs add: `{args.longtail_extra or '-'}`", "",
+             "| measure | in-flight | gated | ratio | target |", "|---|---|---|---|---|",
+             *[row for w in workloads for row in longtail.rows("long tail" if w == "longtail" else w,
+                                                               runs[w, "gated"], runs[w, "in_flight"])], "",
+             f"Raw logs: `{work}`."]
+    print("\n".join(lines))
+    out = Path(args.out).with_name("ROLLOUT-LONGTAIL.md")
+    text = out.read_text() if out.exists() else "# Long-tail rollouts: gated vs in-flight\n\n<!-- results -->\n"
+    out.write_text(text.replace("<!-- results -->", "<!-- results -->\n" + "\n".join(lines) + "\n", 1))
 
 
 if __name__ == "__main__":

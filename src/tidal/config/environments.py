@@ -89,6 +89,53 @@ class OpenEnvArgs(StrictModel):
         return value
 
 
+class LongTailArgs(StrictModel):
+    """`args` of the `reverse-text-longtail` environment (`tidal.envs.longtail`): reverse a text of k letters, with k
+    drawn from a heavy-tailed distribution, so that most completions stop early and a few run long (the workload of
+    `async_mode: in_flight`, docs/orchestrator.md). The text repeats a random unit of letters, so its length, not
+    its content, is what the model must get right: it learns to stop after k letters."""
+
+    distribution: Literal["lognormal", "pareto"] = "lognormal"
+    """The law of the text length k (letters): `lognormal` (`median`, `sigma`) or `pareto` (`min_len`, `alpha`:
+    P(k > x) = (min_len / x) ** alpha); k is rounded to the nearest integer and clipped to [`min_len`, `max_len`]."""
+    median: float = Field(8.0, gt=0)
+    """`lognormal`: the median length, letters (the law's mu = ln(median))."""
+    sigma: float = Field(1.25, gt=0)
+    """`lognormal`: the standard deviation of ln(k); larger means a heavier tail (1.25 with median 8: ~5% of
+    texts are longer than 64 letters)."""
+    alpha: float = Field(1.5, gt=0)
+    """`pareto`: the tail index; smaller means a heavier tail (<= 2: infinite variance before clipping)."""
+    min_len: int = Field(2, ge=1)
+    """Shortest text (letters); the Pareto law's scale."""
+    max_len: int = Field(200, ge=1)
+    """Longest text (letters): longer draws are clipped to it (keep it under `sampling.max_tokens` - 3, or the
+    longest answers cannot be completed)."""
+    unit: int = Field(2, ge=1, le=8)
+    """The text repeats a random unit of 1..`unit` lowercase letters (`aaaa`, `abab`...)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> LongTailArgs:
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        return self
+
+
+def check_args(model: type[StrictModel], what: str, args: dict[str, Any]) -> Any:
+    """`args` validated as `model`; a ValueError names `what` and each bad key (`args.KEY: why`)."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(args)
+    except ValidationError as exc:
+        bad = "; ".join(f"args{''.join('.' + str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                        for e in exc.errors())
+        raise ValueError(f"{what}: {bad} (keys: {', '.join(model.model_fields)})") from None
+
+
+LONGTAIL_IDS = ("reverse-text-longtail",)
+"""`env[].id`s of the long-tail environment (its `args` are `LongTailArgs`)."""
+
+
 OPENENV_IDS = ("tidal.envs.openenv:OpenEnv", "openenv")
 """`env[].id`s of the OpenEnv environment (its `args` are `OpenEnvArgs`); the short `openenv` works once
 `tidal.envs.registry` lists the class under its `id` (not yet: use the import path)."""
@@ -96,22 +143,16 @@ OPENENV_IDS = ("tidal.envs.openenv:OpenEnv", "openenv")
 
 def check_openenv_args(args: dict[str, Any]) -> OpenEnvArgs:
     """`args` as `OpenEnvArgs`; a ValueError names each bad key (`args.KEY: why`)."""
-    from pydantic import ValidationError
-
-    try:
-        return OpenEnvArgs.model_validate(args)
-    except ValidationError as exc:
-        bad = "; ".join(f"args{''.join('.' + str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                        for e in exc.errors())
-        raise ValueError(f"OpenEnv environment: {bad} (keys: {', '.join(OpenEnvArgs.model_fields)})") from None
+    return check_args(OpenEnvArgs, "OpenEnv environment", args)
 
 
 class EnvSection(StrictModel):
     """One environment to sample training examples from."""
 
     id: str
-    """Environment id from tidal's registry (`reverse-text`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv
-    server, its `args` in docs/orchestrator.md) or `package.module:Class`."""
+    """Environment id from tidal's registry (`reverse-text`, `reverse-text-longtail`: its `args` are
+    `LongTailArgs`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv server, its `args` in
+    docs/orchestrator.md) or `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)
@@ -133,4 +174,6 @@ class EnvSection(StrictModel):
                 raise ValueError(f"env '{self.name or self.id}': an OpenEnv server is given by args.base_url or "
                                  f"args.app, not address/spawn (those serve tidal's own environments)")
             check_openenv_args(self.args)
+        if self.id in LONGTAIL_IDS:
+            check_args(LongTailArgs, f"env '{self.name or self.id}'", self.args)
         return self

@@ -422,8 +422,10 @@ class OrchConfig(StrictModel):
     requests use the newest policy), records the policy version(s) of every sample and drops groups staler than
     `max_off_policy_steps` (docs/orchestrator.md, "In-flight weight updates")."""
     in_flight_groups: int | None = Field(None, ge=1)
-    """`async_mode: in_flight` only: groups (prompts x `rollouts_per_example`) running or waiting to be batched
-    at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`)."""
+    """`async_mode: in_flight` only: groups' worth of completions (x `rollouts_per_example`) running or waiting
+    to be batched at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`). A single-turn
+    group counts only its completions still running, so a group waiting for its last long completion leaves room
+    for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch stays full."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
     times the groups still needed in each sampling round, so dropped groups are replaced without another

@@ -10,13 +10,15 @@ from typing import Any
 from tidal.envs.base import Environment
 from tidal.envs.calculator import Calculator
 from tidal.envs.dataset import DatasetEnv
+from tidal.envs.longtail import ReverseTextLongTail
 from tidal.envs.math import MathProblems
 from tidal.envs.openenv import OpenEnv
 from tidal.envs.reverse_text import ReverseText
 
 _REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems,
                                            Calculator.id: Calculator, DatasetEnv.id: DatasetEnv,
-                                           OpenEnv.id: OpenEnv}  # openenv-core imported on first use
+                                           OpenEnv.id: OpenEnv,  # openenv-core imported on first use
+                                           ReverseTextLongTail.id: ReverseTextLongTail}
 
 
 def available() -> list[str]:

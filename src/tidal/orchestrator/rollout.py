@@ -12,6 +12,7 @@ every continuation's token prompt)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from tidal.config.orch import SamplingSection
@@ -50,6 +51,30 @@ async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[in
         return full_group(await client.sample_chat(model, messages, prompt_ids, n, max_tokens, temp, seed, extra), n,
                           client)
     return full_group(await client.sample(model, prompt_ids, n, max_tokens, temp, seed, extra), n, client)
+
+
+async def split_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
+                      seq_len: int, seed: int | None, temperature: float,
+                      on_done: Callable[[], None]) -> list[Completion]:
+    """`rollout_group` as `n` requests of one completion each, so that the caller learns when each completion is
+    done (`on_done`, called once per request however it ends): the in-flight stream counts the sequences still
+    running, not whole groups (`tidal.orchestrator.stream`). vLLM fans a request for `n` completions out into `n`
+    sequences anyway; the prompt is prefilled once per sequence either way (prefix caching shares it). A failed
+    request cancels the others and raises. Request i is seeded `seed + i` (`seed` set)."""
+    async def one(i: int) -> Completion:
+        return (await rollout_group(client, model, prompt_ids, 1, sampling, seq_len,
+                                    None if seed is None else seed + i, temperature))[0]
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    for t in tasks:
+        t.add_done_callback(lambda _: on_done())  # also for a task cancelled before it ran
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,

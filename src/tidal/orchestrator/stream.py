@@ -7,9 +7,12 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
   (`PolicyTracker.lease` / `release`); merged reloads and nccl pushes change the weights between two decoding
   steps of running requests (vLLM applies them between engine steps), so a request can span two policies;
 - the **launcher** starts one group (one prompt, `rollouts_per_example` completions; multi-turn and tool
-  environments run their loops) whenever fewer than `in_flight_groups` groups are running or waiting to be
-  batched, and the gate allows it: while batch n is being filled, a group starts only when the served policy is
-  >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated mode's bound applied per group;
+  environments run their loops) whenever its completions fit in `in_flight_groups` x `rollouts_per_example`
+  beside the completions running and the finished groups waiting to be batched (a single-turn group is sampled as
+  one request per completion, so a group waiting for its last long completion holds one slot: over-provisioning
+  under long-tailed lengths, vLLM's batch stays full), and the gate allows it: while batch n is being filled, a
+  group starts only when the served policy is >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated
+  mode's bound applied per group;
 - **`take(n)`** fills batch n from the finished groups in completion order: a group's staleness is
   (n - 1) - its start version; one above `max_off_policy_steps` is dropped whole (advantages stay valid; counted
   in `dropped_stale`; a finished group already stale for the batch being filled is dropped at once, freeing its
@@ -62,9 +65,12 @@ from tidal.orchestrator.collect import (
     group_rollouts,
     teacher_logprobs,
 )
+from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.outage import EnvFailures, Outage
 from tidal.orchestrator.outage import judged as judged_mask
 from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.rollout import split_group
+from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.staleness import is_stale, launch_allowed
 from tidal.rewards import ServiceUnavailable
@@ -101,6 +107,7 @@ class GroupStream:
         self.filling = first_step
         self.ready: deque[Group] = deque()
         self.running: set[asyncio.Task[None]] = set()
+        self.seqs_running = 0  # completions requested and not yet returned (`_sample`)
         self.in_flight_keys: dict[str, int] = {}
         self.counts: dict[str, float] = {}
         self.gate_wait_s = 0.0
@@ -193,6 +200,7 @@ class GroupStream:
             ex, prompt = examples[0], prompts[0]
             key = example_key(ex, self.buffer.cfg.hash_keys)
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
+            self.seqs_running += self.cfg.rollouts_per_example  # counted down by `_sample` as each returns
             task = asyncio.create_task(self._group(ex, prompt, self.filling, self.launched))
             self.launched += 1
             self.running.add(task)
@@ -203,11 +211,16 @@ class GroupStream:
         self.changed.set()
 
     async def _wait_for_room(self) -> None:
-        """Until fewer than `in_flight_groups` groups are running or waiting and the gate lets one start."""
+        """Until a group's `rollouts_per_example` completions fit in `in_flight_groups` x `rollouts_per_example`
+        beside the completions running and the finished groups waiting to be batched, and the gate lets one start.
+        A group waiting for its last long completions holds only their slots (`_sample`): over-provisioning where
+        lengths have a long tail, so vLLM's batch stays full."""
         gated_since: float | None = None
+        n = self.cfg.rollouts_per_example
         while True:
             self._drop_stale()
-            room = len(self.running) + len(self.ready) < self.cap and not self.outage.waiting
+            # a group's n completions fit beside those running and the finished groups waiting to be batched
+            room = self.seqs_running + n * (len(self.ready) + 1) <= self.cap * n and not self.outage.waiting
             if room and launch_allowed(self.filling, self.policy.step, self.cfg.max_async_level):
                 return
             now = time.monotonic()
@@ -225,9 +238,10 @@ class GroupStream:
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 model, start = self.policy.lease()
+                if attempt > 1:  # the failed attempt's completions were all counted down
+                    self.seqs_running += self.cfg.rollouts_per_example
                 try:
-                    comps = (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
-                                             [images]))[0]
+                    comps = await self._sample(step, ex, prompt, seq, model, images)
                     end = self.policy.end_version(start)
                     if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
                         end = max(end, max((await self.client.weight_versions()).values(), default=end))
@@ -254,6 +268,29 @@ class GroupStream:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to `take`
             self._fail(exc)
+
+    async def _sample(self, step: int, ex: Example, prompt: list[int], seq: int, model: str,
+                      images: list[bytes]) -> list[Completion]:
+        """One group's completions, counted in `seqs_running` (by the launcher) until each is done: a single-turn
+        text group as `rollouts_per_example` requests of one completion (`rollout.split_group`), so a group that
+        waits for its last long completions holds only their slots; other groups (multi-turn, tools, images)
+        whole until they return."""
+        n = self.cfg.rollouts_per_example
+        env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
+        if images or env.tooling is not None or env.max_turns > 1:
+            try:
+                return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
+                                             [images]))[0]
+            finally:
+                self.seqs_running -= n
+
+        def done() -> None:
+            self.seqs_running -= 1
+            self.changed.set()
+
+        seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + step * 100003 + seq * n
+        return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
+                                 temperature_at(self.cfg.sampling, self.cfg.max_steps, step), done)
 
     async def _judged_enough(self, comps: list[Completion]) -> bool:
         """Count a scored group's failures on the environment's side; a group mostly failed so is an outage,
