@@ -52,7 +52,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
+
 PY = sys.executable
 GIB = 2**30
 
@@ -285,11 +286,6 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             continue
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(extra_path: list[str]) -> dict[str, str]:

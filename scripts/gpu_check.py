@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
+
 PY = sys.executable
 MISMATCH_KL_MAX = 1e-3
 WARM_READY_MAX_S = 60.0
@@ -98,11 +99,6 @@ class Ctx:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kill_group(proc: subprocess.Popen[Any]) -> None:
