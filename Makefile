@@ -27,7 +27,7 @@ run: setup
 
 ## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
 test: setup-dev
-	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not gpu" --durations=40 $(PYTEST_ARGS)
 
 ## Everything that runs on this machine, including slow tests.
 test-all: setup-dev

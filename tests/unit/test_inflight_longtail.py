@@ -1,7 +1,9 @@
 """The in-flight stream under long-tailed completion lengths (issue 44): it counts the completions still running,
 not whole groups, so a group that waits for its last long completion holds one slot and further groups start beside
-it (over-provisioning), while completions running plus finished groups never exceed `in_flight_groups` x
-`rollouts_per_example`. A fake server: each request's completion takes a time proportional to a length drawn from
+it (over-provisioning), while the completions running never exceed `in_flight_groups` x `rollouts_per_example` and
+a group starts only when its completions fit beside those running and the finished groups waiting. (A group's
+finished completions count again once the whole group waits to be batched, so running + waiting may pass the cap
+between two launches; vLLM's load never does.) A fake server: each request's completion takes a time proportional to a length drawn from
 `reverse-text-longtail`'s law, with a few running to `max_tokens`."""
 
 from __future__ import annotations
@@ -106,12 +108,19 @@ def test_long_groups_hold_only_their_running_completions():
     stream = GroupStream(cfg, env, random.Random(SEED), server, "m", FakePolicy(), ZeroScorer(),
                          Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
     n, cap = cfg.rollouts_per_example, 8
-    seen = {"groups": 0, "bound": 0}
+    seen = {"groups": 0, "running": 0, "at_launch": 0}
+    launch = stream._wait_for_room
+
+    async def counted_launch() -> None:  # running + waiting once a group has room, with the group's own n
+        await launch()
+        seen["at_launch"] = max(seen["at_launch"], stream.seqs_running + n * (len(stream.ready) + 1))
+
+    stream._wait_for_room = counted_launch  # type: ignore[method-assign]
 
     async def watch() -> None:
         while True:
             seen["groups"] = max(seen["groups"], len(stream.running))
-            seen["bound"] = max(seen["bound"], stream.seqs_running + n * len(stream.ready))
+            seen["running"] = max(seen["running"], stream.seqs_running)
             await asyncio.sleep(TOKEN_S)
 
     async def go() -> None:
@@ -127,7 +136,8 @@ def test_long_groups_hold_only_their_running_completions():
             await asyncio.gather(watcher, return_exceptions=True)
 
     asyncio.run(go())
-    assert server.peak <= cap * n and seen["bound"] <= cap * n, SEED
+    assert server.peak <= cap * n and seen["running"] <= cap * n, (SEED, server.peak, seen)
+    assert 0 < seen["at_launch"] <= cap * n, (SEED, seen)
     assert seen["groups"] > cap, (SEED, seen)  # long groups held few slots: more groups ran at once than the cap
     assert set(server.requests) == {1}  # single-turn text groups: one completion per request
     assert stream.seqs_running == 0

@@ -425,7 +425,9 @@ class OrchConfig(StrictModel):
     """`async_mode: in_flight` only: groups' worth of completions (x `rollouts_per_example`) running or waiting
     to be batched at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`). A single-turn
     group counts only its completions still running, so a group waiting for its last long completion leaves room
-    for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch stays full."""
+    for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch stays full
+    (the completions running never exceed the cap; a group starts only when its completions fit beside them and
+    the finished groups waiting)."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
     times the groups still needed in each sampling round, so dropped groups are replaced without another

@@ -10,7 +10,9 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
   environments run their loops) whenever its completions fit in `in_flight_groups` x `rollouts_per_example`
   beside the completions running and the finished groups waiting to be batched (a single-turn group is sampled as
   one request per completion, so a group waiting for its last long completion holds one slot: over-provisioning
-  under long-tailed lengths, vLLM's batch stays full), and the gate allows it: while batch n is being filled, a
+  under long-tailed lengths, vLLM's batch stays full; the completions running never exceed the cap, while
+  running + waiting may pass it between two launches, when a group's finished completions count again as a
+  waiting group), and the gate allows it: while batch n is being filled, a
   group starts only when the served policy is >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated
   mode's bound applied per group;
 - **`take(n)`** fills batch n from the finished groups in completion order: a group's staleness is
