@@ -3,8 +3,8 @@ not whole groups, so a group that waits for its last long completion holds one s
 it (over-provisioning), while the completions running never exceed `in_flight_groups` x `rollouts_per_example` and
 a group starts only when its completions fit beside those running and the finished groups waiting. (A group's
 finished completions count again once the whole group waits to be batched, so running + waiting may pass the cap
-between two launches; vLLM's load never does.) A fake server: each request's completion takes a time proportional to a length drawn from
-`reverse-text-longtail`'s law, with a few running to `max_tokens`."""
+between two launches; vLLM's load never does.) A fake server: each request's completion takes a time proportional
+to a length drawn from `reverse-text-longtail`'s law, with a few running to `max_tokens`."""
 
 from __future__ import annotations
 
