@@ -175,3 +175,15 @@ def test_task_mix_follows_the_list():
     env, rng = make_env("visual-shapes", {"tasks": ["count", "count", "shape"], "image_size": 32}), random.Random(0)
     tasks = [env.sample(rng).info["visual_task"] for _ in range(600)]
     assert set(tasks) == {"count", "shape"} and 340 <= tasks.count("count") <= 460  # 400 expected, sd ~11.5
+
+
+def test_examples_travel_to_an_env_server_as_the_same_png():
+    """`env[].spawn` / `address`: the example crosses the wire as JSON, its image as a PNG data URL."""
+    import json
+
+    from tidal.envs.remote import example_from_json, example_to_json
+
+    ex = make_env("visual-shapes", {"image_size": 40}).sample(random.Random(4))
+    back = example_from_json(json.loads(json.dumps(example_to_json(ex))))
+    assert prompt_images(back.prompt) == prompt_images(ex.prompt) and back.answer == ex.answer
+    assert make_env("visual-shapes").reward(back, ex.answer) == 1.0

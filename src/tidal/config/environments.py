@@ -120,7 +120,8 @@ class LongTailArgs(StrictModel):
         return self
 
 
-SHAPE_TASKS = ("colour", "shape", "count")
+ShapeTask = Literal["colour", "shape", "count"]
+SHAPE_TASKS: tuple[ShapeTask, ...] = ("colour", "shape", "count")
 """The questions of `visual-shapes` (`VisualShapesArgs.tasks`)."""
 KINDS_PER_IMAGE = 4
 """`visual-shapes`' colour and shape tasks draw each of its 4 shape kinds at most once."""
@@ -131,8 +132,7 @@ class VisualShapesArgs(StrictModel):
     (squares, circles, triangles, diamonds on white; Pillow, no download) and one question about it, for any
     vision-language model. The run's RNG draws every image, so a seed reproduces them."""
 
-    tasks: list[Literal["colour", "shape", "count"]] = Field(default_factory=lambda: list(SHAPE_TASKS),
-                                                              min_length=1)
+    tasks: list[ShapeTask] = Field(default_factory=lambda: list(SHAPE_TASKS), min_length=1)
     """The task mix: each example asks one of these, drawn uniformly (list one twice to double its share).
     `colour`: "What colour is the triangle?" (each kind at most once, each shape its own colour); `shape`:
     "Which shape is red?" (the same images); `count`: "How many shapes are in the image?" (any kinds and
