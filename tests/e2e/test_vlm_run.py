@@ -3,7 +3,9 @@ task. Prompts carry images (PIL, data URL and file forms) to vLLM's chat API; th
 the trainer, which embeds them as vLLM does: trainer and vLLM logprobs agree at both steps, including step 2,
 sampled with the trained policy (max_async_level 0) that vLLM loaded as a LoRA adapter (language-model modules
 only) or, slow, as merged full weights; the base model's logprobs show that vLLM really served the trained
-policy at step 2. The online evaluation samples image prompts the same way. Slow: the same with full
+policy at step 2. The online evaluation samples the bundled visual-shapes environment's image prompts the same
+way (training keeps the square-colour task: its shaped reward gives a random model's completions different
+rewards, so step 1 has a gradient; visual-shapes' exact-match reward is 0 for them). Slow: the same with full
 fine-tuning (`lora: false`)."""
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def test_vlm_grpo_run_agrees_with_vllm(tmp_path, reload):
     proc = tidal("grpo", "--model", str(model), "--output-dir", str(run_dir), "--infer.port", str(port),
                  "--orch.max_steps", "2", "--orch.max_async_level", "0", *RELOAD[reload],
                  *ORCH_SMALL, "--orch.env", env,
-                 "--orch.eval", "{env: [{id: 'tests.e2e.vlm_env:SquareColour', name: sq}], num_examples: 4, "
+                 "--orch.eval", "{env: [{id: visual-shapes, name: shapes, args: {image_size: 32}}], num_examples: 4, "
                  "rollouts_per_example: 2, interval: 1}")
     try:
         out, _ = proc.communicate(timeout=600)
@@ -82,7 +84,7 @@ def test_vlm_grpo_run_agrees_with_vllm(tmp_path, reload):
     assert base_model_gap(model, batches[0]) < 1e-4, "step 1: vLLM served the base model, with the images"
     assert base_model_gap(model, batches[1]) > 1e-2, "step 2: vLLM served the trained policy, not the base"
     evals = read_metrics(run_dir / "eval.jsonl")
-    assert evals and all(e["eval/sq/examples"] == 4 for e in evals), "evaluation samples image prompts too"
+    assert evals and all(e["eval/shapes/examples"] == 4 for e in evals), "the bundled visual-shapes evaluates"
     if reload == "full":
         assert (run_dir / "final" / "model").is_dir()
         return

@@ -120,6 +120,43 @@ class LongTailArgs(StrictModel):
         return self
 
 
+ShapeTask = Literal["colour", "shape", "count"]
+SHAPE_TASKS: tuple[ShapeTask, ...] = ("colour", "shape", "count")
+"""The questions of `visual-shapes` (`VisualShapesArgs.tasks`)."""
+KINDS_PER_IMAGE = 4
+"""`visual-shapes`' colour and shape tasks draw each of its 4 shape kinds at most once."""
+
+
+class VisualShapesArgs(StrictModel):
+    """`args` of the `visual-shapes` environment (`tidal.envs.shapes`): a generated image of coloured shapes
+    (squares, circles, triangles, diamonds on white; Pillow, no download) and one question about it, for any
+    vision-language model. The run's RNG draws every image, so a seed reproduces them."""
+
+    tasks: list[ShapeTask] = Field(default_factory=lambda: list(SHAPE_TASKS), min_length=1)
+    """The task mix: each example asks one of these, drawn uniformly (list one twice to double its share).
+    `colour`: "What colour is the triangle?" (each kind at most once, each shape its own colour); `shape`:
+    "Which shape is red?" (the same images); `count`: "How many shapes are in the image?" (any kinds and
+    colours)."""
+    image_size: int = Field(224, ge=32, le=2048)
+    """Side of the square image, pixels (224: 64 image tokens for Qwen2.5-VL / Qwen3-VL's 28-pixel merged
+    patches; the model's processor resizes it as it would any image)."""
+    min_shapes: int = Field(1, ge=1, le=9)
+    """Fewest shapes in an image."""
+    max_shapes: int = Field(4, ge=1, le=9)
+    """Most shapes in an image (the `colour` and `shape` tasks draw at most 4: one of each kind). Shapes sit in
+    the cells of a grid of ceil(sqrt(max_shapes)) x as many cells, one per cell, so they never touch."""
+
+    @model_validator(mode="after")
+    def _range(self) -> VisualShapesArgs:
+        if self.min_shapes > self.max_shapes:
+            raise ValueError(f"min_shapes ({self.min_shapes}) must not exceed max_shapes ({self.max_shapes})")
+        kinds_only = [t for t in self.tasks if t != "count"]
+        if kinds_only and self.min_shapes > KINDS_PER_IMAGE:
+            raise ValueError(f"tasks {sorted(set(kinds_only))} draw at most {KINDS_PER_IMAGE} shapes (one of each "
+                             f"kind), but min_shapes is {self.min_shapes}: lower it or use tasks: [count]")
+        return self
+
+
 def check_args(model: type[StrictModel], what: str, args: dict[str, Any]) -> Any:
     """`args` validated as `model`; a ValueError names `what` and each bad key (`args.KEY: why`)."""
     from pydantic import ValidationError
@@ -134,6 +171,8 @@ def check_args(model: type[StrictModel], what: str, args: dict[str, Any]) -> Any
 
 LONGTAIL_IDS = ("reverse-text-longtail",)
 """`env[].id`s of the long-tail environment (its `args` are `LongTailArgs`)."""
+SHAPES_IDS = ("visual-shapes",)
+"""`env[].id`s of the generated-image environment (its `args` are `VisualShapesArgs`)."""
 
 
 OPENENV_IDS = ("tidal.envs.openenv:OpenEnv", "openenv")
@@ -151,7 +190,8 @@ class EnvSection(StrictModel):
 
     id: str
     """Environment id from tidal's registry (`reverse-text`, `reverse-text-longtail`: its `args` are
-    `LongTailArgs`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv server, its `args` in
+    `LongTailArgs`, `visual-shapes`: generated images for vision-language models, its `args` are
+    `VisualShapesArgs`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv server, its `args` in
     docs/orchestrator.md) or `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
@@ -176,4 +216,6 @@ class EnvSection(StrictModel):
             check_openenv_args(self.args)
         if self.id in LONGTAIL_IDS:
             check_args(LongTailArgs, f"env '{self.name or self.id}'", self.args)
+        if self.id in SHAPES_IDS:
+            check_args(VisualShapesArgs, f"env '{self.name or self.id}'", self.args)
         return self

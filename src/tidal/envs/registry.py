@@ -14,11 +14,13 @@ from tidal.envs.longtail import ReverseTextLongTail
 from tidal.envs.math import MathProblems
 from tidal.envs.openenv import OpenEnv
 from tidal.envs.reverse_text import ReverseText
+from tidal.envs.shapes import VisualShapes
 
 _REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProblems.id: MathProblems,
                                            Calculator.id: Calculator, DatasetEnv.id: DatasetEnv,
                                            OpenEnv.id: OpenEnv,  # openenv-core imported on first use
-                                           ReverseTextLongTail.id: ReverseTextLongTail}
+                                           ReverseTextLongTail.id: ReverseTextLongTail,
+                                           VisualShapes.id: VisualShapes}
 
 
 def available() -> list[str]:
