@@ -86,6 +86,7 @@ def test_trl_shaped_script_trains_with_closures_and_leaves_nothing_running(tmp_p
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
 
 
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
 def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_path):
     """`tidal grpo` with `env: [{id: dataset}]` of standard (plain-text) prompts and a reward function by import
     path: the prompts go to vLLM as text, the function gets strings and the `answer` column (no errors)."""
@@ -153,7 +154,8 @@ print("RESULT " + json.dumps({"step": out.global_step}))
 """
 
 
-@pytest.mark.parametrize("prompts", ["conversational", pytest.param("standard", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("prompts", [pytest.param("conversational", marks=pytest.mark.slow),
+                                     pytest.param("standard", marks=pytest.mark.slow)])
 def test_trl_quick_start_without_peft_config_fully_trains_the_tied_model(tmp_path, prompts):
     """TRL's quick start as written (a `datasets.Dataset`, two inline reward functions, no `peft_config`) on the
     bundled model, whose embeddings are tied: every weight trains, the tied embedding (= lm_head) included, and

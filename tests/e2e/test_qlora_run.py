@@ -16,7 +16,8 @@ from tidal.transport import weights
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("key", ["qlora_bnb", pytest.param("qlora_fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("key", [pytest.param("qlora_bnb", marks=pytest.mark.slow),
+                                 pytest.param("qlora_fp8", marks=pytest.mark.slow)])
 def test_qlora_run_serves_the_quantized_base_from_step_one(tmp_path, key):
     run_dir = tmp_path / "run"
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps", "2",

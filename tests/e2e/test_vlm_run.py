@@ -53,8 +53,8 @@ RELOAD = {"lora": ["--orch.weight_broadcast.reload", "lora"],
           "full": ["--train.lora", "false"]}  # full fine-tuning (vision tower included): merged reloads on CPU
 
 
-@pytest.mark.parametrize("reload", ["lora", pytest.param("merged", marks=pytest.mark.slow),
-                                    pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.slow  # whole runs: make test-all (the VLM trainer's float64 tests stay in the default suite)
+@pytest.mark.parametrize("reload", ["lora", "merged", "full"])
 def test_vlm_grpo_run_agrees_with_vllm(tmp_path, reload):
     model = build_tiny_vlm(tmp_path / "tiny-vlm")
     run_dir, port = tmp_path / "run", free_port()

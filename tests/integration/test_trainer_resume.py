@@ -77,7 +77,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("interval", [1, 2])
+@pytest.mark.parametrize("interval", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_killed_trainer_resumes_exactly(tmp_path, reference, interval):
     write_batches(tmp_path)
     ckpt = ["--train.ckpt.interval", str(interval), "--train.ckpt.keep_last", "2"]
