@@ -39,7 +39,9 @@ The user's configs are never modified. Derivations, in order:
   `teacher`: a teacher server `tidal grpo` starts (orch `teacher` without an address, `tidal.colocate.teacher`)
   shares vLLM's cores, or on a GPU has its need reserved before the split.
   `memory_split`: on a GPU (`tidal.colocate.split.gpu_split`) vLLM is sized by need and the trainer gets the rest,
-  deciding `gradient_checkpointing: auto`, unless infer.yaml sets `gpu_memory_utilization`.
+  deciding `gradient_checkpointing: auto`, or a refusal naming the keys to lower with the figures that would fit;
+  where infer.yaml sets `gpu_memory_utilization` that share is checked instead (`explicit_share`: refused when it
+  cannot hold vLLM's weights and one sequence, a notice when it leaves the trainer less than its estimate).
   Then `place` records the `Placement`.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free: configs and facts in, configs and a
@@ -55,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tidal.colocate.sharing import apply_sharing
-from tidal.colocate.split import gpu_split
+from tidal.colocate.split import explicit_share, gpu_split
 from tidal.colocate.teacher import TeacherServer, derive_teacher
 from tidal.colocate.wire import point_at_servers, wire_colocate
 from tidal.config.infer import InferConfig
@@ -63,6 +65,7 @@ from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.inference.precision import check_lora_dtype, trainer_dtype
+from tidal.models.memory import train_estimate
 from tidal.models.routes import colocate_replay
 
 if TYPE_CHECKING:
@@ -436,12 +439,17 @@ def memory_split(d: Derivation) -> Derivation:
     """On a GPU, vLLM sized by need and the trainer the rest (`tidal.colocate.split.gpu_split`, after a teacher's
     reserve), unless infer.yaml sets `gpu_memory_utilization`."""
     total, m = d.machine.gpu_memory_gib, d.model
-    if (d.device != "cuda" or not total or m is None or m.config is None
-            or "gpu_memory_utilization" in d.infer.model_fields_set):
+    if d.device != "cuda" or not total or m is None or m.config is None:
         return d
+    reserved = d.teacher.reserved_gib if d.teacher else 0.0
+    if "gpu_memory_utilization" in d.infer.model_fields_set:  # the user's share: checked, not overridden
+        config = m.config
+        note = explicit_share(d.train, d.infer, d.orch, total, model_config=config, reserved_gib=reserved,
+                              estimate_gib=lambda t, ckpt: train_estimate(t, ckpt, model_config=config).total_gib)
+        return d.but(note=note)
     t, i, note = gpu_split(d.train, d.infer, d.orch, total, model_config=m.config,
                            kv_bytes_arg=d.machine.vllm_kv_cache_memory_bytes, calibrate=d.calibrate,
-                           reserved_gib=d.teacher.reserved_gib if d.teacher else 0.0)
+                           reserved_gib=reserved)
     return d.but(train=d.train.model_copy(update=t), infer=d.infer.model_copy(update=i), note=note)
 
 
