@@ -58,8 +58,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tidal.colocate.sharing import apply_sharing
 from tidal.colocate.graphs import graph_args
+from tidal.colocate.sharing import apply_sharing
 from tidal.colocate.split import explicit_share, gpu_split, max_num_seqs, sequences_in_flight
 from tidal.colocate.teacher import TeacherServer, derive_teacher
 from tidal.colocate.wire import point_at_servers, wire_colocate
