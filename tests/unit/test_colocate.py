@@ -217,7 +217,9 @@ def test_wire_colocate_is_the_machine_independent_part():
     co = derive_colocate(*configs(max_steps=7), GPU16, output_dir="/tmp/w")
     assert wired[1].max_lora_rank is None and co.infer.max_lora_rank == co.train.lora_rank == 16  # adapters on GPU
     assert wired[1].dtype == "auto" and co.infer.dtype == "bfloat16"  # the trainer's precision on a GPU
-    wired = (wired[0], wired[1].model_copy(update={"max_lora_rank": 16, "dtype": "bfloat16"}), wired[2])
+    graphs = ["--max-cudagraph-capture-size", "128"]  # vLLM's CUDA graphs up to the run's sequences
+    wired = (wired[0], wired[1].model_copy(update={"max_lora_rank": 16, "dtype": "bfloat16", "extra_args": graphs}),
+             wired[2])
     assert [c.model_dump() for c in wired] == [c.model_dump() for c in (co.train, co.infer, co.orch)]
     assert wired[0].cpu_affinity is None and wired[2].weight_broadcast.reload == "auto"  # no placement
 

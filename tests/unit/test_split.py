@@ -96,7 +96,7 @@ def test_checkpointing_auto_turns_on_only_where_the_share_needs_it():
 
 def test_a_run_that_cannot_fit_exits_2_naming_the_keys():
     need = vllm_need(LLAMA_8B, "bfloat16", 1024, 8192, parameter_count(LLAMA_8B))
-    with pytest.raises(ConfigError, match="orch batch_size or seq_len.*gradient_checkpointing: true") as exc:
+    with pytest.raises(ConfigError, match="orch seq_len.*orch batch_size.*per_device_train_batch_size") as exc:
         plan_split(H100_GIB, need, sequences=1024, seq_len=8192, kv_bytes_arg=True, checkpointing="auto",
                    estimate_gib=lambda ckpt: 40.0)
     assert "KV cache" in str(exc.value) and "trainer" in str(exc.value)

@@ -39,7 +39,11 @@ The user's configs are never modified. Derivations, in order:
   `teacher`: a teacher server `tidal grpo` starts (orch `teacher` without an address, `tidal.colocate.teacher`)
   shares vLLM's cores, or on a GPU has its need reserved before the split.
   `memory_split`: on a GPU (`tidal.colocate.split.gpu_split`) vLLM is sized by need and the trainer gets the rest,
-  deciding `gradient_checkpointing: auto`, unless infer.yaml sets `gpu_memory_utilization`.
+  deciding `gradient_checkpointing: auto`, or a refusal naming the keys to lower with the figures that would fit;
+  where infer.yaml sets `gpu_memory_utilization` that share is checked instead (`explicit_share`: refused when it
+  cannot hold vLLM's weights and one sequence, a notice when it leaves the trainer less than its estimate).
+  `cuda_graphs`: on a GPU, vLLM's CUDA-graph capture up to the sequences the run can have in one server
+  (`tidal.colocate.graphs`: `--max-cudagraph-capture-size`, a power of two).
   Then `place` records the `Placement`.
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free: configs and facts in, configs and a
@@ -54,8 +58,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tidal.colocate.graphs import graph_args
 from tidal.colocate.sharing import apply_sharing
-from tidal.colocate.split import gpu_split
+from tidal.colocate.split import explicit_share, gpu_split, max_num_seqs, sequences_in_flight
 from tidal.colocate.teacher import TeacherServer, derive_teacher
 from tidal.colocate.wire import point_at_servers, wire_colocate
 from tidal.config.infer import InferConfig
@@ -63,6 +68,7 @@ from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.inference.precision import check_lora_dtype, trainer_dtype
+from tidal.models.memory import train_estimate
 from tidal.models.routes import colocate_replay
 
 if TYPE_CHECKING:
@@ -89,18 +95,21 @@ class Machine:
     """The installed vLLM takes `--kv-cache-memory-bytes` (`tidal.inference.backends.vllm.support`)."""
     memory_available_gib: float | None = None
     """Memory the machine can give without swapping (`tidal.colocate.cpu_memory`), when known."""
+    vllm_capture_size_arg: bool = True
+    """The installed vLLM takes `--max-cudagraph-capture-size` (`tidal.colocate.graphs`)."""
 
     @classmethod
     def detect(cls) -> Machine:
         from tidal.colocate.cpu_memory import available_memory_gib
-        from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes
+        from tidal.inference.backends.vllm.support import has_kv_cache_memory_bytes, has_max_cudagraph_capture_size
 
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         has_gpu = Path("/dev/nvidiactl").exists()
         return cls(cores=tuple(cores), has_gpu=has_gpu, env={k: os.environ[k] for k in MACHINE_ENV if k in os.environ},
                    gpu_memory_gib=gpu_memory_gib() if has_gpu else None,
                    vllm_kv_cache_memory_bytes=has_kv_cache_memory_bytes(),
-                   memory_available_gib=available_memory_gib())
+                   memory_available_gib=available_memory_gib(),
+                   vllm_capture_size_arg=has_max_cudagraph_capture_size())
 
 
 @dataclass(frozen=True)
@@ -436,18 +445,34 @@ def memory_split(d: Derivation) -> Derivation:
     """On a GPU, vLLM sized by need and the trainer the rest (`tidal.colocate.split.gpu_split`, after a teacher's
     reserve), unless infer.yaml sets `gpu_memory_utilization`."""
     total, m = d.machine.gpu_memory_gib, d.model
-    if (d.device != "cuda" or not total or m is None or m.config is None
-            or "gpu_memory_utilization" in d.infer.model_fields_set):
+    if d.device != "cuda" or not total or m is None or m.config is None:
         return d
+    reserved = d.teacher.reserved_gib if d.teacher else 0.0
+    if "gpu_memory_utilization" in d.infer.model_fields_set:  # the user's share: checked, not overridden
+        config = m.config
+        note = explicit_share(d.train, d.infer, d.orch, total, model_config=config, reserved_gib=reserved,
+                              estimate_gib=lambda t, ckpt: train_estimate(t, ckpt, model_config=config).total_gib)
+        return d.but(note=note)
     t, i, note = gpu_split(d.train, d.infer, d.orch, total, model_config=m.config,
                            kv_bytes_arg=d.machine.vllm_kv_cache_memory_bytes, calibrate=d.calibrate,
-                           reserved_gib=d.teacher.reserved_gib if d.teacher else 0.0)
+                           reserved_gib=reserved)
     return d.but(train=d.train.model_copy(update=t), infer=d.infer.model_copy(update=i), note=note)
+
+
+def cuda_graphs(d: Derivation) -> Derivation:
+    """On a GPU, vLLM's CUDA-graph capture up to the sequences the run can have in one server
+    (`tidal.colocate.graphs`)."""
+    total = d.machine.gpu_memory_gib or 80.0  # vLLM's max_num_seqs default changes at 70 GiB
+    sequences = sequences_in_flight(d.orch, max_num_seqs(d.infer, total), servers=d.infer.dp)
+    extra = graph_args(d.infer, d.orch, sequences, cuda=d.device == "cuda", supported=d.machine.vllm_capture_size_arg)
+    if not extra:
+        return d
+    return d.but(infer=d.infer.model_copy(update={"extra_args": [*d.infer.extra_args, *extra]}))
 
 
 RULES: tuple[Callable[[Derivation], Derivation], ...] = (
     route_replay, gpu_servers, shared_base, merged_reloads, lora_layers, cpu_stats, qlora_base, moe_cpu, lora_rank,
-    precision, cpu_cores, teacher, memory_split)
+    precision, cpu_cores, teacher, memory_split, cuda_graphs)
 """The derivation after the wiring, in order: each rule reads the configs the rules before it left."""
 
 

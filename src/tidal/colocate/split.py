@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from tidal.config.infer import InferConfig, round_lora_rank
@@ -250,18 +250,48 @@ def plan_split(total_gib: float, vllm: VllmNeed, *, sequences: int, seq_len: int
         if measured is not None:
             got += (", its calibration step ran out of memory on the empty GPU" if math.isinf(measured)
                     else f", measured peak {measured:.1f} GiB")
+        lora = f", LoRA slots {vllm.lora / GIB:.1f}" if vllm.lora else ""
         raise ConfigError(
             f"vLLM and the trainer do not both fit on this {total_gib:.1f} GiB GPU: vLLM needs "
-            f"{share * total_gib + vllm.outside / GIB:.1f} GiB (KV cache {vllm.kv_cache / GIB:.1f} GiB for "
-            f"{sequences} sequences x {seq_len} tokens, weights {vllm.weights / GIB:.1f}, CUDA graphs + context "
+            f"{vllm.total / GIB:.1f} GiB (KV cache {vllm.kv_cache / GIB:.1f} GiB for {sequences} sequences x "
+            f"{seq_len} tokens, weights {vllm.weights / GIB:.1f}{lora}, CUDA graphs + context "
             f"{vllm.outside / GIB:.1f}){teacher}, the trainer {need:.1f} GiB ({got}; gradient checkpointing "
-            f"{'on' if ckpt else 'off'}), {room:.1f} GiB left for it. Lower orch batch_size or seq_len (vLLM's KV "
-            f"cache), train per_device_train_batch_size or micro_batch_tokens, set train gradient_checkpointing: "
-            f"true, or run vLLM on another GPU (grpo-infer / grpo-orch / grpo-train)")
+            f"{'on' if ckpt else 'off'}), {max(room, 0.0):.1f} GiB left for it. "
+            + fit_advice(total_gib, vllm, sequences, seq_len, est, reserved_gib, ckpt))
     return GpuSplit(total_gib=total_gib, vllm=vllm, gpu_memory_utilization=share,
                     kv_cache_memory_bytes=vllm.kv_cache if kv_bytes_arg else None, trainer_gib=need,
                     gradient_checkpointing=ckpt, sequences=sequences, seq_len=seq_len, measured_gib=measured,
                     reserved_gib=reserved_gib)
+
+
+def fit_advice(total_gib: float, vllm: VllmNeed, sequences: int, seq_len: int, trainer_gib: float,
+               reserved_gib: float, checkpointing: bool) -> str:
+    """The keys that make a refused split fit (`plan_split`'s refusal), with the figures that would: what the KV
+    cache can hold beside vLLM's weights, LoRA slots, profile peak and outside part, the trainer's `trainer_gib` and
+    `reserved_gib`, as a longest `seq_len` for `sequences` sequences and as a number of sequences of `seq_len`
+    tokens (when nothing is left for it, the trainer's micro-batch and the model are what must shrink)."""
+    fixed = (vllm.weights + vllm.lora + vllm.profile + vllm.outside) / GIB
+    kv_room = total_gib - reserved_gib - trainer_gib - fixed
+    length = f"orch seq_len ({seq_len}; infer max_model_len and train sequence_len follow it)"
+    held = (f"the sequences vLLM holds at once ({sequences}: orch batch_size x oversampling_factor, or in async_mode "
+            f"in_flight in_flight_groups x rollouts_per_example; infer --max-num-seqs caps them)")
+    trainer = (f"train per_device_train_batch_size or micro_batch_tokens (the trainer's micro-batch, "
+               f"{trainer_gib:.1f} GiB estimated{'' if checkpointing else '; or set gradient_checkpointing: true'})")
+    own_gpu = ("or give vLLM a GPU of its own (grpo-infer / grpo-orch / grpo-train, each with its own "
+               "CUDA_VISIBLE_DEVICES; there set infer gpu_memory_utilization yourself)")
+    if kv_room <= 0 or vllm.kv_cache <= 0:
+        return (f"Even without a KV cache, vLLM's weights and fixed parts ({fixed:.1f} GiB) and the trainer "
+                f"({trainer_gib:.1f} GiB) exceed the GPU. Keys to lower: {length}, which sizes the trainer's rows "
+                f"as well as vLLM's cache; {held}; {trainer}; a QLoRA base (train qlora_bnb) or a smaller model; "
+                f"{own_gpu}")
+    per_seq = vllm.kv_cache / GIB / sequences
+    usable = max(kv_room - 0.01 * total_gib, 0.0)  # vLLM's share is rounded up to 0.01 of the GPU
+    fit_seqs = int(usable // per_seq)
+    fit_len = int(seq_len * usable / (vllm.kv_cache / GIB)) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+    seqs = f"at most {fit_seqs} fit at {seq_len} tokens" if fit_seqs else f"not one fits at {seq_len} tokens"
+    fit = f"at most ~{fit_len} tokens fit for {sequences} sequences" if fit_len else "no length fits"
+    return (f"Keys to lower ({kv_room:.1f} GiB are left for vLLM's KV cache beside the rest): {length}: {fit}; "
+            f"{held}: {seqs}; infer kv_cache_dtype: fp8 (halves the KV cache); {trainer}; {own_gpu}")
 
 
 def max_num_seqs(infer: InferConfig, total_gib: float) -> int:
@@ -337,6 +367,10 @@ def split_updates(train: TrainConfig, infer: InferConfig, orch: OrchConfig, tota
                             infer.lora_target_modules) if infer.enable_lora else 0)
     need = vllm_need(model_config, dtype, sequences, orch.seq_len, params, tp=infer.tp,
                      kv_dtype=infer.kv_cache_dtype, lora=lora)
+    if infer.max_model_len:  # vLLM refuses to start when its cache cannot hold one request of max_model_len
+        one = kv_need_bytes(model_config, dtype if infer.kv_cache_dtype == "auto" else infer.kv_cache_dtype, 1,
+                            infer.max_model_len) // infer.tp
+        need = replace(need, kv_cache=max(need.kv_cache, one))
     split = plan_split(total_gib, need, sequences=sequences, seq_len=orch.seq_len, kv_bytes_arg=kv_bytes_arg,
                        checkpointing=train.gradient_checkpointing,
                        estimate_gib=lambda ckpt: estimate_gib(train, ckpt) - shared,
@@ -351,3 +385,39 @@ def split_updates(train: TrainConfig, infer: InferConfig, orch: OrchConfig, tota
     train_updates = ({"gradient_checkpointing": split.gradient_checkpointing}
                      if train.gradient_checkpointing == "auto" else {})
     return train_updates, infer_updates, split.notice()
+
+
+def explicit_share(train: TrainConfig, infer: InferConfig, orch: OrchConfig, total_gib: float, *,
+                   model_config: Mapping[str, Any], estimate_gib: TrainerGib, reserved_gib: float = 0.0) -> str:
+    """infer `gpu_memory_utilization` set by hand (no split): refused (`ConfigError`) when vLLM's share cannot
+    hold its weights, LoRA slots and profile peak plus one sequence of infer `max_model_len` (else orch
+    `seq_len`), which vLLM itself would refuse only after loading the model; otherwise a notice saying what the
+    share leaves the trainer, and that a CUDA out-of-memory error is to be expected when its estimate is above
+    that (the user chose the share: tidal does not override it). `estimate_gib(train, ckpt)`: the trainer's
+    estimate."""
+    dtype = vllm_dtype(infer, model_config)
+    lora = (lora_slot_bytes(model_config, dtype, infer.max_loras, round_lora_rank(infer.max_lora_rank),
+                            infer.lora_target_modules) if infer.enable_lora else 0)
+    length = infer.max_model_len or orch.seq_len
+    one = vllm_need(model_config, dtype, 1, length, parameter_count(model_config), tp=infer.tp,
+                    kv_dtype=infer.kv_cache_dtype, lora=lora)
+    util = infer.gpu_memory_utilization
+    share = util * total_gib
+    if one.budget / GIB > share:
+        raise ConfigError(
+            f"infer gpu_memory_utilization {util} gives vLLM {share:.1f} GiB of this {total_gib:.1f} GiB GPU, but "
+            f"its weights ({one.weights / GIB:.1f} GiB), LoRA slots ({one.lora / GIB:.1f}), profile peak "
+            f"({one.profile / GIB:.1f}) and the KV cache of one {length}-token sequence (infer max_model_len, else "
+            f"orch seq_len: {one.kv_cache / GIB:.1f}) need {one.budget / GIB:.1f} GiB: vLLM would refuse to start; "
+            f"raise infer gpu_memory_utilization to at least {math.ceil(one.budget / GIB / total_gib * 100) / 100}, "
+            f"lower infer max_model_len / orch seq_len, or remove gpu_memory_utilization to let tidal split the GPU")
+    ckpt = train.gradient_checkpointing is True
+    trainer = estimate_gib(train, ckpt)
+    room = total_gib - share - one.outside / GIB - reserved_gib
+    note = (f"GPU ({total_gib:.1f} GiB): infer gpu_memory_utilization {util} set by hand (no split): vLLM holds "
+            f"~{share + one.outside / GIB:.1f} GiB, leaving {room:.1f} GiB for the trainer, whose estimate is "
+            f"{trainer:.1f} GiB (gradient checkpointing {'on' if ckpt else 'off or auto'})")
+    if trainer > room:
+        note += ("; expect CUDA to run out of memory in the trainer: lower gpu_memory_utilization or remove it to "
+                 "let tidal split the GPU")
+    return note

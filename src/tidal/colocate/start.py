@@ -42,15 +42,16 @@ def dump(cfg: StrictModel) -> str:
 
 
 def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_dir: str | Path | None = None,
-           resume: bool = False, calibrate: bool = True) -> Colocated:
+           resume: bool = False, calibrate: bool = True, machine: Machine | None = None) -> Colocated:
     """`derive_colocate` on this machine for the model train.yaml names (module docs); `calibrate`: on a GPU the
-    split measures the trainer's peak (one training step) instead of trusting the estimate alone."""
+    split measures the trainer's peak (one training step) instead of trusting the estimate alone. `machine`: the
+    machine's facts (None: `Machine.detect()`; a test passes a GPU's memory this way)."""
     teacher = None
     if serves_teacher(orch):  # tidal grpo serves orch teacher.model itself: on a GPU its memory is reserved first
         assert orch.teacher is not None
         check_model(orch.teacher.model, "orch teacher")
         teacher = ModelFacts.read(orch.teacher.model)
-    machine, model = Machine.detect(), ModelFacts.read(train.model)
+    machine, model = machine or Machine.detect(), ModelFacts.read(train.model)
     co = derive_colocate(train, infer, orch, machine, output_dir=output_dir, resume=resume, model=model,
                          calibrate=calibrate, teacher=teacher)
     served = (co.teacher.infer, teacher.config) if co.teacher is not None and teacher and teacher.config else None

@@ -58,6 +58,11 @@ def has_kv_cache_memory_bytes(root: Path | None = None) -> bool:
     return has_source("engine/arg_utils.py", "kv_cache_memory_bytes", root)
 
 
+def has_max_cudagraph_capture_size(root: Path | None = None) -> bool:
+    """The installed vLLM takes `--max-cudagraph-capture-size` (the largest CUDA-graph capture size)."""
+    return has_source("engine/arg_utils.py", "max_cudagraph_capture_size", root)
+
+
 def missing_for_nccl_push(root: Path | None = None) -> list[str]:
     """The modules of `NCCL_PUSH_FILES` this vLLM lacks (empty: the push can work)."""
     return ["vllm." + rel.removesuffix(".py").replace("/", ".") for rel, text in NCCL_PUSH_FILES.items()
