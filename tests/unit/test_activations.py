@@ -1,6 +1,7 @@
 """Activation memory (`tidal.trainer.model.activations`; train `checkpoint_every`, `checkpoint_scope`,
 `offload_activations`, `compile_layers`): every setting gives the gradients of no checkpointing (float64, LoRA,
-packed rows), recomputes what it says, and keeps fewer saved activations in the order expected."""
+packed rows), recomputes what it says (selective `elementwise` checkpointing: no matmul twice), and keeps fewer
+saved activations in the order expected."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ SETTINGS = {
     "every layer": {"gradient_checkpointing": True},
     "every 2nd layer": {"gradient_checkpointing": True, "checkpoint_every": 2},
     "mlp": {"gradient_checkpointing": True, "checkpoint_scope": "mlp"},
+    "elementwise": {"gradient_checkpointing": True, "checkpoint_scope": "elementwise"},
+    "every 2nd elementwise + offload": {"gradient_checkpointing": True, "checkpoint_scope": "elementwise",
+                                        "checkpoint_every": 2, "offload_activations": True},
     "every 2nd mlp + offload": {"gradient_checkpointing": True, "checkpoint_scope": "mlp", "checkpoint_every": 2,
                                 "offload_activations": True},
     "every 2nd layer + offload": {"gradient_checkpointing": True, "checkpoint_every": 2, "offload_activations": True},
@@ -117,10 +121,42 @@ def test_the_policy_recomputes_what_it_says():
         assert (calls["attn"], calls["mlp"]) == (attn, mlp), k
 
 
+def test_elementwise_scope_keeps_the_matmuls_and_recomputes_the_rest(monkeypatch):
+    """The selective policy's decisions in the forward of a checkpointed layer (torch's SAC then returns the kept
+    outputs in the recompute instead of running those ops again): every matmul (base and LoRA) and the attention
+    kernel kept, the elementwise ops (RMSNorm's, RoPE's, SwiGLU's, LoRA's scaling) recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from tidal.trainer.model import activations
+
+    decisions: list[tuple[str, object]] = []
+    keep = activations._keep_matmuls
+
+    def recording(ctx, op, *args, **kwargs):
+        policy = keep(ctx, op, *args, **kwargs)
+        decisions.append((str(getattr(op, "overloadpacket", op)), policy))
+        return policy
+
+    monkeypatch.setattr(activations, "_keep_matmuls", recording)
+    rng = np.random.default_rng()
+    ids = torch.from_numpy(rng.integers(3, 120, (1, 48)))
+    model = policy("qwen3", SETTINGS["elementwise"], layers=2)
+    forward_logprobs(model, ids, packed_positions(rng, 1, 48, pad=False), chunk_size=0).sum().backward()
+    kept = {op for op, p in decisions if p == CheckpointPolicy.MUST_SAVE}
+    recomputed = {op for op, p in decisions if p == CheckpointPolicy.PREFER_RECOMPUTE}
+    assert "aten.mm" in kept and any("scaled_dot_product" in op for op in kept), kept
+    assert kept <= {op.replace("higher_order.", "") for op in activations.SAVED_OPS} | {"flex_attention"}, kept
+    assert {"aten.mul", "aten.rsqrt", "aten.silu"} <= recomputed, recomputed
+    lora_mm = sum(1 for op, p in decisions if op == "aten.mm")
+    assert lora_mm >= 2 * 7 * 2  # 2 layers x 7 LoRA-wrapped linears x (base + A + B) >= 2 mm each
+
+
 @pytest.mark.parametrize(("keys", "match"), [
     ({"checkpoint_every": 2}, "gradient_checkpointing: true"),
     ({"checkpoint_scope": "mlp"}, "gradient_checkpointing: true"),
-    ({"gradient_checkpointing": True, "offload_activations": True}, "nothing to offload"),
+    ({"gradient_checkpointing": True, "offload_activations": True}, "offloads nothing"),
+    ({"gradient_checkpointing": True, "checkpoint_scope": "elementwise", "offload_activations": True},
+     "offloads nothing"),
     ({"compile_layers": True, "offload_activations": True}, "set one of them"),
     ({"gradient_checkpointing": "auto", "checkpoint_every": 2}, "auto may turn it off"),
     ({"gradient_checkpointing": "auto", "offload_activations": True}, "depend on the machine"),

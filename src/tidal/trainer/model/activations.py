@@ -29,7 +29,9 @@ Gradients are those of no checkpointing (tests/unit/test_activations.py checks t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,15 +58,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return text or [m for _, m in layers]
 
 
-def _labelled(fn: Any) -> Any:
-    """`fn`, whose runs inside a backward (a checkpoint's recompute) are in a `RECOMPUTE` profiler range."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # the forward: no autograd graph task is running
-            return fn(*args, **kwargs)
-        with torch.profiler.record_function(RECOMPUTE):
-            return fn(*args, **kwargs)
+@contextlib.contextmanager
+def _recompute_range(inner: Any = None) -> Iterator[None]:
+    """A checkpoint's recompute context: the `RECOMPUTE` profiler range, entered before `inner` (the selective
+    policy's dispatch mode, which must not see the range's own op)."""
+    with torch.profiler.record_function(RECOMPUTE), inner if inner is not None else contextlib.nullcontext():
+        yield
 
-    return run
+
+def _contexts(selective: bool) -> tuple[Any, Any]:
+    """`context_fn` of torch's checkpoint: (forward context, recompute context)."""
+    if not selective:
+        return contextlib.nullcontext(), _recompute_range()
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward, recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    return forward, _recompute_range(recompute)
 
 
 def _saved_op_list() -> list[Any]:
@@ -91,15 +100,12 @@ _SAVED: dict[str, list[Any]] = {}
 
 
 def checkpoint(fn: Any, *args: Any, selective: bool = False, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` under torch's non-reentrant checkpoint, its recompute labelled (`RECOMPUTE`);
+    """`fn(*args, **kwargs)` under torch's non-reentrant checkpoint, its recompute in the `RECOMPUTE` range;
     `selective`: keeping the outputs of `SAVED_OPS` (`checkpoint_scope: elementwise`)."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    extra: dict[str, Any] = {}
-    if selective:
-        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-    return torch_checkpoint(_labelled(fn), *args, use_reentrant=False, **extra, **kwargs)
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(_contexts, selective),
+                            **kwargs)
 
 
 def _checkpointed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
