@@ -62,10 +62,10 @@ the trainer loads it (`tidal.trainer.model.load.load_policy`: quantized while lo
 quantized base's; the ratios against `bf16` are in the table.
 
 `--options` compares the trainer-speed keys of issue 27 (`OPTIONS`: train `attention` flex / per_sample / dense,
-`checkpoint_every`, `checkpoint_scope: mlp`, `offload_activations`, `compile_layers`, no checkpointing), each in a
-fresh process, with a ratio table against `default` (train.yaml's defaults: flex on CUDA, every layer
-checkpointed); its section is "<device> options". `dense` reproduces the attention of every CUDA figure measured
-before issue 27.
+`checkpoint_every`, `checkpoint_scope: mlp` / `elementwise`, `offload_activations`, `compile_layers`, no
+checkpointing), each in a fresh process, with a ratio table against `default` (train.yaml's defaults: flex on
+CUDA, every layer checkpointed); its section is "<device> options". `dense` reproduces the attention of every
+CUDA figure measured before issue 27.
 
 `--profile` (issue 43) profiles the step instead, by kind (base and LoRA matmuls, attention forward / backward,
 elementwise, checkpoint recomputation, the logprob / LM-head pass, optimizer, host gaps: `tidal.trainer.profile`):
@@ -161,6 +161,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "ckpt-every-2-offload": {"checkpoint_every": 2, "offload_activations": True},
     "ckpt-mlp-offload": {"checkpoint_scope": "mlp", "offload_activations": True},
     "offload": {"gradient_checkpointing": False, "offload_activations": True},
+    "ckpt-elementwise": {"checkpoint_scope": "elementwise"},
+    "ckpt-elementwise-every-2": {"checkpoint_scope": "elementwise", "checkpoint_every": 2},
     "compiled": {"compile_layers": True},
     "compiled-ckpt-mlp": {"compile_layers": True, "checkpoint_scope": "mlp"},
 }
@@ -263,7 +265,8 @@ def graph_counts(tokens: int) -> dict[str, int | None]:
     `graph_budget` for rows of `tokens`; None where flex has neither) and all of dynamo's (unique graphs)."""
     from tidal.trainer.model.attention import flex
 
-    out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None}
+    out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None,
+                                  "layer_graphs": None}
     try:
         out["flex_graphs"] = int(flex.compiled_graphs())  # type: ignore[attr-defined]
     except AttributeError:
@@ -272,6 +275,9 @@ def graph_counts(tokens: int) -> dict[str, int | None]:
         out["flex_graph_budget"] = int(flex.graph_budget(tokens))  # type: ignore[attr-defined]
     except AttributeError:
         pass
+    from tidal.trainer.model import kernels
+
+    out["layer_graphs"] = kernels.compiled_graphs()  # compile_layers' (0 without it)
     try:
         from torch._dynamo.utils import counters
 
@@ -325,7 +331,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss()
     after = graph_counts(spec["tokens"])
     timed_graphs: dict[str, int | None] = {}  # compiled while timed: a recompile the warm-up did not cover
-    for k in ("flex_graphs", "dynamo_graphs"):
+    for k in ("flex_graphs", "dynamo_graphs", "layer_graphs"):
         before, now = graphs[k], after[k]
         timed_graphs[k] = now - before if now is not None and before is not None else None
     prof = None
@@ -341,7 +347,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "optim_steps": metrics.get("optim/steps"), "loss": metrics["loss"], "build_s": build_s,
             "warmup_s": warmup_s, "first_step_s": warmup_s[0] if warmup_s else None,
             "samples_per_row": len(batch.lengths), "loss_tokens": int(batch.loss_mask.sum()), **graphs,
-            "flex_graphs_timed": timed_graphs["flex_graphs"], "dynamo_graphs_timed": timed_graphs["dynamo_graphs"]}
+            "flex_graphs_timed": timed_graphs["flex_graphs"], "dynamo_graphs_timed": timed_graphs["dynamo_graphs"],
+            "layer_graphs_timed": timed_graphs["layer_graphs"]}
 
 
 # --- parent: the models, the table ----------------------------------------------------------------------------------
@@ -426,7 +433,8 @@ def bench_row(r: dict[str, Any], peak_tflops: float | None, compare: bool, devic
     vs = anchor_ratios(r, compare)
     keys = ("model", "shape", "variant", "option", "layers", "tokens", "sample_len", "samples_per_row", "loss_tokens",
             "warmup", "steps", "first_step_s", "warmup_s", "flex_graphs", "flex_graph_budget", "flex_graphs_timed",
-            "dynamo_graphs", "dynamo_graphs_timed", "step_s", "tokens_per_s", "tflops_per_step", "achieved_tflops",
+            "dynamo_graphs", "dynamo_graphs_timed", "layer_graphs", "layer_graphs_timed",
+            "step_s", "tokens_per_s", "tflops_per_step", "achieved_tflops",
             "peak_gib", "build_s")
     out = {k: r.get(k) for k in keys}
     first = r.get("first_step_s")

@@ -33,17 +33,19 @@ SETTINGS = {
 }
 
 
-def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.float64, attn: str | None = None,
+           ) -> torch.nn.Module:
     """A LoRA policy of architecture `name` built as `load_policy` builds it (random init, seed 0), with `keys`."""
     from transformers import AutoModelForCausalLM
 
     cfg = TrainConfig(model=name, lora_rank=4, **{"gradient_checkpointing": False, **keys})
+    attn = attn or register()
     torch.manual_seed(0)
     conf = config_for(name)
     conf.num_hidden_layers = layers
     if getattr(conf, "layer_types", None):
         conf.layer_types = [conf.layer_types[0]] * layers
-    model = AutoModelForCausalLM.from_config(conf, attn_implementation=register(), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(conf, attn_implementation=attn, dtype=dtype)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     apply_activation_policy(model, cfg, torch.device("cpu"))
@@ -158,6 +160,7 @@ def test_elementwise_scope_keeps_the_matmuls_and_recomputes_the_rest(monkeypatch
     ({"gradient_checkpointing": True, "checkpoint_scope": "elementwise", "offload_activations": True},
      "offloads nothing"),
     ({"compile_layers": True, "offload_activations": True}, "set one of them"),
+    ({"compile_layers": True, "gradient_checkpointing": True, "checkpoint_scope": "elementwise"}, "untested"),
     ({"gradient_checkpointing": "auto", "checkpoint_every": 2}, "auto may turn it off"),
     ({"gradient_checkpointing": "auto", "offload_activations": True}, "depend on the machine"),
 ])
@@ -195,6 +198,30 @@ def test_compiled_layers_give_the_same_logprobs_and_gradients():
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-4)
     for n, g in eager[1].items():
         torch.testing.assert_close(compiled[1][n], g, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_compiled_layers_share_their_graphs_and_stop_recompiling_after_two_lengths():
+    """`compile_layers` counted with dynamo's eager backend (no inductor: fast), dense SDPA attention (one graph per
+    layer, no per-sample loop), checkpointing on: the two layers share one graph, a second row length compiles the
+    dynamic one, a third and fourth compile nothing; the logprobs and gradients are eager's."""
+    from tidal.trainer.model import kernels
+
+    rng = np.random.default_rng()
+    keys = {"gradient_checkpointing": True}
+    model = policy("llama3", keys, layers=2, dtype=torch.float32, attn="sdpa")
+    assert compile_layers(model, backend="eager") == 2
+    before, graphs = kernels.compiled_graphs(), []
+    for n in (64, 48, 80, 96):
+        ids = torch.from_numpy(rng.integers(3, 120, (1, n)))
+        pos = packed_positions(rng, 1, n, pad=False)
+        w = torch.from_numpy(rng.normal(size=ids.shape)).float()
+        compiled = step(model, ids, pos, w)
+        graphs.append(kernels.compiled_graphs() - before)
+    assert graphs == [1, 2, 2, 2] and graphs[-1] <= kernels.GRAPHS_PER_CLASS
+    eager = step(policy("llama3", keys, layers=2, dtype=torch.float32, attn="sdpa"), ids, pos, w)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-5)
+    for n, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -367,7 +367,9 @@ class TrainConfig(StrictModel):
     compile_layers: bool = False
     """Compile every decoder layer with `torch.compile` (fused elementwise kernels: RMSNorm, SwiGLU, RoPE, LoRA
     adds), once per shape; pays on CUDA with `attention: flex` (the per-sample kernel's loop breaks the graph).
-    The first steps are slower while it compiles."""
+    The first steps are slower while it compiles. Graphs: at most 4 per decoder-layer class (static then dynamic
+    row length, with and without autograd; `layer_graphs` in metrics.jsonl), none after the second length, with
+    flex or dense attention (the per-sample kernel's loop compiles again per packing layout)."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done (`tidal sft`: see `sft.max_steps`)."""
     logging_steps: int = Field(1, ge=1)
@@ -549,6 +551,9 @@ class TrainConfig(StrictModel):
                              f"{self.checkpoint_scope}) offloads nothing (tidal offloads the layers no checkpoint "
                              f"covers); set checkpoint_every > 1, checkpoint_scope: mlp, or gradient_checkpointing: "
                              f"false")
+        if self.compile_layers and self.checkpoint_scope == "elementwise":
+            raise ValueError("compile_layers with checkpoint_scope: elementwise: selective checkpointing's dispatch "
+                             "mode around compiled layers is untested in tidal; set one of them")
         if self.compile_layers and self.offload_activations:
             raise ValueError("compile_layers with offload_activations: the offload's saved-tensor hooks inside a "
                              "compiled layer are not supported by tidal (untested); set one of them")

@@ -37,7 +37,7 @@ from tidal.trainer.distributed import (
     set_gradient_sync,
 )
 from tidal.trainer.memory import peak_gib, reset_peak
-from tidal.trainer.model import router_replay
+from tidal.trainer.model import kernels, router_replay
 from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
 from tidal.trainer.model.noise import qerl_noise
@@ -177,6 +177,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     out |= router_replay.step_metrics(model, lambda v: reduce_values(ranks, v))
     if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
         out["flex_graphs"] = compiled_graphs()
+    if cfg.compile_layers:  # graphs of the compiled decoder layers (bounded per layer class: model/kernels)
+        out["layer_graphs"] = kernels.compiled_graphs()
     return out
 
 

@@ -132,7 +132,7 @@ def apply_activation_policy(model: torch.nn.Module, cfg: Any, device: torch.devi
         selected = cfg.gradient_checkpointing and i % cfg.checkpoint_every == 0
         whole = selected and cfg.checkpoint_scope in ("layer", "elementwise")
         if cfg.gradient_checkpointing:
-            layer.gradient_checkpointing = whole  # transformers' per-layer switch
+            layer.gradient_checkpointing = whole  # type: ignore[assignment]  # transformers' per-layer switch
         if whole:  # transformers calls it with the layer's forward: ours labels the recompute (and keeps matmuls)
             layer._gradient_checkpointing_func = functools.partial(  # type: ignore[assignment]
                 checkpoint, selective=cfg.checkpoint_scope == "elementwise")
