@@ -62,10 +62,17 @@ the trainer loads it (`tidal.trainer.model.load.load_policy`: quantized while lo
 quantized base's; the ratios against `bf16` are in the table.
 
 `--options` compares the trainer-speed keys of issue 27 (`OPTIONS`: train `attention` flex / per_sample / dense,
-`checkpoint_every`, `checkpoint_scope: mlp`, `offload_activations`, `compile_layers`, no checkpointing), each in a
-fresh process, with a ratio table against `default` (train.yaml's defaults: flex on CUDA, every layer
-checkpointed); its section is "<device> options". `dense` reproduces the attention of every CUDA figure measured
-before issue 27.
+`checkpoint_every`, `checkpoint_scope: mlp` / `elementwise`, `offload_activations`, `compile_layers`, no
+checkpointing), each in a fresh process, with a ratio table against `default` (train.yaml's defaults: flex on
+CUDA, every layer checkpointed); its section is "<device> options". `dense` reproduces the attention of every
+CUDA figure measured before issue 27.
+
+`--profile` (issue 43) profiles the step instead, by kind (base and LoRA matmuls, attention forward / backward,
+elementwise, checkpoint recomputation, the logprob / LM-head pass, optimizer, host gaps: `tidal.trainer.profile`):
+by default the Qwen3-4B prime-rl-shape row and the Qwen3-0.6B packed row (`PROFILE_ROWS`), each warmed up, timed,
+then `--profile-steps` steps under torch.profiler; it writes `--profile-out` (bench/GPU-PROFILE.md: one section per
+device kind) and one `PROFILE_ROW {json}` line per row, and leaves `--out` alone. CPU smoke: `--profile --device
+cpu --models 0.6b --shapes packed --layers 1 --tokens 128 --sample-len 64 --quick`.
 
 Writes `bench/GPU.md`: one section per device kind (a run replaces its own), next to prime-rl's anchor on one
 H100; a run with `--variants` writes its own section ("<device> bases and recipes"), one with a single `--shapes`
@@ -154,6 +161,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "ckpt-every-2-offload": {"checkpoint_every": 2, "offload_activations": True},
     "ckpt-mlp-offload": {"checkpoint_scope": "mlp", "offload_activations": True},
     "offload": {"gradient_checkpointing": False, "offload_activations": True},
+    "ckpt-elementwise": {"checkpoint_scope": "elementwise"},
+    "ckpt-elementwise-every-2": {"checkpoint_scope": "elementwise", "checkpoint_every": 2},
     "compiled": {"compile_layers": True},
     "compiled-ckpt-mlp": {"compile_layers": True, "checkpoint_scope": "mlp"},
 }
@@ -256,7 +265,8 @@ def graph_counts(tokens: int) -> dict[str, int | None]:
     `graph_budget` for rows of `tokens`; None where flex has neither) and all of dynamo's (unique graphs)."""
     from tidal.trainer.model.attention import flex
 
-    out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None}
+    out: dict[str, int | None] = {"flex_graphs": None, "flex_graph_budget": None, "dynamo_graphs": None,
+                                  "layer_graphs": None}
     try:
         out["flex_graphs"] = int(flex.compiled_graphs())  # type: ignore[attr-defined]
     except AttributeError:
@@ -265,6 +275,9 @@ def graph_counts(tokens: int) -> dict[str, int | None]:
         out["flex_graph_budget"] = int(flex.graph_budget(tokens))  # type: ignore[attr-defined]
     except AttributeError:
         pass
+    from tidal.trainer.model import kernels
+
+    out["layer_graphs"] = kernels.compiled_graphs()  # compile_layers' (0 without it)
     try:
         from torch._dynamo.utils import counters
 
@@ -318,16 +331,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss()
     after = graph_counts(spec["tokens"])
     timed_graphs: dict[str, int | None] = {}  # compiled while timed: a recompile the warm-up did not cover
-    for k in ("flex_graphs", "dynamo_graphs"):
+    for k in ("flex_graphs", "dynamo_graphs", "layer_graphs"):
         before, now = graphs[k], after[k]
         timed_graphs[k] = now - before if now is not None and before is not None else None
-    return {"step_s": seconds, "tokens_per_s": spec["tokens"] / seconds, "tflops_per_step": flops / 1e12,
+    prof = None
+    if spec.get("profile"):  # after the timed steps: the profiler's overhead stays out of step_s
+        from tidal.trainer.profile import breakdown, profile_steps
+
+        prof = breakdown(profile_steps(one, spec["profile"], cuda), cuda, lora_rank=16,
+                         compiled_layers=bool(cfg.compile_layers))
+    return {"profile": prof, "step_s": seconds, "tokens_per_s": spec["tokens"] / seconds,
+            "tflops_per_step": flops / 1e12,
             "achieved_tflops": flops / seconds / 1e12, "peak_gib": peak / GIB, "matmul_params": n,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "optim_steps": metrics.get("optim/steps"), "loss": metrics["loss"], "build_s": build_s,
             "warmup_s": warmup_s, "first_step_s": warmup_s[0] if warmup_s else None,
             "samples_per_row": len(batch.lengths), "loss_tokens": int(batch.loss_mask.sum()), **graphs,
-            "flex_graphs_timed": timed_graphs["flex_graphs"], "dynamo_graphs_timed": timed_graphs["dynamo_graphs"]}
+            "flex_graphs_timed": timed_graphs["flex_graphs"], "dynamo_graphs_timed": timed_graphs["dynamo_graphs"],
+            "layer_graphs_timed": timed_graphs["layer_graphs"]}
 
 
 # --- parent: the models, the table ----------------------------------------------------------------------------------
@@ -412,7 +433,8 @@ def bench_row(r: dict[str, Any], peak_tflops: float | None, compare: bool, devic
     vs = anchor_ratios(r, compare)
     keys = ("model", "shape", "variant", "option", "layers", "tokens", "sample_len", "samples_per_row", "loss_tokens",
             "warmup", "steps", "first_step_s", "warmup_s", "flex_graphs", "flex_graph_budget", "flex_graphs_timed",
-            "dynamo_graphs", "dynamo_graphs_timed", "step_s", "tokens_per_s", "tflops_per_step", "achieved_tflops",
+            "dynamo_graphs", "dynamo_graphs_timed", "layer_graphs", "layer_graphs_timed",
+            "step_s", "tokens_per_s", "tflops_per_step", "achieved_tflops",
             "peak_gib", "build_s")
     out = {k: r.get(k) for k in keys}
     first = r.get("first_step_s")
@@ -488,15 +510,97 @@ def write_report(path: Path, device_kind: str, lines: list[str]) -> None:
     path.write_text("\n".join(INTRO) + "\n" + "\n".join(sections[k] for k in sorted(sections)))
 
 
+PROFILE_ROWS = (("4b", "prime-rl"), ("0.6b", "packed"))
+"""`--profile` without `--models` / `--shapes`: the rows issue 43 profiles (4B on prime-rl's shape, 0.6B packed)."""
+PROFILE_INTRO = [
+    "# Trainer step profile: where the time of tidal's training step goes, by kind", "",
+    "Written by `python bench/gpu_trainer.py --profile` (issue 43; `--profile-out`, default bench/GPU-PROFILE.md). "
+    "Each row is built as bench/gpu_trainer.py builds it (random init, LoRA r16 on all linear layers, gradient "
+    "checkpointing on, chunked logprobs, GRPO loss, AdamW; module docstring), warmed up, timed without the "
+    "profiler (`timed step`), then `--profile-steps` steps run under torch.profiler (input shapes recorded). "
+    "`tidal.trainer.profile` attributes each instant of device busy time (the union of the CUDA kernels and "
+    "copies; on CPU of the aten ops) to the innermost kernel running then, and names its kind by its name, its "
+    "launching op (input shapes: a LoRA matmul has the LoRA rank among its dimensions) and the profiler ranges "
+    "tidal sets (`tidal::recompute` around a checkpoint's recompute, `tidal::lm_head` around the chunked logprob "
+    "pass, `tidal::optimizer` around clipping + AdamW + zero_grad, `tidal::attention` around its attention "
+    "kernels' forward); the rules are in that module's docstring. Host gaps = wall time - device busy: the time "
+    "the device waited for Python. The rows add up to the profiled step's wall time (on a GPU usually longer "
+    "than the timed step: the profiler's overhead is host-side, so it inflates the host gaps most).", ""]
+PROFILE_PENDING = ("Not measured yet: no GPU was lent to the session that wrote `--profile` (issue 43). On an H100 "
+                   "or H200: `python bench/gpu_trainer.py --profile` (the Qwen3-4B prime-rl-shape row and the "
+                   "Qwen3-0.6B packed row), or `scripts/gpu_check.py --only e2`, replaces this section.")
+
+
+def profile_lines(row: dict[str, Any]) -> list[str]:
+    """One profiled row: what it is, then `tidal.trainer.profile.markdown`'s table."""
+    from tidal.trainer.profile import markdown
+
+    prof = row["profile"]
+    return [f"### {label(row)}, {row['shape']} shape ({row_text(row['tokens'], row['sample_len'])} tokens per row, "
+            f"{row['layers']} layers)", "",
+            f"Timed step without the profiler: {1e3 * row['step_s']:.1f} ms ({row['tokens_per_s']:,.0f} tokens/s); "
+            f"profiled: {prof['steps']} step(s), {prof['spans']:,} spans.", "", *markdown(prof), ""]
+
+
+def profile_main(args: argparse.Namespace, device: str, name: str) -> int:
+    """`--profile`: the profiled rows (`PROFILE_ROWS` unless `--models` / `--shapes` say), their tables written
+    to `--profile-out` (this device kind's section replaced) and printed, one `PROFILE_ROW {json}` line each."""
+    import torch
+
+    pairs = ([(m, s) for m in (args.models or SHAPES) for s in (args.shapes or ROW_SHAPES)]
+             if args.models or args.shapes else list(PROFILE_ROWS))
+    steps = args.steps if args.steps is not None else 3 if args.quick else 5
+    warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {name} (torch {torch.__version__}); command: "
+             f"`python bench/gpu_trainer.py {' '.join(sys.argv[1:])}`; {warmup} warm-up + {steps} timed steps, then "
+             f"{args.profile_steps} profiled.", ""]
+    code = 0
+    for model, shape in pairs:
+        sample = args.tokens if shape == "prime-rl" else min(args.sample_len, args.tokens)
+        spec = dict(model=model, shape=shape, device=device, tokens=args.tokens, sample_len=sample,
+                    layers=args.layers or SHAPES[model]["num_hidden_layers"], steps=steps, warmup=warmup,
+                    chunk=args.chunk, checkpointing=not args.no_checkpointing, threads=args.threads, variant="bf16",
+                    option="default", profile=args.profile_steps)
+        try:
+            row = spec | run_child(spec)
+        except RuntimeError as exc:
+            tail = str(exc).strip().splitlines()[-1][:200]
+            lines += [f"- {label(spec)}, {shape} shape: failed ({tail})", ""]
+            print("PROFILE_ROW " + json.dumps({"model": model, "shape": shape, "error": tail}), flush=True)
+            code = 1
+            continue
+        lines += profile_lines(row)
+        print("PROFILE_ROW " + json.dumps({"model": model, "shape": shape, "device": name, "step_s": row["step_s"],
+                                           **row["profile"]}), flush=True)
+    kind = "CUDA" if device == "cuda" else "CPU (smoke test)"
+    sections: dict[str, str] = {}
+    out = Path(args.profile_out)
+    if out.exists():
+        for part in out.read_text().split("\n## ")[1:]:
+            sections[part.split("\n", 1)[0].strip()] = "## " + part.rstrip() + "\n"
+    sections[kind] = "\n".join([f"## {kind}", "", *lines]).rstrip() + "\n"
+    sections.setdefault("CUDA", f"## CUDA\n\n{PROFILE_PENDING}\n")
+    out.write_text("\n".join(PROFILE_INTRO) + "\n" + "\n".join(sections[k] for k in sorted(sections)))
+    print("\n".join(lines))
+    return code
+
+
 def main() -> int:
     from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=["0.6b", "4b"])
-    ap.add_argument("--shapes", nargs="+", choices=ROW_SHAPES, default=list(ROW_SHAPES),
+    ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=None,
+                    help="models (default 0.6b 4b; with --profile: PROFILE_ROWS)")
+    ap.add_argument("--shapes", nargs="+", choices=ROW_SHAPES, default=None,
                     help="row shapes: prime-rl (one causal --tokens sequence per row, compared with prime-rl) and "
                          "packed (--sample-len samples, no prime-rl ratio); default both")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the step by kind with torch.profiler (the 4B prime-rl row and the 0.6B packed row "
+                         "unless --models / --shapes say); writes --profile-out, not --out")
+    ap.add_argument("--profile-steps", type=int, default=1, help="steps profiled per row (--profile; default 1)")
+    ap.add_argument("--profile-out", default=str(REPO / "bench" / "GPU-PROFILE.md"),
+                    help="--profile's markdown (default bench/GPU-PROFILE.md)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per row (one micro-batch)")
     ap.add_argument("--sample-len", type=int, default=1024,
@@ -524,10 +628,13 @@ def main() -> int:
 
     steps = args.steps if args.steps is not None else 3 if args.quick else 5
     warmup = args.warmup if args.warmup is not None else 1 if args.quick else 2
-    if steps < 1 or warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if steps < 1 or warmup < 0 or args.profile_steps < 1:
+        ap.error("--steps and --profile-steps must be >= 1 and --warmup >= 0")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU, {args.threads} threads"
+    if args.profile:
+        return profile_main(args, device, name)
+    args.models, args.shapes = args.models or ["0.6b", "4b"], args.shapes or list(ROW_SHAPES)
     peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
                                 if device == "cuda" else None)
     full_size = (device == "cuda" and args.tokens == 16384 and args.layers is None and not args.no_checkpointing

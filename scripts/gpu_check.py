@@ -21,6 +21,8 @@ Order (GPU mode):
      logprobs: finite losses, vLLM's logprobs changed by the step (skipped without the SDK: scripts/gpu_kit_tinker.sh);
   e. trainer benchmark, Qwen3-0.6B and 4B shapes, prime-rl's shape (one 16k causal sequence per row) and the packed
      GRPO shape, with compile time and flex graph counts (`bench/gpu_trainer.py --quick`);
+  e2. the trainer step's time by kind (`bench/gpu_trainer.py --profile`: 4B prime-rl shape, 0.6B packed), its
+     tables in $OUT/bench/GPU-PROFILE.md (GPU only);
   f. flex attention vs dense SDPA on CUDA in bf16 (the `gpu`-marked attention tests);
   g. a Qwen3-0.6B-shaped random model through `tidal grpo`: LoRA reload, then merged reloads, 10 steps each, the
      split planned against the whole GPU's NVML peak;
@@ -415,6 +417,24 @@ def check_bench(ctx: Ctx, res: Result) -> None:
         raise CheckFailed(f"bench/gpu_trainer.py exited with {code}; {len(rows)} rows")
 
 
+def check_profile(ctx: Ctx, res: Result) -> None:
+    """The training step's time by kind (`bench/gpu_trainer.py --profile`: the 4B prime-rl-shape row and the 0.6B
+    packed row), its markdown written to the scratch directory and to $OUT/bench/GPU-PROFILE.md."""
+    out = ctx.work / "GPU-PROFILE.md"
+    code, text = run(ctx, [PY, "bench/gpu_trainer.py", "--profile", "--quick", "--profile-out", str(out)],
+                     res.figures.pop("_budget"), ctx.work / "e2_profile.log")
+    rows = [json.loads(ln.removeprefix("PROFILE_ROW ")) for ln in text.splitlines() if ln.startswith("PROFILE_ROW ")]
+    res.figures["rows"] = [{"model": r.get("model"), "shape": r.get("shape"), "error": r.get("error"),
+                            "ms": {k: round(1e3 * v, 1) for k, v in (r.get("rows") or {}).items()}} for r in rows]
+    res.log_tail = tail(text)
+    if out.exists() and os.environ.get("OUT"):
+        dest = Path(os.environ["OUT"]) / "bench" / "GPU-PROFILE.md"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, dest)
+    if code != 0 or not rows or any(r.get("error") for r in rows):
+        raise CheckFailed(f"bench/gpu_trainer.py --profile exited with {code}; {len(rows)} rows")
+
+
 def check_flex_cuda(ctx: Ctx, res: Result) -> None:
     """flex_attention (compiled, bf16) against dense SDPA: the gpu-marked attention tests."""
     code, text = run(ctx, [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-k",
@@ -654,6 +674,7 @@ CHECKS = (
           60),
     Check("t", "serve-tinker driven by the tinker SDK (LoRA, IS + CE, optim, sample)", check_tinker, 240, 240, 90),
     Check("e", "trainer bench: 0.6B / 4B, prime-rl shape and packed", check_bench, 200, 240, 60),
+    Check("e2", "trainer step profile by kind: 4B prime-rl shape, 0.6B packed", check_profile, 240, None, 90),
     Check("f", "flex vs dense SDPA on CUDA (bf16)", check_flex_cuda, 90, None, 40),
     Check("g", "Qwen3-0.6B shape through tidal grpo: LoRA, merged", check_0_6b, 420, None, 200),
     Check("g4", "Qwen3-4B shape through tidal grpo: LoRA on-policy, then async 1", rows.check_4b, 480, None, 240),

@@ -1,6 +1,7 @@
 """Activation memory (`tidal.trainer.model.activations`; train `checkpoint_every`, `checkpoint_scope`,
 `offload_activations`, `compile_layers`): every setting gives the gradients of no checkpointing (float64, LoRA,
-packed rows), recomputes what it says, and keeps fewer saved activations in the order expected."""
+packed rows), recomputes what it says (selective `elementwise` checkpointing: no matmul twice), and keeps fewer
+saved activations in the order expected."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ SETTINGS = {
     "every layer": {"gradient_checkpointing": True},
     "every 2nd layer": {"gradient_checkpointing": True, "checkpoint_every": 2},
     "mlp": {"gradient_checkpointing": True, "checkpoint_scope": "mlp"},
+    "elementwise": {"gradient_checkpointing": True, "checkpoint_scope": "elementwise"},
+    "every 2nd elementwise + offload": {"gradient_checkpointing": True, "checkpoint_scope": "elementwise",
+                                        "checkpoint_every": 2, "offload_activations": True},
     "every 2nd mlp + offload": {"gradient_checkpointing": True, "checkpoint_scope": "mlp", "checkpoint_every": 2,
                                 "offload_activations": True},
     "every 2nd layer + offload": {"gradient_checkpointing": True, "checkpoint_every": 2, "offload_activations": True},
@@ -29,17 +33,19 @@ SETTINGS = {
 }
 
 
-def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+def policy(name: str, keys: dict, layers: int = 4, dtype: torch.dtype = torch.float64, attn: str | None = None,
+           ) -> torch.nn.Module:
     """A LoRA policy of architecture `name` built as `load_policy` builds it (random init, seed 0), with `keys`."""
     from transformers import AutoModelForCausalLM
 
     cfg = TrainConfig(model=name, lora_rank=4, **{"gradient_checkpointing": False, **keys})
+    attn = attn or register()
     torch.manual_seed(0)
     conf = config_for(name)
     conf.num_hidden_layers = layers
     if getattr(conf, "layer_types", None):
         conf.layer_types = [conf.layer_types[0]] * layers
-    model = AutoModelForCausalLM.from_config(conf, attn_implementation=register(), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(conf, attn_implementation=attn, dtype=dtype)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     apply_activation_policy(model, cfg, torch.device("cpu"))
@@ -117,11 +123,44 @@ def test_the_policy_recomputes_what_it_says():
         assert (calls["attn"], calls["mlp"]) == (attn, mlp), k
 
 
+def test_elementwise_scope_keeps_the_matmuls_and_recomputes_the_rest(monkeypatch):
+    """The selective policy's decisions in the forward of a checkpointed layer (torch's SAC then returns the kept
+    outputs in the recompute instead of running those ops again): every matmul (base and LoRA) and the attention
+    kernel kept, the elementwise ops (RMSNorm's, RoPE's, SwiGLU's, LoRA's scaling) recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from tidal.trainer.model import activations
+
+    decisions: list[tuple[str, object]] = []
+    keep = activations._keep_matmuls
+
+    def recording(ctx, op, *args, **kwargs):
+        policy = keep(ctx, op, *args, **kwargs)
+        decisions.append((str(getattr(op, "overloadpacket", op)), policy))
+        return policy
+
+    monkeypatch.setattr(activations, "_keep_matmuls", recording)
+    rng = np.random.default_rng()
+    ids = torch.from_numpy(rng.integers(3, 120, (1, 48)))
+    model = policy("qwen3", SETTINGS["elementwise"], layers=2)
+    forward_logprobs(model, ids, packed_positions(rng, 1, 48, pad=False), chunk_size=0).sum().backward()
+    kept = {op for op, p in decisions if p == CheckpointPolicy.MUST_SAVE}
+    recomputed = {op for op, p in decisions if p == CheckpointPolicy.PREFER_RECOMPUTE}
+    assert "aten.mm" in kept and any("scaled_dot_product" in op for op in kept), kept
+    assert kept <= {op.replace("higher_order.", "") for op in activations.SAVED_OPS} | {"flex_attention"}, kept
+    assert {"aten.mul", "aten.rsqrt", "aten.silu"} <= recomputed, recomputed
+    lora_mm = sum(1 for op, p in decisions if op == "aten.mm")
+    assert lora_mm >= 2 * 7 * 2  # 2 layers x 7 LoRA-wrapped linears x (base + A + B) >= 2 mm each
+
+
 @pytest.mark.parametrize(("keys", "match"), [
     ({"checkpoint_every": 2}, "gradient_checkpointing: true"),
     ({"checkpoint_scope": "mlp"}, "gradient_checkpointing: true"),
-    ({"gradient_checkpointing": True, "offload_activations": True}, "nothing to offload"),
+    ({"gradient_checkpointing": True, "offload_activations": True}, "offloads nothing"),
+    ({"gradient_checkpointing": True, "checkpoint_scope": "elementwise", "offload_activations": True},
+     "offloads nothing"),
     ({"compile_layers": True, "offload_activations": True}, "set one of them"),
+    ({"compile_layers": True, "gradient_checkpointing": True, "checkpoint_scope": "elementwise"}, "untested"),
     ({"gradient_checkpointing": "auto", "checkpoint_every": 2}, "auto may turn it off"),
     ({"gradient_checkpointing": "auto", "offload_activations": True}, "depend on the machine"),
 ])
@@ -159,6 +198,30 @@ def test_compiled_layers_give_the_same_logprobs_and_gradients():
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-4)
     for n, g in eager[1].items():
         torch.testing.assert_close(compiled[1][n], g, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_compiled_layers_share_their_graphs_and_stop_recompiling_after_two_lengths():
+    """`compile_layers` counted with dynamo's eager backend (no inductor: fast), dense SDPA attention (one graph per
+    layer, no per-sample loop), checkpointing on: the two layers share one graph, a second row length compiles the
+    dynamic one, a third and fourth compile nothing; the logprobs and gradients are eager's."""
+    from tidal.trainer.model import kernels
+
+    rng = np.random.default_rng()
+    keys = {"gradient_checkpointing": True}
+    model = policy("llama3", keys, layers=2, dtype=torch.float32, attn="sdpa")
+    assert compile_layers(model, backend="eager") == 2
+    before, graphs = kernels.compiled_graphs(), []
+    for n in (64, 48, 80, 96):
+        ids = torch.from_numpy(rng.integers(3, 120, (1, n)))
+        pos = packed_positions(rng, 1, n, pad=False)
+        w = torch.from_numpy(rng.normal(size=ids.shape)).float()
+        compiled = step(model, ids, pos, w)
+        graphs.append(kernels.compiled_graphs() - before)
+    assert graphs == [1, 2, 2, 2] and graphs[-1] <= kernels.GRAPHS_PER_CLASS
+    eager = step(policy("llama3", keys, layers=2, dtype=torch.float32, attn="sdpa"), ids, pos, w)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-5)
+    for n, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

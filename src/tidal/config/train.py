@@ -353,10 +353,13 @@ class TrainConfig(StrictModel):
     checkpoint_every: int = Field(1, ge=1)
     """(gradient_checkpointing) Checkpoint every k-th decoder layer only (layers 0, k, 2k, ...); the others keep
     their activations: less recompute for more memory. 1: every layer (`tidal.trainer.model.activations`)."""
-    checkpoint_scope: Literal["layer", "mlp"] = "layer"
+    checkpoint_scope: Literal["layer", "mlp", "elementwise"] = "layer"
     """(gradient_checkpointing) What a checkpointed layer recomputes in the backward: `layer`, the whole decoder
     layer (only its input is kept); `mlp`, only its MLP block (the attention's activations are kept, the MLP's
-    4 x intermediate-size values per token are not)."""
+    4 x intermediate-size values per token are not); `elementwise`, selective checkpointing: the outputs of the
+    layer's matmuls (base and LoRA) and attention kernel are kept, only the ops between them (norms, RoPE, SwiGLU,
+    LoRA scaling, adds) are recomputed: no matmul runs twice, for more memory than `layer`
+    (`tidal.trainer.model.activations`; the memory estimate counts it as not checkpointed, an upper bound)."""
     offload_activations: bool = False
     """Keep the activations that decoder layers save for the backward in (pinned) CPU memory instead of on the
     device, copied back for the backward (`torch.autograd.graph.save_on_cpu`); with gradient checkpointing it
@@ -364,7 +367,9 @@ class TrainConfig(StrictModel):
     compile_layers: bool = False
     """Compile every decoder layer with `torch.compile` (fused elementwise kernels: RMSNorm, SwiGLU, RoPE, LoRA
     adds), once per shape; pays on CUDA with `attention: flex` (the per-sample kernel's loop breaks the graph).
-    The first steps are slower while it compiles."""
+    The first steps are slower while it compiles. Graphs: at most 4 per decoder-layer class (static then dynamic
+    row length, with and without autograd; `layer_graphs` in metrics.jsonl), none after the second length, with
+    flex or dense attention (the per-sample kernel's loop compiles again per packing layout)."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done (`tidal sft`: see `sft.max_steps`)."""
     logging_steps: int = Field(1, ge=1)
@@ -541,10 +546,14 @@ class TrainConfig(StrictModel):
                                  "layer's activations or nothing would depend on the machine; set "
                                  "gradient_checkpointing: false (offload all) or true with checkpoint_every > 1 / "
                                  "checkpoint_scope: mlp")
-        elif self.offload_activations and self.checkpoint_every == 1 and self.checkpoint_scope == "layer":
-            raise ValueError("offload_activations with every whole layer checkpointed has nothing to offload "
-                             "(only layer inputs are kept); set checkpoint_every > 1, checkpoint_scope: mlp, or "
-                             "gradient_checkpointing: false")
+        elif self.offload_activations and self.checkpoint_every == 1 and self.checkpoint_scope != "mlp":
+            raise ValueError(f"offload_activations with every whole layer checkpointed (checkpoint_scope: "
+                             f"{self.checkpoint_scope}) offloads nothing (tidal offloads the layers no checkpoint "
+                             f"covers); set checkpoint_every > 1, checkpoint_scope: mlp, or gradient_checkpointing: "
+                             f"false")
+        if self.compile_layers and self.checkpoint_scope == "elementwise":
+            raise ValueError("compile_layers with checkpoint_scope: elementwise: selective checkpointing's dispatch "
+                             "mode around compiled layers is untested in tidal; set one of them")
         if self.compile_layers and self.offload_activations:
             raise ValueError("compile_layers with offload_activations: the offload's saved-tensor hooks inside a "
                              "compiled layer are not supported by tidal (untested); set one of them")

@@ -153,8 +153,9 @@ def estimate(model_config: Mapping[str, Any], *, dtype: str = "bfloat16", lora_r
     `optimizer_8bit`: AdamW moments in 8 bits; `dense_mask`: attention gets a (rows, 1, T, T) mask (the CUDA
     trainer's SDPA on packed rows today), which SDPA keeps per layer as a bias in the training dtype.
     `checkpoint_every` / `checkpoint_scope` / `offload_activations` (`tidal.trainer.model.activations`): only every k-th
-    layer checkpointed, the others keeping their full set; `mlp` scope counted as not checkpointed (an upper
-    bound: it keeps the attention's part); offloaded layers keep nothing on the device but the one in flight."""
+    layer checkpointed, the others keeping their full set; `mlp` and `elementwise` scopes counted as not
+    checkpointed (upper bounds: `mlp` keeps the attention's part, `elementwise` every matmul's output);
+    offloaded layers keep nothing on the device but the one in flight."""
     cfg = text_config(model_config)
     b = DTYPE_BYTES[dtype]
     params = parameter_count(cfg)

@@ -37,7 +37,7 @@ from tidal.trainer.distributed import (
     set_gradient_sync,
 )
 from tidal.trainer.memory import peak_gib, reset_peak
-from tidal.trainer.model import router_replay
+from tidal.trainer.model import kernels, router_replay
 from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
 from tidal.trainer.model.noise import qerl_noise
@@ -45,6 +45,7 @@ from tidal.trainer.model.quant import qlora_kind
 from tidal.trainer.model.vision import attach_images
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
+from tidal.trainer.profile import OPTIMIZER
 from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, publish_base
 from tidal.trainer.publish.push import Pusher, make_pusher
 from tidal.trainer.step.health import MismatchGuard
@@ -167,14 +168,17 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                 n = max(s["tokens"], 1.0)
                 clip["clip_ratio/low_min"] = min(clip["clip_ratio/low_min"], s["clip_ratio/low_mean"] / n)
                 clip["clip_ratio/high_max"] = max(clip["clip_ratio/high_max"], s["clip_ratio/high_mean"] / n)
-            norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with torch.profiler.record_function(OPTIMIZER):  # tidal.trainer.profile's "optimizer" row
+                norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
     out |= router_replay.step_metrics(model, lambda v: reduce_values(ranks, v))
     if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
         out["flex_graphs"] = compiled_graphs()
+    if cfg.compile_layers:  # graphs of the compiled decoder layers (bounded per layer class: model/kernels)
+        out["layer_graphs"] = kernels.compiled_graphs()
     return out
 
 

@@ -49,6 +49,7 @@ import torch
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE
 from tidal.trainer.model.precision import autocast_dtype
 from tidal.trainer.model.vision import model_inputs
+from tidal.trainer.profile import LM_HEAD
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +188,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp = hidden.new_empty(hidden.shape[0], dtype=dt)  # (N,)
         ent = hidden.new_empty(hidden.shape[0] if with_entropy else 0, dtype=dt)  # (N,) or (0,)
         ctx.rng = _RngState(hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            ls = torch.log_softmax(_chunk_logits(head, hidden[s:s + chunk], temperature), dim=-1)  # (c, V)
-            lp[s:s + chunk] = ls.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
-            if with_entropy:
-                ent[s:s + chunk] = -(ls.exp().mul_(ls)).sum(-1)
+        with torch.profiler.record_function(LM_HEAD):
+            for s in range(0, hidden.shape[0], chunk):
+                ls = torch.log_softmax(_chunk_logits(head, hidden[s:s + chunk], temperature), dim=-1)  # (c, V)
+                lp[s:s + chunk] = ls.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+                if with_entropy:
+                    ent[s:s + chunk] = -(ls.exp().mul_(ls)).sum(-1)
         ctx.save_for_backward(hidden, targets, *params)
         ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
         dev = hidden.device.type
@@ -208,7 +210,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_p: list[torch.Tensor | None] = [None] * len(params)
         dev, cast, cast_dtype = ctx.autocast
         with (torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []),
-              torch.autocast(dev, dtype=cast_dtype, enabled=cast)):
+              torch.autocast(dev, dtype=cast_dtype, enabled=cast), torch.profiler.record_function(LM_HEAD)):
             ctx.rng.restore()  # the same dropout masks as the forward (a LoRA lm_head with dropout)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 with torch.enable_grad():  # the chunk's graph again: autograd keeps one (c, V) log-softmax

@@ -1,7 +1,10 @@
 """The optimizer over the trainable parameters (train `optimizer`) and the learning-rate schedule (warmup, then
 constant/linear/cosine).
 
-`adamw` / `adamw_torch`: torch's AdamW (two float32 moments per parameter, 8 bytes/param).
+`adamw` / `adamw_torch`: torch's AdamW (two float32 moments per parameter, 8 bytes/param), its implementation chosen
+by device (`adamw_kernel`): `fused=True` (one CUDA kernel for all parameters: no per-tensor launches) when every
+trainable parameter is a plain CUDA tensor in a floating dtype; otherwise torch's default (foreach on CUDA, e.g.
+FSDP2's DTensor shards; the per-tensor loop on CPU, unchanged). The update is the same (tests/unit/test_optim.py).
 `adamw_8bit`: bitsandbytes' `AdamW8bit` — the same update rule, but both moments are stored as 8-bit codes with
 one float32 absmax per block of 256 values (dynamic-tree quantization, ~2 bytes/param), dequantized for each
 update and requantized after it. bitsandbytes (>= 0.50, as pyproject requires) runs it on CUDA and on CPU with
@@ -36,7 +39,17 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "adamw_8bit":
         return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
+                             **adamw_kernel(params))
+
+
+def adamw_kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """torch AdamW's implementation flag for `params`: `{"fused": True}` when all are plain (not DTensor) CUDA
+    tensors of a floating dtype; else `{}` (torch's default: foreach on CUDA, the per-tensor loop on CPU)."""
+    plain = all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params)
+    if plain and all(p.device.type == "cuda" and p.dtype.is_floating_point for p in params):
+        return {"fused": True}
+    return {}
 
 
 def adamw_8bit(params: list[torch.nn.Parameter], lr: float, weight_decay: float,

@@ -16,12 +16,14 @@ CPU). The row layout all of them read is `layout.py`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from tidal.trainer.model.attention import dense, flex, per_sample
 from tidal.trainer.model.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
+from tidal.trainer.profile import ATTENTION
 
 __all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "implementation", "layout", "layout_mask",
            "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout", "uses_flex"]
@@ -46,6 +48,16 @@ def choose(kind: str, device: torch.device, vision: bool = False) -> str:
     return kind
 
 
+def _labelled(kernel: Any) -> Any:
+    """`kernel` inside the profiler's `ATTENTION` range (`tidal.trainer.profile`'s attention rows)."""
+    @functools.wraps(kernel)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(ATTENTION):
+            return kernel(*args, **kwargs)
+
+    return run
+
+
 def register(kind: str = "per_sample") -> str:
     """Make kernel `kind` known to transformers (attention and mask interfaces; idempotent) and return the name for
     `from_pretrained(attn_implementation=...)`."""
@@ -55,10 +67,10 @@ def register(kind: str = "per_sample") -> str:
     if kind == "dense":
         return dense.NAME
     if kind == "flex":
-        AttentionInterface.register(flex.NAME, flex.flex_packed_attention)
+        AttentionInterface.register(flex.NAME, _labelled(flex.flex_packed_attention))
         AttentionMaskInterface.register(flex.NAME, flex.flex_mask)
         return flex.NAME
-    AttentionInterface.register(per_sample.NAME, per_sample.packed_sdpa_attention)
+    AttentionInterface.register(per_sample.NAME, _labelled(per_sample.packed_sdpa_attention))
     AttentionMaskInterface.register(per_sample.NAME, sdpa_mask)
     return per_sample.NAME
 
