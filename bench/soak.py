@@ -197,6 +197,9 @@ def versions() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through `finally`: the run is stopped with this
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="orch max_steps of the run")
     ap.add_argument("--reload", choices=("merged", "lora"), default="merged", help="orch weight_broadcast.reload")
@@ -231,8 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         sampler = Sampler(proc.pid, run_dir / "metrics.jsonl", out / "samples.jsonl", args.period)
         thread = threading.Thread(target=sampler.run, daemon=True)
         thread.start()
-        rc = proc.wait()
-        sampler.stop()
+        try:
+            rc = proc.wait()
+        finally:  # stopped (Ctrl-C, SIGTERM): the run stops too (the launcher stops what it started)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+            sampler.stop()
         thread.join(timeout=30)
     wall = time.monotonic() - start
     rows = summarize(sampler.samples, args.from_step)

@@ -122,22 +122,56 @@ def rollouts(root: str, model: str, prompts: int, n: int, max_tokens: int, i: in
         list(pool.map(one, range(prompts)))
 
 
+def run_phase(args: argparse.Namespace, root: str, model: str, src: Path, work: Path, mode: str, iters: int,
+              first: int) -> list[tuple[float, float]]:
+    """`iters` iterations of `mode` (numbered from `first`); the engine's RSS every `--every` of them."""
+    points: list[tuple[float, float]] = []
+    prev = None
+    for i in range(first, first + iters + 1):
+        if (i - first) % args.every == 0:
+            s = rpc(root, "tidal_probe_stats", trim=args.trim, types=args.types)
+            points.append((float(i), s["rss"]))
+            print(f"{mode} iter {i:4d} rss {s['rss']:8.1f} MiB heap used {s['used']:7.1f} free {s['free']:7.1f} "
+                  f"arena {s['arena']:7.1f} objects {s['objects']:8d}"
+                  + (f" trimmed rss {s['rss_trimmed']:8.1f}" if "rss_trimmed" in s else ""), flush=True)
+            if args.types:
+                now = dict(s["types"])
+                if prev is not None:
+                    print("   types grown:", sorted(((now[k] - prev.get(k, 0), k) for k in now), reverse=True)[:5])
+                prev = now
+        if i == first + iters:
+            break
+        if mode in ("reload", "both"):
+            path = src
+            if not args.same_path:
+                path = work / f"step_{i}"
+                shutil.copytree(src, path)
+                shutil.rmtree(work / f"step_{i - 2}", ignore_errors=True)
+            rpc(root, "reload_weights", weights_path=str(path))
+            post(f"{root}/reset_prefix_cache", {})
+        if mode in ("sample", "both"):
+            rollouts(root, model, args.prompts, args.n, args.max_tokens, i)
+    return points
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("sample", "reload", "both"), default="both")
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--phases", default="both", help="comma list of MODE[:ITERS], MODE one of sample, reload, both")
+    ap.add_argument("--iters", type=int, default=200, help="iterations of a phase that names none")
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--same-path", action="store_true", help="reload from one path (default: a new copy each time)")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) in the engine at every report")
-    ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations; print the top N growths")
+    ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations in the last phase; print its top N growths")
     ap.add_argument("--types", type=int, default=0, help="print the N most common Python object types per report")
     ap.add_argument("--prefix-caching", choices=("default", "on", "off"), default="default")
     ap.add_argument("--port", type=int, default=8770)
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of vLLM")
     args = ap.parse_args()
+
+    from soak import slope
 
     from tidal.assets import resolve_model
     from tidal.config import InferConfig
@@ -159,39 +193,18 @@ def main() -> int:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(root, proc)
-        if args.tracemalloc:
-            rpc(root, "tidal_probe_tracemalloc")
-        points: list[tuple[float, float]] = []
-        prev = None
-        for i in range(args.iters + 1):
-            if i % args.every == 0:
-                s = rpc(root, "tidal_probe_stats", trim=args.trim, types=args.types)
-                points.append((float(i), s["rss"]))
-                print(f"iter {i:4d} rss {s['rss']:8.1f} MiB heap used {s['used']:7.1f} free {s['free']:7.1f} "
-                      f"arena {s['arena']:7.1f} objects {s['objects']:8d}"
-                      + (f" trimmed rss {s['rss_trimmed']:8.1f}" if "rss_trimmed" in s else ""), flush=True)
-                if args.types:
-                    now = dict(s["types"])
-                    if prev is not None:
-                        grew = sorted(((now[k] - prev.get(k, 0), k) for k in now), reverse=True)[:5]
-                        print("   types grown:", grew, flush=True)
-                    prev = now
-            if i == args.iters:
-                break
-            if args.mode in ("reload", "both"):
-                path = src
-                if not args.same_path:
-                    path = work / f"step_{i}"
-                    shutil.copytree(src, path)
-                    shutil.rmtree(work / f"step_{i - 2}", ignore_errors=True)
-                rpc(root, "reload_weights", weights_path=str(path))
-                post(f"{root}/reset_prefix_cache", {})
-            if args.mode in ("sample", "both"):
-                rollouts(root, cfg.model, args.prompts, args.n, args.max_tokens, i)
-        from soak import slope
-
-        print(f"slope: {slope(points[1:]):+.3f} MiB/iter over iters {points[1][0]:.0f}-{points[-1][0]:.0f} "
-              f"(rss {points[1][1]:.0f} -> {points[-1][1]:.0f} MiB)", flush=True)
+        it = 0
+        phases = args.phases.split(",")
+        for n, phase in enumerate(phases):
+            mode, _, count = phase.partition(":")
+            if args.tracemalloc and n == len(phases) - 1:  # traced from the start of the last phase (warm-up done)
+                rpc(root, "tidal_probe_tracemalloc")
+            points = run_phase(args, root, cfg.model, src, work, mode, int(count or args.iters), it)
+            it += int(count or args.iters)
+            s = rpc(root, "tidal_probe_stats", trim=True)
+            print(f"phase {mode}: {slope(points[1:]):+.3f} MiB/iter over iters {points[1][0]:.0f}-{points[-1][0]:.0f} "
+                  f"(rss {points[1][1]:.0f} -> {points[-1][1]:.0f} MiB); malloc_trim(0) then: {s['rss']:.0f} -> "
+                  f"{s['rss_trimmed']:.0f} MiB", flush=True)
         if args.tracemalloc:
             for line in rpc(root, "tidal_probe_tracemalloc", top=args.tracemalloc):
                 print(line, flush=True)

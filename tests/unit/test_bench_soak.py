@@ -71,8 +71,8 @@ def test_sampler_reads_every_process_of_the_tree_and_the_steps_done(tmp_path):
     pytest.importorskip("psutil")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n')
-    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])" \
-            "; time.sleep(30)"
+    child = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c", child])
     try:
         deadline = time.monotonic() + 20
