@@ -4,16 +4,19 @@ Starts vLLM as `tidal grpo` starts it on CPU for the bundled model (`tidal.infer
 same argv and environment, weight reloads on, LoRA off, one core) plus `--worker-extension-cls
 soak_probe.ProbeExtension`, whose methods run inside the engine-core process (on CPU the model worker lives there)
 and are called over vLLM's dev route `/collective_rpc`: RSS, glibc's `mallinfo2` (heap in use / free), `malloc_trim`,
-tracemalloc snapshots and Python object counts by type. Then, `--iters` times, what `--mode` says:
+tracemalloc snapshots and Python object counts by type. Then the phases of `--phases` (`MODE:ITERS,...`, one vLLM
+for all), each ITERS iterations of its MODE:
 - `sample`: one step's rollouts (`--prompts` requests of n=`--n`, `--max-tokens` tokens, all in flight);
 - `reload`: `/collective_rpc reload_weights` + `/reset_prefix_cache`, as the orchestrator's merged reload does
   (`tidal.inference.backends.vllm.client.reload_weights`), from a fresh copy of the weights at a new path each
   time (`broadcasts/step_n/merged`), or the same path with `--same-path`;
 - `both`: a reload then a step's rollouts.
 Every `--every` iterations it prints one line: iteration, engine RSS, heap in use / free (mallinfo2), Python
-objects; with `--trim` it calls `malloc_trim(0)` then and prints the RSS after; with `--tracemalloc` the engine
-traces Python allocations and the top growths since the first report are printed at the end. A summary line gives
-the least-squares RSS slope per iteration from the first report on.
+objects; with `--trim` it calls `malloc_trim(0)` then and prints the RSS after; with `--tracemalloc N` the engine
+traces Python allocations during the last phase and its N largest growths are printed at the end. Each phase ends
+with a line: the least-squares RSS slope per iteration from its second report on, and the RSS before and after a
+`malloc_trim(0)` (what is left is memory in use). `--env KEY=VALUE` sets vLLM's environment (allocator or oneDNN
+knobs). Figures and findings: bench/SOAK.md.
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--same-path", action="store_true", help="reload from one path (default: a new copy each time)")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) in the engine at every report")
-    ap.add_argument("--tracemalloc", type=int, default=0, help="trace Python allocations in the last phase; print its top N growths")
+    ap.add_argument("--tracemalloc", type=int, default=0,
+                    help="trace Python allocations in the last phase; print its top N growths")
     ap.add_argument("--types", type=int, default=0, help="print the N most common Python object types per report")
     ap.add_argument("--prefix-caching", choices=("default", "on", "off"), default="default")
     ap.add_argument("--port", type=int, default=8770)
