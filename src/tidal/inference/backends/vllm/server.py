@@ -11,7 +11,8 @@ server runs its model worker inside vLLM's engine-core process (`worker_in_engin
 import of torch + vLLM fewer), and oneDNN's global primitive cache is off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
 unless set: with it, every merged reload grew the engine core, issue 44). vLLM gets the model's directory
 (`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
-configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
+configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
+HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
