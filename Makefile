@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-gpu bench-gpu-e2e clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -62,6 +62,10 @@ bench-weights: setup
 ## peak memory of one training micro-batch (Qwen3-0.6B shape): full logits vs chunked logprobs, with and without gradient checkpointing; writes bench/MEMORY.md (~10 min on 2 cores).
 bench-memory: setup
 	$(BIN)/python bench/memory.py $(BENCH_ARGS)
+
+## does a long run grow? `tidal grpo` (bundled example) for 300 steps, the RSS/USS/PSS of every process of the run sampled every 5 s, per-step growth by least squares from step 10; appends to bench/SOAK.md (~30-60 min on 2 cores). LoRA reloads: BENCH_ARGS="--reload lora"; a shorter look: BENCH_ARGS="--steps 100"; vLLM alone with reloads and/or sampling (bisecting): bench/soak_probe.py.
+bench-soak: setup
+	$(BIN)/python bench/soak.py $(BENCH_ARGS)
 
 ## trainer-only tokens/s, MFU and peak memory of tidal's training step (Qwen3-0.6B / 4B shapes, LoRA r16, 16k-token rows); meaningful on a GPU; writes bench/GPU.md. CPU smoke: make bench-gpu BENCH_ARGS="--layers 2 --tokens 256".
 bench-gpu: setup

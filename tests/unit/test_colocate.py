@@ -326,3 +326,9 @@ def test_one_model_flag_sets_all_three_files(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", "--train.model", str(model)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "train model" in r.stderr and "--model" in r.stderr
+
+
+@pytest.mark.parametrize("machine", [CPU2, GPU16])
+def test_explicit_reload_merged_gets_merged_files_and_a_reloadable_vllm(machine):
+    co = derive_colocate(*configs(weight_broadcast={"reload": "merged"}), machine)
+    assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload

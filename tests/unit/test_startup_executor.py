@@ -100,3 +100,14 @@ def test_the_vllm_code_this_relies_on():
     assert 'distributed_executor_backend == "uni"' in flip[:300] and 'backend = "mp"' in flip[:600]
     omp = (root / "utils" / "ompmultiprocessing.py").read_text()
     assert 'envs_dict["OMP_NUM_THREADS"] = str(len(cpu_list))' in omp
+
+
+def test_onednn_global_primitive_cache_is_off_on_cpu_unless_set(cpu):
+    """With oneDNN's global cache on, every merged reload grew vLLM's engine core (issue 44, bench/SOAK.md)."""
+    cpu.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert vllm_env(CFG)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    cpu.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    assert vllm_env(CFG)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
+    cpu.setattr(server, "on_cpu", lambda: False)
+    cpu.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in vllm_env(CFG)

@@ -356,12 +356,14 @@ def shared_base(d: Derivation) -> Derivation:
 
 def merged_reloads(d: Derivation) -> Derivation:
     """Full fine-tuning, and LoRA on CPU (vLLM's CPU LoRA path is ~5x slower than its plain one): `reload: auto`
-    serves merged weights, reloaded in place; `reload: lora` without LoRA is refused."""
+    serves merged weights, reloaded in place; so does an explicit `reload: merged` (the trainer then writes them
+    and vLLM is started able to reload: without both, step 1 died on missing merged files); `reload: lora` without
+    LoRA is refused."""
     wb = d.orch.weight_broadcast
     if not d.train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
                           "is no adapter to load; set reload to merged (or auto) or weight_broadcast.type: nccl")
-    if wb.type == "nccl" or wb.reload != "auto" or (d.device != "cpu" and d.train.lora):
+    if wb.type == "nccl" or wb.reload == "lora" or (wb.reload == "auto" and d.device != "cpu" and d.train.lora):
         return d
     return d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})}),
                  train=d.train.model_copy(update={"broadcast_merged": True}),

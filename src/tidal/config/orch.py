@@ -333,7 +333,8 @@ class WeightBroadcastSection(StrictModel):
     """How vLLM picks up policy n: `lora` loads `broadcasts/step_n` as a LoRA adapter; `merged` reloads the
     full weights the trainer merged (`train.broadcast_merged`, `infer.weight_reload`), which serves at vLLM's
     plain speed (its CPU LoRA path is ~5x slower). `auto`: `merged` in `tidal grpo` on a CPU-only machine
-    (the three configs are set together), else `lora`."""
+    (the three configs are set together), else `lora`. `merged` set by hand in `tidal grpo` sets the other two
+    as well; in three-process mode set them yourself."""
     policy_zero: Literal["served", "published"] = "served"
     """Which weights sample the first batches. `served`: the model vLLM loaded (a policy 0 the trainer publishes
     anyway is reloaded once it appears). `published`: wait for the trainer's policy 0 (`broadcasts/step_0/merged`,

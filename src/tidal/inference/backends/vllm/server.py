@@ -8,9 +8,11 @@ returns are those of the distribution it sampled from, after temperature) and `-
 Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, VLLM_USE_AOT_COMPILE=0 (unless
 set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start, and a single
 server runs its model worker inside vLLM's engine-core process (`worker_in_engine_threads`: one process and one
-import of torch + vLLM fewer). vLLM gets the model's directory (`tidal.assets.resolve_model`: a Hub id's snapshot
-in the Hugging Face cache) as `--model` and the name as configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`,
-which orch `model.name` names; it runs with HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
+import of torch + vLLM fewer), and oneDNN's global primitive cache is off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
+unless set: with it, every merged reload grew the engine core, issue 44). vLLM gets the model's directory
+(`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
+configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
+HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
 
 from __future__ import annotations
@@ -218,6 +220,10 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
         # 'finalize_loading'"), so every start without LoRA compiled from scratch (25-50 s on 2 cores). Without AOT,
         # dynamo + inductor reuse torch's own compile caches: ~5 s from the second start on (bench/STARTUP.md).
         env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        # oneDNN's global primitive cache kept what every in-place reload's new matmul handlers created on their
+        # first rollouts: the engine core grew 1.3-2.9 MiB per reload (native memory; with the cache off, flat:
+        # bench/SOAK.md). vLLM's handlers keep their own per-shape cache, so their matmuls do not need it.
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
