@@ -14,9 +14,9 @@ for all), each ITERS iterations of its MODE:
 Every `--every` iterations it prints one line: iteration, engine RSS, heap in use / free (mallinfo2), Python
 objects; with `--trim` it calls `malloc_trim(0)` then and prints the RSS after; with `--tracemalloc N` the engine
 traces Python allocations during the last phase and its N largest growths are printed at the end. Each phase ends
-with a line: the least-squares RSS slope per iteration from its second report on, and the RSS before and after a
-`malloc_trim(0)` (what is left is memory in use). `--env KEY=VALUE` sets vLLM's environment (allocator or oneDNN
-knobs). Figures and findings: bench/SOAK.md.
+with a line: the least-squares RSS slope per iteration from its second report on, the RSS before and after a
+`malloc_trim(0)` (what is left is memory in use), and the phase's wall time per iteration (to compare knobs'
+speed). `--env KEY=VALUE` sets vLLM's environment (allocator or oneDNN knobs). Figures and findings: bench/SOAK.md.
 """
 
 from __future__ import annotations
@@ -203,12 +203,14 @@ def main() -> int:
             mode, _, count = phase.partition(":")
             if args.tracemalloc and n == len(phases) - 1:  # traced from the start of the last phase (warm-up done)
                 rpc(root, "tidal_probe_tracemalloc")
+            began = time.monotonic()
             points = run_phase(args, root, cfg.model, src, work, mode, int(count or args.iters), it)
+            took = time.monotonic() - began  # the phase's wall time, its RSS reports included
             it += int(count or args.iters)
             s = rpc(root, "tidal_probe_stats", trim=True)
             print(f"phase {mode}: {slope(points[1:]):+.3f} MiB/iter over iters {points[1][0]:.0f}-{points[-1][0]:.0f} "
                   f"(rss {points[1][1]:.0f} -> {points[-1][1]:.0f} MiB); malloc_trim(0) then: {s['rss']:.0f} -> "
-                  f"{s['rss_trimmed']:.0f} MiB", flush=True)
+                  f"{s['rss_trimmed']:.0f} MiB; {took:.1f} s, {took / int(count or args.iters):.2f} s/iter", flush=True)
         if args.tracemalloc:
             for line in rpc(root, "tidal_probe_tracemalloc", top=args.tracemalloc):
                 print(line, flush=True)
