@@ -63,9 +63,10 @@ quantized base's; the ratios against `bf16` are in the table.
 
 `--options` compares the trainer-speed keys of issue 27 (`OPTIONS`: train `attention` flex / per_sample / dense,
 `checkpoint_every`, `checkpoint_scope: mlp` / `elementwise`, `offload_activations`, `compile_layers`, no
-checkpointing), each in a fresh process, with a ratio table against `default` (train.yaml's defaults: flex on
-CUDA, every layer checkpointed); its section is "<device> options". `dense` reproduces the attention of every
-CUDA figure measured before issue 27.
+checkpointing; issue 43: `liger`, train `liger_kernel` with Liger Kernel's RMSNorm, SwiGLU and RoPE, CUDA only,
+liger-kernel from the GPU kit's wheel: `liger_path`), each in a fresh process, with a ratio table against
+`default` (train.yaml's defaults: flex on CUDA, every layer checkpointed); its section is "<device> options".
+`dense` reproduces the attention of every CUDA figure measured before issue 27.
 
 `--profile` (issue 43) profiles the step instead, by kind (base and LoRA matmuls, attention forward / backward,
 elementwise, checkpoint recomputation, the logprob / LM-head pass, optimizer, host gaps: `tidal.trainer.profile`):
@@ -165,6 +166,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "ckpt-elementwise-every-2": {"checkpoint_scope": "elementwise", "checkpoint_every": 2},
     "compiled": {"compile_layers": True},
     "compiled-ckpt-mlp": {"compile_layers": True, "checkpoint_scope": "mlp"},
+    "liger": {"liger_kernel": ["rms_norm", "swiglu", "rope"]},
+    "liger-ckpt-elementwise": {"liger_kernel": ["rms_norm", "swiglu", "rope"], "checkpoint_scope": "elementwise"},
 }
 """`--options`: the trainer-speed keys of issue 27 each sets (on top of the variant's; `default` = train.yaml's
 defaults: `attention: auto`, i.e. flex on CUDA and per-sample on CPU, and every layer checkpointed unless
@@ -353,8 +356,28 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 # --- parent: the models, the table ----------------------------------------------------------------------------------
 
+def liger_path() -> str:
+    """Where liger-kernel imports from for `--options liger*` (train `liger_kernel`): "" when it imports as is, else
+    /tmp/site-liger, where the GPU kit's wheel (.gpu-kit/trl/liger_kernel-*.whl, scripts/gpu_kit_trl.sh; pure Python
+    over the image's Triton) is installed once per machine with pip --no-index. Without either the child refuses with
+    exit 2 (`tidal.trainer.model.kernels.liger`), and the row says so."""
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        return ""
+    site = Path("/tmp/site-liger")
+    wheels = sorted(glob.glob(str(REPO / ".gpu-kit" / "*" / "liger_kernel-*.whl")))
+    if not (site / "liger_kernel").is_dir() and wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--target", str(site), wheels[-1]], check=False)
+    return str(site) if (site / "liger_kernel").is_dir() else ""
+
+
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if train_keys(spec).get("liger_kernel") and (site := liger_path()):
+        env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
     if spec["device"] == "cpu":
         env["OMP_NUM_THREADS"] = str(spec["threads"])
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,

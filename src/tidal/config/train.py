@@ -370,6 +370,12 @@ class TrainConfig(StrictModel):
     The first steps are slower while it compiles. Graphs: at most 4 per decoder-layer class (static then dynamic
     row length, with and without autograd; `layer_graphs` in metrics.jsonl), none after the second length, with
     flex or dense attention (the per-sample kernel's loop compiles again per packing layout)."""
+    liger_kernel: list[Literal["rms_norm", "swiglu", "rope"]] = []
+    """Liger Kernel's fused Triton kernels for these ops of the decoder layers (`tidal.trainer.model.kernels.liger`):
+    `rms_norm` (every RMSNorm), `swiglu` (the MLP's silu(gate) x up; gate/up/down stay Linear, LoRA wraps them),
+    `rope` (the rotary embedding of q and k). CUDA only, needs the `liger-kernel` package (0.8.5; not a tidal
+    dependency), Llama, Mistral, Qwen2 and Qwen3 text models only: anything else exits 2. Its fused linear
+    cross-entropy is not used (it returns a loss, tidal needs per-token logprobs and entropies)."""
     max_steps: int = Field(-1, ge=-1)
     """Training steps; -1 runs until the orchestrator says it is done (`tidal sft`: see `sft.max_steps`)."""
     logging_steps: int = Field(1, ge=1)
@@ -554,6 +560,9 @@ class TrainConfig(StrictModel):
         if self.compile_layers and self.checkpoint_scope == "elementwise":
             raise ValueError("compile_layers with checkpoint_scope: elementwise: selective checkpointing's dispatch "
                              "mode around compiled layers is untested in tidal; set one of them")
+        if len(set(self.liger_kernel)) != len(self.liger_kernel):
+            raise ValueError(f"liger_kernel {self.liger_kernel} names an op twice; list each of rms_norm, swiglu, "
+                             f"rope once")
         if self.compile_layers and self.offload_activations:
             raise ValueError("compile_layers with offload_activations: the offload's saved-tensor hooks inside a "
                              "compiled layer are not supported by tidal (untested); set one of them")

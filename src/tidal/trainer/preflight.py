@@ -3,7 +3,8 @@ builds the policy, and `tidal grpo` / `GRPOTrainer(...)` run the same functions 
 anything starts (`tidal.colocate.preflight`), so none of them can stop a run whose vLLM is already up.
 
 Each raises `ConfigError` (exit 2) naming the key and what would be valid. Cheap and torch-free unless a check
-applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read the model's transformers config).
+applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read the model's transformers config;
+`liger_kernel` asks torch whether the trainer's device has CUDA).
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ def check_train(cfg: TrainConfig) -> None:
     check_qerl(cfg)
     check_prompt_sharing(cfg)
     check_router_replay(cfg)
+    check_liger(cfg, config)
+
+
+def check_liger(cfg: TrainConfig, config: dict) -> None:
+    """`liger_kernel` on a model Liger's kernels do not cover (`tidal.trainer.model.kernels.liger.FAMILIES`), on a
+    trainer device without CUDA, or without liger-kernel installed. Imports torch only when it is set."""
+    if not cfg.liger_kernel:
+        return
+    from tidal.trainer.model.kernels.liger import check_config, check_runtime
+    from tidal.trainer.model.load import resolve_device
+
+    if config:  # a missing model directory is refused where the model is loaded
+        check_config(cfg.liger_kernel, config, cfg.model)
+    check_runtime(cfg.liger_kernel, resolve_device(cfg.device))
 
 
 def check_router_replay(cfg: TrainConfig) -> None:

@@ -108,9 +108,9 @@ def checkpoint(fn: Any, *args: Any, selective: bool = False, **kwargs: Any) -> A
                             **kwargs)
 
 
-def _checkpointed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """`module`'s own forward under a non-reentrant checkpoint when training with gradients."""
-    forward = functools.partial(type(module).forward, module)
+def _checkpointed_forward(module: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """`forward` (`module`'s forward before this wrapper: its class's, or one bound in its place, e.g. Liger's SwiGLU
+    by `tidal.trainer.model.kernels.liger`) under a non-reentrant checkpoint when training with gradients."""
     if module.training and torch.is_grad_enabled():
         return checkpoint(forward, *args, **kwargs)
     return forward(*args, **kwargs)
@@ -142,7 +142,7 @@ def apply_activation_policy(model: torch.nn.Module, cfg: Any, device: torch.devi
             if not isinstance(mlp, torch.nn.Module):
                 raise ConfigError(f"train checkpoint_scope: mlp, but the decoder layers of {cfg.model} "
                                   f"({type(layer).__name__}) have no `mlp` block; use checkpoint_scope: layer")
-            mlp.forward = functools.partial(_checkpointed_forward, mlp)  # type: ignore[method-assign]
+            mlp.forward = functools.partial(_checkpointed_forward, mlp, mlp.forward)  # type: ignore[method-assign]
             counts["mlp"] += 1
         if cfg.offload_activations and not whole:
             layer.forward = functools.partial(  # type: ignore[method-assign]

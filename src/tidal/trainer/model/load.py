@@ -4,7 +4,8 @@ Precision: float32 on CPU (matches vLLM CPU serving the bundled float32 model, s
 logprobs agree); bfloat16 on CUDA. Attention: train `attention` (`tidal.trainer.model.attention`: flex_attention with
 the packed layout's block mask on CUDA, per-sample SDPA on CPU); packed rows are read from restarting
 `position_ids` (checked by tests/unit/test_packing.py). Activation memory (selective checkpointing, offload) and
-compiled layers: `tidal.trainer.model.activations`.
+compiled layers: `tidal.trainer.model.activations`. Liger Kernel's fused RMSNorm / SwiGLU / RoPE (train
+`liger_kernel`, CUDA): `tidal.trainer.model.kernels.liger`.
 
 The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
 `from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
@@ -162,13 +163,18 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
 
 
 def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """A loaded base `model` made the policy `cfg` trains: activation checkpointing (`auto` resolved:
+    """A loaded base `model` made the policy `cfg` trains: Liger's kernels (`liger_kernel`:
+    `tidal.trainer.model.kernels.liger`), activation checkpointing (`auto` resolved:
     `tidal.trainer.memory.resolve_checkpointing`) and the activation policy (`tidal.trainer.model.activations`), the
     precision recipe, LoRA (or frozen embeddings), compiled layers; in train mode. (bench/gpu_trainer.py builds its
     random-init models through this too.)"""
     from tidal.trainer.memory import resolve_checkpointing
 
     cfg = cfg.model_copy(update={"gradient_checkpointing": resolve_checkpointing(cfg, device)})
+    if cfg.liger_kernel:  # before the activation policy and PEFT: both call the patched forwards
+        from tidal.trainer.model.kernels.liger import apply_liger
+
+        log.info("liger_kernel: patched %s", apply_liger(model, cfg.liger_kernel, device))
     if cfg.gradient_checkpointing:  # `auto`: off on CPU; on CUDA when the estimate needs it
         enable_gradient_checkpointing(model)
     if cfg.gradient_checkpointing or cfg.offload_activations:
