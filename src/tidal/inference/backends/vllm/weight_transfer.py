@@ -96,16 +96,22 @@ def _engine_cls() -> type:
 
 
 def register() -> None:
-    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, and (CPU) refresh tied lm_heads after
-    in-place weight updates (`tidal.inference.backends.vllm.tied_head`). Idempotent; vLLM may call it often. On a
-    vLLM without weight transfer, or without the modules the engine builds on, it registers no backend (the vLLM
-    still starts)."""
+    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, (CPU) refresh tied lm_heads after
+    in-place weight updates (`tidal.inference.backends.vllm.tied_head`), and drain vLLM 0.24's list of allocated KV
+    block ids after every scheduler step (`tidal.inference.backends.vllm.block_ids`). Idempotent; vLLM may call it
+    often. On a vLLM without weight transfer, or without the modules the engine builds on, it registers no backend
+    (the vLLM still starts)."""
+    from tidal.inference.backends.vllm import block_ids
     from tidal.inference.backends.vllm.tied_head import install
 
     try:
         install()  # another vLLM's layout only loses the hook, with a warning (tied_head.install)
     except Exception as exc:  # noqa: BLE001 - the plugin must never break a vLLM start
         log.warning("tidal: the tied lm_head refresh is not installed in this vLLM: %r", exc)
+    try:
+        block_ids.install()
+    except Exception as exc:  # noqa: BLE001 - as above
+        log.warning("tidal: the KV block-id drain is not installed in this vLLM: %r", exc)
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
