@@ -103,19 +103,6 @@ def rpc(root: str, method: str, **kwargs: Any) -> Any:
     return post(f"{root}/collective_rpc", {"method": method, "kwargs": kwargs})["results"][0]
 
 
-def wait_healthy(root: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{root}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError("vLLM did not become healthy")
-
-
 def rollouts(root: str, model: str, prompts: int, n: int, max_tokens: int, i: int) -> None:
     def one(k: int) -> None:
         post(f"{root}/v1/completions", {"model": model, "prompt": f"reverse: abcdefgh {i} {k}", "n": n,
@@ -180,6 +167,7 @@ def main() -> int:
     from tidal.assets import resolve_model
     from tidal.config import InferConfig
     from tidal.inference.backends.vllm.server import vllm_argv, vllm_env
+    from tidal.procs import wait_healthy
 
     cfg = InferConfig(model="tidal:tiny-reverse", port=args.port, max_model_len=512, enable_lora=False,
                       weight_reload=True, log_stats=False,
@@ -196,7 +184,7 @@ def main() -> int:
     with open(work / "vllm.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(root, proc)
+        wait_healthy(f"{root}/health", proc, 600)
         it = 0
         phases = args.phases.split(",")
         for n, phase in enumerate(phases):
