@@ -141,3 +141,26 @@ def test_long_groups_hold_only_their_running_completions():
     assert seen["groups"] > cap, (SEED, seen)  # long groups held few slots: more groups ran at once than the cap
     assert set(server.requests) == {1}  # single-turn text groups: one completion per request
     assert stream.seqs_running == 0
+
+
+def test_groups_cancelled_at_any_point_give_back_every_slot():
+    """`close` cancels groups wherever they are: not yet started (the launcher just created them), waiting on
+    their requests, or between requests; the count of running completions returns to 0 each time."""
+    cfg = OrchConfig(batch_size=32, rollouts_per_example=4, async_mode="in_flight", in_flight_groups=8,
+                     max_async_level=8, sampling={"max_tokens": 200},
+                     env=[{"id": "reverse-text-longtail", "args": {"median": 8, "sigma": 1.25, "max_len": 150}}])
+    env = make_env("reverse-text-longtail", cfg.env[0].args)
+
+    async def go(ticks: int) -> tuple[int, int]:
+        stream = GroupStream(cfg, env, random.Random(SEED + ticks), LongTailServer(SEED), "m", FakePolicy(),
+                             ZeroScorer(), Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
+        stream._tasks = [asyncio.create_task(stream._guard(stream._launch()))]
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        launched = stream.launched
+        await stream.close()
+        return launched, stream.seqs_running
+
+    got = {ticks: asyncio.run(go(ticks)) for ticks in (1, 2, 3, 4, 5, 8, 13, 40, 200)}
+    assert all(left == 0 for _, left in got.values()), (SEED, got)
+    assert sum(launched > 0 for launched, _ in got.values()) >= 5, (SEED, got)

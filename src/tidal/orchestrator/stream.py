@@ -84,6 +84,29 @@ POLL_S = 0.05
 DISCOVER_EVERY_S = 5.0
 
 
+class Slots:
+    """One group's completions counted in its stream's `seqs_running` until each returns. `free_all` (the group
+    task's done callback) gives back whatever is still counted however the group ended: cancelled before it ran,
+    failed before sampling, or cancelled mid-request."""
+
+    def __init__(self, stream: GroupStream, n: int) -> None:
+        self.stream, self.held = stream, 0
+        self.take(n)
+
+    def take(self, n: int) -> None:
+        self.held += n
+        self.stream.seqs_running += n
+
+    def free(self, k: int = 1) -> None:
+        k = min(k, self.held)
+        self.held -= k
+        self.stream.seqs_running -= k
+        self.stream.changed.set()
+
+    def free_all(self, _task: object = None) -> None:
+        self.free(self.held)
+
+
 @dataclass
 class Group:
     """One finished, scored group and the policy versions that produced it."""
@@ -202,10 +225,11 @@ class GroupStream:
             ex, prompt = examples[0], prompts[0]
             key = example_key(ex, self.buffer.cfg.hash_keys)
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
-            self.seqs_running += self.cfg.rollouts_per_example  # counted down by `_sample` as each returns
-            task = asyncio.create_task(self._group(ex, prompt, self.filling, self.launched))
+            slots = Slots(self, self.cfg.rollouts_per_example)  # counted down by `_sample` as each returns
+            task = asyncio.create_task(self._group(ex, prompt, self.filling, self.launched, slots))
             self.launched += 1
             self.running.add(task)
+            task.add_done_callback(slots.free_all)  # also for a task cancelled before it ran
             task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
@@ -234,16 +258,16 @@ class GroupStream:
             if room:
                 self.gate_wait_s += time.monotonic() - now
 
-    async def _group(self, ex: Example, prompt: list[int], step: int, seq: int) -> None:
+    async def _group(self, ex: Example, prompt: list[int], step: int, seq: int, slots: Slots) -> None:
         """Sample and score one group; a failed request retries it once the server answers again."""
         images = prompt_images(ex.prompt)
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 model, start = self.policy.lease()
                 if attempt > 1:  # the failed attempt's completions were all counted down
-                    self.seqs_running += self.cfg.rollouts_per_example
+                    slots.take(self.cfg.rollouts_per_example - slots.held)
                 try:
-                    comps = await self._sample(step, ex, prompt, seq, model, images)
+                    comps = await self._sample(step, ex, prompt, seq, model, images, slots)
                     end = self.policy.end_version(start)
                     if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
                         end = max(end, max((await self.client.weight_versions()).values(), default=end))
@@ -272,8 +296,8 @@ class GroupStream:
             self._fail(exc)
 
     async def _sample(self, step: int, ex: Example, prompt: list[int], seq: int, model: str,
-                      images: list[bytes]) -> list[Completion]:
-        """One group's completions, counted in `seqs_running` (by the launcher) until each is done: a single-turn
+                      images: list[bytes], slots: Slots) -> list[Completion]:
+        """One group's completions, counted in `seqs_running` (`slots`) until each is done: a single-turn
         text group as `rollouts_per_example` requests of one completion (`rollout.split_group`), so a group that
         waits for its last long completions holds only their slots; other groups (multi-turn, tools, images)
         whole until they return."""
@@ -284,15 +308,11 @@ class GroupStream:
                 return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
                                              [images]))[0]
             finally:
-                self.seqs_running -= n
-
-        def done() -> None:
-            self.seqs_running -= 1
-            self.changed.set()
+                slots.free(n)
 
         seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + step * 100003 + seq * n
         return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
-                                 temperature_at(self.cfg.sampling, self.cfg.max_steps, step), done)
+                                 temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
 
     async def _judged_enough(self, comps: list[Completion]) -> bool:
         """Count a scored group's failures on the environment's side; a group mostly failed so is an outage,
