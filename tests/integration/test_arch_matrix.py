@@ -6,8 +6,9 @@ loads into vLLM and is served exactly (not for MoE on CPU: refused up front, `ti
 weights (a LoRA policy and a fully fine-tuned one) reloaded in place, and pushed over gloo, are served exactly,
 which checks the checkpoint <-> vLLM names (fused qkv / gate_up, MoE experts, tied embeddings). A 2-step
 `tidal grpo` run completes on each (its step-1 mismatch KL <= 1e-3). Architectures with `default_suite` run
-in the default suite, their grpo run only for `GRPO_RUN_DEFAULT` (MoE); the rest are `slow`. docs/models.md is
-this matrix (`tests/unit/test_models_doc.py`).
+in the default suite (Qwen3-MoE and Phi-3: experts, fused qkv / gate_up names), their grpo run only for
+`GRPO_RUN_DEFAULT` (none: the bundled model's run is there); the rest are `slow`. docs/models.md is
+this matrix (`tests/unit/test_models.py`).
 """
 
 from __future__ import annotations

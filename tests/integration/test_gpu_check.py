@@ -35,6 +35,7 @@ def report_rows(out: Path) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.slow  # the script end to end: make test-all (the default suite keeps its deadline and failure checks)
 def test_cpu_mode_rows_without_vllm_run_and_report(tmp_path):
     out = tmp_path / "GPU-CHECK.md"
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--only", "a,e", "--out", str(out)],

@@ -17,6 +17,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -95,6 +97,7 @@ def test_report_ratio_and_goal_line():
     assert "whole-GPU peak memory" in text and "generation 3.00" in text and "rollout 1.50" in text
 
 
+@pytest.mark.slow  # a whole run and its report: make test-all (the default suite keeps the bundled run)
 def test_harness_runs_end_to_end_on_cpu(tmp_path):
     """The whole harness on the bundled model: tidal always, TRL where it is installed (else skipped, with why)."""
     out = tmp_path / "GPU-E2E.md"

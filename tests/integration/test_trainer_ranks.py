@@ -54,6 +54,8 @@ def two_rank_reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow  # two torchrun ranks killed and resumed: make test-all (the default suite keeps two gloo ranks
+# training like one, tests/unit/test_distributed_trainer.py, and a killed trainer resuming exactly)
 def test_killed_rank_stops_the_trainer_and_resume_is_exact(tmp_path, two_rank_reference):
     write_batches(tmp_path)
     ckpt = ["--train.ckpt.interval", "1"]
@@ -89,7 +91,7 @@ def test_killed_rank_stops_the_trainer_and_resume_is_exact(tmp_path, two_rank_re
     assert max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k) > 0
 
 
-@pytest.mark.slow  # two torchrun launchers on 2 cores: make test-all (the killed-rank test keeps two ranks)
+@pytest.mark.slow  # two torchrun launchers on 2 cores: make test-all (the default suite keeps two gloo ranks)
 def test_two_nodes_on_localhost(tmp_path):
     write_batches(tmp_path)
     port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}

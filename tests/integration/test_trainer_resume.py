@@ -113,6 +113,7 @@ def test_killed_trainer_resumes_exactly(tmp_path, reference, interval):
     assert kept == [f"step_{STEPS - interval}", f"step_{STEPS}"], kept  # keep_last 2
 
 
+@pytest.mark.slow  # two trainer runs: make test-all
 def test_a_damaged_checkpoint_stops_the_trainer_with_the_file_named(tmp_path):
     write_batches(tmp_path)
     finish(run_trainer(tmp_path, "--train.ckpt.interval", "3", "--train.max_steps", "3"))
@@ -123,6 +124,7 @@ def test_a_damaged_checkpoint_stops_the_trainer_with_the_file_named(tmp_path):
     assert "checkpoints/trainer/step_3/trainer_state.safetensors is missing" in out
 
 
+@pytest.mark.slow  # the reference run plus a vLLM load: make test-all
 def test_final_export_loads_in_transformers_and_is_served_by_vllm(reference, vllm_server):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -93,6 +93,7 @@ def test_vllm_wraps_exactly_the_trainers_lora_targets(argv):
     assert len(got["wrapped"]) == 4 * 4  # 4 layers of the bundled model
 
 
+@pytest.mark.slow  # the control of a vLLM behaviour, not of tidal: make test-all
 def test_without_a_target_list_vllm_wraps_the_lm_head_and_embeddings(argv):
     """The control: the argv tidal passed before (no `--lora-target-modules`) gives the LM head a LoRA layer,
     the premise of the GPU crash. If a vLLM release stops doing that, this test says so."""

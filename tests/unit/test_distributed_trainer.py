@@ -85,7 +85,7 @@ def _torchrun(out: Path, *args: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("zero_level", [1, 2, 3])
+@pytest.mark.parametrize("zero_level", [1, *(pytest.param(z, marks=pytest.mark.slow) for z in (2, 3))])
 def test_two_gloo_ranks_train_like_one_rank(tmp_path, one_rank, zero_level):
     _torchrun(tmp_path, str(zero_level), "4,1")
     for single, double in (("8", "4"), ("2", "1")):  # the same micro-batches per optimizer step
