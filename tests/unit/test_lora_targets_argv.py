@@ -79,3 +79,28 @@ def test_sglang_argv_names_the_trainers_targets(model_dirs):
     assert "all" not in targets_in(argv)
     llama = InferConfig(model=str(model_dirs["llama3"]), backend="sglang", gpu_memory_utilization=0.5)
     assert targets_in(sglang_argv(llama)) == sorted(ARCHS["llama3"].linear)
+
+
+def test_the_host_adapter_cache_defaults_to_one_batch_and_is_never_below_it(model_dirs, tmp_path):
+    """vLLM keeps every adapter it was given until `--max-cpu-loras` push the oldest out (an API unload only forgets
+    the name), so with `reload: lora` host memory holds that many policies: null passes `max_loras`, an explicit
+    value passes as is, and one below `max_loras` (vLLM refuses it at start) is a config error naming both keys."""
+    from tidal.config.load import load_config
+    from tidal.inference.backends.sglang.server import sglang_argv
+    from tidal.inference.backends.vllm.server import vllm_argv
+
+    def after(argv: list[str], flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    model = str(model_dirs["llama3"])
+    for max_loras, cpu, want in ((8, None, "8"), (3, None, "3"), (3, 40, "40"), (5, 5, "5")):
+        cfg = InferConfig(model=model, enable_lora=True, max_loras=max_loras, max_cpu_loras=cpu)
+        assert after(vllm_argv(cfg), "--max-cpu-loras") == want, (max_loras, cpu)
+        assert after(vllm_argv(cfg), "--max-loras") == str(max_loras)
+        sg = cfg.model_copy(update={"backend": "sglang", "gpu_memory_utilization": 0.5})
+        assert after(sglang_argv(sg), "--max-loaded-loras") == want, (max_loras, cpu)
+    path = tmp_path / "infer.yaml"
+    path.write_text(f"model: {model}\nmax_loras: 4\nmax_cpu_loras: 2\n")
+    with pytest.raises(ConfigError, match=r"max_cpu_loras 2 is below max_loras 4") as e:
+        load_config(InferConfig, path)
+    assert str(path) in str(e.value)

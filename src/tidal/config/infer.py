@@ -93,8 +93,12 @@ class InferConfig(StrictModel):
     """Largest LoRA rank to serve; rounded up to a value vLLM accepts (null: 16)."""
     max_loras: int = Field(8, ge=1)
     """LoRA adapters active in one batch."""
-    max_cpu_loras: int = Field(100, ge=1)
-    """LoRA adapters cached in CPU memory."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """LoRA adapters the engine keeps in host memory (vLLM's `--max-cpu-loras`; SGLang's `--max-loaded-loras`);
+    at least `max_loras`. null: `max_loras`. The engine keeps every adapter it was given until this many push the
+    least recently used out: unloading one through the API (tidal does, once no request uses it) does not free it
+    (vLLM 0.24 and 0.32: `/v1/unload_lora_adapter` only forgets the name), so with `reload: lora` host memory holds
+    this many policies' adapters, ~175 MB each for Qwen3-8B r16 on all linear layers in fp32 (bench/SOAK.md)."""
     enable_prefix_caching: bool | None = None
     """Prefix caching (null: vLLM's default)."""
     log_stats: bool | None = None
@@ -150,6 +154,18 @@ class InferConfig(StrictModel):
                 raise ValueError("backend sglang: " + "; ".join(f"{k} {SGLANG_UNMAPPED[k]}" for k in unmapped)
                                  + " (drop the key or use backend: vllm)")
         return self
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_a_batch(self) -> InferConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is below max_loras {self.max_loras}: the engine "
+                             f"keeps at least one batch's adapters in host memory; raise it or leave it null")
+        return self
+
+    @property
+    def cpu_loras(self) -> int:
+        """`max_cpu_loras`, null resolved to `max_loras`."""
+        return self.max_cpu_loras or self.max_loras
 
     @model_validator(mode="after")
     def _ports_fit(self) -> InferConfig:
