@@ -81,11 +81,13 @@ def serving_tinker(out: Path, key: str, timeout: float = 600) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory) -> Iterator[str]:
-    """A real vLLM server on the bundled model (LoRA enabled); yields its base URL (`http://.../v1`)."""
+    """A real vLLM server on the bundled model (LoRA enabled, and vLLM's token-in/token-out `/inference/v1/generate`
+    served: `--enable-scale-out` only adds routes); yields its base URL (`http://.../v1`)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "infer.log"
     with open(log, "w") as f:
-        proc = tidal("grpo-infer", "--infer.port", str(port), stdout=f)
+        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.extra_args", '["--enable-scale-out"]',
+                     stdout=f)
         try:
             wait_healthy(port, proc)
         except Exception:

