@@ -15,8 +15,10 @@
    quick smoke: `--steps 3 --skip-baselines --async-mode both`).
 6. Precision: a tidal run per train `recipe` of `--recipes` (default fp32 and bf16: on CPU bfloat16 autocast,
    docs/performance.md) and a TRL run per `--trl-precisions` (TRL's `bf16=False` / `bf16=True`, autocast on CPU
-   too), every tidal run against every TRL run; the mismatch KL at step 1 shows what bf16 costs in exactness.
-   The last recipe is the main run (in-flight run, overlap, trainer baseline).
+   too; both default to fp32 alone on a CPU without bfloat16 matmul units, AVX512-BF16 or AMX, where bf16 is
+   emulated at ~9x fp32's step time on the bundled model), every tidal run against every TRL run; the mismatch KL
+   at step 1 shows what bf16 costs in exactness. The last recipe is the main run (in-flight run, overlap, trainer
+   baseline).
 8. Long tail (issue 44, `bench/longtail.py`): with `--workload longtail|both` (default both, with `--async-mode
    both`), gated and in-flight runs on `reverse-text-longtail` (lengths log-normal: most completions stop early, a
    few run to `--longtail-max-tokens`): time per step, vLLM busy fraction and running sequences (sampled from its
@@ -315,6 +317,17 @@ def versions() -> str:
     return ", ".join(got)
 
 
+def default_precisions(device: str) -> list[str]:
+    """fp32 and bf16; fp32 alone on a CPU whose bfloat16 matmuls are emulated (said once)."""
+    from tidal.trainer.model.precision import has_bf16_matmul
+
+    if device == "cpu" and not has_bf16_matmul():
+        print("bench: this CPU has no bfloat16 matmul units (AVX512-BF16, AMX): fp32 runs only (--recipes and "
+              "--trl-precisions choose)", flush=True)
+        return ["fp32"]
+    return ["fp32", "bf16"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -328,10 +341,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
     ap.add_argument("--async-mode", default="both", choices=["gated", "in_flight", "both"],
                     help="orch async_mode of the tidal run; both: gated and in_flight, compared (measure 5)")
-    ap.add_argument("--recipes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                    help="train recipe of the tidal runs, each its own run (measure 6); the last is the main one")
-    ap.add_argument("--trl-precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                    help="TRL runs: bf16=False / bf16=True (autocast on CPU)")
+    ap.add_argument("--recipes", nargs="+", default=None, choices=["fp32", "bf16"],
+                    help="train recipe of the tidal runs, each its own run (measure 6); the last is the main one "
+                         "(default: fp32 bf16, fp32 alone on a CPU without bfloat16 matmul units)")
+    ap.add_argument("--trl-precisions", nargs="+", default=None, choices=["fp32", "bf16"],
+                    help="TRL runs: bf16=False / bf16=True (autocast on CPU; default as --recipes)")
     ap.add_argument("--no-startup-baseline", action="store_true",
                     help="skip the tidal run with the start-up before issue 37 (mp executor, orchestrator and trainer "
                          "after vLLM's /health), run to compare start-ups in the same bench run")
@@ -349,6 +363,9 @@ def main() -> None:
                     help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
                          "writes bench/ROLLOUT-LONGTAIL.md")
     args = ap.parse_args()
+    precisions = default_precisions(args.device)
+    args.recipes = args.recipes or precisions
+    args.trl_precisions = args.trl_precisions or precisions
     if args.longtail_quick:
         return longtail_quick(args)
     if args.skip_baselines:
