@@ -88,6 +88,23 @@ def test_vllm_engine_stats_are_off_on_cpu_unless_the_user_keeps_them():
     assert "--disable-log-stats" not in vllm_argv(InferConfig(model="tidal:tiny-reverse"))  # grpo-infer alone
 
 
+def test_in_flight_on_cpu_samples_whole_groups_one_batch_at_a_time_unless_the_user_says_otherwise():
+    """Where `tidal grpo` co-locates on CPU, `in_flight_split: null` is false and `in_flight_groups: null` one batch's
+    worth (n requests per group and a second batch's sequences cost the trainer's core), left to the orchestrator
+    (split, two batches) on a GPU; explicit values are kept; gated untouched."""
+    tiny, flight = "tidal:tiny-reverse", OrchConfig(async_mode="in_flight")
+    co = derive_colocate(TrainConfig(model=tiny), InferConfig(model=tiny), flight, CPU2)
+    need = flight.batch_size // flight.rollouts_per_example
+    assert (co.orch.in_flight_split, co.orch.in_flight_groups) == (False, need)
+    kept = derive_colocate(TrainConfig(model=tiny), InferConfig(model=tiny),
+                           OrchConfig(async_mode="in_flight", in_flight_split=True, in_flight_groups=5), CPU2)
+    assert (kept.orch.in_flight_split, kept.orch.in_flight_groups) == (True, 5)
+    gpu = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), flight, GPU16).orch
+    assert (gpu.in_flight_split, gpu.in_flight_groups) == (None, None)
+    gated = derive_colocate(TrainConfig(model=tiny), InferConfig(model=tiny), OrchConfig(), CPU2).orch
+    assert (gated.in_flight_split, gated.in_flight_groups) == (None, None)
+
+
 def test_odd_core_count_gives_vllm_the_smaller_half():
     co = derive_colocate(*configs(), Machine(cores=(0, 1, 2, 3, 4)))
     assert co.placement.vllm_cores == (0, 1) and co.train.cpu_affinity == [2, 3, 4]

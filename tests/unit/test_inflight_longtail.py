@@ -164,3 +164,40 @@ def test_groups_cancelled_at_any_point_give_back_every_slot():
     got = {ticks: asyncio.run(go(ticks)) for ticks in (1, 2, 3, 4, 5, 8, 13, 40, 200)}
     assert all(left == 0 for _, left in got.values()), (SEED, got)
     assert sum(launched > 0 for launched, _ in got.values()) >= 5, (SEED, got)
+
+
+def test_unsplit_groups_are_one_request_each_and_hold_their_slots_until_all_return():
+    """`in_flight_split: false`: a single-turn group is one request for its n completions, counted whole until the
+    request returns: vLLM's running completions stay within the cap, and fewer groups than the cap run at once."""
+    cfg = OrchConfig(batch_size=32, rollouts_per_example=4, async_mode="in_flight", in_flight_groups=8,
+                     in_flight_split=False, max_async_level=8, sampling={"max_tokens": 200},
+                     env=[{"id": "reverse-text-longtail", "args": {"median": 8, "sigma": 1.25, "max_len": 150}}])
+    env = make_env("reverse-text-longtail", cfg.env[0].args)
+    server = LongTailServer(SEED)
+    stream = GroupStream(cfg, env, random.Random(SEED), server, "m", FakePolicy(), ZeroScorer(),
+                         Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
+    seen = {"groups": 0, "running": 0}
+
+    async def watch() -> None:
+        while True:
+            seen["groups"] = max(seen["groups"], len(stream.running))
+            seen["running"] = max(seen["running"], stream.seqs_running)
+            await asyncio.sleep(TOKEN_S)
+
+    async def go() -> None:
+        stream._tasks = [asyncio.create_task(stream._guard(stream._launch()))]
+        watcher = asyncio.create_task(watch())
+        try:
+            for step in range(1, 4):
+                got = await stream.take(step, {})
+                assert len(got.collected.examples) == cfg.batch_size // 4
+        finally:
+            watcher.cancel()
+            await stream.close()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    asyncio.run(go())
+    assert set(server.requests) == {4}, server.requests  # one request per group, n completions each
+    assert server.peak <= 8 * 4 and seen["running"] <= 8 * 4, (SEED, server.peak, seen)
+    assert 0 < seen["groups"] <= 8, (SEED, seen)
+    assert stream.seqs_running == 0

@@ -129,6 +129,9 @@ def test_in_flight_refuses_eval_and_temp_scheduler_and_stray_key(tmp_path):
                teacher={"base_url": "http://t:8001/v1", "model": "m"})  # a teacher on its own server is fine
     with pytest.raises(ValueError, match="in_flight_groups .* needs async_mode: in_flight"):
         OrchConfig(in_flight_groups=4)
+    for split in (True, False):
+        with pytest.raises(ValueError, match=f"in_flight_split \\({str(split).lower()}\\) needs async_mode: in_flight"):
+            OrchConfig(in_flight_split=split)
     # the command line exits 2 and names the key
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo-orch", "--output-dir", str(tmp_path),
                           "--orch.async_mode", "in_flight", "--orch.eval", "{env: [{id: reverse-text}]}"],

@@ -25,6 +25,10 @@ The user's configs are never modified. Derivations, in order:
   `lora_target_modules` follows train's, in the wiring).
   `cpu_stats`: on CPU, infer `log_stats: null` becomes false (vLLM's engine statistics cost the rollouts ~13% on
   its core).
+  `cpu_in_flight`: on CPU with `async_mode: in_flight`, orch `in_flight_split: null` becomes false and
+  `in_flight_groups: null` one batch's worth (a request per completion, and a second batch's sequences, cost the
+  trainer's core: 1.35x / 1.08x gated's steps/s on the long-tail / uniform bench workloads against 0.81x / 0.81x
+  with both on; bench/ROLLOUT-LONGTAIL.md).
   `qlora_base`: a quantized QLoRA base is served as the trainer's dequantized policy 0 first.
   `moe_cpu`: a mixture of experts on CPU: vLLM without LoRA, LoRA training only (`moe_on_cpu`).
   `lora_rank`: when adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset:
@@ -388,6 +392,20 @@ def cpu_stats(d: Derivation) -> Derivation:
     return d
 
 
+def cpu_in_flight(d: Derivation) -> Derivation:
+    """On CPU with `async_mode: in_flight`, orch `in_flight_split: null` becomes false and `in_flight_groups: null`
+    one batch's worth: n requests per group, and a second batch's sequences running, cost the trainer's core
+    (bench/ROLLOUT-LONGTAIL.md)."""
+    if d.device != "cpu" or d.orch.async_mode != "in_flight":
+        return d
+    update: dict[str, Any] = {}
+    if d.orch.in_flight_split is None:
+        update["in_flight_split"] = False
+    if d.orch.in_flight_groups is None:
+        update["in_flight_groups"] = max(1, d.orch.batch_size // d.orch.rollouts_per_example)
+    return d.but(orch=d.orch.model_copy(update=update)) if update else d
+
+
 def qlora_base(d: Derivation) -> Derivation:
     """A quantized QLoRA base: vLLM must first serve the trainer's dequantized base (policy 0, published)."""
     if not (d.train.qlora_bnb or d.train.qlora_fp8):
@@ -473,8 +491,8 @@ def cuda_graphs(d: Derivation) -> Derivation:
 
 
 RULES: tuple[Callable[[Derivation], Derivation], ...] = (
-    route_replay, gpu_servers, shared_base, merged_reloads, lora_layers, cpu_stats, qlora_base, moe_cpu, lora_rank,
-    precision, cpu_cores, teacher, memory_split, cuda_graphs)
+    route_replay, gpu_servers, shared_base, merged_reloads, lora_layers, cpu_stats, cpu_in_flight, qlora_base,
+    moe_cpu, lora_rank, precision, cpu_cores, teacher, memory_split, cuda_graphs)
 """The derivation after the wiring, in order: each rule reads the configs the rules before it left."""
 
 

@@ -424,11 +424,21 @@ class OrchConfig(StrictModel):
     `max_off_policy_steps` (docs/orchestrator.md, "In-flight weight updates")."""
     in_flight_groups: int | None = Field(None, ge=1)
     """`async_mode: in_flight` only: groups' worth of completions (x `rollouts_per_example`) running or waiting
-    to be batched at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`). A single-turn
-    group counts only its completions still running, so a group waiting for its last long completion leaves room
+    to be batched at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`; one batch's worth
+    where `tidal grpo` co-locates on a CPU-only machine, bench/ROLLOUT-LONGTAIL.md). With `in_flight_split` a
+    single-turn group counts only its completions still running, so a group waiting for its last long completion leaves room
     for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch stays full
     (the completions running never exceed the cap; a group starts only when its completions fit beside them and
     the finished groups waiting)."""
+    in_flight_split: bool | None = None
+    """`async_mode: in_flight` only: sample a single-turn text group as `rollouts_per_example` requests of one
+    completion each, so that a group waiting for its last long completions holds only their slots and further
+    groups start beside it (false: one request for the group's n completions, which holds n slots until all
+    return). It costs the inference server's API process n requests per group instead of one: on a 2-core CPU
+    that work takes the trainer's core (with one batch's worth of groups the uniform bundled workload ran 0.72x
+    gated's steps/s with it, 1.08x without; the long-tail one 1.03x and 1.35x; bench/ROLLOUT-LONGTAIL.md).
+    null: true, except where `tidal grpo` co-locates on a CPU-only machine (false). Multi-turn, tool and image
+    groups are always one request per turn."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
     times the groups still needed in each sampling round, so dropped groups are replaced without another
@@ -520,6 +530,9 @@ class OrchConfig(StrictModel):
             if self.in_flight_groups is not None:
                 raise ValueError(f"in_flight_groups ({self.in_flight_groups}) needs async_mode: in_flight "
                                  f"(async_mode is '{self.async_mode}')")
+            if self.in_flight_split is not None:
+                raise ValueError(f"in_flight_split ({str(self.in_flight_split).lower()}) needs async_mode: in_flight "
+                                 f"(async_mode is '{self.async_mode}'); drop the key")
             return
         if self.eval is not None:
             raise ValueError("eval is not supported with async_mode: in_flight (the served policy changes while "
