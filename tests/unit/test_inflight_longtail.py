@@ -99,24 +99,21 @@ def test_split_group_reports_each_completion_and_cancels_the_rest_on_a_failure()
     asyncio.run(go())
 
 
-def test_long_groups_hold_only_their_running_completions():
+def longtail_stream(split: bool | None = None) -> tuple[OrchConfig, LongTailServer, GroupStream]:
+    """A stream of groups of 4 on the long-tail environment, 8 groups' worth in flight, over a `LongTailServer`."""
     cfg = OrchConfig(batch_size=32, rollouts_per_example=4, async_mode="in_flight", in_flight_groups=8,
-                     max_async_level=8, sampling={"max_tokens": 200},
+                     in_flight_split=split, max_async_level=8, sampling={"max_tokens": 200},
                      env=[{"id": "reverse-text-longtail", "args": {"median": 8, "sigma": 1.25, "max_len": 150}}])
     env = make_env("reverse-text-longtail", cfg.env[0].args)
     server = LongTailServer(SEED)
     stream = GroupStream(cfg, env, random.Random(SEED), server, "m", FakePolicy(), ZeroScorer(),
                          Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
-    n, cap = cfg.rollouts_per_example, 8
-    seen = {"groups": 0, "running": 0, "at_launch": 0}
-    launch = stream._wait_for_room
+    return cfg, server, stream
 
-    async def counted_launch() -> None:  # running + waiting once a group has room, with the group's own n
-        await launch()
-        seen["at_launch"] = max(seen["at_launch"], stream.seqs_running + n * (len(stream.ready) + 1))
 
-    stream._wait_for_room = counted_launch  # type: ignore[method-assign]
-
+def take_batches(cfg: OrchConfig, stream: GroupStream, steps: int, seen: dict[str, int]) -> None:
+    """Take `steps` full batches from `stream` while sampling, every TOKEN_S, the most groups and completions
+    running at once into `seen`; then close it."""
     async def watch() -> None:
         while True:
             seen["groups"] = max(seen["groups"], len(stream.running))
@@ -127,15 +124,29 @@ def test_long_groups_hold_only_their_running_completions():
         stream._tasks = [asyncio.create_task(stream._guard(stream._launch()))]
         watcher = asyncio.create_task(watch())
         try:
-            for step in range(1, 6):
+            for step in range(1, steps + 1):
                 got = await stream.take(step, {})
-                assert len(got.collected.examples) == cfg.batch_size // n
+                assert len(got.collected.examples) == cfg.batch_size // cfg.rollouts_per_example
         finally:
             watcher.cancel()
             await stream.close()
             await asyncio.gather(watcher, return_exceptions=True)
 
     asyncio.run(go())
+
+
+def test_long_groups_hold_only_their_running_completions():
+    cfg, server, stream = longtail_stream()
+    n, cap = cfg.rollouts_per_example, 8
+    seen = {"groups": 0, "running": 0, "at_launch": 0}
+    launch = stream._wait_for_room
+
+    async def counted_launch() -> None:  # running + waiting once a group has room, with the group's own n
+        await launch()
+        seen["at_launch"] = max(seen["at_launch"], stream.seqs_running + n * (len(stream.ready) + 1))
+
+    stream._wait_for_room = counted_launch  # type: ignore[method-assign]
+    take_batches(cfg, stream, 5, seen)
     assert server.peak <= cap * n and seen["running"] <= cap * n, (SEED, server.peak, seen)
     assert 0 < seen["at_launch"] <= cap * n, (SEED, seen)
     assert seen["groups"] > cap, (SEED, seen)  # long groups held few slots: more groups ran at once than the cap
@@ -146,14 +157,8 @@ def test_long_groups_hold_only_their_running_completions():
 def test_groups_cancelled_at_any_point_give_back_every_slot():
     """`close` cancels groups wherever they are: not yet started (the launcher just created them), waiting on
     their requests, or between requests; the count of running completions returns to 0 each time."""
-    cfg = OrchConfig(batch_size=32, rollouts_per_example=4, async_mode="in_flight", in_flight_groups=8,
-                     max_async_level=8, sampling={"max_tokens": 200},
-                     env=[{"id": "reverse-text-longtail", "args": {"median": 8, "sigma": 1.25, "max_len": 150}}])
-    env = make_env("reverse-text-longtail", cfg.env[0].args)
-
-    async def go(ticks: int) -> tuple[int, int]:
-        stream = GroupStream(cfg, env, random.Random(SEED + ticks), LongTailServer(SEED), "m", FakePolicy(),
-                             ZeroScorer(), Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
+    async def go(split: bool | None, ticks: int) -> tuple[int, int]:
+        _, _, stream = longtail_stream(split)
         stream._tasks = [asyncio.create_task(stream._guard(stream._launch()))]
         for _ in range(ticks):
             await asyncio.sleep(0)
@@ -161,42 +166,18 @@ def test_groups_cancelled_at_any_point_give_back_every_slot():
         await stream.close()
         return launched, stream.seqs_running
 
-    got = {ticks: asyncio.run(go(ticks)) for ticks in (1, 2, 3, 4, 5, 8, 13, 40, 200)}
-    assert all(left == 0 for _, left in got.values()), (SEED, got)
-    assert sum(launched > 0 for launched, _ in got.values()) >= 5, (SEED, got)
+    for split in (None, False):  # a request per completion, one per group
+        got = {ticks: asyncio.run(go(split, ticks)) for ticks in (1, 2, 3, 4, 5, 8, 13, 40, 200)}
+        assert all(left == 0 for _, left in got.values()), (SEED, split, got)
+        assert sum(launched > 0 for launched, _ in got.values()) >= 5, (SEED, split, got)
 
 
 def test_unsplit_groups_are_one_request_each_and_hold_their_slots_until_all_return():
     """`in_flight_split: false`: a single-turn group is one request for its n completions, counted whole until the
     request returns: vLLM's running completions stay within the cap, and fewer groups than the cap run at once."""
-    cfg = OrchConfig(batch_size=32, rollouts_per_example=4, async_mode="in_flight", in_flight_groups=8,
-                     in_flight_split=False, max_async_level=8, sampling={"max_tokens": 200},
-                     env=[{"id": "reverse-text-longtail", "args": {"median": 8, "sigma": 1.25, "max_len": 150}}])
-    env = make_env("reverse-text-longtail", cfg.env[0].args)
-    server = LongTailServer(SEED)
-    stream = GroupStream(cfg, env, random.Random(SEED), server, "m", FakePolicy(), ZeroScorer(),
-                         Buffer(cfg.buffer, cfg.dynamic_sampling), None, 1)
+    cfg, server, stream = longtail_stream(split=False)
     seen = {"groups": 0, "running": 0}
-
-    async def watch() -> None:
-        while True:
-            seen["groups"] = max(seen["groups"], len(stream.running))
-            seen["running"] = max(seen["running"], stream.seqs_running)
-            await asyncio.sleep(TOKEN_S)
-
-    async def go() -> None:
-        stream._tasks = [asyncio.create_task(stream._guard(stream._launch()))]
-        watcher = asyncio.create_task(watch())
-        try:
-            for step in range(1, 4):
-                got = await stream.take(step, {})
-                assert len(got.collected.examples) == cfg.batch_size // 4
-        finally:
-            watcher.cancel()
-            await stream.close()
-            await asyncio.gather(watcher, return_exceptions=True)
-
-    asyncio.run(go())
+    take_batches(cfg, stream, 3, seen)
     assert set(server.requests) == {4}, server.requests  # one request per group, n completions each
     assert server.peak <= 8 * 4 and seen["running"] <= 8 * 4, (SEED, server.peak, seen)
     assert 0 < seen["groups"] <= 8, (SEED, seen)
