@@ -426,10 +426,10 @@ class OrchConfig(StrictModel):
     """`async_mode: in_flight` only: groups' worth of completions (x `rollouts_per_example`) running or waiting
     to be batched at once (null: two batches' worth, 2 x `batch_size` / `rollouts_per_example`; one batch's worth
     where `tidal grpo` co-locates on a CPU-only machine, bench/ROLLOUT-LONGTAIL.md). With `in_flight_split` a
-    single-turn group counts only its completions still running, so a group waiting for its last long completion leaves room
-    for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch stays full
-    (the completions running never exceed the cap; a group starts only when its completions fit beside them and
-    the finished groups waiting)."""
+    single-turn group counts only its completions still running, so a group waiting for its last long completion
+    leaves room for further groups: with long-tailed lengths more groups than this run at once and vLLM's batch
+    stays full (the completions running never exceed the cap; a group starts only when its completions fit beside
+    them and the finished groups waiting)."""
     in_flight_split: bool | None = None
     """`async_mode: in_flight` only: sample a single-turn text group as `rollouts_per_example` requests of one
     completion each, so that a group waiting for its last long completions holds only their slots and further
