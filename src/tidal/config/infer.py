@@ -162,11 +162,6 @@ class InferConfig(StrictModel):
                              f"keeps at least one batch's adapters in host memory; raise it or leave it null")
         return self
 
-    @property
-    def cpu_loras(self) -> int:
-        """`max_cpu_loras`, null resolved to `max_loras`."""
-        return self.max_cpu_loras or self.max_loras
-
     @model_validator(mode="after")
     def _ports_fit(self) -> InferConfig:
         if self.port + self.dp - 1 > 65535:

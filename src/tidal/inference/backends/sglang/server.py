@@ -74,7 +74,7 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or LORA_RANK_DEFAULT),
                  "--lora-target-modules", *sglang_lora_targets(cfg), "--max-loras-per-batch", str(cfg.max_loras),
-                 "--max-loaded-loras", str(cfg.cpu_loras)]
+                 "--max-loaded-loras", str(cfg.max_cpu_loras or cfg.max_loras)]
     if cfg.enable_prefix_caching is False:
         argv.append("--disable-radix-cache")
     if cfg.log_stats is not False:

@@ -91,7 +91,7 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(round_lora_rank(cfg.max_lora_rank)),
-                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.cpu_loras),
+                 "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras or cfg.max_loras),
                  "--lora-target-modules", *lora_targets(cfg)]
     if cfg.enable_prefix_caching is not None:
         argv.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
