@@ -8,9 +8,10 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
   steps of running requests (vLLM applies them between engine steps), so a request can span two policies;
 - the **launcher** starts one group (one prompt, `rollouts_per_example` completions; multi-turn and tool
   environments run their loops) whenever its completions fit in `in_flight_groups` x `rollouts_per_example`
-  beside the completions running and the finished groups waiting to be batched (a single-turn group is sampled as
-  one request per completion, so a group waiting for its last long completion holds one slot: over-provisioning
-  under long-tailed lengths, vLLM's batch stays full; the completions running never exceed the cap, while
+  beside the completions running and the finished groups waiting to be batched (with `in_flight_split` a
+  single-turn group is sampled as one request per completion, so a group waiting for its last long completion
+  holds one slot: over-provisioning under long-tailed lengths, vLLM's batch stays full; without it a group is one
+  request holding all its slots until it returns; the completions running never exceed the cap, while
   running + waiting may pass it between two launches, when a group's finished completions count again as a
   waiting group), and the gate allows it: while batch n is being filled, a
   group starts only when the served policy is >= n - 1 - `max_async_level` (`staleness.launch_allowed`), the gated
