@@ -35,7 +35,7 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
     """Sample and score groups in rounds until the batch is full or `max_sampling_rounds` rounds were sampled
     (`fill.Filler`); a batch still short is topped up with rejected groups, then counted in `env/short_groups`."""
     filler = Filler(cfg, buffer, scorer.weights)
-    while (ask := filler.next_round()) and not filler.kept.env.is_outage(cfg.env_outage.fraction):
+    while not filler.kept.env.is_outage(cfg.env_outage.fraction) and (ask := filler.next_round()):
         examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
         images = [prompt_images(ex.prompt) for ex in examples]
         groups = await group_rollouts(step, cfg, env, client, policy.model, examples, prompts, filler.scored, images)
