@@ -4,14 +4,17 @@
 takes the model's turn (`ReverseAction.message`), rewards the similarity of the `<reversed_text>` answer to the
 reversed text (the bundled model's format), and ends the episode when it is exact or after `MAX_STEPS` steps; until
 then the next observation asks again. Hooks for failure tests: a message containing `BOOM` makes `step` raise (a
-server-side error), `SLOW` makes it sleep `SLOW_S` seconds, and `reset(fail=True)` raises; with `fail_every=k`, the
-episodes whose seed is a multiple of k fail at their first step.
+server-side error), `SLOW` makes it sleep `SLOW_S` seconds (an action that hangs it: `/health` still answers, the step
+runs in openenv-core's thread pool), `DIE` makes the server process exit at once (a server the action kills: only
+under a server of its own process, never one served in the test's), and `reset(fail=True)` raises; with
+`fail_every=k`, the episodes whose seed is a multiple of k fail at their first step.
 
 Served by `uvicorn tests.e2e.openenv_reverse:app` (8 concurrent sessions), or by tidal from `args.app`.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -56,6 +59,8 @@ class ReverseEnvironment(Environment):
     def step(self, action: ReverseAction, timeout_s: float | None = None, **kwargs: Any) -> ReverseObservation:  # type: ignore[override]
         if "BOOM" in action.message or self.fail:
             raise RuntimeError("the environment broke")
+        if "DIE" in action.message:
+            os._exit(3)
         if "SLOW" in action.message:
             time.sleep(SLOW_S)
         self._state.step_count += 1

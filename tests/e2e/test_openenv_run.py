@@ -2,9 +2,11 @@
 openenv_reverse`, written with openenv-core's `create_app`, served by uvicorn; no containers) and `tidal grpo` trains
 two steps against it with real vLLM and the bundled model. Episodes are multi-turn (the server's feedback comes back
 as a user message spliced in as tokens with no loss, the model continues from the exact token ids) and the server
-fails the episodes of every other example at their first step on purpose: those are not judged (a failure on the
-environment's side: no loss, their groups dropped and counted in `env/dropped_groups`; `env_outage.fraction` 1 keeps
-half a step failed from being an outage), and the run finishes."""
+fails the episodes of every other example at their first step on purpose, charged to the environment
+(`action_failures: environment`; by default a step failing while the server stays healthy is the model's): those
+are not judged (a failure on the environment's side: no loss, their groups dropped and counted in
+`env/dropped_groups`; `env_outage.fraction` 1 keeps half a step failed from being an outage), and the run
+finishes."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def test_openenv_run_trains_and_counts_server_failures(tmp_path):
     env_port, run_dir = free_port(), tmp_path / "run"
     server = serve_openenv(env_port)
     args = (f"{{base_url: 'http://127.0.0.1:{env_port}', max_turns: 2, system_prompt: 'Reverse the text.', "
-            f"max_sessions: 8, reset_args: {{fail_every: 2}}}}")
+            f"max_sessions: 8, reset_args: {{fail_every: 2}}, action_failures: environment}}")
     try:
         proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(free_port()), "--orch.max_steps", "2",
                      "--orch.batch_size", "16", "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens",

@@ -30,7 +30,7 @@ def split_reward(prompts, completions, **_):
     return [1.0 if even else float(i % 2) for i in range(len(completions))]
 
 
-def collect(url: str, tmp_path, **kw):
+def collect(url: str, tmp_path, counts: dict[str, float] | None = None, **kw):
     cfg = OrchConfig.model_validate({
         "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
         "env_reward_weight": 0.0,
@@ -45,7 +45,8 @@ def collect(url: str, tmp_path, **kw):
             await client.wait_ready()
             policy = PolicyTracker(client, MODEL, tmp_path, "default")
             buffer.new_step()
-            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy, {}, scorer, buffer)
+            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy,
+                                        {} if counts is None else counts, scorer, buffer)
         finally:
             await client.close()
 
@@ -74,3 +75,29 @@ def test_a_batch_still_short_after_max_rounds_is_filled_with_dropped_groups(vllm
     got, stds, m = collect(vllm_server, tmp_path, dynamic_sampling=True, max_sampling_rounds=1)
     assert len(got.groups) == 4 and m["buffer/rounds"] == 1
     assert m["buffer/filled_with_dropped"] == sum(s == 0.0 for s in stds) > 0
+
+
+def judge_down_on_even(prompts, completions, **_):
+    """A judge whose service is unavailable for prompts of even length (`ServiceUnavailable`: not judged)."""
+    from tidal.rewards import ServiceUnavailable
+
+    if len(prompts[0][-1]["content"]) % 2 == 0:
+        raise ServiceUnavailable("LLM judge at http://judge:8000", "ConnectError: refused")
+    return [float(i % 2) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("rounds", [4, 1])
+def test_groups_dropped_for_environment_failures_are_replaced_or_counted(vllm_server, tmp_path, rounds):
+    """No group filter: a gated batch whose groups the environment dropped samples replacements in further rounds
+    (up to `max_sampling_rounds`), and what is still missing is counted in `env/short_groups`."""
+    counts: dict[str, float] = {}
+    got, _, m = collect(vllm_server, tmp_path, counts=counts, max_sampling_rounds=rounds,
+                        env_outage={"fraction": 1.0},
+                        reward_funcs=[{"import_path": "tests.integration.test_buffer_filters:judge_down_on_even"}])
+    assert got.env.dropped_groups > 0 and all(c.env_error is None for g in got.groups for c in g)
+    assert len(got.groups) + counts["env/short_groups"] == 4
+    assert 1 <= m["buffer/rounds"] <= rounds and m["buffer/filled_with_dropped"] == 0
+    if rounds == 1:
+        assert counts["env/short_groups"] == got.env.dropped_groups, "one round: every dropped group is missing"
+    else:
+        assert m["buffer/rounds"] >= 2 and len(got.groups) > 4 - got.env.dropped_groups, "replaced"

@@ -94,3 +94,50 @@ def test_stream_runs_multi_turn_environments(vllm_server, tmp_path):
     assert len(comps) == 8 and got.versions == [(0, 0)] * 2
     assert any(c.mask is not None and 0 in c.mask and "[tool: go on]" in c.text for c in comps), \
         [c.text for c in comps]
+
+
+FAILED_PROMPTS: list[str] = []
+
+
+def judge_down_once(prompts, completions, **_):
+    """A judge whose service is down for the first group it is asked about (`ServiceUnavailable`), then back."""
+    from tidal.rewards import ServiceUnavailable
+
+    if not FAILED_PROMPTS:
+        FAILED_PROMPTS.append(prompts[0][-1]["content"])
+        raise ServiceUnavailable("LLM judge at http://judge:8000", "ConnectError: refused")
+    return [float(len(c[-1]["content"]) % 2) for c in completions]
+
+
+def test_an_outage_group_is_sampled_again_and_never_trained_on(vllm_server, tmp_path):
+    """A streamed group that was an environment outage (every rollout unjudged) is waited out and sampled again,
+    as gated mode samples its step again: its failures are not in the batch, its example is (sampled again)."""
+    FAILED_PROMPTS.clear()
+    cfg = OrchConfig.model_validate({
+        "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
+        "env_reward_weight": 0.0, "async_mode": "in_flight", "in_flight_groups": 4,
+        "reward_funcs": [{"import_path": "tests.integration.test_inflight_stream:judge_down_once"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(6), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            try:
+                counts: dict[str, float] = {}
+                return await stream.take(1, counts), counts
+            finally:
+                await stream.close()
+        finally:
+            await client.close()
+
+    sample, counts = asyncio.run(go())
+    got = sample.collected
+    assert len(FAILED_PROMPTS) == 1 and counts["env/outage_waits"] >= 1
+    assert got.env.failed == 0 and got.env.dropped_groups == 0, "the outage group's failures are not in the batch"
+    assert all(c.env_error is None for g in got.groups for c in g)
+    assert FAILED_PROMPTS[0] in [ex.prompt[-1]["content"] for ex in got.examples], "sampled again"

@@ -12,7 +12,7 @@ from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
 from tidal.inference.backends.vllm.client import VllmClient
-from tidal.orchestrator.collect import draw_prompts
+from tidal.orchestrator.groups import draw_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from tests.e2e.vlm_env import SquareColour
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.protocol import NotMultimodal
-from tidal.orchestrator.collect import draw_prompts
+from tidal.orchestrator.groups import draw_prompts
 
 pytestmark = pytest.mark.vllm
 

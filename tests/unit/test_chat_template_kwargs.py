@@ -27,8 +27,8 @@ from tidal.config.orch import ClientSection
 from tidal.envs import make_env
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.monitor.metrics import MetricsWriter
-from tidal.orchestrator.collect import draw_prompts
 from tidal.orchestrator.evaluation import Evaluator
+from tidal.orchestrator.groups import draw_prompts
 from tidal.trainer.sft import make_sft_batch, render_prompt
 
 THINKING_TEMPLATE = """{% for message in messages %}<|im_start|>{{ message['role'] }}

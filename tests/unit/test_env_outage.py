@@ -23,8 +23,8 @@ from tidal.envs.remote import RemoteEnvironment
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import compute_advantages, group_advantages
 from tidal.orchestrator.assemble import assemble
-from tidal.orchestrator.collect import Collected, StepSample
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.groups import Collected, StepSample
 from tidal.orchestrator.outage import EnvFailures, EnvOutage, Outage, judged, keeps_group, probe
 from tidal.orchestrator.scoring import Scorer
 from tidal.rewards import ServiceUnavailable
@@ -160,6 +160,55 @@ def test_outage_backs_off_until_the_environment_answers(caplog):
     assert caplog.text.count("environment outage:") == 1 and "OpenEnv environment at http://h:1" in caplog.text
     outage.clear()
     assert outage.since is None and "outage over after 15 s" in caplog.text
+
+
+def yielding_time():
+    """A fake clock whose sleep lets the other tasks run (as a real sleep does)."""
+    now, slept = [0.0], []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    return sleep, (lambda: now[0]), slept
+
+
+def test_waiters_share_one_outage_and_its_backoff():
+    sleep, clock, slept = yielding_time()
+    env = Down(back=3)
+    outage = Outage(EnvOutageSection(timeout_s=100), env, sleep, clock)
+
+    async def go():
+        await asyncio.gather(*(outage.wait(f"a group of batch 4: group {i} failed") for i in range(5)))
+        assert outage.waiting == 0
+
+    asyncio.run(go())
+    assert slept == [1, 2, 4] and env.probes == 3 and outage.waits == 3, "backoff per outage, not per waiter"
+
+
+def test_a_clear_while_groups_wait_releases_them_all():
+    """The race of issue 50: a group that finished cleanly clears the outage while others sleep in `wait`."""
+    sleep, clock, slept = yielding_time()
+    env = Down()  # never answers: only the clear ends the wait
+    outage = Outage(EnvOutageSection(timeout_s=100), env, sleep, clock)
+
+    async def go():
+        async def finisher():
+            while not slept:
+                await asyncio.sleep(0)
+            outage.clear()
+
+        waiters = [outage.wait(f"group {i}") for i in range(4)]
+        await asyncio.gather(*waiters, finisher())
+        assert outage.since is None and outage.waiting == 0
+        env.back = env.probes + 2
+        await asyncio.gather(outage.wait("a new outage"), outage.wait("again"))
+
+    asyncio.run(go())
+    assert slept == [1, 1, 2], "the new outage starts its backoff afresh"
+    assert env.probes == 2, "no probe after the clear"
 
 
 @pytest.mark.parametrize("timeout_s", [10.0, 45.0])

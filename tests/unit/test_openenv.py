@@ -4,8 +4,10 @@ environment of `tests.e2e.openenv_reverse`, written with openenv-core's `create_
 scripted inference client whose chat rendering is the bundled model's template, so the spliced observation tokens
 are checked against the template. Covers single- and multi-turn episodes, rewards, the session slots, and every
 kind of server failure (a step that raises, a timeout, a refused connection, a failing reset, a reset that does not
-reproduce the prompt), each an unjudged rollout (`Completion.env_error`) and never raised; invalid actions; the config
-keys; and tidal without openenv-core (the `openenv` extra)."""
+reproduce the prompt), each an unjudged rollout (`Completion.env_error`) and never raised; a step that fails after
+the model's action charged to the model while the server's /health answers (`args.action_failures`) and to the
+environment when the action killed the server; invalid actions; the config keys; and tidal without openenv-core
+(the `openenv` extra)."""
 
 from __future__ import annotations
 
@@ -200,7 +202,8 @@ def scorer_of(env: OpenEnv, url: str) -> Scorer:
 
 
 def test_server_failures_are_unjudged_rollouts_not_errors(server, tok, caplog):
-    env = make(server, max_turns=2, timeout_s=1.0)
+    """With `action_failures: environment`, every failed step is the environment's, healthy server or not."""
+    env = make(server, max_turns=2, timeout_s=1.0, action_failures="environment")
     ex = env.sample(random.Random(3))
     ex, _, comps = rollouts(env, tok, [["BOOM"], ["ok", "SLOW"], [answer(ex)]], seed=3)
     eps = [c.environment for c in comps]
@@ -219,6 +222,40 @@ def test_server_failures_are_unjudged_rollouts_not_errors(server, tok, caplog):
     assert scorer.take_error_counts()["reward/openenv/errors"] == 0.0
     assert env.failures["server failure"] == 2
     assert "OpenEnv environment at" in caplog.text and "logged once" in caplog.text
+
+
+def test_actions_that_break_or_hang_a_healthy_server_are_the_models_failures(server, tok, caplog):
+    """`action_failures: model` (the default): a step that raises or hangs after the model's action, the server's
+    /health still answering, is the model's failure: judged, scored `action_failure_reward`, trained on."""
+    env = make(server, max_turns=2, timeout_s=1.0, action_failure_reward=-2.0)
+    ex = env.sample(random.Random(3))
+    ex, _, comps = rollouts(env, tok, [["BOOM"], ["ok", "SLOW"], [answer(ex)]], seed=3)
+    eps = [c.environment for c in comps]
+    assert "the environment broke" in eps[0].action_failure and eps[0].error is None
+    assert "TimeoutError" in eps[1].action_failure and eps[1].error is None and eps[1].rewards == [0.0]
+    assert eps[2].action_failure is None and eps[2].error is None
+    assert all(c.env_error is None for c in comps), "judged: no env_error"
+    assert env.score_rollouts(ex, comps) == [-2.0, -2.0, 1.0]
+    ex.task = "openenv"
+    scorer = scorer_of(env, server)
+    scores = scorer.score(ex, comps, 1)
+    assert scores[:, 0].tolist() == [-2.0, -2.0, 1.0] and not np.isnan(scores).any()
+    assert env.failures["action failure"] == 2 and "server failure" not in env.failures
+    assert "after the model's action while the server stayed healthy" in caplog.text
+
+
+def test_an_action_that_kills_the_server_is_the_environments_failure(tok):
+    """The action's step fails and the server's /health fails with it: the environment's failure (not judged)."""
+    env = OpenEnv(app="tests.e2e.openenv_reverse:app", max_turns=2, max_sessions=4, timeout_s=5,
+                  startup_timeout_s=60)
+    try:
+        ex, _, comps = rollouts(env, tok, [["DIE"]], seed=11)
+        ep = comps[0].environment
+        assert ep.action_failure is None and "health probe failed too" in ep.error, ep
+        assert comps[0].env_error.startswith("OpenEnv environment at http://127.0.0.1:")
+        assert math.isnan(env.score_rollouts(ex, comps)[0])
+    finally:
+        env.close()
 
 
 def test_a_failing_reset_and_a_dead_server_never_raise(tok):
@@ -308,7 +345,8 @@ def test_config_keys():
                         ({}, "exactly one"), ({"base_url": "http://h:1", "app": "a:b"}, "exactly one"),
                         ({"base_url": "http://h:1", "max_turns": 0}, "args.max_turns"),
                         ({"base_url": "http://h:1", "reward": "mean"}, "args.reward"),
-                        ({"base_url": "http://h:1", "reset_args": {"seed": 1}}, "may not set seed")):
+                        ({"base_url": "http://h:1", "reset_args": {"seed": 1}}, "may not set seed"),
+                        ({"base_url": "http://h:1", "action_failures": "nobody"}, "args.action_failures")):
         with pytest.raises(ConfigError, match=match):
             validate(OrchConfig, {"env": [{"id": ID, "args": args}]}, "o.yaml")
     with pytest.raises(ConfigError, match="args.base_url or args.app, not address"):

@@ -28,7 +28,7 @@ from tidal.envs import make_env
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.advantage import combine_rewards
-from tidal.orchestrator.collect import draw_prompts
+from tidal.orchestrator.groups import draw_prompts
 from tidal.orchestrator.scoring import Scorer, TrainerState
 
 CHAT = [{"role": "user", "content": "What is (1 + 2) * 4?"}]

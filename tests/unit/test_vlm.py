@@ -332,7 +332,7 @@ def test_multi_turn_rollouts_of_image_prompts_are_refused():
 
 def test_teacher_logprobs_of_image_prompts_are_refused():
     from tidal.config.orch import TeacherSection
-    from tidal.orchestrator.collect import Collected, teacher_logprobs
+    from tidal.orchestrator.groups import Collected, teacher_logprobs
 
     got = Collected()
     got.add(image_example(), [1, 2], [comp(2)], np.zeros((1, 1)), [b"png"])

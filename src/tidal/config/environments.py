@@ -68,6 +68,16 @@ class OpenEnvArgs(StrictModel):
     environment sets `SUPPORTS_CONCURRENT_SESSIONS` and the app raises it)."""
     timeout_s: float = Field(60.0, gt=0)
     """Seconds per request to the server (a reset, a step); a request past it fails the episode."""
+    action_failures: Literal["model", "environment"] = "model"
+    """Whose failure a `step` is that fails after the model's action (timed out, a server error, a dropped
+    connection): `model`: the model's (its action hung or broke the environment: the episode scores
+    `action_failure_reward` and is trained on), unless the server's `/health` fails at that moment (then the
+    environment's); `environment`: always the environment's (not judged: no loss, out of the group's baseline, an
+    outage when most episodes fail so). A failed `reset` is always the environment's."""
+    action_failure_reward: float = 0.0
+    """The reward of an episode whose step failed on the model's action (`action_failures: model`), in place of its
+    step rewards: 0.0 is orch `reward_default`'s default; a negative value penalises actions that break the
+    environment."""
     startup_timeout_s: float = Field(60.0, gt=0)
     """Seconds to wait for the server's `/health` when the run starts (and for `app` to come up)."""
 

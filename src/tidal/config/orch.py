@@ -447,8 +447,10 @@ class OrchConfig(StrictModel):
     """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and sample
     replacements."""
     max_sampling_rounds: int = Field(4, ge=1)
-    """Sampling rounds per batch with group filters on; a batch still short after them is filled with dropped
-    groups (counted in `buffer/filled_with_dropped`)."""
+    """Sampling rounds per batch (both `async_mode`s, `orchestrator.fill`): with group filters on, a batch still
+    short after them is filled with dropped groups (counted in `buffer/filled_with_dropped`); without, further
+    rounds only replace groups dropped for failures on the environment's side (a gated batch still short then is
+    counted in `env/short_groups`)."""
     output_dir: str = "outputs/run_default"
     """Run directory: rollouts/, broadcasts/, metrics.jsonl, logs."""
     seed: int = 42

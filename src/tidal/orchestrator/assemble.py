@@ -28,9 +28,9 @@ from tidal.envs.images import text_of
 from tidal.inference.protocol import Completion
 from tidal.models.routes import batch_routes
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
-from tidal.orchestrator.collect import StepSample
 from tidal.orchestrator.distill import distill_metrics
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.groups import StepSample
 from tidal.orchestrator.outage import judged
 from tidal.orchestrator.sampling import max_completion_tokens, temperature_at
 from tidal.orchestrator.scoring import Scorer

@@ -34,10 +34,12 @@ from tidal.monitor.sinks import Sinks
 from tidal.orchestrator.assemble import Assembled, assemble, pick_samples
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.ckpt import Progress, resume_orch, save_orch
-from tidal.orchestrator.collect import StepSample, sample_step
+from tidal.orchestrator.collect import sample_step
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.groups import StepSample
+from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.preflight import build_scoring, give_tools, teacher_url
 from tidal.orchestrator.sampling import temperature_at
@@ -152,10 +154,11 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
             await policy.ensure(0, cfg.weights_timeout_s)  # policy 0: the trainer's, if it publishes one
             await evaluate(evaluator, parts.client, base, base, 0, 0, temperature_at(cfg.sampling, cfg.max_steps, 1),
                            parts.sinks)
+        outage = Outage(cfg.env_outage, parts.env)  # one outage state per run, whichever group or step waits
         if cfg.async_mode == "in_flight":
             stream = GroupStream(cfg, parts.env, parts.rng, parts.client, base, policy, parts.scorer, parts.buffer,
                                  parts.teacher, step + 1,
-                                 cfg.ckpt.wait_for_weights_timeout if resumed_at > 0 else None)
+                                 cfg.ckpt.wait_for_weights_timeout if resumed_at > 0 else None, outage)
             await stream.start()
         while cfg.max_steps is None or step < cfg.max_steps:
             step += 1
@@ -166,7 +169,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
             else:
                 got = await sample_step(step, cfg, parts.env, parts.rng, parts.client, base, policy, counts,
                                         parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
-                                        scorer=parts.scorer, buffer=parts.buffer)
+                                        scorer=parts.scorer, buffer=parts.buffer, outage=outage)
             # 2. assemble
             done = assemble(step, got, cfg, parts.scorer, parts.filters, parts.custom)
             progress = parts.progress

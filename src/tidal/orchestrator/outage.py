@@ -15,7 +15,8 @@ from completions nobody judged. So:
   `/health`, a `tidal env-server`'s `/info`; a reward function's service has no probe: the step is simply tried
   again after the wait), and the step is sampled again with the same examples; past `env_outage.timeout_s` from
   the outage's first failed step the run stops with `EnvOutage` naming the environment (`env/outage_waits` counts
-  the waits of a step). In-flight mode applies the rule per group (`stream`).
+  the waits of a step). In-flight mode applies the rule per group (`stream`): a group that was an outage is
+  waited out and sampled again, never trained on. One `Outage` per run, shared by every step or group waiting.
 The model's own doing is not an environment failure: an invalid action, a wrong answer, code the model wrote that
 crashes or hangs in a sandbox all score as before (`reward_default` where a reward function raised).
 """
@@ -98,7 +99,13 @@ def probe(env: Any) -> str | None:
 
 
 class Outage:
-    """One run's (or one step's) environment outage: `wait` while it lasts, `clear` once a step is judged again."""
+    """One run's environment outage, shared by every step or group that waits on it: `wait` while it lasts,
+    `clear` once a step (group) is judged again.
+
+    Any number of waiters share it safely: one backs off and probes at a time (a lock), so the backoff grows once
+    per probe of the outage, not once per waiter; a probe that finds the environments back, or a `clear` by a group
+    that finished meanwhile, releases every waiter at once; a waiter never reads the start of an outage another
+    one cleared."""
 
     def __init__(self, section: EnvOutageSection, env: Any,
                  sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
@@ -107,41 +114,53 @@ class Outage:
         self.since: float | None = None
         """When the outage began (its first failed step); None: no outage."""
         self.delay = BACKOFF_START_S
+        """The next backoff wait of this outage (doubles per probe)."""
         self.waits = 0
         """Backoff waits so far (all outages)."""
         self.waiting = 0
         """Callers inside `wait` now (the in-flight launcher starts no group meanwhile)."""
+        self.answered = 0
+        """Probes that found the environments back, and clears (all outages): a waiter that sees it grow returns."""
+        self._turn = asyncio.Lock()
 
     async def wait(self, what: str) -> None:
         """Wait out the outage whose latest evidence is `what` (a step's or group's failures): says so at the
-        outage's first call, then backs off until the environments answer `probe`; EnvOutage once the outage has
-        lasted `env_outage.timeout_s`."""
+        outage's first call, then backs off until the environments answer `probe` (or another waiter's group
+        clears the outage); EnvOutage once the outage has lasted `env_outage.timeout_s`."""
         timeout = self.section.timeout_s
         if self.since is None:
             self.since, self.delay = self.clock(), BACKOFF_START_S
             log.warning("environment outage: %s. Nothing is trained on it: waiting for the environment (backoff "
                         "%g s doubling to %g s), then sampling again, for up to %g s (env_outage.timeout_s)",
                         what, BACKOFF_START_S, BACKOFF_MAX_S, timeout)
+        since, seen = self.since, self.answered
         self.waiting += 1
         try:
             while True:
-                elapsed = self.clock() - self.since
-                if elapsed >= timeout:
-                    raise EnvOutage(f"environment outage for {elapsed:.0f} s, longer than env_outage.timeout_s "
-                                    f"{timeout:g}: {what}. Stopping; no optimizer step was taken on the outage "
-                                    f"(bring the environment back and resume from the last checkpoint)")
-                await self.sleep(min(self.delay, timeout - elapsed))
-                self.delay = min(2 * self.delay, BACKOFF_MAX_S)
-                self.waits += 1
-                why = await asyncio.to_thread(probe, self.env)
-                if why is None:
-                    return
-                what = f"still unavailable: {why}"
+                async with self._turn:  # one waiter backs off and probes at a time
+                    if self.answered != seen or self.since != since:
+                        return  # the environments answered, or the outage was cleared, while this one queued
+                    elapsed = self.clock() - since
+                    if elapsed >= timeout:
+                        raise EnvOutage(f"environment outage for {elapsed:.0f} s, longer than env_outage.timeout_s "
+                                        f"{timeout:g}: {what}. Stopping; no optimizer step was taken on the outage "
+                                        f"(bring the environment back and resume from the last checkpoint)")
+                    await self.sleep(min(self.delay, timeout - elapsed))
+                    self.delay = min(2 * self.delay, BACKOFF_MAX_S)
+                    self.waits += 1
+                    if self.answered != seen or self.since != since:
+                        return  # cleared during the sleep
+                    why = await asyncio.to_thread(probe, self.env)
+                    if why is None:
+                        self.answered += 1
+                        return
+                    what = f"still unavailable: {why}"
         finally:
             self.waiting -= 1
 
     def clear(self) -> None:
-        """A step (group) was judged again: the outage, if any, is over."""
+        """A step (group) was judged again: the outage, if any, is over (its waiters return)."""
         if self.since is not None:
             log.warning("environment outage over after %.0f s; sampling goes on", self.clock() - self.since)
             self.since = None
+            self.answered += 1

@@ -19,9 +19,9 @@ PipelineRL / AReaL style. Three asyncio tasks replace `collect.sample_step`'s pe
 - **`take(n)`** fills batch n from the finished groups in completion order: a group's staleness is
   (n - 1) - its start version; one above `max_off_policy_steps` is dropped whole (advantages stay valid; counted
   in `dropped_stale`; a finished group already stale for the batch being filled is dropped at once, freeing its
-  slot) and the batch waits for fresh groups. Group filters (`dynamic_sampling`,
-  `buffer.online_difficulty_filtering`) judge each group; after `oversampling_factor` x `max_sampling_rounds`
-  batches' worth of judged groups a short batch is filled with rejected ones, as in gated mode.
+  slot) and the batch waits for fresh groups. Every other group goes to the filler both modes share
+  (`fill.Filler`: environment judging, group filters, rounds, top-up, teacher), which opens its next round when
+  the groups of the previous one are all judged.
 
 Each group records `(start, end)`: the policy serving when its request(s) started and the newest policy that may
 have reached them before they returned (LoRA: start == end; nccl: the servers' weight version at return; the
@@ -30,22 +30,21 @@ samples have start == end unless the push lands between two turns of a multi-tur
 logprobs are those vLLM reported while sampling, the true behaviour logprobs of each token.
 
 Environment failures (`outage`) are judged per group: a group left with fewer than 2 judged rollouts is dropped
-(counted), and a group mostly failed on the environment's side is an outage: it waits the environment out with
-backoff while the launcher starts no new group (a batch fills once the environment is back), past
-`env_outage.timeout_s` the run stops.
+by the filler (counted), and a group mostly failed on the environment's side is an outage: it waits the
+environment out with backoff (the run's one `Outage`, shared by every waiting group) while the launcher starts no
+new group, then is sampled again (never trained on, as in gated mode); past `env_outage.timeout_s` the run stops.
 
 Simplifications: a failed request (server restart) retries its own group with the policy loaded again, up to
-`MAX_ATTEMPTS` times in a row; no example is in flight twice at once (the buffer's dedupe covers the in-flight
-window, not exactly one batch); examples drawn ahead are not rewound at a checkpoint, so a resumed run draws
-fresh ones. Not combined with `eval`, `sampling.temp_scheduler` or a teacher on a training server (refused by
-the config).
+`fill.MAX_ATTEMPTS` times in a row (`fill.Retries`); no example is in flight twice at once (the buffer's dedupe
+covers the in-flight window, not exactly one batch); examples drawn ahead are not rewound at a checkpoint, so a
+resumed run draws fresh ones. Not combined with `eval`, `sampling.temp_scheduler` or a teacher on a training
+server (refused by the config).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -58,19 +57,11 @@ from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.envs.images import prompt_images
 from tidal.inference.protocol import Completion, InferenceClient, InferenceError
-from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer, example_key
-from tidal.orchestrator.collect import (
-    MAX_ATTEMPTS,
-    Collected,
-    StepSample,
-    draw_prompts,
-    group_rollouts,
-    teacher_logprobs,
-)
 from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.fill import Filler, Retries, with_teacher
+from tidal.orchestrator.groups import StepSample, draw_prompts, group_rollouts, sample_seed
 from tidal.orchestrator.outage import EnvFailures, Outage
-from tidal.orchestrator.outage import judged as judged_mask
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.rollout import split_group
 from tidal.orchestrator.sampling import temperature_at
@@ -125,7 +116,8 @@ class GroupStream:
 
     def __init__(self, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient, base: str,
                  policy: PolicyTracker, scorer: Scorer, buffer: Buffer, teacher: InferenceClient | None,
-                 first_step: int, first_timeout_s: float | None = None) -> None:
+                 first_step: int, first_timeout_s: float | None = None, outage: Outage | None = None) -> None:
+        """`outage`: the run's outage state (a fresh one when not given)."""
         self.cfg, self.env, self.rng, self.client, self.base = cfg, env, rng, client, base
         self.policy, self.scorer, self.buffer, self.teacher = policy, scorer, buffer, teacher
         self.need = cfg.batch_size // cfg.rollouts_per_example
@@ -143,9 +135,8 @@ class GroupStream:
         self.changed = asyncio.Event()
         self.timeout_s = first_timeout_s or cfg.weights_timeout_s
         self._tasks: list[asyncio.Task[None]] = []
-        self.outage = Outage(cfg.env_outage, env)
-        self.env_tally = EnvFailures()  # since the last batch was taken
-        self._outage_waits = 0
+        self.outage = outage or Outage(cfg.env_outage, env)
+        self._outage_waits = self.outage.waits
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -190,7 +181,7 @@ class GroupStream:
     # --- the policy follower ---------------------------------------------------------------------------------
     async def _follow(self) -> None:
         """Serve each newly published policy as soon as it appears (and again after a server restart)."""
-        last_discover, failures = time.monotonic(), 0
+        last_discover, retries = time.monotonic(), Retries("loading the newest policy", self.policy, self.client)
         while True:
             now = time.monotonic()
             try:
@@ -202,15 +193,9 @@ class GroupStream:
                 if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
                     await self.policy.ensure(0, self.cfg.weights_timeout_s)
                     self.changed.set()
-                failures = 0
+                retries.ok()
             except InferenceError as exc:  # a server died or restarted: load the policy again once it answers
-                failures += 1
-                if failures >= MAX_ATTEMPTS:
-                    raise
-                log.warning("loading policy %d failed (%s); retrying once the server answers (attempt %d of %d)",
-                            weights.newest_policy(self.policy.run_dir), str(exc)[:300], failures + 1, MAX_ATTEMPTS)
-                await self.client.wait_ready()
-                self.policy.invalidate()
+                await retries.failed(exc)
             await asyncio.sleep(POLL_S)
 
     # --- the launcher ----------------------------------------------------------------------------------------
@@ -260,41 +245,48 @@ class GroupStream:
                 self.gate_wait_s += time.monotonic() - now
 
     async def _group(self, ex: Example, prompt: list[int], step: int, seq: int, slots: Slots) -> None:
-        """Sample and score one group; a failed request retries it once the server answers again."""
+        """Sample and score one group; a failed request retries it once the server answers again, a group that was
+        an environment outage is waited out and sampled again (never trained on), as in gated mode. Every other
+        scored group goes to the filler, env-dropped ones included (`fill.Filler.offer` judges them)."""
         images = prompt_images(ex.prompt)
+        retries = Retries("in-flight group", self.policy, self.client)
         try:
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                model, start = self.policy.lease()
-                if attempt > 1:  # the failed attempt's completions were all counted down
-                    slots.take(self.cfg.rollouts_per_example - slots.held)
-                try:
-                    comps = await self._sample(step, ex, prompt, seq, model, images, slots)
-                    end = self.policy.end_version(start)
-                    if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
-                        end = max(end, max((await self.client.weight_versions()).values(), default=end))
+            while True:
+                comps, start, end = await self._attempt(step, ex, prompt, seq, images, slots, retries)
+                scores = self.scorer.score(ex, comps, step)
+                group = EnvFailures()
+                group.add(comps)
+                if not group.is_outage(self.cfg.env_outage.fraction):
                     break
-                except InferenceError as exc:
-                    if attempt == MAX_ATTEMPTS:
-                        raise
-                    log.warning("in-flight group: inference request failed (%s); retrying it once the server "
-                                "answers (attempt %d of %d)", str(exc)[:300], attempt + 1, MAX_ATTEMPTS)
-                    self.counts["inference_retries"] = self.counts.get("inference_retries", 0.0) + 1
-                    await self.client.wait_ready()
-                    self.policy.invalidate()
-                    while self.policy.loaded[0] < 0:  # the follower loads the policy again
-                        await asyncio.sleep(POLL_S)
-                finally:
-                    self.policy.release(model)
+                slots.free_all()
+                await self.outage.wait(f"a group of batch {self.filling}: {group.describe()}")
+            if not group.failed:
+                self.outage.clear()
             p = comps[0].prompt_ids or prompt  # an environment's reset observation changed the prompt
-            scores = self.scorer.score(ex, comps, step)
-            if not await self._judged_enough(comps):
-                self._forget(ex)
-                return
             self.ready.append(Group(ex, p, comps, scores, images, (start, end)))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to `take`
             self._fail(exc)
+
+    async def _attempt(self, step: int, ex: Example, prompt: list[int], seq: int, images: list[bytes],
+                       slots: Slots, retries: Retries) -> tuple[list[Completion], int, int]:
+        """One group's completions and its (start, end) policy versions, retried after failed requests."""
+        while True:
+            model, start = self.policy.lease()
+            slots.take(self.cfg.rollouts_per_example - slots.held)  # a failed or outage try gave its slots back
+            try:
+                comps = await self._sample(step, ex, prompt, seq, model, images, slots)
+                end = self.policy.end_version(start)
+                if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
+                    end = max(end, max((await self.client.weight_versions()).values(), default=end))
+                return comps, start, end
+            except InferenceError as exc:
+                await retries.failed(exc, self.counts)
+                while self.policy.loaded[0] < 0:  # the follower loads the policy again
+                    await asyncio.sleep(POLL_S)
+            finally:
+                self.policy.release(model)
 
     async def _sample(self, step: int, ex: Example, prompt: list[int], seq: int, model: str,
                       images: list[bytes], slots: Slots) -> list[Completion]:
@@ -311,21 +303,9 @@ class GroupStream:
             finally:
                 slots.free(n)
 
-        seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + step * 100003 + seq * n
+        seed = sample_seed(self.cfg.sampling, step, seq * n)  # one index per completion
         return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
                                  temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
-
-    async def _judged_enough(self, comps: list[Completion]) -> bool:
-        """Count a scored group's failures on the environment's side; a group mostly failed so is an outage,
-        waited out (the launcher starts no group meanwhile) before it returns. Whether the group keeps a baseline
-        (`outage.keeps_group`; dropped ones are counted in `env/dropped_groups`)."""
-        group = EnvFailures()
-        group.add(comps)
-        if group.is_outage(self.cfg.env_outage.fraction):
-            await self.outage.wait(f"a group of batch {self.filling}: {group.describe()}")
-        elif not group.failed:
-            self.outage.clear()
-        return self.env_tally.add(comps)
 
     # --- the consumer ----------------------------------------------------------------------------------------
     def _drop_stale(self) -> None:
@@ -360,48 +340,35 @@ class GroupStream:
         return self.ready.popleft()
 
     async def take(self, step: int, counts: dict[str, float]) -> StepSample:
-        """Batch `step`'s groups: fresh enough, accepted by the group filters (or filled with rejected ones);
-        adds the stream's counts since the previous batch to `counts`."""
+        """Batch `step`'s groups: fresh enough, judged by the filler (`fill.Filler`: the gated mode's rounds, filters
+        and top-up, with rounds opened as their groups finish); adds the stream's counts since the previous batch
+        to `counts`."""
         t0, wait0 = time.monotonic(), self.gate_wait_s
         self.filling = step
         self.changed.set()
-        buf = self.buffer
-        buf.new_step()
-        buf.step_keys = set(self.in_flight_keys)  # the dedupe set covers the in-flight window (module doc)
-        kept, spare = Collected(), Collected()
-        judged = 0
-        budget = math.ceil(self.need * self.cfg.oversampling_factor * self.cfg.max_sampling_rounds)
-        while len(kept.examples) < self.need:
+        self.buffer.new_step()
+        self.buffer.step_keys = set(self.in_flight_keys)  # the dedupe set covers the in-flight window (module doc)
+        filler = Filler(self.cfg, self.buffer, self.scorer.weights)
+        filler.next_round()
+        while not filler.full:
             g = await self._next_group()
             self._forget(g.example)
             if is_stale(step, g.version[0], self.cfg.max_off_policy_steps):
                 self.dropped = (self.dropped[0] + len(g.completions), self.dropped[1] + 1)
                 continue
-            judged += 1
-            ok = buf.judge(g.example, combine_rewards(g.scores, self.scorer.weights)[0][judged_mask(g.completions)])
-            if not ok:
-                buf.counts["buffer/dropped_groups"] += 1
-            (kept if ok else spare).add(g.example, g.prompt, g.completions, g.scores, g.images, g.version)
-            if buf.filtering and judged >= budget and len(kept.examples) < self.need:
-                fill = self.need - len(kept.examples)
-                buf.counts["buffer/filled_with_dropped"] += min(fill, len(spare.examples))
-                kept.extend(spare, fill)
-                spare = Collected()  # all taken, or the batch is full
-        buf.counts["buffer/rounds"] = float(math.ceil(judged / max(1, self.need)))
+            filler.offer(g.example, g.prompt, g.completions, g.scores, g.images, g.version)
+            if filler.round_done and not filler.full and not filler.next_round():
+                filler.top_up()  # rounds spent: rejected groups fill the batch, then every further group
         self.filling = step + 1
         self.changed.set()
         for k, v in self.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         self.counts = {}
-        kept.env, self.env_tally = self.env_tally, EnvFailures()
         counts["env/outage_waits"], self._outage_waits = self.outage.waits - self._outage_waits, self.outage.waits
+        filler.shortfall(counts, f"batch {step}")  # 0: the stream fills every batch
         dropped, self.dropped = self.dropped, (0, 0)
         if dropped[1]:
             log.info("batch %d: dropped %d group(s) staler than max_off_policy_steps %d", step, dropped[1],
                      self.cfg.max_off_policy_steps)
-        out = StepSample(kept, self.gate_wait_s - wait0, time.monotonic() - t0, dropped_stale=dropped)
-        if self.teacher is not None and self.cfg.teacher is not None:
-            t1 = time.monotonic()
-            out.teacher = await teacher_logprobs(self.teacher, self.cfg.teacher, kept)
-            out.teacher_time_s = time.monotonic() - t1
-        return out
+        out = StepSample(filler.kept, self.gate_wait_s - wait0, time.monotonic() - t0, dropped_stale=dropped)
+        return await with_teacher(out, self.cfg, self.teacher)

