@@ -1,7 +1,7 @@
 """The step's time by kind (`tidal.trainer.profile`, `bench/gpu_trainer.py --profile`): the attribution is exact on
 hand-made spans, each rule gives its row, and a real CPU training step (a one-layer Llama, LoRA, checkpointing) profiled
-with torch.profiler fills every row; its wall time, device-busy time and range-labelled rows equal what an interval union
-of the raw profiler events gives."""
+with torch.profiler fills every row; its wall time, device-busy time and range-labelled rows equal what an interval
+union of the raw profiler events gives."""
 
 from __future__ import annotations
 
