@@ -66,13 +66,32 @@ def _register() -> tuple[str, str]:
     return "tidal_test_compiled", "tidal_test_counted"
 
 
+@pytest.fixture
+def region_runs(monkeypatch) -> list[int]:
+    """Runs of inductor-compiled regions under a dispatch mode (a checkpoint's): the `inductor_compiled_code` op's
+    kernel, which runs the region unless the checkpoint hands back its kept outputs. The counter the `gpu` test
+    reads for flex on CUDA (no custom op can sit inside flex's compiled region)."""
+    from torch._C import DispatchKey
+
+    op = torch.ops.higher_order.inductor_compiled_code
+    runs = [0]
+    kernel = op.py_kernels[DispatchKey.CompositeExplicitAutograd]
+
+    def counted(*args, **kwargs):
+        runs[0] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setitem(op.py_kernels, DispatchKey.CompositeExplicitAutograd, counted)
+    return runs
+
+
 def _batch(n: int = 48) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng()
     ids = torch.from_numpy(rng.integers(3, 120, (2, n)))
     return ids, packed_positions(rng, 2, n, pad=False), torch.from_numpy(rng.normal(size=ids.shape))
 
 
-def test_elementwise_keeps_a_compiled_attention(monkeypatch):
+def test_elementwise_keeps_a_compiled_attention(monkeypatch, region_runs):
     """`checkpoint_scope: elementwise` around an inductor-compiled attention: its forward runs once per layer and
     micro-batch (twice for `layer` scope, and twice when the policy does not keep `inductor_compiled_code`: the
     structure the CUDA flex kernel had), with the gradients of no checkpointing (float64)."""
@@ -82,9 +101,11 @@ def test_elementwise_keeps_a_compiled_attention(monkeypatch):
     runs = {}
     for name in ("none", "elementwise", "every layer"):
         model = policy("qwen3", SETTINGS[name], layers=2, attn=compiled)
-        RUNS[0] = 0
+        RUNS[0] = region_runs[0] = 0
         lp, grads, _ = step(model, ids, pos, w)
         runs[name] = RUNS[0]
+        if name == "elementwise":  # the region ran in the forward, under the checkpoint's mode, not again
+            assert region_runs[0] == 2
         torch.testing.assert_close(lp, ref[0], rtol=0, atol=1e-10, msg=name)
         assert grads.keys() == ref[1].keys() and grads
         for n, g in ref[1].items():
@@ -94,9 +115,9 @@ def test_elementwise_keeps_a_compiled_attention(monkeypatch):
     monkeypatch.setattr(activations, "_SAVED", {"ops": [op for op in activations._saved_op_list()
                                                         if op is not torch.ops.higher_order.inductor_compiled_code]})
     model = policy("qwen3", SETTINGS["elementwise"], layers=2, attn=compiled)
-    RUNS[0] = 0
+    RUNS[0] = region_runs[0] = 0
     step(model, ids, pos, w)
-    assert RUNS[0] == 4
+    assert RUNS[0] == 4 and region_runs[0] == 4
 
 
 @pytest.mark.slow
@@ -122,3 +143,33 @@ def test_compiled_layers_run_attention_as_the_scope_says(scope, runs):
     for n, g in ref[1].items():  # relative to the tensor's scale: a LoRA A gradient is small where B is
         err = float((grads[n] - g).abs().max() / g.abs().max())
         assert err < 1e-4, (n, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu on a GPU)")
+def test_on_cuda_elementwise_keeps_the_compiled_flex_attention(monkeypatch, region_runs):
+    """The CUDA structure itself: `attention: flex` (compiled by `flex.kernel` through `keepable_inductor`) under
+    `checkpoint_scope: elementwise`: after a warm-up step, the flex region runs once per layer and micro-batch (twice
+    without the kept op), with the gradients of no checkpointing (float32)."""
+    from tidal.trainer.model.attention import register
+
+    flex = register("flex")
+    ids, pos, w = (t.cuda() for t in _batch(256))
+    w = w.float()
+
+    def measured(name: str) -> tuple[tuple[torch.Tensor, dict[str, torch.Tensor], int], int]:
+        model = policy("qwen3", SETTINGS[name], layers=2, dtype=torch.float32, attn=flex).cuda()
+        step(model, ids, pos, w)  # compiles
+        region_runs[0] = 0
+        return step(model, ids, pos, w), region_runs[0]
+
+    (lp0, g0, _), _ = measured("none")
+    (lp, grads, _), runs = measured("elementwise")
+    assert runs == 2
+    torch.testing.assert_close(lp, lp0, rtol=0, atol=1e-4)
+    for n, g in g0.items():
+        err = float((grads[n] - g).abs().max() / g.abs().max())
+        assert err < 1e-3, (n, err)
+    monkeypatch.setattr(activations, "_SAVED", {"ops": [op for op in activations._saved_op_list()
+                                                        if op is not torch.ops.higher_order.inductor_compiled_code]})
+    assert measured("elementwise")[1] == 4
