@@ -12,11 +12,12 @@ OpenEnv apps, environment servers) is a `Child`:
   (opened for appending: a restarted child continues its predecessor's log), echoes it to stdout behind a
   `[name] ` prefix (`echo`), hands it to `on_line`, and keeps the last `TAIL_LINES` for `tail`: this process's
   lines only, whoever else wrote the same log.
-`wait_healthy` polls health URLs until each answers 200 and raises `NotHealthy` (naming the URLs and the time) when
-the child exits first or time runs out; `stop` stops children as whole groups (`tidal.reaper.stop_groups`: SIGTERM,
-a grace period, SIGKILL). `free_port` picks a free localhost port. `bind_host`, `check_port_free` and
-`check_bind_secure` are the checks a server's address gets before anything starts (a taken port; a bind beyond
-localhost without an API key).
+`run` is the short-lived kind (a probe, a calibration step): the same session and parent-death signal, run to its
+end with a timeout. `wait_healthy` polls health URLs until each answers 200 and raises `NotHealthy` (naming the URLs
+and the time) when the child exits first or time runs out; `stop` stops children as whole groups
+(`tidal.reaper.stop_groups`: SIGTERM, a grace period, SIGKILL). `free_port` picks a free localhost port.
+`bind_host`, `check_port_free` and `check_bind_secure` are the checks a server's address gets before anything starts
+(a taken port; a bind beyond localhost without an API key).
 
 The lowest layer: torch-free, imports nothing of tidal but the reaper (httpx only inside the health checks).
 """
@@ -130,6 +131,24 @@ class Child:
         with self._lock:
             text = "".join(self._lines)
         return "\n".join(text.splitlines()[-lines:])
+
+
+def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    """A short child run to its end, its output (stdout, stderr) captured as text: like `subprocess.run`, but in its
+    own session and process group with the parent-death signal (`Child`'s guarantees), and its whole group killed
+    when it outlives `timeout_s` (then `subprocess.TimeoutExpired` is raised, as `subprocess.run` does). `env` is
+    added to this process's environment. OSError when it cannot start."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=_die_with_parent,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
 
 
 def stop(children: Sequence[Stoppable], timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -28,11 +28,28 @@ ALLOWED_POPEN = {
 """Modules besides `HOME` that may call subprocess.Popen, and why. A list that must not grow."""
 
 
+RUNNERS = ("run", "call", "check_call", "check_output", "getoutput", "getstatusoutput")
+"""`subprocess` functions that start a child outside `tidal.procs` (no parent-death signal, no own group)."""
+
+
 def _calls_popen(tree: ast.AST) -> bool:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
             if (isinstance(f, ast.Attribute) and f.attr == "Popen") or (isinstance(f, ast.Name) and f.id == "Popen"):
+                return True
+    return False
+
+
+def _runs_subprocess(tree: ast.AST) -> bool:
+    """`subprocess.run(...)` and its kin (`RUNNERS`), called through the module or imported from it."""
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "subprocess"
+                for a in n.names if a.name in RUNNERS}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in RUNNERS and isinstance(f.value, ast.Name)
+                    and f.value.id == "subprocess") or (isinstance(f, ast.Name) and f.id in imported):
                 return True
     return False
 
@@ -189,3 +206,39 @@ def test_procs_imports_no_torch_nor_tidal_beyond_the_reaper():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert r.returncode == 0, r.stderr
+
+
+def test_short_children_go_through_procs_too():
+    """`subprocess.run` and its kin start a child without the parent-death signal: outside `HOME` a short child
+    (the GPU calibration step, the torchvision probe, nvidia-smi) goes through `tidal.procs.run`."""
+    runs = {name for name, tree in _modules().items() if _runs_subprocess(tree)}
+    assert runs - HOME == set(), "run short children with tidal.procs.run"
+    assert _runs_subprocess(ast.parse("import subprocess\nsubprocess.check_output(['true'])"))
+    assert _runs_subprocess(ast.parse("from subprocess import run as go\ngo(['true'])"))
+    assert not _runs_subprocess(ast.parse("from tidal import procs\nprocs.run(['true'], 1)"))
+
+
+def test_a_short_child_gets_its_group_and_the_parent_death_signal(tmp_path):
+    """`procs.run`: the child leads its own session with SIGKILL as its parent-death signal (prctl's
+    PR_GET_PDEATHSIG, read in the child); at the timeout its whole group, a grandchild included, is killed."""
+    from tidal import procs
+
+    probe = ("import ctypes, os; s = ctypes.c_int(); ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(s)); "
+             "print(s.value, os.getsid(0) == os.getpid())")
+    done = procs.run([sys.executable, "-c", probe], 30)
+    assert (done.returncode, done.stdout.split()) == (0, [str(int(signal.SIGKILL)), "True"]), done.stderr
+    pid_file = tmp_path / "grandchild"
+    tree = (f"import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(60)")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs.run([sys.executable, "-c", tree], 3)
+    assert time.monotonic() - start < 20
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):
+        st = _stat(grandchild)
+        if st is None or st[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the grandchild outlived the timeout")

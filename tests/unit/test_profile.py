@@ -1,8 +1,11 @@
 """The step's time by kind (`tidal.trainer.profile`, `bench/gpu_trainer.py --profile`): the attribution is exact on
 hand-made spans, each rule gives its row, and a real CPU training step (a one-layer Llama, LoRA, checkpointing) profiled
-with torch.profiler fills every row, the rows adding up to its wall time."""
+with torch.profiler fills every row; its wall time, device-busy time and range-labelled rows equal what an interval
+union of the raw profiler events gives."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from tidal.trainer.profile import (
     LM_HEAD,
     OPTIMIZER,
     RECOMPUTE,
+    STEP,
     Span,
     attribute,
     breakdown,
@@ -98,12 +102,53 @@ def test_a_profiled_cpu_step_fills_every_row_and_adds_up_to_its_wall_time(one_th
         train_step(model, opt, batch, cfg, torch.device("cpu"), pad_id=0)
 
     step()  # warm-up
-    result = breakdown(profile_steps(step, 1, cuda=False), cuda=False, lora_rank=8)
+    start = time.perf_counter()
+    events = list(profile_steps(step, 1, cuda=False))
+    outside = time.perf_counter() - start
+    result = breakdown(events, cuda=False, lora_rank=8)
     rows = result["rows"]
     assert result["steps"] == 1 and list(rows) == list(KINDS)
     assert all(rows[k] > 0 for k in KINDS), rows
-    assert sum(rows.values()) == pytest.approx(result["wall_s"], rel=1e-9)
+    assert result["wall_s"] <= outside  # the step's range, inside what a clock around the profiler measured
+    # each measured against the profiler's raw events by an interval union of its own (no heap, no classify)
+    (lo, hi), = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP]
+    assert result["wall_s"] == pytest.approx((hi - lo) / 1e6, rel=1e-9)
+    busy = result["wall_s"] - rows[HOST_GAP]
+    assert busy == pytest.approx(busy_under(events, lo, hi, lambda names: True), rel=1e-6, abs=1e-9)
+
+    def optimizer(names: list[str]) -> bool:
+        return OPTIMIZER in names or any(n.startswith("Optimizer.") for n in names)
+
+    assert rows["optimizer"] == pytest.approx(busy_under(events, lo, hi, optimizer), rel=1e-6)
+    assert rows["recomputation (checkpoint)"] == pytest.approx(busy_under(
+        events, lo, hi, lambda names: RECOMPUTE in names and not optimizer(names)), rel=1e-6)
+    lm_head = [e for e in events if e.name == LM_HEAD]
+    assert len(lm_head) == 2  # the chunked logprob Function: its forward and its backward, each in the range
+    assert rows["logprob / LM-head pass"] == pytest.approx(busy_under(
+        events, lo, hi, lambda names: LM_HEAD in names and RECOMPUTE not in names and not optimizer(names)), rel=1e-6)
     table = markdown(result)
     assert len(table) == 2 + len(KINDS) + 1 and all(any(line.startswith(f"| {k} |") for line in table)
                                                      for k in KINDS)
-    assert LM_HEAD  # the chunked pass ran under its range: its row is not empty (above)
+
+
+def busy_under(events: list, lo: float, hi: float, keep) -> float:
+    """Seconds within [lo, hi] (microseconds) in which some CPU `aten::` op whose ancestry (its name and its
+    parents', `keep(names)`) is accepted was running: the union of their intervals, merged after sorting."""
+    from torch.autograd import DeviceType
+
+    def names(e) -> list[str]:
+        out = []
+        while e is not None:
+            out.append(str(e.name))
+            e = e.cpu_parent
+        return out
+
+    intervals = sorted((max(e.time_range.start, lo), min(e.time_range.end, hi)) for e in events
+                       if e.device_type == DeviceType.CPU and str(e.name).startswith("aten::")
+                       and min(e.time_range.end, hi) > max(e.time_range.start, lo) and keep(names(e)))
+    total, end = 0.0, -float("inf")
+    for a, b in intervals:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6

@@ -309,3 +309,31 @@ def test_a_sampled_image_token_is_a_text_token(qwen_dir):
         assert torch.equal(emb[0, sampled][0], mine.get_input_embeddings().weight[IMAGE_TOKEN_ID])
         lp = forward_logprobs(mine, mb.input_ids, mb.position_ids, 1.0, loss_mask=mb.loss_mask, images=mb.images)
     assert torch.isfinite(lp).all()
+
+
+def test_an_older_transformers_than_mrope_needs_exits_2_naming_the_version(qwen_dir, monkeypatch, capsys):
+    """`sample_positions` calls `get_rope_index(input_ids, mm_token_type_ids=...)`, a signature transformers
+    5.3.0 introduced (5.2.0 takes `(input_ids, image_grid_thw, ...)`): the installed one has it, and an older one
+    stops the trainer's model loading with a config error (exit 2) naming the floor."""
+    import inspect
+
+    import transformers
+
+    from tidal.trainer.model.hf import auto_model_class, load_model_config
+    from tidal.trainer.model.mrope import TRANSFORMERS_FLOOR, check_transformers
+
+    config = load_model_config(str(qwen_dir))
+    model_cls = type(auto_model_class(config, str(qwen_dir)).from_config(config).model)
+    assert "mm_token_type_ids" in inspect.signature(model_cls.get_rope_index).parameters
+    check_transformers(config.model_type, TRANSFORMERS_FLOOR)
+    with pytest.raises(ConfigError, match=r"needs transformers>=5\.3\.0 .*this environment has transformers 5\.2\.0"):
+        check_transformers(config.model_type, "5.2.0")
+    check_transformers("qwen3", "4.56.0")  # text models keep transformers' own floor
+    monkeypatch.setattr(transformers, "__version__", "5.2.0")
+    with pytest.raises(ConfigError, match=r"transformers>=5\.3\.0"):
+        auto_model_class(config, str(qwen_dir))
+    from tidal.cli import main
+
+    run = ["grpo", "--dry-run", "--model", str(qwen_dir), "--output-dir", str(qwen_dir.parent / "run-old")]
+    assert main(run) == 2
+    assert "needs transformers>=5.3.0" in capsys.readouterr().err

@@ -144,11 +144,14 @@ def gpu_memory_gib() -> float | None:
     """Total memory of the first visible NVIDIA GPU (nvidia-smi, no CUDA context), or None."""
     import subprocess
 
+    from tidal import procs
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
-                              visible], capture_output=True, text=True, timeout=20, check=True).stdout
-        return float(out.split()[0]) / 1024  # MiB
+        done = procs.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", visible], 20)
+        if done.returncode != 0:
+            return None
+        return float(done.stdout.split()[0]) / 1024  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
 

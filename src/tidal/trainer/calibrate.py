@@ -92,12 +92,13 @@ def measure_in_child(train: Any, gradient_checkpointing: bool) -> float | None:
     import tempfile
     import warnings
 
+    from tidal import procs
+
     cfg = train.model_copy(update={"gradient_checkpointing": gradient_checkpointing, "cpu_affinity": None})
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(cfg.model_dump_json())
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tidal.trainer.calibrate", f.name], capture_output=True, text=True,
-                              timeout=CALIBRATION_TIMEOUT_S)
+    try:  # through tidal.procs: the child dies with this process (parent-death signal), its group at the timeout
+        proc = procs.run([sys.executable, "-m", "tidal.trainer.calibrate", f.name], CALIBRATION_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         warnings.warn(f"trainer memory calibration did not run ({exc!r}); using the estimate alone", stacklevel=2)
         return None

@@ -17,8 +17,12 @@ backward (about a third more compute). The points in between:
   layer runs under a non-reentrant checkpoint with torch's `create_selective_checkpoint_contexts` and a policy
   (`SAVED_OPS`) that keeps the outputs of its matmuls (base and LoRA) and of the attention kernel; only the cheap
   ops between them (RMSNorm, RoPE, SwiGLU's activation and product, LoRA scaling, residual adds, casts) run again
-  in the backward. Less memory than none (those ops' saved inputs and outputs, e.g. the norms' float32 upcasts and
-  the MLP's activation), far less recompute than `layer` (no matmul nor attention runs twice).
+  in the backward. A `torch.compile`d attention (flex on CUDA) runs inductor's code, which a dispatch-mode policy
+  never sees op by op: compiled with `keepable_inductor`, the region is one `higher_order.inductor_compiled_code`
+  op to the policy, which keeps its outputs (tests/unit/test_activations_compiled.py counts it running once per
+  layer and micro-batch on CPU; without it the region runs again in the backward). Less memory than none (those
+  ops' saved inputs and outputs, e.g. the norms' float32 upcasts and the MLP's activation), far less recompute
+  than `layer` (no matmul nor attention runs twice).
 - `offload_activations`: the layers not checkpointed at layer level run under
   `torch.autograd.graph.save_on_cpu(pin_memory=...)`: what they save for the backward is copied to (pinned) host
   memory and back when the backward needs it. It trades PCIe traffic for device memory; with a layer-level
@@ -42,9 +46,25 @@ from tidal.trainer.profile import RECOMPUTE
 SAVED_OPS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
              "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
              "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
-             "aten._flash_attention_forward", "aten._efficient_attention_forward", "higher_order.flex_attention")
-"""Ops whose outputs `checkpoint_scope: elementwise` keeps (the matmuls and the attention kernels); every other op of
-a checkpointed layer is recomputed in the backward."""
+             "aten._flash_attention_forward", "aten._efficient_attention_forward", "higher_order.flex_attention",
+             "higher_order.inductor_compiled_code")
+"""Ops whose outputs `checkpoint_scope: elementwise` keeps (the matmuls and the attention kernels, and the regions
+compiled by `keepable_inductor`: the compiled attention); every other op of a checkpointed layer is recomputed in
+the backward."""
+
+_WRAP = "wrap_inductor_compiled_regions"
+
+
+def keepable_inductor(gm: Any, example_inputs: Any) -> Any:
+    """A dynamo backend: inductor, its compiled region wrapped as one `higher_order.inductor_compiled_code` op that
+    dispatch modes see (inductor config `wrap_inductor_compiled_regions`), so that the `elementwise` policy keeps
+    its outputs instead of running it again in the backward. For a kernel compiled on its own inside a checkpointed
+    layer (flex attention on CUDA); a torch without that switch compiles as before (and recomputes it)."""
+    import torch._inductor.config as inductor
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {_WRAP: True} if hasattr(inductor, _WRAP) else None
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -104,6 +124,9 @@ def checkpoint(fn: Any, *args: Any, selective: bool = False, **kwargs: Any) -> A
     `selective`: keeping the outputs of `SAVED_OPS` (`checkpoint_scope: elementwise`)."""
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+    if torch.compiler.is_compiling() and not selective:  # inside a compiled layer (`compile_layers` with `mlp`)
+        # dynamo takes no context_fn but a selective policy's (its partitioner does the recompute; no range there)
+        return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
     return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(_contexts, selective),
                             **kwargs)
 

@@ -14,6 +14,7 @@ import torch
 
 from tidal.config.load import ConfigError
 from tidal.models.rope import merge_rope
+from tidal.trainer.model.mrope import check_transformers
 from tidal.trainer.model.vision import TRAINABLE, is_vision_config
 
 
@@ -35,7 +36,11 @@ def apply_rope_scaling(config: Any, rope_scaling: dict[str, Any]) -> None:
     over the config's RoPE parameters: keys it does not give keep the model's values (since transformers 5,
     `rope_theta` lives in the same dict, and a plain replacement would reset it to the class default). The
     legacy `type` key is read as `rope_type`. Per-layer-type RoPE (e.g. Gemma 3) takes `{layer_type: {...}}`.
-    Raises `ConfigError` naming the key for a dict transformers rejects."""
+    A vision-language model's language model reads its text config (`get_text_config()`, e.g. Qwen2.5-VL's
+    `text_config`, with its `mrope_section`): the parameters are merged there, as vLLM gets them
+    (`tidal.inference.backends.vllm.server`). Raises `ConfigError` naming the key for a dict transformers rejects."""
+    get_text = getattr(config, "get_text_config", None)
+    config = get_text() if callable(get_text) else config
     if not hasattr(config, "rope_parameters"):  # transformers < 5: rope_theta is a separate attribute
         config.rope_scaling = merge_rope(None, rope_scaling, "train rope_scaling")
         return
@@ -71,7 +76,7 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
 def auto_model_class(config: Any, path: str) -> Any:
     """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
     trainer builds (`tidal.trainer.model.vision.TRAINABLE`); another VLM raises `ConfigError` naming its
-    architecture."""
+    architecture, a Qwen-VL under transformers older than its M-RoPE floor (`mrope.check_transformers`) too."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not is_vision_config(config):
@@ -80,6 +85,7 @@ def auto_model_class(config: Any, path: str) -> Any:
     if not set(archs) & set(TRAINABLE):
         raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
                           f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
+    check_transformers(getattr(config, "model_type", ""))
     return AutoModelForImageTextToText
 
 

@@ -25,6 +25,27 @@ import torch
 
 MROPE_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 """transformers `model_type`s whose positions this module builds (tidal.trainer.model.vision.TRAINABLE's Qwen-VLs)."""
+TRANSFORMERS_FLOOR = "5.3.0"
+"""The first transformers whose Qwen-VL `get_rope_index` takes `mm_token_type_ids` (`sample_positions` calls it so;
+5.2 and earlier take `(input_ids, image_grid_thw, ...)` and would read the image mask as the grid)."""
+
+
+def check_transformers(model_type: str, version: str | None = None) -> None:
+    """Raise `ConfigError` (exit 2) when a model of `model_type` takes M-RoPE positions and the installed transformers
+    (`version`: transformers.__version__ unless given) is older than `TRANSFORMERS_FLOOR`."""
+    if model_type not in MROPE_MODEL_TYPES:
+        return
+    import transformers
+    from packaging.version import Version
+
+    from tidal.config.load import ConfigError
+
+    have = version or transformers.__version__
+    if Version(have) < Version(TRANSFORMERS_FLOOR):
+        raise ConfigError(f"train model: a {model_type} model needs transformers>={TRANSFORMERS_FLOOR} (its M-RoPE "
+                          f"positions call get_rope_index(input_ids, mm_token_type_ids=...), new in "
+                          f"{TRANSFORMERS_FLOOR}); this environment has transformers {have}: pip install "
+                          f"'transformers>={TRANSFORMERS_FLOOR}'")
 
 
 def uses_mrope(base: Any) -> bool:

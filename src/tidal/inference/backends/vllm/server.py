@@ -117,9 +117,10 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         from tidal.models.config import model_config, text_config
         from tidal.models.rope import merge_rope, model_rope_parameters
 
-        own = model_rope_parameters(text_config(model_config(cfg.model)))  # a VLM's are in its text config
-        merged = merge_rope(own, cfg.rope_scaling, "infer rope_scaling")
-        argv += ["--hf-overrides", json.dumps({"rope_parameters": merged})]
+        raw = model_config(cfg.model)
+        text = text_config(raw)  # a VLM's language model reads its text config: the override goes there too
+        override = {"rope_parameters": merge_rope(model_rope_parameters(text), cfg.rope_scaling, "infer rope_scaling")}
+        argv += ["--hf-overrides", json.dumps(override if text is raw else {"text_config": override})]
     if worker_in_engine_threads(cfg, os.environ) is not None:
         argv += ["--distributed-executor-backend", "uni"]
     if cfg.return_routed_experts:  # MoE router replay: routes come back from /inference/v1/generate

@@ -95,11 +95,12 @@ def torchvision_problem() -> str | None:
     import subprocess
     import sys
 
+    from tidal import procs
+
     if importlib.util.find_spec("torchvision") is None:
         return "torchvision is not installed"
     try:
-        done = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True,
-                              timeout=300, check=False)
+        done = procs.run([sys.executable, "-c", "import torchvision"], 300)
     except subprocess.TimeoutExpired:
         return "`import torchvision` did not finish in 300 s"
     if done.returncode == 0:

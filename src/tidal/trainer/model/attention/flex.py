@@ -70,6 +70,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tidal.trainer.model.activations import keepable_inductor
 from tidal.trainer.model.attention.layout import layout, spans_mask, token_layout
 
 log = logging.getLogger("tidal.trainer")
@@ -411,11 +412,11 @@ def _check(count: int) -> None:
 
 
 def _counting(device_type: str) -> Any:
-    """A dynamo backend that counts its graphs (`compiled_graphs`) and hands them to inductor on CUDA, to dynamo's
-    eager backend elsewhere."""
+    """A dynamo backend that counts its graphs (`compiled_graphs`) and hands them to inductor on CUDA (as one region
+    `checkpoint_scope: elementwise` keeps: `activations.keepable_inductor`), to dynamo's eager backend elsewhere."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    inner = lookup_backend("inductor" if device_type == "cuda" else "eager")
+    inner = keepable_inductor if device_type == "cuda" else lookup_backend("eager")
 
     def backend(gm: Any, example_inputs: Any) -> Any:
         _GRAPHS[0] += 1
