@@ -174,22 +174,20 @@ class GRPOTrainer:
     def __init__(self, model: str, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
-                 environment_factory: Any = None, rollout_func: Any = None) -> None:
-        refused = {"processing_class": processing_class, "reward_processing_classes": reward_processing_classes,
-                   "callbacks": callbacks, "rollout_func": rollout_func}
-        for key, value in refused.items():
-            if value is not None:
-                raise NotImplementedError(f"GRPOTrainer({key}=...) is not supported by tidal yet; leave it out")
-        if optimizers != (None, None):
-            raise NotImplementedError("GRPOTrainer(optimizers=...) is not supported: tidal builds the optimizer from "
-                                      "GRPOConfig (optim, learning_rate, lr_scheduler_type)")
+                 environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
+        from tidal import api_args  # TRL's other arguments: used, or refused with the reason
+
+        api_args.refuse_unsupported(callbacks=callbacks, reward_processing_classes=reward_processing_classes,
+                                    rollout_func=rollout_func, quantization_config=quantization_config)
         if not isinstance(model, str | Path):
             raise TypeError(f"model must be a model name or directory (tidal's vLLM server and trainer load it "
                             f"themselves), got a {type(model).__name__}; pass its path")
         if train_dataset is None:
             raise ValueError("train_dataset is required")
         self.model = str(model)
-        self.args = args if args is not None else GRPOConfig()
+        self.args = api_args.with_optimizer(args if args is not None else GRPOConfig(), optimizers)
+        api_args.check_processing_class(processing_class, self.model)
+        self.processing_class = processing_class
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
         self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
@@ -199,6 +197,10 @@ class GRPOTrainer:
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
         self.colocated = self.preflight()
+        if self.args.use_cpu and self.colocated.placement.device != "cpu":
+            raise RefusedConfig(f"GRPOConfig use_cpu=True, but this machine has a {self.colocated.placement.device} "
+                                f"device, which tidal places the run on; hide it (CUDA_VISIBLE_DEVICES='') to train "
+                                f"on the CPU")
 
     def preflight(self) -> Any:
         """The configs `tidal grpo` would derive on this machine, after every check it runs before anything starts
