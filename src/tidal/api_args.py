@@ -10,7 +10,8 @@
   an optimizer class with its keyword arguments (`(torch.optim.AdamW, None)` or `((torch.optim.AdamW, {"lr": ...}),
   None)`, transformers' `optimizer_cls_and_kwargs` shape) becomes the GRPOConfig keys it means
   (`optim`, `learning_rate`, `adam_beta1`/`adam_beta2`, `weight_decay`), which reach the trainer's config.
-- `callbacks`, `reward_processing_classes`, `rollout_func`, `quantization_config`: refused with the reason
+- `callbacks`: `tidal.api_callbacks`.
+- `reward_processing_classes`, `rollout_func`, `quantization_config`: refused with the reason
   (`REFUSED`), until tidal has them.
 """
 
@@ -28,8 +29,6 @@ OPTIMIZER_KWARGS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
 """Optimizer keyword -> GRPOConfig key (`betas` -> adam_beta1/adam_beta2 and `eps` at 1e-8 are handled apart)."""
 
 REFUSED = {
-    "callbacks": "transformers TrainerCallbacks are not supported by tidal yet (the run's metrics are in "
-                 "{output_dir}/metrics.jsonl, one row per step, with report_to for wandb/tensorboard)",
     "reward_processing_classes": "reward models given as a string in reward_funcs load their own tokenizer in "
                                  "tidal (tidal.reward_model); a separate tokenizer for them is not supported yet",
     "quantization_config": "a bitsandbytes-quantized trainer model is not supported; tidal's QLoRA is the train "

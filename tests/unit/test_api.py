@@ -40,7 +40,6 @@ def test_construction_derives_the_configs_full_weights_without_peft_config():
 @pytest.mark.parametrize(("kw", "match"), [
     ({"environment_factory": {"a": object}}, r"environment_factory=\{name: factory\}\) \(several environments\) "
                                               r"is not supported"),
-    ({"callbacks": [object()]}, r"callbacks=...\): transformers TrainerCallbacks are not supported"),
     ({"rollout_func": len}, r"rollout_func=...\): TRL's custom-rollout hook is not supported"),
     ({"reward_processing_classes": [object()]}, r"reward_processing_classes=...\): reward models"),
     ({"quantization_config": object()}, r"quantization_config=...\): a bitsandbytes-quantized"),
