@@ -178,8 +178,7 @@ class GRPOTrainer:
                  environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
         from tidal import api_args  # TRL's other arguments: used, or refused with the reason
 
-        api_args.refuse_unsupported(reward_processing_classes=reward_processing_classes, rollout_func=rollout_func,
-                                    quantization_config=quantization_config)
+        api_args.refuse_unsupported(rollout_func=rollout_func, quantization_config=quantization_config)
         if not isinstance(model, str | Path):
             raise TypeError(f"model must be a model name or directory (tidal's vLLM server and trainer load it "
                             f"themselves), got a {type(model).__name__}; pass its path")
@@ -194,6 +193,7 @@ class GRPOTrainer:
         self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
         self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
                              else reward_functions(reward_funcs, self.args.reward_weights))
+        api_args.check_reward_processing_classes(reward_processing_classes, self.reward_funcs)
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)

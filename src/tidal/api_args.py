@@ -11,7 +11,11 @@
   None)`, transformers' `optimizer_cls_and_kwargs` shape) becomes the GRPOConfig keys it means
   (`optim`, `learning_rate`, `adam_beta1`/`adam_beta2`, `weight_decay`), which reach the trainer's config.
 - `callbacks`: `tidal.api_callbacks`.
-- `reward_processing_classes`, `rollout_func`, `quantization_config`: refused with the reason
+- `reward_processing_classes`: one per reward function, as in TRL (a single one for a single function); for a
+  reward model (a model name in `reward_funcs`, `tidal.reward_model`) it is used when it agrees with the tokenizer
+  in the reward model's directory, which `RewardModel` loads, and refused naming what differs otherwise; for a
+  plain function (where TRL ignores it) it is refused, so that nothing given is ignored.
+- `rollout_func`, `quantization_config`: refused with the reason
   (`REFUSED`), until tidal has them.
 """
 
@@ -29,8 +33,6 @@ OPTIMIZER_KWARGS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
 """Optimizer keyword -> GRPOConfig key (`betas` -> adam_beta1/adam_beta2 and `eps` at 1e-8 are handled apart)."""
 
 REFUSED = {
-    "reward_processing_classes": "reward models given as a string in reward_funcs load their own tokenizer in "
-                                 "tidal (tidal.reward_model); a separate tokenizer for them is not supported yet",
     "quantization_config": "a bitsandbytes-quantized trainer model is not supported; tidal's QLoRA is the train "
                            "key qlora_fp8 (an FP8 base under the LoRA adapter)",
     "rollout_func": "TRL's custom-rollout hook is not supported by tidal yet: tidal samples through its vLLM "
@@ -111,6 +113,30 @@ def tokenizer_difference(given: Any, model: str) -> str | None:
         if getattr(given, attr, None) != getattr(ours, attr, None):
             return f"its {attr} differs from the model's"
     return None
+
+
+def check_reward_processing_classes(classes: Any, reward_funcs: list[tuple[str, Any, float]]) -> None:
+    """Refuse (ValueError) `reward_processing_classes` that do not fit `reward_funcs` ((name, function, weight), in
+    order; see the module doc)."""
+    from tidal.reward_model import RewardModel
+
+    if classes is None:
+        return
+    classes = list(classes) if isinstance(classes, list | tuple) else [classes]
+    if len(classes) != len(reward_funcs):
+        raise ValueError(f"GRPOTrainer(reward_processing_classes=...): {len(classes)} for {len(reward_funcs)} reward "
+                         f"functions; TRL needs one per reward function (None where there is none)")
+    for i, (cls, (name, func, _)) in enumerate(zip(classes, reward_funcs, strict=True)):
+        if cls is None:
+            continue
+        if not isinstance(func, RewardModel):
+            raise ValueError(f"GRPOTrainer(reward_processing_classes[{i}]=...): reward function {name!r} is not a "
+                             f"reward model, so no tokenizer is used for it (TRL ignores it too); give None there")
+        why = tokenizer_difference(cls, func.model_name)
+        if why is not None:
+            raise ValueError(f"GRPOTrainer(reward_processing_classes[{i}]=...) disagrees with reward model "
+                             f"{func.model_name!r}: {why}. tidal's RewardModel tokenizes with the tokenizer in its "
+                             f"directory; save yours there or give None")
 
 
 def check_processing_class(processing_class: Any, model: str) -> None:

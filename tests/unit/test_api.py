@@ -41,7 +41,6 @@ def test_construction_derives_the_configs_full_weights_without_peft_config():
     ({"environment_factory": {"a": object}}, r"environment_factory=\{name: factory\}\) \(several environments\) "
                                               r"is not supported"),
     ({"rollout_func": len}, r"rollout_func=...\): TRL's custom-rollout hook is not supported"),
-    ({"reward_processing_classes": [object()]}, r"reward_processing_classes=...\): reward models"),
     ({"quantization_config": object()}, r"quantization_config=...\): a bitsandbytes-quantized"),
     ({"optimizers": (object(), None)}, r"optimizers=\(object instance, None\)\): an optimizer instance"),
 ])

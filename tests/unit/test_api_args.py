@@ -4,6 +4,7 @@ tidal can honour reach the run's configs, the others are refused with the reason
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def length(completions, **kwargs):
 
 def make(**kw):
     args = kw.pop("args", GRPOConfig(num_generations=2, per_device_train_batch_size=4))
-    return GRPOTrainer(model=MODEL, reward_funcs=length, args=args, train_dataset=ROWS, **kw)
+    return GRPOTrainer(**{"model": MODEL, "reward_funcs": length, "args": args, "train_dataset": ROWS, **kw})
 
 
 def test_an_optimizer_class_and_kwargs_reach_the_trainer_config():
@@ -75,3 +76,32 @@ def test_a_processing_class_that_disagrees_with_the_model_is_refused(change, mat
 def test_use_cpu_is_accepted_where_the_run_is_on_the_cpu():
     t = make(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4, use_cpu=True))
     assert t.colocated.placement.device == "cpu" and t.args.use_cpu
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> str:
+    """A random-init one-label sequence classifier with the bundled model's config and tokenizer."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    src = Path(resolve_model(MODEL))
+    out = tmp_path_factory.mktemp("tiny-rm")
+    AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(src, num_labels=1)).save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def test_reward_processing_classes_one_per_function_as_in_trl(classifier):
+    tok = AutoTokenizer.from_pretrained(classifier)
+    t = make(reward_funcs=[length, classifier], reward_processing_classes=[None, tok])
+    assert [n for n, _, _ in t.reward_funcs] == ["length", Path(classifier).name]
+    with pytest.raises(ValueError, match="1 for 2 reward functions; TRL needs one per reward function"):
+        make(reward_funcs=[length, classifier], reward_processing_classes=tok)
+    with pytest.raises(ValueError, match=r"\[0\]=...\): reward function 'length' is not a reward model"):
+        make(reward_funcs=[length, classifier], reward_processing_classes=[tok, None])
+    tok.add_tokens(["<tidal_rm_extra>"])
+    with pytest.raises(ValueError, match=rf"\[1\]=...\) disagrees with reward model '{classifier}': its vocabulary"):
+        make(reward_funcs=[length, classifier], reward_processing_classes=[None, tok])
