@@ -21,7 +21,8 @@ tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the m
 dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in
 `reward_funcs` is an import path
 (`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
-model, loaded once in this process).
+model, loaded once in this process). `processing_class` and `optimizers` (a class and kwargs) are
+`tidal.api_args`; `callbacks` (transformers TrainerCallbacks, fed from the run's metrics) `tidal.api_callbacks`.
 """
 
 from __future__ import annotations
@@ -174,31 +175,39 @@ class GRPOTrainer:
     def __init__(self, model: str, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
-                 environment_factory: Any = None, rollout_func: Any = None) -> None:
-        refused = {"processing_class": processing_class, "reward_processing_classes": reward_processing_classes,
-                   "callbacks": callbacks, "rollout_func": rollout_func}
-        for key, value in refused.items():
-            if value is not None:
-                raise NotImplementedError(f"GRPOTrainer({key}=...) is not supported by tidal yet; leave it out")
-        if optimizers != (None, None):
-            raise NotImplementedError("GRPOTrainer(optimizers=...) is not supported: tidal builds the optimizer from "
-                                      "GRPOConfig (optim, learning_rate, lr_scheduler_type)")
+                 environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
+        from tidal import api_args  # TRL's other arguments: used, or refused with the reason
+
+        api_args.refuse_unsupported(rollout_func=rollout_func, quantization_config=quantization_config)
         if not isinstance(model, str | Path):
             raise TypeError(f"model must be a model name or directory (tidal's vLLM server and trainer load it "
                             f"themselves), got a {type(model).__name__}; pass its path")
         if train_dataset is None:
             raise ValueError("train_dataset is required")
         self.model = str(model)
-        self.args = args if args is not None else GRPOConfig()
+        self.args = api_args.with_optimizer(args if args is not None else GRPOConfig(), optimizers)
+        api_args.check_processing_class(processing_class, self.model)
+        self.processing_class = processing_class
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
         self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
         self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
                              else reward_functions(reward_funcs, self.args.reward_weights))
+        api_args.check_reward_processing_classes(reward_processing_classes, self.reward_funcs)
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
         self.colocated = self.preflight()
+        if self.args.use_cpu and self.colocated.placement.device != "cpu":
+            raise RefusedConfig(f"GRPOConfig use_cpu=True, but this machine has a {self.colocated.placement.device} "
+                                f"device, which tidal places the run on; hide it (CUDA_VISIBLE_DEVICES='') to train "
+                                f"on the CPU")
+        self.callbacks = None
+        if callbacks:  # TRL's TrainerCallbacks, fed from the run's metrics and checkpoints (tidal.api_callbacks)
+            from tidal.api_callbacks import RunCallbacks
+
+            self.callbacks = RunCallbacks(list(callbacks), self.args, processing_class,
+                                          self.derived.orch.max_steps or 0)
 
     def preflight(self) -> Any:
         """The configs `tidal grpo` would derive on this machine, after every check it runs before anything starts
@@ -261,15 +270,26 @@ class GRPOTrainer:
         run_dir = co.placement.run_dir
         reward_funcs = json.dumps([{"name": n, "weight": w} for n, _, w in self.reward_funcs], indent=1)
 
-        async def orchestrate(orch: OrchConfig, run_dir: Path) -> None:
-            await loop.run(orch, run_dir, self.reward_funcs, self.tooling)
+        cbs = self.callbacks
+        stop = cbs.stop if cbs is not None else None
 
+        async def orchestrate(orch: OrchConfig, run_dir: Path) -> None:
+            await loop.run(orch, run_dir, self.reward_funcs, self.tooling, stop=stop)
+
+        def saved() -> list[int]:
+            return complete_steps(run_dir, "trainer")
+
+        if cbs is not None:
+            cbs.begin(metrics_path(run_dir), saved)
         try:
             code = start.start(co, infer_start_timeout_s=self.args.vllm_server_timeout,
                                orch_for=lambda orch, run_dir: self.with_data(orch, data_dir(run_dir)),
                                orchestrator=orchestrate, extra_configs={"reward_funcs.json": reward_funcs})
         except ConfigError as exc:
             raise RefusedConfig(str(exc)) from None
+        finally:
+            if cbs is not None:
+                cbs.end(metrics_path(run_dir), saved)
         if code == 130:
             raise KeyboardInterrupt
         if code != 0:

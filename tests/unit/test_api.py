@@ -40,9 +40,9 @@ def test_construction_derives_the_configs_full_weights_without_peft_config():
 @pytest.mark.parametrize(("kw", "match"), [
     ({"environment_factory": {"a": object}}, r"environment_factory=\{name: factory\}\) \(several environments\) "
                                               r"is not supported"),
-    ({"callbacks": []}, r"callbacks=...\) is not supported"),
-    ({"processing_class": object()}, r"processing_class=...\) is not supported"),
-    ({"optimizers": (object(), None)}, r"optimizers=...\) is not supported"),
+    ({"rollout_func": len}, r"rollout_func=...\): TRL's custom-rollout hook is not supported"),
+    ({"quantization_config": object()}, r"quantization_config=...\): a bitsandbytes-quantized"),
+    ({"optimizers": (object(), None)}, r"optimizers=\(object instance, None\)\): an optimizer instance"),
 ])
 def test_unsupported_arguments_are_refused_by_name(kw, match):
     with pytest.raises(NotImplementedError, match=match):

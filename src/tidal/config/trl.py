@@ -25,14 +25,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tidal.config.base import StrictModel
 from tidal.config.infer import InferConfig
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
+from tidal.config.trl_training_args import REMOVED, TrainingArgumentsFields
 
 
-class GRPOConfig(StrictModel):
-    """TRL's `GRPOConfig`, the keys tidal implements (TRL's defaults unless noted) and those it refuses."""
+class GRPOConfig(TrainingArgumentsFields):
+    """TRL's `GRPOConfig`, the keys tidal implements (TRL's defaults unless noted) and those it refuses; the other
+    fields TRL inherits from transformers' TrainingArguments come from `TrainingArgumentsFields`."""
 
     REFUSED: ClassVar[dict[str, str]] = {
         "resume_from_checkpoint": "is not read by the trainer (in transformers neither): pass it to "
@@ -326,6 +327,8 @@ class GRPOConfig(StrictModel):
     def _known_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key in data:
+                if key in REMOVED:
+                    raise ValueError(f"GRPOConfig key '{key}' {REMOVED[key]}")
                 if key not in cls.model_fields:
                     near = difflib.get_close_matches(key, list(cls.model_fields), n=1, cutoff=0.6)
                     raise ValueError(f"GRPOConfig key '{key}' is not a TRL GRPOConfig key tidal knows"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,11 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
 
 
 async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
-              tooling: Any = None) -> int:
+              tooling: Any = None, stop: threading.Event | None = None) -> int:
     """Produce batches until `max_steps`; returns the number written. `reward_funcs`: reward functions given in
     process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`;
-    `tooling`: tools given in process (`GRPOTrainer(tools=..., environment_factory=...)`)."""
+    `tooling`: tools given in process (`GRPOTrainer(tools=..., environment_factory=...)`); `stop`: once set, no
+    further batch is written and the run finishes as at `max_steps` (a TRL callback's `should_training_stop`)."""
     parts = Parts.build(cfg, run_dir, reward_funcs, tooling)
     stream: GroupStream | None = None
     try:
@@ -160,7 +162,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                                  parts.teacher, step + 1,
                                  cfg.ckpt.wait_for_weights_timeout if resumed_at > 0 else None, outage)
             await stream.start()
-        while cfg.max_steps is None or step < cfg.max_steps:
+        while (cfg.max_steps is None or step < cfg.max_steps) and not (stop is not None and stop.is_set()):
             step += 1
             # 1. gate and sample (in flight: take the batch from the stream)
             counts = dict.fromkeys(("prompts/skipped", "prompts/truncated", "inference_retries"), 0.0)

@@ -98,10 +98,11 @@ def _engine_cls() -> type:
 def register() -> None:
     """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, (CPU) refresh tied lm_heads after
     in-place weight updates (`tidal.inference.backends.vllm.tied_head`), and drain vLLM 0.24's list of allocated KV
-    block ids after every scheduler step (`tidal.inference.backends.vllm.block_ids`). Idempotent; vLLM may call it
-    often. On a vLLM without weight transfer, or without the modules the engine builds on, it registers no backend
-    (the vLLM still starts)."""
-    from tidal.inference.backends.vllm import block_ids
+    block ids after every scheduler step (`tidal.inference.backends.vllm.block_ids`), and (CPU) rewind a seeded
+    request's generator by state after a discarded sample (`tidal.inference.backends.vllm.seeded_cpu`). Idempotent;
+    vLLM may call it often. On a vLLM without weight transfer, or without the modules the engine builds on, it
+    registers no backend (the vLLM still starts)."""
+    from tidal.inference.backends.vllm import block_ids, seeded_cpu
     from tidal.inference.backends.vllm.tied_head import install
 
     try:
@@ -112,6 +113,10 @@ def register() -> None:
         block_ids.install()
     except Exception as exc:  # noqa: BLE001 - as above
         log.warning("tidal: the KV block-id drain is not installed in this vLLM: %r", exc)
+    try:
+        seeded_cpu.install()
+    except Exception as exc:  # noqa: BLE001 - as above
+        log.warning("tidal: seeded CPU generators are not restored by state in this vLLM: %r", exc)
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
