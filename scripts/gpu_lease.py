@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -122,9 +123,14 @@ def left_out_lines(p: Plan) -> list[str]:
     return lines
 
 
+PYTEST_SUMMARY = re.compile(r"^=*\s*(no tests ran|\d+ (passed|failed|skipped|deselected|error)).* in [\d.]+s")
+"""pytest's last line (`3 passed, 1 skipped in 2.1s`, `no tests ran in 0.1s`), with or without its `=` rule."""
+
+
 def judge(code: int | None, text: str, budget_s: float) -> tuple[str, str]:
     """(status, figure) of a row's run: `code` None when it was stopped at its budget. Status `pass`, `fail` or
-    `skipped` (a `LEDGER_RESULT` skipped / not reached and nothing failed: the ledger keeps its result)."""
+    `skipped` (a `LEDGER_RESULT` skipped / not reached and nothing failed, or a pytest run that passed no test: the
+    ledger keeps its result)."""
     reports = []
     for line in text.splitlines():
         if line.startswith("LEDGER_RESULT "):
@@ -138,6 +144,9 @@ def judge(code: int | None, text: str, budget_s: float) -> tuple[str, str]:
         return "fail", f"stopped at its budget of {budget_s:.0f} s; {figure}"
     if any(str(r.get("status")).lower() == "fail" for r in reports):
         return "fail", figure
+    summary = next((m for m in reversed(text.splitlines()) if PYTEST_SUMMARY.match(m.strip())), None)
+    if summary is not None and code in (0, 5) and " passed" not in summary:
+        return "skipped", f"pytest ran nothing: {summary.strip('= ')}"  # every test skipped, or none collected
     if code != 0:
         return "fail", f"exit {code}; {figure}"
     if any(str(r.get("status")).lower() != "pass" for r in reports):
