@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +61,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+from harness import child_env, free_port  # noqa: E402
 
 PY = sys.executable
 GIB = 2**30
@@ -294,44 +295,23 @@ def wait_gpu_free(base_gib: float, seconds: float = 45) -> None:
         time.sleep(1)
 
 
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-
-def child_env(extra_path: list[str]) -> dict[str, str]:
-    path = [*extra_path, str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "TIDAL_PLAIN": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-
-
 def launch(cmd: list[str], log: Path, budget: float, cuda: bool, env: dict[str, str],
            poll: Any = None) -> dict[str, Any]:
-    """Run `cmd` in its own process group (output to `log`) for at most `budget` s, sampling peak memory;
+    """Run `cmd` (a `harness.start` child, output to `log`) for at most `budget` s, sampling peak memory;
     `poll(elapsed)` is called every 0.2 s. Returns exit code (-9: stopped at its budget), seconds, peak, base."""
     started = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        mem = PeakMemory(cuda, proc.pid)
-        code = None
-        while code is None:
-            code = proc.poll()
+    child = harness.start(log.stem, cmd, log, env)
+    mem = PeakMemory(cuda, child.pid)
+    try:
+        while (code := child.poll()) is None:
             if poll is not None:
                 poll(time.monotonic() - started)
-            if code is None and time.monotonic() - started > budget:
-                kill_group(proc)
+            if time.monotonic() - started > budget:
                 code = -9
+                break
             time.sleep(0.2)
-        kill_group(proc)  # what the side left behind in its group
+    finally:
+        harness.stop(child)  # the side's whole group, and what it left behind in it
     return {"exit": code, "seconds": round(time.monotonic() - started, 1), "peak_gib": mem.stop(),
             "base_gib": mem.base_gib}
 
@@ -373,7 +353,7 @@ def run_tidal(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namesp
             first["s"] = round(elapsed, 1)
 
     log = work / "tidal.log"
-    res = launch(cmd, log, budget, cuda, child_env([]), poll)
+    res = launch(cmd, log, budget, cuda, child_env(), poll)
     res |= {"side": "tidal", "settings": cfgs, "command": " ".join(cmd), "first_step_done_s": first.get("s"),
             "log": str(log)}
     from tidal.monitor.metrics import read_metrics
@@ -437,7 +417,7 @@ def run_trl(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namespac
     (work / "trl_spec.json").write_text(json.dumps(spec, indent=1))
     log = work / "trl.log"
     cmd = [PY, str(Path(__file__).resolve()), "--trl-child", str(work / "trl_spec.json")]
-    res = launch(cmd, log, budget, cuda, child_env([trl_dir] if trl_dir else []))
+    res = launch(cmd, log, budget, cuda, child_env(*([trl_dir] if trl_dir else [])))
     shown = {**settings, "peft_config (LoraConfig)": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                                                        "target_modules": LORA_TARGETS},
              "model dtype": "bfloat16" if cuda else "float32",
@@ -553,6 +533,10 @@ def trl_child(spec_path: str) -> int:
 # --- models ----------------------------------------------------------------------------------------------------
 
 
+BUILD_BUDGET_S = 600
+"""Seconds a model build may take (the 8B shape on a GPU: under a minute; on CPU a few minutes)."""
+
+
 def build_model(key: str, out: Path, layers: int | None, cuda: bool) -> Path:
     """The random-init model of `key` in bf16 with the bundled tokenizer, written once (in a child process, so
     this process holds no CUDA context during the measured runs); `tiny` is the bundled model itself."""
@@ -564,9 +548,11 @@ def build_model(key: str, out: Path, layers: int | None, cuda: bool) -> Path:
         return out
     code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); sys.path.insert(0, {str(REPO / 'src')!r}); "
             f"import gpu_e2e; gpu_e2e.write_model({key!r}, {str(out)!r}, {layers!r}, {cuda!r})")
-    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=child_env([]))
-    if proc.returncode != 0:
-        raise RuntimeError(f"building the {key} model failed: {proc.stderr[-1500:]}")
+    log = out.parent / f"build_{key}.log"
+    code_, text = harness.run([PY, "-c", code], log, BUILD_BUDGET_S, name=f"build_{key}")
+    if code_ != 0:
+        why = "stopped at its budget" if code_ is None else f"exit {code_}"
+        raise RuntimeError(f"building the {key} model failed ({why}): {text[-1500:]}")
     return out
 
 

@@ -107,6 +107,8 @@ def test_the_rows_read_the_split_tidal_prints():
     planned = gpu_check_rows.planned_split(f"noise\n{line}\nmore")
     assert list(planned.values())[0].endswith("of 79.2"), planned
     assert gpu_check_rows.planned_split("nothing") == {"planned": "no split notice"}
-    assert gpu_check_rows.H is gpu_check, "the rows use the harness they are listed in"
+    assert gpu_check_rows.planned_gib(f"noise\n{line}\nmore") == pytest.approx(
+        sum(float(x) for x in list(planned.values())[0].split("=")[0].split("+")))
+    assert gpu_check_rows.base.CheckFailed is gpu_check.CheckFailed, "one harness for the rows and the script"
     names = [c.name for c in gpu_check.CHECKS]
     assert len(names) == len(set(names)) and names.index("g4") == names.index("g") + 1
