@@ -24,9 +24,7 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 # name -> (infer.yaml updates, extra vLLM args, extra env, taskset cores for the whole server or None)
 VARIANTS: dict[str, tuple[dict[str, Any], list[str], dict[str, str], str | None]] = {
@@ -146,25 +146,19 @@ def main() -> None:
 
     names = args.variants.split(";") if ";" in args.variants else args.variants.split(",")
     work = Path(tempfile.mkdtemp(prefix="rollout-probe-"))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, harness.Child] = {}
     urls, meta = {}, {}
     busy = None
     try:
         for i, name in enumerate(names):  # one at a time: their start-ups would fight over the cores
             argv, env, meta[name] = server_cmd(name, args.port + i)
-            procs[name] = subprocess.Popen(argv, env=env, stdout=open(work / f"{i}.log", "w"),
-                                           stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            procs[name] = harness.start(name, argv, work / f"{i}.log", env=env)
             root = f"http://127.0.0.1:{args.port + i}"
             t = time.monotonic()
-            while True:
-                if procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited; see {work / f'{i}.log'}")
-                try:
-                    if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            try:
+                harness.wait_ready(procs[name], f"{root}/health", 900, poll_s=0.2)
+            except harness.NotHealthy as exc:
+                raise RuntimeError(f"{name}: {exc}; see {work / f'{i}.log'}") from None
             urls[name] = f"{root}/v1"
             print(f"[{time.strftime('%H:%M:%S')}] {name} ready in {time.monotonic() - t:.1f} s "
                   f"(log {work / f'{i}.log'})", flush=True)
@@ -211,16 +205,7 @@ def main() -> None:
     finally:
         if busy is not None:
             busy.terminate()
-        for p in procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        harness.stop(*procs.values())
 
 
 if __name__ == "__main__":

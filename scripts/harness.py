@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,12 +38,13 @@ def child_env(*extra_path: str | Path, **extra: str) -> dict[str, str]:
 
 
 def start(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
-          cwd: Path = REPO, echo: bool = False) -> Child:
-    """`argv` as a `Child` named `name` in `cwd`, its output to `log` (truncated first), environment `env`
-    (default `child_env()`)."""
+          cwd: Path = REPO, echo: bool = False, on_line: Callable[[str], None] | None = None) -> Child:
+    """`argv` as a `Child` named `name` in `cwd`, its output to `log` (truncated first) and to `on_line` line by
+    line, environment `env` (default `child_env()`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_bytes(b"")
-    return Child(name, [str(a) for a in argv], log_path=log, echo=echo, env=env or child_env(), cwd=cwd)
+    return Child(name, [str(a) for a in argv], log_path=log, echo=echo, env=env or child_env(), cwd=cwd,
+                 on_line=on_line)
 
 
 def stop(*children: Child) -> None:
@@ -66,10 +67,11 @@ def run(argv: Sequence[str], log: Path, budget_s: float, env: Mapping[str, str] 
     return code, log.read_text(errors="replace")
 
 
-def wait_ready(child: Child | None, url: str, budget_s: float, started: float | None = None) -> float:
+def wait_ready(child: Child | None, url: str, budget_s: float, started: float | None = None,
+               poll_s: float = 0.5) -> float:
     """Until `url` answers 200, for at most `budget_s` seconds counted from `started` (default now): a fixed
-    limit, not a shrinking time left. Returns the seconds since `started`; `NotHealthy` when `child` exits first
-    or the budget runs out."""
+    limit, not a shrinking time left), asked every `poll_s`. Returns the seconds since `started`; `NotHealthy`
+    when `child` exits first or the budget runs out."""
     started = time.monotonic() if started is None else started
-    procs.wait_healthy(url, child, max(0.1, budget_s - (time.monotonic() - started)))
+    procs.wait_healthy(url, child, max(0.1, budget_s - (time.monotonic() - started)), poll_s=poll_s)
     return time.monotonic() - started
