@@ -33,11 +33,19 @@ import gpu_check_base as base  # noqa: E402 - what every row stands on: CheckFai
 
 
 def e2e() -> Any:
-    """bench/gpu_e2e.py: the NVML peak sampler and the real-shape model builder, one of each in the project."""
+    """bench/gpu_e2e.py: the real-shape model builder, one in the project."""
     sys.path.insert(0, str(REPO / "bench"))
     import gpu_e2e
 
     return gpu_e2e
+
+
+def peak_memory(cuda: bool) -> Any:
+    """bench/gpu_memory.py's whole-GPU peak sampler (NVML, every process), started."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_memory
+
+    return gpu_memory.PeakMemory(cuda=cuda)
 
 
 SPLIT = re.compile(r"GPU \(([\d.]+) GiB\): vLLM ([\d.]+) GiB.*?trainer needs ([\d.]+) of the ([\d.]+) GiB left")
@@ -85,7 +93,7 @@ def split_problem(figs: dict[str, Any]) -> str | None:
 def measured_grpo(ctx: Any, run_dir: Path, budget: float, log: Path, *args: str) -> tuple[int, str, dict[str, Any]]:
     """`tidal grpo` (the harness's `grpo`) with the whole GPU's used memory sampled meanwhile (NVML, every process):
     (exit code, output, figures: the split planned against the peak seen, above the GPU's use before)."""
-    mem = e2e().PeakMemory(cuda=not ctx.cpu)
+    mem = peak_memory(not ctx.cpu)
     try:
         code, text = base.grpo(ctx, run_dir, budget, log, *args)
     finally:

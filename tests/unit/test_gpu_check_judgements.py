@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402
 import gpu_check_rows  # noqa: E402
-import gpu_e2e  # noqa: E402
+import gpu_memory  # noqa: E402
 
 KINDS = ("base matmuls", "LoRA matmuls", "attention forward", "attention backward",
          "norms, activations, RoPE, other elementwise", "recomputation (checkpoint)", "logprob / LM-head pass",
@@ -102,11 +102,11 @@ def test_the_default_budget_is_every_selected_check():
 
 def test_a_uuid_in_cuda_visible_devices_maps_to_its_nvml_index():
     uuids = ["GPU-1111aaaa-0000", b"GPU-2222bbbb-0000", "GPU-2223cccc-0000"]
-    assert gpu_e2e.visible_device(None) == "0" and gpu_e2e.visible_device("3,1") == "3"
-    assert gpu_e2e.nvml_index("3", uuids) == 3
-    assert gpu_e2e.nvml_index(gpu_e2e.visible_device("GPU-2222bbbb-0000,GPU-1111aaaa-0000"), uuids) == 1
-    assert gpu_e2e.nvml_index("GPU-1111", uuids) == 0  # a unique prefix, as CUDA takes it
+    assert gpu_memory.visible_device(None) == "0" and gpu_memory.visible_device("3,1") == "3"
+    assert gpu_memory.nvml_index("3", uuids) == 3
+    assert gpu_memory.nvml_index(gpu_memory.visible_device("GPU-2222bbbb-0000,GPU-1111aaaa-0000"), uuids) == 1
+    assert gpu_memory.nvml_index("GPU-1111", uuids) == 0  # a unique prefix, as CUDA takes it
     with pytest.raises(ValueError, match="matches 2"):
-        gpu_e2e.nvml_index("GPU-222", uuids)
+        gpu_memory.nvml_index("GPU-222", uuids)
     with pytest.raises(ValueError, match="matches 0"):
-        gpu_e2e.nvml_index("MIG-9", uuids)
+        gpu_memory.nvml_index("MIG-9", uuids)
