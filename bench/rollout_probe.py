@@ -125,6 +125,27 @@ async def one_round(urls: dict[str, str], prompts: list[list[int]], order: list[
     return out
 
 
+def summarize(names: list[str], rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """Per variant the medians over the timed rounds (printed), and each later variant against the first."""
+    summary: dict[str, dict[str, Any]] = {}
+    for n in names:
+        s = [row[n]["s"] for row in rows]
+        tok = [row[n]["tok_s"] for row in rows]
+        ms = [row[n]["ms_per_step"] for row in rows]
+        summary[n] = {"median_s": statistics.median(s), "median_tok_s": statistics.median(tok),
+                      "median_ms_per_step": statistics.median(ms), "s": s, "tok_s": tok, "ms_per_step": ms}
+        print(f"{n:>14}: median {statistics.median(s):.3f} s/round, {statistics.median(tok):.0f} tok/s, "
+              f"{statistics.median(ms):.1f} ms/step | s: {' '.join(f'{x:.2f}' for x in s)}")
+    if len(names) > 1:
+        b = names[0]
+        for n in names[1:]:
+            ratios = [row[b]["ms_per_step"] / row[n]["ms_per_step"] for row in rows]
+            print(f"{n} vs {b}: per-round speedup (ms/step ratio) median {statistics.median(ratios):.3f}, "
+                  f"min {min(ratios):.3f}, max {max(ratios):.3f}; round-time ratio median "
+                  f"{statistics.median([row[b]['s'] / row[n]['s'] for row in rows]):.3f}")
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="base,nolora")
@@ -184,22 +205,7 @@ def main() -> None:
             if r >= args.warmup:
                 rows.append(res)
         print(f"\nload avg: {os.getloadavg()}")
-        summary = {}
-        for n in names:
-            s = [row[n]["s"] for row in rows]
-            tok = [row[n]["tok_s"] for row in rows]
-            ms = [row[n]["ms_per_step"] for row in rows]
-            summary[n] = {"median_s": statistics.median(s), "median_tok_s": statistics.median(tok),
-                          "median_ms_per_step": statistics.median(ms), "s": s, "tok_s": tok, "ms_per_step": ms}
-            print(f"{n:>14}: median {statistics.median(s):.3f} s/round, {statistics.median(tok):.0f} tok/s, "
-                  f"{statistics.median(ms):.1f} ms/step | s: {' '.join(f'{x:.2f}' for x in s)}")
-        if len(names) > 1:
-            b = names[0]
-            for n in names[1:]:
-                ratios = [row[b]["ms_per_step"] / row[n]["ms_per_step"] for row in rows]
-                print(f"{n} vs {b}: per-round speedup (ms/step ratio) median {statistics.median(ratios):.3f}, "
-                      f"min {min(ratios):.3f}, max {max(ratios):.3f}; round-time ratio median "
-                      f"{statistics.median([row[b]['s'] / row[n]['s'] for row in rows]):.3f}")
+        summary = summarize(names, rows)
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
     finally:

@@ -323,7 +323,8 @@ def default_precisions(device: str) -> list[str]:
     return ["fp32", "bf16"]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The bench's options (`make bench BENCH_ARGS=...`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=8)
@@ -357,7 +358,11 @@ def main() -> None:
     ap.add_argument("--longtail-quick", action="store_true",
                     help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
                          "writes bench/ROLLOUT-LONGTAIL.md")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     precisions = default_precisions(args.device)
     args.recipes = args.recipes or precisions
     args.trl_precisions = args.trl_precisions or precisions
@@ -366,6 +371,13 @@ def main() -> None:
     if args.skip_baselines:
         return async_only(args)
 
+    m = measure(args)
+    write_results(args, m)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run of the bench: tidal's (each recipe, in-flight, long tail, start-up before issue 37), TRL's, the
+    rollout and trainer baselines; their figures by name for `write_results`."""
     from tidal.assets import resolve_model
 
     model = resolve_model("tidal:tiny-reverse")
@@ -404,6 +416,14 @@ def main() -> None:
     curves |= {f"TRL GRPOTrainer ({'bf16' if p == 'bf16' else 'fp32'})": x["curve"] for p, x in trl.items()}
     plot(curves, Path(args.out).with_name("reward_vs_time.png"))
 
+    return {"work": work, "main_recipe": main_recipe, "gated": gated, "t": t, "f": f, "lt": lt, "before": before,
+            "trl": trl, "r": r, "ro": ro, "tr": tr}
+
+
+def write_results(args: argparse.Namespace, m: dict[str, Any]) -> None:
+    """bench/RESULTS.md (`--out`) from the figures of `measure`."""
+    work, main_recipe, gated, t, f, lt = m["work"], m["main_recipe"], m["gated"], m["t"], m["f"], m["lt"]
+    before, trl, r, ro, tr = m["before"], m["trl"], m["r"], m["ro"], m["tr"]
     cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
     cpu = platform.processor() or platform.machine()
     try:
