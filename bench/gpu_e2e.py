@@ -116,7 +116,7 @@ def prompt_text_len(tokenizer_dir: Path, prompt_tokens: int) -> tuple[int, int]:
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     def count(chars: int) -> int:
-        msgs = ReverseText(chars, chars).sample(random.Random(0)).prompt
+        msgs: Any = ReverseText(chars, chars).sample(random.Random(0)).prompt
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -318,8 +318,8 @@ def find_trl() -> tuple[str | None, str]:
 def run_trl(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namespace, work: Path, budget: float,
             trl_dir: str, vllm_mem: float | None) -> dict[str, Any]:
     settings = trl_settings(model, wl, cuda, args, vllm_mem, work / "trl_out")
-    spec = {"model": str(model), "workload": wl, "settings": settings, "cuda": cuda, "out": str(work / "trl.json"),
-            "launched": time.time()}
+    spec: dict[str, Any] = {"model": str(model), "workload": wl, "settings": settings, "cuda": cuda,
+                            "out": str(work / "trl.json"), "launched": time.time()}
     (work / "trl_spec.json").write_text(json.dumps(spec, indent=1))
     log = work / "trl.log"
     cmd = [PY, str(Path(__file__).resolve()), "--trl-child", str(work / "trl_spec.json")]
@@ -505,7 +505,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, dict[str, dict[st
                   cuda: bool, argv: list[str] | None, started: float) -> str:
     """The report (`--out`, bench/GPU-E2E.md on a GPU, `$OUT/GPU-E2E.md`) and the figures as JSON (`gpu_e2e.json`
     beside `--out` and in `$OUT`); returns the report."""
-    trl_versions = next((s.get("versions", {}) for sides in results.values() for s in sides.values()
+    trl_versions: dict[str, str] = next((s.get("versions", {}) for sides in results.values() for s in sides.values()
                          if s.get("versions")), {})
     header = device_header(cuda, trl_versions, argv if argv is not None else sys.argv[1:], started)
     text = report(results, wl, header, cuda)

@@ -90,15 +90,15 @@ def step_timer(cuda: bool, timings: dict[str, float], steps: list[dict[str, Any]
             torch.cuda.synchronize()
 
     class Timer(TrainerCallback):
-        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             mark["train_begin"] = time.time()
 
-        def on_step_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             sync()
             mark["begin"] = time.time()
             timings.clear()
 
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             sync()
             end = time.time()
             gen = sum(v for k, v in timings.items() if "generate" in k)
@@ -110,7 +110,7 @@ def step_timer(cuda: bool, timings: dict[str, float], steps: list[dict[str, Any]
             steps.append({"step": state.global_step, "begin": mark["begin"], "end": end, "split_s": split,
                           "timers": dict(timings)})
 
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs:  # the last step's row and the run's summary come with the same global_step
                 step_logs.setdefault(state.global_step, {}).update(logs)
 

@@ -107,9 +107,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
 }
-COMMON = dict(vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
               tie_word_embeddings=True)
-LLAMA_8B = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+LLAMA_8B: dict[str, Any] = dict(
+                vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
@@ -159,7 +160,8 @@ benchmark: `FakeDataLoader`, `generate_samples=False`), the only shape compared 
 shape: samples of `--sample-len` tokens (a quarter prompt) packed into the row, no ratio to prime-rl."""
 
 
-VARIANTS = {"bf16": {}, "nf4": {"qlora_bnb": True}, "fp8": {"qlora_fp8": True}, "fp8-hybrid": {"recipe": "fp8-hybrid"}}
+VARIANTS: dict[str, dict[str, Any]] = {"bf16": {}, "nf4": {"qlora_bnb": True}, "fp8": {"qlora_fp8": True},
+                                       "fp8-hybrid": {"recipe": "fp8-hybrid"}}
 """`--variants`: the train keys each sets."""
 OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -237,8 +239,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     dtype = resolve_dtype(cfg.recipe, device)
     shape = SHAPES[spec["model"]] | {"num_hidden_layers": spec["layers"]}
     impl = attn_implementation(device, cfg.attention)
-    conf: Any = (LlamaConfig(**LLAMA_8B, **shape, attn_implementation=impl) if spec["model"] == "8b"
-                 else Qwen3Config(**COMMON, **shape, attn_implementation=impl))
+    keys: dict[str, Any] = {**(LLAMA_8B if spec["model"] == "8b" else COMMON), **shape, "attn_implementation": impl}
+    conf: Any = LlamaConfig(**keys) if spec["model"] == "8b" else Qwen3Config(**keys)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialize in the training dtype, as from_pretrained(dtype=...) loads
@@ -249,8 +251,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         torch.set_default_dtype(default)
     if spec.get("variant", "bf16") != "bf16":
         return build_loaded(spec, model)
-    model = prepare_policy(model, cfg, device)
-    return model, make_optimizer(model, cfg), cfg, device
+    policy = prepare_policy(model, cfg, device)
+    return policy, make_optimizer(policy, cfg), cfg, device
 
 
 def matmul_params(model: Any) -> int:

@@ -54,7 +54,7 @@ MMAP_THRESHOLD = 4 * 1024**2
 tensors. Left to its dynamic threshold (raised after each large free, up to 32 MiB), glibc keeps freed blocks in
 its heaps and the peak of identical runs varies by ~0.5 GiB."""
 MODES = ("body only", "full logits", "chunked")
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+QWEN3_0_6B: dict[str, Any] = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, tie_word_embeddings=True, num_hidden_layers=28)
 

@@ -188,13 +188,13 @@ def main() -> None:
 
             busy = mp.get_context("spawn").Process(target=busy_loop, args=(args.busy_core,), daemon=True)
             busy.start()
-        env, model = make_env("reverse-text", {}), "tidal:tiny-reverse"
+        task, model = make_env("reverse-text", {}), "tidal:tiny-reverse"
         root0 = urls[names[0]].removesuffix("/v1")
         rows: list[dict[str, dict[str, float]]] = []
         for r in range(args.warmup + args.rounds):
             rng = random.Random(1000 + r)
             prompts = [httpx.post(f"{root0}/tokenize", json={
-                "model": model, "messages": env.sample(rng).prompt, "add_generation_prompt": True,
+                "model": model, "messages": task.sample(rng).prompt, "add_generation_prompt": True,
                 "add_special_tokens": False}).json()["tokens"] for _ in range(args.prompts)]
             order = names[r % len(names):] + names[:r % len(names)]
             res = asyncio.run(one_round(urls, prompts, order, args, model))

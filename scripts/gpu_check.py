@@ -179,7 +179,7 @@ def make_adapter(out: Path) -> Path:
     for name, p in peft.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    peft.save_pretrained(out)
+    peft.save_pretrained(str(out))
     return out
 
 
@@ -469,11 +469,13 @@ def tiny_qwen3_moe(ctx: Ctx) -> Path:
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
-    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    keys: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, norm_topk_prob=True)
+    model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(**keys))
+    model.to(torch.bfloat16).save_pretrained(out)
     bundled = Path(resolve_model("tidal:tiny-reverse"))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled / name, out / name)

@@ -29,7 +29,8 @@ import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs
 PY = sys.executable
 MISMATCH_KL_MAX = 1e-3
 WARM_READY_MAX_S = 60.0
-QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+QWEN3_0_6B: dict[str, Any] = {
+              "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
               "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 
@@ -149,10 +150,10 @@ def judge_run(res: Result, code: int, text: str, run_dir: Path, steps: int,
     if rows:
         res.figures["reward first -> last"] = f"{rows[0].get('reward/mean', float('nan')):.3f} -> " \
                                                f"{rows[-1].get('reward/mean', float('nan')):.3f}"
-        peaks = [r.get("memory/peak_gb") for r in rows if r.get("memory/peak_gb") is not None]
+        peaks = [float(r["memory/peak_gb"]) for r in rows if r.get("memory/peak_gb") is not None]
         if peaks:
             res.figures["trainer peak GB"] = max(peaks)
-        graphs = [r.get("flex_graphs") for r in rows if r.get("flex_graphs") is not None]
+        graphs = [int(r["flex_graphs"]) for r in rows if r.get("flex_graphs") is not None]
         if graphs:
             res.figures["flex graphs"] = max(graphs)
     res.figures["vLLM ready s"] = ready_seconds(text)
@@ -177,7 +178,8 @@ def qwen3_0_6b(ctx: Ctx) -> Path:
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16).save_pretrained(out)
+    model: Any = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B))
+    model.to(torch.bfloat16).save_pretrained(out)
     bundled = Path(resolve_model("tidal:tiny-reverse"))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled / name, out / name)

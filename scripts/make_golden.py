@@ -37,6 +37,7 @@ or `--spread`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -48,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.unit import test_golden_trajectory as golden  # noqa: E402
+golden: Any = importlib.import_module("tests.unit.test_golden_trajectory")  # the test that reads what this writes
 
 sys.path.insert(0, str(REPO / "scripts"))
 import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
