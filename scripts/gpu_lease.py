@@ -4,7 +4,8 @@ GPU machines come for about 15 minutes at a time, start and kit included. This s
 leasable rows (`order`: the `smoke` row first, so a broken kit fails in seconds and stops the lease; then rows never
 run, then failed ones, each by the ledger's `priority`; then passed rows, the oldest first), keeps those that fit
 `--deadline` seconds (`plan`: each row's `budget_s`; a row whose kit is missing here is left out, saying which),
-and runs them one by one, each as a `tidal.procs.Child` (its own process group, killed as a whole at its budget).
+and runs them one by one, each a child of scripts/harness.py (`tidal.procs`: its own process group, killed as a
+whole at its budget).
 
 A row passes when its command exits 0 within its budget and reports no failure; a command may print
 `LEDGER_RESULT {"status": ..., "figure": ...}` lines (scripts/gpu_check.py prints one per check: a check FAIL,
@@ -177,9 +178,9 @@ def available_needs() -> set[str]:
 
 
 def run_row(row: dict[str, Any], out: Path, left_s: float) -> tuple[str, str, float]:
-    """Run one row (a `tidal.procs.Child` in the repository root, `OUT` = out/rows/ID), killed as a whole
-    process group at min(its budget, `left_s`). Returns (status, figure, seconds)."""
-    from tidal import procs
+    """Run one row (a `harness.start` child in the repository root, `OUT` = out/rows/ID, its output echoed),
+    killed as a whole process group at min(its budget, `left_s`). Returns (status, figure, seconds)."""
+    import harness
 
     budget = max(1.0, min(float(row["budget_s"]), left_s))
     argv = shlex.split(row["command"])
@@ -187,16 +188,15 @@ def run_row(row: dict[str, Any], out: Path, left_s: float) -> tuple[str, str, fl
         argv[0] = sys.executable
     row_out, log = out / "rows" / row["id"], out / "logs" / f"{row['id']}.log"
     row_out.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"OUT": str(row_out), "PYTHONPATH": path, "TIDAL_PLAIN": "1", "HF_HUB_OFFLINE": "1"}
     started = time.monotonic()
-    child = procs.Child(row["id"], argv, log_path=log, echo=True, env=env)
+    child = harness.start(row["id"], argv, log, env=harness.child_env(OUT=str(row_out)), echo=True)
     try:
         code: int | None = child.wait(timeout=budget)
     except subprocess.TimeoutExpired:
         code = None
     finally:
-        child.stop()
+        harness.stop(child)
+    child.tail()  # waits for the output pump to reach the end of the log
     seconds = round(time.monotonic() - started, 1)
     status, figure = judge(code, log.read_text(errors="replace") if log.exists() else "", budget)
     return status, figure, seconds
