@@ -25,6 +25,15 @@ def test_run_returns_the_exit_code_and_the_output(tmp_path):
     assert code == 3 and text.strip() == "hello" and (tmp_path / "a.log").read_text().strip() == "hello"
 
 
+def test_children_run_in_the_directory_asked_for(tmp_path):
+    (tmp_path / "here").mkdir()
+    code, text = harness.run([sys.executable, "-c", "import os; print(os.getcwd())"], tmp_path / "c.log", 30,
+                             cwd=tmp_path / "here")
+    assert code == 0 and text.strip() == str(tmp_path / "here")
+    code, text = harness.run([sys.executable, "-c", "import os; print(os.getcwd())"], tmp_path / "d.log", 30)
+    assert text.strip() == str(REPO)
+
+
 def test_run_stops_the_whole_group_at_its_budget(tmp_path):
     pid_file = tmp_path / "grandchild"
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
