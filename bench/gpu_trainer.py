@@ -96,6 +96,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 GIB = 1024**3
 VOCAB = 151936
@@ -393,12 +395,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         env["PYTHONPATH"] = os.pathsep.join([site, *filter(None, [env.get("PYTHONPATH")])])
     if spec["device"] == "cpu":
         env["OMP_NUM_THREADS"] = str(spec["threads"])
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label(spec)} ({spec['shape']}) failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return harness.run_json([sys.executable, __file__, "--child", json.dumps(spec)], 3600, env=env,
+                            what=f"{label(spec)} ({spec['shape']})")
 
 
 PROFILE_ROWS = (("4b", "prime-rl"), ("0.6b", "packed"))

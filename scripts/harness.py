@@ -12,12 +12,16 @@ after putting `scripts/` on `sys.path` (`sys.path.insert(0, str(REPO / "scripts"
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "src") not in sys.path:
@@ -26,7 +30,8 @@ if str(REPO / "src") not in sys.path:
 from tidal import procs  # noqa: E402 - after the path
 from tidal.procs import Child, NotHealthy, free_port  # noqa: E402
 
-__all__ = ["REPO", "Child", "NotHealthy", "child_env", "free_port", "run", "start", "stop", "wait_ready"]
+__all__ = ["REPO", "Child", "NotHealthy", "child_env", "free_port", "last_json", "run", "run_json", "start", "stop",
+           "wait_ready"]
 
 
 def child_env(*extra_path: str | Path, **extra: str) -> dict[str, str]:
@@ -65,6 +70,34 @@ def run(argv: Sequence[str], log: Path, budget_s: float, env: Mapping[str, str] 
         stop(child)
     child.tail()  # waits for the output pump to reach the end of the log
     return code, log.read_text(errors="replace")
+
+
+def last_json(text: str) -> dict[str, Any] | None:
+    """The last line of `text` that is a JSON object (a child's result printed after its log lines; stderr may
+    follow it in a merged log), or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def run_json(argv: Sequence[str], budget_s: float, env: Mapping[str, str] | None = None,
+             what: str = "child") -> dict[str, Any]:
+    """`run` a child that prints its result as a JSON object line; the object, or RuntimeError naming `what`, the
+    exit and the log's tail (the log in a temp directory, kept on failure)."""
+    log = Path(tempfile.mkdtemp(prefix="tidal-child-")) / "child.log"
+    code, text = run(argv, log, budget_s, env=env, name=what.split()[0])
+    result = last_json(text) if code == 0 else None
+    if result is None:
+        why = f"stopped after {budget_s:.0f} s" if code is None else f"exit {code}"
+        raise RuntimeError(f"{what} failed ({why}; log {log}):\n{text[-3000:]}")
+    shutil.rmtree(log.parent, ignore_errors=True)
+    return result
 
 
 def wait_ready(child: Child | None, url: str, budget_s: float, started: float | None = None,

@@ -25,6 +25,17 @@ def test_run_returns_the_exit_code_and_the_output(tmp_path):
     assert code == 3 and text.strip() == "hello" and (tmp_path / "a.log").read_text().strip() == "hello"
 
 
+def test_run_json_reads_the_result_line_past_later_stderr():
+    script = ("import json, sys; print('log line'); print(json.dumps({'tokens_per_s': 12.5})); "
+              "print('a late warning', file=sys.stderr)")
+    assert harness.run_json([sys.executable, "-c", script], 30) == {"tokens_per_s": 12.5}
+    with pytest.raises(RuntimeError, match=r"(?s)the row failed \(exit 3; log .*boom"):
+        harness.run_json([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], 30, what="the row")
+    with pytest.raises(RuntimeError, match="no result failed"):
+        harness.run_json([sys.executable, "-c", "print('[1, 2]')"], 30, what="no result")
+    assert harness.last_json('{"a": 1}\n{broken\n[3]\n') == {"a": 1} and harness.last_json("x") is None
+
+
 def test_children_run_in_the_directory_asked_for(tmp_path):
     (tmp_path / "here").mkdir()
     code, text = harness.run([sys.executable, "-c", "import os; print(os.getcwd())"], tmp_path / "c.log", 30,
