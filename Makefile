@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-kit lint bench bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -40,6 +40,14 @@ test-gpu: setup-dev
 ## Every GPU claim in one command that fits a short lease (scripts/gpu_check.py): checks in priority order, each with its own budget, going on past a failure; writes bench/GPU-CHECK.md. On a machine set up only by the GPU kit: `source .gpu-kit/install.sh && python3 scripts/gpu_check.py`. Without CUDA it runs its CPU mode.
 gpu-check: setup
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+## One GPU lease spent on what the GPU ledger (bench/gpu_ledger.json) has proven least (scripts/gpu_lease.py): the smoke row, then rows never run, failed, oldest passed, as many as fit --deadline; updated rows, logs and tables to --out ($$OUT). No setup: on a GPU machine set up only by the kit, `source .gpu-kit/install.sh && make gpu-lease` (python3 where .venv is absent). The plan anywhere: make gpu-lease GPU_LEASE_ARGS="--dry-run --deadline 600".
+gpu-lease:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/gpu_lease.py $(GPU_LEASE_ARGS)
+
+## bench/GPU-LEDGER.md from bench/gpu_ledger.json; a lease's rows back into the ledger: make gpu-ledger GPU_LEDGER_ARGS="merge OUT/gpu_ledger_rows.json".
+gpu-ledger:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/gpu_ledger.py $(or $(GPU_LEDGER_ARGS),render)
 
 ## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh) and .gpu-kit/trl (TRL 1.16 + datasets, 2.6 MiB, for bench-gpu-e2e). docs/gpu.md, "make gpu-check".
 gpu-kit:

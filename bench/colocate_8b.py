@@ -45,6 +45,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 GIB = 1024**3
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -141,12 +143,11 @@ def run_variant(root: Path, model: Path, variant: str, args: argparse.Namespace,
     cfg = write_configs(run, model, variant, args, spec)
     smi = SmiPeak(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--train", str(cfg / "train.yaml"), "--infer",
-                           str(cfg / "infer.yaml"), "--orch", str(cfg / "orch.yaml")], capture_output=True, text=True,
-                          env={**os.environ, "TIDAL_PLAIN": "1"}, timeout=args.timeout)
-    row: dict[str, Any] = {"variant": variant, "exit": proc.returncode, "seconds": time.monotonic() - start,
-                           "smi_peak_gb": smi.stop()}
-    (run / "grpo.log").write_text(proc.stdout + proc.stderr)
+    code, out = harness.run([sys.executable, "-m", "tidal.cli", "grpo", "--train", str(cfg / "train.yaml"), "--infer",
+                           str(cfg / "infer.yaml"), "--orch", str(cfg / "orch.yaml")], run / "grpo.log",
+                          args.timeout, env={**os.environ, "TIDAL_PLAIN": "1"}, name=f"grpo-{variant}")
+    row: dict[str, Any] = {"variant": variant, "exit": -9 if code is None else code,
+                           "seconds": time.monotonic() - start, "smi_peak_gb": smi.stop()}
     infer_log = run / "out" / "logs" / "infer.log"
     text = infer_log.read_text(errors="replace") if infer_log.exists() else ""
     for key, pattern in VLLM_LINES.items():
@@ -158,7 +159,7 @@ def run_variant(root: Path, model: Path, variant: str, args: argparse.Namespace,
     kls = [r["mismatch_kl"] for r in rows if "mismatch_kl" in r]
     row["trainer_peak_gib"] = max(peaks) if peaks else None
     row["mismatch_kl"] = kls[-1] if kls else None
-    row["shared"] = "base weights shared with vLLM" in proc.stdout
+    row["shared"] = "base weights shared with vLLM" in out
     return row
 
 

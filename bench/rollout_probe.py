@@ -24,9 +24,7 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 # name -> (infer.yaml updates, extra vLLM args, extra env, taskset cores for the whole server or None)
 VARIANTS: dict[str, tuple[dict[str, Any], list[str], dict[str, str], str | None]] = {
@@ -125,6 +125,27 @@ async def one_round(urls: dict[str, str], prompts: list[list[int]], order: list[
     return out
 
 
+def summarize(names: list[str], rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """Per variant the medians over the timed rounds (printed), and each later variant against the first."""
+    summary: dict[str, dict[str, Any]] = {}
+    for n in names:
+        s = [row[n]["s"] for row in rows]
+        tok = [row[n]["tok_s"] for row in rows]
+        ms = [row[n]["ms_per_step"] for row in rows]
+        summary[n] = {"median_s": statistics.median(s), "median_tok_s": statistics.median(tok),
+                      "median_ms_per_step": statistics.median(ms), "s": s, "tok_s": tok, "ms_per_step": ms}
+        print(f"{n:>14}: median {statistics.median(s):.3f} s/round, {statistics.median(tok):.0f} tok/s, "
+              f"{statistics.median(ms):.1f} ms/step | s: {' '.join(f'{x:.2f}' for x in s)}")
+    if len(names) > 1:
+        b = names[0]
+        for n in names[1:]:
+            ratios = [row[b]["ms_per_step"] / row[n]["ms_per_step"] for row in rows]
+            print(f"{n} vs {b}: per-round speedup (ms/step ratio) median {statistics.median(ratios):.3f}, "
+                  f"min {min(ratios):.3f}, max {max(ratios):.3f}; round-time ratio median "
+                  f"{statistics.median([row[b]['s'] / row[n]['s'] for row in rows]):.3f}")
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="base,nolora")
@@ -146,25 +167,19 @@ def main() -> None:
 
     names = args.variants.split(";") if ";" in args.variants else args.variants.split(",")
     work = Path(tempfile.mkdtemp(prefix="rollout-probe-"))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, harness.Child] = {}
     urls, meta = {}, {}
     busy = None
     try:
         for i, name in enumerate(names):  # one at a time: their start-ups would fight over the cores
             argv, env, meta[name] = server_cmd(name, args.port + i)
-            procs[name] = subprocess.Popen(argv, env=env, stdout=open(work / f"{i}.log", "w"),
-                                           stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            procs[name] = harness.start(name, argv, work / f"{i}.log", env=env)
             root = f"http://127.0.0.1:{args.port + i}"
             t = time.monotonic()
-            while True:
-                if procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited; see {work / f'{i}.log'}")
-                try:
-                    if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            try:
+                harness.wait_ready(procs[name], f"{root}/health", 900, poll_s=0.2)
+            except harness.NotHealthy as exc:
+                raise RuntimeError(f"{name}: {exc}; see {work / f'{i}.log'}") from None
             urls[name] = f"{root}/v1"
             print(f"[{time.strftime('%H:%M:%S')}] {name} ready in {time.monotonic() - t:.1f} s "
                   f"(log {work / f'{i}.log'})", flush=True)
@@ -173,13 +188,13 @@ def main() -> None:
 
             busy = mp.get_context("spawn").Process(target=busy_loop, args=(args.busy_core,), daemon=True)
             busy.start()
-        env, model = make_env("reverse-text", {}), "tidal:tiny-reverse"
+        task, model = make_env("reverse-text", {}), "tidal:tiny-reverse"
         root0 = urls[names[0]].removesuffix("/v1")
         rows: list[dict[str, dict[str, float]]] = []
         for r in range(args.warmup + args.rounds):
             rng = random.Random(1000 + r)
             prompts = [httpx.post(f"{root0}/tokenize", json={
-                "model": model, "messages": env.sample(rng).prompt, "add_generation_prompt": True,
+                "model": model, "messages": task.sample(rng).prompt, "add_generation_prompt": True,
                 "add_special_tokens": False}).json()["tokens"] for _ in range(args.prompts)]
             order = names[r % len(names):] + names[:r % len(names)]
             res = asyncio.run(one_round(urls, prompts, order, args, model))
@@ -190,37 +205,13 @@ def main() -> None:
             if r >= args.warmup:
                 rows.append(res)
         print(f"\nload avg: {os.getloadavg()}")
-        summary = {}
-        for n in names:
-            s = [row[n]["s"] for row in rows]
-            tok = [row[n]["tok_s"] for row in rows]
-            ms = [row[n]["ms_per_step"] for row in rows]
-            summary[n] = {"median_s": statistics.median(s), "median_tok_s": statistics.median(tok),
-                          "median_ms_per_step": statistics.median(ms), "s": s, "tok_s": tok, "ms_per_step": ms}
-            print(f"{n:>14}: median {statistics.median(s):.3f} s/round, {statistics.median(tok):.0f} tok/s, "
-                  f"{statistics.median(ms):.1f} ms/step | s: {' '.join(f'{x:.2f}' for x in s)}")
-        if len(names) > 1:
-            b = names[0]
-            for n in names[1:]:
-                ratios = [row[b]["ms_per_step"] / row[n]["ms_per_step"] for row in rows]
-                print(f"{n} vs {b}: per-round speedup (ms/step ratio) median {statistics.median(ratios):.3f}, "
-                      f"min {min(ratios):.3f}, max {max(ratios):.3f}; round-time ratio median "
-                      f"{statistics.median([row[b]['s'] / row[n]['s'] for row in rows]):.3f}")
+        summary = summarize(names, rows)
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
     finally:
         if busy is not None:
             busy.terminate()
-        for p in procs.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        harness.stop(*procs.values())
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,18 +53,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 TRL_DIR = Path(os.environ.get("TIDAL_BENCH_TRL", REPO / ".venv" / "bench-trl"))
 """trl and the datasets it needs, installed apart by `make bench` (the dev venv's verifiers pins datasets<4.7)."""
 
 
 def run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> None:
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, check=False,
-                              env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+    """`cmd` (a `harness.run` child, its whole group stopped after `timeout` s); RuntimeError unless it exits 0."""
+    code, text = harness.run(cmd, log, timeout, env=env or dict(os.environ))
+    if code != 0:
+        why = f"stopped after {timeout:.0f} s" if code is None else f"exited {code}"
+        raise RuntimeError(f"{shlex.join(cmd)} {why}; see {log}:\n{text[-2000:]}")
 
 
 BEFORE_37 = ["--startup", "sequential", "--infer.extra_args", '["--distributed-executor-backend", "mp"]']
@@ -77,16 +77,19 @@ and trainer started only once vLLM is healthy."""
 def run_timed(cmd: list[str], log: Path, timeout: float, metrics: Path) -> tuple[float, float]:
     """Run `cmd` (output to `log`); returns (seconds to its first metrics row, i.e. the first step done; whole)."""
     first, start = float("nan"), time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        while proc.poll() is None:
+    child = harness.start(log.stem, cmd, log, env=dict(os.environ))
+    try:
+        while (code := child.poll()) is None:
             if first != first and metrics.exists() and metrics.stat().st_size:
                 first = time.monotonic() - start
             if time.monotonic() - start > timeout:
-                proc.kill()
+                break
             time.sleep(0.1)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+    finally:
+        harness.stop(child)
+    if code != 0:
+        why = f"stopped after {timeout:.0f} s" if code is None else f"exited {code}"
+        raise RuntimeError(f"{shlex.join(cmd)} {why}; see {log}:\n{log.read_text()[-2000:]}")
     return first, time.monotonic() - start
 
 
@@ -190,17 +193,10 @@ def rollout_bench(args: argparse.Namespace, work: Path, model_name: str) -> dict
 
     port = args.port + 1
     url = f"http://127.0.0.1:{port}/v1"
-    server = subprocess.Popen([sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.port", str(port)],
-                              stdout=open(work / "infer.log", "w"), stderr=subprocess.STDOUT, cwd=REPO,
-                              start_new_session=True)
+    server = harness.start("infer", [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.port", str(port)],
+                           work / "infer.log", env=dict(os.environ))
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        harness.wait_ready(server, f"http://127.0.0.1:{port}/health", 300)  # NotHealthy, never a silent go-on
         import random
 
         env, rng = make_env("reverse-text", {}), random.Random(1)
@@ -219,8 +215,7 @@ def rollout_bench(args: argparse.Namespace, work: Path, model_name: str) -> dict
             batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
             orch.append(batch.metrics["rollout_tokens_per_s"])
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        harness.stop(server)
     return {"raw_tok_s": statistics.median(raw), "orch_tok_s": statistics.median(orch)}
 
 
@@ -328,7 +323,8 @@ def default_precisions(device: str) -> list[str]:
     return ["fp32", "bf16"]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The bench's options (`make bench BENCH_ARGS=...`)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=8)
@@ -362,7 +358,11 @@ def main() -> None:
     ap.add_argument("--longtail-quick", action="store_true",
                     help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
                          "writes bench/ROLLOUT-LONGTAIL.md")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     precisions = default_precisions(args.device)
     args.recipes = args.recipes or precisions
     args.trl_precisions = args.trl_precisions or precisions
@@ -371,6 +371,13 @@ def main() -> None:
     if args.skip_baselines:
         return async_only(args)
 
+    m = measure(args)
+    write_results(args, m)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run of the bench: tidal's (each recipe, in-flight, long tail, start-up before issue 37), TRL's, the
+    rollout and trainer baselines; their figures by name for `write_results`."""
     from tidal.assets import resolve_model
 
     model = resolve_model("tidal:tiny-reverse")
@@ -409,6 +416,14 @@ def main() -> None:
     curves |= {f"TRL GRPOTrainer ({'bf16' if p == 'bf16' else 'fp32'})": x["curve"] for p, x in trl.items()}
     plot(curves, Path(args.out).with_name("reward_vs_time.png"))
 
+    return {"work": work, "main_recipe": main_recipe, "gated": gated, "t": t, "f": f, "lt": lt, "before": before,
+            "trl": trl, "r": r, "ro": ro, "tr": tr}
+
+
+def write_results(args: argparse.Namespace, m: dict[str, Any]) -> None:
+    """bench/RESULTS.md (`--out`) from the figures of `measure`."""
+    work, main_recipe, gated, t, f, lt = m["work"], m["main_recipe"], m["gated"], m["t"], m["f"], m["lt"]
+    before, trl, r, ro, tr = m["before"], m["trl"], m["r"], m["ro"], m["tr"]
     cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
     cpu = platform.processor() or platform.machine()
     try:

@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+
 MIB = 1024 * 1024
 
 ROLES = (("VLLM::EngineCore", "engine-core"), ("EngineCore", "engine-core"), ("vllm.entrypoints", "api-server"),
@@ -229,19 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     env.update(extra_env)
     print(f"soak: {shlex.join(cmd)} (log {out / 'run.log'}, samples {out / 'samples.jsonl'})", flush=True)
     start = time.monotonic()
-    with open(out / "run.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        sampler = Sampler(proc.pid, run_dir / "metrics.jsonl", out / "samples.jsonl", args.period)
-        thread = threading.Thread(target=sampler.run, daemon=True)
-        thread.start()
-        try:
-            rc = proc.wait()
-        finally:  # stopped (Ctrl-C, SIGTERM): the run stops too (the launcher stops what it started)
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(60)
-            sampler.stop()
-        thread.join(timeout=30)
+    proc = harness.start("soak", cmd, out / "run.log", env=env)
+    sampler = Sampler(proc.pid, run_dir / "metrics.jsonl", out / "samples.jsonl", args.period)
+    thread = threading.Thread(target=sampler.run, daemon=True)
+    thread.start()
+    try:
+        rc = proc.wait()
+    finally:  # stopped (Ctrl-C, SIGTERM): the run's whole group stops too (the launcher stops what it started)
+        harness.stop(proc)
+        sampler.stop()
+    thread.join(timeout=30)
     wall = time.monotonic() - start
     rows = summarize(sampler.samples, args.from_step)
     shown = " ".join([*(f"{k}={v}" for k, v in extra_env.items()), "python bench/soak.py",

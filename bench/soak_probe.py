@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -167,7 +168,6 @@ def main() -> int:
     from tidal.assets import resolve_model
     from tidal.config import InferConfig
     from tidal.inference.backends.vllm.server import vllm_argv, vllm_env
-    from tidal.procs import wait_healthy
 
     cfg = InferConfig(model="tidal:tiny-reverse", port=args.port, max_model_len=512, enable_lora=False,
                       weight_reload=True, log_stats=False,
@@ -181,10 +181,9 @@ def main() -> int:
     src = Path(resolve_model(cfg.model))
     root = f"http://127.0.0.1:{args.port}"
     print(f"probe: {vars(args)}; vLLM log {work / 'vllm.log'}", flush=True)
-    with open(work / "vllm.log", "w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = harness.start("vllm", argv, work / "vllm.log", env=env)
     try:
-        wait_healthy(f"{root}/health", proc, 600)
+        harness.wait_ready(proc, f"{root}/health", 600)
         it = 0
         phases = args.phases.split(",")
         for n, phase in enumerate(phases):
@@ -203,11 +202,7 @@ def main() -> int:
             for line in rpc(root, "tidal_probe_tracemalloc", top=args.tracemalloc):
                 print(line, flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        harness.stop(proc)
         for old in work.glob("step_*"):
             shutil.rmtree(old, ignore_errors=True)
     return 0

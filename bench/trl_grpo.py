@@ -62,7 +62,7 @@ def main() -> None:
     start = time.monotonic()
 
     class Timer(TrainerCallback):
-        def on_log(self, _args, state, control, logs=None, **kwargs):
+        def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 steps.append({"step": state.global_step, "elapsed_s": time.monotonic() - start,
                               "reward": float(logs["reward"])})

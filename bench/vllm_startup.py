@@ -39,12 +39,9 @@ import math
 import os
 import platform
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +56,10 @@ OUT = REPO / "bench/STARTUP.md"
 
 sys.path.insert(0, str(REPO / "src"))
 from tidal.colocate.supervise import STARTUP_PHASES as PHASES  # noqa: E402  (the launcher's log line times the same phases)
+
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+from harness import free_port  # noqa: E402
 
 
 @dataclass
@@ -103,12 +104,6 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
 ]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Run:
     variant: str
@@ -149,44 +144,25 @@ def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> R
     log_path = log_dir / f"{variant.name}-{port}.log"
     marks: dict[str, float] = {}
     start = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=REPO)
+    def mark(line: str) -> None:  # each phase's first line, timed from the start
+        t = time.monotonic() - start
+        for name, pattern in PHASES:
+            if name not in marks and re.search(pattern, line):
+                marks[name] = t
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        with open(log_path, "w") as log:
-            for line in proc.stdout:
-                t = time.monotonic() - start
-                log.write(f"[{t:7.2f}] {line}")
-                for name, pattern in PHASES:
-                    if name not in marks and re.search(pattern, line):
-                        marks[name] = t
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    child = harness.start(variant.name, argv, log_path, env=env, on_line=mark)
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{variant.name}: server exited {proc.returncode}; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.05)
+        try:
+            harness.wait_ready(child, f"{base}/health", 900, start, poll_s=0.05)
+        except harness.NotHealthy as exc:
+            raise RuntimeError(f"{variant.name}: {exc}; see {log_path}") from None
         ready = time.monotonic() - start
         load = os.getloadavg()
-        processes = count_family(proc.pid)
+        processes = count_family(child.pid)
         rates = [asyncio.run(burst(base, requests, tokens)) for _ in range(4)]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(timeout=5)
+        harness.stop(child)
     phases, prev = {}, 0.0
     for name, _ in PHASES:
         if name in marks:
@@ -244,15 +220,17 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
     env = {**os.environ, "PYTHONPATH": variant.src, "PYTHONUNBUFFERED": "1", **variant.env}
     metrics, first = out / "metrics.jsonl", float("nan")
     start = time.monotonic()
-    with open(out / "launcher.log", "w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        while proc.poll() is None:
+    child = harness.start(f"{variant.name}-grpo", argv, out / "launcher.log", env=env)
+    try:
+        while (code := child.poll()) is None:
             if math.isnan(first) and metrics.exists() and metrics.read_text().strip():
                 first = time.monotonic() - start
             time.sleep(0.1)
+    finally:
+        harness.stop(child)
     total = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{variant.name}: tidal grpo exited {proc.returncode}; see {out / 'launcher.log'}")
+    if code != 0:
+        raise RuntimeError(f"{variant.name}: tidal grpo exited {code}; see {out / 'launcher.log'}")
     text = (out / "launcher.log").read_text()
     ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", text)
     told = re.search(r"first step done after [0-9.]+ s \(([^)]*) s since vLLM was started\)", text)

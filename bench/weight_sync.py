@@ -27,7 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
 
 
 def main() -> int:
@@ -41,7 +42,6 @@ def main() -> int:
     import httpx
     import torch
     from peft import LoraConfig, get_peft_model
-    from tests.conftest import free_port, kill_group, tidal, wait_healthy
 
     from tidal.assets import resolve_model
     from tidal.config.orch import ClientSection
@@ -56,17 +56,17 @@ def main() -> int:
     model = get_peft_model(load_base_model(args.model, device, dtype), LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     keys = checkpoint_keys(resolve_model(args.model))
-    port = free_port()
+    port = harness.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="tidal-weight-bench-"))
     log = tmp / "infer.log"
-    with open(log, "w") as f:
-        proc = tidal("grpo-infer", "--infer.model", args.model, "--infer.port", str(port), "--infer.enable_lora",
-                     "false", "--infer.weight_reload", "true", "--infer.weight_broadcast_type", "nccl", stdout=f)
+    proc = harness.start("infer", [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", args.model,
+                                   "--infer.port", str(port), "--infer.enable_lora", "false", "--infer.weight_reload",
+                                   "true", "--infer.weight_broadcast_type", "nccl"], log)
     url = f"http://127.0.0.1:{port}/v1"
     times: dict[str, list[float]] = {"merged files + reload": [], "nccl push": []}
     try:
-        wait_healthy(port, proc)
-        pusher = WeightPusher([url], "127.0.0.1", free_port(), 600, None, device)
+        harness.wait_ready(proc, f"http://127.0.0.1:{port}/health", 600)
+        pusher = WeightPusher([url], "127.0.0.1", harness.free_port(), 600, None, device)
         client = VllmClient(ClientSection(base_url=[url], timeout=600))
         loop = asyncio.new_event_loop()
         for step in range(1, args.rounds + 1):
@@ -86,7 +86,7 @@ def main() -> int:
         loop.run_until_complete(client.close())
         pusher.close()
     finally:
-        kill_group(proc)
+        harness.stop(proc)
     base = statistics.median(times["merged files + reload"][1:])
     lines = ["# Weight broadcast: time from optimizer step to vLLM serving the new weights", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()} ({args.device}), model "

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "src" / "tidal" / "assets" / "tiny-reverse"
@@ -63,11 +64,12 @@ def build_model(out: Path, seed: int) -> None:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(out))
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024,
-                      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      torch_dtype="float32")
+    keys: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        torch_dtype="float32")
+    cfg = Qwen3Config(**keys)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -101,7 +103,8 @@ def evaluate(model_dir: Path, num_prompts: int = 64, seed: int = 1234, greedy: b
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     env, rng = make_env("reverse-text"), random.Random(seed)
     examples = [env.sample(rng) for _ in range(num_prompts)]
-    texts = [tok.apply_chat_template(e.prompt, tokenize=False, add_generation_prompt=True) for e in examples]
+    prompts: list[Any] = [e.prompt for e in examples]
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     with torch.no_grad():

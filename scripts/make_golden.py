@@ -37,11 +37,10 @@ or `--spread`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +49,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.unit import test_golden_trajectory as golden  # noqa: E402
+golden: Any = importlib.import_module("tests.unit.test_golden_trajectory")  # the test that reads what this writes
+
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+from harness import free_port  # noqa: E402
 
 SPREAD_VARIANTS: list[dict[str, str | None]] = [
     {"ATEN_CPU_CAPABILITY": "avx512"},
@@ -65,12 +68,6 @@ SPREAD_VARIANTS: list[dict[str, str | None]] = [
 
 OVERRIDES = ["--orch.max_steps", "3", "--orch.batch_size", "16", "--orch.rollouts_per_example", "8",
              "--orch.sampling.max_tokens", "24"]  # short enough that some completions are truncated
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def load_expected() -> dict[str, Any]:
@@ -90,9 +87,7 @@ def make_batches() -> None:
         log = Path(tmp) / "grpo.log"
         print("running:", " ".join(cmd), flush=True)
         env = os.environ | {"TIDAL_PLAIN": "1", "HF_HUB_OFFLINE": "1"}
-        with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, "-m", "tidal.cli", *cmd[1:]], cwd=REPO, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=900).returncode
+        rc, _ = harness.run([sys.executable, "-m", "tidal.cli", *cmd[1:]], log, 900, env=env, name="grpo")
         if rc != 0:
             sys.exit(f"tidal grpo failed with exit code {rc}:\n{log.read_text()[-3000:]}")
         golden.GOLDEN.mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 def drive(url: str, key: str, unembed: bool, figures: dict[str, Any]) -> None:
     import tinker
-    from tinker import types
+    from tinker import types as tinker_types
 
     from tidal.envs.reverse_text import ReverseText
 
+    types: Any = tinker_types  # the SDK's Datum takes plain lists for TensorData at run time
     started = time.monotonic()
-    service = tinker.ServiceClient(base_url=url, api_key=key)
-    caps = tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result()
+    service: Any = tinker.ServiceClient(base_url=url, api_key=key)
+    caps: Any = tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result()
     base = caps.supported_models[0].model_name
     tc = service.create_lora_training_client(base_model=base, rank=8, seed=0, train_unembed=unembed).result()
     tok = tc.get_tokenizer()

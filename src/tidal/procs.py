@@ -8,6 +8,7 @@ OpenEnv apps, environment servers) is a `Child`:
   start a child from a thread that lives as long as the child should (the main thread, an asyncio loop's thread).
   Its own children are not covered; the reaper (`tidal.reaper`) kills those when a launcher is killed outright;
 - its environment is this process's plus `env`, with PYTHONUNBUFFERED=1 (a Python child's lines arrive as written);
+  it runs in `cwd` (default: this process's directory);
 - its output (stdout and stderr, merged) is read line by line by a thread that appends each line to `log_path`
   (opened for appending: a restarted child continues its predecessor's log), echoes it to stdout behind a
   `[name] ` prefix (`echo`), hands it to `on_line`, and keeps the last `TAIL_LINES` for `tail`: this process's
@@ -68,7 +69,8 @@ class Child:
     """One child process `argv`, named `name` (its echo prefix `[name] `), with its output pump (see the module)."""
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path | None = None, echo: bool = False,
-                 on_line: Callable[[str], None] | None = None, env: Mapping[str, str] | None = None) -> None:
+                 on_line: Callable[[str], None] | None = None, env: Mapping[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name, self.log_path, self.on_line = name, log_path, on_line
         self._echo = f"[{name}] ".encode() if echo else None
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -77,7 +79,7 @@ class Child:
             log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=_die_with_parent, cwd=cwd,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self._pump = threading.Thread(target=self._copy, daemon=True, name=f"tidal-{name}-output")
         self._pump.start()

@@ -1,11 +1,12 @@
-"""`make gpu-check` cannot rot: its CPU mode runs in the default suite (issue 33).
+"""`make gpu-check` cannot rot: its CPU mode runs in `make test-all`, its runner in the default suite (issue 33).
 
 The CPU mode runs the checks that mean something on CPU (environment and vLLM's features, vLLM started with the
 trainer's LoRA targets and an adapter loaded and applied, `tidal serve-tinker` driven by the tinker SDK, the trainer
-benchmark as a 1-layer smoke) and writes the same report the GPU mode does. The default suite runs the two rows
-that start no vLLM (a, e) through the script's own entry point and report; the whole CPU mode (two more vLLM
-starts, several minutes on 2 cores) is `slow`. The check runner itself: a failing or crashing check does not stop
-the next one, and a check the deadline leaves no room for is reported as not reached.
+benchmark as a 1-layer smoke) and writes the same report the GPU mode does; both tests of it are `slow` (make
+test-all): the two rows that start no vLLM (a, e) through the script's own entry point and report, and the whole CPU
+mode (two more vLLM starts, several minutes on 2 cores). The default suite runs the check runner itself (a failing
+or crashing check does not stop the next one, a check the deadline leaves no room for is reported as not reached and
+fails the exit code) and the rows' judgements on tables (e2's profile, g / g4's split against NVML's peak).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def test_the_rows_read_the_split_tidal_prints():
     planned = gpu_check_rows.planned_split(f"noise\n{line}\nmore")
     assert list(planned.values())[0].endswith("of 79.2"), planned
     assert gpu_check_rows.planned_split("nothing") == {"planned": "no split notice"}
-    assert gpu_check_rows.H is gpu_check, "the rows use the harness they are listed in"
+    assert gpu_check_rows.planned_gib(f"noise\n{line}\nmore") == pytest.approx(
+        sum(float(x) for x in list(planned.values())[0].split("=")[0].split("+")))
+    assert gpu_check_rows.base.CheckFailed is gpu_check.CheckFailed, "one harness for the rows and the script"
     names = [c.name for c in gpu_check.CHECKS]
     assert len(names) == len(set(names)) and names.index("g4") == names.index("g") + 1

@@ -1,4 +1,4 @@
-"""`make bench-gpu-e2e` cannot rot: bench/gpu_e2e.py's CPU smoke runs in the default suite (issue 42).
+"""`make bench-gpu-e2e` cannot rot: bench/gpu_e2e.py's CPU smoke runs in `make test-all` (`slow`; issue 42).
 
 The harness meets a GPU only when a lease allows, so what can run here does: the configs it writes for tidal (valid
 train / infer / orch YAMLs pinning the completion length) and the GRPOConfig arguments it gives TRL, TRL's vLLM share,
