@@ -50,7 +50,7 @@ from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, pu
 from tidal.trainer.publish.push import Pusher, make_pusher
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
-from tidal.trainer.step.loss import LossInputs, LossScale, LossSums, policy_loss
+from tidal.trainer.step.loss import PER_SEQUENCE, LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
@@ -198,7 +198,9 @@ def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch
                            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
                            "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations,
                            "prompt_sharing/saved_tokens": shared_tokens(batch, micro)}
-    out |= {k: v / tokens for k, v in sums.items() if k != "tokens" and (k != "kl" or lc.beta)}
+    seqs = max(sums["sequences"], 1.0)
+    out |= {k: v / (seqs if k in PER_SEQUENCE else tokens) for k, v in sums.items()
+            if k not in ("tokens", "sequences") and (k != "kl" or lc.beta)}
     lo, hi = reduce_values(ranks, {"v": clip["clip_ratio/low_min"]}, "min")["v"], \
         reduce_values(ranks, {"v": clip["clip_ratio/high_max"]}, "max")["v"]
     if np.isfinite(lo) and np.isfinite(hi):  # TRL's: the extreme micro-batch means, over all ranks
