@@ -291,6 +291,8 @@ class TrainConfig(StrictModel):
     """AdamW beta1."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW epsilon (added to the root of the second moment), both optimizers."""
     optimizer: Literal["adamw", "adamw_torch", "adamw_8bit"] = "adamw"
     """Optimizer. `adamw`/`adamw_torch`: torch's AdamW (float32 moments, 8 bytes/param). `adamw_8bit`:
     bitsandbytes' blockwise 8-bit AdamW, same update with both moments stored in 8 bits plus one float32 scale per
