@@ -57,7 +57,7 @@ ALTERNATIVES: dict[str, Any] = {
     "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 0.5, "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.0,
     "vespo_k_neg": 1.0, "vespo_lambda_neg": 1.0, "vllm_importance_sampling_clip_min": 0.5,
     "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
-    "torch_compile": True, "use_liger_kernel": True,
+    "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {
@@ -144,8 +144,8 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'entropy_coef' is not supported yet by tidal"):
-        GRPOConfig(entropy_coef=0.01)
+    with pytest.raises(ValidationError, match=r"key 'use_adaptive_entropy' is not supported yet by tidal"):
+        GRPOConfig(use_adaptive_entropy=True)
     with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
         GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):

@@ -5,8 +5,8 @@ TRL keeps its loss inside one method of its trainer, so the test drives that met
 model forward (`_get_per_token_logps_and_entropies` returns the given logprobs, a leaf with grad, and
 entropies). The vLLM importance-sampling weight TRL computes inside `_generate_and_score_completions` (a
 generation method that needs a model and vLLM) is rebuilt here from its code: `trl_is_ratio`. tidal gets the
-same (B, T) tensors as one packed micro-batch, one sequence per row; loss, gradient wrt the logprobs and the
-reported metrics must agree to 1e-10 relative for every loss type and IS mode.
+same (B, T) tensors as one packed micro-batch, one sequence per row; loss, gradient wrt the logprobs (and the
+entropies, for the entropy bonus) and the reported metrics must agree to 1e-10 relative for every loss type and IS mode.
 
 Runs where TRL 1.16 is importable: installed in the environment, or in `.venv/bench-trl` (`make bench`,
 `make test`); skipped otherwise.
@@ -102,7 +102,7 @@ def case(gen: torch.Generator, rows: int, cols: int) -> dict[str, torch.Tensor]:
 def trl_loss(grpo_trainer: Any, c: dict[str, torch.Tensor], trl: dict[str, Any]) -> tuple[float, torch.Tensor,
                                                                                           dict[str, float]]:
     """TRL's loss, its gradient wrt the logprobs (B, T) and its metrics, from `_compute_loss` itself."""
-    lp = c["lp"].clone().requires_grad_(True)
+    lp, ent = c["lp"].clone().requires_grad_(True), c["ent"].clone().requires_grad_(True)
     rows, cols = lp.shape
     t = object.__new__(grpo_trainer.GRPOTrainer)
     args = SimpleNamespace(use_bias_correction_kl=trl["use_bias_correction_kl"], delta=trl["delta"],
@@ -117,9 +117,10 @@ def trl_loss(grpo_trainer: Any, c: dict[str, torch.Tensor], trl: dict[str, Any])
         importance_sampling_level=trl["importance_sampling_level"], top_entropy_quantile=trl["top_entropy_quantile"],
         off_policy_mask_threshold=trl["off_policy_mask_threshold"], use_vllm=True,
         vllm_importance_sampling_correction=trl["vllm_importance_sampling_correction"],
-        current_gradient_accumulation_steps=1, max_completion_length=cols, _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1, max_completion_length=cols,
+        _entropy_bonus_enabled=trl["entropy_coef"] != 0, entropy_coef=trl["entropy_coef"], use_adaptive_entropy=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, c["ent"], None))
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None))
     inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1),
               "completion_ids": torch.zeros(rows, cols, dtype=torch.long), "completion_mask": c["mask"],
               "advantages": c["adv"], "old_per_token_logps": c["old"], "sampling_per_token_logps": c["inf"],
@@ -139,7 +140,8 @@ def trl_loss(grpo_trainer: Any, c: dict[str, torch.Tensor], trl: dict[str, Any])
     if trl["vllm_importance_sampling_correction"]:  # TRL logs this one in its generation method
         w = inputs["importance_sampling_ratio"]
         metrics["is_weight"] = float(w.mean() if w.shape[1] == 1 else w[c["mask"].bool()].mean())
-    return float(loss.detach()), lp.grad, metrics
+    return float(loss.detach()), torch.cat([lp.grad, ent.grad if ent.grad is not None else torch.zeros_like(ent)]), \
+        metrics
 
 
 TRL_DEFAULTS: dict[str, Any] = {
@@ -148,7 +150,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "use_bias_correction_kl": True, "vllm_importance_sampling_correction": True,
     "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": None,
     "vllm_importance_sampling_clip_max": 3.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05,
-    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "entropy_coef": 0.0}
 """TRL 1.16 GRPOConfig's defaults of the keys the loss reads."""
 
 NO_SEED_MASKS = {"token_mask_low": 0.0, "token_mask_high": math.inf, "geo_mask_low": 0.0, "geo_mask_high": math.inf,
@@ -160,7 +162,7 @@ def tidal_config(trl: dict[str, Any]) -> LossConfig:
     """The train `loss` section meaning `trl` (what `tidal.config.trl.to_tidal` derives)."""
     keys: dict[str, Any] = {k: trl[k] for k in ("loss_type", "beta", "epsilon", "epsilon_high", "delta",
                                                 "importance_sampling_level", "top_entropy_quantile",
-                                                "off_policy_mask_threshold")}
+                                                "off_policy_mask_threshold", "entropy_coef")}
     keys["use_bias_correction_kl"] = trl["use_bias_correction_kl"] and trl["beta"] > 0
     if trl["loss_type"] == "sapo":
         keys |= {k: trl[k] for k in ("sapo_temperature_pos", "sapo_temperature_neg")}
@@ -175,19 +177,20 @@ def tidal_config(trl: dict[str, Any]) -> LossConfig:
 
 def tidal_loss(c: dict[str, torch.Tensor], cfg: LossConfig) -> tuple[float, torch.Tensor, dict[str, float]]:
     """tidal's loss, gradient (B, T) and metrics (sums over tokens, or sequences for PER_SEQUENCE)."""
-    lp = c["lp"].clone().requires_grad_(True)
+    lp, ent = c["lp"].clone().requires_grad_(True), c["ent"].clone().requires_grad_(True)
     rows, cols = lp.shape
     seq_ids = torch.arange(rows)[:, None].expand(rows, cols).contiguous()
     x = LossInputs(logprobs=lp, old_logprobs=c["old"], inference_logprobs=c["inf"],
                    advantages=c["adv"][:, None].expand(rows, cols), loss_mask=c["mask"].bool(), seq_ids=seq_ids,
-                   ref_logprobs=c["ref"], entropy=c["ent"])
+                   ref_logprobs=c["ref"], entropy=ent)
     scale = LossScale(step_tokens=float(c["mask"].sum()), step_sequences=rows, micro_batches=1,
                       max_completion_len=cols)
     loss, sums = policy_loss(x, cfg, scale)
     loss.backward()
     assert lp.grad is not None
     metrics = {k: v / (sums["sequences"] if k in PER_SEQUENCE else sums["tokens"]) for k, v in sums.items()}
-    return float(loss.detach()), lp.grad, metrics
+    grads = torch.cat([lp.grad, ent.grad if ent.grad is not None else torch.zeros_like(ent)])
+    return float(loss.detach()), grads, metrics
 
 
 def metric_pairs(trl: dict[str, Any]) -> list[tuple[str, str]]:
@@ -232,7 +235,11 @@ CASES: list[dict[str, Any]] = (
         "vespo_lambda_neg": 1.0, "vllm_importance_sampling_mode": "token_mask",
         "vllm_importance_sampling_clip_max": 1.3},
        {"loss_type": "dapo", "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5,
-        "vllm_importance_sampling_clip_max": None}])
+        "vllm_importance_sampling_clip_max": None},
+       # the issue's script: cispo, sequence_mask, entropy_coef
+       {"loss_type": "cispo", "epsilon_high": 5.0, "vllm_importance_sampling_mode": "sequence_mask",
+        "entropy_coef": 0.01}]
+    + [{"loss_type": t, "entropy_coef": 0.05, "top_entropy_quantile": ENTROPY_Q} for t in LOSS_TYPES])
 
 
 @pytest.mark.parametrize("keys", CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))

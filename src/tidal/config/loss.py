@@ -117,6 +117,11 @@ class LossConfig(StrictModel):
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)
     """Keep in the policy term only the top-rho fraction of tokens by entropy (over each micro-batch's loss
     tokens); 1 keeps all, 0 only the highest-entropy token."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (TRL 1.16's `entropy_coef`): the loss minus `entropy_coef` x the mean entropy of the policy
+    term's tokens in each micro-batch (over the optimizer step's micro-batches, not rescaled by `loss_type`). The
+    entropy needs its gradient, so the trainer takes the full-logits path (logprob_chunk_size has no effect; the
+    (B, T, V) logits are held). 0: off."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit `max_tokens` (finish reason `length`) from the loss."""
 

@@ -29,7 +29,7 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 """TRL's `vllm_importance_sampling_mode` -> train `loss.is_correction`."""
 
 ALGORITHM_UNSUPPORTED = frozenset({
-    "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+    "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
     "entropy_target", "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
     "ref_model_sync_steps", "disable_dropout", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
     "eval_on_start", "lr_scheduler_kwargs"})
@@ -83,6 +83,8 @@ class TRLAlgorithmKeys(StrictModel):
     """Lower bound of the importance weight (train `loss.is_cap_min`; None: none)."""
     vllm_importance_sampling_cap: float | None = Field(None, gt=0)
     """Deprecated in TRL: `vllm_importance_sampling_clip_max` (wins when set)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this x the mean token entropy (train `loss.entropy_coef`)."""
     off_policy_mask_threshold: float | None = Field(None, ge=0)
     """DeepSeek-V3.2's off-policy sequence mask threshold (train `loss.off_policy_mask_threshold`)."""
     use_bias_correction_kl: bool = True
@@ -99,18 +101,16 @@ class TRLAlgorithmKeys(StrictModel):
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
     # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
-    entropy_coef: float = 0.0
-    """Not supported yet: tidal's entropies are metrics without a gradient."""
     use_adaptive_entropy: bool = False
-    """Not supported yet (see `entropy_coef`)."""
+    """Not supported yet (the controller's state across steps); a fixed `entropy_coef` is."""
     entropy_coef_min: float = 0.0
-    """Not supported yet (see `entropy_coef`)."""
+    """Not supported yet (see `use_adaptive_entropy`)."""
     entropy_coef_max: float = 1.0
-    """Not supported yet (see `entropy_coef`)."""
+    """Not supported yet (see `use_adaptive_entropy`)."""
     entropy_coef_delta: float = 0.005
-    """Not supported yet (see `entropy_coef`)."""
+    """Not supported yet (see `use_adaptive_entropy`)."""
     entropy_target: float = 0.2
-    """Not supported yet (see `entropy_coef`)."""
+    """Not supported yet (see `use_adaptive_entropy`)."""
     multi_objective_aggregation: str = "sum_then_normalize"
     """Only `sum_then_normalize` (the orchestrator's advantage sums weighted rewards, then normalizes)."""
     sync_ref_model: bool = False
@@ -160,7 +160,7 @@ def loss_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
         "loss_type": args.loss_type, "beta": args.beta, "epsilon": args.epsilon, "epsilon_high": args.epsilon_high,
         "delta": args.delta, "importance_sampling_level": args.importance_sampling_level,
         "num_iterations": args.num_iterations, "mask_truncated_completions": args.mask_truncated_completions,
-        "top_entropy_quantile": args.top_entropy_quantile,
+        "top_entropy_quantile": args.top_entropy_quantile, "entropy_coef": args.entropy_coef,
         "off_policy_mask_threshold": args.off_policy_mask_threshold,
         "use_bias_correction_kl": args.use_bias_correction_kl and args.beta > 0, **NO_SEED_MASKS}
     if args.loss_type == "sapo":
@@ -203,6 +203,7 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "vllm_importance_sampling_clip_min": "train `loss.is_cap_min`",
     "vllm_importance_sampling_cap": "train `loss.is_cap`",
     "off_policy_mask_threshold": "train `loss.off_policy_mask_threshold`",
+    "entropy_coef": "train `loss.entropy_coef`",
     "use_bias_correction_kl": "train `loss.use_bias_correction_kl` (with beta > 0)",
     "adam_epsilon": "train `adam_epsilon`", "torch_compile": "train `compile_layers`",
     "use_liger_kernel": "train `liger_kernel` (rms_norm, swiglu, rope)",

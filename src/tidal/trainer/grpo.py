@@ -151,7 +151,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
                                                    chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
-                                                   images=mb.images, attention_mask=mb.mask_for(model))
+                                                   images=mb.images, attention_mask=mb.mask_for(model),
+                                                   entropy_grad=bool(lc.entropy_coef))
                 if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                     old.setdefault(i, lp.detach())
                 inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,

@@ -116,7 +116,18 @@ def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch
     if kl is not None:
         per_token = per_token + cfg.beta * kl * masks.keep
     loss = _normalize(per_token, v.ids, v.num, v.count, cfg.loss_type, scale)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * entropy_bonus(v, masks.keep & ent_keep, scale)
     return loss, loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+
+
+def entropy_bonus(v: TokenView, keep: torch.Tensor, scale: LossScale) -> torch.Tensor:
+    """TRL 1.16's entropy bonus of one micro-batch: the mean entropy (with its gradient) of the `keep` (N,) tokens,
+    divided by the micro-batches of the optimizer step, so the step's bonus is their average."""
+    if v.entropy is None:
+        raise ValueError("loss.entropy_coef needs the token entropies (with their gradient)")
+    ent = v.entropy.to(v.lp.dtype)
+    return (ent * keep).sum() / max(float(keep.sum()), 1.0) / max(scale.micro_batches, 1)
 
 
 @dataclass
@@ -377,7 +388,7 @@ def loss_metrics(v: TokenView, masks: RatioMasks, obj: Objective, ent_keep: torc
     sums += {f"masked/{k}": float(s[v.ids].sum()) for k, s in masks.seq.items()}
     sums += drift_sums(v.old, v.inf)
     if v.entropy is not None:
-        sums["entropy"] += float(v.entropy.sum())
+        sums["entropy"] += float(v.entropy.detach().sum())
     if kl is not None:
         sums["kl"] += float(kl.detach().sum())
     sums["sequences"] += float(v.num)
