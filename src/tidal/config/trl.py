@@ -192,12 +192,12 @@ class GRPOConfig(TRLAlgorithmKeys):
     """Not supported."""
     vllm_structured_outputs_regex: str | None = None
     """Not supported."""
-    router_aux_loss_coef: float = 0.001
-    """Not supported."""
+    router_aux_loss_coef: float | None = None
+    """Not supported (TRL 1.16's default None: the model config's own coefficient)."""
     ds3_gather_for_generation: bool = True
     """Not supported."""
-    pad_to_multiple_of: int | None = None
-    """Not supported."""
+    pad_to_multiple_of: int | str | None = "auto"
+    """Not supported (TRL 1.16's default `auto`); tidal packs sequences instead of padding them."""
     cache_implementation: str | None = None
     """Not supported."""
     vllm_model_impl: str = "vllm"
