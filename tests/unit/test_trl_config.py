@@ -57,7 +57,7 @@ ALTERNATIVES: dict[str, Any] = {
     "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 0.5, "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.0,
     "vespo_k_neg": 1.0, "vespo_lambda_neg": 1.0, "vllm_importance_sampling_clip_min": 0.5,
     "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
-    "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01,
+    "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {

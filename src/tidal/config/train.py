@@ -323,6 +323,9 @@ class TrainConfig(StrictModel):
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """LoRA dropout."""
+    disable_dropout: bool = False
+    """Set every dropout module of the policy to p = 0 (LoRA's `lora_dropout` and the model's own; TRL's
+    `disable_dropout`)."""
     lora_target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """Module names that get LoRA adapters (leaf names such as `q_proj`), or `all-linear` (as in PEFT): every
     linear layer of the decoder but the output layer, whatever the architecture calls them (`qkv_proj` and

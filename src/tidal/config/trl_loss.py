@@ -31,7 +31,7 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 ALGORITHM_UNSUPPORTED = frozenset({
     "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
     "entropy_target", "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
-    "ref_model_sync_steps", "disable_dropout", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
+    "ref_model_sync_steps", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
     "eval_on_start", "lr_scheduler_kwargs"})
 """Algorithm keys accepted at TRL's default only (docs/trl.md says why for each)."""
 
@@ -98,6 +98,8 @@ class TRLAlgorithmKeys(StrictModel):
     use_liger_kernel: bool = False
     """Liger's kernels (train `liger_kernel: [rms_norm, swiglu, rope]`; TRL's fused Liger GRPO loss is not used:
     tidal's loss is its own, chunked over the vocabulary)."""
+    disable_dropout: bool = False
+    """Every dropout module of the policy at p = 0 (train `disable_dropout`)."""
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
     # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
@@ -119,8 +121,6 @@ class TRLAlgorithmKeys(StrictModel):
     """Not supported yet (see `sync_ref_model`)."""
     ref_model_sync_steps: int = 512
     """Not supported yet (see `sync_ref_model`)."""
-    disable_dropout: bool = False
-    """Not supported yet."""
     cast_lm_head_to_fp32: bool = False
     """Not supported yet."""
     per_device_eval_batch_size: int = 8
@@ -177,7 +177,8 @@ def loss_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
 
 def algorithm_train_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
     """The train keys (outside `loss`) of the inherited optimizer / kernel keys."""
-    out: dict[str, Any] = {"loss": loss_keys(args), "adam_epsilon": args.adam_epsilon}
+    out: dict[str, Any] = {"loss": loss_keys(args), "adam_epsilon": args.adam_epsilon,
+                           "disable_dropout": args.disable_dropout}
     if args.torch_compile:
         out["compile_layers"] = True
     if args.use_liger_kernel:
@@ -205,7 +206,8 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "off_policy_mask_threshold": "train `loss.off_policy_mask_threshold`",
     "entropy_coef": "train `loss.entropy_coef`",
     "use_bias_correction_kl": "train `loss.use_bias_correction_kl` (with beta > 0)",
-    "adam_epsilon": "train `adam_epsilon`", "torch_compile": "train `compile_layers`",
+    "adam_epsilon": "train `adam_epsilon`", "disable_dropout": "train `disable_dropout`",
+    "torch_compile": "train `compile_layers`",
     "use_liger_kernel": "train `liger_kernel` (rms_norm, swiglu, rope)",
     "gradient_checkpointing_kwargs": "(tidal's checkpointing is non-reentrant: None or `{'use_reentrant': False}`)",
 }
