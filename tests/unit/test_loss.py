@@ -218,6 +218,10 @@ def test_loss_type_combinations_are_checked():
         LossConfig(loss_type="vespo", is_correction="sequence_masked")
     with pytest.raises(ValueError, match="is_cap_min .* must be below"):
         LossConfig(loss_type="grpo", is_correction="truncated", is_cap=2.0, is_cap_min=2.5)
+    with pytest.raises(ValueError, match="entropy_target applies with loss.use_adaptive_entropy"):
+        LossConfig(entropy_target=0.5)
+    with pytest.raises(ValueError, match="entropy_coef_min .* must not exceed"):
+        LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
     with pytest.raises(ValueError, match="use_bias_correction_kl needs loss.beta"):
         LossConfig(loss_type="grpo", use_bias_correction_kl=True)
     with pytest.raises(ValueError, match="use loss.beta"):

@@ -58,13 +58,17 @@ ALTERNATIVES: dict[str, Any] = {
     "vespo_k_neg": 1.0, "vespo_lambda_neg": 1.0, "vllm_importance_sampling_clip_min": 0.5,
     "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
     "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
+    "use_adaptive_entropy": True, "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
+    "entropy_target": 0.5,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {
     "sapo_temperature_neg": {"loss_type": "sapo"}, "sapo_temperature_pos": {"loss_type": "sapo"},
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
-    "use_bias_correction_kl": {"beta": 0.1}}
+    "use_bias_correction_kl": {"beta": 0.1},
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+                    {"use_adaptive_entropy": True})}
 """Keys whose effect needs another key set (the loss type that reads them, a KL term)."""
 NOT_IN_CONFIGS = {"gradient_checkpointing_kwargs": "one value only: tidal's non-reentrant checkpointing",
                   "reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
@@ -144,8 +148,8 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'use_adaptive_entropy' is not supported yet by tidal"):
-        GRPOConfig(use_adaptive_entropy=True)
+    with pytest.raises(ValidationError, match=r"key 'sync_ref_model' is not supported yet by tidal"):
+        GRPOConfig(sync_ref_model=True)
     with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
         GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):

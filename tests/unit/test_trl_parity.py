@@ -99,32 +99,41 @@ def case(gen: torch.Generator, rows: int, cols: int) -> dict[str, torch.Tensor]:
             "ent": (torch.rand(rows, cols, generator=gen) * 3).double()}
 
 
-def trl_loss(grpo_trainer: Any, c: dict[str, torch.Tensor], trl: dict[str, Any]) -> tuple[float, torch.Tensor,
-                                                                                          dict[str, float]]:
-    """TRL's loss, its gradient wrt the logprobs (B, T) and its metrics, from `_compute_loss` itself."""
+def trl_loss(grpo_trainer: Any, c: dict[str, torch.Tensor], trl: dict[str, Any], t: Any = None,
+             extra_args: dict[str, Any] | None = None, ga: int = 1, sync: bool = True,
+             items: torch.Tensor | None = None) -> tuple[float, torch.Tensor, dict[str, float]]:
+    """TRL's loss, its gradient wrt the logprobs and entropies (2B, T) and its metrics, from `_compute_loss`
+    itself; `t`: a stand-in trainer kept across calls (adaptive entropy), `ga` micro-batches per optimizer step
+    (`sync`: the last of them), `items`: the tokens of the optimizer step (dapo's normalizer)."""
     lp, ent = c["lp"].clone().requires_grad_(True), c["ent"].clone().requires_grad_(True)
     rows, cols = lp.shape
-    t = object.__new__(grpo_trainer.GRPOTrainer)
+    if t is None:
+        t = object.__new__(grpo_trainer.GRPOTrainer)
+        t.__dict__.update(entropy_coef=trl["entropy_coef"], use_adaptive_entropy=False)
     args = SimpleNamespace(use_bias_correction_kl=trl["use_bias_correction_kl"], delta=trl["delta"],
                            sapo_temperature_pos=trl["sapo_temperature_pos"],
                            sapo_temperature_neg=trl["sapo_temperature_neg"], steps_per_generation=1,
                            **{k: trl[k] for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                   "vespo_lambda_neg")})
+    args.__dict__.update(extra_args or {})
+    accelerator = Accelerator()
+    accelerator.sync_gradients = sync
     eps_high = trl["epsilon_high"] if trl["epsilon_high"] is not None else trl["epsilon"]
     t.__dict__.update(
-        args=args, accelerator=Accelerator(), model=SimpleNamespace(training=True), aux_loss_enabled=False,
+        args=args, accelerator=accelerator, model=SimpleNamespace(training=True), aux_loss_enabled=False,
         loss_type=trl["loss_type"], beta=trl["beta"], epsilon_low=trl["epsilon"], epsilon_high=eps_high,
         importance_sampling_level=trl["importance_sampling_level"], top_entropy_quantile=trl["top_entropy_quantile"],
         off_policy_mask_threshold=trl["off_policy_mask_threshold"], use_vllm=True,
         vllm_importance_sampling_correction=trl["vllm_importance_sampling_correction"],
-        current_gradient_accumulation_steps=1, max_completion_length=cols,
-        _entropy_bonus_enabled=trl["entropy_coef"] != 0, entropy_coef=trl["entropy_coef"], use_adaptive_entropy=False,
+        current_gradient_accumulation_steps=ga, max_completion_length=cols,
+        _entropy_bonus_enabled=trl["entropy_coef"] != 0 or t.use_adaptive_entropy,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None))
     inputs = {"prompt_ids": torch.zeros(rows, 1, dtype=torch.long), "prompt_mask": torch.ones(rows, 1),
               "completion_ids": torch.zeros(rows, cols, dtype=torch.long), "completion_mask": c["mask"],
               "advantages": c["adv"], "old_per_token_logps": c["old"], "sampling_per_token_logps": c["inf"],
-              "ref_per_token_logps": c["ref"], "num_items_in_batch": c["mask"].sum()}
+              "ref_per_token_logps": c["ref"],
+              "num_items_in_batch": c["mask"].sum() if items is None else items}
     if trl["vllm_importance_sampling_correction"]:
         inputs["importance_sampling_ratio"] = trl_is_ratio(
             c["old"], c["inf"], c["mask"], trl["vllm_importance_sampling_mode"],
@@ -175,22 +184,25 @@ def tidal_config(trl: dict[str, Any]) -> LossConfig:
     return LossConfig.model_validate(keys | NO_SEED_MASKS)
 
 
-def tidal_loss(c: dict[str, torch.Tensor], cfg: LossConfig) -> tuple[float, torch.Tensor, dict[str, float]]:
-    """tidal's loss, gradient (B, T) and metrics (sums over tokens, or sequences for PER_SEQUENCE)."""
+def tidal_loss(c: dict[str, torch.Tensor], cfg: LossConfig, scale: LossScale | None = None,
+               entropy_coef: float | None = None) -> tuple[float, torch.Tensor, dict[str, float]]:
+    """tidal's loss, gradient (2B, T) and metrics (sums over tokens, or sequences for PER_SEQUENCE), or with
+    `scale` (one micro-batch of a larger optimizer step) its raw sums."""
     lp, ent = c["lp"].clone().requires_grad_(True), c["ent"].clone().requires_grad_(True)
     rows, cols = lp.shape
     seq_ids = torch.arange(rows)[:, None].expand(rows, cols).contiguous()
     x = LossInputs(logprobs=lp, old_logprobs=c["old"], inference_logprobs=c["inf"],
                    advantages=c["adv"][:, None].expand(rows, cols), loss_mask=c["mask"].bool(), seq_ids=seq_ids,
                    ref_logprobs=c["ref"], entropy=ent)
-    scale = LossScale(step_tokens=float(c["mask"].sum()), step_sequences=rows, micro_batches=1,
-                      max_completion_len=cols)
-    loss, sums = policy_loss(x, cfg, scale)
+    one = scale is None
+    scale = scale or LossScale(step_tokens=float(c["mask"].sum()), step_sequences=rows, micro_batches=1,
+                               max_completion_len=cols)
+    loss, sums = policy_loss(x, cfg, scale, entropy_coef)
     loss.backward()
     assert lp.grad is not None
     metrics = {k: v / (sums["sequences"] if k in PER_SEQUENCE else sums["tokens"]) for k, v in sums.items()}
     grads = torch.cat([lp.grad, ent.grad if ent.grad is not None else torch.zeros_like(ent)])
-    return float(loss.detach()), grads, metrics
+    return float(loss.detach()), grads, metrics if one else dict(sums)
 
 
 def metric_pairs(trl: dict[str, Any]) -> list[tuple[str, str]]:
@@ -257,3 +269,46 @@ def test_tidal_loss_equals_trl_compute_loss(keys: dict[str, Any]) -> None:
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14)
         for theirs, ours in metric_pairs(trl):
             assert got_m.get(ours, 0.0) == pytest.approx(want_m[theirs], rel=1e-10, abs=1e-14), (theirs, rows)
+
+
+@pytest.mark.parametrize(("keys", "target"), [({"loss_type": "dapo"}, 1.5),
+                                              ({"loss_type": "grpo", "top_entropy_quantile": ENTROPY_Q}, 2.445)],
+                         ids=["dapo", "grpo-entropy-mask"])
+def test_adaptive_entropy_follows_trl_over_steps(keys: dict[str, Any], target: float) -> None:
+    """`use_adaptive_entropy`: over optimizer steps of two micro-batches each, the coefficient TRL's
+    `_compute_loss` applies and updates (its window over the micro-batches) is tidal's `EntropyControl`'s, and so
+    are each micro-batch's loss and gradients."""
+    from tidal.trainer.step.entropy_control import EntropyControl
+
+    grpo_trainer = import_trl()
+    trl = TRL_DEFAULTS | {"entropy_coef": 0.02} | keys
+    delta = 0.01  # `target`: the mean entropy of the bonus's tokens, so the coefficient moves both ways
+    cfg = LossConfig.model_validate(tidal_config(trl).model_dump() | {
+        "use_adaptive_entropy": True, "entropy_target": target, "entropy_coef_delta": delta,
+        "entropy_coef_max": 0.05})
+    t = object.__new__(grpo_trainer.GRPOTrainer)
+    t.__dict__.update(entropy_coef=0.02, use_adaptive_entropy=True, _last_world_entropy=float("inf"),
+                      _entropy_window_stats=None)
+    ec = EntropyControl(0.02)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    rows, cols, moved = 4, 6, set()
+    for _ in range(12):  # optimizer steps
+        cases = [case(gen, rows, cols) for _ in range(2)]
+        tokens = sum(c["mask"].sum() for c in cases)
+        coef = ec.applied(cfg)
+        for j, c in enumerate(cases):
+            want, want_grad, _ = trl_loss(grpo_trainer, c, trl, t, {
+                "use_adaptive_entropy": True, "entropy_target": target, "entropy_coef_delta": delta,
+                "entropy_coef_min": 0.0, "entropy_coef_max": 0.05, "steps_per_generation": 2},
+                ga=2, sync=j == 1, items=tokens)
+            scale = LossScale(step_tokens=float(tokens), step_sequences=2 * rows, micro_batches=2,
+                              max_completion_len=cols)
+            got, got_grad, sums = tidal_loss(c, cfg, scale, coef)
+            ec.add(sums)
+            assert got == pytest.approx(want, rel=1e-10, abs=1e-14)
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14)
+        ec.step(cfg, lambda v: v)
+        assert ec.coef == pytest.approx(t.entropy_coef, abs=1e-15)
+        assert ec.last_entropy == pytest.approx(t._last_world_entropy, rel=1e-12)
+        moved.add(ec.last_entropy <= target)
+    assert moved == {True, False}, "the steps moved the coefficient both ways"

@@ -122,6 +122,18 @@ class LossConfig(StrictModel):
     term's tokens in each micro-batch (over the optimizer step's micro-batches, not rescaled by `loss_type`). The
     entropy needs its gradient, so the trainer takes the full-logits path (logprob_chunk_size has no effect; the
     (B, T, V) logits are held). 0: off."""
+    use_adaptive_entropy: bool = False
+    """TRL 1.16's adaptive entropy coefficient (`tidal.trainer.step.entropy_control`): starts at `entropy_coef`,
+    moves by `entropy_coef_delta` after every optimizer step toward `entropy_target`, applied only while the
+    entropy is at or below the target. Not checkpointed (a resumed run starts again from `entropy_coef`)."""
+    entropy_coef_min: float = 0.0
+    """(use_adaptive_entropy) Lowest coefficient."""
+    entropy_coef_max: float = 1.0
+    """(use_adaptive_entropy) Highest coefficient."""
+    entropy_coef_delta: float = Field(0.005, ge=0)
+    """(use_adaptive_entropy) Step of the coefficient per optimizer step."""
+    entropy_target: float = 0.2
+    """(use_adaptive_entropy) Entropy (nats per token) below which the coefficient grows and is applied."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit `max_tokens` (finish reason `length`) from the loss."""
 
@@ -174,6 +186,13 @@ class LossConfig(StrictModel):
         if self.loss_type == "vespo" and self.is_correction.startswith("sequence"):
             raise ValueError(f"loss.is_correction '{self.is_correction}' with loss_type 'vespo': vespo folds a "
                              f"token-level correction into its sequence weight; use 'truncated' or 'masked' (as TRL)")
+        wrong = [k for k in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+                 if changed(k) and not self.use_adaptive_entropy]
+        if wrong:
+            raise ValueError(f"loss.{wrong[0]} applies with loss.use_adaptive_entropy: true only")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"loss.entropy_coef_min ({self.entropy_coef_min}) must not exceed loss.entropy_coef_max "
+                             f"({self.entropy_coef_max})")
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("loss.use_bias_correction_kl needs loss.beta > 0 (there is no KL term)")
         if self.use_on_policy_kl_approximation and self.beta == 0:

@@ -29,8 +29,7 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 """TRL's `vllm_importance_sampling_mode` -> train `loss.is_correction`."""
 
 ALGORITHM_UNSUPPORTED = frozenset({
-    "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
-    "entropy_target", "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
+    "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
     "ref_model_sync_steps", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
     "eval_on_start", "lr_scheduler_kwargs"})
 """Algorithm keys accepted at TRL's default only (docs/trl.md says why for each)."""
@@ -85,6 +84,16 @@ class TRLAlgorithmKeys(StrictModel):
     """Deprecated in TRL: `vllm_importance_sampling_clip_max` (wins when set)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus this x the mean token entropy (train `loss.entropy_coef`)."""
+    use_adaptive_entropy: bool = False
+    """Adapt `entropy_coef` every optimizer step toward `entropy_target` (train `loss.use_adaptive_entropy`)."""
+    entropy_coef_min: float = 0.0
+    """(use_adaptive_entropy) Lowest coefficient (train `loss.entropy_coef_min`)."""
+    entropy_coef_max: float = 1.0
+    """(use_adaptive_entropy) Highest coefficient (train `loss.entropy_coef_max`)."""
+    entropy_coef_delta: float = Field(0.005, ge=0)
+    """(use_adaptive_entropy) Step per optimizer step (train `loss.entropy_coef_delta`)."""
+    entropy_target: float = 0.2
+    """(use_adaptive_entropy) Target entropy (train `loss.entropy_target`)."""
     off_policy_mask_threshold: float | None = Field(None, ge=0)
     """DeepSeek-V3.2's off-policy sequence mask threshold (train `loss.off_policy_mask_threshold`)."""
     use_bias_correction_kl: bool = True
@@ -103,16 +112,6 @@ class TRLAlgorithmKeys(StrictModel):
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
     # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
-    use_adaptive_entropy: bool = False
-    """Not supported yet (the controller's state across steps); a fixed `entropy_coef` is."""
-    entropy_coef_min: float = 0.0
-    """Not supported yet (see `use_adaptive_entropy`)."""
-    entropy_coef_max: float = 1.0
-    """Not supported yet (see `use_adaptive_entropy`)."""
-    entropy_coef_delta: float = 0.005
-    """Not supported yet (see `use_adaptive_entropy`)."""
-    entropy_target: float = 0.2
-    """Not supported yet (see `use_adaptive_entropy`)."""
     multi_objective_aggregation: str = "sum_then_normalize"
     """Only `sum_then_normalize` (the orchestrator's advantage sums weighted rewards, then normalizes)."""
     sync_ref_model: bool = False
@@ -161,8 +160,12 @@ def loss_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
         "delta": args.delta, "importance_sampling_level": args.importance_sampling_level,
         "num_iterations": args.num_iterations, "mask_truncated_completions": args.mask_truncated_completions,
         "top_entropy_quantile": args.top_entropy_quantile, "entropy_coef": args.entropy_coef,
+        "use_adaptive_entropy": args.use_adaptive_entropy,
         "off_policy_mask_threshold": args.off_policy_mask_threshold,
         "use_bias_correction_kl": args.use_bias_correction_kl and args.beta > 0, **NO_SEED_MASKS}
+    if args.use_adaptive_entropy:
+        loss |= {k: getattr(args, k) for k in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                                               "entropy_target")}
     if args.loss_type == "sapo":
         loss |= {"sapo_temperature_pos": args.sapo_temperature_pos, "sapo_temperature_neg": args.sapo_temperature_neg}
     if args.loss_type == "vespo":
@@ -204,7 +207,9 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "vllm_importance_sampling_clip_min": "train `loss.is_cap_min`",
     "vllm_importance_sampling_cap": "train `loss.is_cap`",
     "off_policy_mask_threshold": "train `loss.off_policy_mask_threshold`",
-    "entropy_coef": "train `loss.entropy_coef`",
+    "entropy_coef": "train `loss.entropy_coef`", "use_adaptive_entropy": "train `loss.use_adaptive_entropy`",
+    "entropy_coef_min": "train `loss.entropy_coef_min`", "entropy_coef_max": "train `loss.entropy_coef_max`",
+    "entropy_coef_delta": "train `loss.entropy_coef_delta`", "entropy_target": "train `loss.entropy_target`",
     "use_bias_correction_kl": "train `loss.use_bias_correction_kl` (with beta > 0)",
     "adam_epsilon": "train `adam_epsilon`", "disable_dropout": "train `disable_dropout`",
     "torch_compile": "train `compile_layers`",

@@ -103,8 +103,10 @@ def entropy_keep(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
     return entropy.double() >= threshold
 
 
-def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, LossSums]:
-    """Loss of one micro-batch (see module doc) and its metric sums."""
+def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale,
+                entropy_coef: float | None = None) -> tuple[torch.Tensor, LossSums]:
+    """Loss of one micro-batch (see module doc) and its metric sums; `entropy_coef`: the entropy bonus's
+    coefficient of this optimizer step (`tidal.trainer.step.entropy_control`; None: `cfg.entropy_coef`)."""
     v = token_view(x, cfg)
     masks = ratio_masks(v, cfg)
     obj = aipo_objective(v, masks, cfg) if cfg.loss_type == "aipo" else trl_objective(v, cfg)
@@ -116,9 +118,14 @@ def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch
     if kl is not None:
         per_token = per_token + cfg.beta * kl * masks.keep
     loss = _normalize(per_token, v.ids, v.num, v.count, cfg.loss_type, scale)
-    if cfg.entropy_coef:
-        loss = loss - cfg.entropy_coef * entropy_bonus(v, masks.keep & ent_keep, scale)
-    return loss, loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+    sums = loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+    if cfg.entropy_coef or cfg.use_adaptive_entropy:
+        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+        loss = loss - coef * entropy_bonus(v, masks.keep & ent_keep, scale)
+        if v.entropy is not None:  # the adaptive controller's window (not a metric: the `_` prefix)
+            sums += {"_entropy_bonus/sum": float((v.entropy.detach() * (masks.keep & ent_keep)).sum()),
+                     "_entropy_bonus/tokens": float((masks.keep & ent_keep).sum())}
+    return loss, sums
 
 
 def entropy_bonus(v: TokenView, keep: torch.Tensor, scale: LossScale) -> torch.Tensor:
