@@ -271,3 +271,14 @@ def test_resume_from_checkpoint_is_an_argument_of_train_not_a_config_key():
                                               r"resume_from_checkpoint=...\)"):
         GRPOConfig(resume_from_checkpoint="outputs/checkpoint-500")
     assert GRPOConfig(resume_from_checkpoint=None).resume_from_checkpoint is None
+
+
+def test_importance_sampling_bounds_as_trl_allows_them():
+    """TRL 1.16 takes any positive clip_max (below 1 too) and a clip_min alone; they reach train loss.is_cap /
+    is_cap_min as given."""
+    low = derive(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.8).train.loss
+    assert low.is_correction == "truncated" and low.is_cap == 0.8 and low.is_cap_min is None
+    only_min = derive(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=0.5,
+                      vllm_importance_sampling_clip_max=None).train.loss
+    assert only_min.is_correction == "sequence_truncated" and only_min.is_cap_min == 0.5
+    assert only_min.is_cap == float("inf")

@@ -103,7 +103,7 @@ class LossConfig(StrictModel):
     `truncated` clamps w to [`is_cap_min`, `is_cap`]; `masked` drops tokens whose w is outside it. The
     `sequence_*` modes use one weight per sequence, `exp(sum_i(old - inference))`, truncated or masked the same
     way. `none`: off (`aipo` always weights by this ratio). `vespo` folds the weight into its sequence ratio."""
-    is_cap: float = Field(2.0, gt=1)
+    is_cap: float = Field(2.0, gt=0)
     """Upper bound of the truncated / masked importance-sampling correction (`.inf`: none, with `is_cap_min`)."""
     is_cap_min: float | None = Field(None, ge=0)
     """Lower bound of the truncated / masked importance-sampling correction (TRL's
