@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
+.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -26,11 +26,11 @@ run: setup
 	$(BIN)/tidal grpo
 
 ## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
-test: setup-dev
+test: setup-dev bench-trl
 	$(BIN)/python -m pytest -m "not slow and not gpu" --durations=40 $(PYTEST_ARGS)
 
 ## Everything that runs on this machine, including slow tests.
-test-all: setup-dev
+test-all: setup-dev bench-trl
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 ## The checks that need an NVIDIA GPU (`gpu` marker); run them on a GPU machine.
@@ -59,9 +59,12 @@ gpu-kit:
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both" (with the long-tail rows, bench/longtail.py).
 ## The long-tail rows alone, both workloads (~13 min on 2 cores; bench/ROLLOUT-LONGTAIL.md): make bench BENCH_ARGS="--longtail-quick --steps 16 --recipes fp32".
-bench: setup-dev
-	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
+bench: setup-dev bench-trl
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+
+## TRL 1.16 and datasets, without dependencies (the venv's torch / transformers / accelerate serve them), in .venv/bench-trl: for make bench and the TRL parity tests (tests/unit/test_trl_parity.py, skipped without it). Installed once (delete .venv/bench-trl to reinstall).
+bench-trl: setup-dev
+	test -d $(VENV)/bench-trl/trl-1.16.0.dist-info || $(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 
 ## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.
 bench-weights: setup

@@ -185,3 +185,48 @@ def test_trl_quick_start_without_peft_config_fully_trains_the_tied_model(tmp_pat
     final = load_file(str(run_dir / "final/model/model.safetensors"))
     assert not torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"]), \
         "the tied embedding trains"
+
+
+TRL_116_SCRIPT = """
+import json, sys
+from datasets import Dataset
+from tidal import GRPOConfig, GRPOTrainer
+
+dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Reverse: " + t}], "answer": t[::-1]}
+                             for t in ["ab cd", "hello", "xyz w", "tidal"]])
+
+def reward_answer(completions, answer, **kwargs):
+    return [float(a in c[0]["content"]) - len(c[0]["content"]) / 100 for c, a in zip(completions, answer)]
+
+args = GRPOConfig(output_dir=sys.argv[1], max_steps=2, num_generations=4, per_device_train_batch_size=8,
+                  max_completion_length=16, vllm_server_port=int(sys.argv[2]), loss_type="cispo",
+                  epsilon_high=5.0, vllm_importance_sampling_mode="sequence_mask", entropy_coef=0.01,
+                  learning_rate=1e-4)
+out = GRPOTrainer(model="tidal:tiny-reverse", reward_funcs=reward_answer, args=args, train_dataset=dataset).train()
+print("RESULT " + json.dumps({"step": out.global_step}))
+"""
+
+
+@pytest.mark.slow  # a whole run (~2 min on 2 cores): make test-all
+def test_trl_1_16_script_with_cispo_sequence_mask_and_entropy_coef(tmp_path):
+    """Issue 51's script: TRL 1.16 keys tidal once refused (`cispo`, `sequence_mask`, `entropy_coef`) run unchanged
+    and reach the trainer: the loss, the sequence-level IS weight and the entropy bonus (full-logits path)."""
+    script = tmp_path / "trl116.py"
+    script.write_text(textwrap.dedent(TRL_116_SCRIPT))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(free_port())], cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert json.loads(out.split("RESULT ", 1)[1].splitlines()[0])["step"] == 2
+    loss = __import__("yaml").safe_load((run_dir / "configs/train.yaml").read_text())["loss"]
+    assert loss["loss_type"] == "cispo" and loss["epsilon_high"] == 5.0 and loss["entropy_coef"] == 0.01
+    assert loss["is_correction"] == "sequence_masked" and loss["is_cap"] == 3.0
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # sequence weights: kept ones <= 3 (TRL's clip), masked ones 0 (bf16 trainer vs fp32 vLLM)
+        assert 0 < r["is_weight/sequence_mean"] <= 3.0 and 0 <= r["masked/is"] < 1, r
+        assert r["entropy"] > 0 and r["loss"] == r["loss"], r

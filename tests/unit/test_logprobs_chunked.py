@@ -239,3 +239,25 @@ def test_bfloat16_model_scores_in_float32():
         want, _ = reference(model(input_ids=ids, position_ids=pos, use_cache=False).logits, ids, 1.0)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp, want.float(), rtol=0, atol=1e-5)
+
+
+def test_entropy_with_its_gradient():
+    """`entropy_grad` (train loss.entropy_coef): the same entropies as the float64 reference, at the loss positions,
+    with the gradient of the reference's entropies wrt every parameter (to float32: the full-logits path scores in
+    float32, as for any model)."""
+    gen = fresh_generator()
+    torch.manual_seed(int(torch.randint(0, 2**31, (), generator=gen)))
+    model = tiny_model("LlamaForCausalLM").train()
+    ids, pos, mask = packed_inputs(2, [7, 5], gen)
+    weights = torch.randn(ids.shape, dtype=torch.float64, generator=gen)
+    lp, ent = forward_logprobs_entropy(model, ids, pos, 0.8, chunk_size=4, loss_mask=mask, entropy_grad=True)
+    assert ent.requires_grad
+    got = torch.autograd.grad((ent * weights).sum() + lp.sum(), list(model.parameters()))
+    keep = torch.nn.functional.pad(mask[:, 1:], (1, 0))
+    ref_lp, ref_ent = reference(model(input_ids=ids, position_ids=pos, use_cache=False).logits, ids, 0.8)
+    ref_ent, ref_lp = torch.where(keep, ref_ent, 0.0), torch.where(keep, ref_lp, 0.0)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad((ref_ent * weights).sum() + ref_lp.sum(), list(model.parameters()))
+    assert any(float(w.abs().max()) > 1e-3 for w in want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-6)

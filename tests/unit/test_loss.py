@@ -208,8 +208,22 @@ def test_first_iteration_gradient_is_the_advantage():
 
 
 def test_loss_type_combinations_are_checked():
-    with pytest.raises(ValueError, match="loss.epsilon applies to the clipped loss types"):
+    with pytest.raises(ValueError, match="loss.epsilon applies to TRL's loss types"):
         LossConfig(epsilon=0.3)
+    with pytest.raises(ValueError, match="loss.delta applies to the clipped loss types"):
+        LossConfig(loss_type="cispo", delta=3.0)
+    with pytest.raises(ValueError, match="sapo_temperature_neg applies to loss_type 'sapo' only"):
+        LossConfig(loss_type="grpo", sapo_temperature_neg=2.0)
+    with pytest.raises(ValueError, match="vespo folds a token-level correction"):
+        LossConfig(loss_type="vespo", is_correction="sequence_masked")
+    with pytest.raises(ValueError, match="is_cap_min .* must be below"):
+        LossConfig(loss_type="grpo", is_correction="truncated", is_cap=2.0, is_cap_min=2.5)
+    with pytest.raises(ValueError, match="entropy_target applies with loss.use_adaptive_entropy"):
+        LossConfig(entropy_target=0.5)
+    with pytest.raises(ValueError, match="entropy_coef_min .* must not exceed"):
+        LossConfig(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
+    with pytest.raises(ValueError, match="use_bias_correction_kl needs loss.beta"):
+        LossConfig(loss_type="grpo", use_bias_correction_kl=True)
     with pytest.raises(ValueError, match="use loss.beta"):
         LossConfig(loss_type="grpo", kl_tau=0.1)
     with pytest.raises(ValueError, match="importance_sampling_level"):

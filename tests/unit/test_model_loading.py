@@ -144,3 +144,28 @@ def test_cuda_index_must_be_a_visible_gpu(monkeypatch):
     with pytest.raises(ConfigError, match=r"'cuda:2' but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES='2,3'\)"
                                           r": valid are cuda:0 to cuda:1"):
         resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_dropout_sets_every_dropout_to_zero(disable):
+    """train `disable_dropout` (TRL's): LoRA's dropout modules (and any other nn.Dropout) get p = 0; the policy
+    then gives the same logits twice in train mode, where lora_dropout 0.5 otherwise makes them differ."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tidal.config.train import TrainConfig
+    from tidal.trainer.model.load import prepare_policy
+
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = TrainConfig(model="unused", lora_rank=4, lora_dropout=0.5, device="cpu", gradient_checkpointing=False,
+                      disable_dropout=disable)
+    model = prepare_policy(LlamaForCausalLM(conf), cfg, torch.device("cpu"))
+    for name, p in model.named_parameters():  # a non-zero LoRA B, so the dropout shows in the output
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(p == (0.0 if disable else 0.5) for p in drops)
+    ids = torch.randint(0, 64, (1, 12))
+    same = torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert same == disable

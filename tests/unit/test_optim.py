@@ -84,3 +84,18 @@ def test_on_cuda_the_optimizer_is_fused_and_updates_as_foreach():
     for a, b in zip(_steps({"fused": True}, "cuda", torch.float32), _steps({"foreach": True}, "cuda", torch.float32),
                     strict=True):
         torch.testing.assert_close(a, b, **CUDA_TOLERANCE)
+
+
+def test_adam_epsilon_is_the_optimizers_eps():
+    """train `adam_epsilon` (TRL's `adam_epsilon`) reaches AdamW: with zero gradients' history the first step moves
+    each weight by lr * g / (|g| + eps), so a large eps shrinks the step by exactly that factor."""
+    steps = {}
+    for eps in (1e-8, 0.5):
+        model = torch.nn.Linear(3, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        opt = make_optimizer(model, TrainConfig(model="m", learning_rate=0.1, adam_epsilon=eps))
+        assert opt.param_groups[0]["eps"] == eps
+        model.weight.grad = torch.ones_like(model.weight)
+        opt.step()
+        steps[eps] = float(-model.weight[0, 0])
+    assert steps[1e-8] == pytest.approx(0.1, rel=1e-6) and steps[0.5] == pytest.approx(0.1 / 1.5, rel=1e-6)

@@ -91,3 +91,22 @@ def test_grad_norm_is_reported_after_clipping_as_the_seed_defines_it():
     m = train_step(model, opt, own_batch(model, np.random.default_rng(3), [False] * 4), cfg, device, pad_id=0)
     assert m["grad_norm/pre_clip"] > 1e-4, "the raw gradient is larger than the threshold"
     assert m["grad_norm"] == pytest.approx(1e-4), "grad_norm is the norm after clipping"
+
+
+def test_adaptive_entropy_bonus_in_the_train_step():
+    """TRL's `use_adaptive_entropy` through the real train step: the bonus's entropies carry their gradient (the
+    full-logits path) and each optimizer step's window moves the coefficient the run keeps (`Policy.entropy`)."""
+    from tidal.trainer.step.entropy_control import EntropyControl
+
+    cfg = TrainConfig(model=resolve_model("tidal:tiny-reverse"), learning_rate=1e-2, per_device_train_batch_size=1,
+                      sequence_len=40, steps_per_generation=2,
+                      loss={"loss_type": "dapo", "entropy_coef": 0.1, "use_adaptive_entropy": True,
+                            "entropy_target": 100.0, "entropy_coef_delta": 0.05, "entropy_coef_max": 0.2})
+    model, device = load_policy(cfg)
+    opt = make_optimizer(model, cfg)
+    ec = EntropyControl(cfg.loss.entropy_coef)
+    batch = own_batch(model, np.random.default_rng(1), [False] * 4)
+    m = train_step(model, opt, batch, cfg, device, pad_id=0, entropy=ec)
+    assert m["optim/steps"] == 2 and 0 < ec.last_entropy < 100  # every step's entropy is below the target
+    assert ec.coef == pytest.approx(0.2) and m["entropy_coef"] == pytest.approx(0.2)  # 0.1 + 0.05 twice (max 0.2)
+    assert ec.applied(cfg.loss) == pytest.approx(0.2) and ec.window == [0.0, 0.0]

@@ -54,9 +54,25 @@ ALTERNATIVES: dict[str, Any] = {
     "vllm_server_host": "127.0.0.2", "vllm_server_port": 8123, "vllm_gpu_memory_utilization": 0.3,
     "vllm_tensor_parallel_size": 2, "vllm_max_model_length": 2048, "logging_steps": 1, "save_strategy": "no",
     "save_steps": 2, "save_total_limit": 2, "report_to": "tensorboard", "log_completions": True,
+    # issue 51: TRL 1.16's loss / importance-sampling keys and the algorithm's inherited keys
+    "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 0.5, "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.0,
+    "vespo_k_neg": 1.0, "vespo_lambda_neg": 1.0, "vllm_importance_sampling_clip_min": 0.5,
+    "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
+    "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
+    "use_adaptive_entropy": True, "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
+    "entropy_target": 0.5,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
-NOT_IN_CONFIGS = {"reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
+WITH: dict[str, dict[str, Any]] = {
+    "sapo_temperature_neg": {"loss_type": "sapo"}, "sapo_temperature_pos": {"loss_type": "sapo"},
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
+    "use_bias_correction_kl": {"beta": 0.1},
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+                    {"use_adaptive_entropy": True})}
+"""Keys whose effect needs another key set (the loss type that reads them, a KL term)."""
+NOT_IN_CONFIGS = {"gradient_checkpointing_kwargs": "one value only: tidal's non-reentrant checkpointing",
+                  "reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
                   "use_vllm": "always vLLM, either value", "vllm_mode": "one layout either way",
                   "vllm_server_timeout": "the launcher's wait (GRPOTrainer.train)",
                   "run_name": "tested with report_to", "eval_strategy": "tested with an eval dataset",
@@ -67,7 +83,7 @@ NOT_IN_CONFIGS = {"reward_weights": "the weights of the in-process reward functi
 @pytest.mark.filterwarnings("ignore::tidal.config.base.ConfigWarning")  # sequence-level ratios with dapo
 @pytest.mark.parametrize("key", sorted(set(MAPPING) - set(NOT_IN_CONFIGS)))
 def test_each_mapped_key_changes_the_derived_configs(key):
-    base = {"num_train_epochs": 2.0} if key == "num_train_epochs" else {}
+    base = {"num_train_epochs": 2.0} if key == "num_train_epochs" else dict(WITH.get(key, {}))
     if key == "log_completions":
         base["report_to"] = "tensorboard"
     before = dump(derive(**base))
@@ -88,7 +104,13 @@ def test_defaults_follow_trl():
     assert o.advantage.scale_rewards == "group" and o.env[0].id == "dataset" and o.report_to is None
     assert o.max_steps == 30  # 3 epochs x 10 prompts x 8 generations / 8 completions per batch
     assert t.loss.loss_type == "dapo" and t.loss.beta == 0 and t.loss.epsilon == 0.2
-    assert t.loss.is_correction == "truncated" and t.loss.is_cap == 3.0  # token_truncate (TRL: sequence_mask)
+    assert t.loss.is_correction == "sequence_masked" and t.loss.is_cap == 3.0  # TRL 1.16: sequence_mask, 3.0
+    assert t.loss.is_cap_min is None and t.loss.off_policy_mask_threshold is None
+    assert not t.loss.use_bias_correction_kl  # TRL's True acts on the KL term, and beta is 0
+    assert derive(beta=0.1).train.loss.use_bias_correction_kl
+    assert t.loss.token_mask_high == t.loss.geo_mask_high == t.loss.sequence_mask_high == float("inf")
+    assert t.loss.token_mask_low == t.loss.geo_mask_low == t.loss.sequence_mask_low == 0  # TRL has no such masks
+    assert t.adam_epsilon == 1e-8 and not t.compile_layers and t.liger_kernel == []
     assert t.learning_rate == 1e-6 and t.lr_scheduler_type == "linear" and t.steps_per_generation == 1
     assert not t.lora  # no peft_config: full fine-tuning, as in TRL
     assert o.ckpt.interval == t.ckpt.interval == 500 and t.logging_steps == 10
@@ -127,17 +149,24 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'entropy_coef' is not supported yet by tidal"):
-        GRPOConfig(entropy_coef=0.01)
-    with pytest.raises(ValidationError, match=r"vllm_importance_sampling_mode 'sequence_mask' is not supported"):
-        GRPOConfig(vllm_importance_sampling_mode="sequence_mask")
-    with pytest.raises(ValueError, match=r"clip_max None \(no cap\) is not supported"):
-        derive(vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ValidationError, match=r"key 'sync_ref_model' is not supported yet by tidal"):
+        GRPOConfig(sync_ref_model=True)
+    with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
+        GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
+    with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):
+        GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ValidationError, match=r"clip_min \(3.0\) must be less than .*clip_max \(2.0\)"):
+        GRPOConfig(vllm_importance_sampling_clip_min=3.0, vllm_importance_sampling_clip_max=2.0)
+    with pytest.raises(ValidationError, match=r"gradient_checkpointing_kwargs .* non-reentrant"):
+        GRPOConfig(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert derive(vllm_importance_sampling_clip_max=None).train.loss.is_cap == float("inf")  # masks nothing above
     assert GRPOConfig(use_vllm=True).use_vllm and not GRPOConfig().use_vllm  # tidal always uses vLLM
     with pytest.raises(ValidationError, match=r"'num_generation' is not a TRL GRPOConfig key.*'num_generations'"):
         GRPOConfig(num_generation=4)
     with pytest.raises(ValidationError, match="loss_type"):
-        GRPOConfig(loss_type="cispo")
+        GRPOConfig(loss_type="gspo")
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"):  # TRL 1.16's (vespo above)
+        assert derive(loss_type=loss_type).train.loss.loss_type == loss_type
     assert GRPOConfig(fp16=False, shuffle_dataset=True).fp16 is False  # TRL's defaults are accepted
     assert GRPOConfig("out").output_dir == "out"  # positional output_dir, as TRL
 
@@ -243,3 +272,14 @@ def test_resume_from_checkpoint_is_an_argument_of_train_not_a_config_key():
                                               r"resume_from_checkpoint=...\)"):
         GRPOConfig(resume_from_checkpoint="outputs/checkpoint-500")
     assert GRPOConfig(resume_from_checkpoint=None).resume_from_checkpoint is None
+
+
+def test_importance_sampling_bounds_as_trl_allows_them():
+    """TRL 1.16 takes any positive clip_max (below 1 too) and a clip_min alone; they reach train loss.is_cap /
+    is_cap_min as given."""
+    low = derive(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.8).train.loss
+    assert low.is_correction == "truncated" and low.is_cap == 0.8 and low.is_cap_min is None
+    only_min = derive(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=0.5,
+                      vllm_importance_sampling_clip_max=None).train.loss
+    assert only_min.is_correction == "sequence_truncated" and only_min.is_cap_min == 0.5
+    assert only_min.is_cap == float("inf")

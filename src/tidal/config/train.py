@@ -11,130 +11,17 @@ an emulation with the same casts and scales elsewhere, CPU included; `tidal.trai
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tidal.config.base import ConfigWarning, StrictModel
+from tidal.config.base import StrictModel
+from tidal.config.loss import LossConfig
 from tidal.config.orch import check_chat_template_kwargs
 
 DEFAULT_LOGPROB_CHUNK_SIZE = 256
 NVFP4_REFUSED = ("needs NVFP4 matmuls, which only NVIDIA Blackwell GPUs (SM100+) have; tidal does not implement "
                  "it (there was no Blackwell GPU to verify it on)")
-
-
-LOSS_TYPES = ("aipo", "grpo", "bnpo", "dr_grpo", "dapo")
-CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-AIPO_ONLY = ("ratio_type", "kl_tau", "sequence_clip_high")
-CLIPPED_ONLY = ("epsilon", "epsilon_high", "delta", "importance_sampling_level", "ratio_clip_c",
-                "is_correction", "is_cap")
-
-
-class LossConfig(StrictModel):
-    """The policy loss. `loss_type: aipo` (default) is seed 000's loss; `grpo|bnpo|dr_grpo|dapo` are TRL's
-    clipped objectives with TRL's normalizations, plus NeMo RL's dual clip and importance-sampling correction.
-    Formulas: docs/algorithms.md."""
-
-    loss_type: Literal["aipo", "grpo", "bnpo", "dr_grpo", "dapo"] = "aipo"
-    """`aipo`: seed 000's importance-weighted policy gradient (ratio to the inference policy, detached
-    coefficient, token-mean over the step). `grpo`: clipped objective, mean over tokens per sequence then over
-    sequences. `bnpo`: token-mean per micro-batch, averaged over micro-batches. `dr_grpo`: token sum divided by
-    sequences x max completion tokens. `dapo`: token-mean over the whole step."""
-    ratio_type: Literal["token", "sequence"] = "token"
-    """(aipo) Importance-ratio granularity: per token, or one ratio per sequence (geometric mean of its token
-    ratios, clipped at `sequence_clip_high`)."""
-    kl_tau: float = Field(0.0, ge=0)
-    """(aipo) KL penalty coefficient on `log_ratio` (trainer vs inference policy)."""
-    adv_tau: float = Field(1.0, ge=0)
-    """Advantage scaling factor (all loss types)."""
-    teacher_tau: float = Field(0.0, ge=0)
-    """Teacher KL distillation coefficient: adds `teacher_tau * (teacher_logprob - trainer_logprob)` to every
-    token's advantage. Needs teacher logprobs in the batch (orch `teacher`)."""
-    token_mask_low: float = Field(0.125, ge=0)
-    """Mask a token whose trainer/inference probability ratio is below this (all loss types)."""
-    token_mask_high: float = Field(8.0, gt=0)
-    """Mask a token whose trainer/inference probability ratio is above this (all loss types)."""
-    geo_mask_low: float = Field(0.1, ge=0)
-    """Mask a whole sequence whose geometric-mean trainer/inference ratio is below this."""
-    geo_mask_high: float = Field(10.0, gt=0)
-    """Mask a whole sequence whose geometric-mean trainer/inference ratio is above this."""
-    sequence_mask_low: float = Field(0.0, ge=0)
-    """Mask a whole sequence whose smallest token ratio is below this."""
-    sequence_mask_high: float = Field(100.0, gt=0)
-    """Mask a whole sequence whose largest token ratio is above this."""
-    sequence_clip_high: float = Field(10.0, gt=0)
-    """(aipo, `ratio_type: sequence`) Upper clip of the sequence-level importance ratio."""
-    epsilon: float = Field(0.2, ge=0, lt=1)
-    """(grpo/bnpo/dr_grpo/dapo) Lower clip: the ratio to the old policy is clipped to `[1 - epsilon, ...]`."""
-    epsilon_high: float | None = Field(None, ge=0)
-    """(grpo/bnpo/dr_grpo/dapo) Upper clip `1 + epsilon_high` (null: `epsilon`; DAPO recommends 0.28)."""
-    delta: float | None = Field(None, gt=1)
-    """(grpo/bnpo/dr_grpo/dapo) Two-sided clipping (INTELLECT-2): cap the unclipped ratio at `delta`; must
-    exceed `1 + epsilon_high`. Null: off."""
-    ratio_clip_c: float | None = Field(None, gt=1)
-    """(grpo/bnpo/dr_grpo/dapo) Dual clip (NeMo RL): for negative advantages the objective is at least
-    `ratio_clip_c * A`; must be > 1 (3 is usual). Null: off."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """(grpo/bnpo/dr_grpo/dapo) `token` ratios, or `sequence` (GSPO): exp of the mean token log-ratio of
-    each sequence, with gradient through the mean."""
-    num_iterations: int = Field(1, ge=1)
-    """Optimizer steps per batch (mu). Iterations after the first reuse the batch against the old logprobs
-    recorded in the first (all loss types). The LR schedule advances once per batch."""
-    beta: float = Field(0.0, ge=0)
-    """KL coefficient to the reference policy (k3 estimator). With LoRA the reference is the base model with
-    the adapters disabled (one extra no-grad forward, no second copy). 0: no reference pass."""
-    use_on_policy_kl_approximation: bool = False
-    """(beta > 0) Weight the k3 KL of each token by the (detached) ratio current/old policy (NeMo RL)."""
-    is_correction: Literal["none", "token", "truncated", "masked"] = "none"
-    """(grpo/bnpo/dr_grpo/dapo) Importance-sampling correction between trainer and inference policies
-    (NeMo RL): multiply each token's objective by `w = exp(old - inference)`; `truncated` caps w at `is_cap`;
-    `masked` drops tokens whose w exceeds `is_cap`. `none`: off (`aipo` always weights by this ratio)."""
-    is_cap: float = Field(2.0, gt=1)
-    """Cap of the truncated / masked importance-sampling correction."""
-    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
-    """Keep in the policy term only the top-rho fraction of tokens by entropy (over each micro-batch's loss
-    tokens); 1 keeps all, 0 only the highest-entropy token."""
-    mask_truncated_completions: bool = False
-    """Exclude completions that hit `max_tokens` (finish reason `length`) from the loss."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LossConfig:
-        for low, high in (("token_mask_low", "token_mask_high"), ("geo_mask_low", "geo_mask_high"),
-                          ("sequence_mask_low", "sequence_mask_high")):
-            if getattr(self, low) >= getattr(self, high):
-                raise ValueError(f"loss.{low} ({getattr(self, low)}) must be below loss.{high} "
-                                 f"({getattr(self, high)})")
-        def changed(key: str) -> bool:  # by value, so a dumped resolved config validates like the original
-            return bool(getattr(self, key) != LossConfig.model_fields[key].default)
-
-        if self.loss_type == "aipo":
-            wrong = [k for k in CLIPPED_ONLY if changed(k)]
-            if wrong:
-                raise ValueError(f"loss.{wrong[0]} applies to the clipped loss types ({', '.join(CLIPPED_TYPES)}), "
-                                 f"not to loss_type 'aipo', which weights every token by the trainer/inference "
-                                 f"ratio instead of clipping; set loss.loss_type or remove loss.{wrong[0]}")
-        else:
-            wrong = [k for k in AIPO_ONLY if changed(k)]
-            if wrong:
-                alt: dict[str, str] = {"kl_tau": " (for a KL penalty use loss.beta)",
-                       "ratio_type": " (for sequence-level ratios use loss.importance_sampling_level)"}
-                raise ValueError(f"loss.{wrong[0]} applies to loss_type 'aipo' only, not '{self.loss_type}'"
-                                 f"{alt.get(wrong[0], '')}")
-            eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-            if self.delta is not None and self.delta <= 1 + eps_high:
-                raise ValueError(f"loss.delta ({self.delta}) must exceed 1 + epsilon_high ({1 + eps_high}); otherwise "
-                                 f"it clips inside the trust region")
-            if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
-                warnings.warn(f"loss.importance_sampling_level 'sequence' with loss_type '{self.loss_type}': "
-                              f"the sequence ratio is applied to every token and then normalized by token "
-                              f"counts, so long sequences weigh more; GSPO normalizes per sequence "
-                              f"(loss_type 'grpo')", ConfigWarning, stacklevel=2)
-        if changed("is_cap") and self.is_correction not in ("truncated", "masked"):
-            raise ValueError("loss.is_cap only applies with loss.is_correction 'truncated' or 'masked'")
-        if self.use_on_policy_kl_approximation and self.beta == 0:
-            raise ValueError("loss.use_on_policy_kl_approximation needs loss.beta > 0 (there is no KL term)")
-        return self
 
 
 QERL_KEYS = ("sigma_start", "sigma_end", "num_stages")
@@ -404,6 +291,8 @@ class TrainConfig(StrictModel):
     """AdamW beta1."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW epsilon (added to the root of the second moment), both optimizers."""
     optimizer: Literal["adamw", "adamw_torch", "adamw_8bit"] = "adamw"
     """Optimizer. `adamw`/`adamw_torch`: torch's AdamW (float32 moments, 8 bytes/param). `adamw_8bit`:
     bitsandbytes' blockwise 8-bit AdamW, same update with both moments stored in 8 bits plus one float32 scale per
@@ -434,6 +323,9 @@ class TrainConfig(StrictModel):
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """LoRA dropout."""
+    disable_dropout: bool = False
+    """Set every dropout module of the policy to p = 0 (LoRA's `lora_dropout` and the model's own; TRL's
+    `disable_dropout`)."""
     lora_target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """Module names that get LoRA adapters (leaf names such as `q_proj`), or `all-linear` (as in PEFT): every
     linear layer of the decoder but the output layer, whatever the architecture calls them (`qkv_proj` and

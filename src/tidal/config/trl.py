@@ -23,36 +23,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from tidal.config.infer import InferConfig
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
+from tidal.config.trl_loss import ALGORITHM_MAPPING, ALGORITHM_UNSUPPORTED, TRLAlgorithmKeys, algorithm_train_keys
 from tidal.config.trl_training_args import REMOVED, TrainingArgumentsFields
 
 
-class GRPOConfig(TrainingArgumentsFields):
-    """TRL's `GRPOConfig`, the keys tidal implements (TRL's defaults unless noted) and those it refuses; the other
-    fields TRL inherits from transformers' TrainingArguments come from `TrainingArgumentsFields`."""
+class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
+    """TRL's `GRPOConfig`, the keys tidal implements (TRL's defaults unless noted) and those it refuses; the loss,
+    importance-sampling and optimizer keys come from `TRLAlgorithmKeys`, the other fields TRL inherits from
+    transformers' TrainingArguments from `TrainingArgumentsFields`."""
 
     REFUSED: ClassVar[dict[str, str]] = {
         "resume_from_checkpoint": "is not read by the trainer (in transformers neither): pass it to "
                                   "trainer.train(resume_from_checkpoint=...)"}
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({
-        "fp16", "disable_dropout", "cast_lm_head_to_fp32", "use_liger_kernel", "push_to_hub", "hub_model_id",
-        "gradient_checkpointing_kwargs", "model_init_kwargs", "vllm_enable_sleep_mode", "generation_kwargs",
-        "sync_ref_model", "per_device_eval_batch_size", "adam_epsilon", "lr_scheduler_kwargs",
-        "torch_compile", "eval_on_start", "load_best_model_at_end",
-        "num_completions_to_print", "wandb_log_unique_prompts", "vllm_server_base_url", "shuffle_dataset",
-        "remove_unused_columns", "use_transformers_paged", "vllm_structured_outputs_regex", "router_aux_loss_coef",
-        "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation", "vllm_model_impl",
-        "vllm_group_port", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-        "vespo_k_neg", "vespo_lambda_neg", "multi_objective_aggregation", "ref_model_mixup_alpha",
-        "ref_model_sync_steps", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-        "entropy_coef_delta", "entropy_target", "vllm_importance_sampling_clip_min",
-        "off_policy_mask_threshold", "use_bias_correction_kl", "log_multimodal", "log_unique_prompts",
-        "log_completions_hub_repo", "use_transformers_continuous_batching",
-        "transformers_continuous_batching_config"})
+        "fp16", "push_to_hub", "hub_model_id", "model_init_kwargs", "vllm_enable_sleep_mode", "generation_kwargs",
+        "load_best_model_at_end", "num_completions_to_print", "wandb_log_unique_prompts", "vllm_server_base_url",
+        "shuffle_dataset", "remove_unused_columns", "use_transformers_paged", "vllm_structured_outputs_regex",
+        "router_aux_loss_coef", "ds3_gather_for_generation", "pad_to_multiple_of", "cache_implementation",
+        "vllm_model_impl", "vllm_group_port", "log_multimodal", "log_unique_prompts", "log_completions_hub_repo",
+        "use_transformers_continuous_batching", "transformers_continuous_batching_config"}) | ALGORITHM_UNSUPPORTED
 
     output_dir: str = "trainer_output"
     """Run directory (orch `output_dir`; the trainer shares it)."""
@@ -125,39 +119,11 @@ class GRPOConfig(TrainingArgumentsFields):
     """Optimizer steps; -1: `num_train_epochs` passes over the dataset (orch `max_steps` in batches)."""
     num_train_epochs: float = Field(3.0, gt=0)
     """Epochs when `max_steps` is -1."""
-    # the GRPO objective
-    beta: float = Field(0.0, ge=0)
-    """KL coefficient to the reference model (train `loss.beta`)."""
-    epsilon: float = Field(0.2, ge=0, lt=1)
-    """Lower clip (train `loss.epsilon`)."""
-    epsilon_high: float | None = Field(None, ge=0)
-    """Upper clip, None: `epsilon` (train `loss.epsilon_high`)."""
-    delta: float | None = Field(None, gt=1)
-    """Two-sided clipping (train `loss.delta`)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """Loss normalization (train `loss.loss_type`)."""
+    # the GRPO objective: the loss keys are TRLAlgorithmKeys' (tidal.config.trl_loss)
     scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     """Advantage scaling (orch `advantage.scale_rewards`; True is `group`, False `none`)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Token ratios or GSPO's sequence ratios (train `loss.importance_sampling_level`)."""
-    num_iterations: int = Field(1, ge=1)
-    """Optimizer passes per generation, mu (train `loss.num_iterations`)."""
-    mask_truncated_completions: bool = False
-    """Truncated completions leave the loss (train `loss.mask_truncated_completions`)."""
-    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
-    """Policy loss only on the highest-entropy tokens (train `loss.top_entropy_quantile`)."""
     reward_weights: list[float] | None = None
     """One weight per reward function (None: all 1)."""
-    vllm_importance_sampling_correction: bool = True
-    """Correct for the trainer/vLLM mismatch with importance weights (train `loss.is_correction`)."""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "token_truncate"
-    """`token_truncate` (train `loss.is_correction: truncated`) or `token_mask` (`masked`); the sequence-level
-    modes are refused. tidal's default differs from TRL's (`sequence_mask`)."""
-    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=1)
-    """Cap of the importance weight (train `loss.is_cap`); None is refused (tidal needs a cap)."""
-    vllm_importance_sampling_cap: float | None = Field(None, gt=1)
-    """Deprecated in TRL: `vllm_importance_sampling_clip_max` (wins when set)."""
     # vLLM
     use_vllm: bool = False
     """tidal always generates with vLLM, whatever the value (TRL's default False is accepted like every key at
@@ -200,17 +166,9 @@ class GRPOConfig(TrainingArgumentsFields):
     # accepted at TRL's default only (UNSUPPORTED)
     fp16: bool = False
     """Not supported (use bf16)."""
-    disable_dropout: bool = False
-    """Not supported."""
-    cast_lm_head_to_fp32: bool = False
-    """Not supported."""
-    use_liger_kernel: bool = False
-    """Not supported."""
     push_to_hub: bool = False
     """Not supported."""
     hub_model_id: str | None = None
-    """Not supported."""
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Not supported."""
     model_init_kwargs: dict[str, Any] | None = None
     """Not supported."""
@@ -218,21 +176,9 @@ class GRPOConfig(TrainingArgumentsFields):
     """Not supported."""
     generation_kwargs: dict[str, Any] | None = None
     """Not supported (the sampling keys above are)."""
-    sync_ref_model: bool = False
-    """Not supported."""
-    per_device_eval_batch_size: int = 8
-    """Not supported."""
-    adam_epsilon: float = 1e-8
-    """Not supported."""
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    """Not supported."""
     resume_from_checkpoint: str | None = None
     """Refused: as in transformers the trainer does not read it; pass it to
     `trainer.train(resume_from_checkpoint=...)`."""
-    torch_compile: bool = False
-    """Not supported."""
-    eval_on_start: bool = False
-    """Not supported."""
     load_best_model_at_end: bool = False
     """Not supported."""
     num_completions_to_print: int | None = None
@@ -249,53 +195,17 @@ class GRPOConfig(TrainingArgumentsFields):
     """Not supported."""
     vllm_structured_outputs_regex: str | None = None
     """Not supported."""
-    router_aux_loss_coef: float = 0.001
-    """Not supported."""
+    router_aux_loss_coef: float | None = None
+    """Not supported (TRL 1.16's default None: the model config's own coefficient)."""
     ds3_gather_for_generation: bool = True
     """Not supported."""
-    pad_to_multiple_of: int | None = None
-    """Not supported."""
+    pad_to_multiple_of: int | str | None = "auto"
+    """Not supported (TRL 1.16's default `auto`); tidal packs sequences instead of padding them."""
     cache_implementation: str | None = None
     """Not supported."""
     vllm_model_impl: str = "vllm"
     """Not supported."""
     vllm_group_port: int = 51216
-    """Not supported."""
-    sapo_temperature_neg: float = 1.05
-    """Not supported."""
-    sapo_temperature_pos: float = 1.0
-    """Not supported."""
-    vespo_k_pos: float = 2.0
-    """Not supported."""
-    vespo_lambda_pos: float = 3.0
-    """Not supported."""
-    vespo_k_neg: float = 3.0
-    """Not supported."""
-    vespo_lambda_neg: float = 2.0
-    """Not supported."""
-    multi_objective_aggregation: str = "sum_then_normalize"
-    """Not supported."""
-    ref_model_mixup_alpha: float = 0.6
-    """Not supported."""
-    ref_model_sync_steps: int = 512
-    """Not supported."""
-    entropy_coef: float = 0.0
-    """Not supported."""
-    use_adaptive_entropy: bool = False
-    """Not supported."""
-    entropy_coef_min: float = 0.0
-    """Not supported."""
-    entropy_coef_max: float = 1.0
-    """Not supported."""
-    entropy_coef_delta: float = 0.005
-    """Not supported."""
-    entropy_target: float = 0.2
-    """Not supported."""
-    vllm_importance_sampling_clip_min: float | None = None
-    """Not supported."""
-    off_policy_mask_threshold: float | None = None
-    """Not supported."""
-    use_bias_correction_kl: bool = False
     """Not supported."""
     log_multimodal: bool = True
     """Not supported."""
@@ -313,14 +223,6 @@ class GRPOConfig(TrainingArgumentsFields):
         if output_dir is not None:
             data["output_dir"] = output_dir
         super().__init__(**data)
-
-    @field_validator("vllm_importance_sampling_mode")
-    @classmethod
-    def _token_level(cls, value: str) -> str:
-        if value.startswith("sequence"):
-            raise ValueError(f"vllm_importance_sampling_mode '{value}' is not supported by tidal yet (sequence-level "
-                             f"weights); use token_truncate or token_mask")
-        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -355,17 +257,8 @@ MAPPING: dict[str, str] = {
     "max_grad_norm": "train `max_grad_norm`", "optim": "train `optimizer`",
     "gradient_checkpointing": "train `gradient_checkpointing`", "bf16": "train `recipe`",
     "seed": "train/orch `seed`, orch `sampling.seed`", "max_steps": "orch `max_steps` (batches)",
-    "num_train_epochs": "orch `max_steps` when max_steps is -1", "beta": "train `loss.beta`",
-    "epsilon": "train `loss.epsilon`", "epsilon_high": "train `loss.epsilon_high`", "delta": "train `loss.delta`",
-    "loss_type": "train `loss.loss_type`", "scale_rewards": "orch `advantage.scale_rewards`",
-    "importance_sampling_level": "train `loss.importance_sampling_level`",
-    "num_iterations": "train `loss.num_iterations`",
-    "mask_truncated_completions": "train `loss.mask_truncated_completions`",
-    "top_entropy_quantile": "train `loss.top_entropy_quantile`",
+    "num_train_epochs": "orch `max_steps` when max_steps is -1", "scale_rewards": "orch `advantage.scale_rewards`",
     "reward_weights": "the reward functions' weights (orch `reward_funcs[].weight`)",
-    "vllm_importance_sampling_correction": "train `loss.is_correction` (`none` when False)",
-    "vllm_importance_sampling_mode": "train `loss.is_correction`: `truncated` / `masked`",
-    "vllm_importance_sampling_clip_max": "train `loss.is_cap`", "vllm_importance_sampling_cap": "train `loss.is_cap`",
     "use_vllm": "(always vLLM)", "trust_remote_code": "train/infer `trust_remote_code`",
     "vllm_mode": "(tidal's co-located server either way)", "vllm_server_host": "infer `host`",
     "vllm_server_port": "infer `port`", "vllm_server_timeout": "the launcher's wait for vLLM",
@@ -378,6 +271,7 @@ MAPPING: dict[str, str] = {
     "num_generations_eval": "orch `eval.rollouts_per_example`", "log_completions": "orch `report_to.samples`",
 }
 """TRL key -> where it goes in tidal (docs/trl.md's table)."""
+MAPPING |= ALGORITHM_MAPPING
 
 PEFT_KEYS = {"r": "lora_rank", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
              "target_modules": "lora_target_modules"}
@@ -495,18 +389,6 @@ def warmup_batches(args: GRPOConfig, batches_total: int, opt_per_batch: int) -> 
 
 
 def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dict[str, Any]:
-    loss: dict[str, Any] = {
-        "loss_type": args.loss_type, "beta": args.beta, "epsilon": args.epsilon, "epsilon_high": args.epsilon_high,
-        "delta": args.delta, "importance_sampling_level": args.importance_sampling_level,
-        "num_iterations": args.num_iterations, "mask_truncated_completions": args.mask_truncated_completions,
-        "top_entropy_quantile": args.top_entropy_quantile}
-    if args.vllm_importance_sampling_correction:
-        cap = args.vllm_importance_sampling_cap or args.vllm_importance_sampling_clip_max
-        if cap is None:
-            raise ValueError("GRPOConfig vllm_importance_sampling_clip_max None (no cap) is not supported by tidal; "
-                             "give a cap > 1, or vllm_importance_sampling_correction=False")
-        mode = {"token_truncate": "truncated", "token_mask": "masked"}[args.vllm_importance_sampling_mode]
-        loss |= {"is_correction": mode, "is_cap": cap}
     out: dict[str, Any] = {
         "model": model, "output_dir": args.output_dir, "per_device_train_batch_size": args.per_device_train_batch_size,
         "steps_per_generation": per_batch, "learning_rate": args.learning_rate,
@@ -516,8 +398,8 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dic
         "optimizer": "adamw_8bit" if "8bit" in args.optim else "adamw",
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
         "trust_remote_code": args.trust_remote_code, "recipe": "bf16" if args.bf16 else "fp32",
-        "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations), "loss": loss}
-    return out
+        "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations)}
+    return out | algorithm_train_keys(args)
 
 
 def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: int, peft_config: Any = None,

@@ -48,9 +48,10 @@ from tidal.trainer.preflight import check_train
 from tidal.trainer.profile import OPTIMIZER
 from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, publish_base
 from tidal.trainer.publish.push import Pusher, make_pusher
+from tidal.trainer.step.entropy_control import EntropyControl
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
-from tidal.trainer.step.loss import LossInputs, LossScale, LossSums, policy_loss
+from tidal.trainer.step.loss import PER_SEQUENCE, LossInputs, LossScale, LossSums, policy_loss
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
@@ -109,12 +110,13 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
                device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None,
-               reference: torch.nn.Module | None = None) -> dict[str, Any]:
+               reference: torch.nn.Module | None = None, entropy: EntropyControl | None = None) -> dict[str, Any]:
     """One training step on `batch`: its micro-batches cut into optimizer steps (`gradient_accumulation_steps` /
     `steps_per_generation`, spread over the ranks: `tidal.trainer.step.schedule`), `loss.num_iterations` times;
     with `sched`, each optimizer step takes its own point of the LR schedule. Returns the trainer's metrics,
     reduced over the ranks."""
     lc = cfg.loss
+    ec = entropy or EntropyControl(lc.entropy_coef)  # the entropy bonus's coefficient (adaptive: across steps)
     micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                                           drop_truncated=lc.mask_truncated_completions,
                                           max_tokens=cfg.micro_batch_tokens,
@@ -151,19 +153,21 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                     ref.setdefault(i, r)
                 lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
                                                    chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
-                                                   images=mb.images, attention_mask=mb.mask_for(model))
+                                                   images=mb.images, attention_mask=mb.mask_for(model),
+                                                   entropy_grad=bool(lc.entropy_coef or lc.use_adaptive_entropy))
                 if it == 0:  # the old policy of every iteration is the trainer at the start of the step
                     old.setdefault(i, lp.detach())
                 inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,
                                     advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
                                     ref_logprobs=ref[i], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
-                loss, s = policy_loss(inputs, lc, scales[g])
+                loss, s = policy_loss(inputs, lc, scales[g], ec.applied(lc))
                 set_gradient_sync(model, cfg.zero_level, j == len(slots) - 1)
                 (loss if counted else loss * 0.0).backward()
                 if not counted:  # a padding slot (see tidal.trainer.step.schedule): same keys, nothing counted
                     sums += dict.fromkeys(s, 0.0)
                     continue
                 sums += s
+                ec.add(s)
                 loss_total += float(loss.detach())
                 n = max(s["tokens"], 1.0)
                 clip["clip_ratio/low_min"] = min(clip["clip_ratio/low_min"], s["clip_ratio/low_mean"] / n)
@@ -171,10 +175,13 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
             with torch.profiler.record_function(OPTIMIZER):  # tidal.trainer.profile's "optimizer" row
                 norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                 opt.step()
+                ec.step(lc, lambda v: reduce_values(ranks, v))
                 opt.zero_grad(set_to_none=True)
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
     out |= router_replay.step_metrics(model, lambda v: reduce_values(ranks, v))
+    if lc.use_adaptive_entropy:  # TRL's `entropy_coef`: the coefficient after this step's updates
+        out["entropy_coef"] = ec.coef
     if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
         out["flex_graphs"] = compiled_graphs()
     if cfg.compile_layers:  # graphs of the compiled decoder layers (bounded per layer class: model/kernels)
@@ -198,7 +205,9 @@ def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch
                            "micro_batches": len(micro), "packing_efficiency": packing_efficiency(micro),
                            "processed_tokens": sum(mb.num_tokens for mb in micro) * lc.num_iterations,
                            "prompt_sharing/saved_tokens": shared_tokens(batch, micro)}
-    out |= {k: v / tokens for k, v in sums.items() if k != "tokens" and (k != "kl" or lc.beta)}
+    seqs = max(sums["sequences"], 1.0)
+    out |= {k: v / (seqs if k in PER_SEQUENCE else tokens) for k, v in sums.items()
+            if k not in ("tokens", "sequences") and not k.startswith("_") and (k != "kl" or lc.beta)}
     lo, hi = reduce_values(ranks, {"v": clip["clip_ratio/low_min"]}, "min")["v"], \
         reduce_values(ranks, {"v": clip["clip_ratio/high_max"]}, "max")["v"]
     if np.isfinite(lo) and np.isfinite(hi):  # TRL's: the extreme micro-batch means, over all ranks
@@ -297,7 +306,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     t0 = time.monotonic()
     peak.start()
     tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id, ranks=p.ranks, sched=p.sched,
-                    reference=p.reference)
+                    reference=p.reference, entropy=p.entropy)
     lr = p.sched.get_last_lr()[0]
     p.sched.step()
     sync_view(p)

@@ -22,6 +22,7 @@ from tidal.config.train import TrainConfig
 from tidal.trainer import distributed as dist
 from tidal.trainer.distributed import Ranks
 from tidal.trainer.model.load import load_policy, load_tokenizer
+from tidal.trainer.step.entropy_control import EntropyControl
 from tidal.trainer.step.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger("tidal.trainer")
@@ -44,6 +45,8 @@ class Policy:
     reference: torch.nn.Module | None = None
     """Full fine-tuning with `loss.beta > 0`: the frozen initial model (with LoRA the reference is the model with
     its adapters disabled, no copy)."""
+    entropy: EntropyControl | None = None
+    """The entropy bonus's coefficient across the run's steps (`loss.use_adaptive_entropy`)."""
 
 
 def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.SINGLE) -> Policy:
@@ -57,7 +60,7 @@ def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.
     opt = make_optimizer(model, cfg)
     sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
     return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0, ranks,
-                  view, reference_model(cfg, ranks))
+                  view, reference_model(cfg, ranks), EntropyControl(cfg.loss.entropy_coef))
 
 
 def reference_model(cfg: TrainConfig, ranks: Ranks) -> torch.nn.Module | None:

@@ -166,8 +166,8 @@ def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     """A loaded base `model` made the policy `cfg` trains: Liger's kernels (`liger_kernel`:
     `tidal.trainer.model.kernels.liger`), activation checkpointing (`auto` resolved:
     `tidal.trainer.memory.resolve_checkpointing`) and the activation policy (`tidal.trainer.model.activations`), the
-    precision recipe, LoRA (or frozen embeddings), compiled layers; in train mode. (bench/gpu_trainer.py builds its
-    random-init models through this too.)"""
+    precision recipe, LoRA (or frozen embeddings), dropout off (`disable_dropout`), compiled layers; in train
+    mode. (bench/gpu_trainer.py builds its random-init models through this too.)"""
     from tidal.trainer.memory import resolve_checkpointing
 
     cfg = cfg.model_copy(update={"gradient_checkpointing": resolve_checkpointing(cfg, device)})
@@ -185,6 +185,10 @@ def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     elif cfg.freeze_embeddings:
         embeddings: Any = model.get_input_embeddings()  # type: ignore[operator]
         embeddings.weight.requires_grad_(False)  # a tied lm_head is the same tensor
+    if cfg.disable_dropout:  # TRL's disable_dropout: every nn.Dropout, the adapters' included
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if cfg.compile_layers:
         log.info("compile_layers: %d decoder layers compiled (torch.compile, on first use)", compile_layers(model))
     model.train()

@@ -259,8 +259,10 @@ def _place(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
 
 def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       temperature: float, sel: torch.Tensor, with_entropy: bool, images: Any = None,
-                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole (B, T, V) logits from the model's own forward (chunk size 0, or an unlisted architecture)."""
+                      attention_mask: torch.Tensor | None = None,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole (B, T, V) logits from the model's own forward (chunk size 0, an unlisted architecture, or
+    entropies with their gradient: `entropy_grad`)."""
     with model_inputs(model, input_ids, position_ids, images) as inputs:
         out = model(**inputs, use_cache=False, **_mask(attention_mask))
     keep = torch.nn.functional.pad(sel, (1, 0))  # (B, T)
@@ -268,8 +270,8 @@ def _full_logits_path(model: torch.nn.Module, input_ids: torch.Tensor, position_
     lp = torch.where(keep, lp, torch.zeros_like(lp)) if not bool(keep.all()) else lp
     if not with_entropy:
         return lp, None
-    with torch.no_grad():
-        ent = entropy(out.logits.detach(), temperature)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        ent = entropy(out.logits if entropy_grad else out.logits.detach(), temperature)
     return lp, torch.where(keep, ent, torch.zeros_like(ent))
 
 
@@ -308,15 +310,22 @@ def final_hidden(model: torch.nn.Module, head: Head, input_ids: torch.Tensor,
 def forward_logprobs_entropy(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                              temperature: float = 1.0, *, chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
                              loss_mask: torch.Tensor | None = None, with_entropy: bool = True,
-                             images: Any = None,
-                             attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             images: Any = None, attention_mask: torch.Tensor | None = None,
+                             entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model on a packed (B, T) batch: (B, T) float32 logprobs of its own tokens (float64 for a float64
     model on the chunked path) and (B, T) detached entropies of each position's distribution (zeros without
-    `with_entropy`). With a (B, T) `loss_mask`, only the positions whose token it marks are computed (the others
-    are 0). `chunk_size` 0: the full-logits path. `images`: the micro-batch's image inputs (VLMs).
+    `with_entropy`; with `entropy_grad`, entropies with their gradient, from the full-logits path). With a
+    (B, T) `loss_mask`, only the positions whose token it marks are computed (the others are 0). `chunk_size` 0:
+    the full-logits path. `images`: the micro-batch's image inputs (VLMs).
     `attention_mask`: the micro-batch's (B, 1, T, T) mask when its rows share prompts (`tidal.trainer.step.packing`)."""
     cast = autocast_dtype(model)
     with contextlib.nullcontext() if cast is None else torch.autocast(input_ids.device.type, dtype=cast):
+        if entropy_grad:  # the chunked lm_head's backward has no entropy term
+            sel = _loss_positions(input_ids, loss_mask)
+            lp, ent = _full_logits_path(model, input_ids, position_ids, temperature, sel, True, images,
+                                        attention_mask, entropy_grad=True)
+            assert ent is not None
+            return lp, ent
         return _forward(model, input_ids, position_ids, temperature, chunk_size, loss_mask, with_entropy, images,
                         attention_mask)
 

@@ -6,11 +6,15 @@ advantage times `adv_tau` (plus `teacher_tau * (teacher - lp)` when distilling).
 
 - `aipo` (seed 000): `coeff = w * (A - kl_tau * m)` with `m = lp - inf` (detached) and `w = exp(m)`, or for
   `ratio_type: sequence` `w = min(exp(mean_i m), sequence_clip_high)`; token loss `-coeff * lp`.
-- clipped (TRL / NeMo RL): `r = exp(lp - old)` (GSPO: `exp(mean_i(lp - old))`), objective
-  `min(min(r, delta) * A, clip(r, 1 - eps, 1 + eps_high) * A)`, at least `c * A` when A < 0 (dual clip),
-  times the IS correction `exp(old - inf)` (`is_correction`: as is, truncated or masked at `is_cap`);
-  token loss `-objective`.
-- both: `+ beta * k3(ref, lp)` (times `exp(lp - old)` detached for the on-policy approximation).
+- TRL 1.16's types, with `r = exp(lp - old)` (GSPO: `exp(mean_i(lp - old))`): clipped (grpo, bnpo, dr_grpo,
+  dapo, luspo; NeMo RL) `min(min(r, delta) * A, clip(r, 1 - eps, 1 + eps_high) * A)`, at least `c * A` when
+  A < 0 (dual clip); cispo `sg(min(r, eps_high)) * A * lp`; sapo `4 / tau * sigmoid(tau (r - 1)) * A`; each
+  times the IS correction `exp(old - inf)` (`is_correction`: as is, truncated or masked to
+  [is_cap_min, is_cap], per token or per sequence); vespo `sg(phi(w)) * A * lp` with the Gamma weight of the
+  sequence ratio w (the token IS weights folded into w). Token loss `-objective`; DeepSeek-V3.2's off-policy
+  sequence mask (`off_policy_mask_threshold`) drops negative-advantage sequences far from the inference policy.
+- both: `+ beta * k3(ref, lp)` (times `exp(lp - old)` detached for the on-policy approximation, times `r`
+  with its gradient for TRL's `use_bias_correction_kl`).
 
 Masks (seed 000) on the trainer/inference ratio `exp(lp - inf)`: token ratio outside
 [token_mask_low, token_mask_high]; whole sequences by geometric mean or min/max token ratio. They remove a
@@ -20,13 +24,15 @@ the policy term only (TRL / NeMo RL semantics). Normalization by `loss_type` use
 
 `policy_loss` composes the parts, each pure over flat (N,) loss-token / (S,) per-sequence tensors:
 `token_view` (the loss tokens of `LossInputs`, advantages scaled), `ratio_masks` (the seed 000 masks),
-`aipo_objective` or `clipped_objective` (with `clipped_ratio` and `is_corrected`), `kl_term`, `_normalize`
+`aipo_objective` or `trl_objective` (`clipped_ratio`, then `clipped_objective`, `cispo_objective`,
+`sapo_objective` or `vespo_objective`, and `is_corrected`), `off_policy_keep`, `kl_term`, `_normalize`
 (by `loss_type`) and `loss_metrics`: the loss and additive sums for the step's metrics (masks, clipping,
 entropy, drift).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -97,20 +103,38 @@ def entropy_keep(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
     return entropy.double() >= threshold
 
 
-def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale) -> tuple[torch.Tensor, LossSums]:
-    """Loss of one micro-batch (see module doc) and its metric sums."""
+def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale,
+                entropy_coef: float | None = None) -> tuple[torch.Tensor, LossSums]:
+    """Loss of one micro-batch (see module doc) and its metric sums; `entropy_coef`: the entropy bonus's
+    coefficient of this optimizer step (`tidal.trainer.step.entropy_control`; None: `cfg.entropy_coef`)."""
     v = token_view(x, cfg)
     masks = ratio_masks(v, cfg)
-    obj = aipo_objective(v, masks, cfg) if cfg.loss_type == "aipo" else clipped_objective(v, cfg)
+    obj = aipo_objective(v, masks, cfg) if cfg.loss_type == "aipo" else trl_objective(v, cfg)
     ent_keep = (entropy_keep(v.entropy, cfg.top_entropy_quantile) if v.entropy is not None
                 else torch.ones_like(masks.keep))
-    policy_keep = masks.keep & ent_keep & ~obj.is_masked
+    policy_keep = masks.keep & ent_keep & ~obj.is_masked & off_policy_keep(v, cfg)
     per_token = -obj.value * policy_keep
     kl = kl_term(v, cfg)
     if kl is not None:
         per_token = per_token + cfg.beta * kl * masks.keep
     loss = _normalize(per_token, v.ids, v.num, v.count, cfg.loss_type, scale)
-    return loss, loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+    sums = loss_metrics(v, masks, obj, ent_keep, policy_keep, kl)
+    if cfg.entropy_coef or cfg.use_adaptive_entropy:
+        coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+        loss = loss - coef * entropy_bonus(v, masks.keep & ent_keep, scale)
+        if v.entropy is not None:  # the adaptive controller's window (not a metric: the `_` prefix)
+            sums += {"_entropy_bonus/sum": float((v.entropy.detach() * (masks.keep & ent_keep)).sum()),
+                     "_entropy_bonus/tokens": float((masks.keep & ent_keep).sum())}
+    return loss, sums
+
+
+def entropy_bonus(v: TokenView, keep: torch.Tensor, scale: LossScale) -> torch.Tensor:
+    """TRL 1.16's entropy bonus of one micro-batch: the mean entropy (with its gradient) of the `keep` (N,) tokens,
+    divided by the micro-batches of the optimizer step, so the step's bonus is their average."""
+    if v.entropy is None:
+        raise ValueError("loss.entropy_coef needs the token entropies (with their gradient)")
+    ent = v.entropy.to(v.lp.dtype)
+    return (ent * keep).sum() / max(float(keep.sum()), 1.0) / max(scale.micro_batches, 1)
 
 
 @dataclass
@@ -166,6 +190,12 @@ class Objective:
     clip_high: torch.Tensor
     is_masked: torch.Tensor
     """Tokens the masked IS correction drops from the policy term."""
+    is_weight: torch.Tensor | None = None
+    """(N,) the IS correction's weight of each token (0 where masked), if one is applied."""
+    is_sequence: bool = False
+    """`is_weight` is one weight per sequence (the `sequence_*` corrections)."""
+    phi: torch.Tensor | None = None
+    """(N,) vespo's sequence weight, broadcast to the tokens."""
 
 
 def token_view(x: LossInputs, cfg: LossConfig) -> TokenView:
@@ -229,32 +259,113 @@ def clipped_ratio(v: TokenView, cfg: LossConfig) -> torch.Tensor:
     return torch.exp(log_r)
 
 
-def clipped_objective(v: TokenView, cfg: LossConfig) -> Objective:
-    """TRL's clipped objective (N,) with two-sided (delta) and dual clip, times the IS correction."""
+def trl_objective(v: TokenView, cfg: LossConfig) -> Objective:
+    """The per-token objective (N,) of TRL's loss types, times the IS correction (vespo folds it in)."""
     r = clipped_ratio(v, cfg)
-    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    if cfg.loss_type == "vespo":
+        return vespo_objective(v, cfg)
+    if cfg.loss_type == "cispo":
+        obj = cispo_objective(r, v.adv, v.lp, _eps_high(cfg))
+    elif cfg.loss_type == "sapo":
+        obj = sapo_objective(r, v.adv, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    else:
+        obj = clipped_objective(r, v.adv, cfg)
+    value, is_masked, w_is = is_corrected(obj.value, v, cfg)
+    return Objective(value=value, clip_low=obj.clip_low, clip_high=obj.clip_high, is_masked=is_masked,
+                     is_weight=w_is, is_sequence=cfg.is_correction.startswith("sequence"))
+
+
+def _eps_high(cfg: LossConfig) -> float:
+    return cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+
+
+def clipped_objective(r: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> Objective:
+    """TRL's clipped objective (N,) of ratios `r` and advantages `adv`, with two-sided (delta) and dual clip."""
+    eps_high = _eps_high(cfg)
     c1 = r if cfg.delta is None else torch.clamp(r, max=cfg.delta)
     c2 = torch.clamp(r, 1 - cfg.epsilon, 1 + eps_high)
-    objective = torch.minimum(c1 * v.adv, c2 * v.adv)
+    objective = torch.minimum(c1 * adv, c2 * adv)
     if cfg.ratio_clip_c is not None:
-        objective = torch.where(v.adv < 0, torch.maximum(objective, cfg.ratio_clip_c * v.adv), objective)
+        objective = torch.where(adv < 0, torch.maximum(objective, cfg.ratio_clip_c * adv), objective)
     rd = r.detach()
-    clip_low, clip_high = (rd < 1 - cfg.epsilon) & (v.adv < 0), (rd > 1 + eps_high) & (v.adv > 0)
-    objective, is_masked = is_corrected(objective, v, cfg)
-    return Objective(value=objective, clip_low=clip_low, clip_high=clip_high, is_masked=is_masked)
+    clip_low, clip_high = (rd < 1 - cfg.epsilon) & (adv < 0), (rd > 1 + eps_high) & (adv > 0)
+    return Objective(value=objective, clip_low=clip_low, clip_high=clip_high, is_masked=torch.zeros_like(clip_low))
 
 
-def is_corrected(objective: torch.Tensor, v: TokenView, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """`objective` (N,) times `exp(old - inf)` per `is_correction`, and the (N,) tokens `masked` drops."""
+def cispo_objective(r: torch.Tensor, adv: torch.Tensor, lp: torch.Tensor, cap: float) -> Objective:
+    """CISPO (MiniMax-M1): `min(r, cap) * A * lp` (N,), the capped ratio detached; clip_high: r > cap, A > 0."""
+    rd = r.detach()
+    clip_high = (rd > cap) & (adv > 0)
+    return Objective(value=torch.clamp(rd, max=cap) * adv * lp, clip_low=torch.zeros_like(clip_high),
+                     clip_high=clip_high, is_masked=torch.zeros_like(clip_high))
+
+
+def sapo_objective(r: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float) -> Objective:
+    """SAPO's soft gate `4 / tau * sigmoid(tau * (r - 1)) * A` (N,); tau_pos where A > 0, else tau_neg."""
+    tau = torch.where(adv > 0, torch.full_like(r, tau_pos), torch.full_like(r, tau_neg))
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return Objective(value=torch.sigmoid(tau * (r - 1)) * 4 / tau * adv, clip_low=none, clip_high=none,
+                     is_masked=none)
+
+
+LOG_MIN_W = math.log(1e-8)
+"""vespo clamps log weights to [log 1e-8, 20] (VESPO's reference code)."""
+
+
+def gamma_weights(log_w: torch.Tensor, adv: torch.Tensor, k_pos: float, lam_pos: float, k_neg: float,
+                  lam_neg: float) -> torch.Tensor:
+    """VESPO's `phi(w) = exp(lambda + k log w - lambda w)` (S,) of sequence log weights `log_w` (clamped to
+    [log 1e-8, 20]); (k, lambda) by the sign of the sequence's advantage (A >= 0: the `pos` pair)."""
+    log_w = torch.clamp(log_w, LOG_MIN_W, 20.0)
+    pos = adv >= 0
+    k = torch.where(pos, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(pos, torch.full_like(log_w, lam_pos), torch.full_like(log_w, lam_neg)).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_objective(v: TokenView, cfg: LossConfig) -> Objective:
+    """VESPO: `phi(w) * A * lp` (N,), phi detached; log w = sum_i clamp(lp - old, +-20) plus the sum of the
+    clamped log IS weights (token modes) over the sequence."""
+    with torch.no_grad():
+        log_w = segment_reduce(torch.clamp(v.lp.detach() - v.old, -20.0, 20.0), v.ids, v.num, "sum", init=0.0)
+        _, is_masked, w_is = is_corrected(torch.zeros_like(v.old), v, cfg)
+        if w_is is not None:
+            log_w = log_w + segment_reduce(torch.clamp(torch.log(w_is), LOG_MIN_W, 20.0), v.ids, v.num, "sum")
+        seq_adv = segment_reduce(v.adv.detach(), v.ids, v.num, "sum") / v.count  # (S,) A of each sequence
+        phi = gamma_weights(log_w, seq_adv, cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg,
+                            cfg.vespo_lambda_neg)[v.ids]  # (N,)
+    none = torch.zeros_like(is_masked)
+    return Objective(value=phi * v.adv * v.lp, clip_low=none, clip_high=none, is_masked=none, phi=phi,
+                     is_weight=w_is)
+
+
+def is_corrected(objective: torch.Tensor, v: TokenView,
+                 cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`objective` (N,) times the IS weight `exp(old - inf)` per `is_correction` (per token, or one per sequence:
+    exp of the sum), the (N,) tokens a masked mode drops, and the (N,) weights (0 where masked; None: off)."""
     is_masked = torch.zeros_like(v.lp, dtype=torch.bool)
     if cfg.is_correction == "none":
-        return objective, is_masked
-    w_is = torch.exp(v.old - v.inf)
-    if cfg.is_correction == "truncated":
-        w_is = torch.clamp(w_is, max=cfg.is_cap)
-    elif cfg.is_correction == "masked":
-        is_masked = w_is > cfg.is_cap
-    return objective * w_is, is_masked
+        return objective, is_masked, None
+    log_w = v.old - v.inf
+    if cfg.is_correction.startswith("sequence"):
+        log_w = segment_reduce(log_w, v.ids, v.num, "sum")[v.ids]
+    w_is = torch.exp(log_w)
+    low = -math.inf if cfg.is_cap_min is None else cfg.is_cap_min
+    if cfg.is_correction.endswith("truncated"):
+        w_is = torch.clamp(w_is, min=cfg.is_cap_min, max=cfg.is_cap)
+    elif cfg.is_correction.endswith("masked"):
+        is_masked = (w_is > cfg.is_cap) | (w_is < low)
+        w_is = w_is.masked_fill(is_masked, 0.0)
+    return objective * w_is, is_masked, w_is
+
+
+def off_policy_keep(v: TokenView, cfg: LossConfig) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (N,): False for the tokens of a sequence with a negative advantage
+    whose mean `inf - lp` (detached; a KL estimate) exceeds `off_policy_mask_threshold`."""
+    if cfg.off_policy_mask_threshold is None:
+        return torch.ones_like(v.lp, dtype=torch.bool)
+    kl = segment_reduce(v.inf - v.lp.detach(), v.ids, v.num, "sum") / v.count  # (S,)
+    return ((v.adv >= 0) | (kl <= cfg.off_policy_mask_threshold)[v.ids])
 
 
 def kl_term(v: TokenView, cfg: LossConfig) -> torch.Tensor | None:
@@ -267,6 +378,8 @@ def kl_term(v: TokenView, cfg: LossConfig) -> torch.Tensor | None:
     kl = torch.exp(d) - d - 1
     if cfg.use_on_policy_kl_approximation:
         kl = kl * torch.exp(v.lp.detach() - v.old)
+    if cfg.use_bias_correction_kl:
+        kl = kl * clipped_ratio(v, cfg)  # TRL 1.16: the ratio with its gradient
     return kl
 
 
@@ -282,24 +395,38 @@ def loss_metrics(v: TokenView, masks: RatioMasks, obj: Objective, ent_keep: torc
     sums += {f"masked/{k}": float(s[v.ids].sum()) for k, s in masks.seq.items()}
     sums += drift_sums(v.old, v.inf)
     if v.entropy is not None:
-        sums["entropy"] += float(v.entropy.sum())
+        sums["entropy"] += float(v.entropy.detach().sum())
     if kl is not None:
         sums["kl"] += float(kl.detach().sum())
+    sums["sequences"] += float(v.num)
+    if obj.is_weight is not None:  # per sequence in the sequence modes (TRL's metric), else per token
+        seq_level, w = obj.is_sequence, obj.is_weight.detach()
+        sums["is_weight/sequence_mean" if seq_level else "is_weight/mean"] += float(
+            segment_reduce(w, v.ids, v.num, "amax").sum() if seq_level else w.sum())
+    if obj.phi is not None:
+        sums["vespo/phi_seq_mean"] += float(segment_reduce(obj.phi, v.ids, v.num, "amax").sum())
     return sums
+
+
+PER_SEQUENCE = ("vespo/phi_seq_mean", "is_weight/sequence_mean")
+"""Metric sums over sequences (divide by the `sequences` sum); the others are over tokens (`tokens`)."""
+
 
 
 def _normalize(per_token: torch.Tensor, ids: torch.Tensor, num: int, count: torch.Tensor, loss_type: str,
                scale: LossScale) -> torch.Tensor:
     """Sum of `per_token` with the normalization of `loss_type` (see LossConfig.loss_type)."""
     total = per_token.sum()
-    if loss_type in ("aipo", "dapo"):
+    if loss_type in ("aipo", "dapo", "cispo", "vespo"):
         return total / max(scale.step_tokens, 1.0)
     if loss_type == "bnpo":
         return total / max(float(per_token.numel()), 1.0) / max(scale.micro_batches, 1)
     if loss_type == "dr_grpo":
         return total / max(scale.step_sequences * scale.max_completion_len, 1)
+    if loss_type == "luspo":
+        return total / max(scale.step_sequences, 1)
     per_seq = torch.zeros(num, dtype=per_token.dtype, device=per_token.device).index_add(0, ids, per_token)
-    return (per_seq / count).sum() / max(scale.step_sequences, 1)  # grpo
+    return (per_seq / count).sum() / max(scale.step_sequences, 1)  # grpo, sapo
 
 
 def drift_sums(trainer_lp: torch.Tensor, inference_lp: torch.Tensor) -> dict[str, float]:

@@ -31,16 +31,17 @@ MIN_8BIT_SIZE = 4096
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The train `optimizer` over `model`'s trainable parameters, with `learning_rate`, `weight_decay` and the
-    Adam betas of `cfg`."""
+    """The train `optimizer` over `model`'s trainable parameters, with `learning_rate`, `weight_decay`, the
+    Adam betas and `adam_epsilon` of `cfg`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise RuntimeError("the model has no trainable parameters (check lora_target_modules)")
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "adamw_8bit":
-        return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas)
+        return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
+                          eps=cfg.adam_epsilon)
     return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
-                             **adamw_kernel(params))
+                             eps=cfg.adam_epsilon, **adamw_kernel(params))
 
 
 def adamw_kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
@@ -53,11 +54,11 @@ def adamw_kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
 
 
 def adamw_8bit(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
-               betas: tuple[float, float]) -> torch.optim.Optimizer:
-    """bitsandbytes' blockwise 8-bit AdamW (decoupled weight decay, eps 1e-8 like torch's AdamW)."""
+               betas: tuple[float, float], eps: float = 1e-8) -> torch.optim.Optimizer:
+    """bitsandbytes' blockwise 8-bit AdamW (decoupled weight decay)."""
     import bitsandbytes as bnb
 
-    opt: torch.optim.Optimizer = bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=1e-8,
+    opt: torch.optim.Optimizer = bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps,
                                                      weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
     return opt
 
