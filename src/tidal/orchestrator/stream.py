@@ -71,6 +71,7 @@ from tidal.orchestrator.collect import (
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.outage import EnvFailures, Outage
 from tidal.orchestrator.outage import judged as judged_mask
+from tidal.orchestrator.partial import Switch, newest_version, partial_group, refuse_whole_group
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.rollout import split_group
 from tidal.orchestrator.sampling import temperature_at
@@ -146,6 +147,8 @@ class GroupStream:
         self.outage = Outage(cfg.env_outage, env)
         self.env_tally = EnvFailures()  # since the last batch was taken
         self._outage_waits = 0
+        # partial rollouts (orch partial_rollouts, orchestrator/partial.py): a no-op Switch when off
+        self.partial = Switch(cfg.partial_rollouts, policy, policy.merged)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -200,7 +203,11 @@ class GroupStream:
                         self.policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
                 newest = weights.newest_policy(self.policy.run_dir)
                 if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
-                    await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    await self.partial.before_load()  # partial rollouts: merged weights change under no request
+                    try:
+                        await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    finally:
+                        self.partial.after_load()  # partial rollouts: running requests continue on the new policy
                     self.changed.set()
                 failures = 0
             except InferenceError as exc:  # a server died or restarted: load the policy again once it answers
@@ -269,7 +276,7 @@ class GroupStream:
                     slots.take(self.cfg.rollouts_per_example - slots.held)
                 try:
                     comps = await self._sample(step, ex, prompt, seq, model, images, slots)
-                    end = self.policy.end_version(start)
+                    end = newest_version(comps, self.policy.end_version(start))  # partial rollouts: newest token
                     if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
                         end = max(end, max((await self.client.weight_versions()).values(), default=end))
                     break
@@ -305,6 +312,7 @@ class GroupStream:
         n = self.cfg.rollouts_per_example
         env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
         if images or env.tooling is not None or env.max_turns > 1 or self.cfg.in_flight_split is False:
+            refuse_whole_group(self.partial, images, env)  # partial rollouts: single-turn text groups only
             try:
                 return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
                                              [images]))[0]
@@ -312,6 +320,9 @@ class GroupStream:
                 slots.free(n)
 
         seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + step * 100003 + seq * n
+        if self.partial.on:  # partial rollouts: each completion continued across policy switches
+            return await partial_group(self.partial, self.client, prompt, n, self.cfg.sampling, self.cfg.seq_len,
+                                       seed, temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
         return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
                                  temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
 
@@ -393,6 +404,7 @@ class GroupStream:
         for k, v in self.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         self.counts = {}
+        self.partial.take_counts(counts)  # partial rollouts: switches, stopped and resumed requests
         kept.env, self.env_tally = self.env_tally, EnvFailures()
         counts["env/outage_waits"], self._outage_waits = self.outage.waits - self._outage_waits, self.outage.waits
         dropped, self.dropped = self.dropped, (0, 0)
