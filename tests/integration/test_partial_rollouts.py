@@ -158,3 +158,50 @@ def test_sampled_group_spans_the_switch_on_policy(vllm_server, tmp_path, lr0_ada
     print(f"mismatch_kl: continued {continued:.3e} ({len(spanning)} completion(s)), uninterrupted {floor:.3e}")
     assert continued < 3 * floor + 1e-10, f"continued completions are off-policy: mismatch_kl {continued:.3e} " \
                                           f"against {floor:.3e} uninterrupted"
+
+
+def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm_server, tmp_path, lr0_adapter):
+    """`GroupStream` with `partial_rollouts: abort_resume` (the stream's hooks): policy 1 is published while
+    groups of n = 2 run on policy 0 (the base model); the batch's completions carry per-token versions, some span
+    0 -> 1, and each group's (start, end) are its start and its newest token's version."""
+    from tidal.config.orch import OrchConfig
+    from tidal.orchestrator.buffer import Buffer
+    from tidal.orchestrator.envmix import EnvMix
+    from tidal.orchestrator.scoring import Scorer
+    from tidal.orchestrator.stream import GroupStream
+
+    adapter_dir, _ = lr0_adapter
+    cfg = OrchConfig.model_validate({
+        "batch_size": 4, "rollouts_per_example": 2, "seq_len": 512, "async_mode": "in_flight",
+        "partial_rollouts": "abort_resume", "in_flight_groups": 2, "max_async_level": 2,
+        "sampling": {"max_tokens": 300, "min_tokens": 300}})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "stream")
+            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            while not stream.partial.running:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            publish(tmp_path, 1, adapter_dir)  # the follower loads it and the running completions move onto it
+            counts: dict[str, float] = {}
+            got = await stream.take(1, counts)
+            await stream.close()
+            await client.unload_adapter(policy.model)
+            return got, counts
+        finally:
+            await client.close()
+
+    got, counts = asyncio.run(go())
+    c = got.collected
+    assert counts["partial/switches"] >= 1 and counts["partial/stopped_requests"] >= 1
+    comps = [comp for group in c.groups for comp in group]
+    assert len(comps) == 4 and all(len(x.versions) == len(x.token_ids) == 300 for x in comps)
+    assert any(set(x.versions) == {0, 1} for x in comps), "a completion must span the switch"
+    for group, (start, end) in zip(c.groups, c.versions, strict=True):
+        assert start <= min(v for x in group for v in x.versions) and end == max(v for x in group for v in x.versions)

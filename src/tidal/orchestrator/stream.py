@@ -276,7 +276,8 @@ class GroupStream:
                     slots.take(self.cfg.rollouts_per_example - slots.held)
                 try:
                     comps = await self._sample(step, ex, prompt, seq, model, images, slots)
-                    end = newest_version(comps, self.policy.end_version(start))  # partial rollouts: newest token
+                    # partial rollouts: a group's newest token's version (no request runs while weights change)
+                    end = newest_version(comps, start) if self.partial.on else self.policy.end_version(start)
                     if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
                         end = max(end, max((await self.client.weight_versions()).values(), default=end))
                     break
