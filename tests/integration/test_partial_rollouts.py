@@ -205,3 +205,66 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
     assert any(set(x.versions) == {0, 1} for x in comps), "a completion must span the switch"
     for group, (start, end) in zip(c.groups, c.versions, strict=True):
         assert start <= min(v for x in group for v in x.versions) and end == max(v for x in group for v in x.versions)
+
+
+@pytest.fixture(scope="module")
+def reload_server(tmp_path_factory):
+    """A real vLLM server on the bundled model that reloads merged weights in place (infer `weight_reload`)."""
+    from tests.conftest import free_port, kill_group, tidal, wait_healthy
+
+    port, log = free_port(), tmp_path_factory.mktemp("vllm_reload") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.weight_reload", "true", "--infer.enable_lora",
+                     "false", stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1"
+        kill_group(proc)
+
+
+@pytest.mark.slow  # a server of its own (~30-60 s to start on 2 cores)
+def test_merged_reload_stops_running_completions_first_and_continues_them(reload_server, tmp_path):
+    """`reload: merged`: the running greedy completion is stopped before the weights are reloaded (policy 1: the
+    base model's weights as the trainer merges them at learning rate 0), then continued on them: the very tokens
+    of an uninterrupted completion, tokens 0 .. k from policy 0 and the rest from policy 1."""
+    base = load_base_model(MODEL, torch.device("cpu"), torch.float32)
+    sampling = SamplingSection(max_tokens=LONG, min_tokens=LONG)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[reload_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "unused", merged=True)
+            await policy.ensure(0, 60)
+            switch = Switch("abort_resume", policy, merged=True)
+            prompt = await client.tokenize_text(MODEL, "reverse: hello world")
+            whole = (await client.sample(MODEL, prompt, 1, LONG, 0.0, None, {"min_tokens": LONG}))[0]
+
+            async def switcher():
+                while not switch.running:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.05)
+                weights.publish(tmp_path, 1, lambda tmp: base.save_pretrained(str(tmp / "merged")))
+                await switch.before_load()
+                assert not switch.running and not switch.open.is_set()
+                try:
+                    await policy.ensure(0, 120)
+                finally:
+                    switch.after_load()
+
+            task = asyncio.create_task(switcher())
+            cont = await partial_completion(switch, client, prompt, LONG, sampling, 0.0, None)
+            await task
+            return whole, cont, policy.step
+        finally:
+            await client.close()
+
+    whole, cont, served = asyncio.run(go())
+    assert served == 1
+    v = np.array(cont.versions)
+    assert set(v.tolist()) == {0, 1} and (np.diff(v) >= 0).all(), "the reload must land mid-completion"
+    assert cont.token_ids == whole.token_ids and cont.text == whole.text
+    assert np.abs(np.array(cont.logprobs) - np.array(whole.logprobs)).max() < 1e-4
