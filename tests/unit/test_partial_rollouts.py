@@ -8,6 +8,7 @@ exact instant weights change under a request."""
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from tidal.config.orch import OrchConfig, SamplingSection
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.envmix import EnvMix
-from tidal.orchestrator.partial import Switch, newest_version, partial_group
+from tidal.orchestrator.partial import Switch, newest_version, partial_group, token_staleness
 from tidal.orchestrator.preflight import check_partial
 
 BASE = {"async_mode": "in_flight", "partial_rollouts": "abort_resume"}
@@ -172,8 +173,42 @@ def test_off_is_a_no_op():
         await switch.before_load()
         switch.after_load()
         counts: dict[str, float] = {}
-        switch.take_counts(counts)
+        switch.take_counts(counts, 1, [], [])
         return switch, counts
 
     switch, counts = asyncio.run(go())
     assert not switch.on and counts == {} and switch.open.is_set()
+
+
+def test_token_staleness_against_a_direct_count():
+    """Random groups of random lengths, versions and masks; the reference counts token by token in Python."""
+    rng = random.Random(random.SystemRandom().randrange(2**31))
+    step = rng.randrange(5, 12)
+    groups, starts = [], []
+    for _ in range(rng.randrange(1, 8)):
+        start = rng.randrange(0, step)
+        comps = []
+        for _ in range(rng.randrange(1, 5)):
+            n = rng.randrange(1, 40)
+            versions = sorted(rng.randrange(start, step) for _ in range(n)) if rng.random() < 0.7 else None
+            mask = [rng.randrange(2) for _ in range(n)] if rng.random() < 0.3 else None
+            if mask is not None:
+                mask[0] = 1
+            comps.append(Completion(list(range(n)), [0.0] * n, "", "stop", mask=mask, versions=versions))
+        groups.append(comps)
+        starts.append(start)
+    got = token_staleness(step, groups, starts)
+    flat = [(c, s) for comps, s in zip(groups, starts, strict=True) for c in comps]
+
+    def lags(c, s):
+        return [max(0, step - 1 - (c.versions[i] if c.versions else s)) for i in range(len(c.token_ids))
+                if c.mask is None or c.mask[i]]
+
+    every = [x for c, s in flat for x in lags(c, s)]
+    assert got["staleness/token_mean"] == pytest.approx(sum(every) / len(every), rel=1e-12)
+    top = sorted(flat, key=lambda cs: -len(cs[0].token_ids))[:max(1, len(flat) // 10)]
+    assert got["staleness/longest_decile"] == pytest.approx(
+        sum(max(0, step - 1 - s) for _, s in top) / len(top), rel=1e-12)
+    top_lags = [x for c, s in top for x in lags(c, s)]
+    assert got["staleness/longest_decile_token_mean"] == pytest.approx(sum(top_lags) / len(top_lags), rel=1e-12)
+    assert token_staleness(step, [], []) == {}

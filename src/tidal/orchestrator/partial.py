@@ -41,6 +41,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from tidal.config.orch import SamplingSection
 from tidal.inference.protocol import Completion, InferenceClient
 from tidal.orchestrator.policy import PolicyTracker
@@ -94,11 +96,14 @@ class Switch:
         if not self.merged:
             self._stop(self.policy.step)
 
-    def take_counts(self, counts: dict[str, float]) -> None:
-        """Add the counts since the previous batch to `counts` and start again."""
+    def take_counts(self, counts: dict[str, float], step: int, groups: list[list[Completion]],
+                    versions: list[tuple[int, int]]) -> None:
+        """Add the counts since the previous batch and batch `step`'s token staleness (`token_staleness`, in
+        either mode) to `counts`, and start counting again."""
         for k, v in self.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         self.counts = {}
+        counts.update(token_staleness(step, groups, [v[0] for v in versions]))
 
     async def segment(self, client: Any, prompt_ids: list[int], max_tokens: int, temperature: float,
                       seed: int | None, extra: dict[str, Any]) -> tuple[Completion, int]:
@@ -185,6 +190,29 @@ async def partial_group(switch: Switch, client: InferenceClient, prompt_ids: lis
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def token_staleness(step: int, groups: list[list[Completion]], starts: list[int]) -> dict[str, float]:
+    """Batch `step`'s staleness per sampled token and of its longest completions: `staleness/token_mean` (over
+    every sampled token, (step - 1) - the version that sampled it; a completion without `versions` is its group's
+    start version throughout), `staleness/longest_decile` (the longest tenth of the completions, at least one:
+    their mean staleness by oldest token, what `max_off_policy_steps` judges) and
+    `staleness/longest_decile_token_mean` (the same completions, per token). Partial rollouts lower the per-token
+    figures; the oldest-token one stays (module doc)."""
+    rows = []  # (length, oldest-token staleness, sum of per-token staleness, sampled tokens)
+    for comps, start in zip(groups, starts, strict=True):
+        for c in comps:
+            mask = np.ones(len(c.token_ids), dtype=bool) if c.mask is None else np.asarray(c.mask, dtype=bool)
+            v = np.full(len(c.token_ids), start) if c.versions is None else np.asarray(c.versions)
+            lag = np.maximum(0, (step - 1) - v[mask])
+            rows.append((len(c.token_ids), max(0, step - 1 - start), float(lag.sum()), int(mask.sum())))
+    if not rows:
+        return {}
+    rows.sort(key=lambda r: -r[0])
+    top = rows[:max(1, len(rows) // 10)]
+    return {"staleness/token_mean": sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)),
+            "staleness/longest_decile": float(np.mean([r[1] for r in top])),
+            "staleness/longest_decile_token_mean": sum(r[2] for r in top) / max(1, sum(r[3] for r in top))}
 
 
 def newest_version(comps: list[Completion], start: int) -> int:

@@ -405,7 +405,7 @@ class GroupStream:
         for k, v in self.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         self.counts = {}
-        self.partial.take_counts(counts)  # partial rollouts: switches, stopped and resumed requests
+        self.partial.take_counts(counts, step, kept.groups, kept.versions)  # partial rollouts; token staleness
         kept.env, self.env_tally = self.env_tally, EnvFailures()
         counts["env/outage_waits"], self._outage_waits = self.outage.waits - self._outage_waits, self.outage.waits
         dropped, self.dropped = self.dropped, (0, 0)
