@@ -1,12 +1,11 @@
 """Partial rollouts (orch `partial_rollouts: abort_resume`): a policy change reaches completions already running.
 
 Without it (`off`) an in-flight completion keeps the policy it started with until it ends, so under long-tailed
-lengths the longest completions are the stalest samples of a batch, and one longer than `max_off_policy_steps`
-policies is sampled in full, then dropped. With it, each completion of a single-turn text group is sampled as a
-streamed request (`VllmClient.sample_stream`) registered with the stream's `Switch`; when the policy follower serves
-a newer policy the switch stops the running requests (vLLM aborts them as their connections close), keeps every
-token received, and each completion continues under the new policy from prompt + its tokens so far as a token
-prompt, within what is left of its token budget:
+lengths the longest completions are sampled throughout by the stalest policies of a batch. With it, each
+completion of a single-turn text group is sampled as a streamed request (`VllmClient.sample_stream`) registered
+with the stream's `Switch`; when the policy follower serves a newer policy the switch stops the running requests
+(vLLM aborts them as their connections close), keeps every token received, and each completion continues under the
+new policy from prompt + its tokens so far as a token prompt, within what is left of its token budget:
 - LoRA adapters (`reload: lora`): the new adapter is loaded first (running requests keep sampling meanwhile), then
   every request on an older policy is stopped and continues on the new adapter;
 - merged reloads (`reload: merged`): every running request is stopped and new ones are held *before* the weights
@@ -23,7 +22,8 @@ the staleness metrics, and its newest token's version as `version[1]`. Chosen ov
 needs no change in the trainer's loss (the per-token behaviour logprobs already make the importance ratio exact
 per token), keeps a group's advantages computed over complete samples, and with partial rollouts a long
 completion's oldest tokens are its first few, sampled when it started: the bound the user sets on the policy lag
-still holds for every token trained on.
+still holds for every token trained on. So a group's staleness and the groups dropped as stale do not change with
+partial rollouts; the staleness of the tokens does (`token_staleness`, per batch).
 
 What a continuation changes, and why it is sound: vLLM's sampling state of a request is its token history (the
 repetition penalty reads prompt + output, both carried over), its seed (a continuation is seeded `seed + 7919 x
