@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from tidal.config.orch import OrchConfig, SamplingSection
 from tidal.inference.protocol import Completion
 from tidal.orchestrator.envmix import EnvMix
-from tidal.orchestrator.partial import Switch, newest_version, partial_group, token_staleness
+from tidal.orchestrator.partial import Switch, newest_version, partial_group, refuse_whole_group, token_staleness
 from tidal.orchestrator.preflight import check_partial
 
 BASE = {"async_mode": "in_flight", "partial_rollouts": "abort_resume"}
@@ -212,3 +212,14 @@ def test_token_staleness_against_a_direct_count():
     top_lags = [x for c, s in top for x in lags(c, s)]
     assert got["staleness/longest_decile_token_mean"] == pytest.approx(sum(top_lags) / len(top_lags), rel=1e-12)
     assert token_staleness(step, [], []) == {}
+
+
+def test_a_group_sampled_whole_is_an_error_with_partial_rollouts_only():
+    """Images are seen only when an example is drawn: such a group stops the run naming the key."""
+    async def go():
+        on, off = Switch("abort_resume", Policy(), merged=False), Switch("off", Policy(), merged=False)
+        with pytest.raises(ValueError, match="partial_rollouts: abort_resume .* holds images"):
+            refuse_whole_group(on, [b"png"], None)
+        refuse_whole_group(off, [b"png"], None)  # off: sampled whole, as without partial rollouts
+
+    asyncio.run(go())
