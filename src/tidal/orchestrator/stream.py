@@ -148,7 +148,7 @@ class GroupStream:
         self.env_tally = EnvFailures()  # since the last batch was taken
         self._outage_waits = 0
         # partial rollouts (orch partial_rollouts, orchestrator/partial.py): a no-op Switch when off
-        self.partial = Switch(cfg.partial_rollouts, policy, policy.merged)
+        self.partial = Switch(cfg.partial_rollouts, policy, cfg.partial_rollouts != "off" and policy.merged)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
