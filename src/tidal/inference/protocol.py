@@ -55,13 +55,13 @@ class Completion:
     routed_experts: Any = None
     """(prompt + completion tokens - 1, layers, top_k) numpy integers: the experts the engine routed each token to
     (orch `client.return_routed_experts`, MoE router replay: `tidal.models.routes`); None: not asked for."""
-    versions: list[int] | None = None
-    """Per token, the policy version that sampled it (orch `partial_rollouts`: a completion stopped at a policy
-    switch and continued under the new policy has tokens of several versions); None: one policy, the group's."""
     env_error: str | None = None
     """Why the environment's side failed this rollout (its server unreachable, a server error, a timeout, a
     service a reward function needs: `tidal.rewards.ServiceUnavailable`); such a rollout was not judged, carries no
     loss and stays out of its group's baseline (`tidal.orchestrator.outage`). None: judged."""
+    versions: list[int] | None = None
+    """Per token, the policy version that sampled it (orch `partial_rollouts`: a completion stopped at a policy
+    switch and continued under the new policy has tokens of several versions); None: one policy, the group's."""
 
 
 def server_root(base_url: str) -> str:
