@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -223,3 +224,20 @@ def test_a_group_sampled_whole_is_an_error_with_partial_rollouts_only():
         refuse_whole_group(off, [b"png"], None)  # off: sampled whole, as without partial rollouts
 
     asyncio.run(go())
+
+
+def test_the_batch_carries_each_tokens_version(tmp_path):
+    """`build_batch` writes `token_versions` (prompt tokens: the sample's start) when completions carry versions,
+    and the file keeps them; without partial rollouts there is no such array."""
+    from tidal.orchestrator.assemble import build_batch
+    from tidal.transport.batch import TrainingBatch
+
+    cfg = OrchConfig(batch_size=2, rollouts_per_example=2, max_off_policy_steps=8)
+    g = [Completion([5, 6, 7], [-0.1] * 3, "", "stop", versions=[2, 2, 3]), Completion([8], [-0.2], "", "stop")]
+    batch, _ = build_batch(4, [[1, 2]], [g], np.zeros(2), [np.zeros(3), np.zeros(1)], [(2, 3)], cfg)
+    assert batch.token_versions is not None and batch.token_versions.tolist() == [2, 2, 2, 2, 3, 2, 2, 2]
+    batch.save(tmp_path / "b.safetensors")
+    assert TrainingBatch.load(tmp_path / "b.safetensors").token_versions.tolist() == batch.token_versions.tolist()
+    plain, _ = build_batch(4, [[1, 2]], [[Completion([5], [-0.1], "", "stop")] * 2], np.zeros(2),
+                           [np.zeros(1), np.zeros(1)], [(2, 2)], cfg)
+    assert plain.token_versions is None
