@@ -29,6 +29,9 @@ PERIOD_S = 0.2
 LONGTAIL_ARGS = ("--orch.env", "[{id: reverse-text-longtail, args: {median: 8, sigma: 1.25, max_len: MAXLEN}}]")
 """`tidal grpo` arguments of the long-tail workload (`MAXLEN` replaced by `--longtail-max-len`)."""
 
+PARTIAL_ARGS = ("--orch.partial_rollouts", "abort_resume")
+"""`tidal grpo` arguments of the partial-rollouts run (`--longtail-partial`, issue 52)."""
+
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
@@ -98,7 +101,13 @@ def summarize(run: dict[str, Any], sampler: Sampler, steps: int) -> dict[str, An
             "len_mean": statistics.mean(r.get("completions/mean_length", float("nan")) for r in steady),
             "len_max": max(r.get("completions/max_length", 0.0) for r in rows),
             "clipped": statistics.mean(r.get("completions/clipped_ratio", 0.0) for r in steady),
-            "reward_last3": statistics.mean(r["reward/mean"] for r in rows[-3:])}
+            "reward_last3": statistics.mean(r["reward/mean"] for r in rows[-3:]),
+            "token_stale": statistics.mean(r.get("staleness/token_mean", float("nan")) for r in rows),
+            "decile_stale": statistics.mean(r.get("staleness/longest_decile", float("nan")) for r in rows),
+            "decile_token_stale": statistics.mean(r.get("staleness/longest_decile_token_mean", float("nan"))
+                                                  for r in rows),
+            "stopped": sum(r.get("partial/stopped_requests", 0.0) for r in rows),
+            "resumed": sum(r.get("partial/resumed_requests", 0.0) for r in rows)}
 
 
 def rows(name: str, gated: dict[str, Any], inflight: dict[str, Any]) -> list[str]:
@@ -126,6 +135,32 @@ def rows(name: str, gated: dict[str, Any], inflight: dict[str, Any]) -> list[str
         f"{gated['len_mean']:.1f} / {gated['len_max']:.0f}; {gated['clipped']:.1%} | | |",
         f"| {name}: reward, mean of the last 3 steps; after N samples trained | {inflight['reward_last3']:.3f}; "
         f"{curve_text(inflight)} | {gated['reward_last3']:.3f}; {curve_text(gated)} | | |",
+    ]
+
+
+def partial_rows(name: str, inflight: dict[str, Any], partial: dict[str, Any]) -> list[str]:
+    """Markdown table rows: in-flight with partial rollouts (issue 52) against in-flight without, same bench run
+    (the ratio column: in-flight's time per step over partial's)."""
+    def stale(r: dict[str, Any]) -> str:
+        return (f"{r['staleness']:.2f} / {r['staleness_max']:.0f}; {r['dropped']:.0f}; {r['switched']:.0f}; "
+                f"{r.get('stopped', 0.0):.0f} / {r.get('resumed', 0.0):.0f}")
+
+    def tokens(r: dict[str, Any]) -> str:
+        return (f"{r.get('token_stale', float('nan')):.2f}; {r.get('decile_stale', float('nan')):.2f} / "
+                f"{r.get('decile_token_stale', float('nan')):.2f}")
+
+    return [
+        f"| {name}: time per step, partial rollouts vs in-flight without | {partial['step_s']:.2f} s | "
+        f"{inflight['step_s']:.2f} s | {inflight['step_s'] / partial['step_s']:.2f}x | >= 0.9x |",
+        f"| {name}: staleness mean / max; stale groups dropped; samples across a switch; requests stopped / "
+        f"continued (partial vs in-flight) | {stale(partial)} | {stale(inflight)} | | |",
+        f"| {name}: staleness per token; longest decile of completions by oldest token / per token (partial vs "
+        f"in-flight) | {tokens(partial)} | {tokens(inflight)} | | |",
+        f"| {name}: rollout / train time per step (partial vs in-flight) | {partial['rollout_s']:.2f} / "
+        f"{partial['train_s']:.2f} s | {inflight['rollout_s']:.2f} / {inflight['train_s']:.2f} s | | |",
+        f"| {name}: reward, last 3 steps; after N samples trained (partial vs in-flight) | "
+        f"{partial['reward_last3']:.3f}; {curve_text(partial)} | {inflight['reward_last3']:.3f}; "
+        f"{curve_text(inflight)} | | |",
     ]
 
 

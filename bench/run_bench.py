@@ -24,7 +24,8 @@
    few run to `--longtail-max-tokens`): time per step, vLLM busy fraction and running sequences (sampled from its
    `/metrics`), trainer idle fraction, staleness, groups dropped, reward against samples trained.
    `--longtail-quick` runs only those rows, for both workloads (4 runs, ~6 min on 2 cores), and writes
-   `bench/ROLLOUT-LONGTAIL.md`.
+   `bench/ROLLOUT-LONGTAIL.md`. `--longtail-partial` adds an in-flight run with orch `partial_rollouts:
+   abort_resume` (issue 52): its rows compare it with the in-flight run without it.
 7. Start-up (issue 37): vLLM's phases and the run's milestones (orchestrator and trainer ready, first batch, first
    step) of the main run, the first step done after `tidal grpo` started, and the same run again with the start-up
    before issue 37 (`BEFORE_37`: three vLLM processes, orchestrator and trainer after `/health`) as the baseline;
@@ -134,19 +135,19 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
 
 
 def measured_run(args: argparse.Namespace, work: Path, mode: str, workload: str,
-                 recipe: str = "fp32") -> dict[str, Any]:
+                 recipe: str = "fp32", partial: bool = False) -> dict[str, Any]:
     """A `tidal_run` with vLLM's `/metrics` sampled (`bench/longtail.py`; engine statistics on for every mode) on
     the `uniform` workload (reverse-text, `--max-tokens`) or the `longtail` one (`reverse-text-longtail`,
-    `--longtail-max-tokens`)."""
+    `--longtail-max-tokens`); `partial`: in-flight with orch `partial_rollouts: abort_resume` (issue 52)."""
     import longtail
 
-    extra = ["--infer.log_stats", "true"]
+    extra = ["--infer.log_stats", "true", *(longtail.PARTIAL_ARGS if partial else ())]
     if workload == "longtail":
         flag, env = longtail.LONGTAIL_ARGS
         extra += [flag, env.replace("MAXLEN", str(args.longtail_max_tokens - 4)), "--orch.sampling.max_tokens",
                   str(args.longtail_max_tokens)]
     extra += shlex.split(args.longtail_extra) if mode == "in_flight" else []
-    tag = f"_{workload}"
+    tag = f"_{workload}{'_partial' if partial else ''}"
     with longtail.Sampler(args.port, work / f"tidal_run_{recipe}_{mode}{tag}" / "metrics.jsonl") as sampler:
         got = tidal_run(args, work, mode, recipe, tuple(extra), tag)
     return longtail.summarize(got, sampler, args.steps)
@@ -355,6 +356,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--longtail-extra", default="",
                     help="more `tidal grpo` arguments for the in-flight runs of measure 8, one string "
                          "(`--longtail-extra='--orch.in_flight_groups 24'`)")
+    ap.add_argument("--longtail-partial", action="store_true",
+                    help="measure 8 adds an in-flight run with orch partial_rollouts: abort_resume (issue 52), "
+                         "compared with the in-flight run without it")
     ap.add_argument("--longtail-quick", action="store_true",
                     help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
                          "writes bench/ROLLOUT-LONGTAIL.md")
@@ -394,6 +398,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"bench: tidal {main_recipe} in_flight {f['step_s']:.2f} s/step", flush=True)
     lt = ({m: measured_run(args, work, m, "longtail", main_recipe) for m in ("gated", "in_flight")}
           if f is not None and args.workload != "uniform" else None)
+    if lt is not None and args.longtail_partial:
+        lt["partial"] = measured_run(args, work, "in_flight", "longtail", main_recipe, partial=True)
     before = (None if args.no_startup_baseline else
               tidal_run(args, work, "in_flight" if args.async_mode == "in_flight" else "gated", main_recipe,
                         tuple(BEFORE_37), "_before37"))
@@ -483,7 +489,7 @@ def write_results(args: argparse.Namespace, m: dict[str, Any]) -> None:
           for rc, g in gated.items()],
         *[f"| mismatch KL at step 1 (same policy both sides), tidal {rc} | {v:.2e} | | | |" for rc, v in mkl.items()],
         *(async_rows(t, f) if f is not None else []),
-        *(longtail_rows(lt["gated"], lt["in_flight"]) if lt is not None else []), "",
+        *(longtail_rows(lt) if lt is not None else []), "",
         f"Whole runs: {whole} (tidal: vLLM start-up included; TRL: model load excluded). Reward against time: "
         f"`bench/reward_vs_time.png`. Raw logs: `{work}`.",
     ]
@@ -535,10 +541,11 @@ def async_only(args: argparse.Namespace) -> None:
         print(f"bench: reward against time: {work / 'reward_vs_time.png'}")
 
 
-def longtail_rows(gated: dict[str, Any], inflight: dict[str, Any]) -> list[str]:
+def longtail_rows(lt: dict[str, dict[str, Any]]) -> list[str]:
     import longtail
 
-    return longtail.rows("long tail", gated, inflight)
+    return [*longtail.rows("long tail", lt["gated"], lt["in_flight"]),
+            *(longtail.partial_rows("long tail", lt["in_flight"], lt["partial"]) if "partial" in lt else [])]
 
 
 def machine() -> str:
@@ -561,8 +568,9 @@ def longtail_quick(args: argparse.Namespace) -> None:
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     workloads = ("longtail", "uniform") if args.workload == "both" else (args.workload,)
     for workload in workloads:
-        for mode in ("gated", "in_flight"):
-            runs[workload, mode] = r = measured_run(args, work, mode, workload, args.recipes[-1])
+        for mode in ("gated", "in_flight", *(("partial",) if args.longtail_partial else ())):
+            runs[workload, mode] = r = measured_run(args, work, "in_flight" if mode == "partial" else mode, workload,
+                                                    args.recipes[-1], partial=mode == "partial")
             print(f"bench: {workload} {mode}: {r['step_s']:.2f} s/step, vLLM busy {r['busy']:.0%} "
                   f"({r['running']:.1f} running), trainer idle {r['idle']:.0%}", flush=True)
     cmd = ".venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
@@ -577,7 +585,10 @@ def longtail_quick(args: argparse.Namespace) -> None:
              f"max_tokens {args.max_tokens}; in-flight runs add: `{args.longtail_extra or '-'}`", "",
              "| measure | in-flight | gated | ratio | target |", "|---|---|---|---|---|",
              *[row for w in workloads for row in longtail.rows("long tail" if w == "longtail" else w,
-                                                               runs[w, "gated"], runs[w, "in_flight"])], "",
+                                                               runs[w, "gated"], runs[w, "in_flight"])],
+             *[row for w in workloads if (w, "partial") in runs
+               for row in longtail.partial_rows("long tail" if w == "longtail" else w, runs[w, "in_flight"],
+                                                runs[w, "partial"])], "",
              f"Raw logs: `{work}`."]
     print("\n".join(lines))
     out = Path(args.out).with_name("ROLLOUT-LONGTAIL.md")

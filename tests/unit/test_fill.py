@@ -22,6 +22,7 @@ from tidal.orchestrator import fill
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.fill import MAX_ATTEMPTS, Filler, Retries
 from tidal.orchestrator.outage import EnvFailures, Outage
+from tidal.orchestrator.partial import Switch
 from tidal.orchestrator.stream import Group, GroupStream
 
 SEED = random.SystemRandom().randrange(2**31)
@@ -108,6 +109,7 @@ def fake_stream(cfg: OrchConfig, groups: list[Group]) -> GroupStream:
     s.in_flight_keys, s.changed, s.dropped = {}, asyncio.Event(), (0, 0)
     s.outage, s._outage_waits = Outage(cfg.env_outage, None), 0
     s.ready = deque(groups)
+    s.partial = Switch("off", None, merged=False)  # partial rollouts off (tidal.orchestrator.partial)
     return s
 
 

@@ -17,6 +17,7 @@ from tidal.inference.protocol import Completion
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.outage import EnvFailures, Outage
+from tidal.orchestrator.partial import Switch
 from tidal.orchestrator.staleness import is_stale, launch_allowed, staleness, staleness_metrics
 from tidal.orchestrator.stream import Group, GroupStream
 from tidal.transport.batch import TrainingBatch
@@ -91,6 +92,7 @@ def fake_stream(cfg: OrchConfig, groups: list[Group]) -> GroupStream:
     s.need, s.filling, s.error, s.counts, s.gate_wait_s = cfg.batch_size // cfg.rollouts_per_example, 1, None, {}, 0.0
     s.in_flight_keys, s.changed, s.dropped = {}, asyncio.Event(), (0, 0)
     s.env_tally, s.outage, s._outage_waits = EnvFailures(), Outage(cfg.env_outage, None), 0
+    s.partial = Switch("off", None, merged=False)  # partial rollouts off (tidal.orchestrator.partial)
     from collections import deque
     s.ready = deque(groups)
     return s

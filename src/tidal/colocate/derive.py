@@ -396,14 +396,15 @@ def cpu_stats(d: Derivation) -> Derivation:
 
 
 def cpu_in_flight(d: Derivation) -> Derivation:
-    """On CPU with `async_mode: in_flight`, orch `in_flight_split: null` becomes false and `in_flight_groups: null`
+    """On CPU with `async_mode: in_flight`, orch `in_flight_split: null` becomes false (true with
+    `partial_rollouts`) and `in_flight_groups: null`
     one batch's worth: n requests per group, and a second batch's sequences running, cost the trainer's core
     (bench/ROLLOUT-LONGTAIL.md)."""
     if d.device != "cpu" or d.orch.async_mode != "in_flight":
         return d
     update: dict[str, Any] = {}
-    if d.orch.in_flight_split is None:
-        update["in_flight_split"] = False
+    if d.orch.in_flight_split is None:  # partial rollouts stop and continue completions one by one: split
+        update["in_flight_split"] = d.orch.partial_rollouts != "off"
     if d.orch.in_flight_groups is None:
         update["in_flight_groups"] = max(1, d.orch.batch_size // d.orch.rollouts_per_example)
     return d.but(orch=d.orch.model_copy(update=update)) if update else d

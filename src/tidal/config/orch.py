@@ -439,6 +439,15 @@ class OrchConfig(StrictModel):
     gated's steps/s with it, 1.08x without; the long-tail one 1.03x and 1.35x; bench/ROLLOUT-LONGTAIL.md).
     null: true, except where `tidal grpo` co-locates on a CPU-only machine (false). Multi-turn, tool and image
     groups are always one request per turn."""
+    partial_rollouts: Literal["off", "abort_resume"] = "off"
+    """`async_mode: in_flight` only. `abort_resume`: a policy change reaches requests already running: each
+    single-turn completion streams its tokens, is stopped when a newer policy is served (LoRA: once it is loaded;
+    merged reloads: before the weights change) and continues under the new policy from prompt + its tokens so far
+    as a token prompt; every token keeps the logprob and the policy version it was sampled under
+    (`Completion.versions`), and a group is as stale as its oldest token. For long-tailed completions that span
+    several policies (docs/orchestrator.md, "Partial rollouts"). Needs the vLLM backend, `weight_broadcast.type:
+    filesystem`, single-turn text groups sampled split; refuses `client.return_routed_experts`. `off`: a request
+    keeps the policy it started with."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
     times the groups still needed in each sampling round, so dropped groups are replaced without another
@@ -535,7 +544,11 @@ class OrchConfig(StrictModel):
             if self.in_flight_split is not None:
                 raise ValueError(f"in_flight_split ({str(self.in_flight_split).lower()}) needs async_mode: in_flight "
                                  f"(async_mode is '{self.async_mode}'); drop the key")
+            if self.partial_rollouts != "off":
+                raise ValueError(f"partial_rollouts: {self.partial_rollouts} needs async_mode: in_flight (async_mode "
+                                 f"is '{self.async_mode}': a gated batch never sees a policy change mid-request)")
             return
+        self._check_partial()
         if self.eval is not None:
             raise ValueError("eval is not supported with async_mode: in_flight (the served policy changes while "
                              "an evaluation would run); drop eval or use async_mode: gated")
@@ -549,3 +562,21 @@ class OrchConfig(StrictModel):
             raise ValueError("sampling.temp_scheduler is not supported with async_mode: in_flight (a group "
                              "sampled ahead would carry another step's temperature than the batch it lands "
                              "in); set a fixed sampling.temperature or use async_mode: gated")
+
+    def _check_partial(self) -> None:
+        """Keys that `partial_rollouts: abort_resume` does not combine with (refused, never half-supported)."""
+        if self.partial_rollouts == "off":
+            return
+        why = {"client.backend": self.client.backend != "vllm" and f"'{self.client.backend}' (stopping a "
+               "streamed request and continuing it is written for vLLM's completions API)",
+               "weight_broadcast.type": self.weight_broadcast.type == "nccl" and "'nccl' (the trainer pushes the "
+               "weights into vLLM itself, so the orchestrator cannot stop requests before they change)",
+               "client.return_routed_experts": self.client.return_routed_experts and "true (router replay needs "
+               "each token's routes; a continued request's routes would come from its token prompt's prefill)",
+               "in_flight_split": self.in_flight_split is False and "false (a completion is stopped and continued "
+               "on its own, so a group is sampled as one request per completion)"}
+        for key, reason in why.items():
+            if reason:
+                raise ValueError(f"partial_rollouts: {self.partial_rollouts} does not combine with {key}: {reason}; "
+                                 f"set partial_rollouts: off or change {key}")
+

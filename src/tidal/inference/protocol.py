@@ -59,6 +59,9 @@ class Completion:
     """Why the environment's side failed this rollout (its server unreachable, a server error, a timeout, a
     service a reward function needs: `tidal.rewards.ServiceUnavailable`); such a rollout was not judged, carries no
     loss and stays out of its group's baseline (`tidal.orchestrator.outage`). None: judged."""
+    versions: list[int] | None = None
+    """Per token, the policy version that sampled it (orch `partial_rollouts`: a completion stopped at a policy
+    switch and continued under the new policy has tokens of several versions); None: one policy, the group's."""
 
 
 def server_root(base_url: str) -> str:

@@ -94,7 +94,10 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     lengths: list[int] = []
     truncated: list[bool] = []
     comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
+    token_versions: list[int] | None = [] if any(c.versions is not None for _, c in comps) else None
     for k, ((prompt, c), a) in enumerate(zip(comps, advantages, strict=True)):
+        if token_versions is not None:  # partial rollouts: the version of each token (prompt: the sample's start)
+            token_versions += [starts[k]] * len(prompt) + (c.versions or [starts[k]] * len(c.token_ids))
         tokens += prompt + c.token_ids
         keep_loss = 0 if masked is not None and masked[k] else 1
         mask += [0] * len(prompt) + [keep_loss * m for m in (c.mask or [1] * len(c.token_ids))]
@@ -115,6 +118,7 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
                           policy_steps=np.array(starts if keep else [], dtype=np.int32),
                           policy_steps_end=np.array(ends if keep else [], dtype=np.int32),
                           truncated=np.array(truncated),
+                          token_versions=None if token_versions is None else np.array(token_versions if keep else []),
                           max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
                           routed_experts=batch_routes([(n, c.routed_experts if c.mask is None else None)
                                                        for n, (_, c) in zip(lengths, comps, strict=False)]),

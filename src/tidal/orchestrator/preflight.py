@@ -51,10 +51,24 @@ def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None,
     try:
         env = EnvMix(cfg.env, cfg.buffer.env_ratios)
         give_tools(env.envs.values(), tooling)
+        check_partial(cfg, env)
         return Scoring(env, Scorer(env.envs, cfg, reward_funcs), Filters(cfg.filters, cfg.model.name),
                        load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None)
     except BUILD_ERRORS as exc:
         raise ConfigError(f"orch: {exc}") from None
+
+
+def check_partial(cfg: OrchConfig, env: EnvMix) -> None:
+    """orch `partial_rollouts` continues single-turn text completions only (`tidal.orchestrator.partial`): a
+    multi-turn or tool environment is refused (ValueError naming it and the keys)."""
+    if cfg.partial_rollouts == "off":
+        return
+    for name, e in env.envs.items():
+        if e.max_turns > 1 or e.tooling is not None:
+            kind = "a tool environment" if e.tooling is not None else f"multi-turn (max_turns {e.max_turns})"
+            raise ValueError(f"partial_rollouts: {cfg.partial_rollouts} does not combine with env '{name}': it is "
+                             f"{kind}; a turn in progress would be continued without the environment's state. Set "
+                             f"partial_rollouts: off, or train single-turn environments only")
 
 
 def teacher_url(cfg: OrchConfig) -> str:

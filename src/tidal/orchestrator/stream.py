@@ -62,6 +62,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.fill import Filler, Retries, with_teacher
 from tidal.orchestrator.groups import StepSample, draw_prompts, group_rollouts, sample_seed
 from tidal.orchestrator.outage import EnvFailures, Outage
+from tidal.orchestrator.partial import Switch, newest_version, partial_group, refuse_whole_group
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.rollout import split_group
 from tidal.orchestrator.sampling import temperature_at
@@ -137,6 +138,8 @@ class GroupStream:
         self._tasks: list[asyncio.Task[None]] = []
         self.outage = outage or Outage(cfg.env_outage, env)
         self._outage_waits = self.outage.waits
+        # partial rollouts (orch partial_rollouts, orchestrator/partial.py): a no-op Switch when off
+        self.partial = Switch(cfg.partial_rollouts, policy, cfg.partial_rollouts != "off" and policy.merged)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,7 +194,11 @@ class GroupStream:
                         self.policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
                 newest = weights.newest_policy(self.policy.run_dir)
                 if (newest, weights.policy_stamp(self.policy.run_dir, newest)) != self.policy.loaded:
-                    await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    await self.partial.before_load()  # partial rollouts: merged weights change under no request
+                    try:
+                        await self.policy.ensure(0, self.cfg.weights_timeout_s)
+                    finally:
+                        self.partial.after_load()  # partial rollouts: running requests continue on the new policy
                     self.changed.set()
                 retries.ok()
             except InferenceError as exc:  # a server died or restarted: load the policy again once it answers
@@ -277,7 +284,8 @@ class GroupStream:
             slots.take(self.cfg.rollouts_per_example - slots.held)  # a failed or outage try gave its slots back
             try:
                 comps = await self._sample(step, ex, prompt, seq, model, images, slots)
-                end = self.policy.end_version(start)
+                # partial rollouts: a group's newest token's version (no request runs while weights change)
+                end = newest_version(comps, start) if self.partial.on else self.policy.end_version(start)
                 if self.policy.pushed_timeout_s is not None:  # nccl: a push may precede its publication
                     end = max(end, max((await self.client.weight_versions()).values(), default=end))
                 return comps, start, end
@@ -297,6 +305,7 @@ class GroupStream:
         n = self.cfg.rollouts_per_example
         env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
         if images or env.tooling is not None or env.max_turns > 1 or self.cfg.in_flight_split is False:
+            refuse_whole_group(self.partial, images, env)  # partial rollouts: single-turn text groups only
             try:
                 return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
                                              [images]))[0]
@@ -304,6 +313,9 @@ class GroupStream:
                 slots.free(n)
 
         seed = sample_seed(self.cfg.sampling, step, seq * n)  # one index per completion
+        if self.partial.on:  # partial rollouts: each completion continued across policy switches
+            return await partial_group(self.partial, self.client, prompt, n, self.cfg.sampling, self.cfg.seq_len,
+                                       seed, temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
         return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
                                  temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
 
@@ -366,6 +378,7 @@ class GroupStream:
         self.counts = {}
         counts["env/outage_waits"], self._outage_waits = self.outage.waits - self._outage_waits, self.outage.waits
         filler.shortfall(counts, f"batch {step}")  # 0: the stream fills every batch
+        self.partial.take_counts(counts, step, filler.kept.groups, filler.kept.versions)  # partial rollouts
         dropped, self.dropped = self.dropped, (0, 0)
         if dropped[1]:
             log.info("batch %d: dropped %d group(s) staler than max_off_policy_steps %d", step, dropped[1],

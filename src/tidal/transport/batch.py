@@ -8,7 +8,9 @@ it); `teacher_logprobs` is optional (present when the orchestrator scored comple
 Per-sample arrays (`rewards`, `policy_steps`, `truncated`, optional `policy_steps_end`) have one entry per sample:
 `policy_steps` is the policy that was serving when the sample's request started, `policy_steps_end` (written by
 the in-flight orchestrator) the newest policy that may have produced some of its tokens (greater when the
-weights changed during the request; `tidal.orchestrator.staleness`); `max_tokens` is the
+weights changed during the request; `tidal.orchestrator.staleness`); `token_versions` (optional, per token, written
+with orch `partial_rollouts`) the policy version that sampled each token (a prompt token: its sample's start version;
+`tidal.orchestrator.partial`); `max_tokens` is the
 completion budget the rollouts were sampled with. Scalars and the orchestrator's step
 metrics travel as JSON in the safetensors metadata. No pickle anywhere.
 
@@ -34,12 +36,12 @@ import numpy as np
 
 _ARRAYS = {"tokens": np.int32, "lengths": np.int32, "loss_mask": np.uint8, "inference_logprobs": np.float32,
            "advantages": np.float32, "rewards": np.float32, "policy_steps": np.int32, "truncated": np.uint8}
-_OPTIONAL = {"teacher_logprobs": np.float32, "policy_steps_end": np.int32}
+_OPTIONAL = {"teacher_logprobs": np.float32, "policy_steps_end": np.int32, "token_versions": np.int32}
 _IMAGES = {"image_data": np.uint8, "image_lengths": np.int64, "sample_images": np.int32,
            "sample_image_counts": np.int32, "prompt_lengths": np.int32}
 _ROUTES = "routed_experts"
 """Optional (tokens, layers, top_k) uint8 | int16 array: its dtype travels as stored."""
-_PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs")
+_PER_TOKEN = ("tokens", "loss_mask", "inference_logprobs", "advantages", "teacher_logprobs", "token_versions")
 _PER_SAMPLE = ("rewards", "policy_steps", "truncated")
 
 
@@ -71,6 +73,7 @@ class TrainingBatch:
     prompt_lengths: np.ndarray | None = None
     policy_steps_end: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.truncated is None:

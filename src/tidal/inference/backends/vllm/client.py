@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import os
@@ -180,6 +181,64 @@ class VllmClient:
             comps.append(Completion(ids, lps, choice["text"], choice.get("finish_reason") or "",
                                     list(texts) if texts is not None and len(texts) == len(ids) else None))
         return comps
+
+    async def sample_stream(self, model: str, prompt_ids: list[int], max_tokens: int, temperature: float,
+                            stop: asyncio.Event, seed: int | None = None,
+                            extra: dict[str, Any] | None = None) -> Completion:
+        """One completion of `prompt_ids`, streamed token by token, until it ends or `stop` is set: then the
+        connection is closed (vLLM aborts the request) and the tokens received so far come back with finish reason
+        `interrupted` (orch `partial_rollouts`, `tidal.orchestrator.partial`). Every token returned was received
+        before `stop` was seen, so it was sampled before whatever the caller does next (load another policy)."""
+        url = f"{self.urls[next(self._rr)]}/completions"
+        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": 1, "max_tokens": max_tokens,
+                                   "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
+                                   "return_token_ids": True, "skip_special_tokens": True, "stream": True,
+                                   **({} if seed is None else {"seed": seed}), **(extra or {})}
+        ids: list[int] = []
+        lps: list[float] = []
+        texts: list[str] = []
+        text: list[str] = []
+        reason = ""
+
+        async def read() -> None:
+            nonlocal reason
+            try:
+                async with self.http.stream("POST", url, json=payload) as r:
+                    if r.status_code != 200:
+                        raise InferenceError(f"POST {url} -> HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        for choice in json.loads(line[6:]).get("choices") or []:
+                            new, lp = list(choice.get("token_ids") or []), choice.get("logprobs") or {}
+                            got = [float(x) for x in lp.get("token_logprobs") or []]
+                            if len(new) != len(got):
+                                raise InferenceError(f"{url}: {len(new)} token ids but {len(got)} logprobs")
+                            ids.extend(new)
+                            lps.extend(got)
+                            texts.extend(lp.get("tokens") or [])
+                            text.append(choice.get("text") or "")
+                            reason = choice.get("finish_reason") or reason
+            except httpx.HTTPError as exc:
+                raise InferenceError(f"POST {url} (stream) failed: {exc!r}") from exc
+
+        reader, stopper = asyncio.ensure_future(read()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not reader.done():
+                reader.cancel()  # closes the connection: vLLM aborts the request
+                await asyncio.gather(reader, return_exceptions=True)
+                reason = reason or "interrupted"  # a finish reason received: it ended before the stop
+        if reason != "interrupted":
+            reader.result()  # raises the request's error
+        return Completion(ids, lps, "".join(text), reason, texts if len(texts) == len(ids) else None)
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """The text of `token_ids` as the server detokenizes it (special tokens skipped)."""
+        return str((await self._post(f"{server_root(self.urls[0])}/detokenize",
+                                     {"model": model, "tokens": token_ids}))["prompt"])
 
     async def sample_generate(self, model: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
                               seed: int | None = None, extra: dict[str, Any] | None = None,

@@ -1,0 +1,231 @@
+"""Partial rollouts (orch `partial_rollouts: abort_resume`): a policy change reaches completions already running.
+
+Without it (`off`) an in-flight completion keeps the policy it started with until it ends, so under long-tailed
+lengths the longest completions are sampled throughout by the stalest policies of a batch. With it, each
+completion of a single-turn text group is sampled as a streamed request (`VllmClient.sample_stream`) registered
+with the stream's `Switch`; when the policy follower serves a newer policy the switch stops the running requests
+(vLLM aborts them as their connections close), keeps every token received, and each completion continues under the
+new policy from prompt + its tokens so far as a token prompt, within what is left of its token budget:
+- LoRA adapters (`reload: lora`): the new adapter is loaded first (running requests keep sampling meanwhile), then
+  every request on an older policy is stopped and continues on the new adapter;
+- merged reloads (`reload: merged`): every running request is stopped and new ones are held *before* the weights
+  change (`before_load`), and released once the new weights serve (`after_load`), so no token is sampled while
+  the weights change.
+Either way every token keeps the logprob vLLM reported when it sampled it (the true behaviour logprob) and the
+version of the policy that sampled it (`Completion.versions`); a token is never attributed to a policy it was not
+sampled under, because the tokens kept are those received before the switch asked vLLM to stop (a merged reload
+starts only after that).
+
+Staleness is orchestrator-side and per group, "a sample is as stale as its oldest token": the group keeps the
+version its requests started under (`Group.version[0]`, which no token predates) for `max_off_policy_steps` and
+the staleness metrics, and its newest token's version as `version[1]`. Chosen over per-token masking because it
+needs no change in the trainer's loss (the per-token behaviour logprobs already make the importance ratio exact
+per token), keeps a group's advantages computed over complete samples, and with partial rollouts a long
+completion's oldest tokens are its first few, sampled when it started: the bound the user sets on the policy lag
+still holds for every token trained on. So a group's staleness and the groups dropped as stale do not change with
+partial rollouts; the staleness of the tokens does (`token_staleness`, per batch).
+
+What a continuation changes, and why it is sound: vLLM's sampling state of a request is its token history (the
+repetition penalty reads prompt + output, both carried over), its seed (a continuation is seeded `seed + 7919 x
+segment`, so a seeded run stays reproducible, but draws other random numbers than the uninterrupted request would
+have: the tokens are equally likely, not the same; a greedy continuation is the same) and `min_tokens` (what is
+left of it). The prompt's KV cache is prefilled again (prefix caching shares what it can). Multi-turn and tool
+environments, prompts with images, router replay, nccl pushes and SGLang are refused (`OrchConfig._check_partial`,
+`tidal.orchestrator.preflight.check_partial`); a group's requests are always split, one per completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tidal.config.orch import SamplingSection
+from tidal.inference.protocol import Completion, InferenceClient
+from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.sampling import extra_sampling
+
+log = logging.getLogger("tidal.orch")
+
+SEGMENT_SEED_STRIDE = 7919
+"""A continued request's seed: `seed + SEGMENT_SEED_STRIDE x segment` (segment 0: the request's own seed)."""
+
+
+class Switch:
+    """The running partial requests of one in-flight stream, and what a policy switch does to them (module doc).
+    `off` (orch `partial_rollouts: off`): every hook is a no-op and the stream samples as without it."""
+
+    def __init__(self, mode: str, policy: PolicyTracker, merged: bool) -> None:
+        self.on, self.policy, self.merged = mode != "off", policy, merged
+        self.open = asyncio.Event()  # cleared while merged weights change: no request may run
+        self.open.set()
+        self.running: dict[asyncio.Event, int] = {}  # stop event -> the policy version its request runs on
+        self.idle = asyncio.Event()  # no request running
+        self.idle.set()
+        self.counts: dict[str, float] = {}
+
+    def _count(self, key: str, v: float = 1.0) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + v
+
+    def _stop(self, older_than: int | None) -> None:
+        """Stop the running requests on a policy older than `older_than` (None: all)."""
+        for ev, version in self.running.items():
+            if not ev.is_set() and (older_than is None or version < older_than):
+                ev.set()
+                self._count("partial/stopped_requests")
+
+    async def before_load(self) -> None:
+        """The follower is about to load a newer policy: with merged reloads, hold new requests and stop the
+        running ones, and wait until they have stopped (the weights must not change under a request)."""
+        if not (self.on and self.merged):
+            return
+        self.open.clear()
+        self._stop(None)
+        await self.idle.wait()
+
+    def after_load(self) -> None:
+        """The follower loaded a policy (or failed to): release held requests; with LoRA, stop the requests
+        still on an older adapter so that they continue on the new one."""
+        if not self.on:
+            return
+        self._count("partial/switches")
+        self.open.set()
+        if not self.merged:
+            self._stop(self.policy.step)
+
+    def take_counts(self, counts: dict[str, float], step: int, groups: list[list[Completion]],
+                    versions: list[tuple[int, int]]) -> None:
+        """Add the counts since the previous batch and batch `step`'s token staleness (`token_staleness`, in
+        either mode) to `counts`, and start counting again."""
+        for k, v in self.counts.items():
+            counts[k] = counts.get(k, 0.0) + v
+        self.counts = {}
+        counts.update(token_staleness(step, groups, [v[0] for v in versions]))
+
+    async def segment(self, client: Any, prompt_ids: list[int], max_tokens: int, temperature: float,
+                      seed: int | None, extra: dict[str, Any]) -> tuple[Completion, int]:
+        """One request of a partial completion on the policy served now, until it ends or a switch stops it;
+        with the version that sampled its tokens."""
+        while not self.open.is_set():
+            await self.open.wait()
+        model, version = self.policy.lease()
+        stop = asyncio.Event()
+        self.running[stop] = version
+        self.idle.clear()
+        try:
+            if version < self.policy.step:  # a switch between the lease and here: continue on the new policy
+                stop.set()
+            part = await client.sample_stream(model, prompt_ids, max_tokens, temperature, stop, seed, extra)
+        finally:
+            del self.running[stop]
+            if not self.running:
+                self.idle.set()
+            self.policy.release(model)
+        return part, version
+
+
+async def partial_completion(switch: Switch, client: Any, prompt_ids: list[int], max_tokens: int,
+                             sampling: SamplingSection, temperature: float, seed: int | None) -> Completion:
+    """One completion of `prompt_ids` within `max_tokens`, continued across policy switches (module doc): its
+    tokens, their behaviour logprobs and (`versions`) the policy version of each."""
+    ids: list[int] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    texts: list[str] | None = []
+    text, segment, reason = "", 0, ""
+    while True:
+        left = max_tokens - len(ids)
+        extra = extra_sampling(sampling, left)
+        if "min_tokens" in extra:
+            extra["min_tokens"] = max(0, min(left, sampling.min_tokens - len(ids)))
+        seg_seed = None if seed is None else seed + SEGMENT_SEED_STRIDE * segment
+        part, version = await switch.segment(client, prompt_ids + ids, left, temperature, seg_seed, extra)
+        ids, lps, text = ids + part.token_ids, lps + part.logprobs, text + part.text
+        versions += [version] * len(part.token_ids)
+        texts = texts + part.token_texts if texts is not None and part.token_texts is not None else None
+        reason = part.finish_reason
+        if reason != "interrupted":
+            break
+        if len(ids) >= max_tokens:
+            reason = "length"
+            break
+        segment += 1
+        switch._count("partial/resumed_requests")
+    if segment:  # the text of a continued completion as one piece (a character may span two requests)
+        shown = ids[:-1] if reason == "stop" and ids else ids  # the EOS, which the completions API leaves out
+        text = await client.detokenize(prompt_model(switch), shown)
+    return Completion(ids, lps, text, reason, texts, versions=versions)
+
+
+def prompt_model(switch: Switch) -> str:
+    """A model name the server detokenizes with (every adapter shares the base model's tokenizer)."""
+    return switch.policy.base_model
+
+
+async def partial_group(switch: Switch, client: InferenceClient, prompt_ids: list[int], n: int,
+                        sampling: SamplingSection, seq_len: int, seed: int | None, temperature: float,
+                        on_done: Callable[[], None]) -> list[Completion]:
+    """`rollout.split_group` with partial completions: `n` completions of one prompt, each its own request(s),
+    `on_done` called once per completion however it ends; a failed request cancels the others and raises.
+    Completion i is seeded `seed + i` (`seed` set)."""
+    room = seq_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
+    max_tokens = min(sampling.max_tokens or room, room)
+
+    async def one(i: int) -> Completion:
+        return await partial_completion(switch, client, prompt_ids, max_tokens, sampling, temperature,
+                                        None if seed is None else seed + i)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    for t in tasks:
+        t.add_done_callback(lambda _: on_done())
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def token_staleness(step: int, groups: list[list[Completion]], starts: list[int]) -> dict[str, float]:
+    """Batch `step`'s staleness per sampled token and of its longest completions: `staleness/token_mean` (over
+    every sampled token, (step - 1) - the version that sampled it; a completion without `versions` is its group's
+    start version throughout), `staleness/longest_decile` (the longest tenth of the completions, at least one:
+    their mean staleness by oldest token, what `max_off_policy_steps` judges) and
+    `staleness/longest_decile_token_mean` (the same completions, per token). Partial rollouts lower the per-token
+    figures; the oldest-token one stays (module doc)."""
+    rows = []  # (length, oldest-token staleness, sum of per-token staleness, sampled tokens)
+    for comps, start in zip(groups, starts, strict=True):
+        for c in comps:
+            mask = np.ones(len(c.token_ids), dtype=bool) if c.mask is None else np.asarray(c.mask, dtype=bool)
+            v = np.full(len(c.token_ids), start) if c.versions is None else np.asarray(c.versions)
+            lag = np.maximum(0, (step - 1) - v[mask])
+            rows.append((len(c.token_ids), max(0, step - 1 - start), float(lag.sum()), int(mask.sum())))
+    if not rows:
+        return {}
+    rows.sort(key=lambda r: -r[0])
+    top = rows[:max(1, len(rows) // 10)]
+    return {"staleness/token_mean": sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)),
+            "staleness/longest_decile": float(np.mean([r[1] for r in top])),
+            "staleness/longest_decile_token_mean": sum(r[2] for r in top) / max(1, sum(r[3] for r in top))}
+
+
+def newest_version(comps: list[Completion], start: int) -> int:
+    """The newest policy version that sampled a token of `comps` (`start` when none records versions)."""
+    return max([start, *(max(c.versions) for c in comps if c.versions)])
+
+
+def refuse_whole_group(switch: Switch, images: list[bytes], env: Any) -> None:
+    """Partial rollouts continue single-turn text completions only: a group that would be sampled whole
+    (images, multi-turn, tools) is an error (the config check refuses multi-turn and tool environments up front;
+    images are seen only here)."""
+    if switch.on:
+        what = "holds images" if images else f"comes from environment '{getattr(env, 'id', env)}' (multi-turn/tools)"
+        raise ValueError(f"orch partial_rollouts: abort_resume continues single-turn text completions only, and a "
+                         f"prompt {what}: a continuation would need the images / the turn's environment state again; "
+                         f"set partial_rollouts: off for this run")

@@ -1,0 +1,270 @@
+"""Partial rollouts (orch `partial_rollouts: abort_resume`, issue 52) against the real vLLM server: completions
+running when a newer LoRA policy is loaded are stopped and continued on it, every token keeping the version and
+the behaviour logprob it was sampled with.
+
+The on-policy check: policies 1 and 2 are the same adapter published twice (a learning rate of 0), so a continued
+completion must be what an uninterrupted one would have been: greedy, the very same tokens; sampled, behaviour
+logprobs that the trainer's float32 forward (PEFT) reproduces with a mismatch KL (k3, per token, float64 over the
+float32 logprobs) at the CPU floor. A random non-trivial adapter on the bundled model, built from its config."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import MODEL
+from tidal.config.orch import ClientSection, SamplingSection
+from tidal.inference.backends.vllm.client import VllmClient
+from tidal.orchestrator.partial import Switch, partial_completion, partial_group
+from tidal.orchestrator.policy import PolicyTracker
+from tidal.trainer.model.load import load_base_model
+from tidal.trainer.step.logprobs import forward_logprobs
+from tidal.transport import weights
+
+pytestmark = pytest.mark.vllm
+
+LONG = 460  # tokens per completion (min_tokens = max_tokens: no early EOS; the server's max_model_len is 512)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(path, trained: bool):
+    """A LoRA adapter of the bundled model (saved to `path`) and its PEFT model (the trainer's view): `trained`, a
+    random non-trivial one; else as PEFT initializes it (B = 0), what a trainer at learning rate 0 publishes."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(random.SystemRandom().randrange(2**31))
+    base = load_base_model(MODEL, torch.device("cpu"), torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and trained:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(path))
+    return path, model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return make_adapter(tmp_path_factory.mktemp("adapter"), trained=True)
+
+
+@pytest.fixture(scope="module")
+def lr0_adapter(tmp_path_factory):
+    return make_adapter(tmp_path_factory.mktemp("adapter0"), trained=False)
+
+
+def publish(run_dir, step, adapter_dir):
+    import shutil
+
+    weights.publish(run_dir, step, lambda tmp: [shutil.copy(f, tmp / f.name) for f in adapter_dir.iterdir()])
+
+
+async def switch_when_running(switch: Switch, policy: PolicyTracker, run_dir, adapter_dir, after_s: float) -> None:
+    """Once requests run, publish policy 2 (the same adapter: lr 0) and do what the stream's follower does."""
+    while not switch.running:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(after_s)
+    publish(run_dir, 2, adapter_dir)
+    await switch.before_load()
+    try:
+        await policy.ensure(0, 60)
+    finally:
+        switch.after_load()
+
+
+def run(vllm_server, tmp_path, adapter_dir, body):
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            publish(tmp_path, 1, adapter_dir)
+            policy = PolicyTracker(client, MODEL, tmp_path, "partial")
+            await policy.ensure(1, 60)
+            switch = Switch("abort_resume", policy, merged=False)
+            prompt = await client.tokenize_text(MODEL, "reverse: hello world")
+            try:
+                return await body(client, policy, switch, prompt), switch
+            finally:
+                await client.unload_adapter(policy.model)
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def test_a_continued_greedy_completion_is_the_uninterrupted_one(vllm_server, tmp_path, adapter):
+    adapter_dir, _ = adapter
+    sampling = SamplingSection(max_tokens=LONG, min_tokens=LONG, temperature=1.0)
+
+    async def body(client, policy, switch, prompt):
+        whole = (await client.sample(policy.model, prompt, 1, LONG, 0.0, None, {"min_tokens": LONG}))[0]
+        switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.05))
+        cont = await partial_completion(switch, client, prompt, LONG, sampling, 0.0, None)
+        await switcher
+        return whole, cont
+
+    (whole, cont), switch = run(vllm_server, tmp_path, adapter_dir, body)
+    v = np.array(cont.versions)
+    assert set(v.tolist()) == {1, 2} and (np.diff(v) >= 0).all(), "the switch must land mid-completion"
+    assert switch.counts["partial/resumed_requests"] >= 1 and switch.counts["partial/stopped_requests"] >= 1
+    assert cont.finish_reason == whole.finish_reason == "length" and len(cont.token_ids) == LONG
+    assert cont.token_ids == whole.token_ids, "greedy: the continued completion must be the uninterrupted one"
+    assert np.abs(np.array(cont.logprobs) - np.array(whole.logprobs)).max() < 1e-4
+    assert cont.text == whole.text
+
+
+def trainer_kl(peft_model, prompt: list[int], comps) -> np.ndarray:
+    """Per token, the k3 estimate of KL(inference || trainer): the trainer's float32 forward (PEFT) against the
+    behaviour logprobs vLLM reported, in float64."""
+    out = []
+    for c in comps:
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            ours = forward_logprobs(peft_model, ids, torch.arange(ids.shape[1])[None], 1.0)[0, len(prompt):]
+        r = ours.double().numpy() - np.array(c.logprobs, dtype=np.float64)  # log(trainer / inference)
+        out.append(np.exp(r) - 1 - r)
+    return np.concatenate(out)
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores: 6 x 460 tokens sampled and scored by the trainer
+def test_sampled_group_spans_the_switch_on_policy(vllm_server, tmp_path, lr0_adapter):
+    """n = 4 completions at temperature 1 (seeded) across a switch between two learning-rate-0 policies: the
+    trainer scores the continued tokens as closely as it scores uninterrupted completions of the same policy (the
+    base model's weights: the adapter's B is 0): mismatch KL at the floor of this server and model, which is
+    measured here on two uninterrupted completions rather than assumed."""
+    adapter_dir, peft_model = lr0_adapter
+    sampling = SamplingSection(max_tokens=LONG, min_tokens=LONG, temperature=1.0, seed=7)
+    done: list[int] = []
+
+    async def body(client, policy, switch, prompt):
+        switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.2))
+        comps = await partial_group(switch, client, prompt, 4, sampling, 512, 7, 1.0, lambda: done.append(1))
+        await switcher
+        plain = await client.sample(MODEL, prompt, 2, LONG, 1.0, 11, {"min_tokens": LONG})
+        return prompt, comps, plain
+
+    (prompt, comps, plain), switch = run(vllm_server, tmp_path, adapter_dir, body)
+    assert len(done) == 4 and len(comps) == 4 and switch.counts["partial/switches"] == 1
+    spanning = [c for c in comps if len(set(c.versions)) == 2]
+    assert spanning, "some completion must span the switch"
+    for c in comps:
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) == LONG and c.finish_reason == "length"
+        assert c.versions == sorted(c.versions) and set(c.versions) <= {1, 2}
+    continued, floor = float(trainer_kl(peft_model, prompt, spanning).mean()), float(
+        trainer_kl(peft_model, prompt, plain).mean())
+    print(f"mismatch_kl: continued {continued:.3e} ({len(spanning)} completion(s)), uninterrupted {floor:.3e}")
+    assert continued < 3 * floor + 1e-10, f"continued completions are off-policy: mismatch_kl {continued:.3e} " \
+                                          f"against {floor:.3e} uninterrupted"
+
+
+def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm_server, tmp_path, lr0_adapter):
+    """`GroupStream` with `partial_rollouts: abort_resume` (the stream's hooks): policy 1 is published while
+    groups of n = 2 run on policy 0 (the base model); the batch's completions carry per-token versions, some span
+    0 -> 1, and each group's (start, end) are its start and its newest token's version."""
+    from tidal.config.orch import OrchConfig
+    from tidal.orchestrator.buffer import Buffer
+    from tidal.orchestrator.envmix import EnvMix
+    from tidal.orchestrator.scoring import Scorer
+    from tidal.orchestrator.stream import GroupStream
+
+    adapter_dir, _ = lr0_adapter
+    cfg = OrchConfig.model_validate({
+        "batch_size": 4, "rollouts_per_example": 2, "seq_len": 512, "async_mode": "in_flight",
+        "partial_rollouts": "abort_resume", "in_flight_groups": 2, "max_async_level": 2,
+        "sampling": {"max_tokens": 300, "min_tokens": 300}})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "stream")
+            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            while not stream.partial.running:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            publish(tmp_path, 1, adapter_dir)  # the follower loads it and the running completions move onto it
+            counts: dict[str, float] = {}
+            got = await stream.take(1, counts)
+            await stream.close()
+            await client.unload_adapter(policy.model)
+            return got, counts
+        finally:
+            await client.close()
+
+    got, counts = asyncio.run(go())
+    c = got.collected
+    assert counts["partial/switches"] >= 1 and counts["partial/stopped_requests"] >= 1
+    comps = [comp for group in c.groups for comp in group]
+    assert len(comps) == 4 and all(len(x.versions) == len(x.token_ids) == 300 for x in comps)
+    assert any(set(x.versions) == {0, 1} for x in comps), "a completion must span the switch"
+    for group, (start, end) in zip(c.groups, c.versions, strict=True):
+        assert start <= min(v for x in group for v in x.versions) and end == max(v for x in group for v in x.versions)
+
+
+@pytest.fixture(scope="module")
+def reload_server(tmp_path_factory):
+    """A real vLLM server on the bundled model that reloads merged weights in place (infer `weight_reload`)."""
+    from tests.conftest import free_port, kill_group, tidal, wait_healthy
+
+    port, log = free_port(), tmp_path_factory.mktemp("vllm_reload") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.port", str(port), "--infer.weight_reload", "true", "--infer.enable_lora",
+                     "false", stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1"
+        kill_group(proc)
+
+
+@pytest.mark.slow  # a server of its own (~30-60 s to start on 2 cores)
+def test_merged_reload_stops_running_completions_first_and_continues_them(reload_server, tmp_path):
+    """`reload: merged`: the running greedy completion is stopped before the weights are reloaded (policy 1: the
+    base model's weights as the trainer merges them at learning rate 0), then continued on them: the very tokens
+    of an uninterrupted completion, tokens 0 .. k from policy 0 and the rest from policy 1."""
+    base = load_base_model(MODEL, torch.device("cpu"), torch.float32)
+    sampling = SamplingSection(max_tokens=LONG, min_tokens=LONG)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[reload_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "unused", merged=True)
+            await policy.ensure(0, 60)
+            switch = Switch("abort_resume", policy, merged=True)
+            prompt = await client.tokenize_text(MODEL, "reverse: hello world")
+            whole = (await client.sample(MODEL, prompt, 1, LONG, 0.0, None, {"min_tokens": LONG}))[0]
+
+            async def switcher():
+                while not switch.running:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.05)
+                weights.publish(tmp_path, 1, lambda tmp: base.save_pretrained(str(tmp / "merged")))
+                await switch.before_load()
+                assert not switch.running and not switch.open.is_set()
+                try:
+                    await policy.ensure(0, 120)
+                finally:
+                    switch.after_load()
+
+            task = asyncio.create_task(switcher())
+            cont = await partial_completion(switch, client, prompt, LONG, sampling, 0.0, None)
+            await task
+            return whole, cont, policy.step
+        finally:
+            await client.close()
+
+    whole, cont, served = asyncio.run(go())
+    assert served == 1
+    v = np.array(cont.versions)
+    assert set(v.tolist()) == {0, 1} and (np.diff(v) >= 0).all(), "the reload must land mid-completion"
+    assert cont.token_ids == whole.token_ids and cont.text == whole.text
+    assert np.abs(np.array(cont.logprobs) - np.array(whole.logprobs)).max() < 1e-4
