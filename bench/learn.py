@@ -227,11 +227,11 @@ def main() -> None:
         if not args.skip_trl:
             runs.append(trl_run(args, work, seed, model_dir))
             print(f"bench-learn: TRL seed {seed}: {runs[-1]['total_s']:.0f} s", flush=True)
+    (work / "runs.json").write_text(json.dumps(runs, indent=1))  # kept should the evaluation fail
     evals = greedy_eval(work, runs)
     out = Path(args.out)
     plot_path = out.with_name(out.stem.lower() + ".png")
     plot(runs, plot_path)
-    (work / "runs.json").write_text(json.dumps(runs, indent=1))
     out.write_text(report(args, runs, evals, plot_path))
     print(f"bench-learn: wrote {out} and {plot_path}")
 
