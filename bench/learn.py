@@ -188,6 +188,8 @@ def goal_lines(runs: list[dict[str, Any]]) -> list[str]:
     target = statistics.mean(final_reward(r) for r in trl)
     trl_s = statistics.mean(r["total_s"] for r in trl)
     out = [f"TRL's final reward (mean of the last 5 steps, over seeds): {target:.3f} after {trl_s:.0f} s."]
+    if target <= 0:
+        return [*out, "TRL did not learn in this invocation (final reward 0): nothing to reach, no time comparison."]
     for r in runs:
         if r["framework"] == "tidal":
             t = time_to_reach(r, target)
