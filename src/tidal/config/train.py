@@ -130,6 +130,11 @@ class ExportSection(StrictModel):
     merged: bool = False
     """Also write the merged full model (`final/merged/`: config, safetensors weights, tokenizer), loadable by
     `AutoModelForCausalLM.from_pretrained` and servable by vLLM as a plain model."""
+    gguf: Literal["f16", "f32"] | None = None
+    """Also write the final model (a LoRA policy merged into its base) as one GGUF file for llama.cpp, Ollama and LM
+    Studio, `final/gguf/model-{f16|f32}.gguf`: `f16` (matrices float16, norms float32) or `f32`; null: none. Llama,
+    Mistral, Qwen2 and Qwen3 models with a byte-level BPE tokenizer (`tidal.trainer.publish.gguf_out`); any other
+    model exits 2 before training starts."""
 
 
 DEFAULT_SFT_STEPS = 100

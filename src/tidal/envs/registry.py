@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.envs.addition import Addition
 from tidal.envs.base import Environment
 from tidal.envs.calculator import Calculator
 from tidal.envs.dataset import DatasetEnv
@@ -20,7 +21,7 @@ _REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProb
                                            Calculator.id: Calculator, DatasetEnv.id: DatasetEnv,
                                            OpenEnv.id: OpenEnv,  # openenv-core imported on first use
                                            ReverseTextLongTail.id: ReverseTextLongTail,
-                                           VisualShapes.id: VisualShapes}
+                                           VisualShapes.id: VisualShapes, Addition.id: Addition}
 
 
 def available() -> list[str]:

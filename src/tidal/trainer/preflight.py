@@ -9,6 +9,8 @@ applies (`prompt_sharing: true`, `rope_scaling` or a vision-language model read 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
@@ -70,6 +72,10 @@ def check_train(cfg: TrainConfig) -> None:
     check_prompt_sharing(cfg)
     check_router_replay(cfg)
     check_liger(cfg, config)
+    if cfg.export.gguf and config:
+        from tidal.trainer.publish.gguf_out import check_gguf_export
+
+        check_gguf_export(config, Path(resolve_model(cfg.model)), "train")
 
 
 def check_liger(cfg: TrainConfig, config: dict) -> None:

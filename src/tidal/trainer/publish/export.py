@@ -6,14 +6,15 @@
 (one file; `AutoModelForCausalLM.from_pretrained` and `vllm serve` load it like the base model). A fully
 fine-tuned policy (train `lora: false`) has no adapter: it is written once, as `final/model/` (a Hugging Face
 model directory with the tokenizer), whatever `export` says. Each directory is written to a temp name, renamed,
-then marked `STABLE`.
+then marked `STABLE`. `final/gguf/model-{f16|f32}.gguf` (train `export.gguf`) is the same merged model (or the fully
+fine-tuned one) as one GGUF file with the base model's tokenizer (`tidal.trainer.publish.gguf_out`).
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tidal.assets import resolve_model
 from tidal.config.train import ExportSection
@@ -34,6 +35,17 @@ def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
     return out
 
 
+def write_final_gguf(model: Any, base_dir: Path, run_dir: Path, dtype: Literal["f16", "f32"]) -> Path:
+    """`final/gguf/model-{dtype}.gguf`: the merged (or fully trained) weights with the base model's config and
+    tokenizer."""
+    from tidal.trainer.publish.gguf_out import write_gguf
+
+    weights = merged_state_dict(model, checkpoint_keys(base_dir))
+    with atomic_dir(final_dir(run_dir, "gguf")) as tmp:
+        write_gguf(weights.items(), base_dir, tmp / f"model-{dtype}.gguf", dtype)
+    return final_dir(run_dir, "gguf") / f"model-{dtype}.gguf"
+
+
 def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: str,
                  run_dir: Path) -> dict[str, Path]:
     """Write what `export` asks for (`base_model`: train `model`, whose files the merged export copies);
@@ -41,6 +53,8 @@ def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: 
     from tidal.trainer.publish.broadcast import is_peft
 
     out: dict[str, Path] = {}
+    if export.gguf:
+        out["gguf"] = write_final_gguf(model, Path(resolve_model(base_model)), run_dir, export.gguf)
     if not is_peft(model):
         out["model"] = final_dir(run_dir, "model")
         with atomic_dir(out["model"]) as tmp:

@@ -1,0 +1,53 @@
+"""addition: "What is A + B? Answer with a number." for two random integers, the real-model example's task
+(`make run-real`, docs/real-model.md): SmolLM2-135M-Instruct half-solves it, so GRPO has groups with both outcomes.
+
+Reward: 1.0 when the last integer in the completion equals A + B, else 0.0 (exact match of that number). The
+model's habit of restating the sum and rambling on ("12 + 30 = 42. This is ...") scores 0 when a later number
+follows, so the policy learns to answer and stop. `eval_examples`: a fixed set of `eval_size` problems (seed
+`eval_seed`), the same at every evaluation and in `examples/real_model/greedy_eval.py`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from tidal.envs.base import Environment, Example
+
+INTEGER = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer written in `text` (commas inside numbers dropped), None when there is none."""
+    found = INTEGER.findall(text.replace(",", ""))
+    return found[-1].lstrip("+") if found else None
+
+
+class Addition(Environment):
+    """Sums of two integers in [`low`, `high`]."""
+
+    id = "addition"
+
+    def __init__(self, low: int = 10, high: int = 99, eval_size: int = 64, eval_seed: int = 1234) -> None:
+        if not 0 <= low <= high:
+            raise ValueError(f"addition: need 0 <= low <= high, got low={low}, high={high}")
+        if eval_size < 1:
+            raise ValueError(f"addition: eval_size must be >= 1, got {eval_size}")
+        self.low, self.high, self.eval_size, self.eval_seed = low, high, eval_size, eval_seed
+
+    def problem(self, a: int, b: int) -> Example:
+        return Example(prompt=[{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
+                       answer=str(a + b), info={"a": a, "b": b})
+
+    def sample(self, rng: random.Random) -> Example:
+        return self.problem(rng.randint(self.low, self.high), rng.randint(self.low, self.high))
+
+    def reward(self, example: Example, completion: str) -> float:
+        return 1.0 if last_integer(completion) == example.answer else 0.0
+
+    def reference_completion(self, example: Example) -> str:
+        return example.answer
+
+    def eval_examples(self) -> list[Example] | None:
+        rng = random.Random(self.eval_seed)
+        return [self.sample(rng) for _ in range(self.eval_size)]

@@ -1,0 +1,211 @@
+"""GGUF files as a model source: `model: path/to/file.gguf` (or a directory holding one `.gguf` and no config.json)
+-> a Hugging Face model directory in tidal's cache, dequantized once, which vLLM, the trainer and the tokenizer then
+load like any local model (`tidal.assets.resolve_model` calls `resolve_gguf`).
+
+- Cache: `$TIDAL_CACHE/gguf/<sha256 of the file, 16 hex>/` (`TIDAL_CACHE` defaults to `$XDG_CACHE_HOME/tidal`, else
+  `~/.cache/tidal`). An entry is complete only with its `STABLE` marker; it is written under a temporary name in the
+  same directory and renamed, so a killed conversion never leaves an entry that is used. The content hash of a file is
+  remembered by (path, size, mtime) (`hashes/`), so a large file is read once, not at every start.
+- Conversion: transformers + PyPI's `gguf` (the `gguf` extra) dequantize the file (`from_pretrained(gguf_file=...)`,
+  float32), in a child process (`python -m tidal.gguf_dequant`: this module stays torch-free, and so does the
+  `tidal grpo` parent that resolves a model before anything starts). The entry holds float32 safetensors, the
+  tokenizer and chat template the file carries, and `gguf_source.json` (file, hash, architecture, tensor types).
+- Refusals (`GGUFModelError`, a FileNotFoundError: the command line turns it into exit 2, before anything starts),
+  read from the file's header without reading its tensors: an architecture transformers cannot read as GGUF
+  (`supported_architectures`), a tensor type `gguf` cannot dequantize (`dequantizable_types`), no tokenizer in the
+  file, no `gguf` package, or a directory with no or several `.gguf` files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SUFFIX = ".gguf"
+STABLE = "STABLE"
+SOURCE_FILE = "gguf_source.json"
+HASH_CHARS = 16
+"""The hex characters of the content hash that name a cache entry."""
+ARCH_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+"""GGUF architecture names transformers reads under another name (`load_gguf_checkpoint`)."""
+NOT_CAUSAL = {"t5", "umt5", "general", "tokenizer"}
+"""Keys of transformers' GGUF config mapping that are no causal-LM architecture."""
+INSTALL = "pip install gguf (tidal's extra: pip install -e '.[gguf]')"
+
+
+class GGUFModelError(FileNotFoundError):
+    """A GGUF model source that cannot be used: no such file, unsupported content, or the conversion failed."""
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a GGUF file's header says (no tensor data read)."""
+
+    architecture: str
+    """`general.architecture`, e.g. `llama`."""
+    tensor_types: dict[str, int]
+    """Tensor type name (`Q4_1`, `F32`, ...) -> how many tensors have it."""
+    has_tokenizer: bool
+    """The file carries a tokenizer (`tokenizer.ggml.tokens`)."""
+
+
+def cache_root() -> Path:
+    """tidal's cache: `TIDAL_CACHE`, else `$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal`."""
+    if os.environ.get("TIDAL_CACHE"):
+        return Path(os.environ["TIDAL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "tidal"
+
+
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file `name` names: a `.gguf` file, or a directory without config.json holding `.gguf` files (exactly
+    one, else GGUFModelError); None when `name` names no GGUF source (a model directory, a Hub id, ...)."""
+    p = Path(name).expanduser()
+    if p.suffix.lower() == SUFFIX and not p.is_dir():
+        if not p.is_file():
+            raise GGUFModelError(f"GGUF model file {p} does not exist")
+        return p.resolve()
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == SUFFIX and f.is_file())
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found[:4])
+        raise GGUFModelError(f"directory {p.resolve()} holds {len(found)} GGUF files ({names}); name the one to "
+                             "use (model: path/to/file.gguf)")
+    return found[0].resolve()
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of the file's bytes (hex), remembered under `hashes/` by (path, size, mtime) so it is read once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_root() / "hashes" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    write_atomic(memo, digest)
+    return digest
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary name and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_info(path: Path) -> GGUFInfo:
+    """The header of the GGUF file `path` (`gguf.GGUFReader` maps the file; no tensor is dequantized)."""
+    reader = gguf_reader(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else "?"
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return GGUFInfo(architecture=str(arch), tensor_types=types,
+                    has_tokenizer="tokenizer.ggml.tokens" in reader.fields)
+
+
+def gguf_reader(path: Path):  # type: ignore[no-untyped-def]
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFModelError(f"model {path}: reading a GGUF file needs the `gguf` package; {INSTALL}") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise GGUFModelError(f"model {path} is no readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def supported_architectures() -> list[str]:
+    """The GGUF architectures transformers converts to a causal LM (its GGUF config mapping; torch-free import)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return sorted(k for k in GGUF_CONFIG_MAPPING if k not in NOT_CAUSAL)
+
+
+def dequantizable_types() -> list[str]:
+    """The tensor types `gguf.dequantize` turns into floats: plain F32/F16/BF16/F64 and the quantized ones it knows."""
+    from gguf.quants import _type_traits
+
+    return sorted({"F32", "F16", "F64", *(t.name for t in _type_traits)})
+
+
+def check_supported(path: Path, info: GGUFInfo) -> None:
+    """Refuse what transformers + gguf cannot turn into a model directory (GGUFModelError, naming the file and what
+    is supported)."""
+    archs = supported_architectures()
+    arch = ARCH_RENAMES.get(info.architecture, info.architecture)
+    if arch not in archs:
+        raise GGUFModelError(f"model {path}: GGUF architecture '{info.architecture}' cannot be dequantized by "
+                             f"transformers; supported: {', '.join(archs)}")
+    bad = sorted(set(info.tensor_types) - set(dequantizable_types()))
+    if bad:
+        raise GGUFModelError(f"model {path}: tensor type(s) {', '.join(bad)} cannot be dequantized by gguf; "
+                             f"supported: {', '.join(dequantizable_types())}")
+    if not info.has_tokenizer:
+        raise GGUFModelError(f"model {path}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens); tidal needs "
+                             "the tokenizer from the file (llama.cpp's convert_hf_to_gguf.py writes it)")
+
+
+def is_complete(entry: Path) -> bool:
+    """A cache entry that was renamed into place (its STABLE marker exists)."""
+    return (entry / STABLE).is_file()
+
+
+def resolve_gguf(name: str) -> str | None:
+    """The cached HF model directory of the GGUF source `name` (converted now if it is not cached); None when `name`
+    names no GGUF source."""
+    path = gguf_file(name)
+    if path is None:
+        return None
+    entry = cache_root() / "gguf" / content_hash(path)[:HASH_CHARS]
+    if is_complete(entry):
+        return str(entry)
+    info = read_info(path)
+    check_supported(path, info)
+    convert(path, info, entry)
+    return str(entry)
+
+
+def convert(path: Path, info: GGUFInfo, entry: Path) -> None:
+    """Dequantize `path` into the cache entry `entry`: a child process writes a temporary directory beside it, which
+    is renamed into place once complete (another process that got there first wins; its entry is equal)."""
+    size_mb = path.stat().st_size / 2**20
+    types = ", ".join(f"{k} x{v}" for k, v in sorted(info.tensor_types.items()))
+    print(f"[tidal] dequantizing {path.name} ({size_mb:.0f} MB, {info.architecture}, tensors {types}) once into "
+          f"{entry} (float32; later runs reuse it)", file=sys.stderr, flush=True)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        raise GGUFModelError(f"model {path}: dequantizing the GGUF file failed (exit {proc.returncode}):\n{tail}")
+    write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
+                                                "architecture": info.architecture,
+                                                "tensor_types": info.tensor_types}, indent=1))
+    (tmp / STABLE).write_text("")
+    if entry.exists() and not is_complete(entry):
+        shutil.rmtree(entry, ignore_errors=True)  # not from a rename (those are complete): a leftover, replaced
+    try:
+        os.rename(tmp, entry)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_complete(entry):
+            raise

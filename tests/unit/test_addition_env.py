@@ -1,0 +1,39 @@
+"""The addition environment of the real-model example (`tidal.envs.addition`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidal.envs.addition import Addition, last_integer
+from tidal.envs.registry import make_env
+
+
+def test_reward_is_exact_match_of_the_last_integer():
+    env = make_env("addition", {"low": 10, "high": 99})
+    assert isinstance(env, Addition)
+    ex = env.sample(random.Random(0))
+    a, b = ex.info["a"], ex.info["b"]
+    assert 10 <= a <= 99 and 10 <= b <= 99 and ex.answer == str(a + b)
+    assert f"What is {a} + {b}?" in ex.prompt[-1]["content"]
+    assert env.reward(ex, f"{a} + {b} = {a + b}") == 1.0
+    assert env.reward(ex, f"The answer is {a + b}.") == 1.0
+    assert env.reward(ex, f"{a} + {b} = {a + b}. Then add {a} more.") == 0.0  # a later number decides
+    assert env.reward(ex, f"{a + b + 1}") == 0.0 and env.reward(ex, "no idea") == 0.0
+    assert last_integer("1,234 and -5") == "-5" and last_integer("x") is None
+
+
+def test_eval_set_is_fixed():
+    env = Addition(eval_size=16, eval_seed=9)
+    first, second = env.eval_examples(), env.eval_examples()
+    assert first is not None and second is not None and len(first) == 16
+    assert [e.answer for e in first] == [e.answer for e in second]
+    assert [e.answer for e in Addition(eval_size=16, eval_seed=10).eval_examples() or []] != [e.answer for e in first]
+
+
+def test_bad_args_are_refused():
+    with pytest.raises(ValueError, match="low <= high"):
+        Addition(low=50, high=10)
+    with pytest.raises(ValueError, match="eval_size"):
+        Addition(eval_size=0)
