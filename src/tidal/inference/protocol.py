@@ -59,6 +59,9 @@ class Completion:
     """Why the environment's side failed this rollout (its server unreachable, a server error, a timeout, a
     service a reward function needs: `tidal.rewards.ServiceUnavailable`); such a rollout was not judged, carries no
     loss and stays out of its group's baseline (`tidal.orchestrator.outage`). None: judged."""
+    fields: dict[str, Any] | None = None
+    """Extra fields a rollout function returned for this completion (`GRPOTrainer(rollout_func=...)`,
+    `tidal.orchestrator.rollout_func`), passed to reward functions as keyword arguments; None: none."""
 
 
 def server_root(base_url: str) -> str:
