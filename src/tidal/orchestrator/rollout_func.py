@@ -88,7 +88,7 @@ class RolloutFunc:
                     step: int = 1, max_steps: int | None = None) -> list[Completion]:
         """`n` completions of `example` from the user's function (see the module docs); `model`: the policy served
         now, `prompt_ids`: the example's prompt tokens (only a default: the function returns its own)."""
-        tokenizer = self.tokenizer
+        tokenizer = await asyncio.to_thread(lambda: self.tokenizer)  # loaded once, off the event loop
         trainer = RolloutTrainer(self, client, model, asyncio.get_running_loop(), sampling, seq_len, seed,
                                  temperature, n, RolloutState(max(step - 1, 0), max_steps or 0))
         out = await asyncio.to_thread(self.fn, [example.prompt] * n, trainer)
