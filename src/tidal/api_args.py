@@ -98,13 +98,18 @@ def tokenizer_of(processing_class: Any) -> Any:
     return getattr(processing_class, "tokenizer", None) or processing_class
 
 
-def tokenizer_difference(given: Any, model: str) -> str | None:
-    """What differs between the tokenizer `given` and the one in model `model`'s directory, or None."""
+def model_tokenizer(model: str) -> Any:
+    """The tokenizer in model `model`'s directory (what the vLLM server and the trainer load)."""
     from transformers import AutoTokenizer
 
     from tidal.assets import resolve_model
 
-    ours = AutoTokenizer.from_pretrained(resolve_model(model))
+    return AutoTokenizer.from_pretrained(resolve_model(model))
+
+
+def tokenizer_difference(given: Any, model: str) -> str | None:
+    """What differs between the tokenizer `given` and the one in model `model`'s directory, or None."""
+    ours = model_tokenizer(model)
     given = tokenizer_of(given)
     if not hasattr(given, "get_vocab"):
         return f"it is a {type(given).__name__}, not a tokenizer or a processor with one"
@@ -161,4 +166,8 @@ def rollout_function(rollout_func: Any, model: str, args: GRPOConfig, processing
                                   "call the tools inside the rollout function, or drop rollout_func")
     from tidal.orchestrator.rollout_func import RolloutFunc
 
-    return RolloutFunc(rollout_func, model, args, processing_class)
+    if not callable(rollout_func):  # before loading a tokenizer for it
+        raise TypeError(f"GRPOTrainer(rollout_func=...) must be a function (prompts, trainer) -> dict, got a "
+                        f"{type(rollout_func).__name__}")
+    tokenizer = processing_class if processing_class is not None else model_tokenizer(model)
+    return RolloutFunc(rollout_func, model, tokenizer, args)

@@ -8,9 +8,11 @@ import asyncio
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import MODEL
 from tidal import generate_rollout_completions
+from tidal.assets import resolve_model
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
@@ -31,7 +33,7 @@ def run_group(url: str, fn, example: Example = EXAMPLE):
     """`fn` as the environment's rollout function for one group of `example` (through `group_rollouts`, as the
     orchestrator samples a batch), with the example's prompt ids and the environment."""
     env = make_env("reverse-text")
-    env.rollout_func = RolloutFunc(fn, MODEL)
+    env.rollout_func = RolloutFunc(fn, MODEL, AutoTokenizer.from_pretrained(resolve_model(MODEL)))
 
     async def go():
         client = VllmClient(ClientSection(base_url=[url]))

@@ -65,30 +65,21 @@ class RolloutState:
 class RolloutFunc:
     """The user's rollout function with what it needs beside the server: the model's tokenizer and the config."""
 
-    def __init__(self, fn: Callable[..., Any], model: str, args: Any = None, processing_class: Any = None) -> None:
+    def __init__(self, fn: Callable[..., Any], model: str, tokenizer: Any, args: Any = None) -> None:
+        """`tokenizer`: the model's (a transformers tokenizer; the caller loads it: the orchestrator imports no
+        transformers), handed to the function as `trainer.processing_class` and used to decode completions."""
         if not callable(fn):
             raise TypeError(f"GRPOTrainer(rollout_func=...) must be a function (prompts, trainer) -> dict, got a "
                             f"{type(fn).__name__}")
         self.fn, self.model, self.args = fn, model, args
-        self._tokenizer = processing_class
-
-    @property
-    def tokenizer(self) -> Any:
-        """The tokenizer given (a processor's `.tokenizer`), else the model directory's (loaded once)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from tidal.assets import resolve_model
-
-            self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model))
-        return getattr(self._tokenizer, "tokenizer", None) or self._tokenizer
+        self.tokenizer = getattr(tokenizer, "tokenizer", None) or tokenizer  # a processor's tokenizer
 
     async def group(self, client: InferenceClient, model: str, prompt_ids: list[int], n: int,
                     sampling: SamplingSection, seq_len: int, seed: int | None, temperature: float, example: Example,
                     step: int = 1, max_steps: int | None = None) -> list[Completion]:
         """`n` completions of `example` from the user's function (see the module docs); `model`: the policy served
         now, `prompt_ids`: the example's prompt tokens (only a default: the function returns its own)."""
-        tokenizer = await asyncio.to_thread(lambda: self.tokenizer)  # loaded once, off the event loop
+        tokenizer = self.tokenizer
         trainer = RolloutTrainer(self, client, model, asyncio.get_running_loop(), sampling, seq_len, seed,
                                  temperature, n, RolloutState(max(step - 1, 0), max_steps or 0))
         out = await asyncio.to_thread(self.fn, [example.prompt] * n, trainer)
