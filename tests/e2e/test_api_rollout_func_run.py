@@ -1,7 +1,8 @@
 """`GRPOTrainer(rollout_func=...)` trains for real: a TRL-shaped script's rollout function samples through tidal's
 vLLM server (`generate_rollout_completions`), cuts each completion to its first 3 tokens and returns a field the
 reward function reads; the run trains on the returned tokens (every completion at most 3 tokens, where the server
-was allowed 16) and scores with the field (the reward, the field, equals the lengths tidal measured)."""
+was allowed 16) and scores with the field (the reward, the field, equals the lengths tidal measured); evaluation
+samples through it too."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def from_field(completions, completion_ids, n_tokens, **kwargs):
 
 args = GRPOConfig(output_dir=sys.argv[1], num_generations=4, per_device_train_batch_size=8, max_steps=2,
                   max_completion_length=16, max_prompt_length=64, learning_rate=1e-3, logging_steps=1,
-                  save_strategy="no", vllm_server_port=int(sys.argv[2]), seed=0)
+                  save_strategy="no", vllm_server_port=int(sys.argv[2]), seed=0, eval_strategy="steps",
+                  eval_steps=1)
 trainer = GRPOTrainer(model="tidal:tiny-reverse", reward_funcs=from_field, args=args, train_dataset=rows,
+                      eval_dataset=rows[:2],
                       rollout_func=rollout_func,
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 out = trainer.train()
@@ -69,3 +72,5 @@ def test_rollout_func_run_trains_on_the_returned_tokens_and_scores_its_field(tmp
         assert 1 <= r["completions/max_length"] <= 3, "the returned (cut) tokens are what the batch holds"
         assert r["reward/from_field/mean"] == pytest.approx(r["completions/mean_length"])
         assert r["loss"] == r["loss"] and r["tokens"] > 0
+    evals = read_metrics(run_dir / "eval.jsonl")
+    assert evals and all(1 <= e["eval/eval/completion_len/mean"] <= 3 for e in evals), "eval samples through it too"

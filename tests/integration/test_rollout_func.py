@@ -59,9 +59,10 @@ def test_generate_helper_tokens_logprobs_and_extra_fields_reach_batch_and_reward
         assert all(len(lp) == len(c) and all(len(x) == 1 for x in lp)
                    for lp, c in zip(logprobs, completion_ids, strict=True))
         secret = [float(len(c)) + 0.5 for c in completion_ids]
+        shifted = [[[x[0] - 0.25] for x in lp] for lp in logprobs]  # what tidal trains on is what it returns
         returned.update(prompt_ids=prompt_ids, completion_ids=completion_ids,
-                        logprobs=[[x[0] for x in lp] for lp in logprobs], secret=secret)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs,
+                        logprobs=[[x[0] for x in lp] for lp in shifted], secret=secret)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": shifted,
                 "logprob_token_ids": top_ids, "secret": secret, "tag": "same-for-all"}
 
     seen = {}
