@@ -5,6 +5,7 @@ functions, its token ids and logprobs are what the TrainingBatch carries, and ma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -49,13 +50,19 @@ def run_group(url: str, fn, example: Example = EXAMPLE):
 
 
 def test_generate_helper_tokens_logprobs_and_extra_fields_reach_batch_and_rewards(vllm_server):
-    returned = {}
+    returned, profiled = {}, []
+
+    @contextlib.contextmanager
+    def profiler():
+        profiled.append("enter")
+        yield
+        profiled.append("exit")
 
     def rollout(prompts, trainer):
         assert prompts == [EXAMPLE.prompt] * N and trainer.num_generations == N
         ids = [trainer.processing_class.encode(p) for p in prompts]
         prompt_ids, completion_ids, logprobs, top_ids = trainer.vllm_generation.generate(
-            prompts=ids, images=None, num_generations=N)
+            prompts=ids, images=None, num_generations=N, profiler=profiler())
         assert all(len(lp) == len(c) and all(len(x) == 1 for x in lp)
                    for lp, c in zip(logprobs, completion_ids, strict=True))
         secret = [float(len(c)) + 0.5 for c in completion_ids]
@@ -75,6 +82,7 @@ def test_generate_helper_tokens_logprobs_and_extra_fields_reach_batch_and_reward
     assert [c.token_ids for c in comps] == returned["completion_ids"]
     assert len(set(map(tuple, returned["completion_ids"]))) > 1, "the group's completions are sampled, not one"
     assert all(c.prompt_ids == returned["prompt_ids"][0] for c in comps)
+    assert profiled == ["enter", "exit"], "TRL's profiler context is held around the requests"
 
     scores = Scorer(env, CFG, [("reads_secret", reads_secret, 1.0)]).score(EXAMPLE, comps, 1)
     np.testing.assert_array_equal(scores[:, -1], returned["secret"])
@@ -125,9 +133,14 @@ def test_malformed_output_names_the_key(vllm_server, out, error):
         run_group(vllm_server, rollout)
 
 
-def test_what_tidal_cannot_give_is_refused_at_the_call(vllm_server):
-    def rollout(prompts, trainer):
-        return trainer.model
-
-    with pytest.raises(AttributeError, match="trainer.model is not available to a rollout_func in tidal"):
-        run_group(vllm_server, rollout)
+@pytest.mark.parametrize(("reach", "error"), [
+    (lambda trainer: trainer.model, "trainer.model is not available to a rollout_func in tidal"),
+    (lambda trainer: trainer.vllm_generation.sync_weights(), "trainer.vllm_generation.sync_weights is not available"),
+    (lambda trainer: trainer.vllm_generation.generate([[1, 2]], images=[["img"]], num_generations=1),
+     r"generate\(images=...\): tidal samples a rollout_func's requests from token ids only"),
+    (lambda trainer: trainer.vllm_generation.generate([[1, 2], [3]], num_generations=2),
+     r"prompts\[0:2\] are not one prompt repeated num_generations=2 times"),
+])
+def test_what_tidal_cannot_give_is_refused_at_the_call(vllm_server, reach, error):
+    with pytest.raises((AttributeError, NotImplementedError, ValueError), match=error):
+        run_group(vllm_server, lambda prompts, trainer: reach(trainer))

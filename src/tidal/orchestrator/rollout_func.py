@@ -33,6 +33,7 @@ budget, else "length"; the text reward functions get is the tokens decoded witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -93,12 +94,19 @@ class VLLMGeneration:
     def __init__(self, trainer: RolloutTrainer) -> None:
         self.trainer = trainer
 
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"trainer.vllm_generation.{name} is not available in tidal: tidal's vLLM server is "
+                             f"another process, which the orchestrator keeps serving the current policy (no "
+                             f"sync_weights, no in-process LLM); a rollout_func samples with "
+                             f"trainer.vllm_generation.generate")
+
     def generate(self, prompts: list[list[int]], images: Any = None, num_generations: int = 1,
                  profiler: Any = None) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]],
                                                 list[list[list[int]]]]:
         """TRL's `VLLMGeneration.generate`: `prompts` are token id lists, each repeated `num_generations` times in a
         row; one request of `num_generations` completions per distinct prompt. Returns (prompt_ids, completion_ids,
-        logprobs, logprob_token_ids), one row per prompt given, logprobs in TRL's `[[lp], ...]` shape."""
+        logprobs, logprob_token_ids), one row per prompt given, logprobs in TRL's `[[lp], ...]` shape. `profiler`: a
+        context manager held around the requests, as TRL holds it."""
         if images is not None and any(i is not None for i in images):
             raise NotImplementedError("trainer.vllm_generation.generate(images=...): tidal samples a rollout_func's "
                                       "requests from token ids only; images are not supported here")
@@ -111,7 +119,8 @@ class VLLMGeneration:
             if any(list(p) != first for p in prompts[j * k:(j + 1) * k]):
                 raise ValueError(f"trainer.vllm_generation.generate: prompts[{j * k}:{(j + 1) * k}] are not one prompt "
                                  f"repeated num_generations={k} times (TRL samples the first of each run of {k})")
-        groups = self.trainer.run(self.trainer.sample_many(firsts, k))
+        with profiler if profiler is not None else contextlib.nullcontext():
+            groups = self.trainer.run(self.trainer.sample_many(firsts, k))
         comps = [c for g in groups for c in g]
         return ([p for p in firsts for _ in range(k)], [c.token_ids for c in comps],
                 [[[lp] for lp in c.logprobs] for c in comps], [[[t] for t in c.token_ids] for c in comps])
