@@ -1,11 +1,13 @@
 """`GRPOTrainer(rollout_func=...)` on the real vLLM server: the user's function samples a group through tidal's
 server (`trainer.vllm_generation.generate`, `generate_rollout_completions`), its extra fields reach the reward
-functions, its token ids and logprobs are what the TrainingBatch carries, and malformed output names the key."""
+functions, its token ids and logprobs are what the TrainingBatch carries, malformed output names the key, what
+tidal cannot give is refused at the call, and the in-flight stream samples its groups through it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import numpy as np
 import pytest
@@ -19,9 +21,14 @@ from tidal.envs import make_env
 from tidal.envs.base import Example
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.assemble import build_batch
+from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.groups import group_rollouts
+from tidal.orchestrator.policy import PolicyTracker
+from tidal.orchestrator.preflight import give_tools
 from tidal.orchestrator.rollout_func import RolloutFunc
 from tidal.orchestrator.scoring import Scorer
+from tidal.orchestrator.stream import GroupStream
 
 pytestmark = pytest.mark.vllm
 
@@ -144,3 +151,41 @@ def test_malformed_output_names_the_key(vllm_server, out, error):
 def test_what_tidal_cannot_give_is_refused_at_the_call(vllm_server, reach, error):
     with pytest.raises((AttributeError, NotImplementedError, ValueError), match=error):
         run_group(vllm_server, lambda prompts, trainer: reach(trainer))
+
+
+def test_in_flight_stream_samples_groups_through_the_rollout_func(vllm_server, tmp_path):
+    """`async_mode: in_flight`: each streamed group is the function's (whole, not split per completion), and the
+    stream closes with groups still in the function's threads."""
+    cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": N, "seq_len": 256,
+                                     "sampling": {"max_tokens": 8}, "async_mode": "in_flight",
+                                     "env": [{"id": "reverse-text"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    def rollout(prompts, trainer):
+        outs = generate_rollout_completions(trainer, prompts)
+        cut = [o["completion_ids"][:2] for o in outs]
+        return {"prompt_ids": [o["prompt_ids"] for o in outs], "completion_ids": cut,
+                "logprobs": [o["logprobs"][:len(c)] for o, c in zip(outs, cut, strict=True)]}
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
+    give_tools(env.envs.values(), None, RolloutFunc(rollout, MODEL, tokenizer))
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            try:
+                return await stream.take(1, {})
+            finally:
+                await stream.close()
+        finally:
+            await client.close()
+
+    got = asyncio.run(go()).collected
+    comps = [c for g in got.groups for c in g]
+    assert len(got.groups) == 2 and len(comps) == 8
+    assert all(1 <= len(c.token_ids) <= 2 and len(c.logprobs) == len(c.token_ids) for c in comps)
