@@ -21,7 +21,8 @@ tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the m
 dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in
 `reward_funcs` is an import path
 (`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
-model, loaded once in this process). `processing_class` and `optimizers` (a class and kwargs) are
+model, loaded once in this process). `processing_class`, `optimizers` (a class and kwargs) and `rollout_func`
+(TRL's custom-rollout hook, sampling through tidal's vLLM server: `tidal.orchestrator.rollout_func`) are
 `tidal.api_args`; `callbacks` (transformers TrainerCallbacks, fed from the run's metrics) `tidal.api_callbacks`.
 """
 
@@ -178,7 +179,7 @@ class GRPOTrainer:
                  environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
         from tidal import api_args  # TRL's other arguments: used, or refused with the reason
 
-        api_args.refuse_unsupported(rollout_func=rollout_func, quantization_config=quantization_config)
+        api_args.refuse_unsupported(quantization_config=quantization_config)
         if not isinstance(model, str | Path):
             raise TypeError(f"model must be a model name or directory (tidal's vLLM server and trainer load it "
                             f"themselves), got a {type(model).__name__}; pass its path")
@@ -194,6 +195,8 @@ class GRPOTrainer:
         self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
                              else reward_functions(reward_funcs, self.args.reward_weights))
         api_args.check_reward_processing_classes(reward_processing_classes, self.reward_funcs)
+        self.rollout_func = api_args.rollout_function(rollout_func, self.model, self.args, processing_class,
+                                                      self.tooling)
         self.derived = to_tidal(self.args, self.model, len(self.train_rows), len(self.reward_funcs), peft_config,
                                 eval_names=list(self.eval_sets))
         self.run_dir = Path(self.args.output_dir)
@@ -274,7 +277,7 @@ class GRPOTrainer:
         stop = cbs.stop if cbs is not None else None
 
         async def orchestrate(orch: OrchConfig, run_dir: Path) -> None:
-            await loop.run(orch, run_dir, self.reward_funcs, self.tooling, stop=stop)
+            await loop.run(orch, run_dir, self.reward_funcs, self.tooling, stop=stop, rollout_func=self.rollout_func)
 
         def saved() -> list[int]:
             return complete_steps(run_dir, "trainer")

@@ -15,8 +15,11 @@
   reward model (a model name in `reward_funcs`, `tidal.reward_model`) it is used when it agrees with the tokenizer
   in the reward model's directory, which `RewardModel` loads, and refused naming what differs otherwise; for a
   plain function (where TRL ignores it) it is refused, so that nothing given is ignored.
-- `rollout_func`, `quantization_config`: refused with the reason
-  (`REFUSED`), until tidal has them.
+- `rollout_func` (TRL's custom-rollout hook): the orchestrator calls it for each group and trains on the token ids
+  and logprobs it returns (`tidal.orchestrator.rollout_func`, which gives it a trainer-like object that samples
+  through tidal's vLLM server); with `tools` / `environment_factory` it is refused (TRL would run its tool loop
+  over the function's completions, which tidal's tool loop does not take).
+- `quantization_config`: refused with the reason (`REFUSED`), until tidal has it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ OPTIMIZER_KWARGS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
 REFUSED = {
     "quantization_config": "a bitsandbytes-quantized trainer model is not supported; tidal's QLoRA is the train "
                            "key qlora_fp8 (an FP8 base under the LoRA adapter)",
-    "rollout_func": "TRL's custom-rollout hook is not supported by tidal yet: tidal samples through its vLLM "
-                    "client; multi-turn and tool rollouts are tools= / environment_factory=",
 }
 """GRPOTrainer argument -> why tidal refuses it (the error says it)."""
 
@@ -97,13 +98,18 @@ def tokenizer_of(processing_class: Any) -> Any:
     return getattr(processing_class, "tokenizer", None) or processing_class
 
 
-def tokenizer_difference(given: Any, model: str) -> str | None:
-    """What differs between the tokenizer `given` and the one in model `model`'s directory, or None."""
+def model_tokenizer(model: str) -> Any:
+    """The tokenizer in model `model`'s directory (what the vLLM server and the trainer load)."""
     from transformers import AutoTokenizer
 
     from tidal.assets import resolve_model
 
-    ours = AutoTokenizer.from_pretrained(resolve_model(model))
+    return AutoTokenizer.from_pretrained(resolve_model(model))
+
+
+def tokenizer_difference(given: Any, model: str) -> str | None:
+    """What differs between the tokenizer `given` and the one in model `model`'s directory, or None."""
+    ours = model_tokenizer(model)
     given = tokenizer_of(given)
     if not hasattr(given, "get_vocab"):
         return f"it is a {type(given).__name__}, not a tokenizer or a processor with one"
@@ -148,3 +154,20 @@ def check_processing_class(processing_class: Any, model: str) -> None:
         raise ValueError(f"GRPOTrainer(processing_class=...) disagrees with model {model!r}: {why}. tidal's vLLM "
                          f"server and trainer tokenize with the tokenizer in the model directory; save yours there "
                          f"(tokenizer.save_pretrained(model_dir)) or leave processing_class out")
+
+
+def rollout_function(rollout_func: Any, model: str, args: GRPOConfig, processing_class: Any, tooling: Any) -> Any:
+    """TRL's `rollout_func` as the orchestrator's `RolloutFunc` (see the module doc), or None."""
+    if rollout_func is None:
+        return None
+    if tooling is not None:
+        raise NotImplementedError("GRPOTrainer(rollout_func=...) with tools= or environment_factory=: TRL runs its "
+                                  "tool loop over the completions a rollout function returns, which tidal does not; "
+                                  "call the tools inside the rollout function, or drop rollout_func")
+    from tidal.orchestrator.rollout_func import RolloutFunc
+
+    if not callable(rollout_func):  # before loading a tokenizer for it
+        raise TypeError(f"GRPOTrainer(rollout_func=...) must be a function (prompts, trainer) -> dict, got a "
+                        f"{type(rollout_func).__name__}")
+    tokenizer = processing_class if processing_class is not None else model_tokenizer(model)
+    return RolloutFunc(rollout_func, model, tokenizer, args)

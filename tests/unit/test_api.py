@@ -20,6 +20,16 @@ from tidal.envs import make_env
 ROWS = [{"prompt": "abc", "answer": "cba"}, {"prompt": "de", "answer": "ed"}]
 
 
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
 def length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
@@ -40,13 +50,31 @@ def test_construction_derives_the_configs_full_weights_without_peft_config():
 @pytest.mark.parametrize(("kw", "match"), [
     ({"environment_factory": {"a": object}}, r"environment_factory=\{name: factory\}\) \(several environments\) "
                                               r"is not supported"),
-    ({"rollout_func": len}, r"rollout_func=...\): TRL's custom-rollout hook is not supported"),
+    ({"rollout_func": lambda prompts, trainer: {}, "tools": [add]},
+     r"rollout_func=...\) with tools= or environment_factory=: TRL runs its tool loop"),
     ({"quantization_config": object()}, r"quantization_config=...\): a bitsandbytes-quantized"),
     ({"optimizers": (object(), None)}, r"optimizers=\(object instance, None\)\): an optimizer instance"),
 ])
 def test_unsupported_arguments_are_refused_by_name(kw, match):
     with pytest.raises(NotImplementedError, match=match):
         make(**kw)
+
+
+def test_rollout_func_reaches_every_environment_of_the_run(tmp_path):
+    from tidal.orchestrator.preflight import build_scoring
+    from tidal.orchestrator.rollout_func import RolloutFunc
+
+    def rollout(prompts, trainer):
+        return {}
+
+    t = make(rollout_func=rollout)
+    assert isinstance(t.rollout_func, RolloutFunc) and t.rollout_func.fn is rollout
+    assert t.rollout_func.args is t.args and t.rollout_func.model == "tidal:tiny-reverse"
+    scoring = build_scoring(t.with_data(t.derived.orch, tmp_path), t.reward_funcs, None, t.rollout_func)
+    assert [e.rollout_func for e in scoring.env.envs.values()] == [t.rollout_func]
+    assert make().rollout_func is None
+    with pytest.raises(TypeError, match=r"rollout_func=...\) must be a function \(prompts, trainer\) -> dict"):
+        make(rollout_func="not a function")
 
 
 @pytest.mark.filterwarnings("ignore:GRPOTrainer without peft_config")

@@ -45,6 +45,9 @@ class Environment(ABC):
     tooling: Any = None
     """The tools the model may call (`tidal.envs.tools.Tooling`), rendered by the chat template and run by the
     tool loop (`tidal.orchestrator.toolloop`); None: no tools (orch `env[].tools` can add them)."""
+    rollout_func: Any = None
+    """A rollout function that samples this environment's groups instead of tidal
+    (`tidal.orchestrator.rollout_func.RolloutFunc`, `GRPOTrainer(rollout_func=...)`); None: tidal samples them."""
     has_reward: bool = True
     """Whether `reward` scores completions; False (the `dataset` environment): only the run's reward
     functions do, and the environment gets no reward column."""

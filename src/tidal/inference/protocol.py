@@ -62,6 +62,9 @@ class Completion:
     versions: list[int] | None = None
     """Per token, the policy version that sampled it (orch `partial_rollouts`: a completion stopped at a policy
     switch and continued under the new policy has tokens of several versions); None: one policy, the group's."""
+    fields: dict[str, Any] | None = None
+    """Extra fields a rollout function returned for this completion (`GRPOTrainer(rollout_func=...)`,
+    `tidal.orchestrator.rollout_func`), passed to reward functions as keyword arguments; None: none."""
 
 
 def server_root(base_url: str) -> str:

@@ -106,6 +106,8 @@ class Evaluator:
                                                                  for ex in examples)))
             k, seed, sp, n = self.ecfg.rollouts_per_example, self.sampling.seed, self.sampling, self.seq_len
             groups = await asyncio.gather(*(
+                env.rollout_func.group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, ex,
+                                       policy_step + 1) if env.rollout_func is not None else
                 tool_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env, ex)
                 if env.tooling is not None else
                 multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,

@@ -124,7 +124,7 @@ async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: Inference
                     examples: list[Example], prompts: list[list[int]], first_seed: int,
                     images: list[list[bytes]]) -> list[list[Completion]]:
     """One group of `rollouts_per_example` completions per prompt, all in flight at once (prompts with
-    `images` through the chat API)."""
+    `images` through the chat API; an environment's `rollout_func`: the user's function samples the group)."""
     seeds = [sample_seed(cfg.sampling, step, first_seed + i) for i in range(len(examples))]
     envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
     k, temp, sp = cfg.rollouts_per_example, temperature_at(cfg.sampling, cfg.max_steps, step), cfg.sampling
@@ -133,6 +133,8 @@ async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: Inference
             raise ValueError(f"environment '{e.id}' calls tools and its prompt holds images; the tool loop samples "
                              "from token ids, without the images: tidal samples prompts with images single-turn only")
     return list(await asyncio.gather(*(
+        e.rollout_func.group(client, model, p, k, sp, cfg.seq_len, s, temp, ex, step, cfg.max_steps)
+        if e.rollout_func is not None else
         tool_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.tooling is not None else
         multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.max_turns > 1 else
         rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp,

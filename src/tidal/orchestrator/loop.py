@@ -85,10 +85,11 @@ class Parts:
 
     @classmethod
     def build(cls, cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
-              tooling: Any = None) -> Parts:
+              tooling: Any = None, rollout_func: Any = None) -> Parts:
         """`reward_funcs`: reward functions given in process (the Python API), after orch `reward_funcs`;
-        `tooling`: tools given in process (`tidal.envs.tools.Tooling`) for the environments without their own."""
-        scoring = build_scoring(cfg, reward_funcs, tooling)  # the checks `tidal grpo` runs up front, too
+        `tooling`: tools given in process (`tidal.envs.tools.Tooling`) for the environments without their own;
+        `rollout_func`: a rollout function given in process (`tidal.orchestrator.rollout_func.RolloutFunc`)."""
+        scoring = build_scoring(cfg, reward_funcs, tooling, rollout_func)  # the checks `tidal grpo` runs up front, too
         env = scoring.env
         buffer = Buffer(cfg.buffer, cfg.dynamic_sampling)
         rng = random.Random(cfg.buffer.seed if cfg.buffer.seed is not None else cfg.seed)
@@ -130,12 +131,14 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
 
 
 async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
-              tooling: Any = None, stop: threading.Event | None = None) -> int:
+              tooling: Any = None, stop: threading.Event | None = None, rollout_func: Any = None) -> int:
     """Produce batches until `max_steps`; returns the number written. `reward_funcs`: reward functions given in
     process (`tidal.api.GRPOTrainer`: closures and lambdas included), scored after orch `reward_funcs`;
     `tooling`: tools given in process (`GRPOTrainer(tools=..., environment_factory=...)`); `stop`: once set, no
-    further batch is written and the run finishes as at `max_steps` (a TRL callback's `should_training_stop`)."""
-    parts = Parts.build(cfg, run_dir, reward_funcs, tooling)
+    further batch is written and the run finishes as at `max_steps` (a TRL callback's `should_training_stop`);
+    `rollout_func`: `GRPOTrainer(rollout_func=...)` (`tidal.orchestrator.rollout_func.RolloutFunc`) samples every
+    group, training and eval."""
+    parts = Parts.build(cfg, run_dir, reward_funcs, tooling, rollout_func)
     stream: GroupStream | None = None
     try:
         base = await served_base_model(parts.client, cfg)
@@ -150,7 +153,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
         evaluator = (Evaluator(cfg.eval, cfg.sampling, cfg.seq_len, MetricsWriter(eval_path(run_dir)), parts.scorer)
                      if cfg.eval is not None else None)
         if evaluator is not None:
-            give_tools([env for env, _ in evaluator.sets.values()], tooling)
+            give_tools([env for env, _ in evaluator.sets.values()], tooling, rollout_func)
         skip_eval = resumed_at > 0 and cfg.eval is not None and cfg.eval.skip_eval_on_resume
         if evaluator is not None and resumed_at == 0 and evaluator.due(0):
             await policy.ensure(0, cfg.weights_timeout_s)  # policy 0: the trainer's, if it publishes one

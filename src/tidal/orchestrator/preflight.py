@@ -38,19 +38,23 @@ class Scoring:
     """The custom advantage function (orch `advantage.import_path`), or None."""
 
 
-def give_tools(envs: Iterable[Any], tooling: Any) -> None:
-    """Give `tooling` (tools from the Python API) to the environments that have none of their own."""
+def give_tools(envs: Iterable[Any], tooling: Any, rollout_func: Any = None) -> None:
+    """Give `tooling` (tools from the Python API) to the environments that have none of their own, and
+    `rollout_func` (`tidal.orchestrator.rollout_func.RolloutFunc`, the Python API's) to every one."""
     for e in envs:
         if tooling is not None and e.tooling is None:
             e.tooling = tooling
+        if rollout_func is not None:
+            e.rollout_func = rollout_func
 
 
-def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> Scoring:
-    """The run's `Scoring` from orch config `cfg`; `reward_funcs` / `tooling`: given in process (the Python API).
-    Raises `ConfigError` naming what cannot be built."""
+def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None,
+                  rollout_func: Any = None) -> Scoring:
+    """The run's `Scoring` from orch config `cfg`; `reward_funcs` / `tooling` / `rollout_func`: given in process
+    (the Python API). Raises `ConfigError` naming what cannot be built."""
     try:
         env = EnvMix(cfg.env, cfg.buffer.env_ratios)
-        give_tools(env.envs.values(), tooling)
+        give_tools(env.envs.values(), tooling, rollout_func)
         check_partial(cfg, env)
         return Scoring(env, Scorer(env.envs, cfg, reward_funcs), Filters(cfg.filters, cfg.model.name),
                        load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None)
@@ -64,8 +68,10 @@ def check_partial(cfg: OrchConfig, env: EnvMix) -> None:
     if cfg.partial_rollouts == "off":
         return
     for name, e in env.envs.items():
-        if e.max_turns > 1 or e.tooling is not None:
-            kind = "a tool environment" if e.tooling is not None else f"multi-turn (max_turns {e.max_turns})"
+        if e.max_turns > 1 or e.tooling is not None or e.rollout_func is not None:
+            kind = ("a tool environment" if e.tooling is not None else "sampled by a rollout function "
+                    "(GRPOTrainer(rollout_func=...))" if e.rollout_func is not None
+                    else f"multi-turn (max_turns {e.max_turns})")
             raise ValueError(f"partial_rollouts: {cfg.partial_rollouts} does not combine with env '{name}': it is "
                              f"{kind}; a turn in progress would be continued without the environment's state. Set "
                              f"partial_rollouts: off, or train single-turn environments only")

@@ -8,6 +8,8 @@ Reward functions are called as TRL's GRPOTrainer calls them, once per group (G c
   a conversational one (a tool-calling rollout: all its messages, assistant turns with `tool_calls` and the
   `tool` results);
 - `environments`: with an `environment_factory`, each rollout's environment instance (TRL's keyword);
+- a rollout function's extra fields (`GRPOTrainer(rollout_func=...)`, `tidal.orchestrator.rollout_func`): each
+  key a list with one value per completion (they replace a dataset column of the same name, as in TRL);
 - `completion_ids`: the sampled token ids of each completion;
 - `trainer_state`: `TrainerState` (`.global_step`, `.max_steps`; also readable as a dict);
 - columns: the environment's `reward_columns` (the `dataset` environment: every dataset column but
@@ -230,14 +232,15 @@ class Scorer:
             completions = [c.messages if c.messages is not None else [{"role": "assistant", "content": c.text}]
                            for c in comps]
         columns = dict(env.reward_columns(example))
+        per_comp = {col: [v] * g for col, v in columns.items()}
         if any(c.environment is not None for c in comps):
-            columns["environments"] = [c.environment for c in comps]
+            per_comp["environments"] = [c.environment for c in comps]
+        for key in dict.fromkeys(k for c in comps for k in (c.fields or {})):  # a rollout function's extra fields
+            per_comp[key] = [(c.fields or {}).get(key) for c in comps]
         return [functools.partial(fn, prompts=[example.prompt] * g, completions=completions,
                                   completion_ids=[c.token_ids for c in comps],
                                   trainer_state=TrainerState(global_step=step, max_steps=self.max_steps),
-                                  log_metric=self.log_metric,
-                                  **{col: v if col == "environments" else [v] * g for col, v in columns.items()},
-                                  **kwargs)
+                                  log_metric=self.log_metric, **per_comp, **kwargs)
                 for _name, fn, kwargs in self.funcs]
 
     def funcs_total(self, env: Environment, example: Example, comps: list[Completion], step: int) -> np.ndarray:

@@ -300,11 +300,13 @@ class GroupStream:
                       images: list[bytes], slots: Slots) -> list[Completion]:
         """One group's completions, counted in `seqs_running` (`slots`) until each is done: a single-turn
         text group as `rollouts_per_example` requests of one completion (`rollout.split_group`), so a group that
-        waits for its last long completions holds only their slots; other groups (multi-turn, tools, images, and
+        waits for its last long completions holds only their slots; other groups (multi-turn, tools, images, a
+        rollout function's, and
         every group with orch `in_flight_split: false`) whole until they return."""
         n = self.cfg.rollouts_per_example
         env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
-        if images or env.tooling is not None or env.max_turns > 1 or self.cfg.in_flight_split is False:
+        whole = env.tooling is not None or env.rollout_func is not None or env.max_turns > 1
+        if images or whole or self.cfg.in_flight_split is False:
             refuse_whole_group(self.partial, images, env)  # partial rollouts: single-turn text groups only
             try:
                 return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
