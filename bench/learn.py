@@ -33,6 +33,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "real_model"
 TRL_DIR = Path(os.environ.get("TIDAL_BENCH_TRL", REPO / ".venv" / "bench-trl"))
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+
 MODEL = "tidal:smollm2-135m-instruct"
 
 
@@ -43,23 +47,28 @@ def env_with(*paths: Path) -> dict[str, str]:
 
 
 def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout: float) -> tuple[float, list[float]]:
-    """Run `cmd` (output to `log`); the arrival time (s since the start) of each row of the JSON-lines `metrics`;
-    returns (total seconds, arrival times)."""
+    """Run `cmd` (a `harness.start` child, output to `log`, its whole group stopped after `timeout` s); the arrival
+    time (s since the start) of each row of the JSON-lines `metrics`; returns (total seconds, arrival times)."""
     start = time.monotonic()
     arrivals: list[float] = []
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        while proc.poll() is None:
+
+    def seen() -> None:
+        n = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        arrivals.extend([time.monotonic() - start] * (n - len(arrivals)))
+
+    child = harness.start("learn", cmd, log, env=env)
+    try:
+        while child.poll() is None:
             if time.monotonic() - start > timeout:
-                proc.kill()
                 raise TimeoutError(f"{cmd[:4]} ran past {timeout:.0f} s (log: {log})")
-            n = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-            arrivals += [time.monotonic() - start] * (n - len(arrivals))
+            seen()
             time.sleep(0.25)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}; log: {log}\n{log.read_text()[-3000:]}")
-    n = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-    arrivals += [time.monotonic() - start] * (n - len(arrivals))
+    finally:
+        harness.stop(child)
+    child.tail()  # the output pump reached the end of the log
+    if child.poll() != 0:
+        raise RuntimeError(f"{cmd[:4]} exited {child.poll()}; log: {log}\n{log.read_text()[-3000:]}")
+    seen()
     return time.monotonic() - start, arrivals
 
 

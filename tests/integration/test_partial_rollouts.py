@@ -185,9 +185,10 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
             stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
                                  None, 1)
             await stream.start()
-            while not stream.partial.running:
+            # the running completions hold tokens of policy 0 before the switch (a fixed 0.2 s sleep raced a loaded
+            # machine: stopped before their first token, their continuations were all policy 1)
+            while not stream.partial.running or client.streamed_tokens < 4 * 8:
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(0.2)
             publish(tmp_path, 1, adapter_dir)  # the follower loads it and the running completions move onto it
             counts: dict[str, float] = {}
             got = await stream.take(1, counts)

@@ -50,6 +50,7 @@ class VllmClient:
         self.urls = [u.rstrip("/") for u in cfg.base_url]
         self._rr = itertools.cycle(range(len(self.urls)))
         self._synced = -math.inf
+        self.streamed_tokens = 0  # tokens received by `sample_stream` so far (partial rollouts' progress)
         key = os.environ.get(cfg.api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), headers=headers,
@@ -216,6 +217,7 @@ class VllmClient:
                                 raise InferenceError(f"{url}: {len(new)} token ids but {len(got)} logprobs")
                             ids.extend(new)
                             lps.extend(got)
+                            self.streamed_tokens += len(new)
                             texts.extend(lp.get("tokens") or [])
                             text.append(choice.get("text") or "")
                             reason = choice.get("finish_reason") or reason
