@@ -60,7 +60,7 @@ ALTERNATIVES: dict[str, Any] = {
     "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
     "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
     "use_adaptive_entropy": True, "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
-    "entropy_target": 0.5,
+    "entropy_target": 0.5, "multi_objective_aggregation": "normalize_then_sum",
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {
@@ -169,6 +169,15 @@ def test_unimplemented_and_unknown_keys_are_errors_naming_them():
         assert derive(loss_type=loss_type).train.loss.loss_type == loss_type
     assert GRPOConfig(fp16=False, shuffle_dataset=True).fp16 is False  # TRL's defaults are accepted
     assert GRPOConfig("out").output_dir == "out"  # positional output_dir, as TRL
+
+
+def test_normalize_then_sum_reaches_the_orchestrator_and_drops_scale_rewards():
+    """GDPO normalizes per group and then over the batch whatever `scale_rewards` says (TRL 1.16's code)."""
+    adv = derive(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch").orch.advantage
+    assert adv.multi_objective_aggregation == "normalize_then_sum" and adv.scale_rewards == "none"
+    assert derive(scale_rewards="batch").orch.advantage.multi_objective_aggregation == "sum_then_normalize"
+    with pytest.raises(ValidationError, match="multi_objective_aggregation"):
+        GRPOConfig(multi_objective_aggregation="sum")
 
 
 def test_report_to_and_eval():

@@ -402,6 +402,14 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dic
     return out | algorithm_train_keys(args)
 
 
+def advantage_keys(args: GRPOConfig) -> dict[str, Any]:
+    """Orch `advantage`: `scale_rewards`, or GDPO's `normalize_then_sum`, which ignores `scale_rewards` (as in
+    TRL 1.16: it always normalizes per group and then over the batch)."""
+    if args.multi_objective_aggregation == "normalize_then_sum":
+        return {"multi_objective_aggregation": "normalize_then_sum"}
+    return {"scale_rewards": scale_rewards(args.scale_rewards)}
+
+
 def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: int, peft_config: Any = None,
              eval_names: Sequence[str] = ()) -> Derived:
     """The train, infer and orch configs that run `args` (TRL semantics, see the module docs) on `model`, for a
@@ -431,7 +439,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
         "rollouts_per_example": args.num_generations, "seq_len": seq_len, "max_steps": max_steps,
         "long_prompts": "truncate" if args.max_prompt_length is not None else "skip",
         "output_dir": args.output_dir, "seed": args.seed, "sampling": sampling,
-        "advantage": {"scale_rewards": scale_rewards(args.scale_rewards)},
+        "advantage": advantage_keys(args),
         "ckpt": ckpt, "report_to": report_section(args),
         "client": {"chat_template_kwargs": args.chat_template_kwargs or {}}}
     if args.eval_strategy == "steps":

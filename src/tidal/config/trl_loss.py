@@ -29,7 +29,7 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 """TRL's `vllm_importance_sampling_mode` -> train `loss.is_correction`."""
 
 ALGORITHM_UNSUPPORTED = frozenset({
-    "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
+    "sync_ref_model", "ref_model_mixup_alpha",
     "ref_model_sync_steps", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
     "eval_on_start", "lr_scheduler_kwargs"})
 """Algorithm keys accepted at TRL's default only (docs/trl.md says why for each)."""
@@ -111,9 +111,11 @@ class TRLAlgorithmKeys(StrictModel):
     """Every dropout module of the policy at p = 0 (train `disable_dropout`)."""
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several reward functions: sum the weighted rewards, then normalize (default), or GDPO's per-function
+    normalization first (orch `advantage.multi_objective_aggregation`; `normalize_then_sum` ignores
+    `scale_rewards`, as in TRL)."""
     # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
-    multi_objective_aggregation: str = "sum_then_normalize"
-    """Only `sum_then_normalize` (the orchestrator's advantage sums weighted rewards, then normalizes)."""
     sync_ref_model: bool = False
     """Not supported yet (TR-DPO reference updates)."""
     ref_model_mixup_alpha: float = 0.6
@@ -214,6 +216,7 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "adam_epsilon": "train `adam_epsilon`", "disable_dropout": "train `disable_dropout`",
     "torch_compile": "train `compile_layers`",
     "use_liger_kernel": "train `liger_kernel` (rms_norm, swiglu, rope)",
+    "multi_objective_aggregation": "orch `advantage.multi_objective_aggregation`",
     "gradient_checkpointing_kwargs": "(tidal's checkpointing is non-reentrant: None or `{'use_reentrant': False}`)",
 }
 """Algorithm key -> where it goes in tidal (docs/trl.md)."""
