@@ -5,12 +5,14 @@ With one rank the view is the model itself. With several (`tidal.trainer.distrib
 sharded and rank 0 keeps a plain CPU copy, the view, that `sync_view` refreshes from the gathered trainable
 parameters after every step: publishing, the NCCL push, exports and checkpoints read the view, so they are the
 single-rank code. Checkpoints hold full tensors (optimizer state keyed by parameter name, `tidal.trainer.ckpt`)
-and restore into any number of ranks: rank 0 reads the files and broadcasts.
+and the adaptive entropy coefficient's state, and restore into any number of ranks: rank 0 reads the files and
+broadcasts.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +95,8 @@ def save(p: Policy, run_dir: Path, step: int, cfg: TrainConfig) -> None:
     rngs = dist.rng_states(p.ranks)
     if p.ranks.main:
         assert p.view is not None and optimizer is not None
-        save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs)
+        save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs,
+                     p.entropy.state() if p.entropy is not None else None)
 
 
 def restore(p: Policy, run_dir: Path, step: int) -> None:
@@ -101,7 +104,7 @@ def restore(p: Policy, run_dir: Path, step: int) -> None:
     from tidal.checkpoint import CheckpointError
     from tidal.trainer.ckpt import load_trainer
 
-    state: dict[str, Any] = {"optimizer": None, "rank_rngs": None}
+    state: dict[str, Any] = {"optimizer": None, "rank_rngs": None, "entropy_control": None}
     if p.ranks.main:
         assert p.view is not None
         state = load_trainer(run_dir, step, p.view, p.sched)
@@ -117,3 +120,14 @@ def restore(p: Policy, run_dir: Path, step: int) -> None:
         raise CheckpointError(f"checkpoint step {step} under {run_dir}: the optimizer state does not fit this "
                               f"model ({exc})") from exc
     dist.set_rng_states(p.ranks, state["rank_rngs"])
+    restore_entropy(p, state["entropy_control"])
+
+
+def restore_entropy(p: Policy, saved: dict[str, Any] | None) -> None:
+    """Rank 0's checkpointed entropy-control state into every rank (collective); a checkpoint without one (written
+    before it was kept) leaves the coefficient at `entropy_coef`."""
+    if p.ranks.sharded:
+        raw = dist.broadcast_bytes(p.ranks, json.dumps(saved).encode() if p.ranks.main else None)
+        saved = json.loads(raw) if raw is not None else None
+    if saved is not None and p.entropy is not None:
+        p.entropy.load(saved)
