@@ -237,6 +237,11 @@ class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
                                      f"{f' (did you mean {near[0]!r}?)' if near else ''}; docs/trl.md lists them")
         return data
 
+    @model_validator(mode="after")
+    def _schedule_kwargs(self) -> GRPOConfig:
+        schedule_kwargs(self)  # refuses, at construction, an argument tidal's schedule has no knob for
+        return self
+
 
 MAPPING: dict[str, str] = {
     "output_dir": "orch/train `output_dir`", "num_generations": "orch `rollouts_per_example`",
@@ -399,7 +404,22 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dic
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
         "trust_remote_code": args.trust_remote_code, "recipe": "bf16" if args.bf16 else "fp32",
         "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations)}
-    return out | algorithm_train_keys(args)
+    return out | algorithm_train_keys(args) | schedule_kwargs(args)
+
+
+def schedule_kwargs(args: GRPOConfig) -> dict[str, Any]:
+    """`lr_scheduler_kwargs` -> the train keys of tidal's schedule: cosine's `num_cycles` is
+    `lr_cosine_cycles`; every other argument has no knob in tidal's schedules and is refused, naming it."""
+    kwargs = dict(args.lr_scheduler_kwargs or {})
+    out: dict[str, Any] = {}
+    if args.lr_scheduler_type == "cosine" and "num_cycles" in kwargs:
+        out["lr_cosine_cycles"] = float(kwargs.pop("num_cycles"))
+    if kwargs:
+        knobs = "num_cycles" if args.lr_scheduler_type == "cosine" else "none"
+        raise ValueError(f"GRPOConfig lr_scheduler_kwargs {sorted(kwargs)} have no knob in tidal's "
+                         f"'{args.lr_scheduler_type}' schedule (its knobs: {knobs}; tidal's linear and constant "
+                         f"schedules take none, its cosine only num_cycles)")
+    return out
 
 
 def advantage_keys(args: GRPOConfig) -> dict[str, Any]:

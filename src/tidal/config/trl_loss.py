@@ -31,7 +31,7 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 ALGORITHM_UNSUPPORTED = frozenset({
     "sync_ref_model", "ref_model_mixup_alpha",
     "ref_model_sync_steps", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
-    "eval_on_start", "lr_scheduler_kwargs"})
+    "eval_on_start"})
 """Algorithm keys accepted at TRL's default only (docs/trl.md says why for each)."""
 
 
@@ -111,6 +111,9 @@ class TRLAlgorithmKeys(StrictModel):
     """Every dropout module of the policy at p = 0 (train `disable_dropout`)."""
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    """Arguments of the schedule: `{"num_cycles": x}` with `lr_scheduler_type='cosine'` (train
+    `lr_cosine_cycles`); tidal's linear and constant schedules have no knob, so any other key is refused."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """Several reward functions: sum the weighted rewards, then normalize (default), or GDPO's per-function
     normalization first (orch `advantage.multi_objective_aggregation`; `normalize_then_sum` ignores
@@ -128,8 +131,6 @@ class TRLAlgorithmKeys(StrictModel):
     """Not supported: tidal's evaluation generates the eval set in one pass (orch `eval`), no batch size."""
     eval_on_start: bool = False
     """Not supported yet."""
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    """Not supported yet (tidal's schedules take no arguments)."""
 
     @model_validator(mode="after")
     def _trl_checks(self) -> TRLAlgorithmKeys:
@@ -216,6 +217,7 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "adam_epsilon": "train `adam_epsilon`", "disable_dropout": "train `disable_dropout`",
     "torch_compile": "train `compile_layers`",
     "use_liger_kernel": "train `liger_kernel` (rms_norm, swiglu, rope)",
+    "lr_scheduler_kwargs": "train `lr_cosine_cycles` (`num_cycles`, with `lr_scheduler_type='cosine'`)",
     "multi_objective_aggregation": "orch `advantage.multi_objective_aggregation`",
     "gradient_checkpointing_kwargs": "(tidal's checkpointing is non-reentrant: None or `{'use_reentrant': False}`)",
 }

@@ -60,7 +60,7 @@ def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.
         view = copy.deepcopy(model).to("cpu") if ranks.main else None
         dist.shard(model, cfg.zero_level)
     opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps, cfg.lr_cosine_cycles)
     return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0, ranks,
                   view, reference_model(cfg, ranks), EntropyControl(cfg.loss.entropy_coef))
 
