@@ -63,7 +63,8 @@ ALTERNATIVES: dict[str, Any] = {
     "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
     "use_adaptive_entropy": True, "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
     "entropy_target": 0.5, "multi_objective_aggregation": "normalize_then_sum",
-    "lr_scheduler_kwargs": {"num_cycles": 1.5},
+    "lr_scheduler_kwargs": {"num_cycles": 1.5}, "sync_ref_model": True, "ref_model_mixup_alpha": 0.9,
+    "ref_model_sync_steps": 4,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {
@@ -71,7 +72,8 @@ WITH: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
     "use_bias_correction_kl": {"beta": 0.1},
-    "lr_scheduler_kwargs": {"lr_scheduler_type": "cosine"},
+    "lr_scheduler_kwargs": {"lr_scheduler_type": "cosine"}, "sync_ref_model": {"beta": 0.1},
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), {"beta": 0.1, "sync_ref_model": True}),
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
                     {"use_adaptive_entropy": True})}
 """Keys whose effect needs another key set (the loss type that reads them, a KL term)."""
@@ -153,8 +155,14 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'sync_ref_model' is not supported yet by tidal"):
+    with pytest.raises(ValidationError, match=r"sync_ref_model=True needs beta > 0"):
         GRPOConfig(sync_ref_model=True)
+    with pytest.raises(ValidationError, match=r"ref_model_sync_steps applies with sync_ref_model=True only"):
+        GRPOConfig(beta=0.1, ref_model_sync_steps=8)
+    with pytest.raises(ValueError, match=r"sync_ref_model needs full fine-tuning"):  # TRL refuses PEFT too
+        derive(peft=FakeLora(), beta=0.1, sync_ref_model=True)
+    loss = derive(beta=0.1, sync_ref_model=True, ref_model_sync_steps=8).train.loss
+    assert loss.sync_ref_model and loss.ref_model_sync_steps == 8 and loss.ref_model_mixup_alpha == 0.6
     with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
         GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):

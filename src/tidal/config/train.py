@@ -406,6 +406,18 @@ class TrainConfig(StrictModel):
         return value
 
     @model_validator(mode="after")
+    def _ref_sync(self) -> TrainConfig:
+        if self.loss.sync_ref_model and self.lora:
+            raise ValueError("loss.sync_ref_model needs full fine-tuning (lora: false): with LoRA the reference is "
+                             "the base model with the adapters disabled, and mixing an adapter's A and B separately "
+                             "does not mix their product B A, so there is no sound reference to update (TRL refuses "
+                             "it with PEFT too)")
+        if self.loss.sync_ref_model and self.gpus > 1:
+            raise ValueError(f"loss.sync_ref_model works with gpus: 1 only (got {self.gpus}): updating and "
+                             f"checkpointing a sharded reference is not built")
+        return self
+
+    @model_validator(mode="after")
     def _cosine_cycles(self) -> TrainConfig:
         if self.lr_cosine_cycles != 0.5 and self.lr_scheduler_type != "cosine":
             raise ValueError(f"lr_cosine_cycles applies with lr_scheduler_type 'cosine' only (got "

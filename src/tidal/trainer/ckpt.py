@@ -29,6 +29,8 @@ from tidal.transport import weights
 
 log = logging.getLogger("tidal.trainer")
 COMPONENT = TRAINER
+REFERENCE = "reference"
+"""A checkpoint's folder of the KL reference's weights (only with `loss.sync_ref_model`, where it moves)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,16 +51,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_trainer(run_dir: Path, step: int, model: Any, optimizer: dict[str, Any],
                  sched: torch.optim.lr_scheduler.LRScheduler, ckpt: TrainCkptSection,
-                 rank_rngs: list[torch.Tensor] | None = None, entropy: dict[str, Any] | None = None) -> Path:
+                 rank_rngs: list[torch.Tensor] | None = None, entropy: dict[str, Any] | None = None,
+                 reference: Any = None) -> Path:
     """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval). `model`: the
     (unsharded) policy; `optimizer`: its name-keyed state (`distributed.optimizer_state`); `rank_rngs`: every
     rank's torch RNG state (`distributed.rng_states`); `entropy`: the adaptive entropy coefficient's state
-    (`EntropyControl.state`)."""
+    (`EntropyControl.state`); `reference`: the KL reference when it changes during the run (`loss.sync_ref_model`),
+    saved beside the policy (`reference/`)."""
     from tidal.trainer.publish.broadcast import is_peft
 
     def fill(tmp: Path) -> None:
         # the adapter (LoRA), or every weight (full fine-tuning: a Hugging Face model directory)
         model.save_pretrained(str(tmp / ("adapter" if is_peft(model) else "model")))
+        if reference is not None:
+            reference.save_pretrained(str(tmp / REFERENCE))
         save_state(tmp, "trainer_state", {"step": step, "optimizer": optimizer, "optimizer_format": "by_name",
                                           "scheduler": sched.state_dict(), "rng": rng_state(),
                                           "rank_rngs": list(rank_rngs or []), "entropy_control": entropy})

@@ -96,13 +96,15 @@ def save(p: Policy, run_dir: Path, step: int, cfg: TrainConfig) -> None:
     if p.ranks.main:
         assert p.view is not None and optimizer is not None
         save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs,
-                     p.entropy.state() if p.entropy is not None else None)
+                     p.entropy.state() if p.entropy is not None else None,
+                     p.reference if cfg.loss.sync_ref_model else None)
 
 
 def restore(p: Policy, run_dir: Path, step: int) -> None:
     """Load checkpoint `step` into every rank (collective; rank 0 reads the files)."""
     from tidal.checkpoint import CheckpointError
-    from tidal.trainer.ckpt import load_trainer
+    from tidal.paths import ckpt_dir
+    from tidal.trainer.ckpt import COMPONENT, REFERENCE, load_full_weights, load_trainer
 
     state: dict[str, Any] = {"optimizer": None, "rank_rngs": None, "entropy_control": None}
     if p.ranks.main:
@@ -121,6 +123,9 @@ def restore(p: Policy, run_dir: Path, step: int) -> None:
                               f"model ({exc})") from exc
     dist.set_rng_states(p.ranks, state["rank_rngs"])
     restore_entropy(p, state["entropy_control"])
+    saved_ref = ckpt_dir(run_dir, COMPONENT, step) / REFERENCE
+    if p.reference is not None and saved_ref.is_dir():  # `loss.sync_ref_model`: the reference moved (one rank)
+        load_full_weights(p.reference, saved_ref)
 
 
 def restore_entropy(p: Policy, saved: dict[str, Any] | None) -> None:
