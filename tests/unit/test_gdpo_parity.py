@@ -103,6 +103,32 @@ def test_compute_advantages_routes_gdpo_and_zeroes_unjudged() -> None:
     assert [len(a) for a in out] == list(range(1, 9)) and out[3][0] == 0.0
 
 
+def test_normalize_then_sum_against_a_float64_loop() -> None:
+    """Without TRL too: the formula of docs/algorithms.md, written as plain loops over groups and functions."""
+    rng = np.random.default_rng()
+    groups, n, k = 3, 5, 3
+    per_func = rng.normal(size=(groups * n, k))
+    per_func[rng.random(per_func.shape) < 0.15] = np.nan
+    per_func[7] = np.nan
+    w = rng.uniform(0.2, 2.0, size=k)
+    total = np.zeros(groups * n)
+    for g in range(groups):
+        for f in range(k):
+            vals = [per_func[g * n + i, f] for i in range(n) if not np.isnan(per_func[g * n + i, f])]
+            if len(vals) < 2:
+                continue  # std undefined: the term is NaN and skipped
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+            for i in range(n):
+                if not np.isnan(per_func[g * n + i, f]):
+                    total[g * n + i] += w[f] * (per_func[g * n + i, f] - mean) / (std + 1e-4)
+    scored = [i for i in range(groups * n) if not np.isnan(per_func[i]).all()]
+    mean = sum(total[i] for i in scored) / len(scored)
+    std = (sum((total[i] - mean) ** 2 for i in scored) / (len(scored) - 1)) ** 0.5
+    expect = [(total[i] - mean) / (std + 1e-4) if i in scored else 0.0 for i in range(groups * n)]
+    np.testing.assert_allclose(gdpo_advantages(per_func, w, n), expect, rtol=1e-10, atol=1e-12)
+
+
 def test_normalize_then_sum_refuses_its_ignored_keys() -> None:
     with pytest.raises(ValueError, match="normalize_then_sum"):
         AdvantageSection(multi_objective_aggregation="normalize_then_sum", scale_rewards="group")

@@ -45,8 +45,9 @@ class Policy:
     view: torch.nn.Module | None
     """Rank 0: the unsharded policy (the model itself with one rank); None on the other ranks."""
     reference: torch.nn.Module | None = None
-    """Full fine-tuning with `loss.beta > 0`: the frozen initial model (with LoRA the reference is the model with
-    its adapters disabled, no copy)."""
+    """Full fine-tuning with `loss.beta > 0`: the frozen initial model, mixed toward the policy every
+    `loss.ref_model_sync_steps` optimizer steps with `loss.sync_ref_model` (with LoRA the reference is the model
+    with its adapters disabled, no copy)."""
     entropy: EntropyControl | None = None
     """The entropy bonus's coefficient across the run's steps (`loss.use_adaptive_entropy`)."""
 
