@@ -126,6 +126,9 @@ def restore(p: Policy, run_dir: Path, step: int) -> None:
     restore_entropy(p, state["entropy_control"])
     saved_ref = ckpt_dir(run_dir, COMPONENT, step) / REFERENCE
     if p.reference is not None and saved_ref.is_dir():  # `loss.sync_ref_model`: the reference moved (one rank)
+        if p.ranks.sharded:
+            raise CheckpointError(f"{saved_ref} holds a reference moved by loss.sync_ref_model, which restores into "
+                                  f"one rank only (gpus: 1)")
         load_full_weights(p.reference, saved_ref)
 
 
