@@ -4,6 +4,7 @@ generation, num_iterations) becomes tidal's batches; peft's LoraConfig becomes t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tidal import GRPOConfig as LazyGRPOConfig
+from tidal.config.train import TrainConfig
 from tidal.config.trl import MAPPING, GRPOConfig, to_tidal
 from tidal.config.trl_training_args import EFFECTS, TrainingArgumentsFields
 
@@ -60,7 +62,9 @@ ALTERNATIVES: dict[str, Any] = {
     "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": False, "adam_epsilon": 1e-6,
     "torch_compile": True, "use_liger_kernel": True, "entropy_coef": 0.01, "disable_dropout": True,
     "use_adaptive_entropy": True, "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
-    "entropy_target": 0.5,
+    "entropy_target": 0.5, "multi_objective_aggregation": "normalize_then_sum",
+    "lr_scheduler_kwargs": {"num_cycles": 1.5}, "sync_ref_model": True, "ref_model_mixup_alpha": 0.9,
+    "ref_model_sync_steps": 4,
 }
 """A non-default value per mapped key whose effect shows in the derived configs (`NOT_IN_CONFIGS`: elsewhere)."""
 WITH: dict[str, dict[str, Any]] = {
@@ -68,6 +72,8 @@ WITH: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
     "use_bias_correction_kl": {"beta": 0.1},
+    "lr_scheduler_kwargs": {"lr_scheduler_type": "cosine"}, "sync_ref_model": {"beta": 0.1},
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), {"beta": 0.1, "sync_ref_model": True}),
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
                     {"use_adaptive_entropy": True})}
 """Keys whose effect needs another key set (the loss type that reads them, a KL term)."""
@@ -149,8 +155,14 @@ def test_impossible_combinations_name_the_keys(kw, match):
 def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     with pytest.raises(ValidationError, match=r"key 'fp16' is not supported yet by tidal"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ValidationError, match=r"key 'sync_ref_model' is not supported yet by tidal"):
+    with pytest.raises(ValidationError, match=r"sync_ref_model=True needs beta > 0"):
         GRPOConfig(sync_ref_model=True)
+    with pytest.raises(ValidationError, match=r"ref_model_sync_steps applies with sync_ref_model=True only"):
+        GRPOConfig(beta=0.1, ref_model_sync_steps=8)
+    with pytest.raises(ValueError, match=r"sync_ref_model needs full fine-tuning"):  # TRL refuses PEFT too
+        derive(peft=FakeLora(), beta=0.1, sync_ref_model=True)
+    loss = derive(beta=0.1, sync_ref_model=True, ref_model_sync_steps=8).train.loss
+    assert loss.sync_ref_model and loss.ref_model_sync_steps == 8 and loss.ref_model_mixup_alpha == 0.6
     with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
         GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):
@@ -169,6 +181,32 @@ def test_unimplemented_and_unknown_keys_are_errors_naming_them():
         assert derive(loss_type=loss_type).train.loss.loss_type == loss_type
     assert GRPOConfig(fp16=False, shuffle_dataset=True).fp16 is False  # TRL's defaults are accepted
     assert GRPOConfig("out").output_dir == "out"  # positional output_dir, as TRL
+
+
+def test_normalize_then_sum_reaches_the_orchestrator_and_drops_scale_rewards():
+    """GDPO normalizes per group and then over the batch whatever `scale_rewards` says (TRL 1.16's code)."""
+    adv = derive(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch").orch.advantage
+    assert adv.multi_objective_aggregation == "normalize_then_sum" and adv.scale_rewards == "none"
+    assert derive(scale_rewards="batch").orch.advantage.multi_objective_aggregation == "sum_then_normalize"
+    with pytest.raises(ValidationError, match="multi_objective_aggregation"):
+        GRPOConfig(multi_objective_aggregation="sum")
+
+
+def test_lr_scheduler_kwargs_num_cycles_shapes_the_cosine_and_other_knobs_are_refused():
+    """transformers' cosine with `num_cycles` (float64 reference of its formula); keys tidal's schedule lacks
+    (`min_lr`, anything with linear) are refused at construction, naming the key."""
+    d = derive(max_steps=20, lr_scheduler_type="cosine", warmup_steps=4, lr_scheduler_kwargs={"num_cycles": 1.5})
+    assert d.train.lr_cosine_cycles == 1.5
+    lrs = schedule(d)
+    expect = [max(0.0, 0.5 * (1 + math.cos(math.pi * 2 * 1.5 * (s - 4) / 16))) for s in range(4, 20)]
+    assert lrs[4:] == pytest.approx(expect, rel=1e-12, abs=1e-15)
+    assert min(lrs[4:12]) < 0.05 and max(lrs[12:]) > 0.9, "down to ~0 and back up: a second wave"
+    with pytest.raises(ValidationError, match=r"lr_scheduler_kwargs \['min_lr'\] have no knob .*'cosine'"):
+        GRPOConfig(lr_scheduler_type="cosine", lr_scheduler_kwargs={"min_lr": 1e-6})
+    with pytest.raises(ValidationError, match=r"lr_scheduler_kwargs \['num_cycles'\] have no knob .*'linear'"):
+        GRPOConfig(lr_scheduler_kwargs={"num_cycles": 2})
+    with pytest.raises(ValidationError, match="lr_cosine_cycles applies with lr_scheduler_type 'cosine' only"):
+        TrainConfig(model="m", lr_cosine_cycles=1.0)
 
 
 def test_report_to_and_eval():
@@ -215,7 +253,7 @@ def schedule(d: Any) -> list[float]:
 
     train, _, _ = wire_colocate(d.train, d.infer, d.orch)
     k = d.optimizer_steps_per_batch * train.loss.num_iterations
-    return [lr_factor(b + i / k, train.lr_scheduler_type, train.warmup_steps, train.max_steps)
+    return [lr_factor(b + i / k, train.lr_scheduler_type, train.warmup_steps, train.max_steps, train.lr_cosine_cycles)
             for b in range(train.max_steps) for i in range(k)]
 
 

@@ -125,7 +125,7 @@ class LossConfig(StrictModel):
     use_adaptive_entropy: bool = False
     """TRL 1.16's adaptive entropy coefficient (`tidal.trainer.step.entropy_control`): starts at `entropy_coef`,
     moves by `entropy_coef_delta` after every optimizer step toward `entropy_target`, applied only while the
-    entropy is at or below the target. Not checkpointed (a resumed run starts again from `entropy_coef`)."""
+    entropy is at or below the target. Checkpointed with the trainer state (a resumed run continues it)."""
     entropy_coef_min: float = 0.0
     """(use_adaptive_entropy) Lowest coefficient."""
     entropy_coef_max: float = 1.0
@@ -134,6 +134,14 @@ class LossConfig(StrictModel):
     """(use_adaptive_entropy) Step of the coefficient per optimizer step."""
     entropy_target: float = 0.2
     """(use_adaptive_entropy) Entropy (nats per token) below which the coefficient grows and is applied."""
+    sync_ref_model: bool = False
+    """(beta > 0, full fine-tuning, one rank) TR-DPO's reference updates (TRL's `sync_ref_model`): after every
+    `ref_model_sync_steps`-th optimizer step of the run, reference <- alpha x policy + (1 - alpha) x reference,
+    every weight (`tidal.trainer.step.ref_sync`); the reference is checkpointed with the trainer state."""
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1)
+    """(sync_ref_model) alpha, the policy's share of the mixed reference."""
+    ref_model_sync_steps: int = Field(512, ge=1)
+    """(sync_ref_model) Optimizer steps between reference updates."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit `max_tokens` (finish reason `length`) from the loss."""
 
@@ -197,4 +205,15 @@ class LossConfig(StrictModel):
             raise ValueError("loss.use_bias_correction_kl needs loss.beta > 0 (there is no KL term)")
         if self.use_on_policy_kl_approximation and self.beta == 0:
             raise ValueError("loss.use_on_policy_kl_approximation needs loss.beta > 0 (there is no KL term)")
+        return self
+
+    @model_validator(mode="after")
+    def _ref_sync(self) -> LossConfig:
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("loss.sync_ref_model needs loss.beta > 0: without a KL term there is no reference model "
+                             "to update (as in TRL)")
+        wrong = [k for k in ("ref_model_mixup_alpha", "ref_model_sync_steps")
+                 if getattr(self, k) != LossConfig.model_fields[k].default and not self.sync_ref_model]
+        if wrong:
+            raise ValueError(f"loss.{wrong[0]} applies with loss.sync_ref_model: true only")
         return self

@@ -193,9 +193,19 @@ class AdvantageSection(StrictModel):
     """(custom) `package.module:function` computing one advantage per rollout."""
     kwargs: dict[str, Any] | None = None
     """(custom) Extra keyword arguments for that function."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """(default) With several reward functions: `sum_then_normalize` sums the weighted rewards, then takes the
+    group baseline; `normalize_then_sum` (GDPO, TRL 1.16) normalizes each function's rewards within the group,
+    sums them with the weights and normalizes the sums over the batch (its own scaling: `scale_rewards` and
+    `length_weighted_mean` must stay at their defaults)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> AdvantageSection:
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+                self.type != "default" or self.scale_rewards != "none" or self.length_weighted_mean):
+            raise ValueError("advantage.multi_objective_aggregation 'normalize_then_sum' needs advantage.type "
+                             "'default' with scale_rewards 'none' and length_weighted_mean false (it normalizes per "
+                             "group and then over the batch itself)")
         if self.type == "custom" and not self.import_path:
             raise ValueError("advantage.type 'custom' needs advantage.import_path ('package.module:function')")
         if self.type != "custom" and (self.import_path or self.kwargs):

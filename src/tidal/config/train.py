@@ -286,6 +286,9 @@ class TrainConfig(StrictModel):
     """Peak learning rate."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warmup."""
+    lr_cosine_cycles: float = Field(0.5, gt=0)
+    """(cosine) Cosine waves over the decay: factor `max(0, (1 + cos(2 pi cycles progress)) / 2)`; 0.5 decays once
+    to 0 (transformers' `num_cycles`, TRL's `lr_scheduler_kwargs`)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps from 0 to `learning_rate`."""
     max_grad_norm: float = Field(1.0, ge=0)
@@ -401,6 +404,25 @@ class TrainConfig(StrictModel):
             raise ValueError(f"recipe 'nvfp4' {NVFP4_REFUSED}; use fp8-hybrid (FP8 matmuls, emulated where the "
                              f"hardware has none), bf16 or fp32")
         return value
+
+    @model_validator(mode="after")
+    def _ref_sync(self) -> TrainConfig:
+        if self.loss.sync_ref_model and self.lora:
+            raise ValueError("loss.sync_ref_model needs full fine-tuning (lora: false): with LoRA the reference is "
+                             "the base model with the adapters disabled, and mixing an adapter's A and B separately "
+                             "does not mix their product B A, so there is no sound reference to update (TRL refuses "
+                             "it with PEFT too)")
+        if self.loss.sync_ref_model and self.gpus > 1:
+            raise ValueError(f"loss.sync_ref_model works with gpus: 1 only (got {self.gpus}): updating and "
+                             f"checkpointing a sharded reference is not built")
+        return self
+
+    @model_validator(mode="after")
+    def _cosine_cycles(self) -> TrainConfig:
+        if self.lr_cosine_cycles != 0.5 and self.lr_scheduler_type != "cosine":
+            raise ValueError(f"lr_cosine_cycles applies with lr_scheduler_type 'cosine' only (got "
+                             f"'{self.lr_scheduler_type}', which has no cycles)")
+        return self
 
     @model_validator(mode="after")
     def _optimizer_ranks(self) -> TrainConfig:

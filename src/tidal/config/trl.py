@@ -237,6 +237,11 @@ class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
                                      f"{f' (did you mean {near[0]!r}?)' if near else ''}; docs/trl.md lists them")
         return data
 
+    @model_validator(mode="after")
+    def _schedule_kwargs(self) -> GRPOConfig:
+        schedule_kwargs(self)  # refuses, at construction, an argument tidal's schedule has no knob for
+        return self
+
 
 MAPPING: dict[str, str] = {
     "output_dir": "orch/train `output_dir`", "num_generations": "orch `rollouts_per_example`",
@@ -399,7 +404,30 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dic
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
         "trust_remote_code": args.trust_remote_code, "recipe": "bf16" if args.bf16 else "fp32",
         "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations)}
-    return out | algorithm_train_keys(args)
+    return out | algorithm_train_keys(args) | schedule_kwargs(args)
+
+
+def schedule_kwargs(args: GRPOConfig) -> dict[str, Any]:
+    """`lr_scheduler_kwargs` -> the train keys of tidal's schedule: cosine's `num_cycles` is
+    `lr_cosine_cycles`; every other argument has no knob in tidal's schedules and is refused, naming it."""
+    kwargs = dict(args.lr_scheduler_kwargs or {})
+    out: dict[str, Any] = {}
+    if args.lr_scheduler_type == "cosine" and "num_cycles" in kwargs:
+        out["lr_cosine_cycles"] = float(kwargs.pop("num_cycles"))
+    if kwargs:
+        knobs = "num_cycles" if args.lr_scheduler_type == "cosine" else "none"
+        raise ValueError(f"GRPOConfig lr_scheduler_kwargs {sorted(kwargs)} have no knob in tidal's "
+                         f"'{args.lr_scheduler_type}' schedule (its knobs: {knobs}; tidal's linear and constant "
+                         f"schedules take none, its cosine only num_cycles)")
+    return out
+
+
+def advantage_keys(args: GRPOConfig) -> dict[str, Any]:
+    """Orch `advantage`: `scale_rewards`, or GDPO's `normalize_then_sum`, which ignores `scale_rewards` (as in
+    TRL 1.16: it always normalizes per group and then over the batch)."""
+    if args.multi_objective_aggregation == "normalize_then_sum":
+        return {"multi_objective_aggregation": "normalize_then_sum"}
+    return {"scale_rewards": scale_rewards(args.scale_rewards)}
 
 
 def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: int, peft_config: Any = None,
@@ -431,7 +459,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
         "rollouts_per_example": args.num_generations, "seq_len": seq_len, "max_steps": max_steps,
         "long_prompts": "truncate" if args.max_prompt_length is not None else "skip",
         "output_dir": args.output_dir, "seed": args.seed, "sampling": sampling,
-        "advantage": {"scale_rewards": scale_rewards(args.scale_rewards)},
+        "advantage": advantage_keys(args),
         "ckpt": ckpt, "report_to": report_section(args),
         "client": {"chat_template_kwargs": args.chat_template_kwargs or {}}}
     if args.eval_strategy == "steps":

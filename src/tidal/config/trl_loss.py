@@ -29,9 +29,8 @@ IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_tru
 """TRL's `vllm_importance_sampling_mode` -> train `loss.is_correction`."""
 
 ALGORITHM_UNSUPPORTED = frozenset({
-    "multi_objective_aggregation", "sync_ref_model", "ref_model_mixup_alpha",
-    "ref_model_sync_steps", "cast_lm_head_to_fp32", "per_device_eval_batch_size",
-    "eval_on_start", "lr_scheduler_kwargs"})
+    "cast_lm_head_to_fp32", "per_device_eval_batch_size",
+    "eval_on_start"})
 """Algorithm keys accepted at TRL's default only (docs/trl.md says why for each)."""
 
 
@@ -111,29 +110,39 @@ class TRLAlgorithmKeys(StrictModel):
     """Every dropout module of the policy at p = 0 (train `disable_dropout`)."""
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     """Only `{"use_reentrant": False}` (what tidal's checkpointing is) or None."""
-    # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
-    multi_objective_aggregation: str = "sum_then_normalize"
-    """Only `sum_then_normalize` (the orchestrator's advantage sums weighted rewards, then normalizes)."""
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    """Arguments of the schedule: `{"num_cycles": x}` with `lr_scheduler_type='cosine'` (train
+    `lr_cosine_cycles`); tidal's linear and constant schedules have no knob, so any other key is refused."""
     sync_ref_model: bool = False
-    """Not supported yet (TR-DPO reference updates)."""
-    ref_model_mixup_alpha: float = 0.6
-    """Not supported yet (see `sync_ref_model`)."""
-    ref_model_sync_steps: int = 512
-    """Not supported yet (see `sync_ref_model`)."""
+    """TR-DPO's reference updates (train `loss.sync_ref_model`): needs `beta` > 0 and full fine-tuning (no
+    `peft_config`: mixing a LoRA adapter's A and B separately does not mix their product; TRL refuses PEFT too)."""
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1)
+    """(sync_ref_model) The policy's share of the mixed reference (train `loss.ref_model_mixup_alpha`)."""
+    ref_model_sync_steps: int = Field(512, ge=1)
+    """(sync_ref_model) Optimizer steps between reference updates (train `loss.ref_model_sync_steps`)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several reward functions: sum the weighted rewards, then normalize (default), or GDPO's per-function
+    normalization first (orch `advantage.multi_objective_aggregation`; `normalize_then_sum` ignores
+    `scale_rewards`, as in TRL)."""
+    # accepted at TRL's default only (ALGORITHM_UNSUPPORTED)
     cast_lm_head_to_fp32: bool = False
     """Not supported yet."""
     per_device_eval_batch_size: int = 8
     """Not supported: tidal's evaluation generates the eval set in one pass (orch `eval`), no batch size."""
     eval_on_start: bool = False
     """Not supported yet."""
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    """Not supported yet (tidal's schedules take no arguments)."""
 
     @model_validator(mode="after")
     def _trl_checks(self) -> TRLAlgorithmKeys:
         if self.gradient_checkpointing_kwargs not in (None, {}, {"use_reentrant": False}):
             raise ValueError(f"GRPOConfig gradient_checkpointing_kwargs {self.gradient_checkpointing_kwargs} is not "
                              f"supported: tidal's checkpointing is non-reentrant ({{'use_reentrant': False}})")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("GRPOConfig sync_ref_model=True needs beta > 0: without a KL term there is no reference "
+                             "model to synchronize (as in TRL)")
+        for key in ("ref_model_mixup_alpha", "ref_model_sync_steps"):
+            if not self.sync_ref_model and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"GRPOConfig {key} applies with sync_ref_model=True only")
         lo, hi = self.vllm_importance_sampling_clip_min, self.is_cap()
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"GRPOConfig vllm_importance_sampling_clip_min ({lo}) must be less than "
@@ -163,6 +172,9 @@ def loss_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
         "use_adaptive_entropy": args.use_adaptive_entropy,
         "off_policy_mask_threshold": args.off_policy_mask_threshold,
         "use_bias_correction_kl": args.use_bias_correction_kl and args.beta > 0, **NO_SEED_MASKS}
+    if args.sync_ref_model:
+        loss |= {"sync_ref_model": True, "ref_model_mixup_alpha": args.ref_model_mixup_alpha,
+                 "ref_model_sync_steps": args.ref_model_sync_steps}
     if args.use_adaptive_entropy:
         loss |= {k: getattr(args, k) for k in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
                                                "entropy_target")}
@@ -214,6 +226,11 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "adam_epsilon": "train `adam_epsilon`", "disable_dropout": "train `disable_dropout`",
     "torch_compile": "train `compile_layers`",
     "use_liger_kernel": "train `liger_kernel` (rms_norm, swiglu, rope)",
+    "lr_scheduler_kwargs": "train `lr_cosine_cycles` (`num_cycles`, with `lr_scheduler_type='cosine'`)",
+    "sync_ref_model": "train `loss.sync_ref_model` (beta > 0, full fine-tuning)",
+    "ref_model_mixup_alpha": "train `loss.ref_model_mixup_alpha`",
+    "ref_model_sync_steps": "train `loss.ref_model_sync_steps`",
+    "multi_objective_aggregation": "orch `advantage.multi_objective_aggregation`",
     "gradient_checkpointing_kwargs": "(tidal's checkpointing is non-reentrant: None or `{'use_reentrant': False}`)",
 }
 """Algorithm key -> where it goes in tidal (docs/trl.md)."""

@@ -10,6 +10,9 @@ Rollouts are laid out group by group (`group_size` completions of the same promp
   steps ending at or after t.
 - Several reward functions: `r = sum_k w_k r_k` over the functions that returned a value (None -> skipped,
   TRL's semantics for multi-task data); a rollout no function scored gets 0.
+- `multi_objective_aggregation: normalize_then_sum` (GDPO, TRL 1.16): each function's rewards are normalized
+  within their group first (`(r_k - mean_k) / (std_k + 1e-4)`, NaN-aware), summed with the weights, and the sums
+  normalized over the batch (`gdpo_advantages`); a rollout no function scored gets advantage 0.
 - Rollouts failed on the environment's side (`judged` False: `tidal.orchestrator.outage`) take no part in any
   baseline or std and get advantage 0.
 - Custom: `import_path` names `module:function` (or `module.function`) called as
@@ -19,6 +22,7 @@ Rollouts are laid out group by group (`group_size` completions of the same promp
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,6 +128,39 @@ def combine_rewards(per_func: np.ndarray, weights: Sequence[float]) -> tuple[np.
     return np.nansum(r * w, axis=1), unscored
 
 
+def _nanstd(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """TRL's `nanstd`: unbiased std over the non-NaN entries (NaN with fewer than 2)."""
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices: NaN, as in torch
+        mean = np.nanmean(x, axis=axis, keepdims=True)
+        var = np.nanmean((x - mean) ** 2, axis=axis, keepdims=True)
+        count = (~np.isnan(x)).sum(axis=axis, keepdims=True)
+        return np.asarray(np.sqrt(var * (count / (count - 1))))
+
+
+def gdpo_advantages(per_func: np.ndarray, weights: Sequence[float], group_size: int) -> np.ndarray:
+    """(N, K) rewards (NaN: the function returned None) -> (N,) advantages of TRL 1.16's `normalize_then_sum`
+    (GDPO): every function's rewards normalized within each group, summed with `weights` (NaN terms skipped),
+    then normalized by the batch mean and std; a row no function scored gets 0. `scale_rewards` plays no part."""
+    r = np.asarray(per_func, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if r.ndim != 2 or r.shape[1] != len(w):
+        raise ValueError(f"{r.shape} rewards for {len(w)} weights")
+    if group_size < 1 or r.shape[0] % group_size:
+        raise ValueError(f"{r.shape[0]} rewards do not split into groups of {group_size}")
+    grouped = r.reshape(-1, group_size, r.shape[1])
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean_k = np.nanmean(grouped, axis=1, keepdims=True)
+        std_k = _nanstd(grouped, axis=1) if group_size > 1 else np.zeros_like(mean_k)
+        reward_k = ((grouped - mean_k) / (std_k + EPS)).reshape(-1, r.shape[1])
+        total = np.nansum(reward_k * w, axis=1)
+        total[np.isnan(r).all(axis=1)] = np.nan
+        std = _nanstd(total) if total.size > 1 else np.zeros_like(total)
+        adv = (total - np.nanmean(total)) / (std + EPS)
+    return np.nan_to_num(adv, nan=0.0)
+
+
 def load_function(import_path: str) -> Callable[..., Any]:
     """`pkg.mod:fn` or `pkg.mod.fn` -> the function; errors name the path."""
     mod_name, sep, attr = import_path.partition(":")
@@ -155,11 +192,14 @@ def custom_advantages(fn: Callable[..., Any], import_path: str, rewards: np.ndar
 
 def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np.ndarray, comp_lens: np.ndarray,
                        step_rewards: list[list[tuple[int, float]]] | None,
-                       custom: Callable[..., Any] | None, judged: np.ndarray | None = None) -> list[np.ndarray]:
+                       custom: Callable[..., Any] | None, judged: np.ndarray | None = None,
+                       per_func: np.ndarray | None = None,
+                       weights: Sequence[float] | None = None) -> list[np.ndarray]:
     """One per-token advantage array per completion, following orch `advantage` (`type`: group-relative,
     process rewards, or a custom function); completions come in groups of `group_size`. `judged` (N,) bool: the
     rollouts the environment judged; the others (`outage`) get advantage 0 and stay out of every baseline (a
-    custom function sees their group's judged mean as their reward)."""
+    custom function sees their group's judged mean as their reward). `per_func` (N, K) and `weights`: the
+    rewards of each function, for `multi_objective_aggregation: normalize_then_sum`."""
     j = np.ones(len(comp_lens), dtype=bool) if judged is None else np.asarray(judged, dtype=bool)
     if advantage.type == "none":  # reward-free distillation: the trainer's teacher term is the whole signal
         return [np.zeros(int(n)) for n in comp_lens]
@@ -176,6 +216,11 @@ def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np
             r = np.where(jg, g, means).reshape(-1)
         adv = custom_advantages(custom, advantage.import_path, r, comp_lens, group_size, advantage.kwargs or {})
         adv = np.where(j, adv, 0.0)
+    elif advantage.multi_objective_aggregation == "normalize_then_sum":
+        if per_func is None or weights is None:
+            raise ValueError("normalize_then_sum needs each reward function's rewards and the weights")
+        rows = np.where(j[:, None], np.asarray(per_func, dtype=np.float64), np.nan)  # unjudged: unscored
+        adv = gdpo_advantages(rows, weights, group_size)
     else:
         adv = group_advantages(rewards, group_size, advantage.scale_rewards, comp_lens, advantage.length_weighted_mean,
                                j)

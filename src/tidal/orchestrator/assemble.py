@@ -175,7 +175,8 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
     comp_lens = np.array([len(c.token_ids) for _, c in flat])
     steps = ([scorer.step_rewards(ex, c) if c.env_error is None else [] for ex, c in flat]
              if cfg.advantage.type == "process" else None)
-    advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom, ok)
+    advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom, ok,
+                                    per_func, scorer.weights)
     masked, filter_metrics = filters.apply([c for _, c in flat])
     masked = masked | ~ok  # an unjudged rollout carries no loss
     batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, got.versions, cfg,

@@ -29,6 +29,8 @@ from tidal.transport import weights
 
 log = logging.getLogger("tidal.trainer")
 COMPONENT = TRAINER
+REFERENCE = "reference"
+"""A checkpoint's folder of the KL reference's weights (only with `loss.sync_ref_model`, where it moves)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,18 +51,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_trainer(run_dir: Path, step: int, model: Any, optimizer: dict[str, Any],
                  sched: torch.optim.lr_scheduler.LRScheduler, ckpt: TrainCkptSection,
-                 rank_rngs: list[torch.Tensor] | None = None) -> Path:
+                 rank_rngs: list[torch.Tensor] | None = None, entropy: dict[str, Any] | None = None,
+                 reference: Any = None) -> Path:
     """Write checkpoint `step` atomically and prune old ones per `ckpt` (keep_last, keep_interval). `model`: the
     (unsharded) policy; `optimizer`: its name-keyed state (`distributed.optimizer_state`); `rank_rngs`: every
-    rank's torch RNG state (`distributed.rng_states`)."""
+    rank's torch RNG state (`distributed.rng_states`); `entropy`: the adaptive entropy coefficient's state
+    (`EntropyControl.state`); `reference`: the KL reference when it changes during the run (`loss.sync_ref_model`),
+    saved beside the policy (`reference/`)."""
     from tidal.trainer.publish.broadcast import is_peft
 
     def fill(tmp: Path) -> None:
         # the adapter (LoRA), or every weight (full fine-tuning: a Hugging Face model directory)
         model.save_pretrained(str(tmp / ("adapter" if is_peft(model) else "model")))
+        if reference is not None:
+            reference.save_pretrained(str(tmp / REFERENCE))
         save_state(tmp, "trainer_state", {"step": step, "optimizer": optimizer, "optimizer_format": "by_name",
                                           "scheduler": sched.state_dict(), "rng": rng_state(),
-                                          "rank_rngs": list(rank_rngs or [])})
+                                          "rank_rngs": list(rank_rngs or []), "entropy_control": entropy})
 
     path = write_checkpoint(run_dir, COMPONENT, step, fill)
     prune_checkpoints(run_dir, COMPONENT, ckpt.keep_last, ckpt.keep_interval)
@@ -102,8 +109,8 @@ def load_full_weights(model: Any, directory: Path) -> None:
 def load_trainer(run_dir: Path, step: int, model: Any,
                  sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     """Restore the adapter into `model` (the unsharded policy), the scheduler and the RNG states from checkpoint
-    `step`; returns {"optimizer": name-keyed state, "rank_rngs": [...]} for `tidal.trainer.distributed` to give
-    every rank its part."""
+    `step`; returns {"optimizer": name-keyed state, "rank_rngs": [...], "entropy_control": state or None} for
+    `tidal.trainer.distributed` to give every rank its part."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -134,7 +141,8 @@ def load_trainer(run_dir: Path, step: int, model: Any,
     optimizer = state["optimizer"]
     if state.get("optimizer_format") != "by_name":
         optimizer = by_name(model, optimizer)
-    return {"optimizer": optimizer, "rank_rngs": state.get("rank_rngs") or []}
+    return {"optimizer": optimizer, "rank_rngs": state.get("rank_rngs") or [],
+            "entropy_control": state.get("entropy_control")}
 
 
 def rewind_run_dir(run_dir: Path, step: int, model: Any, merged_keys: list[str] | None, keep: int,

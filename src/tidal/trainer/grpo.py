@@ -48,6 +48,7 @@ from tidal.trainer.preflight import check_train
 from tidal.trainer.profile import OPTIMIZER
 from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, publish_base
 from tidal.trainer.publish.push import Pusher, make_pusher
+from tidal.trainer.step import ref_sync
 from tidal.trainer.step.entropy_control import EntropyControl
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
@@ -108,6 +109,15 @@ def _old_logprobs(model: torch.nn.Module, micro: list[MicroBatch], steps: list[O
     return old
 
 
+def _upfront_ref_logprobs(model: torch.nn.Module, micro: list[MicroBatch], temperature: float, cfg: TrainConfig,
+                          reference: torch.nn.Module | None) -> dict[int, torch.Tensor | None]:
+    """With `loss.sync_ref_model` (one rank): every micro-batch's reference logprobs before the step's first update,
+    which may move the reference (TRL scores the whole generation batch first); else {} (filled lazily)."""
+    if not (cfg.loss.beta and cfg.loss.sync_ref_model):
+        return {}
+    return {i: _ref_logprobs(model, mb, temperature, cfg.logprob_chunk_size, reference) for i, mb in enumerate(micro)}
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: TrainingBatch, cfg: TrainConfig,
                device: torch.device, pad_id: int, *, ranks: Ranks = SINGLE, sched: Any = None,
                reference: torch.nn.Module | None = None, entropy: EntropyControl | None = None) -> dict[str, Any]:
@@ -133,7 +143,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                         step_sequences=batch.num_samples if len(steps) == 1 else _sequences(micro, st.micro),
                         micro_batches=len(st.micro), max_completion_len=max_len) for st in steps]
     old = _old_logprobs(model, micro, steps, ranks, batch.temperature, cfg.logprob_chunk_size)
-    ref: dict[int, torch.Tensor | None] = {}
+    ref = _upfront_ref_logprobs(model, micro, batch.temperature, cfg, reference)
     sums, loss_total, norms = LossSums(), 0.0, []
     clip = {"clip_ratio/low_min": float("inf"), "clip_ratio/high_max": float("-inf")}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,6 +186,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                 norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                 opt.step()
                 ec.step(lc, lambda v: reduce_values(ranks, v))
+                ref_sync.after_optimizer_step(lc, optimizer_steps(opt), model, reference)
                 opt.zero_grad(set_to_none=True)
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)

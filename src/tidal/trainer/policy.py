@@ -5,12 +5,14 @@ With one rank the view is the model itself. With several (`tidal.trainer.distrib
 sharded and rank 0 keeps a plain CPU copy, the view, that `sync_view` refreshes from the gathered trainable
 parameters after every step: publishing, the NCCL push, exports and checkpoints read the view, so they are the
 single-rank code. Checkpoints hold full tensors (optimizer state keyed by parameter name, `tidal.trainer.ckpt`)
-and restore into any number of ranks: rank 0 reads the files and broadcasts.
+and the adaptive entropy coefficient's state, and restore into any number of ranks: rank 0 reads the files and
+broadcasts.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +45,9 @@ class Policy:
     view: torch.nn.Module | None
     """Rank 0: the unsharded policy (the model itself with one rank); None on the other ranks."""
     reference: torch.nn.Module | None = None
-    """Full fine-tuning with `loss.beta > 0`: the frozen initial model (with LoRA the reference is the model with
-    its adapters disabled, no copy)."""
+    """Full fine-tuning with `loss.beta > 0`: the frozen initial model, mixed toward the policy every
+    `loss.ref_model_sync_steps` optimizer steps with `loss.sync_ref_model` (with LoRA the reference is the model
+    with its adapters disabled, no copy)."""
     entropy: EntropyControl | None = None
     """The entropy bonus's coefficient across the run's steps (`loss.use_adaptive_entropy`)."""
 
@@ -58,7 +61,7 @@ def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.
         view = copy.deepcopy(model).to("cpu") if ranks.main else None
         dist.shard(model, cfg.zero_level)
     opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, total_steps, cfg.lr_cosine_cycles)
     return Policy(model, opt, sched, device, tok, tok.pad_token_id if tok.pad_token_id is not None else 0, ranks,
                   view, reference_model(cfg, ranks), EntropyControl(cfg.loss.entropy_coef))
 
@@ -93,15 +96,18 @@ def save(p: Policy, run_dir: Path, step: int, cfg: TrainConfig) -> None:
     rngs = dist.rng_states(p.ranks)
     if p.ranks.main:
         assert p.view is not None and optimizer is not None
-        save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs)
+        save_trainer(run_dir, step, p.view, optimizer, p.sched, cfg.ckpt, rngs,
+                     p.entropy.state() if p.entropy is not None else None,
+                     p.reference if cfg.loss.sync_ref_model else None)
 
 
 def restore(p: Policy, run_dir: Path, step: int) -> None:
     """Load checkpoint `step` into every rank (collective; rank 0 reads the files)."""
     from tidal.checkpoint import CheckpointError
-    from tidal.trainer.ckpt import load_trainer
+    from tidal.paths import ckpt_dir
+    from tidal.trainer.ckpt import COMPONENT, REFERENCE, load_full_weights, load_trainer
 
-    state: dict[str, Any] = {"optimizer": None, "rank_rngs": None}
+    state: dict[str, Any] = {"optimizer": None, "rank_rngs": None, "entropy_control": None}
     if p.ranks.main:
         assert p.view is not None
         state = load_trainer(run_dir, step, p.view, p.sched)
@@ -117,3 +123,20 @@ def restore(p: Policy, run_dir: Path, step: int) -> None:
         raise CheckpointError(f"checkpoint step {step} under {run_dir}: the optimizer state does not fit this "
                               f"model ({exc})") from exc
     dist.set_rng_states(p.ranks, state["rank_rngs"])
+    restore_entropy(p, state["entropy_control"])
+    saved_ref = ckpt_dir(run_dir, COMPONENT, step) / REFERENCE
+    if p.reference is not None and saved_ref.is_dir():  # `loss.sync_ref_model`: the reference moved (one rank)
+        if p.ranks.sharded:
+            raise CheckpointError(f"{saved_ref} holds a reference moved by loss.sync_ref_model, which restores into "
+                                  f"one rank only (gpus: 1)")
+        load_full_weights(p.reference, saved_ref)
+
+
+def restore_entropy(p: Policy, saved: dict[str, Any] | None) -> None:
+    """Rank 0's checkpointed entropy-control state into every rank (collective); a checkpoint without one (written
+    before it was kept) leaves the coefficient at `entropy_coef`."""
+    if p.ranks.sharded:
+        raw = dist.broadcast_bytes(p.ranks, json.dumps(saved).encode() if p.ranks.main else None)
+        saved = json.loads(raw) if raw is not None else None
+    if saved is not None and p.entropy is not None:
+        p.entropy.load(saved)

@@ -141,7 +141,7 @@ def run(cfg: TrainConfig) -> Path:
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
     opt = make_optimizer(model, cfg)
-    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, steps)
+    sched = make_scheduler(opt, cfg.lr_scheduler_type, cfg.warmup_steps, steps, cfg.lr_cosine_cycles)
     start = time.monotonic()
     for step in range(1, steps + 1):
         examples = [env.sample(rng) for _ in range(cfg.sft.examples_per_step)]

@@ -4,8 +4,9 @@ step's mean entropy is at or below `entropy_target`, down (to `entropy_coef_min`
 while the previous step's entropy is at or below the target (0 before the first step). The step's entropy is the
 token-weighted mean over its micro-batches (and ranks) of the policy term's tokens, as TRL's window.
 
-The state lives with the policy for the run (`tidal.trainer.policy.Policy.entropy`); it is not checkpointed, so a
-resumed run starts again from `entropy_coef`. Without `use_adaptive_entropy` the coefficient is `entropy_coef`.
+The state lives with the policy for the run (`tidal.trainer.policy.Policy.entropy`) and is checkpointed with the
+trainer state (`state` / `load`: the coefficient and the last step's entropy; the window is empty between steps), so
+a resumed run continues the coefficient. Without `use_adaptive_entropy` the coefficient is `entropy_coef`.
 """
 
 from __future__ import annotations
@@ -55,3 +56,16 @@ class EntropyControl:
         else:
             self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
         self.last_entropy = entropy
+
+    def state(self) -> dict[str, float | None]:
+        """What a checkpoint keeps (JSON: an infinite entropy, before the first step, is None)."""
+        return {"coef": self.coef, "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy}
+
+    def load(self, state: dict[str, float | None]) -> None:
+        """Continue from a checkpoint's `state()`."""
+        coef, last = state["coef"], state.get("last_entropy")
+        if coef is None:
+            raise ValueError("entropy control state without a coefficient")
+        self.coef = float(coef)
+        self.last_entropy = math.inf if last is None else float(last)
+        self.window = [0.0, 0.0]

@@ -63,9 +63,10 @@ def adamw_8bit(params: list[torch.nn.Parameter], lr: float, weight_decay: float,
     return opt
 
 
-def lr_factor(step: int, kind: str, warmup_steps: int, total_steps: int | None) -> float:
+def lr_factor(step: float, kind: str, warmup_steps: int, total_steps: int | None, cycles: float = 0.5) -> float:
     """Multiplier of `learning_rate` for optimizer step `step` (0-based): linear warmup over `warmup_steps`,
-    then `kind` (train `lr_scheduler_type`: constant, linear or cosine decay to 0 at `total_steps`)."""
+    then `kind` (train `lr_scheduler_type`: constant, linear or cosine decay to 0 at `total_steps`; the cosine
+    makes `cycles` waves, train `lr_cosine_cycles`, as transformers' `num_cycles`)."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if kind == "constant" or not total_steps:
@@ -73,12 +74,12 @@ def lr_factor(step: int, kind: str, warmup_steps: int, total_steps: int | None) 
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     if kind == "linear":
         return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * progress)))
 
 
 def make_scheduler(opt: torch.optim.Optimizer, kind: str, warmup_steps: int,
-                   total_steps: int | None) -> torch.optim.lr_scheduler.LambdaLR:
+                   total_steps: int | None, cycles: float = 0.5) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR following `lr_factor`; decaying schedules need a known number of steps."""
     if kind != "constant" and not total_steps:
         log.warning("lr_scheduler_type %s needs a step count; max_steps unknown, so the LR stays constant", kind)
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, kind, warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, kind, warmup_steps, total_steps, cycles))
