@@ -65,13 +65,16 @@ def random_rewards(rng: np.random.Generator, groups: int, n: int, k: int) -> np.
 @pytest.mark.parametrize(("groups", "n", "k"), [(3, 4, 2), (5, 8, 3), (2, 2, 4), (4, 6, 1)])
 def test_normalize_then_sum_matches_trl(groups: int, n: int, k: int) -> None:
     rng = np.random.default_rng()
-    per_func = random_rewards(rng, groups, n, k)
-    weights = rng.uniform(-1.0, 2.0, size=k)
-    ours = gdpo_advantages(per_func, weights, n)
-    theirs = trl_advantages(per_func, weights, n, "normalize_then_sum")
-    np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
-    assert np.abs(ours).max() > 0.1
-    assert (ours[np.isnan(per_func).all(axis=1)] == 0).all()
+    largest = 0.0
+    for _ in range(5):  # five fresh draws: a tiny batch (2 groups of 2) can draw all-NaN/constant groups, all zero
+        per_func = random_rewards(rng, groups, n, k)
+        weights = rng.uniform(-1.0, 2.0, size=k)
+        ours = gdpo_advantages(per_func, weights, n)
+        theirs = trl_advantages(per_func, weights, n, "normalize_then_sum")
+        np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+        assert (ours[np.isnan(per_func).all(axis=1)] == 0).all()
+        largest = max(largest, float(np.abs(ours).max()))
+    assert largest > 0.1  # the comparison saw non-trivial advantages
 
 
 def test_normalize_then_sum_differs_from_sum_then_normalize() -> None:
