@@ -24,7 +24,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,12 +118,12 @@ def trl_run(args: argparse.Namespace, work: Path, seed: int, model_dir: str) -> 
 
 def greedy_eval(work: Path, runs: list[dict[str, Any]]) -> dict[str, float]:
     """Greedy accuracy of the base model and of each run's final adapter (examples/real_model/greedy_eval.py)."""
-    out = subprocess.run([sys.executable, str(EXAMPLE / "greedy_eval.py"), *(r["adapter"] for r in runs)],
-                         capture_output=True, text=True, env=env_with(), cwd=REPO, timeout=3600)
-    (work / "greedy_eval.log").write_text(out.stdout + out.stderr)
-    if out.returncode != 0:
-        raise RuntimeError(f"greedy_eval failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code, text = harness.run([sys.executable, str(EXAMPLE / "greedy_eval.py"), *(r["adapter"] for r in runs)],
+                             work / "greedy_eval.log", 3600, env=env_with(), name="greedy_eval")
+    result = harness.last_json(text)
+    if code != 0 or result is None:
+        raise RuntimeError(f"greedy_eval failed (exit {code}): {text[-2000:]}")
+    return {k: float(v) for k, v in result.items()}
 
 
 def final_reward(run: dict[str, Any], last: int = 5) -> float:
