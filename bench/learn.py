@@ -126,6 +126,25 @@ def greedy_eval(work: Path, runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: float(v) for k, v in result.items()}
 
 
+def save_runs(path: Path, workload: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """The finished runs so far with their workload (temp + rename): kept should a later run or the evaluation fail,
+    and reused by `--reuse`."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"workload": workload, "runs": runs}, indent=1))
+    tmp.replace(path)
+
+
+def load_runs(path: Path, workload: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Finished runs of an earlier invocation with the same workload, by (framework, seed); none if it differed."""
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    if not isinstance(saved, dict) or saved.get("workload") != workload:
+        print(f"bench-learn: {path} holds another workload; running everything again", flush=True)
+        return {}
+    return {(r["framework"], int(r["seed"])): r for r in saved["runs"]}
+
+
 def final_reward(run: dict[str, Any], last: int = 5) -> float:
     """Mean reward over the run's last `last` steps."""
     return statistics.mean(c[2] for c in run["curve"][-last:])
@@ -219,6 +238,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--skip-trl", action="store_true", help="tidal only (TRL takes ~100 s per step on 2 cores)")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 steps of 2 x 4 x 16, one seed: checks the harness")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the finished runs of an earlier invocation with the same workload (--work's runs.json)")
     ap.add_argument("--work", default="/tmp/tidal-bench-learn")
     ap.add_argument("--out", default=str(REPO / "bench" / "LEARN.md"))
     args = ap.parse_args()
@@ -230,14 +251,18 @@ def main() -> None:
     from tidal.assets import resolve_model
 
     model_dir = resolve_model(MODEL)  # dequantized once before either trainer's clock starts
+    workload = {k: getattr(args, k) for k in ("steps", "prompts", "generations", "max_tokens", "lr", "lora_rank",
+                                               "lora_alpha")}
+    done = load_runs(work / "runs.json", workload) if args.reuse else {}
     runs: list[dict[str, Any]] = []
     for seed in args.seeds:
-        runs.append(tidal_run(args, work, seed))
-        print(f"bench-learn: tidal seed {seed}: {runs[-1]['total_s']:.0f} s", flush=True)
-        if not args.skip_trl:
-            runs.append(trl_run(args, work, seed, model_dir))
-            print(f"bench-learn: TRL seed {seed}: {runs[-1]['total_s']:.0f} s", flush=True)
-    (work / "runs.json").write_text(json.dumps(runs, indent=1))  # kept should the evaluation fail
+        for framework in ["tidal"] + ([] if args.skip_trl else ["TRL"]):
+            run = done.get((framework, seed))
+            if run is None:
+                run = tidal_run(args, work, seed) if framework == "tidal" else trl_run(args, work, seed, model_dir)
+            runs.append(run)
+            print(f"bench-learn: {framework} seed {seed}: {run['total_s']:.0f} s", flush=True)
+            save_runs(work / "runs.json", workload, [*runs, *(r for k, r in done.items() if r not in runs)])
     evals = greedy_eval(work, runs)
     out = Path(args.out)
     plot_path = out.with_name(out.stem.lower() + ".png")
