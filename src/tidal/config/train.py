@@ -220,6 +220,14 @@ class TrainConfig(StrictModel):
     skipped). Smaller: less memory, more small matmuls. 0: the full-logits path (all logits at once, as
     before; much more memory at long rows). Architectures the chunked path does not know use full logits
     anyway (a warning says so). `tidal sft` computes its (label-smoothed) loss the same way."""
+    skip_zero_gradient: bool = True
+    """Skip the backward of a micro-batch whose loss gradient is exactly zero: every advantage 0 (a group whose
+    rewards are all equal) and no KL (`loss.beta`), entropy bonus, `loss.teacher_tau` or aipo `loss.kl_tau` term
+    (`tidal.trainer.step.loss.zero_gradient`). Its forward still runs, without a graph, for the metrics
+    (mismatch_kl, entropy, clipping); the optimizer gets the zero gradients the backward would have given, so the
+    parameters are the same either way. Applies to one trainer rank on dense models without images (several
+    ranks run every backward together; an unused expert or vision tower would get a zero gradient instead of
+    none). Metric `micro_batches/skipped`. false: every micro-batch runs its backward."""
     router_replay: bool | Literal["auto"] = "auto"
     """MoE router replay (R3, `tidal.trainer.model.router_replay`): the trainer's mixture-of-experts blocks route each
     token to the experts vLLM routed it to (the batch's `routed_experts`), keeping the trainer's own gate weights

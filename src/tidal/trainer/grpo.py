@@ -12,6 +12,7 @@ loop and rank 0 alone reads batches and publishes (`tidal.trainer.distributed`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -52,7 +53,7 @@ from tidal.trainer.step import ref_sync
 from tidal.trainer.step.entropy_control import EntropyControl
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
-from tidal.trainer.step.loss import PER_SEQUENCE, LossInputs, LossScale, LossSums, policy_loss
+from tidal.trainer.step.loss import PER_SEQUENCE, LossInputs, LossScale, LossSums, policy_loss, zero_gradient
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
@@ -149,11 +150,12 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     total = len(steps) * lc.num_iterations
+    skippable, skipped_total = cfg.skip_zero_gradient and ranks.world == 1 and skips_backward(model, batch), 0
     for it in range(lc.num_iterations):
         for g, st in enumerate(steps):
             if sched is not None:
                 _set_lr(opt, sched, (it * len(steps) + g) / total)
-            slots, real = st.slots[ranks.rank], st.real[ranks.rank]
+            slots, real, skipped = st.slots[ranks.rank], st.real[ranks.rank], 0
             for j, (i, counted) in enumerate(zip(slots, real, strict=True)):
                 mb = micro[i]
                 router_replay.use(model, mb.routed_experts)  # kept through the backward (checkpoint recompute)
@@ -161,18 +163,13 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                     r = (_ref_logprobs(model, mb, batch.temperature, cfg.logprob_chunk_size, reference)
                          if lc.beta else None)
                     ref.setdefault(i, r)
-                lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, batch.temperature,
-                                                   chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
-                                                   images=mb.images, attention_mask=mb.mask_for(model),
-                                                   entropy_grad=bool(lc.entropy_coef or lc.use_adaptive_entropy))
-                if it == 0:  # the old policy of every iteration is the trainer at the start of the step
-                    old.setdefault(i, lp.detach())
-                inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,
-                                    advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
-                                    ref_logprobs=ref[i], teacher_logprobs=mb.teacher_logprobs, entropy=ent)
-                loss, s = policy_loss(inputs, lc, scales[g], ec.applied(lc))
+                skip = skippable and zero_gradient(mb.advantages, mb.loss_mask, lc)
+                with torch.no_grad() if skip else contextlib.nullcontext():  # skipped: the metrics only
+                    loss, s = _micro_loss(model, mb, i, it == 0, batch.temperature, cfg, old, ref[i], scales[g], ec)
                 set_gradient_sync(model, cfg.zero_level, j == len(slots) - 1)
-                (loss if counted else loss * 0.0).backward()
+                skipped += skip
+                if not skip:
+                    (loss if counted else loss * 0.0).backward()
                 if not counted:  # a padding slot (see tidal.trainer.step.schedule): same keys, nothing counted
                     sums += dict.fromkeys(s, 0.0)
                     continue
@@ -182,15 +179,13 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
                 n = max(s["tokens"], 1.0)
                 clip["clip_ratio/low_min"] = min(clip["clip_ratio/low_min"], s["clip_ratio/low_mean"] / n)
                 clip["clip_ratio/high_max"] = max(clip["clip_ratio/high_max"], s["clip_ratio/high_mean"] / n)
-            with torch.profiler.record_function(OPTIMIZER):  # tidal.trainer.profile's "optimizer" row
-                norms.append(grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-                opt.step()
-                ec.step(lc, lambda v: reduce_values(ranks, v))
-                ref_sync.after_optimizer_step(lc, optimizer_steps(opt), model, reference)
-                opt.zero_grad(set_to_none=True)
+            norms.append(_optimizer_step(opt, params, max_norm, skipped > 0, functools.partial(
+                _after_optimizer_step, opt, lc, ec, ranks, model, reference)))
+            skipped_total += skipped
     out = _step_metrics(batch, cfg, micro, ranks, total, reduce_values(ranks, dict(sums)),
                         reduce_values(ranks, {"loss": loss_total})["loss"], norms, clip)
     out |= router_replay.step_metrics(model, lambda v: reduce_values(ranks, v))
+    out["micro_batches/skipped"] = skipped_total
     if lc.use_adaptive_entropy:  # TRL's `entropy_coef`: the coefficient after this step's updates
         out["entropy_coef"] = ec.coef
     if uses_flex(model):  # graphs flex_attention compiled so far (this rank); bounded: attention/flex.py
@@ -198,6 +193,61 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     if cfg.compile_layers:  # graphs of the compiled decoder layers (bounded per layer class: model/kernels)
         out["layer_graphs"] = kernels.compiled_graphs()
     return out
+
+
+def _micro_loss(model: torch.nn.Module, mb: MicroBatch, i: int, first: bool, temperature: float, cfg: TrainConfig,
+                old: dict[int, torch.Tensor], ref: torch.Tensor | None, scale: LossScale,
+                ec: EntropyControl) -> tuple[torch.Tensor, LossSums]:
+    """Micro-batch `i`'s forward and policy loss with its metric sums; in the `first` iteration its logprobs become
+    its old logprobs (the trainer at the start of the step) unless `old` has them already."""
+    lc = cfg.loss
+    lp, ent = forward_logprobs_entropy(model, mb.input_ids, mb.position_ids, temperature,
+                                       chunk_size=cfg.logprob_chunk_size, loss_mask=mb.loss_mask,
+                                       images=mb.images, attention_mask=mb.mask_for(model),
+                                       entropy_grad=bool(lc.entropy_coef or lc.use_adaptive_entropy))
+    if first:
+        old.setdefault(i, lp.detach())
+    inputs = LossInputs(logprobs=lp, old_logprobs=old[i], inference_logprobs=mb.inference_logprobs,
+                        advantages=mb.advantages, loss_mask=mb.loss_mask, seq_ids=mb.seq_ids,
+                        ref_logprobs=ref, teacher_logprobs=mb.teacher_logprobs, entropy=ent)
+    return policy_loss(inputs, lc, scale, ec.applied(lc))
+
+
+def _after_optimizer_step(opt: torch.optim.Optimizer, lc: Any, ec: EntropyControl, ranks: Ranks,
+                          model: torch.nn.Module, reference: torch.nn.Module | None) -> None:
+    """The entropy controller's step and TR-DPO's reference sync, after each optimizer step."""
+    ec.step(lc, lambda v: reduce_values(ranks, v))
+    ref_sync.after_optimizer_step(lc, optimizer_steps(opt), model, reference)
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float, skipped: bool,
+                    after: Any) -> float:
+    """Clip, step, `after()` (the entropy controller, TR-DPO's reference sync), zero the gradients; returns the
+    pre-clip norm. `skipped`: a micro-batch's backward was skipped (train `skip_zero_gradient`), so a parameter
+    with no gradient gets the zero one that backward would have given it (AdamW still decays its moments)."""
+    if skipped:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    with torch.profiler.record_function(OPTIMIZER):  # tidal.trainer.profile's "optimizer" row
+        norm = grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        opt.step()
+        after()
+        opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def skips_backward(model: torch.nn.Module, batch: TrainingBatch) -> bool:
+    """Whether train `skip_zero_gradient` may skip a zero-gradient micro-batch's backward on this model and batch:
+    not with images, nor on a mixture-of-experts model (an expert or vision tower a micro-batch does not use gets
+    no gradient from its backward, where the skip would give it a zero one; dense text models use every trainable
+    parameter in every forward)."""
+    if batch.image_data is not None:
+        return False
+    configs = [getattr(model, "config", None)]
+    configs.append(getattr(configs[0], "text_config", None))
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    return not any(getattr(c, k, None) for c in configs if c is not None for k in keys)
 
 
 def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch], ranks: Ranks, optim_steps: int,

@@ -128,6 +128,20 @@ def policy_loss(x: LossInputs, cfg: LossConfig, scale: LossScale,
     return loss, sums
 
 
+def zero_gradient(advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig) -> bool:
+    """True when `policy_loss` of a micro-batch with these (B, T) advantages has exactly zero gradient, whatever its
+    logprobs: every loss token's advantage is 0 and no term without the advantage is on (`beta`'s KL, the entropy
+    bonus, `teacher_tau`'s distillation, aipo's `kl_tau`). Every objective is the advantage times a factor
+    (clipped, dual clip, cispo, sapo, vespo, aipo with `kl_tau` 0) and the masks, IS corrections and
+    normalizations multiply it, so such a micro-batch's backward adds zeros (train `skip_zero_gradient`;
+    tests/unit/test_zero_gradient.py checks every loss_type x is_correction in float64)."""
+    if cfg.beta or cfg.entropy_coef or cfg.use_adaptive_entropy or cfg.teacher_tau:
+        return False
+    if cfg.loss_type == "aipo" and cfg.kl_tau:
+        return False
+    return not bool((advantages[loss_mask.bool()] != 0).any())
+
+
 def entropy_bonus(v: TokenView, keep: torch.Tensor, scale: LossScale) -> torch.Tensor:
     """TRL 1.16's entropy bonus of one micro-batch: the mean entropy (with its gradient) of the `keep` (N,) tokens,
     divided by the micro-batches of the optimizer step, so the step's bonus is their average."""

@@ -1,0 +1,124 @@
+"""Train `skip_zero_gradient`: `zero_gradient` is true exactly where a micro-batch's loss has zero gradient (every
+loss_type x is_correction, float64, fresh random inputs; the KL, entropy, teacher and aipo `kl_tau` terms keep it
+false because they have a gradient without the advantage), and a training step that skips those backwards leaves
+the same parameters, bit for bit, as one that runs them (LoRA and full fine-tuning, AdamW over two steps, the
+second with every advantage 0)."""
+
+from __future__ import annotations
+
+import random
+from typing import get_args
+
+import pytest
+import torch
+
+from tests.unit.dist_worker import config, fixed_batch
+from tidal.config.loss import LossConfig
+from tidal.trainer.grpo import train_step
+from tidal.trainer.policy import build_policy
+from tidal.trainer.step.loss import LossInputs, LossScale, policy_loss, zero_gradient
+from tidal.transport.batch import TrainingBatch
+
+LOSS_TYPES = get_args(LossConfig.model_fields["loss_type"].annotation)
+IS_MODES = get_args(LossConfig.model_fields["is_correction"].annotation)
+
+
+def inputs(gen: torch.Generator, advantages: str) -> LossInputs:
+    """Three rows of 12 tokens, one sequence each, the last two positions padding; float64."""
+    b, t = 3, 12
+    lp = (-torch.rand(b, t, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+    old = lp.detach() + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    inf = old + 0.02 * torch.randn(b, t, generator=gen, dtype=torch.float64)  # sequence IS weights within caps
+    mask = (torch.rand(b, t, generator=gen) < 0.7).double()
+    mask[:, 0] = 1.0
+    seq = torch.arange(b)[:, None].expand(b, t).clone()
+    seq[:, -2:] = -1
+    adv = (torch.randn(b, 1, generator=gen, dtype=torch.float64) * torch.ones(b, t, dtype=torch.float64)
+           if advantages == "random" else torch.zeros(b, t, dtype=torch.float64))
+    if advantages == "outside_mask":  # nonzero only where no loss is taken
+        adv = torch.where(mask.bool(), 0.0, 1.0 + torch.rand(b, t, generator=gen, dtype=torch.float64))
+    ref = lp.detach() - 0.2 * torch.rand(b, t, generator=gen, dtype=torch.float64)
+    return LossInputs(logprobs=lp, old_logprobs=old, inference_logprobs=inf, advantages=adv, loss_mask=mask,
+                      seq_ids=seq, ref_logprobs=ref,
+                      teacher_logprobs=lp.detach() - torch.rand(b, t, generator=gen, dtype=torch.float64),
+                      entropy=torch.rand(b, t, generator=gen, dtype=torch.float64))
+
+
+def grad_of(x: LossInputs, cfg: LossConfig) -> torch.Tensor:
+    loss, _ = policy_loss(x, cfg, LossScale(step_tokens=float(x.loss_mask.sum()), step_sequences=3, micro_batches=1,
+                                            max_completion_len=12))
+    (g,) = torch.autograd.grad(loss, x.logprobs, allow_unused=True)
+    return torch.zeros_like(x.logprobs) if g is None else g
+
+
+def configs() -> list[LossConfig]:
+    out = []
+    for t in LOSS_TYPES:
+        for m in IS_MODES if t != "aipo" else ("none",):
+            try:
+                out.append(LossConfig(loss_type=t, is_correction=m, beta=0.0))
+            except ValueError:  # a combination the config refuses (e.g. vespo with a sequence IS mode)
+                continue
+    return out
+
+
+@pytest.mark.parametrize("cfg", configs(), ids=lambda c: f"{c.loss_type}-{c.is_correction}")
+def test_zero_advantages_give_exactly_zero_gradient_and_the_predicate_says_so(cfg):
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    for kind in ("zero", "outside_mask"):
+        x = inputs(gen, kind)
+        assert zero_gradient(x.advantages, x.loss_mask, cfg), (kind, seed)
+        assert torch.equal(grad_of(x, cfg), torch.zeros_like(x.logprobs)), (kind, seed)
+    x = inputs(gen, "random")
+    assert not zero_gradient(x.advantages, x.loss_mask, cfg)
+    assert grad_of(x, cfg).abs().max() > 0, seed
+
+
+@pytest.mark.parametrize("update", [{"loss_type": "dapo", "beta": 0.1}, {"loss_type": "aipo", "kl_tau": 0.5},
+                                    {"loss_type": "grpo", "beta": 0.0, "teacher_tau": 0.5},
+                                    {"loss_type": "dapo", "beta": 0.0, "entropy_coef": 0.1}],
+                         ids=["beta", "kl_tau", "teacher_tau", "entropy_coef"])
+def test_terms_without_the_advantage_keep_the_backward(update):
+    """Each term the predicate excludes really has a gradient at zero advantages (so skipping would be wrong)."""
+    seed = random.randrange(2**31)
+    cfg = LossConfig(**update)
+    x = inputs(torch.Generator().manual_seed(seed), "zero")
+    assert not zero_gradient(x.advantages, x.loss_mask, cfg)
+    grad = grad_of(x, cfg)
+    if "entropy_coef" in update:  # the entropy bonus's gradient flows through the entropies, not the logprobs
+        assert x.entropy is not None
+        x.entropy = x.entropy.clone().requires_grad_(True)
+        loss, _ = policy_loss(x, cfg, LossScale(step_tokens=float(x.loss_mask.sum()), step_sequences=3,
+                                                micro_batches=1, max_completion_len=12))
+        (grad,) = torch.autograd.grad(loss, x.entropy)
+    assert grad.abs().max() > 0, seed
+
+
+def batch_with_zero_groups(seed: int, zero_share: float) -> TrainingBatch:
+    """fixed_batch with the advantages of its first `zero_share` of samples set to 0 (1: all of them)."""
+    b = fixed_batch(seed)
+    b.advantages[:int(b.lengths[:round(zero_share * len(b.lengths))].sum())] = 0.0
+    return b
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_skipping_leaves_the_same_parameters(lora):
+    cfgs = {skip: config(1, 1, 8, "dapo", lora).model_copy(
+        update={"loss": LossConfig(loss_type="dapo", beta=0.0), "skip_zero_gradient": skip, "learning_rate": 1e-3})
+        for skip in (True, False)}
+    pols = {skip: build_policy(cfgs[skip], 10) for skip in cfgs}
+    seed = random.randrange(2**31)
+    for step, share in enumerate((0.5, 1.0)):  # half the samples, then all of them (AdamW still moves)
+        batch = batch_with_zero_groups(seed + step, share)
+        before = {n: q.detach().clone() for n, q in pols[False].model.named_parameters()}
+        m = {s: train_step(p.model, p.opt, batch, cfgs[s], p.device, p.pad_id, sched=p.sched,
+                           reference=p.reference) for s, p in pols.items()}
+        skipped, micro = m[True]["micro_batches/skipped"], m[True]["micro_batches"]
+        assert (0 < skipped < micro if share < 1 else skipped == micro) and m[False]["micro_batches/skipped"] == 0
+        assert m[True]["loss"] == m[False]["loss"] and m[True]["grad_norm"] == m[False]["grad_norm"]
+        assert m[True]["mismatch_kl"] == m[False]["mismatch_kl"]
+        b = dict(pols[False].model.named_parameters())
+        for n, q in pols[True].model.named_parameters():
+            assert torch.equal(q, b[n]), (n, step, seed)
+        assert any(not torch.equal(before[n], q) for n, q in b.items()), "AdamW moves even on zero gradients"
