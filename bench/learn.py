@@ -45,11 +45,17 @@ def env_with(*paths: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in parts if p), "TIDAL_PLAIN": "1"}
 
 
+LOADS: list[float] = []
+"""The 1-min load average, sampled every 0.25 s while the current run is watched (the machine is shared)."""
+
+
 def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout: float) -> tuple[float, list[float]]:
     """Run `cmd` (a `harness.start` child, output to `log`, its whole group stopped after `timeout` s); the arrival
-    time (s since the start) of each row of the JSON-lines `metrics`; returns (total seconds, arrival times)."""
+    time (s since the start) of each row of the JSON-lines `metrics`; returns (total seconds, arrival times).
+    The load averages seen meanwhile are in `LOADS`."""
     start = time.monotonic()
     arrivals: list[float] = []
+    LOADS.clear()
 
     def seen() -> None:
         n = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
@@ -61,6 +67,7 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"{cmd[:4]} ran past {timeout:.0f} s (log: {log})")
             seen()
+            LOADS.append(os.getloadavg()[0])
             time.sleep(0.25)
     finally:
         harness.stop(child)
@@ -91,6 +98,7 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]
     ready = re.search(r"inference ready after ([0-9.]+) s", text)
     first = re.search(r"first step done after ([0-9.]+) s", text)
     return {"framework": "tidal", "seed": seed, "total_s": total, "adapter": str(run_dir / "final" / "adapter"),
+            "load": statistics.mean(LOADS or [float("nan")]),
             "ready_s": float(ready.group(1)) if ready else float("nan"),
             "first_step_s": float(first.group(1)) if first else arrivals[0],
             "step_s": statistics.mean(r["step_time_s"] for r in rows[1:] or rows),
@@ -111,6 +119,7 @@ def trl_run(args: argparse.Namespace, work: Path, seed: int, model_dir: str) -> 
     steps = json.loads(out.read_text())["steps"]
     curve = [(s["wall"] - start_wall, s["step"] * args.prompts * args.generations, s["reward"]) for s in steps]
     return {"framework": "TRL", "seed": seed, "total_s": total, "adapter": str(adapter), "ready_s": float("nan"),
+            "load": statistics.mean(LOADS or [float("nan")]),
             "first_step_s": curve[0][0], "mismatch_kl_1": float("nan"),
             "step_s": statistics.mean(b[0] - a[0] for a, b in zip(curve, curve[1:], strict=False)) if len(curve) > 1
             else curve[0][0], "curve": curve}
@@ -196,13 +205,14 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str
              f"{' (CPU smoke: checks the harness, measures nothing)' if args.cpu_smoke else ''}.", "",
              "| framework | seed | first step done (s) | vLLM ready (s) | s/step | total (s) | reward first 5 | "
              "reward last 5 | step-1 mismatch_kl | greedy eval after "
-             f"(base {evals.get('base', float('nan')):.3f}) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(base {evals.get('base', float('nan')):.3f}) | mean 1-min load during the run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         first5 = statistics.mean(c[2] for c in r["curve"][:5])
         lines.append(f"| {r['framework']} | {r['seed']} | {r['first_step_s']:.1f} | {r['ready_s']:.1f} | "
                      f"{r['step_s']:.1f} | {r['total_s']:.0f} | {first5:.3f} | {final_reward(r):.3f} | "
-                     f"{r['mismatch_kl_1']:.1e} | {evals.get(r['adapter'], float('nan')):.3f} |")
+                     f"{r['mismatch_kl_1']:.1e} | {evals.get(r['adapter'], float('nan')):.3f} | "
+                     f"{r.get('load', float('nan')):.1f} |")
     lines += ["", *goal_lines(runs), "", f"![reward vs time and samples]({plot_path.name})", ""]
     return "\n".join(lines)
 
