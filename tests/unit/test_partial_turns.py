@@ -61,7 +61,7 @@ class Streamer:
         extra, self.requests = extra or {}, self.requests + 1
         cur = self._turn(prompt_ids)
         ids: list[int] = []
-        text = ""
+        text, after = "", 0
 
         def out(reason: str) -> Completion:
             if reason == "stop":
@@ -81,8 +81,11 @@ class Streamer:
                 policy.step += 1
                 policy.model = f"a-{policy.step}"
                 self.switch.after_load()
-            if tok == EOS or (len(ids) > extra.get("min_tokens", 0)
-                              and any(s in text for s in extra.get("stop") or [])):
+            if len(ids) <= extra.get("min_tokens", 0):
+                after = len(text)  # vLLM matches stop strings that end past the first min_tokens tokens' text
+            elif any(text.find(s, max(0, after - len(s) + 1)) >= 0 for s in extra.get("stop") or []):
+                return out("stop")
+            if tok == EOS:
                 return out("stop")
             if until is not None and until(text, len(ids)):
                 return out("stop")
@@ -116,11 +119,13 @@ class TwoTurns:
         return None if self.REPLY in transcript else self.REPLY
 
 
-def test_a_stop_string_split_by_the_switch_ends_the_continued_turn_where_it_would_have():
+@pytest.mark.parametrize(("script", "min_tokens"), [("abcdefghENDxyz", 0), ("ENDabcdeENDxyz", 5)])
+def test_a_stop_string_split_by_the_switch_ends_the_continued_turn_where_it_would_have(script, min_tokens):
     """"EN" before the switch, "D" after: vLLM would not see "END" in the continued request's own text; the turn
-    must still end at "D", as uninterrupted, with its text cut there (include_stop_str_in_output)."""
-    script = [chars("abcdefghENDxyz") + [EOS]]
-    extra = {"stop": ["END"], "include_stop_str_in_output": True}
+    must still end at "D", as uninterrupted, with its text cut there (include_stop_str_in_output); an "END" within
+    the first `min_tokens` tokens does not count, for the turn or for its text."""
+    script = [chars(script) + [EOS]]
+    extra = {"stop": ["END"], "include_stop_str_in_output": True, "min_tokens": min_tokens}
 
     async def go(switch_after):
         policy = Policy()
@@ -130,8 +135,9 @@ def test_a_stop_string_split_by_the_switch_ends_the_continued_turn_where_it_woul
 
     (whole, one), (cont, two) = asyncio.run(go(frozenset())), asyncio.run(go(frozenset({(0, 9)})))
     assert (one, two) == (1, 2), "the switch must stop the first request"
-    assert whole.token_ids == cont.token_ids == chars("abcdefghEND")
-    assert cont.finish_reason == whole.finish_reason == "stop" and cont.text == whole.text == "abcdefghEND"
+    want = script[0][:11]
+    assert whole.token_ids == cont.token_ids == want
+    assert cont.finish_reason == whole.finish_reason == "stop" and cont.text == whole.text == "".join(map(chr, want))
     assert cont.versions == [1] * 10 + [2]
 
 

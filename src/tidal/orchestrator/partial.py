@@ -191,21 +191,22 @@ def stop_across(text: str, stops: list[str], min_tokens: int) -> Callable[[str, 
 
 async def continued_text(client: Any, model: str, ids: list[int], reason: str, extra: dict[str, Any]) -> str:
     """The text of a continued turn's tokens `ids` as the server detokenizes it, shown as vLLM shows a
-    completion's text: cut at the first stop string of `extra["stop"]` it ended on (the string kept with
+    completion's text: cut at the stop string of `extra["stop"]` that its final token completed (the string kept with
     `include_stop_str_in_output`), else without the final token when it stopped the turn (EOS: vLLM leaves its text
     out, unless both `include_stop_str_in_output` and `skip_special_tokens: false`). Simplification: the server's
     `/detokenize` keeps special tokens, so one sampled mid-turn (not the final EOS) shows in the text even where the
     request skipped special tokens."""
-    include = bool(extra.get("include_stop_str_in_output"))
-    if reason == "stop":
-        full = await client.detokenize(model, ids)
-        hits = [(full.find(s) + len(s), s) for s in extra.get("stop") or [] if s and s in full]
-        if hits:
-            end, s = min(hits)
-            return str(full[:end] if include else full[:end - len(s)])
-        if not (include and extra.get("skip_special_tokens") is False):
-            ids = ids[:-1]
-    return str(await client.detokenize(model, ids))
+    if reason != "stop" or not ids:
+        return str(await client.detokenize(model, ids))
+    full, before = await asyncio.gather(client.detokenize(model, ids), client.detokenize(model, ids[:-1]))
+    # the stop string ends in the final token's text (vLLM stops at the first one it matches past min_tokens)
+    hits = [(at + len(s), s) for s in extra.get("stop") or [] if s
+            for at in [full.find(s, max(0, len(before) - len(s) + 1))] if at >= 0]
+    if hits:
+        end, s = min(hits)
+        return str(full[:end] if extra.get("include_stop_str_in_output") else full[:end - len(s)])
+    keep_eos = extra.get("include_stop_str_in_output") and extra.get("skip_special_tokens") is False
+    return str(full if keep_eos else before)
 
 
 async def partial_completion(switch: Switch, client: Any, prompt_ids: list[int], max_tokens: int,

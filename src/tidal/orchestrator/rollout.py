@@ -42,7 +42,8 @@ def full_group(comps: list[Completion], n: int, client: InferenceClient) -> list
 class Turns:
     """How a rollout samples its model turns: here each turn is one request on `model` at `temperature`
     (`InferenceClient.sample`); `tidal.orchestrator.partial.PartialTurns` continues a turn across policy
-    switches instead."""
+    switches instead. `model` is also the name the rollout tokenizes with (partial rollouts: the base model, which
+    outlives every adapter and shares their tokenizer)."""
 
     def __init__(self, client: InferenceClient, model: str, temperature: float) -> None:
         self.client, self.model, self.temperature = client, model, temperature
@@ -144,7 +145,7 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
                 break
             if reply is None:
                 break
-            reply_ids = await client.tokenize_text(model, reply)
+            reply_ids = await client.tokenize_text(how.model, reply)
             room = budget - len(ids) - len(reply_ids)
             if room < 1:
                 finish = "length"

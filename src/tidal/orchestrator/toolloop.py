@@ -157,14 +157,14 @@ async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int],
                          f"returned different observations for the {n} rollouts of one example; tidal samples a "
                          f"group from one prompt, so reset must depend on the row only")
     messages = with_observation(example.prompt, sessions[0].observation)
+    how = turns or Turns(client, model, temperature)
     override = None
     if sessions[0].observation is not None:
-        prompt_ids = override = await client.tokenize_chat(model, messages, tooling.schemas)
+        prompt_ids = override = await client.tokenize_chat(how.model, messages, tooling.schemas)
     budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
     if budget < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
     extra = {**extra_sampling(sampling, budget), "skip_special_tokens": False}
-    how = turns or Turns(client, model, temperature)
     first = await how.first(prompt_ids, n, budget, seed, extra)
 
     def sampler(i: int) -> Any:
@@ -173,7 +173,7 @@ async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int],
             return await how.next(ids, room, turn_seed, {**extra, "min_tokens": 0})
         return sample_next
 
-    out = list(await asyncio.gather(*(one_rollout(client, model, prompt_ids, messages, c, s, tooling, budget,
+    out = list(await asyncio.gather(*(one_rollout(client, how.model, prompt_ids, messages, c, s, tooling, budget,
                                                   sampler(i))
                                       for i, (c, s) in enumerate(zip(first, sessions, strict=True)))))
     for c in out:
