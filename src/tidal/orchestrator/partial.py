@@ -1,11 +1,12 @@
 """Partial rollouts (orch `partial_rollouts: abort_resume`): a policy change reaches completions already running.
 
 Without it (`off`) an in-flight completion keeps the policy it started with until it ends, so under long-tailed
-lengths the longest completions are sampled throughout by the stalest policies of a batch. With it, each
-completion of a single-turn text group is sampled as a streamed request (`VllmClient.sample_stream`) registered
-with the stream's `Switch`; when the policy follower serves a newer policy the switch stops the running requests
-(vLLM aborts them as their connections close), keeps every token received, and each completion continues under the
-new policy from prompt + its tokens so far as a token prompt, within what is left of its token budget:
+lengths the longest completions are sampled throughout by the stalest policies of a batch. With it, every model turn
+(each completion of a single-turn text group, `partial_group`; each turn of a multi-turn or tool rollout,
+`PartialTurns`) is sampled as a streamed request (`VllmClient.sample_stream`) registered with the stream's `Switch`;
+when the policy follower serves a newer policy the switch stops the running requests (vLLM aborts them as their
+connections close), keeps every token received, and each turn continues under the new policy from prompt + its
+tokens so far as a token prompt, within what is left of its token budget (`partial_turn`):
 - LoRA adapters (`reload: lora`): the new adapter is loaded first (running requests keep sampling meanwhile), then
   every request on an older policy is stopped and continues on the new adapter;
 - merged reloads (`reload: merged`): every running request is stopped and new ones are held *before* the weights
@@ -15,6 +16,16 @@ Either way every token keeps the logprob vLLM reported when it sampled it (the t
 version of the policy that sampled it (`Completion.versions`); a token is never attributed to a policy it was not
 sampled under, because the tokens kept are those received before the switch asked vLLM to stop (a merged reload
 starts only after that).
+
+Multi-turn and tool rollouts: within a turn the environment takes no part (the model samples from the conversation
+so far, as token ids), so a turn is stopped and continued like a single-turn completion; the loops
+(`rollout.multi_turn_group`, `toolloop.tool_group`) take their turns from `PartialTurns` instead of plain requests
+and append the environment's / tools' tokens between turns as before. Those tokens (loss mask 0) get the version of
+the model token before them (`rollout.fill_versions`). A stop string split by a switch (begun before it, ended
+after) would not be seen by vLLM, which matches stop strings in a request's own output only: the continuation's
+streamed text is checked against the turn's text so far (`stop_across`, past `min_tokens` as vLLM does) and ends
+the turn there; a continued turn's text is the server's detokenization of all its tokens, cut as vLLM cuts a
+completion's (`continued_text`).
 
 Staleness is orchestrator-side and per group, "a sample is as stale as its oldest token": the group keeps the
 version its requests started under (`Group.version[0]`, which no token predates) for `max_off_policy_steps` and
@@ -28,10 +39,14 @@ partial rollouts; the staleness of the tokens does (`token_staleness`, per batch
 What a continuation changes, and why it is sound: vLLM's sampling state of a request is its token history (the
 repetition penalty reads prompt + output, both carried over), its seed (a continuation is seeded `seed + 7919 x
 segment`, so a seeded run stays reproducible, but draws other random numbers than the uninterrupted request would
-have: the tokens are equally likely, not the same; a greedy continuation is the same) and `min_tokens` (what is
-left of it). The prompt's KV cache is prefilled again (prefix caching shares what it can). Multi-turn and tool
-environments, prompts with images, router replay, nccl pushes and SGLang are refused (`OrchConfig._check_partial`,
-`tidal.orchestrator.preflight.check_partial`); a group's requests are always split, one per completion.
+have: the tokens are equally likely, not the same; a greedy continuation is the same), `min_tokens` (what is left of
+it) and its stop strings (above). The prompt's KV cache is prefilled again (prefix caching shares what it can). A
+teacher scores the finished completion, every segment (`fill.with_teacher`). Refused: prompts with images (a
+continuation is a token prompt; vLLM takes images with chat prompts only), rollout-function environments (the
+function returns its own token rows, which tidal cannot map back to the requests and versions that sampled them),
+router replay (a request stopped by closing its stream returns no routes; `OrchConfig._check_partial` says what
+vLLM 0.32 would allow), nccl pushes and SGLang (`OrchConfig._check_partial`, `tidal.orchestrator.preflight.
+check_partial`, `refuse_whole_group`); a single-turn group's requests are always split, one per completion.
 """
 
 from __future__ import annotations
