@@ -583,9 +583,10 @@ class OrchConfig(StrictModel):
                "weight_broadcast.type": self.weight_broadcast.type == "nccl" and "'nccl' (the trainer pushes the "
                "weights into vLLM itself, so the orchestrator cannot stop requests before they change)",
                "client.return_routed_experts": self.client.return_routed_experts and "true (router replay needs "
-               "the routes of every token, and a request stopped at a switch returns none: tidal stops it by "
-               "closing its /v1/completions stream, and vLLM 0.32 sends routes only in a request's final "
-               "output; by vLLM's source its token-in /inference/v1/generate stream, stopped through "
+               "the routes of every token, and a request stopped at a switch returns none: tidal streams it from "
+               "/v1/completions, which returns no routes in vLLM 0.32 (they come with a request's final output "
+               "only, from /inference/v1/generate or chat completions); by vLLM's source its token-in "
+               "/inference/v1/generate stream, stopped through "
                "/inference/v1/abort_requests, would end with the routes of the tokens so far and "
                "`routed_experts_prompt_start` would return only the new tokens' for the continuation, but "
                "tidal's partial rollouts do not sample through that route)",
