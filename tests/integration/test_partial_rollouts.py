@@ -356,6 +356,74 @@ def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm
 
 
 @pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A real vLLM server on `tests.e2e.tool_env.tagged_tool_model` (the bundled model writing `<tool_call>` blocks,
+    a template that renders tool turns); yields (base URL, model path)."""
+    from tests.conftest import free_port, kill_group, tidal, wait_healthy
+    from tests.e2e.tool_env import tagged_tool_model
+
+    model = tagged_tool_model(tmp_path_factory.mktemp("tagged") / "model")
+    port, log = free_port(), tmp_path_factory.mktemp("vllm_tool") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.model", str(model), "--infer.port", str(port), stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1", str(model)
+        kill_group(proc)
+
+
+@pytest.mark.slow  # a server of its own (~30-60 s to start on 2 cores)
+def test_a_tool_rollout_across_a_switch_is_the_uninterrupted_one_with_its_tool_turns_masked(tool_server, tmp_path,
+                                                                                             lr0_adapter):
+    """Greedy, the tool loop (`tool_group`: each `<tool_call>` turn answered by an error tool turn, up to 4 rounds)
+    under `PartialTurns` with a LoRA switch while it runs: it completes with the uninterrupted rollout's tokens and
+    mask, its tool turns (mask 0, logprob 0) versioned like the model token before them, its model tokens by the
+    policy that sampled them (1, then 2)."""
+    from tests.e2e.tool_env import TaggedReverse
+    from tidal.orchestrator.partial import PartialTurns
+    from tidal.orchestrator.toolloop import tool_group
+
+    url, model = tool_server
+    adapter_dir, _ = lr0_adapter
+    env = TaggedReverse(max_iterations=4)
+    ex = env.sample(random.Random(3))
+    sampling = SamplingSection(max_tokens=400)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[url]))
+        try:
+            await client.wait_ready()
+            publish(tmp_path, 1, adapter_dir)
+            policy = PolicyTracker(client, model, tmp_path, "tool")
+            await policy.ensure(1, 60)
+            switch = Switch("abort_resume", policy, merged=False)
+            prompt = await client.tokenize_prompt(model, ex.prompt, env.tooling.schemas)
+            whole = (await tool_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex))[0]
+            switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.0))
+            cont = (await tool_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex,
+                                     PartialTurns(switch, client, 0.0)))[0]
+            await switcher
+            await client.unload_adapter(policy.model)
+            return whole, cont, switch
+        finally:
+            await client.close()
+
+    whole, cont, switch = asyncio.run(go())
+    mask, v = np.array(cont.mask), np.array(cont.versions)
+    tool = np.flatnonzero(mask == 0)
+    print(f"{len(cont.token_ids)} tokens, {len(tool)} of tool turns, versions {np.unique(v, return_counts=True)}, "
+          f"{switch.counts}")
+    assert len(tool) > 0 and tool[0] > 0, f"the model must have called the tool: {whole.text!r}"
+    assert cont.token_ids == whole.token_ids and cont.mask == whole.mask and cont.finish_reason == whole.finish_reason
+    assert np.array(cont.logprobs)[tool].tolist() == [0.0] * len(tool)
+    assert (np.diff(v) >= 0).all() and set(v.tolist()) == {1, 2}, "the switch must land within the rollout"
+    assert (v[tool] == v[tool - 1]).all(), "a tool token takes the version of the token before it"
+
+
+@pytest.fixture(scope="module")
 def reload_server(tmp_path_factory):
     """A real vLLM server on the bundled model that reloads merged weights in place (infer `weight_reload`)."""
     from tests.conftest import free_port, kill_group, tidal, wait_healthy
