@@ -116,6 +116,32 @@ def test_a_continued_greedy_completion_is_the_uninterrupted_one(vllm_server, tmp
     assert cont.text == whole.text
 
 
+def test_sample_stream_ends_where_until_says(vllm_server):
+    """`VllmClient.sample_stream(until=...)`: the request ends after the chunk whose text and token count `until`
+    accepts, with finish reason `stop` and those tokens only (vLLM aborts the rest as the connection closes); the
+    server keeps serving."""
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            prompt = await client.tokenize_text(MODEL, "reverse: hello world")
+            seen: list[tuple[str, int]] = []
+
+            def until(text: str, tokens: int) -> bool:
+                seen.append((text, tokens))
+                return tokens >= 5
+
+            part = await client.sample_stream(MODEL, prompt, 50, 0.0, asyncio.Event(), None, {"min_tokens": 50},
+                                              until=until)
+            whole = (await client.sample(MODEL, prompt, 1, 50, 0.0, None, {"min_tokens": 50}))[0]
+            return part, whole, seen
+        finally:
+            await client.close()
+
+    part, whole, seen = asyncio.run(go())
+    assert part.finish_reason == "stop" and len(part.token_ids) == 5 and seen[-1][1] == 5
+    assert part.token_ids == whole.token_ids[:5] and seen[-1][0] == part.text
+
+
 class Echo:
     """A two-turn environment whose model turns end at EOS or `stop`; it answers the first turn with `REPLY`."""
 
