@@ -116,6 +116,127 @@ def test_a_continued_greedy_completion_is_the_uninterrupted_one(vllm_server, tmp
     assert cont.text == whole.text
 
 
+def test_sample_stream_ends_where_until_says(vllm_server):
+    """`VllmClient.sample_stream(until=...)`: the request ends after the chunk whose text and token count `until`
+    accepts, with finish reason `stop` and those tokens only (vLLM aborts the rest as the connection closes); the
+    server keeps serving."""
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            prompt = await client.tokenize_text(MODEL, "reverse: hello world")
+            seen: list[tuple[str, int]] = []
+
+            def until(text: str, tokens: int) -> bool:
+                seen.append((text, tokens))
+                return tokens >= 5
+
+            part = await client.sample_stream(MODEL, prompt, 50, 0.0, asyncio.Event(), None, {"min_tokens": 50},
+                                              until=until)
+            whole = (await client.sample(MODEL, prompt, 1, 50, 0.0, None, {"min_tokens": 50}))[0]
+            return part, whole, seen
+        finally:
+            await client.close()
+
+    part, whole, seen = asyncio.run(go())
+    assert part.finish_reason == "stop" and len(part.token_ids) == 5 and seen[-1][1] == 5
+    assert part.token_ids == whole.token_ids[:5] and seen[-1][0] == part.text
+
+
+class Echo:
+    """A two-turn environment whose model turns end at EOS or `stop`; it answers the first turn with `REPLY`."""
+
+    id, max_turns, REPLY = "echo", 2, " [tool: go on] "
+
+    def __init__(self, stop: str) -> None:
+        self.stop = [stop]
+
+    def respond(self, example, transcript):
+        return None if self.REPLY in transcript else self.REPLY
+
+
+def late_stop(probe, min_tokens: int) -> str:
+    """A stop string that ends a greedy turn like `probe` (sampled with `min_tokens`) a few tokens past `min_tokens`:
+    the 4 characters of its text from token `min_tokens` + 3 on (vLLM matches a stop string only where it ends past
+    the text of the first `min_tokens` tokens, so the turn ends there or earlier, but not before `min_tokens`)."""
+    pieces = probe.token_texts or []
+    assert "".join(pieces) == probe.text, "the bundled model's tokens are plain text pieces"
+    at = sum(map(len, pieces[:min_tokens + 3]))
+    stop = probe.text[at:at + 4]
+    assert len(stop) == 4, probe.text
+    return stop
+
+
+def test_a_multi_turn_rollout_continued_mid_turn_is_the_uninterrupted_one(vllm_server, tmp_path, adapter):
+    """Greedy, a two-turn rollout (`multi_turn_group`, stop strings) with a LoRA switch while it runs and
+    `PartialTurns`: the very tokens, mask and text of the uninterrupted rollout; the switch lands inside a model
+    turn (its tokens span versions 1 -> 2) and the environment's reply takes the version of the token before it."""
+    from tidal.envs.base import Example
+    from tidal.orchestrator.partial import PartialTurns
+    from tidal.orchestrator.rollout import multi_turn_group
+
+    adapter_dir, _ = adapter
+    first = 200  # min_tokens of the first turn: it runs long enough for the switch to land in it
+
+    async def body(client, policy, switch, prompt):
+        probe = (await client.sample(policy.model, prompt, 1, first + 60, 0.0, None, {"min_tokens": first}))[0]
+        env, ex = Echo(late_stop(probe, first)), Example(prompt="x")
+        sampling = SamplingSection(max_tokens=480, min_tokens=first)
+        whole = (await multi_turn_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex))[0]
+        switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.05))
+        cont = (await multi_turn_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex,
+                                       PartialTurns(switch, client, 0.0)))[0]
+        await switcher
+        return whole, cont
+
+    (whole, cont), switch = run(vllm_server, tmp_path, adapter_dir, body)
+    assert whole.mask is not None and 0 in whole.mask, f"the environment must have answered: {whole.text!r}"
+    assert cont.token_ids == whole.token_ids and cont.mask == whole.mask and cont.text == whole.text
+    assert cont.finish_reason == whole.finish_reason
+    assert np.abs(np.array(cont.logprobs) - np.array(whole.logprobs)).max() < 1e-4
+    v, mask = np.array(cont.versions), np.array(cont.mask)
+    assert len(v) == len(cont.token_ids) and (np.diff(v) >= 0).all() and set(v.tolist()) == {1, 2}
+    reply = np.flatnonzero(mask == 0)
+    assert (v[reply] == v[reply[0] - 1]).all(), "the reply takes the version of the model token before it"
+    turns = np.split(np.arange(len(v)), [reply[0], reply[-1] + 1])
+    assert any(len(set(v[t].tolist())) == 2 for t in (turns[0], turns[2])), "the switch must land inside a turn"
+    assert switch.counts["partial/resumed_requests"] >= 1
+
+
+def test_teacher_logprobs_cover_every_segment_of_a_continued_completion(vllm_server, tmp_path, lr0_adapter):
+    """orch `teacher` (`fill.with_teacher`) on a completion continued across a switch: one teacher logprob per
+    token of prompt + all segments, and, the teacher being the base model and the policy a learning-rate-0 adapter
+    of it, the completion's teacher logprobs are its behaviour logprobs (to the server's prefill / decode
+    difference), after the switch as before it."""
+    from tidal.config.orch import OrchConfig
+    from tidal.envs.base import Example
+    from tidal.orchestrator.fill import with_teacher
+    from tidal.orchestrator.groups import Collected, StepSample
+
+    adapter_dir, _ = lr0_adapter
+    n = 200
+    sampling = SamplingSection(max_tokens=n, min_tokens=n)
+    cfg = OrchConfig.model_validate({"teacher": {"model": MODEL, "base_url": vllm_server}})
+
+    async def body(client, policy, switch, prompt):
+        switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.05))
+        cont = await partial_completion(switch, client, prompt, n, sampling, 0.0, None)
+        await switcher
+        got = Collected()
+        got.add(Example(prompt="x"), prompt, [cont], np.zeros((1, 1)), version=(1, max(cont.versions)))
+        return prompt, cont, (await with_teacher(StepSample(got, 0.0, 0.0), cfg, client)).teacher
+
+    (prompt, cont, teacher), _ = run(vllm_server, tmp_path, adapter_dir, body)
+    assert set(cont.versions) == {1, 2} and len(cont.token_ids) == n, "the switch must land mid-completion"
+    assert teacher is not None and len(teacher) == 1 and len(teacher[0]) == len(prompt) + n
+    # the teacher scores by prefill and the policy sampled by decoding: up to ~6e-3 apart on this server (seen),
+    # alike on both sides of the switch; teacher logprobs of anything but these tokens would be nats off
+    diff = np.abs(np.array(teacher[0][len(prompt):]) - np.array(cont.logprobs))
+    after = np.array(cont.versions) == 2
+    print(f"teacher - behaviour: max {diff.max():.2e}, mean before the switch {diff[~after].mean():.2e}, after "
+          f"{diff[after].mean():.2e}")
+    assert diff.max() < 2e-2 and diff[after].mean() < 2 * diff[~after].mean() + 1e-3
+
+
 def trainer_kl(peft_model, prompt: list[int], comps) -> np.ndarray:
     """Per token, the k3 estimate of KL(inference || trainer): the trainer's float32 forward (PEFT) against the
     behaviour logprobs vLLM reported, in float64."""
@@ -206,6 +327,126 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
     assert any(set(x.versions) == {0, 1} for x in comps), "a completion must span the switch"
     for group, (start, end) in zip(c.groups, c.versions, strict=True):
         assert start <= min(v for x in group for v in x.versions) and end == max(v for x in group for v in x.versions)
+
+
+def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm_server, tmp_path, lr0_adapter):
+    """`GroupStream` with `partial_rollouts: abort_resume` and a multi-turn environment (its first turn ends at the
+    `<reversed_text>` tag, the environment answers, the model goes on): policy 1 is published while groups run on
+    policy 0; every completion carries a version per token, its environment tokens masked and versioned like the
+    model token before them, and each group's (start, end) bound its tokens' versions."""
+    from tidal.config.orch import OrchConfig
+    from tidal.orchestrator.buffer import Buffer
+    from tidal.orchestrator.envmix import EnvMix
+    from tidal.orchestrator.scoring import Scorer
+    from tidal.orchestrator.stream import GroupStream
+
+    adapter_dir, _ = lr0_adapter
+    cfg = OrchConfig.model_validate({
+        "batch_size": 4, "rollouts_per_example": 2, "seq_len": 512, "async_mode": "in_flight",
+        "partial_rollouts": "abort_resume", "in_flight_groups": 2, "max_async_level": 2,
+        "sampling": {"max_tokens": 300}, "env": [{"id": "tests.e2e.multiturn_env:EchoTool"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "stream-mt")
+            stream = GroupStream(cfg, env, random.Random(7), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            while not stream.partial.running or client.streamed_tokens < 8:
+                await asyncio.sleep(0.005)
+            publish(tmp_path, 1, adapter_dir)
+            counts: dict[str, float] = {}
+            got = await stream.take(1, counts)
+            await stream.close()
+            await client.unload_adapter(policy.model)
+            return got, counts
+        finally:
+            await client.close()
+
+    got, counts = asyncio.run(go())
+    c = got.collected
+    assert counts["partial/switches"] >= 1
+    comps = [comp for group in c.groups for comp in group]
+    assert len(comps) == 4 and any(x.mask is not None and 0 in x.mask for x in comps), [x.text for x in comps]
+    for x in comps:
+        v = np.array(x.versions)
+        assert len(v) == len(x.token_ids) and (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
+        mask = np.array(x.mask if x.mask is not None else [1] * len(v))
+        env_tokens = np.flatnonzero(mask == 0)
+        assert all(v[i] == v[i - 1] for i in env_tokens if i > 0)
+    for group, (start, end) in zip(c.groups, c.versions, strict=True):
+        assert start <= min(v for x in group for v in x.versions) and end == max(v for x in group for v in x.versions)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A real vLLM server on `tests.e2e.tool_env.tagged_tool_model` (the bundled model writing `<tool_call>` blocks,
+    a template that renders tool turns); yields (base URL, model path)."""
+    from tests.conftest import free_port, kill_group, tidal, wait_healthy
+    from tests.e2e.tool_env import tagged_tool_model
+
+    model = tagged_tool_model(tmp_path_factory.mktemp("tagged") / "model")
+    port, log = free_port(), tmp_path_factory.mktemp("vllm_tool") / "infer.log"
+    with open(log, "w") as f:
+        proc = tidal("grpo-infer", "--infer.model", str(model), "--infer.port", str(port), stdout=f)
+        try:
+            wait_healthy(port, proc)
+        except Exception:
+            kill_group(proc)
+            raise RuntimeError(log.read_text()[-3000:]) from None
+        yield f"http://127.0.0.1:{port}/v1", str(model)
+        kill_group(proc)
+
+
+@pytest.mark.slow  # a server of its own (~30-60 s to start on 2 cores)
+def test_a_tool_rollout_across_a_switch_is_the_uninterrupted_one_with_its_tool_turns_masked(tool_server, tmp_path,
+                                                                                             lr0_adapter):
+    """Greedy, the tool loop (`tool_group`: each `<tool_call>` turn answered by an error tool turn, up to 4 rounds)
+    under `PartialTurns` with a LoRA switch while it runs: it completes with the uninterrupted rollout's tokens and
+    mask, its tool turns (mask 0, logprob 0) versioned like the model token before them, its model tokens by the
+    policy that sampled them (1, then 2)."""
+    from tests.e2e.tool_env import TaggedReverse
+    from tidal.orchestrator.partial import PartialTurns
+    from tidal.orchestrator.toolloop import tool_group
+
+    url, model = tool_server
+    adapter_dir, _ = lr0_adapter
+    env = TaggedReverse(max_iterations=4)
+    ex = env.sample(random.Random(3))
+    sampling = SamplingSection(max_tokens=400)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[url]))
+        try:
+            await client.wait_ready()
+            publish(tmp_path, 1, adapter_dir)
+            policy = PolicyTracker(client, model, tmp_path, "tool")
+            await policy.ensure(1, 60)
+            switch = Switch("abort_resume", policy, merged=False)
+            prompt = await client.tokenize_prompt(model, ex.prompt, env.tooling.schemas)
+            whole = (await tool_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex))[0]
+            switcher = asyncio.create_task(switch_when_running(switch, policy, tmp_path, adapter_dir, 0.0))
+            cont = (await tool_group(client, policy.model, prompt, 1, sampling, 512, None, 0.0, env, ex,
+                                     PartialTurns(switch, client, 0.0)))[0]
+            await switcher
+            await client.unload_adapter(policy.model)
+            return whole, cont, switch
+        finally:
+            await client.close()
+
+    whole, cont, switch = asyncio.run(go())
+    mask, v = np.array(cont.mask), np.array(cont.versions)
+    tool = np.flatnonzero(mask == 0)
+    print(f"{len(cont.token_ids)} tokens, {len(tool)} of tool turns, versions {np.unique(v, return_counts=True)}, "
+          f"{switch.counts}")
+    assert len(tool) > 0 and tool[0] > 0, f"the model must have called the tool: {whole.text!r}"
+    assert cont.token_ids == whole.token_ids and cont.mask == whole.mask and cont.finish_reason == whole.finish_reason
+    assert np.array(cont.logprobs)[tool].tolist() == [0.0] * len(tool)
+    assert (np.diff(v) >= 0).all() and set(v.tolist()) == {1, 2}, "the switch must land within the rollout"
+    assert (v[tool] == v[tool - 1]).all(), "a tool token takes the version of the token before it"
 
 
 @pytest.fixture(scope="module")

@@ -44,18 +44,26 @@ def test_supported_combinations_validate():
     assert cfg.partial_rollouts == "abort_resume" and cfg.in_flight_split is None
 
 
-def test_multi_turn_and_tool_environments_are_refused_up_front():
+def test_multi_turn_and_tool_environments_combine_rollout_functions_are_refused_up_front():
+    """Multi-turn and tool environments continue each model turn (tests/unit/test_partial_turns.py); a rollout
+    function returns token rows tidal cannot map back to the requests that sampled them."""
+    from tests.e2e.tool_env import ReverseTool
+    from tidal.orchestrator.preflight import give_tools
+
     cfg = OrchConfig.model_validate({**BASE, "env": [{"id": "reverse-text"}, {"id": "calculator"}]})
-    with pytest.raises(ValueError, match="abort_resume does not combine with env 'calculator'.*multi-turn"):
-        check_partial(cfg, EnvMix(cfg.env, None))
-    single = OrchConfig.model_validate(BASE)
-    check_partial(single, EnvMix(single.env, None))  # single-turn text: accepted
+    env = EnvMix(cfg.env, None)
+    env.envs["reverse-text"].tooling = ReverseTool().tooling
+    check_partial(cfg, env)  # a multi-turn and a tool environment: accepted
+    give_tools(env.envs.values(), None, rollout_func=object())
+    with pytest.raises(ValueError, match="abort_resume does not combine with env 'reverse-text'.*rollout function.*"
+                                         "cannot map back"):
+        check_partial(cfg, env)
 
 
 def test_the_cli_exits_2_naming_the_keys():
     for flags, key in ((["--orch.partial_rollouts", "abort_resume"], "async_mode"),
                        (["--orch.async_mode", "in_flight", "--orch.partial_rollouts", "abort_resume",
-                         "--orch.env", '[{"id": "calculator"}]'], "env 'calculator'")):
+                         "--orch.client.return_routed_experts", "true"], "client.return_routed_experts")):
         proc = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", *flags, "--dry-run"], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -95,7 +103,8 @@ class Server:
     def __init__(self, policy: Policy, tick: float) -> None:
         self.policy, self.tick, self.truth = policy, tick, []
 
-    async def sample_stream(self, model, prompt_ids, max_tokens, temperature, stop, seed=None, extra=None):
+    async def sample_stream(self, model, prompt_ids, max_tokens, temperature, stop, seed=None, extra=None,
+                            until=None):
         ids, lps = [], []
         while len(ids) < max_tokens:
             if stop.is_set():
@@ -216,12 +225,20 @@ def test_token_staleness_against_a_direct_count():
 
 
 def test_a_group_sampled_whole_is_an_error_with_partial_rollouts_only():
-    """Images are seen only when an example is drawn: such a group stops the run naming the key."""
+    """Images are seen only when an example is drawn: such a group stops the run naming the key; so does a group a
+    rollout function samples (refused up front too); a multi-turn or tool group goes on (its turns continue)."""
+    class Env:
+        id, rollout_func = "fn-env", None
+
     async def go():
         on, off = Switch("abort_resume", Policy(), merged=False), Switch("off", Policy(), merged=False)
         with pytest.raises(ValueError, match="partial_rollouts: abort_resume .* holds images"):
             refuse_whole_group(on, [b"png"], None)
         refuse_whole_group(off, [b"png"], None)  # off: sampled whole, as without partial rollouts
+        refuse_whole_group(on, [], Env())  # a multi-turn / tool group: its turns continue across switches
+        Env.rollout_func = object()
+        with pytest.raises(ValueError, match="abort_resume does not combine with environment 'fn-env'"):
+            refuse_whole_group(on, [], Env())
 
     asyncio.run(go())
 

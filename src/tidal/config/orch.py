@@ -451,12 +451,13 @@ class OrchConfig(StrictModel):
     groups are always one request per turn."""
     partial_rollouts: Literal["off", "abort_resume"] = "off"
     """`async_mode: in_flight` only. `abort_resume`: a policy change reaches requests already running: each
-    single-turn completion streams its tokens, is stopped when a newer policy is served (LoRA: once it is loaded;
-    merged reloads: before the weights change) and continues under the new policy from prompt + its tokens so far
-    as a token prompt; every token keeps the logprob and the policy version it was sampled under
-    (`Completion.versions`), and a group is as stale as its oldest token. For long-tailed completions that span
-    several policies (docs/orchestrator.md, "Partial rollouts"). Needs the vLLM backend, `weight_broadcast.type:
-    filesystem`, single-turn text groups sampled split; refuses `client.return_routed_experts`. `off`: a request
+    model turn (a single-turn completion, or a turn of a multi-turn / tool rollout) streams its tokens, is stopped
+    when a newer policy is served (LoRA: once it is loaded; merged reloads: before the weights change) and
+    continues under the new policy from prompt + its tokens so far as a token prompt; every token keeps the
+    logprob and the policy version it was sampled under (`Completion.versions`), and a group is as stale as its
+    oldest token. For long-tailed completions that span several policies (docs/orchestrator.md, "Partial
+    rollouts"). Needs the vLLM backend, `weight_broadcast.type: filesystem`, text prompts, single-turn groups
+    sampled split; refuses `client.return_routed_experts` and rollout-function environments. `off`: a request
     keeps the policy it started with."""
     oversampling_factor: float = Field(1.0, ge=1.0)
     """With group filters on (`buffer.online_difficulty_filtering`, `dynamic_sampling`), ask for this many
@@ -582,7 +583,13 @@ class OrchConfig(StrictModel):
                "weight_broadcast.type": self.weight_broadcast.type == "nccl" and "'nccl' (the trainer pushes the "
                "weights into vLLM itself, so the orchestrator cannot stop requests before they change)",
                "client.return_routed_experts": self.client.return_routed_experts and "true (router replay needs "
-               "each token's routes; a continued request's routes would come from its token prompt's prefill)",
+               "the routes of every token, and a request stopped at a switch returns none: tidal streams it from "
+               "/v1/completions, which returns no routes in vLLM 0.32 (they come with a request's final output "
+               "only, from /inference/v1/generate or chat completions); by vLLM's source its token-in "
+               "/inference/v1/generate stream, stopped through "
+               "/inference/v1/abort_requests, would end with the routes of the tokens so far and "
+               "`routed_experts_prompt_start` would return only the new tokens' for the continuation, but "
+               "tidal's partial rollouts do not sample through that route)",
                "in_flight_split": self.in_flight_split is False and "false (a completion is stopped and continued "
                "on its own, so a group is sampled as one request per completion)"}
         for key, reason in why.items():

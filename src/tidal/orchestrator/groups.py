@@ -23,7 +23,7 @@ from tidal.inference.protocol import Completion, InferenceClient, NotMultimodal
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.outage import EnvFailures
-from tidal.orchestrator.rollout import multi_turn_group, rollout_group
+from tidal.orchestrator.rollout import Turns, multi_turn_group, rollout_group
 from tidal.orchestrator.sampling import temperature_at
 from tidal.orchestrator.toolloop import tool_group
 
@@ -122,9 +122,11 @@ class Collected:
 
 async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
                     examples: list[Example], prompts: list[list[int]], first_seed: int,
-                    images: list[list[bytes]]) -> list[list[Completion]]:
+                    images: list[list[bytes]], turns: Turns | None = None) -> list[list[Completion]]:
     """One group of `rollouts_per_example` completions per prompt, all in flight at once (prompts with
-    `images` through the chat API; an environment's `rollout_func`: the user's function samples the group)."""
+    `images` through the chat API; an environment's `rollout_func`: the user's function samples the group).
+    `turns`: how multi-turn and tool rollouts sample their model turns (`rollout.Turns`; default: one request
+    per turn on `model`; orch `partial_rollouts`: `tidal.orchestrator.partial.PartialTurns`)."""
     seeds = [sample_seed(cfg.sampling, step, first_seed + i) for i in range(len(examples))]
     envs = [env.env_of(ex) if isinstance(env, EnvMix) else env for ex in examples]
     k, temp, sp = cfg.rollouts_per_example, temperature_at(cfg.sampling, cfg.max_steps, step), cfg.sampling
@@ -135,8 +137,8 @@ async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: Inference
     return list(await asyncio.gather(*(
         e.rollout_func.group(client, model, p, k, sp, cfg.seq_len, s, temp, ex, step, cfg.max_steps)
         if e.rollout_func is not None else
-        tool_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.tooling is not None else
-        multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex) if e.max_turns > 1 else
+        tool_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex, turns) if e.tooling is not None else
+        multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex, turns) if e.max_turns > 1 else
         rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp,
                       openai_messages(ex.prompt, im) if im and not isinstance(ex.prompt, str) else None)
         for p, s, e, ex, im in zip(prompts, seeds, envs, examples, images, strict=True))))

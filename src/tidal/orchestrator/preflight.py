@@ -21,6 +21,7 @@ from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.partial import ROLLOUT_FUNC_WHY
 from tidal.orchestrator.scoring import RewardFunc, Scorer
 
 BUILD_ERRORS = (ValueError, FileNotFoundError)
@@ -63,18 +64,16 @@ def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None,
 
 
 def check_partial(cfg: OrchConfig, env: EnvMix) -> None:
-    """orch `partial_rollouts` continues single-turn text completions only (`tidal.orchestrator.partial`): a
-    multi-turn or tool environment is refused (ValueError naming it and the keys)."""
+    """orch `partial_rollouts` continues the model turns tidal samples (`tidal.orchestrator.partial`: single-turn,
+    multi-turn and tool rollouts alike); an environment sampled by a rollout function is refused (ValueError naming
+    it and the keys)."""
     if cfg.partial_rollouts == "off":
         return
     for name, e in env.envs.items():
-        if e.max_turns > 1 or e.tooling is not None or e.rollout_func is not None:
-            kind = ("a tool environment" if e.tooling is not None else "sampled by a rollout function "
-                    "(GRPOTrainer(rollout_func=...))" if e.rollout_func is not None
-                    else f"multi-turn (max_turns {e.max_turns})")
+        if e.rollout_func is not None:
             raise ValueError(f"partial_rollouts: {cfg.partial_rollouts} does not combine with env '{name}': it is "
-                             f"{kind}; a turn in progress would be continued without the environment's state. Set "
-                             f"partial_rollouts: off, or train single-turn environments only")
+                             f"sampled by a rollout function (GRPOTrainer(rollout_func=...)): {ROLLOUT_FUNC_WHY}. "
+                             f"Set partial_rollouts: off, or sample with tidal's own environments")
 
 
 def teacher_url(cfg: OrchConfig) -> str:

@@ -7,7 +7,12 @@ same token budget; a reply that raises `tidal.rewards.ServiceUnavailable` (a `ti
 the rollout unjudged (`Completion.env_error`). Used for training batches and for evaluation. A prompt with images is
 sampled through the chat API from its messages (`messages`: images as data URLs), the token ids checked against the
 prompt's; multi-turn rollouts of prompts with images are refused (vLLM would have to take the images again with
-every continuation's token prompt)."""
+every continuation's token prompt).
+
+Each model turn is sampled through a `Turns` (plain: one request per turn on the group's model). With orch
+`partial_rollouts` the in-flight stream hands in `tidal.orchestrator.partial.PartialTurns`, whose turns are stopped
+at a policy switch and continued under the new policy: their tokens then carry `Completion.versions`, and an
+environment's tokens get the version of the model token before them (`fill_versions`)."""
 
 from __future__ import annotations
 
@@ -32,6 +37,42 @@ def full_group(comps: list[Completion], n: int, client: InferenceClient) -> list
         raise InferenceError(f"the inference server ({', '.join(client.urls)}) returned {len(comps)} completions of "
                              f"one prompt, asked for {n} (rollouts_per_example)")
     return comps
+
+
+class Turns:
+    """How a rollout samples its model turns: here each turn is one request on `model` at `temperature`
+    (`InferenceClient.sample`); `tidal.orchestrator.partial.PartialTurns` continues a turn across policy
+    switches instead. `model` is also the name the rollout tokenizes with (partial rollouts: the base model, which
+    outlives every adapter and shares their tokenizer)."""
+
+    def __init__(self, client: InferenceClient, model: str, temperature: float) -> None:
+        self.client, self.model, self.temperature = client, model, temperature
+
+    async def first(self, prompt_ids: list[int], n: int, max_tokens: int, seed: int | None,
+                    extra: dict[str, Any]) -> list[Completion]:
+        """The first turn of `n` rollouts of one prompt (one request for `n` completions)."""
+        return full_group(await self.client.sample(self.model, prompt_ids, n, max_tokens, self.temperature, seed,
+                                                   extra), n, self.client)
+
+    async def next(self, prompt_ids: list[int], max_tokens: int, seed: int | None,
+                   extra: dict[str, Any]) -> Completion:
+        """A later turn of one rollout, from the exact token ids so far (`prompt_ids`)."""
+        return (await self.client.sample(self.model, prompt_ids, 1, max_tokens, self.temperature, seed, extra))[0]
+
+
+def fill_versions(versions: list[int | None]) -> list[int] | None:
+    """Per-token policy versions of a rollout whose environment tokens (None) sit between model turns: each
+    environment token takes the version of the model token before it (the turn it answers; the first model token's
+    when none precedes it), so the versions never decrease and span exactly those of the sampled tokens. None when
+    no token has a version (no partial rollouts: the group's one policy)."""
+    known = [v for v in versions if v is not None]
+    if not known:
+        return None
+    out, last = [], known[0]
+    for v in versions:
+        last = last if v is None else v
+        out.append(last)
+    return out
 
 
 async def rollout_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
@@ -79,19 +120,22 @@ async def split_group(client: InferenceClient, model: str, prompt_ids: list[int]
 
 async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int,
                            sampling: SamplingSection, seq_len: int, seed: int | None, temperature: float,
-                           env: Environment, example: Example) -> list[Completion]:
+                           env: Environment, example: Example, turns: Turns | None = None) -> list[Completion]:
     """`n` multi-turn rollouts: each model turn ends at EOS or one of `env.stop`; the environment's reply
     (`env.respond`) is appended as tokens with no loss (mask 0) and the model continues, within `env.max_turns`
-    turns and the completion budget (`sampling.max_tokens`, `seq_len`)."""
+    turns and the completion budget (`sampling.max_tokens`, `seq_len`). `turns`: how each model turn is sampled
+    (module doc; default: one request per turn on `model`)."""
     if has_images(example.prompt):
         raise ValueError(f"environment '{env.id}' is multi-turn (max_turns {env.max_turns}) and its prompt holds "
                          "images; tidal samples prompts with images single-turn only (max_turns: 1)")
     budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
     extra = {**extra_sampling(sampling, budget), "stop": list(env.stop), "include_stop_str_in_output": True}
-    first = full_group(await client.sample(model, prompt_ids, n, budget, temperature, seed, extra), n, client)
+    how = turns or Turns(client, model, temperature)
+    first = await how.first(prompt_ids, n, budget, seed, extra)
 
     async def continue_one(i: int, c: Completion) -> Completion:
         ids, lps, mask, text = list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.text
+        vers: list[int | None] = [None] * len(c.token_ids) if c.versions is None else list(c.versions)
         finish, env_error = c.finish_reason, None
         for turn in range(1, env.max_turns):
             try:
@@ -101,19 +145,20 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
                 break
             if reply is None:
                 break
-            reply_ids = await client.tokenize_text(model, reply)
+            reply_ids = await client.tokenize_text(how.model, reply)
             room = budget - len(ids) - len(reply_ids)
             if room < 1:
                 finish = "length"
                 break
             ids, lps, text = ids + reply_ids, lps + [0.0] * len(reply_ids), text + reply
             mask += [0] * len(reply_ids)
+            vers += [None] * len(reply_ids)
             turn_seed = None if seed is None else seed + 7919 * turn + i
-            nxt = (await client.sample(model, prompt_ids + ids, 1, room, temperature, turn_seed,
-                                       {**extra, "min_tokens": 0}))[0]
+            nxt = await how.next(prompt_ids + ids, room, turn_seed, {**extra, "min_tokens": 0})
             ids, lps, text = ids + nxt.token_ids, lps + nxt.logprobs, text + nxt.text
             mask += [1] * len(nxt.token_ids)
+            vers += [None] * len(nxt.token_ids) if nxt.versions is None else nxt.versions
             finish = nxt.finish_reason
-        return Completion(ids, lps, text, finish, None, mask, env_error=env_error)
+        return Completion(ids, lps, text, finish, None, mask, env_error=env_error, versions=fill_versions(vers))
 
     return list(await asyncio.gather(*(continue_one(i, c) for i, c in enumerate(first))))

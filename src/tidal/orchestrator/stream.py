@@ -62,7 +62,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.fill import Filler, Retries, with_teacher
 from tidal.orchestrator.groups import StepSample, draw_prompts, group_rollouts, sample_seed
 from tidal.orchestrator.outage import EnvFailures, Outage
-from tidal.orchestrator.partial import Switch, newest_version, partial_group, refuse_whole_group
+from tidal.orchestrator.partial import PartialTurns, Switch, newest_version, partial_group, refuse_whole_group
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.rollout import split_group
 from tidal.orchestrator.sampling import temperature_at
@@ -302,24 +302,28 @@ class GroupStream:
         text group as `rollouts_per_example` requests of one completion (`rollout.split_group`), so a group that
         waits for its last long completions holds only their slots; other groups (multi-turn, tools, images, a
         rollout function's, and
-        every group with orch `in_flight_split: false`) whole until they return."""
+        every group with orch `in_flight_split: false`) whole until they return. With partial rollouts every model
+        turn (of a multi-turn or tool rollout too) is continued across policy switches."""
         n = self.cfg.rollouts_per_example
         env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
         whole = env.tooling is not None or env.rollout_func is not None or env.max_turns > 1
+        temp = temperature_at(self.cfg.sampling, self.cfg.max_steps, step)
         if images or whole or self.cfg.in_flight_split is False:
-            refuse_whole_group(self.partial, images, env)  # partial rollouts: single-turn text groups only
+            refuse_whole_group(self.partial, images, env)  # partial rollouts: no images, no rollout functions
+            # partial rollouts: each model turn of a multi-turn / tool rollout continued across policy switches
+            turns = PartialTurns(self.partial, self.client, temp) if self.partial.on else None
             try:
                 return (await group_rollouts(step, self.cfg, self.env, self.client, model, [ex], [prompt], seq,
-                                             [images]))[0]
+                                             [images], turns))[0]
             finally:
                 slots.free(n)
 
         seed = sample_seed(self.cfg.sampling, step, seq * n)  # one index per completion
         if self.partial.on:  # partial rollouts: each completion continued across policy switches
             return await partial_group(self.partial, self.client, prompt, n, self.cfg.sampling, self.cfg.seq_len,
-                                       seed, temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
-        return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed,
-                                 temperature_at(self.cfg.sampling, self.cfg.max_steps, step), slots.free)
+                                       seed, temp, slots.free)
+        return await split_group(self.client, model, prompt, n, self.cfg.sampling, self.cfg.seq_len, seed, temp,
+                                 slots.free)
 
     # --- the consumer ----------------------------------------------------------------------------------------
     def _drop_stale(self) -> None:

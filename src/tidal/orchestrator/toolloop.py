@@ -11,9 +11,11 @@ what the chat template renders after the assistant turn: the conversation is ren
 token are taken, k being the number of end-of-turn tokens in the first rendering. Counting end-of-turn tokens
 instead of comparing prefixes keeps this right for templates that render earlier turns differently once later
 messages follow (e.g. strip earlier `<think>` blocks); earlier turns are never re-tokenized, the model's own
-tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0. The loop ends when the session has no answer
-(for tools: the turn called none),
-ends otherwise than at EOS (the token budget), after `max_iterations` tool rounds, or when the tool results
+tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0 (and, when the model turns carry policy versions
+under orch `partial_rollouts`, the version of the model token before them: `rollout.fill_versions`). Each model
+turn is sampled through a `rollout.Turns` (partial rollouts: `tidal.orchestrator.partial.PartialTurns`). The
+loop ends when the session has no answer (for tools: the turn called none), ends otherwise than at EOS (the token
+budget), after `max_iterations` tool rounds, or when the tool results
 would not fit the budget (they are then left out, finish `length`).
 
 A session whose environment failed on its own side (`env_error`: an OpenEnv server, a tool raising
@@ -35,7 +37,7 @@ from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
 from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
 from tidal.inference.protocol import Completion, InferenceClient
-from tidal.orchestrator.rollout import full_group
+from tidal.orchestrator.rollout import Turns, fill_versions
 from tidal.orchestrator.sampling import extra_sampling
 
 
@@ -99,10 +101,12 @@ async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int]
     ids: list[int] = []
     lps: list[float] = []
     mask: list[int] = []
+    vers: list[int | None] = []
     history, out_msgs, texts = list(messages), [], []
     c, finish, round_ = first, first.finish_reason, 0
     while True:
         ids, lps, mask = ids + c.token_ids, lps + c.logprobs, mask + [1] * len(c.token_ids)
+        vers += [None] * len(c.token_ids) if c.versions is None else c.versions
         finish = c.finish_reason
         content = turn_text(c)
         body, calls = parse_tool_calls(content, tooling.fmt)
@@ -129,16 +133,19 @@ async def one_rollout(client: InferenceClient, model: str, prompt_ids: list[int]
         out_msgs += results
         texts += [f"\n[{r['role']} {r.get('name', '')}] {r.get('content', '')}\n" for r in results]
         ids, lps, mask = ids + suffix, lps + [0.0] * len(suffix), mask + [0] * len(suffix)
+        vers += [None] * len(suffix)
         round_ += 1
         c = await sample_next(prompt_ids + ids, room, round_)
     return Completion(ids, lps, "".join(texts), finish, None, mask, messages=out_msgs,
-                      environment=session.environment, env_error=getattr(session, "env_error", None))
+                      environment=session.environment, env_error=getattr(session, "env_error", None),
+                      versions=fill_versions(vers))
 
 
 async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
                      seq_len: int, seed: int | None, temperature: float, env: Environment,
-                     example: Example) -> list[Completion]:
-    """`n` tool-calling rollouts of `example` (whose prompt, rendered with the tools, is `prompt_ids`)."""
+                     example: Example, turns: Turns | None = None) -> list[Completion]:
+    """`n` tool-calling rollouts of `example` (whose prompt, rendered with the tools, is `prompt_ids`); `turns`:
+    how each model turn is sampled (default: one request per turn on `model`)."""
     tooling: Tooling = env.tooling
     if isinstance(example.prompt, str):
         raise ValueError(f"environment '{env.id}': tools need conversational prompts (chat messages), got a string")
@@ -150,22 +157,23 @@ async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int],
                          f"returned different observations for the {n} rollouts of one example; tidal samples a "
                          f"group from one prompt, so reset must depend on the row only")
     messages = with_observation(example.prompt, sessions[0].observation)
+    how = turns or Turns(client, model, temperature)
     override = None
     if sessions[0].observation is not None:
-        prompt_ids = override = await client.tokenize_chat(model, messages, tooling.schemas)
+        prompt_ids = override = await client.tokenize_chat(how.model, messages, tooling.schemas)
     budget = min(sampling.max_tokens or seq_len, seq_len - len(prompt_ids))
     if budget < 1:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under seq_len {seq_len}")
     extra = {**extra_sampling(sampling, budget), "skip_special_tokens": False}
-    first = full_group(await client.sample(model, prompt_ids, n, budget, temperature, seed, extra), n, client)
+    first = await how.first(prompt_ids, n, budget, seed, extra)
 
     def sampler(i: int) -> Any:
         async def sample_next(ids: list[int], room: int, round_: int) -> Completion:
             turn_seed = None if seed is None else seed + 7919 * round_ + i
-            return (await client.sample(model, ids, 1, room, temperature, turn_seed, {**extra, "min_tokens": 0}))[0]
+            return await how.next(ids, room, turn_seed, {**extra, "min_tokens": 0})
         return sample_next
 
-    out = list(await asyncio.gather(*(one_rollout(client, model, prompt_ids, messages, c, s, tooling, budget,
+    out = list(await asyncio.gather(*(one_rollout(client, how.model, prompt_ids, messages, c, s, tooling, budget,
                                                   sampler(i))
                                       for i, (c, s) in enumerate(zip(first, sessions, strict=True)))))
     for c in out:

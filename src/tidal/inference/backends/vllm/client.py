@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -184,12 +185,15 @@ class VllmClient:
         return comps
 
     async def sample_stream(self, model: str, prompt_ids: list[int], max_tokens: int, temperature: float,
-                            stop: asyncio.Event, seed: int | None = None,
-                            extra: dict[str, Any] | None = None) -> Completion:
+                            stop: asyncio.Event, seed: int | None = None, extra: dict[str, Any] | None = None,
+                            until: Callable[[str, int], bool] | None = None) -> Completion:
         """One completion of `prompt_ids`, streamed token by token, until it ends or `stop` is set: then the
         connection is closed (vLLM aborts the request) and the tokens received so far come back with finish reason
         `interrupted` (orch `partial_rollouts`, `tidal.orchestrator.partial`). Every token returned was received
-        before `stop` was seen, so it was sampled before whatever the caller does next (load another policy)."""
+        before `stop` was seen, so it was sampled before whatever the caller does next (load another policy).
+        `until`: called with the text and the number of tokens received so far after each streamed chunk (one
+        token per chunk without speculative decoding); True ends the request there with finish reason `stop` (a
+        stop string that began in an earlier request of the same turn, which vLLM cannot match)."""
         url = f"{self.urls[next(self._rr)]}/completions"
         payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "n": 1, "max_tokens": max_tokens,
                                    "temperature": temperature, "top_p": 1.0, "top_k": -1, "logprobs": 0,
@@ -221,6 +225,9 @@ class VllmClient:
                             texts.extend(lp.get("tokens") or [])
                             text.append(choice.get("text") or "")
                             reason = choice.get("finish_reason") or reason
+                        if until is not None and not reason and until("".join(text), len(ids)):
+                            reason = "stop"
+                            return  # leaving the stream closes the connection: vLLM aborts the request
             except httpx.HTTPError as exc:
                 raise InferenceError(f"POST {url} (stream) failed: {exc!r}") from exc
 
