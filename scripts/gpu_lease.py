@@ -16,7 +16,8 @@ tables), `GPU-LEASE.md`. Exit 1 when a row failed, 2 for a malformed ledger or b
 what the next lease will run.
 
 On a GPU machine set up by the kit (no .venv): `source .gpu-kit/install.sh && make gpu-lease` (the Makefile uses
-python3 where .venv is absent; carry `.gpu-kit/trl` for the TRL rows, `.gpu-kit/tinker` for `t`). Anywhere:
+python3 where .venv is absent; carry `.gpu-kit/trl` for the TRL rows, `.gpu-kit/tinker` for `t`, `.gpu-kit/smollm2`
+for `smollm2-135m`, whose GGUF parts s0 and s1 are stashed like the kit's: scripts/gpu_kit_smollm2.sh). Anywhere:
 `make gpu-lease GPU_LEASE_ARGS="--dry-run --deadline 600"` prints the plan and runs nothing.
 """
 
