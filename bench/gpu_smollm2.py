@@ -14,10 +14,10 @@ install.sh installs). This script, in one command:
    process group stopped at `--budget` seconds;
 3. reads the run's metrics.jsonl and writes the row's table (`--out`; default `$OUT/GPU-SMOLLM2.md` under the device
    tool, else bench/GPU-SMOLLM2.md): per step mismatch_kl, reward, step time; steps/s over the steps after the first
-   (step 1 holds the trainer's warm-up); the start-up; and prints one `LEDGER_RESULT` line for `make gpu-lease`:
-   pass when every step ran and every mismatch_kl is finite. No threshold on mismatch_kl: the figure is the claim
-   (bf16 kernels of vLLM vs the trainer on real weights; after step 1 it includes one optimizer step of drift at
-   the default `max_async_level: 1`, docs/gpu.md).
+   (step 1 holds the trainer's warm-up); vLLM's start-up and the first step's time; and prints one `LEDGER_RESULT`
+   line for `make gpu-lease`: pass when every step ran and every mismatch_kl is finite. No threshold on
+   mismatch_kl: the figure is the claim (bf16 kernels of vLLM vs the trainer on real weights; after step 1 it
+   includes one optimizer step of drift at the default `max_async_level: 1`, docs/gpu.md).
 
 On a lease (after the kit's p parts and the s parts are stashed; `make gpu-lease` runs it when they are, need
 `smollm2`): `source .gpu-kit/install.sh && python3 bench/gpu_smollm2.py` carrying `.gpu-kit/install.sh` and
@@ -34,6 +34,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -57,6 +58,10 @@ EXAMPLE = REPO / "examples" / "real_model"
 BUDGET_S = 300.0
 """Seconds `tidal grpo` may take: dequantization (~10 s), vLLM's first start on a fresh machine (85-170 s), 10
 steps; the ledger row's budget is this plus the reassembly."""
+
+
+CPU_BUDGET_S = 900.0
+"""`--cpu`'s budget: the fp32 CPU run took 248 s on 2 busy cores."""
 
 
 class KitError(RuntimeError):
@@ -138,6 +143,14 @@ def summarize(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             "reward_last": rows[-1].get("reward/mean") if rows else None}
 
 
+def startup(log: str) -> str:
+    """The launcher's start-up lines (`tidal.colocate`): inference ready after X s (its phases), first step done."""
+    ready = re.search(r"inference ready after ([0-9.]+) s(?: \(([^)]*) s\))?", log)
+    first = re.search(r"first step done after ([0-9.]+) s", log)
+    return (f"vLLM ready after {ready.group(1) + ' s (' + (ready.group(2) or '') + ' s)' if ready else '-'}, "
+            f"first step done after {first.group(1) + ' s' if first else '-'}")
+
+
 def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -186,7 +199,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sums", default=str(SUMS), help="the SHA256SUMS of scripts/gpu_kit_smollm2.sh")
     ap.add_argument("--cpu", action="store_true", help="CPU mode (fp32; automatic without nvidia-smi)")
     ap.add_argument("--steps", type=int, default=None, help="orch max_steps (default 10 on CUDA, 2 on CPU)")
-    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for `tidal grpo`, then it is stopped")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for `tidal grpo`, then stopped (default {BUDGET_S:.0f}; CPU {CPU_BUDGET_S:.0f})")
     ap.add_argument("--work", default="/tmp/tidal-smollm2", help="the GGUF file and the run directory")
     ap.add_argument("--out", default=None, help="the table (default $OUT/GPU-SMOLLM2.md, else bench/)")
     ap.add_argument("--dry-run", action="store_true", help="reassemble and check, print the command, run nothing")
@@ -217,18 +231,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     shutil.rmtree(work / "run", ignore_errors=True)
     started = time.monotonic()
-    code, text = harness.run(cmd, work / "grpo.log", args.budget, name="grpo")
+    budget = args.budget or (BUDGET_S if cuda else CPU_BUDGET_S)
+    code, text = harness.run(cmd, work / "grpo.log", budget, name="grpo")
     wall = time.monotonic() - started
     from tidal.monitor.metrics import read_metrics
 
     metrics = work / "run" / "metrics.jsonl"
     rows = read_metrics(metrics) if metrics.is_file() else []
     s = summarize(rows, steps)
-    header = [f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, device "
-              f"{device(cuda)}",
+    header = [f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, device {device(cuda)}",
               f"- command: `{shlex.join(cmd[1:])}` (GGUF sha256 {GGUF_SHA256[:16]}...)",
-              f"- tidal grpo: exit {code if code is not None else f'none, stopped at {args.budget:.0f} s'}, "
-              f"{wall:.0f} s"]
+              f"- tidal grpo: exit {code if code is not None else f'none, stopped at {budget:.0f} s'}, "
+              f"{wall:.0f} s; {startup(text)}"]
     out = Path(args.out) if args.out else default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table(rows, s, header))

@@ -129,6 +129,11 @@ def test_summary_figures():
     assert s["kl_finite"] and (s["reward_first"], s["reward_last"]) == (0.1, 0.4)
     assert not gpu_smollm2.summarize([{**rows[0], "mismatch_kl": float("nan")}], 1)["kl_finite"]
     assert not gpu_smollm2.summarize([], 3)["kl_finite"]
+    log = ("[tidal] inference ready after 71.7 s (tidal 0.7, api_import 13.2 s); orchestrator and trainer started\n"
+           "[tidal] first step done after 172.3 s (trainer ready 11.5 s since vLLM was started)\n")
+    assert gpu_smollm2.startup(log) == ("vLLM ready after 71.7 s (tidal 0.7, api_import 13.2 s), first step done "
+                                        "after 172.3 s")
+    assert gpu_smollm2.startup("") == "vLLM ready after -, first step done after -"
 
 
 def test_the_lease_plans_the_row_only_where_its_parts_are_stashed(tmp_path):
