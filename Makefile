@@ -60,12 +60,13 @@ gpu-lease:
 gpu-ledger:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/gpu_ledger.py $(or $(GPU_LEDGER_ARGS),render)
 
-## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh) and .gpu-kit/trl (TRL 1.16 + datasets, 2.6 MiB, for bench-gpu-e2e). docs/gpu.md, "make gpu-check".
+## The GPU kit (CUDA vLLM 0.24 and what the GPU image lacks) in parts that travel beside this checkout: the shared kit's bundle re-cut into 47 MiB parts (a device call carries 64 MiB, the checkout ~15 MiB), plus .gpu-kit/tinker (the tinker SDK's wheels, 12 MiB, for gpu-check's `t`: carry it with the command that sources install.sh), .gpu-kit/trl (TRL 1.16 + datasets, 2.6 MiB, for bench-gpu-e2e) and SmolLM2-135M-Instruct's GGUF for the ledger row smollm2-135m (scripts/gpu_kit_smollm2.sh: parts .gpu-kit/parts/ds0, ds1, stashed like the kit's with stash.sh s0 / s1, and .gpu-kit/smollm2 with their sha256 sums and the gguf wheel). docs/gpu.md, "make gpu-check".
 gpu-kit:
 	bash ../shared/gpu-kit/make_bundle.sh
 	cd .gpu-kit && cat parts/dp*/p* > bundle.tar && rm -rf parts && mkdir parts && cd parts && split -b 47M -d -a 1 ../bundle.tar p && for f in p*; do mkdir "d$$f" && mv "$$f" "d$$f/"; done && rm ../bundle.tar && ls
 	bash scripts/gpu_kit_tinker.sh
 	bash scripts/gpu_kit_trl.sh
+	bash scripts/gpu_kit_smollm2.sh
 
 ## tidal vs TRL GRPOTrainer, raw vLLM and raw torch, side by side; writes bench/RESULTS.md (~10 min on 2 cores).
 ## Gated vs in-flight weight updates in the same run: make bench BENCH_ARGS="--async-mode both" (with the long-tail rows, bench/longtail.py).

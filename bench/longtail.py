@@ -1,7 +1,7 @@
 """Long-tail rows of `make bench` (issue 44): gated vs in-flight on `reverse-text-longtail`, same machine, same run.
 
-Imported by `bench/run_bench.py` (its `--workload` and `--longtail-quick` options). What it adds to a `tidal grpo`
-run of the bench:
+Imported by `bench/run_bench.py` (its `--workload` and `--longtail-quick` options; `quick_report` and `prepend` write
+`--longtail-quick`'s table into bench/ROLLOUT-LONGTAIL.md). What it adds to a `tidal grpo` run of the bench:
 - the workload: `reverse-text-longtail` (`tidal.envs.longtail`: text lengths log-normal, median 8 letters,
   sigma 1.25, up to `--longtail-max-len`), whose completions mostly stop after a few tokens while a few run to
   `max_tokens`;
@@ -162,6 +162,33 @@ def partial_rows(name: str, inflight: dict[str, Any], partial: dict[str, Any]) -
         f"{partial['reward_last3']:.3f}; {curve_text(partial)} | {inflight['reward_last3']:.3f}; "
         f"{curve_text(inflight)} | | |",
     ]
+
+
+def measure_rows(lt: dict[str, dict[str, Any]]) -> list[str]:
+    """`make bench`'s long-tail rows (measure 8): in-flight vs gated, then partial rollouts where `lt` has them."""
+    return [*rows("long tail", lt["gated"], lt["in_flight"]),
+            *(partial_rows("long tail", lt["in_flight"], lt["partial"]) if "partial" in lt else [])]
+
+
+def quick_report(runs: dict[tuple[str, str], dict[str, Any]], workloads: tuple[str, ...],
+                 header: list[str]) -> list[str]:
+    """`--longtail-quick`'s lines: `header`, then per workload in-flight vs gated (`rows`), then partial rollouts vs
+    in-flight (`partial_rows`) where `runs` holds a (workload, "partial") run."""
+    def name(w: str) -> str:
+        return "long tail" if w == "longtail" else w
+
+    return [*header, "", "| measure | in-flight | gated | ratio | target |", "|---|---|---|---|---|",
+            *[row for w in workloads for row in rows(name(w), runs[w, "gated"], runs[w, "in_flight"])],
+            *[row for w in workloads if (w, "partial") in runs
+              for row in partial_rows(name(w), runs[w, "in_flight"], runs[w, "partial"])]]
+
+
+def prepend(out: Path, lines: list[str]) -> None:
+    """`lines` at the top of the results in `out` (after its `<!-- results -->` marker; earlier results stay below;
+    a new file gets the title and the marker)."""
+    text = out.read_text() if out.exists() else "# Long-tail rollouts: gated vs in-flight\n\n<!-- results -->\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.replace("<!-- results -->", "<!-- results -->\n" + "\n".join(lines) + "\n", 1))
 
 
 def curve_text(r: dict[str, Any]) -> str:

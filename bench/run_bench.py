@@ -25,14 +25,15 @@
    `/metrics`), trainer idle fraction, staleness, groups dropped, reward against samples trained.
    `--longtail-quick` runs only those rows, for both workloads (4 runs, ~6 min on 2 cores), and writes
    `bench/ROLLOUT-LONGTAIL.md`. `--longtail-partial` adds an in-flight run with orch `partial_rollouts:
-   abort_resume` (issue 52): its rows compare it with the in-flight run without it.
+   abort_resume` (issue 52): its rows compare it with the in-flight run without it. `--model 0.6b` (`4b`, `8b`)
+   runs them on bench/gpu_e2e.py's random-init shape instead of the bundled model (GPU; such weights rarely stop).
 7. Start-up (issue 37): vLLM's phases and the run's milestones (orchestrator and trainer ready, first batch, first
    step) of the main run, the first step done after `tidal grpo` started, and the same run again with the start-up
    before issue 37 (`BEFORE_37`: three vLLM processes, orchestrator and trainer after `/health`) as the baseline;
    the whole-run ratio against TRL for both (`--no-startup-baseline` skips that run).
 
-Results go to `bench/RESULTS.md` (date, machine, versions, exact command). Figures are ratios against
-baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16;
+Results go to `bench/RESULTS.md` (`$OUT/` where set; date, machine, versions, exact command). Figures are ratios
+against baselines measured in the same run. `--device cuda` is the GPU variant (TRL then trains in bfloat16;
 use `--recipes bf16 --trl-precisions bf16`).
 """
 
@@ -102,7 +103,8 @@ def tidal_run(args: argparse.Namespace, work: Path, mode: str = "gated", recipe:
            str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
            "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
            "--orch.seq_len", "512", "--train.learning_rate", "2e-3", "--infer.port", str(args.port),
-           "--orch.async_mode", mode, "--train.recipe", recipe, *extra]
+           "--orch.async_mode", mode, "--train.recipe", recipe,
+           *(["--model", str(args.model_dir)] if getattr(args, "model_dir", None) else []), *extra]
     log = work / f"tidal_{recipe}_{mode}{tag}.log"
     first_done, total = run_timed(cmd, log, 3600, run_dir / "metrics.jsonl")
     # the launcher's vLLM start-up and its phases (`tidal.colocate.supervise.STARTUP_PHASES`), and the run's milestones
@@ -326,6 +328,7 @@ def default_precisions(device: str) -> list[str]:
 
 def parse_args() -> argparse.Namespace:
     """The bench's options (`make bench BENCH_ARGS=...`)."""
+    import gpu_e2e  # its model shapes (`--model`)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=8)
@@ -335,7 +338,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--trainer-reps", type=int, default=6)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=8700)
-    ap.add_argument("--out", default=str(REPO / "bench" / "RESULTS.md"))
+    ap.add_argument("--out", default=str(Path(os.environ.get("OUT") or REPO / "bench") / "RESULTS.md"))
     ap.add_argument("--async-mode", default="both", choices=["gated", "in_flight", "both"],
                     help="orch async_mode of the tidal run; both: gated and in_flight, compared (measure 5)")
     ap.add_argument("--recipes", nargs="+", default=None, choices=["fp32", "bf16"],
@@ -359,10 +362,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--longtail-partial", action="store_true",
                     help="measure 8 adds an in-flight run with orch partial_rollouts: abort_resume (issue 52), "
                          "compared with the in-flight run without it")
+    ap.add_argument("--model", default=None, choices=list(gpu_e2e.MODELS),
+                    help="with --longtail-quick: bench/gpu_e2e.py's random-init shape (0.6b: Qwen3-0.6B) instead of "
+                         "tidal's bundled model (tiny: the bundled model, passed by path)")
     ap.add_argument("--longtail-quick", action="store_true",
                     help="only measure 8, both workloads: gated and in-flight runs with vLLM's /metrics sampled; "
                          "writes bench/ROLLOUT-LONGTAIL.md")
-    return ap.parse_args()
+    if (args := ap.parse_args()).model and not args.longtail_quick:
+        ap.error("--model is for --longtail-quick only (the other measures' baselines run the bundled model)")
+    return args
 
 
 def main() -> None:
@@ -428,6 +436,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_results(args: argparse.Namespace, m: dict[str, Any]) -> None:
     """bench/RESULTS.md (`--out`) from the figures of `measure`."""
+    import longtail
+
     work, main_recipe, gated, t, f, lt = m["work"], m["main_recipe"], m["gated"], m["t"], m["f"], m["lt"]
     before, trl, r, ro, tr = m["before"], m["trl"], m["r"], m["ro"], m["tr"]
     cmd = "make bench  # = .venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
@@ -489,7 +499,7 @@ def write_results(args: argparse.Namespace, m: dict[str, Any]) -> None:
           for rc, g in gated.items()],
         *[f"| mismatch KL at step 1 (same policy both sides), tidal {rc} | {v:.2e} | | | |" for rc, v in mkl.items()],
         *(async_rows(t, f) if f is not None else []),
-        *(longtail_rows(lt) if lt is not None else []), "",
+        *(longtail.measure_rows(lt) if lt is not None else []), "",
         f"Whole runs: {whole} (tidal: vLLM start-up included; TRL: model load excluded). Reward against time: "
         f"`bench/reward_vs_time.png`. Raw logs: `{work}`.",
     ]
@@ -541,13 +551,6 @@ def async_only(args: argparse.Namespace) -> None:
         print(f"bench: reward against time: {work / 'reward_vs_time.png'}")
 
 
-def longtail_rows(lt: dict[str, dict[str, Any]]) -> list[str]:
-    import longtail
-
-    return [*longtail.rows("long tail", lt["gated"], lt["in_flight"]),
-            *(longtail.partial_rows("long tail", lt["in_flight"], lt["partial"]) if "partial" in lt else [])]
-
-
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -564,6 +567,11 @@ def longtail_quick(args: argparse.Namespace) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-longtail-"))
     print(f"bench: work dir {work}", flush=True)
+    import gpu_e2e  # `--model`: its random-init shapes (built once in a child, bf16, the bundled tokenizer)
+
+    args.model_dir = (gpu_e2e.build_model(args.model, work / f"model-{args.model}", None, args.device == "cuda")
+                      if args.model else None)
+    model = f"{gpu_e2e.MODELS[args.model][0]} (`--model {args.model}`)" if args.model else "bundled model"
     load0 = os.getloadavg()
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     workloads = ("longtail", "uniform") if args.workload == "both" else (args.workload,)
@@ -574,26 +582,18 @@ def longtail_quick(args: argparse.Namespace) -> None:
             print(f"bench: {workload} {mode}: {r['step_s']:.2f} s/step, vLLM busy {r['busy']:.0%} "
                   f"({r['running']:.1f} running), trainer idle {r['idle']:.0%}", flush=True)
     cmd = ".venv/bin/python bench/run_bench.py " + shlex.join(sys.argv[1:])
-    lines = [f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()}, device "
-             f"{args.device}; load average before / after: {load0[0]:.1f} / {os.getloadavg()[0]:.1f}",
-             f"- versions: python {platform.python_version()}, {versions()}",
-             f"- command: `{cmd}`",
-             f"- workloads: bundled model, {args.prompts} prompts x {args.generations} completions per step, "
-             f"{args.steps} steps, recipe {args.recipes[-1]}, LoRA r16, lr 2e-3, vLLM engine statistics on in every "
-             f"run; long tail: `reverse-text-longtail` (log-normal lengths, median 8, sigma 1.25, max_len "
-             f"{args.longtail_max_tokens - 4}), max_tokens {args.longtail_max_tokens}; uniform: `reverse-text`, "
-             f"max_tokens {args.max_tokens}; in-flight runs add: `{args.longtail_extra or '-'}`", "",
-             "| measure | in-flight | gated | ratio | target |", "|---|---|---|---|---|",
-             *[row for w in workloads for row in longtail.rows("long tail" if w == "longtail" else w,
-                                                               runs[w, "gated"], runs[w, "in_flight"])],
-             *[row for w in workloads if (w, "partial") in runs
-               for row in longtail.partial_rows("long tail" if w == "longtail" else w, runs[w, "in_flight"],
-                                                runs[w, "partial"])], "",
-             f"Raw logs: `{work}`."]
+    header = [f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()}, device "
+              f"{args.device}; load average before / after: {load0[0]:.1f} / {os.getloadavg()[0]:.1f}",
+              f"- versions: python {platform.python_version()}, {versions()}",
+              f"- command: `{cmd}`",
+              f"- workloads: {model}, {args.prompts} prompts x {args.generations} completions per step, "
+              f"{args.steps} steps, recipe {args.recipes[-1]}, LoRA r16, lr 2e-3, vLLM engine statistics on in every "
+              f"run; long tail: `reverse-text-longtail` (log-normal lengths, median 8, sigma 1.25, max_len "
+              f"{args.longtail_max_tokens - 4}), max_tokens {args.longtail_max_tokens}; uniform: `reverse-text`, "
+              f"max_tokens {args.max_tokens}; in-flight runs add: `{args.longtail_extra or '-'}`"]
+    lines = [*longtail.quick_report(runs, workloads, header), "", f"Raw logs: `{work}`."]
     print("\n".join(lines))
-    out = Path(args.out).with_name("ROLLOUT-LONGTAIL.md")
-    text = out.read_text() if out.exists() else "# Long-tail rollouts: gated vs in-flight\n\n<!-- results -->\n"
-    out.write_text(text.replace("<!-- results -->", "<!-- results -->\n" + "\n".join(lines) + "\n", 1))
+    longtail.prepend(Path(args.out).with_name("ROLLOUT-LONGTAIL.md"), lines)
 
 
 if __name__ == "__main__":

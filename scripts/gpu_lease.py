@@ -16,7 +16,8 @@ tables), `GPU-LEASE.md`. Exit 1 when a row failed, 2 for a malformed ledger or b
 what the next lease will run.
 
 On a GPU machine set up by the kit (no .venv): `source .gpu-kit/install.sh && make gpu-lease` (the Makefile uses
-python3 where .venv is absent; carry `.gpu-kit/trl` for the TRL rows, `.gpu-kit/tinker` for `t`). Anywhere:
+python3 where .venv is absent; carry `.gpu-kit/trl` for the TRL rows, `.gpu-kit/tinker` for `t`, `.gpu-kit/smollm2`
+for `smollm2-135m`, whose GGUF parts s0 and s1 are stashed like the kit's: scripts/gpu_kit_smollm2.sh). Anywhere:
 `make gpu-lease GPU_LEASE_ARGS="--dry-run --deadline 600"` prints the plan and runs nothing.
 """
 
@@ -168,9 +169,25 @@ def device_name() -> str:
     return f"CPU ({platform.machine()})"
 
 
+SMOLLM2_SUMS = ".gpu-kit/smollm2/SHA256SUMS"
+"""The SmolLM2 GGUF's parts as scripts/gpu_kit_smollm2.sh lists them (`sha256sum` lines: the file, then s0, s1)."""
+STASH = Path("/tmp/stash")
+"""Where `.gpu-kit/stash.sh` keeps the carried parts on the GPU machine."""
+
+
+def smollm2_stashed(sums: Path = REPO / SMOLLM2_SUMS, stash: Path = STASH) -> bool:
+    """Need `smollm2`: its listing was carried and every part it names (s0, s1, ...) is stashed."""
+    if not sums.is_file():
+        return False
+    parts = [name for line in sums.read_text().splitlines()
+             if re.fullmatch(r"s\d+", name := line.partition("  ")[2])]
+    return bool(parts) and all((stash / p).is_file() for p in parts)
+
+
 def available_needs() -> set[str]:
-    """The needs of `gpu_ledger.NEEDS` met here: installed, or carried as the GPU kit's wheels."""
-    have = set()
+    """The needs of `gpu_ledger.NEEDS` met here: installed, or carried as the GPU kit's wheels; `smollm2`: the
+    GGUF's parts stashed (`smollm2_stashed`)."""
+    have = {"smollm2"} if smollm2_stashed() else set()
     for need, carried in (("trl", ".gpu-kit/trl"), ("tinker", ".gpu-kit/tinker"), ("sglang", None)):
         if importlib.util.find_spec(need) is not None or (carried and (REPO / carried).exists()):
             have.add(need)

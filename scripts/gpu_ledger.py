@@ -33,7 +33,7 @@ FIELDS = {
     "command": "what proves it, run from the repository root with the GPU kit's python3 (empty: not written yet)",
     "budget_s": "seconds `make gpu-lease` gives it before it kills the row's process group",
     "lease": "whether `make gpu-lease` may run it on one lent GPU (false: the reason is in `note`)",
-    "needs": "what must be carried or installed beyond the kit: trl, tinker, sglang",
+    "needs": "what must be carried, stashed or installed beyond the kit: trl, tinker, sglang, smollm2",
     "priority": "order among rows of the same result in a lease (lower first; the issue's first-lease order)",
     "result": "the last result: pass, fail or never run",
     "measured_s": "seconds the last run took (null: never run)",
@@ -44,7 +44,7 @@ FIELDS = {
     "table": "where the full table of the last run lives",
     "note": "anything a reader of the row must know (why not leasable, what a past run showed)",
 }
-NEEDS = ("trl", "tinker", "sglang")
+NEEDS = ("trl", "tinker", "sglang", "smollm2")
 
 
 class LedgerError(ValueError):
