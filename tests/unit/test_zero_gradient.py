@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import get_args
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from tidal.config.loss import LossConfig
 from tidal.trainer.grpo import train_step
 from tidal.trainer.policy import build_policy
 from tidal.trainer.step.loss import LossInputs, LossScale, policy_loss, zero_gradient
+from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 
 LOSS_TYPES = get_args(LossConfig.model_fields["loss_type"].annotation)
@@ -104,7 +106,9 @@ def batch_with_zero_groups(seed: int, zero_share: float) -> TrainingBatch:
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_skipping_leaves_the_same_parameters(lora):
-    cfgs = {skip: config(1, 1, 8, "dapo", lora).model_copy(
+    # accumulation 1: every micro-batch its own optimizer step, so the packing is the same with and without the
+    # skip (one optimizer step would pack the zero samples apart: the test below) and the update is bit for bit
+    cfgs = {skip: config(1, 1, 1, "dapo", lora).model_copy(
         update={"loss": LossConfig(loss_type="dapo", beta=0.0), "skip_zero_gradient": skip, "learning_rate": 1e-3})
         for skip in (True, False)}
     pols = {skip: build_policy(cfgs[skip], 10) for skip in cfgs}
@@ -122,3 +126,45 @@ def test_skipping_leaves_the_same_parameters(lora):
         for n, q in pols[True].model.named_parameters():
             assert torch.equal(q, b[n]), (n, step, seed)
         assert any(not torch.equal(before[n], q) for n, q in b.items()), "AdamW moves even on zero gradients"
+
+
+def test_zero_gradient_samples_are_packed_apart_and_every_sample_once():
+    seed = random.randrange(2**31)
+    batch = fixed_batch(seed % 1000)
+    rng = np.random.default_rng(seed)
+    apart = [bool(x) for x in rng.random(len(batch.lengths)) < 0.5]
+    micro = pack(batch, 40, 2, apart=apart)
+    seen: list[int] = []
+    for mb in micro:
+        ids = sorted({int(i) for i in mb.seq_ids.unique() if i >= 0})
+        assert len({apart[i] for i in ids}) == 1, (ids, seed)  # never mixed
+        seen += ids
+    assert sorted(seen) == list(range(len(batch.lengths)))
+    flags = [apart[int(mb.seq_ids[mb.seq_ids >= 0][0])] for mb in micro]
+    assert flags == sorted(flags), "the flagged micro-batches come last"
+
+
+def test_one_optimizer_step_repacks_zero_samples_apart_with_the_same_update():
+    """Interleaved zero-advantage samples in one optimizer step: packed apart, their micro-batches skip the
+    backward, and the update equals the unskipped one's (plain SGD, so float-summation order shows as itself)."""
+    seed = random.randrange(2**31)
+    batch = fixed_batch(seed % 1000)
+    starts = np.r_[0, np.cumsum(batch.lengths)[:-1]]
+    for k, (s, n) in enumerate(zip(starts, batch.lengths, strict=True)):
+        if k % 2:
+            batch.advantages[s:s + n] = 0.0
+    cfgs = {skip: config(1, 1, 64, "dapo").model_copy(update={"loss": LossConfig(loss_type="dapo", beta=0.0),
+                                                               "skip_zero_gradient": skip,
+                                                               "per_device_train_batch_size": 2})
+            for skip in (True, False)}
+    pols = {skip: build_policy(cfgs[skip], 10) for skip in cfgs}
+    m = {}
+    for skip, p in pols.items():
+        p.opt = torch.optim.SGD([q for q in p.model.parameters() if q.requires_grad], lr=0.5)
+        m[skip] = train_step(p.model, p.opt, batch, cfgs[skip], p.device, p.pad_id, sched=p.sched)
+    assert m[True]["optim/steps"] == m[False]["optim/steps"] == 1
+    assert m[True]["micro_batches/skipped"] >= 1 and m[False]["micro_batches/skipped"] == 0
+    assert m[True]["loss"] == pytest.approx(m[False]["loss"], rel=1e-5, abs=1e-7)
+    b = dict(pols[False].model.named_parameters())
+    for n, q in pols[True].model.named_parameters():
+        torch.testing.assert_close(q, b[n], rtol=1e-5, atol=1e-6, msg=f"{n} seed {seed}")

@@ -53,7 +53,15 @@ from tidal.trainer.step import ref_sync
 from tidal.trainer.step.entropy_control import EntropyControl
 from tidal.trainer.step.health import MismatchGuard
 from tidal.trainer.step.logprobs import forward_logprobs, forward_logprobs_entropy
-from tidal.trainer.step.loss import PER_SEQUENCE, LossInputs, LossScale, LossSums, policy_loss, zero_gradient
+from tidal.trainer.step.loss import (
+    PER_SEQUENCE,
+    LossInputs,
+    LossScale,
+    LossSums,
+    advantage_only,
+    policy_loss,
+    zero_gradient,
+)
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
@@ -128,17 +136,14 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     reduced over the ranks."""
     lc = cfg.loss
     ec = entropy or EntropyControl(lc.entropy_coef)  # the entropy bonus's coefficient (adaptive: across steps)
-    micro = [mb.to(device) for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
-                                          drop_truncated=lc.mask_truncated_completions,
-                                          max_tokens=cfg.micro_batch_tokens,
-                                          share_prompts=shares_prompts(model, cfg, batch))]
+    skippable = cfg.skip_zero_gradient and ranks.world == 1 and skips_backward(model, batch)
+    micro, steps = _packed(model, batch, cfg, pad_id, ranks, skippable)
+    micro = [mb.to(device) for mb in micro]
     attach_images(model, batch, micro, resolve_model(cfg.model), cfg.model, cfg.trust_remote_code)
     if lc.teacher_tau and batch.teacher_logprobs is None:
         raise ValueError(f"train loss.teacher_tau is {lc.teacher_tau} but batch {batch.step} carries no teacher "
                          f"logprobs; configure the orchestrator's `teacher`")
     router_replay.prepare(model, cfg.router_replay, batch.routed_experts is not None, batch.step)
-    steps = plan([mb.input_ids.numel() for mb in micro], ranks.world, cfg.gradient_accumulation_steps,
-                 cfg.steps_per_generation)
     max_len = batch.max_tokens or int(batch.lengths.max(initial=1))
     scales = [LossScale(step_tokens=max(sum(float(micro[i].loss_mask.sum()) for i in st.micro), 1.0),
                         step_sequences=batch.num_samples if len(steps) == 1 else _sequences(micro, st.micro),
@@ -150,7 +155,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     total = len(steps) * lc.num_iterations
-    skippable, skipped_total = cfg.skip_zero_gradient and ranks.world == 1 and skips_backward(model, batch), 0
+    skipped_total = 0
     for it in range(lc.num_iterations):
         for g, st in enumerate(steps):
             if sched is not None:
@@ -235,6 +240,29 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]
         after()
         opt.zero_grad(set_to_none=True)
     return norm
+
+
+def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_id: int, ranks: Ranks,
+            skippable: bool) -> tuple[list[MicroBatch], list[OptimizerStep]]:
+    """The batch's micro-batches and optimizer steps. With `skippable` (train `skip_zero_gradient`) and one optimizer
+    step, the samples whose loss has zero gradient are packed apart from the others, so that their micro-batches
+    skip the backward, unless that would take a second optimizer step (the samples of each step would change) or
+    the loss is `bnpo` (normalized per micro-batch)."""
+    def packed(apart: list[bool] | None) -> tuple[list[MicroBatch], list[OptimizerStep]]:
+        mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
+                   drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
+                   share_prompts=shares_prompts(model, cfg, batch), apart=apart)
+        return mbs, plan([mb.input_ids.numel() for mb in mbs], ranks.world, cfg.gradient_accumulation_steps,
+                         cfg.steps_per_generation)
+
+    micro, steps = packed(None)
+    if not (skippable and len(steps) == 1 and cfg.loss.loss_type != "bnpo" and advantage_only(cfg.loss)):
+        return micro, steps
+    zero = [not np.any(batch.advantages[s][batch.loss_mask[s].astype(bool)] != 0) for s in batch.samples()]
+    if not any(zero) or all(zero):
+        return micro, steps
+    alt, alt_steps = packed(zero)
+    return (alt, alt_steps) if len(alt_steps) == 1 else (micro, steps)
 
 
 def skips_backward(model: torch.nn.Module, batch: TrainingBatch) -> bool:

@@ -135,11 +135,13 @@ def zero_gradient(advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossCo
     (clipped, dual clip, cispo, sapo, vespo, aipo with `kl_tau` 0) and the masks, IS corrections and
     normalizations multiply it, so such a micro-batch's backward adds zeros (train `skip_zero_gradient`;
     tests/unit/test_zero_gradient.py checks every loss_type x is_correction in float64)."""
-    if cfg.beta or cfg.entropy_coef or cfg.use_adaptive_entropy or cfg.teacher_tau:
-        return False
-    if cfg.loss_type == "aipo" and cfg.kl_tau:
-        return False
-    return not bool((advantages[loss_mask.bool()] != 0).any())
+    return advantage_only(cfg) and not bool((advantages[loss_mask.bool()] != 0).any())
+
+
+def advantage_only(cfg: LossConfig) -> bool:
+    """No term of the loss has a gradient without the advantage (`zero_gradient`)."""
+    return not (cfg.beta or cfg.entropy_coef or cfg.use_adaptive_entropy or cfg.teacher_tau
+                or (cfg.loss_type == "aipo" and cfg.kl_tau))
 
 
 def entropy_bonus(v: TokenView, keep: torch.Tensor, scale: LossScale) -> torch.Tensor:

@@ -182,26 +182,39 @@ def units(batch: TrainingBatch, capacity: int, share_prompts: bool) -> list[Unit
     return out
 
 
+def layout(packed: list[Unit], sequence_len: int, rows_per_micro_batch: int, max_tokens: int | None,
+           apart: list[bool] | None = None) -> list[list[list[Unit]]]:
+    """The micro-batches (each a list of rows, each a list of units) of `packed`; with `apart` (per sample), the
+    units whose samples are all flagged are laid out on their own, after the others: no row or micro-batch mixes
+    them (train `skip_zero_gradient` flags the samples whose loss has zero gradient)."""
+    classes = [packed] if apart is None else [[u for u in packed if not all(apart[i] for i in u.samples)],
+                                              [u for u in packed if all(apart[i] for i in u.samples)]]
+    out: list[list[list[Unit]]] = []
+    for cls in (c for c in classes if c):
+        rows = assign_rows(np.array([u.length for u in cls], dtype=np.int64), sequence_len)
+        row_lengths = [sum(cls[u].length for u in row) for row in rows]
+        for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
+            out.append([[cls[u] for u in rows[r]] for r in members])
+    return out
+
+
 def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
          drop_truncated: bool = False, max_tokens: int | None = None,
-         share_prompts: bool = False) -> list[MicroBatch]:
+         share_prompts: bool = False, apart: list[bool] | None = None) -> list[MicroBatch]:
     """Pack `batch` into micro-batches of `rows_per_micro_batch` rows, or of at most `max_tokens` padded tokens
     (see module doc and `group_rows`). `drop_truncated` clears the loss mask of samples flagged `truncated`
     (mask_truncated_completions). `share_prompts`: the samples of one prompt share its tokens (module doc; text
-    batches only)."""
+    batches only). `apart`: per sample, those packed on their own, after the others (`layout`)."""
     if share_prompts and batch.has_images:
         raise ValueError("shared prompts are for text batches; this batch has images")
     if int(batch.lengths.max(initial=0)) > sequence_len:
         assign_rows(batch.lengths, sequence_len)  # raises, naming the samples
     spans = batch.samples()
     teacher = batch.teacher_logprobs
-    packed = units(batch, sequence_len, share_prompts)
-    rows = assign_rows(np.array([u.length for u in packed], dtype=np.int64), sequence_len)
     out: list[MicroBatch] = []
-    row_lengths = [sum(packed[u].length for u in row) for row in rows]
-    for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
-        group = [rows[r] for r in members]
-        width = max(row_lengths[r] for r in members)
+    for group in layout(units(batch, sequence_len, share_prompts), sequence_len, rows_per_micro_batch, max_tokens,
+                        apart):
+        width = max(sum(u.length for u in row) for row in group)
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
         pos = np.zeros((len(group), width), dtype=np.int64)
         mask = np.zeros((len(group), width), dtype=bool)
@@ -215,7 +228,7 @@ def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad
         shared_rows = False
         for r, row in enumerate(group):
             at = 0
-            for unit in (packed[u] for u in row):
+            for unit in row:
                 shared_rows |= unit.shared > 0
                 for j, i in enumerate(unit.samples):
                     skip = unit.shared if j else 0  # the first sample writes the shared tokens
