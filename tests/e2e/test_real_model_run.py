@@ -48,3 +48,32 @@ def test_smollm2_grpo_two_steps_on_policy(tmp_path):
     reader = gguf.GGUFReader(str(gguf_file))
     assert reader.fields["general.architecture"].contents() == "llama"
     assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 49152
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_real_weights_stay_on_policy(tmp_path):
+    """Issue 52's on-policy check on real weights and vocabulary: in-flight sampling with `partial_rollouts:
+    abort_resume`, and a learning rate (1e-30) whose LoRA update vanishes in float32, so the merged weights vLLM
+    reloads at every step equal the base model's: each reload stops the running requests and continues them as token
+    prompts, yet every token is sampled by the same policy the trainer scores, so mismatch_kl stays at the float32
+    floor of an uninterrupted run (<= 1e-8: step 1 of the default run is ~3e-11). The run must really stop and
+    continue requests."""
+    run_dir = tmp_path / "run"
+    proc = tidal("grpo", "--train", str(EXAMPLE / "train.yaml"), "--infer", str(EXAMPLE / "infer.yaml"),
+                 "--orch", str(EXAMPLE / "orch.yaml"), "--output-dir", str(run_dir),
+                 "--infer.port", str(free_port()), "--orch.max_steps", "5", "--orch.batch_size", "32",
+                 "--orch.rollouts_per_example", "8", "--orch.sampling.max_tokens", "64", "--orch.sampling.seed", "5",
+                 "--orch.async_mode", "in_flight", "--orch.partial_rollouts", "abort_resume",
+                 "--train.learning_rate", "1e-30", "--train.export.gguf", "null")
+    try:
+        out, _ = proc.communicate(timeout=1500)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    stopped = sum(r.get("partial/stopped_requests", 0.0) for r in rows)
+    resumed = sum(r.get("partial/resumed_requests", 0.0) for r in rows)
+    assert stopped > 0 and resumed > 0, (stopped, resumed)
+    worst = max(abs(r["mismatch_kl"]) for r in rows)
+    assert worst <= 1e-8, [r["mismatch_kl"] for r in rows]
