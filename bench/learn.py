@@ -78,6 +78,17 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
     return time.monotonic() - start, arrivals
 
 
+ALGORITHMS = {
+    "trl": ["--train.loss.loss_type", "dapo", "--train.loss.beta", "0", "--train.loss.token_mask_low", "0",
+            "--train.loss.token_mask_high", "1e30", "--orch.advantage.scale_rewards", "group"],
+    "example": [],
+}
+"""tidal's algorithm in the bench: `trl` (default) is TRL 1.16's GRPOTrainer's as bench/trl_grpo.py runs it (loss
+`dapo`, beta 0, epsilon 0.2, rewards scaled by the group's std, no ratio masks), so that the runs differ in how they
+sample and train, not in what they optimize; `example` keeps examples/real_model's (seed 000's `aipo`, rewards not
+scaled, its token masks)."""
+
+
 def tidal_run(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     """One `tidal grpo` run of the example with the bench's workload."""
     run_dir = work / f"tidal_seed{seed}"
@@ -88,7 +99,7 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]
            "--orch.seed", str(seed), "--orch.sampling.seed", str(seed), "--train.seed", str(seed),
            "--train.learning_rate", str(args.lr),
            "--train.lora_rank", str(args.lora_rank), "--train.lora_alpha", str(args.lora_alpha),
-           "--train.export.gguf", "null", "--infer.port", str(args.port)]
+           "--train.export.gguf", "null", "--infer.port", str(args.port), *ALGORITHMS[args.tidal_algorithm]]
     log = work / f"tidal_seed{seed}.log"
     total, arrivals = watch(cmd, log, run_dir / "metrics.jsonl", env_with(), 3 * 3600)
     from tidal.monitor.metrics import read_metrics
@@ -97,7 +108,8 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]
     text = log.read_text()
     ready = re.search(r"inference ready after ([0-9.]+) s", text)
     first = re.search(r"first step done after ([0-9.]+) s", text)
-    return {"framework": "tidal", "seed": seed, "total_s": total, "adapter": str(run_dir / "final" / "adapter"),
+    return {"framework": "tidal", "seed": seed, "algorithm": args.tidal_algorithm, "total_s": total,
+            "adapter": str(run_dir / "final" / "adapter"),
             "load": statistics.mean(LOADS or [float("nan")]),
             "ready_s": float(ready.group(1)) if ready else float("nan"),
             "first_step_s": float(first.group(1)) if first else arrivals[0],
@@ -143,15 +155,17 @@ def save_runs(path: Path, workload: dict[str, Any], runs: list[dict[str, Any]]) 
     tmp.replace(path)
 
 
-def load_runs(path: Path, workload: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Finished runs of an earlier invocation with the same workload, by (framework, seed); none if it differed."""
+def load_runs(path: Path, workload: dict[str, Any], algorithm: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """Finished runs of an earlier invocation with the same workload, by (framework, seed); none if it differed;
+    tidal's only with the same `algorithm`."""
     if not path.is_file():
         return {}
     saved = json.loads(path.read_text())
     if not isinstance(saved, dict) or saved.get("workload") != workload:
         print(f"bench-learn: {path} holds another workload; running everything again", flush=True)
         return {}
-    return {(r["framework"], int(r["seed"])): r for r in saved["runs"]}
+    return {(r["framework"], int(r["seed"])): r for r in saved["runs"]
+            if r["framework"] != "tidal" or r.get("algorithm", "example") == algorithm}
 
 
 def final_reward(run: dict[str, Any], last: int = 5) -> float:
@@ -201,7 +215,8 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str
              "compare rows of one invocation only).", "",
              f"Workload: SmolLM2-135M-Instruct (`{MODEL}`), addition 10..99, {args.prompts} prompts x "
              f"{args.generations} completions x <= {args.max_tokens} tokens per step, {args.steps} steps, lr "
-             f"{args.lr}, LoRA r{args.lora_rank}/alpha {args.lora_alpha} on all linear layers, float32"
+             f"{args.lr}, LoRA r{args.lora_rank}/alpha {args.lora_alpha} on all linear layers, float32; tidal's "
+             f"algorithm: `{args.tidal_algorithm}` ({' '.join(ALGORITHMS[args.tidal_algorithm]) or 'the example'})"
              f"{' (CPU smoke: checks the harness, measures nothing)' if args.cpu_smoke else ''}.", "",
              "| framework | seed | first step done (s) | vLLM ready (s) | s/step | total (s) | reward first 5 | "
              "reward last 5 | step-1 mismatch_kl | greedy eval after "
@@ -248,6 +263,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--skip-trl", action="store_true", help="tidal only (TRL takes ~100 s per step on 2 cores)")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 steps of 2 x 4 x 16, one seed: checks the harness")
+    ap.add_argument("--tidal-algorithm", choices=sorted(ALGORITHMS), default="trl",
+                    help="tidal's loss and advantages: TRL's (default) or the example's (see ALGORITHMS)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the finished runs of an earlier invocation with the same workload (--work's runs.json)")
     ap.add_argument("--work", default="/tmp/tidal-bench-learn")
@@ -263,7 +280,7 @@ def main() -> None:
     model_dir = resolve_model(MODEL)  # dequantized once before either trainer's clock starts
     workload = {k: getattr(args, k) for k in ("steps", "prompts", "generations", "max_tokens", "lr", "lora_rank",
                                                "lora_alpha")}
-    done = load_runs(work / "runs.json", workload) if args.reuse else {}
+    done = load_runs(work / "runs.json", workload, args.tidal_algorithm) if args.reuse else {}
     runs: list[dict[str, Any]] = []
     for seed in args.seeds:
         for framework in ["tidal"] + ([] if args.skip_trl else ["TRL"]):
