@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import numpy as np
 import pytest
@@ -358,6 +359,11 @@ def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm
             while not stream.partial.running or client.streamed_tokens < 8:
                 await asyncio.sleep(0.005)
             publish(tmp_path, 1, adapter_dir)
+            # the follower loads policy 1 on its own clock: wait for the switch, so that it lands in this batch's
+            # counts (a fast batch could otherwise be taken whole on policy 0 before the follower sees the file)
+            t0 = time.monotonic()
+            while not stream.partial.counts.get("partial/switches") and time.monotonic() - t0 < 120:
+                await asyncio.sleep(0.01)
             counts: dict[str, float] = {}
             got = await stream.take(1, counts)
             await stream.close()
