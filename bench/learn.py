@@ -13,8 +13,9 @@ tidal's start-up milestones (`[tidal] first step done after ...`); greedy accura
 generator but not in the same order (tidal's orchestrator samples with its own RNG stream).
 
 CPU smoke (`--cpu-smoke`): 2 steps of 2 prompts x 4 completions x 16 tokens, one seed, to check the harness (minutes,
-not a measurement). TRL takes ~100 s per step of 8 x 8 x 96 on 2 cores, so a full comparison (30 steps, 2 seeds) takes
-hours there: `--skip-trl` runs tidal alone.
+not a measurement). TRL takes 50-54 s per step of 8 x 8 x 64 on 2 quiet cores (bench/LEARN.md), so the default
+comparison (30 steps, 2 seeds) takes about an hour and a half there: `--steps 15` halves it, `--skip-trl` runs tidal
+alone. Nothing else should run meanwhile: even niced processes slowed both trainers 2-3x on 2 cores.
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=32)
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--skip-trl", action="store_true", help="tidal only (TRL takes ~100 s per step on 2 cores)")
+    ap.add_argument("--skip-trl", action="store_true",
+                    help="tidal only (TRL takes ~50 s per step of 8 x 8 x 64 on 2 cores)")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 steps of 2 x 4 x 16, one seed: checks the harness")
     ap.add_argument("--tidal-algorithm", choices=sorted(ALGORITHMS), default="trl",
                     help="tidal's loss and advantages: TRL's (default) or the example's (see ALGORITHMS)")
