@@ -79,14 +79,18 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
     return time.monotonic() - start, arrivals
 
 
+_TRL = ["--train.loss.loss_type", "dapo", "--train.loss.beta", "0", "--train.loss.token_mask_low", "0",
+        "--train.loss.token_mask_high", "1e30", "--orch.advantage.scale_rewards", "group"]
 ALGORITHMS = {
-    "trl": ["--train.loss.loss_type", "dapo", "--train.loss.beta", "0", "--train.loss.token_mask_low", "0",
-            "--train.loss.token_mask_high", "1e30", "--orch.advantage.scale_rewards", "group"],
+    "trl": [*_TRL, "--train.loss.is_correction", "sequence_masked", "--train.loss.is_cap", "3"],
+    "trl-no-is": _TRL,
     "example": [],
 }
-"""tidal's algorithm in the bench: `trl` (default) is TRL 1.16's GRPOTrainer's as bench/trl_grpo.py runs it (loss
-`dapo`, beta 0, epsilon 0.2, rewards scaled by the group's std, no ratio masks), so that the runs differ in how they
-sample and train, not in what they optimize; `example` keeps examples/real_model's (seed 000's `aipo`, rewards not
+"""tidal's algorithm in the bench: `trl` (default) is TRL 1.16's GRPOTrainer's as TRL runs it when it samples with
+vLLM, as tidal does (loss `dapo`, beta 0, epsilon 0.2, rewards scaled by the group's std, no ratio masks, and TRL's
+default vLLM importance-sampling correction: `sequence_mask` at 3.0); bench/trl_grpo.py samples with transformers,
+on-policy, where TRL applies none. So the runs differ in how they sample and train, not in what they optimize.
+`trl-no-is`: the same without the correction; `example`: examples/real_model's (seed 000's `aipo`, rewards not
 scaled, its token masks)."""
 
 
