@@ -61,7 +61,7 @@ import numpy as np
 from tidal.config.orch import SamplingSection
 from tidal.inference.protocol import Completion, InferenceClient
 from tidal.orchestrator.policy import PolicyTracker
-from tidal.orchestrator.rollout import Turns
+from tidal.orchestrator.rollout import Turns, all_or_cancel
 from tidal.orchestrator.sampling import extra_sampling
 
 log = logging.getLogger("tidal.orch")
@@ -254,22 +254,6 @@ class PartialTurns(Turns):
     async def next(self, prompt_ids: list[int], max_tokens: int, seed: int | None,
                    extra: dict[str, Any]) -> Completion:
         return await partial_turn(self.switch, self.client, prompt_ids, max_tokens, self.temperature, seed, extra)
-
-
-async def all_or_cancel(coros: list[Any], on_done: Callable[[], None] | None = None) -> list[Completion]:
-    """Run `coros` at once; a failure cancels the others and raises. `on_done`: called once per coroutine however it
-    ends (also when cancelled before it ran)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if on_done is not None:
-        for t in tasks:
-            t.add_done_callback(lambda _: on_done())
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def partial_group(switch: Switch, client: InferenceClient, prompt_ids: list[int], n: int,

@@ -106,9 +106,16 @@ async def split_group(client: InferenceClient, model: str, prompt_ids: list[int]
         return (await rollout_group(client, model, prompt_ids, 1, sampling, seq_len,
                                     None if seed is None else seed + i, temperature))[0]
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-    for t in tasks:
-        t.add_done_callback(lambda _: on_done())  # also for a task cancelled before it ran
+    return await all_or_cancel([one(i) for i in range(n)], on_done)
+
+
+async def all_or_cancel(coros: list[Any], on_done: Callable[[], None] | None = None) -> list[Completion]:
+    """Run `coros` at once; a failure cancels the others and raises. `on_done`: called once per coroutine however it
+    ends (also when cancelled before it ran)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if on_done is not None:
+        for t in tasks:
+            t.add_done_callback(lambda _: on_done())
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
