@@ -182,11 +182,9 @@ def device(cuda: bool) -> str:
     """The GPU's name and memory (nvidia-smi) on CUDA, else `CPU`."""
     if not cuda:
         return "CPU"
-    import subprocess
+    from gpu_lease import device_name  # the lease's own probe (scripts/gpu_lease.py)
 
-    got = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-    return got[0] if got else "CUDA"
+    return device_name()
 
 
 def default_out() -> Path:
