@@ -6,9 +6,11 @@ wiring, not learning; `tests/e2e/test_learning.py` (slow) checks learning on the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -88,16 +90,51 @@ def assert_served_trained_policy(run_dir: Path, step: int) -> None:
     assert gap_base > gap_served * 10, (gap_base, gap_served)
 
 
+class PlacementWatch(threading.Thread):
+    """Samples the run's process tree every 0.3 s: each process's command line, CPU affinity and the OpenMP
+    variables it was started with (what the trainer and vLLM really run on, not what the configs say)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.seen, self.done = pid, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for p in descendants(self.pid):
+                with contextlib.suppress(psutil.Error):
+                    env = p.environ()
+                    self.seen[p.pid] = (" ".join(p.cmdline()), tuple(sorted(p.cpu_affinity())),
+                                        env.get("OMP_NUM_THREADS"), env.get("VLLM_CPU_OMP_THREADS_BIND"))
+            self.done.wait(0.3)
+
+
+def assert_phases_get_every_core(watch: PlacementWatch) -> None:
+    """On-policy on CPU (tidal grpo's default there) vLLM and the trainer take turns: each must run on every core
+    (a 1 + 1 split of 2 cores leaves one idle in each phase), issue 57."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    trainers = [v for v in watch.seen.values() if "grpo-train" in v[0]]
+    vllm = [v for v in watch.seen.values() if v[3] is not None]  # the server and its engine core
+    assert trainers and vllm, watch.seen
+    assert all(t[1] == cores for t in trainers), (cores, trainers)
+    bind = ",".join(map(str, cores))
+    assert all(v[3] == bind and v[1] == cores for v in vllm), (cores, vllm)
+    assert any(v[2] == str(len(cores)) for v in vllm), vllm  # vLLM's OpenMP threads: one per core
+
+
 def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(),
                  "--orch.eval", "{env: [{id: reverse-text, name: rev}], num_examples: 6, rollouts_per_example: 2, "
                  "interval: 1}")
+    watch = PlacementWatch(proc.pid)
+    watch.start()
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
+        watch.done.set()
         kill_group(proc)
+    watch.join(timeout=10)
     assert proc.returncode == 0, out[-4000:]
     evals = read_metrics(run_dir / "eval.jsonl")
     assert [e["policy_step"] for e in evals][:1] == [0], "the base model is evaluated first"
@@ -115,6 +152,11 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
     assert (run_dir / "broadcasts/step_3/merged/model.safetensors").is_file()
     assert_served_trained_policy(run_dir, 3)
     assert (run_dir / "report.html").is_file() and (run_dir / "samples.jsonl").is_file()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert all(r["off_policy_level"] == 0 for r in rows), "on a CPU machine tidal grpo is on-policy by default"
+    assert "rollouts and training take turns" in out
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert_phases_get_every_core(watch)
 
 
 @pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.colocate.derive import CPU_NO_LORA_NOTICE, NO_LORA_NOTICE, Machine, derive_colocate
+from tidal.colocate.derive import CPU_NO_LORA_NOTICE, NO_LORA_NOTICE, ON_POLICY_NOTICE, Machine, derive_colocate
 from tidal.colocate.wire import wire_colocate, with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 
@@ -21,11 +21,11 @@ def configs(**orch: object) -> tuple[TrainConfig, InferConfig, OrchConfig]:
     return TrainConfig(model="m"), InferConfig(model="m"), OrchConfig.model_validate(orch)
 
 
-def test_two_cpu_cores_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
-    co = derive_colocate(*configs(), CPU2)
+def test_two_cpu_cores_with_overlap_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
+    co = derive_colocate(*configs(max_async_level=1), CPU2)
     p = co.placement
     assert (p.device, p.vllm_cores, p.trainer_cores) == ("cpu", (0,), (1,))
-    assert co.train.cpu_affinity == [1]
+    assert co.train.cpu_affinity == [1] and co.orch.max_async_level == 1
     assert dict(p.infer_env) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     assert p.notices == (CPU_NO_LORA_NOTICE, "CPU only: vLLM on cores 0, trainer on cores [1]")
     assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload
@@ -106,7 +106,7 @@ def test_in_flight_on_cpu_samples_whole_groups_one_batch_at_a_time_unless_the_us
 
 
 def test_odd_core_count_gives_vllm_the_smaller_half():
-    co = derive_colocate(*configs(), Machine(cores=(0, 1, 2, 3, 4)))
+    co = derive_colocate(*configs(max_async_level=2), Machine(cores=(0, 1, 2, 3, 4)))
     assert co.placement.vllm_cores == (0, 1) and co.train.cpu_affinity == [2, 3, 4]
     assert co.placement.infer_env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
 
@@ -138,7 +138,7 @@ def test_user_cpu_affinity_is_kept_and_vllm_left_unbound():
     co = derive_colocate(TrainConfig(model="m", cpu_affinity=[0]), infer, orch, Machine(cores=(0, 1, 2, 3)))
     assert co.train.cpu_affinity == [0] and co.placement.trainer_cores == (0,)
     assert co.placement.vllm_cores is None and not co.placement.infer_env
-    assert co.placement.notices == (CPU_NO_LORA_NOTICE,)
+    assert co.placement.notices == (ON_POLICY_NOTICE, CPU_NO_LORA_NOTICE)
 
 
 def test_user_vllm_binding_in_the_environment_means_no_split():
@@ -154,7 +154,7 @@ def test_explicit_reload_lora_is_not_turned_into_merged_on_cpu():
 
 def test_nccl_broadcast_is_copied_to_trainer_and_inference_and_skips_merged_reloads():
     wb = {"type": "nccl", "host": "10.0.0.1", "port": 29999, "timeout": 60}
-    co = derive_colocate(*configs(weight_broadcast=wb, client={"api_key_var": "MY_KEY"}), CPU2)
+    co = derive_colocate(*configs(weight_broadcast=wb, client={"api_key_var": "MY_KEY"}, max_async_level=1), CPU2)
     t = co.train.weight_broadcast
     assert (t.type, t.host, t.port, t.timeout, t.api_key_var) == ("nccl", "10.0.0.1", 29999, 60, "MY_KEY")
     assert t.base_url == co.orch.client.base_url == ["http://127.0.0.1:8000/v1"]
@@ -223,8 +223,8 @@ def test_user_configs_are_left_untouched_and_share_nothing_with_the_result():
             co.train.lora_target_modules.append("lm_head")
             co.infer.extra_args.append("--x")
             co.orch.env[0].args["x"] = 1
-    co = derive_colocate(*(c.model_copy() for c in (train, infer, orch)), CPU2)  # merged reload + split path too
-    assert co.train.cpu_affinity == [1]
+    co = derive_colocate(*(c.model_copy() for c in (train, infer, orch)), CPU2)  # merged reload + cores path too
+    assert co.train.cpu_affinity == [0, 1] and orch.max_async_level == 1 and co.orch.max_async_level == 0
     assert [c.model_dump() for c in (train, infer, orch)] == before
     assert train.cpu_affinity is None and orch.output_dir == "outputs/run_default"
 
@@ -349,3 +349,27 @@ def test_one_model_flag_sets_all_three_files(tmp_path):
 def test_explicit_reload_merged_gets_merged_files_and_a_reloadable_vllm(machine):
     co = derive_colocate(*configs(weight_broadcast={"reload": "merged"}), machine)
     assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload
+
+
+def test_cpu_default_is_on_policy_with_every_core_for_each_phase():
+    """The phases take turns (max_async_level 0): a split would leave one core idle in each phase."""
+    for cores in ((0, 1), (0, 1, 2, 3)):
+        co = derive_colocate(*configs(), Machine(cores=cores))
+        p = co.placement
+        assert (co.orch.max_async_level, co.train.max_async_level) == (0, 0)
+        assert p.vllm_cores == p.trainer_cores == cores and co.train.cpu_affinity == list(cores)
+        assert dict(p.infer_env) == {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        assert p.notices[0] == ON_POLICY_NOTICE and "never at once" in p.notices[-1]
+
+
+def test_user_lag_or_in_flight_keeps_overlap_and_the_split_and_gpu_keeps_lag_1():
+    for orch in ({"max_async_level": 1}, {"max_async_level": 2}, {"async_mode": "in_flight"}):
+        co = derive_colocate(*configs(**orch), CPU2)
+        assert co.orch.max_async_level == orch.get("max_async_level", 1)
+        assert ON_POLICY_NOTICE not in co.placement.notices
+        assert (co.placement.vllm_cores, co.placement.trainer_cores) == ((0,), (1,))
+    explicit = derive_colocate(*configs(max_async_level=0), CPU2)  # set by the user: the same time-sharing
+    assert explicit.placement.vllm_cores == explicit.placement.trainer_cores == (0, 1)
+    assert ON_POLICY_NOTICE not in explicit.placement.notices
+    gpu = derive_colocate(*configs(), GPU16)
+    assert gpu.orch.max_async_level == 1 and gpu.placement.vllm_cores is None

@@ -80,7 +80,7 @@ def colocate(machine: Machine, train: dict | None = None, inf: dict | None = Non
 
 
 def test_colocate_dp_2_on_two_cores_lists_both_servers_and_shares_vllms_core():
-    co = colocate(Machine(cores=(0, 1)), inf={"dp": 2})
+    co = colocate(Machine(cores=(0, 1)), inf={"dp": 2}, orch={"max_async_level": 1})
     urls = ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
     assert co.orch.client.base_url == urls and co.infer.dp == 2
     p = co.placement
@@ -92,12 +92,20 @@ def test_colocate_dp_2_on_two_cores_lists_both_servers_and_shares_vllms_core():
     assert [s.env[BIND] for s in plan_servers(co.infer, None, (0, 1), p.infer_env)] == ["0", "0"]
 
 
+def test_colocate_dp_2_on_policy_gives_each_server_one_of_all_cores_and_the_trainer_all():
+    co = colocate(Machine(cores=(0, 1)), inf={"dp": 2})  # on-policy by default on CPU: the phases take turns
+    p = co.placement
+    assert (p.vllm_cores, p.trainer_cores, dict(p.infer_env)) == ((0, 1), (0, 1), {BIND: "0,1"})
+    assert [s.env[BIND] for s in plan_servers(co.infer, None, (0, 1), p.infer_env)] == ["0", "1"]
+
+
 def test_colocate_core_split_gives_each_vllm_rank_a_core_while_the_trainer_keeps_one():
-    assert colocate(Machine(cores=tuple(range(8))), inf={"dp": 2}).placement.vllm_cores == (0, 1, 2, 3)
-    co = colocate(Machine(cores=(0, 1, 2, 3)), inf={"dp": 3})
+    lag = {"max_async_level": 1}  # the phases overlap: the cores are split
+    assert colocate(Machine(cores=tuple(range(8))), inf={"dp": 2}, orch=lag).placement.vllm_cores == (0, 1, 2, 3)
+    co = colocate(Machine(cores=(0, 1, 2, 3)), inf={"dp": 3}, orch=lag)
     assert (co.placement.vllm_cores, co.train.cpu_affinity) == ((0, 1, 2), [3])
-    assert colocate(Machine(cores=(0, 1, 2)), inf={"dp": 4}).placement.vllm_cores == (0, 1)
-    assert colocate(Machine(cores=(0, 1, 2, 3)), inf={"dp": 1}).placement.vllm_cores == (0, 1)  # unchanged
+    assert colocate(Machine(cores=(0, 1, 2)), inf={"dp": 4}, orch=lag).placement.vllm_cores == (0, 1)
+    assert colocate(Machine(cores=(0, 1, 2, 3)), inf={"dp": 1}, orch=lag).placement.vllm_cores == (0, 1)
 
 
 def test_colocate_nccl_pushes_into_every_server():

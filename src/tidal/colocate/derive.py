@@ -9,6 +9,11 @@ The user's configs are never modified. Derivations, in order:
   files connected to each other (one run directory, one model, one length, one checkpoint interval, the server
   addresses, the transport).
 - placement on the `Machine`: `RULES`, each rule one function (`Derivation` -> `Derivation`), in this order:
+  `on_policy`: on a CPU-only machine, orch `max_async_level` unset with `async_mode: gated` becomes 0 (and train's
+  follows): rollouts of batch n come from policy n - 1, so vLLM and the trainer never run at once and each phase
+  gets the whole machine (`cpu_cores`). Measured on 2 cores (SmolLM2-135M, addition, bench/LEARN.md): as fast per
+  run as one policy of lag on split cores, and more learned per sample. On a GPU the default stays 1 (overlap),
+  unmeasured against time-sharing there (GPU ledger row `gpu-timeshare`). A value the user sets always wins.
   `route_replay`: train `router_replay` resolved on for this model, engine and machine (`tidal.models.routes`).
   `gpu_servers`: with more than one GPU in play (train `gpus` or infer `dp` above 1), server i runs on GPU i beside
   trainer rank i: infer dp x tp must equal train `gpus` (an unset dp follows: `gpus` / tp).
@@ -35,11 +40,12 @@ The user's configs are never modified. Derivations, in order:
   train's `lora_rank`) must hold train `lora_rank`.
   `precision`: infer `dtype: auto` follows the trainer's precision (bfloat16 on a GPU unless train `recipe:
   fp32`, float32 on CPU); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA kernels).
-  `cpu_cores`: on CPU the cores are split: vLLM's OpenMP threads on the first half (at least one core per vLLM
-  rank, dp x tp, while the trainer keeps one), the trainer on the rest (on 2 cores: vLLM on core 0, trainer on
-  core 1; with dp 2 both servers share core 0), unless the user chose (train `cpu_affinity`,
-  VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer` splits vLLM's share among its dp servers
-  (`tidal.inference.backends.dp`).
+  `cpu_cores`: on CPU, on-policy (`on_policy` below: rollouts and training take turns), vLLM's OpenMP threads
+  and the trainer both get every core, one phase at a time; with overlap (max_async_level >= 1, or in-flight) the
+  cores are split: vLLM's threads on the first half (at least one core per vLLM rank, dp x tp, while the trainer
+  keeps one), the trainer on the rest (on 2 cores: vLLM on core 0, trainer on core 1; with dp 2 both servers share
+  core 0). Either way unless the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND); `tidal grpo-infer`
+  splits vLLM's share among its dp servers (`tidal.inference.backends.dp`).
   `teacher`: a teacher server `tidal grpo` starts (orch `teacher` without an address, `tidal.colocate.teacher`)
   shares vLLM's cores, or on a GPU has its need reserved before the split.
   `memory_split`: on a GPU (`tidal.colocate.split.gpu_split`) vLLM is sized by need and the trainer gets the rest,
@@ -246,17 +252,27 @@ def check_lora_rank(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
     return {}
 
 
-def split_cores(machine: Machine, train: TrainConfig, device: str,
-                vllm_ranks: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def split_cores(machine: Machine, train: TrainConfig, device: str, vllm_ranks: int = 1,
+                time_shared: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(vLLM cores, trainer cores) for a CPU-only co-location, or None when tidal leaves the cores alone: on a
     GPU, with fewer than 2 cores, or when the user chose (train `cpu_affinity`, VLLM_CPU_OMP_THREADS_BIND).
-    vLLM gets half the cores (the smaller half), or one per vLLM rank (`vllm_ranks`: infer dp x tp) when that is
-    more, always leaving the trainer at least one."""
+    `time_shared` (the two never run at once, `phases_take_turns`): both get every core. Else vLLM gets half the
+    cores (the smaller half), or one per vLLM rank (`vllm_ranks`: infer dp x tp) when that is more, always leaving
+    the trainer at least one."""
     cores = machine.cores
     if device != "cpu" or len(cores) < 2 or train.cpu_affinity is not None or OMP_BIND_VAR in machine.env:
         return None
+    if time_shared:
+        return cores, cores
     n = max(len(cores) // 2, min(vllm_ranks, len(cores) - 1))
     return cores[:n], cores[n:]
+
+
+def phases_take_turns(orch: OrchConfig) -> bool:
+    """Rollouts and training never run at once: gated batches with `max_async_level` 0 (batch n is sampled only
+    once policy n - 1 is served, and the trainer then waits for it). A teacher, reward model or environment
+    server still runs beside them, on vLLM's cores."""
+    return orch.async_mode == "gated" and orch.max_async_level == 0
 
 
 def pair_gpus(train: TrainConfig, infer: InferConfig) -> dict[str, Any]:
@@ -441,9 +457,25 @@ def precision(d: Derivation) -> Derivation:
     return d.but(infer=infer, note=note)
 
 
+ON_POLICY_NOTICE = ("CPU only: on-policy (orch max_async_level 0, tidal grpo's default on one CPU machine): "
+                    "rollouts and training take turns, each on every core; one policy of lag on split cores was no "
+                    "faster here and learned less per sample (bench/LEARN.md); orch max_async_level: 1 overlaps them")
+
+
+def on_policy(d: Derivation) -> Derivation:
+    """On a CPU-only machine, orch `max_async_level` unset (gated) becomes 0, train's with it (module docs)."""
+    if d.device != "cpu" or d.orch.async_mode != "gated" or "max_async_level" in d.orch.model_fields_set:
+        return d
+    keep = "max_async_level" in d.train.model_fields_set  # train's (broadcasts kept): the user's value wins
+    return d.but(orch=d.orch.model_copy(update={"max_async_level": 0}), note=ON_POLICY_NOTICE,
+                 train=d.train if keep else d.train.model_copy(update={"max_async_level": 0}))
+
+
 def cpu_cores(d: Derivation) -> Derivation:
-    """On CPU, the cores split between vLLM's OpenMP threads and the trainer (`split_cores`)."""
-    split = split_cores(d.machine, d.train, d.device, d.infer.dp * d.infer.tp)
+    """On CPU, every core for each phase when they take turns, else the cores split between vLLM's OpenMP threads
+    and the trainer (`split_cores`)."""
+    shared = phases_take_turns(d.orch)
+    split = split_cores(d.machine, d.train, d.device, d.infer.dp * d.infer.tp, time_shared=shared)
     if split is None:
         return d
     bind = ",".join(str(c) for c in split[0])
@@ -451,8 +483,10 @@ def cpu_cores(d: Derivation) -> Derivation:
     servers = ""
     if d.infer.dp > 1:
         servers = f" ({d.infer.dp} servers{', sharing' if d.infer.dp * d.infer.tp > len(split[0]) else ''})"
-    return d.but(train=train, infer_env={OMP_BIND_VAR: bind}, vllm_cores=split[0],
-                 note=f"CPU only: vLLM on cores {bind}{servers}, trainer on cores {train.cpu_affinity}")
+    note = (f"CPU only: vLLM on cores {bind}{servers} while it samples, the trainer on the same cores while it "
+            f"steps (never at once)" if shared else
+            f"CPU only: vLLM on cores {bind}{servers}, trainer on cores {train.cpu_affinity}")
+    return d.but(train=train, infer_env={OMP_BIND_VAR: bind}, vllm_cores=split[0], note=note)
 
 
 def teacher(d: Derivation) -> Derivation:
@@ -495,8 +529,8 @@ def cuda_graphs(d: Derivation) -> Derivation:
 
 
 RULES: tuple[Callable[[Derivation], Derivation], ...] = (
-    route_replay, gpu_servers, shared_base, merged_reloads, lora_layers, cpu_stats, cpu_in_flight, qlora_base,
-    moe_cpu, lora_rank, precision, cpu_cores, teacher, memory_split, cuda_graphs)
+    on_policy, route_replay, gpu_servers, shared_base, merged_reloads, lora_layers, cpu_stats, cpu_in_flight,
+    qlora_base, moe_cpu, lora_rank, precision, cpu_cores, teacher, memory_split, cuda_graphs)
 """The derivation after the wiring, in order: each rule reads the configs the rules before it left."""
 
 
