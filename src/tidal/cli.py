@@ -1,4 +1,5 @@
-"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft` (and `serve-tinker`: docs/tinker.md).
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft | eval` (and `serve-tinker`: docs/tinker.md;
+`eval`: `tidal.evaluate`, docs/evaluation.md).
 
 Arguments are parsed and configs validated before torch or vLLM is imported, so config mistakes fail fast
 (exit code 2, with a message naming the file and key). Dotted overrides follow the config files:
@@ -352,13 +353,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="highest LoRA rank (default 32)")
     t.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="run vLLM without torch.compile and CUDA graphs (a faster start on a GPU)")
+    from tidal.evaluate.cli import add_parser as add_eval
+
+    add_eval(sub)
     return p
+
+
+def cmd_eval(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    from tidal.evaluate.cli import cmd_eval as run
+
+    return run(args, ov)
 
 
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
             "report": (cmd_report, set()), "env-server": (cmd_env_server, set()),
-            "serve-tinker": (cmd_serve_tinker, set())}
+            "serve-tinker": (cmd_serve_tinker, set()), "eval": (cmd_eval, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

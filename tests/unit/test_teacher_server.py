@@ -55,9 +55,14 @@ def test_on_cpu_the_teacher_shares_vllms_cores_and_the_orchestrator_is_pointed_a
     assert server is not None
     assert server.base_url == "http://127.0.0.1:8301/v1" == co.orch.teacher.base_url  # type: ignore[union-attr]
     assert server.health_url == "http://127.0.0.1:8301/health"
-    assert server.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"} == co.placement.infer_env  # the trainer keeps core 1
+    # on-policy (CPU default): the teacher scores in the rollout phase, on every core like vLLM
+    assert server.env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"} == co.placement.infer_env
     assert server.infer.dtype == "float32" and server.infer.gpu_memory_utilization == 0.9  # untouched on CPU
-    assert server.reserved_gib == 0.0 and co.train.cpu_affinity == [1]
+    assert server.reserved_gib == 0.0 and co.train.cpu_affinity == [0, 1]
+    lag = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), InferConfig(model="tidal:tiny-reverse", port=8300),
+                          orch().model_copy(update={"max_async_level": 1}), CPU2)
+    assert lag.teacher is not None and lag.teacher.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}  # the trainer: core 1
+    assert lag.train.cpu_affinity == [1]
 
 
 def test_a_teacher_with_an_address_is_the_users_to_run():

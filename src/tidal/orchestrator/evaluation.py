@@ -8,9 +8,11 @@ completions per example from the policy vLLM serves (at the training temperature
 keys; multi-turn environments run their turns as in training), scores them with that environment's `reward_group`
 (an environment without a reward of its own, e.g. `dataset`: with the run's reward functions, weighted as in
 training, `Scorer.funcs_total`), and records per environment `eval/{name}/reward/mean`, `.../reward/std`,
-`.../pass@k` (share of examples with a completion scoring >= 1), `.../completion_len/mean` (and `.../turns/mean`
-for a multi-turn environment), with the policy step evaluated, to `eval.jsonl` and the metric sinks. The base model
-(policy 0) is evaluated before the first step when `eval_base_model` is set.
+`.../pass@k` for every k <= `rollouts_per_example` (the unbiased estimator, `tidal.monitor.eval_metrics`: at k =
+K it is the share of examples with a completion scoring >= 1, at k = 1 the share of correct completions),
+`.../completion_len/mean` (and `.../turns/mean` for a multi-turn environment), with the policy step evaluated, to
+`eval.jsonl` and the metric sinks. `tidal eval` (`tidal.evaluate`) samples and scores with the same functions. The
+base model (policy 0) is evaluated before the first step when `eval_base_model` is set.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
 from tidal.envs.images import has_images, openai_messages
 from tidal.inference.protocol import Completion, InferenceClient
+from tidal.monitor.eval_metrics import summarize
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
@@ -104,23 +107,17 @@ class Evaluator:
                 tools = env.tooling.schemas if env.tooling is not None else None
                 self.prompts[name] = list(await asyncio.gather(*(client.tokenize_prompt(base_model, ex.prompt, tools)
                                                                  for ex in examples)))
-            k, seed, sp, n = self.ecfg.rollouts_per_example, self.sampling.seed, self.sampling, self.seq_len
+            k, seed = self.ecfg.rollouts_per_example, self.sampling.seed
             groups = await asyncio.gather(*(
-                env.rollout_func.group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, ex,
-                                       policy_step + 1) if env.rollout_func is not None else
-                tool_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env, ex)
-                if env.tooling is not None else
-                multi_turn_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature, env,
-                                 ex) if env.max_turns > 1 else
-                rollout_group(client, model, p, k, sp, n, None if seed is None else seed + i, temperature,
-                              openai_messages(ex.prompt) if not isinstance(ex.prompt, str) and has_images(ex.prompt)
-                              else None)
+                sample_group(client, model, env, p, ex, k, self.sampling, self.seq_len,
+                             None if seed is None else seed + i, temperature, policy_step + 1)
                 for i, (p, ex) in enumerate(zip(self.prompts[name], examples, strict=True))))
-            rewards = np.array([self.score(env, ex, g, step) for ex, g in zip(examples, groups, strict=True)])
-            lengths = [len(c.token_ids) for g in groups for c in g]
-            out |= {f"eval/{name}/reward/mean": float(rewards.mean()), f"eval/{name}/reward/std": float(rewards.std()),
-                    f"eval/{name}/pass@{self.ecfg.rollouts_per_example}": float((rewards.max(axis=1) >= 1).mean()),
-                    f"eval/{name}/completion_len/mean": float(np.mean(lengths)),
+            rewards = [self.score(env, ex, g, step) for ex, g in zip(examples, groups, strict=True)]
+            m = summarize(rewards, [[len(c.token_ids) for c in g] for g in groups],
+                          [[c.finish_reason == "length" for c in g] for g in groups])
+            out |= {f"eval/{name}/reward/mean": m["reward/mean"], f"eval/{name}/reward/std": m["reward/std"],
+                    **{f"eval/{name}/{key}": m[key] for key in m if key.startswith("pass@") and "_" not in key},
+                    f"eval/{name}/completion_len/mean": m["completion_len/mean"],
                     f"eval/{name}/examples": len(examples)}
             if env.max_turns > 1 or env.tooling is not None:  # model turns per rollout (one after each env reply)
                 out[f"eval/{name}/turns/mean"] = float(np.mean([turns(c.mask) for g in groups for c in g]))
@@ -128,3 +125,21 @@ class Evaluator:
         self.writer.write(out)
         self.last_evaluated = max(self.last_evaluated, policy_step)
         return out
+
+
+async def sample_group(client: InferenceClient, model: str, env: Environment, prompt_ids: list[int], example: Example,
+                       k: int, sampling: SamplingSection, seq_len: int, seed: int | None, temperature: float,
+                       policy_step: int) -> list[Completion]:
+    """`k` completions of one example as training samples them: the environment's own rollout function, its tool
+    loop, its turns, or one request (with images through the chat API); `temperature` 0 is greedy. `policy_step`:
+    the policy a rollout function is told it samples. Shared by online `eval` and `tidal eval`."""
+    if env.rollout_func is not None:
+        return await env.rollout_func.group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature,
+                                            example, policy_step)
+    if env.tooling is not None:
+        return await tool_group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature, env, example)
+    if env.max_turns > 1:
+        return await multi_turn_group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature, env, example)
+    prompt = example.prompt
+    messages = openai_messages(prompt) if not isinstance(prompt, str) and has_images(prompt) else None
+    return await rollout_group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature, messages)
