@@ -29,12 +29,13 @@ run: setup
 setup-real: setup
 	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=gguf REAL_MODEL=1 bash scripts/setup_env.sh
 
-## Train a real model: SmolLM2-135M-Instruct (tidal:smollm2-135m-instruct) on two-number addition, 30 steps (~8 min
-## on 2 cores), then its greedy accuracy on a fixed set before and after (docs/real-model.md).
+## Train a real model: SmolLM2-135M-Instruct (tidal:smollm2-135m-instruct) on two-number addition, 30 steps (~5 min
+## on 2 cores), then `tidal eval`: greedy accuracy on the fixed 256-problem set before (base row) and after (docs/real-model.md).
 run-real: setup-real
 	$(BIN)/tidal grpo --train examples/real_model/train.yaml --infer examples/real_model/infer.yaml \
 	  --orch examples/real_model/orch.yaml --output-dir outputs/real-addition
-	$(BIN)/python examples/real_model/greedy_eval.py outputs/real-addition
+	$(BIN)/tidal eval --model tidal:smollm2-135m-instruct --env addition --adapter outputs/real-addition \
+	  --max-tokens 48 --max-model-len 512 --out outputs/real-addition/eval.json
 
 ## The default test suite (unit + real-vLLM integration + short end-to-end runs; no `slow`, no `gpu`).
 test: setup-dev bench-trl

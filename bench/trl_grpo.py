@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=32)
     ap.add_argument("--save-adapter", default=None)
+    ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                    help="TRL's GRPOConfig gradient_checkpointing (TRL 1.16's default: on)")
     args = ap.parse_args()
     script_start = time.monotonic()
 
@@ -66,7 +68,8 @@ def main() -> None:
                      learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
                      save_strategy="no", use_cpu=args.device == "cpu",
                      bf16=args.device != "cpu" or args.precision == "bf16",
-                     loss_type="dapo", beta=0.0, seed=args.seed, shuffle_dataset=False, disable_tqdm=True)
+                     loss_type="dapo", beta=0.0, seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
+                     gradient_checkpointing=args.gradient_checkpointing == "on")
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(args.model)

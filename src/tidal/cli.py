@@ -115,6 +115,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             print(f"# --- {name} ---\n{dump(cfg)}")
         if teacher is not None:
             print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
+        for notice in co.placement.notices:  # what the placement on this machine changes (on-policy, cores, ...)
+            print(f"# on this machine: {notice}")
         return 0
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     restarts = 3 if args.infer_restarts is None else args.infer_restarts

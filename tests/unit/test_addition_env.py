@@ -37,3 +37,9 @@ def test_bad_args_are_refused():
         Addition(low=50, high=10)
     with pytest.raises(ValueError, match="eval_size"):
         Addition(eval_size=0)
+
+
+def test_default_eval_set_is_256_problems_whose_first_64_are_the_old_set():
+    big, old = Addition().eval_examples() or [], Addition(eval_size=64).eval_examples() or []
+    assert len(big) == 256 and [e.answer for e in big[:64]] == [e.answer for e in old]
+    assert len({(e.info["a"], e.info["b"]) for e in big}) > 240  # few repeats among 8,100 problems

@@ -4,7 +4,8 @@
 Reward: 1.0 when the last integer in the completion equals A + B, else 0.0 (exact match of that number). The
 model's habit of restating the sum and rambling on ("12 + 30 = 42. This is ...") scores 0 when a later number
 follows, so the policy learns to answer and stop. `eval_examples`: a fixed set of `eval_size` problems (seed
-`eval_seed`), the same at every evaluation and in `examples/real_model/greedy_eval.py`.
+`eval_seed`; 256 by default, so that one problem is 0.4 points; the first 64 are the 64-problem set of earlier
+releases), the same at every evaluation, in `tidal eval` and in `examples/real_model/greedy_eval.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Addition(Environment):
 
     id = "addition"
 
-    def __init__(self, low: int = 10, high: int = 99, eval_size: int = 64, eval_seed: int = 1234) -> None:
+    def __init__(self, low: int = 10, high: int = 99, eval_size: int = 256, eval_seed: int = 1234) -> None:
         if not 0 <= low <= high:
             raise ValueError(f"addition: need 0 <= low <= high, got low={low}, high={high}")
         if eval_size < 1:

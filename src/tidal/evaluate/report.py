@@ -41,8 +41,7 @@ def as_json(result: EvalResult) -> dict[str, Any]:
     first = result.rows[0]
     rows = []
     for r in result.rows:
-        d = asdict(r)
-        d.pop("rewards")
+        d = asdict(r)  # with the per-example rewards: rows can be compared pairwise later
         d["vs_first"] = {f"{kind}/{key}": delta for kind, keys in PAIRED.items() for key in keys
                          if (delta := paired(r, first, kind, key)) is not None}
         rows.append(d)
