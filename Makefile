@@ -79,7 +79,7 @@ bench: setup-dev bench-trl
 bench-trl: setup-dev
 	test -d $(VENV)/bench-trl/trl-1.16.0.dist-info || $(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 
-## learning on a real model: tidal vs TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct, addition task, same workload, >= 2 seeds: reward vs wall-clock and vs samples, greedy eval before/after; writes bench/LEARN.md + bench/learn.png. TRL takes ~100 s/step on 2 cores (hours in all): tidal alone: BENCH_ARGS="--skip-trl"; harness check: BENCH_ARGS="--cpu-smoke".
+## learning on a real model: tidal (its default here, and one policy of lag) vs TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct, addition task, same workload, 5 seeds, 15 steps: reward vs wall-clock and vs samples, per-seed ratios, greedy accuracy on 256 problems with tidal eval; writes bench/LEARN.md + bench/learn.png. TRL takes ~13 min a seed on 2 cores (~2 h in all): tidal alone: BENCH_ARGS="--modes tidal tidal-async1"; fewer TRL seeds: BENCH_ARGS="--mode-seeds trl=0,1"; harness check: BENCH_ARGS="--cpu-smoke".
 bench-learn: setup-dev bench-trl
 	$(BIN)/python bench/learn.py $(BENCH_ARGS)
 

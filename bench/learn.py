@@ -55,6 +55,51 @@ def env_with(*paths: Path) -> dict[str, str]:
 
 LOADS: list[float] = []
 """The 1-min load average, sampled every 0.25 s while the current run is watched (the machine is shared)."""
+CPU: list[tuple[float, float]] = []
+"""(trainer, vLLM) cores busy in each 0.25 s sample of the current run (CPU seconds of each side's processes over
+the interval; `side_of`): whether one side idles while the other works, or spins."""
+
+
+def side_of(cmdline: list[str], name: str) -> str | None:
+    """`trainer` (grpo-train), `vllm` (the API server and its engine core) or None for a run's other processes."""
+    line = " ".join(cmdline)
+    if "grpo-train" in line:
+        return "trainer"
+    if "vllm" in line or name.startswith("VLLM"):
+        return "vllm"
+    return None
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the trainer's and vLLM's processes under `root`."""
+    import psutil
+
+    out = {"trainer": 0.0, "vllm": 0.0}
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            side = side_of(p.cmdline(), p.name())
+            if side is not None:
+                t = p.cpu_times()
+                out[side] += t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+def phase_cpu(samples: list[tuple[float, float]], busy: float = 0.5) -> dict[str, float]:
+    """Mean cores each side used while the other was busy (> `busy` cores) and itself was not the busier: vLLM's
+    while the trainer steps, the trainer's while vLLM samples; nan where no such sample."""
+    def mean(xs: list[float]) -> float:
+        return statistics.mean(xs) if xs else float("nan")
+
+    return {"vllm_while_training": mean([v for t, v in samples if t > busy and t > v]),
+            "trainer_while_sampling": mean([t for t, v in samples if v > busy and v > t]),
+            "trainer_busy": mean([t for t, v in samples if t > busy and t > v]),
+            "vllm_busy": mean([v for t, v in samples if v > busy and v > t])}
 
 
 def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout: float) -> tuple[float, list[float]]:
@@ -70,6 +115,8 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
         arrivals.extend([time.monotonic() - start] * (n - len(arrivals)))
 
     child = harness.start("learn", cmd, log, env=env)
+    CPU.clear()
+    last, last_t = cpu_seconds(child.proc.pid), time.monotonic()
     try:
         while child.poll() is None:
             if time.monotonic() - start > timeout:
@@ -77,6 +124,10 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
             seen()
             LOADS.append(os.getloadavg()[0])
             time.sleep(0.25)
+            now, now_t = cpu_seconds(child.proc.pid), time.monotonic()
+            dt = max(now_t - last_t, 1e-3)  # a process that exits drops out: negative deltas count as 0
+            CPU.append((max(0.0, now["trainer"] - last["trainer"]) / dt, max(0.0, now["vllm"] - last["vllm"]) / dt))
+            last, last_t = now, now_t
     finally:
         harness.stop(child)
     child.tail()  # the output pump reached the end of the log
@@ -107,10 +158,11 @@ scaled, its token masks)."""
 
 
 MODES: dict[str, list[str]] = {
-    "tidal": [], "tidal-async1": ["--orch.max_async_level", "1"],
+    "tidal": [], "tidal-async1": ["--orch.max_async_level", "1"], "tidal-sync0": ["--orch.max_async_level", "0"],
     "trl": ["--gradient-checkpointing", "on"], "trl-nogc": ["--gradient-checkpointing", "off"]}
-"""Each mode's extra arguments: tidal's default on this machine; one policy of lag; TRL with / without its default
-gradient checkpointing."""
+"""Each mode's extra arguments: tidal's default on this machine; one policy of lag; on-policy set by hand (on one CPU
+machine the same as the default; on a GPU, where the default keeps one policy of lag, the GPU ledger's
+`gpu-timeshare` row); TRL with / without its default gradient checkpointing."""
 
 
 def machine_id() -> str:
@@ -143,8 +195,9 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tida
     ready = re.search(r"inference ready after ([0-9.]+) s", text)
     first = re.search(r"first step done after ([0-9.]+) s", text)
     lag = sorted({int(r.get("off_policy_level", 0)) for r in rows})
+    phases = phase_cpu(CPU)
     return {"framework": "tidal", "mode": mode, "seed": seed, "algorithm": args.tidal_algorithm, "total_s": total,
-            "off_policy_levels": lag, "machine": machine_id(), "date": time.strftime("%Y-%m-%d"),
+            "off_policy_levels": lag, "machine": machine_id(), "date": time.strftime("%Y-%m-%d"), "phases": phases,
             "adapter": str(run_dir / "final" / "adapter"),
             "load": statistics.mean(LOADS or [float("nan")]),
             "ready_s": float(ready.group(1)) if ready else float("nan"),
@@ -271,7 +324,8 @@ def time_to_reach(run: dict[str, Any], target: float, window: int = 3) -> float 
     return None
 
 
-COLORS = {"tidal": "tab:blue", "tidal-async1": "tab:green", "trl": "tab:red", "trl-nogc": "tab:orange"}
+COLORS = {"tidal": "tab:blue", "tidal-async1": "tab:green", "tidal-sync0": "tab:purple", "trl": "tab:red",
+          "trl-nogc": "tab:orange"}
 
 
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
@@ -348,6 +402,16 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str
                      f"[{acc.get('lo', float('nan')):.3f}, {acc.get('hi', float('nan')):.3f}] | "
                      f"{','.join(map(str, r.get('off_policy_levels', []))) or '-'} | "
                      f"{r.get('load', float('nan')):.1f} |")
+    phased = [r for r in runs if r.get("phases")]
+    if phased:
+        lines += ["", "Cores each side used while the other worked (0.25 s samples of the processes' CPU time; "
+                  "on 2 cores: a side that takes its turn should use ~2 while the other uses ~0):", "",
+                  "| mode | seed | trainer busy | vLLM meanwhile | vLLM busy | trainer meanwhile |",
+                  "|---|---|---|---|---|---|"]
+        for r in phased:
+            ph = r["phases"]
+            lines.append(f"| {r['mode']} | {r['seed']} | {ph['trainer_busy']:.2f} | {ph['vllm_while_training']:.2f} | "
+                         f"{ph['vllm_busy']:.2f} | {ph['trainer_while_sampling']:.2f} |")
     lines += ["", "Per mode, mean ± sample std (min-max) over seeds:", "",
               "| mode | seeds | total (s) | first step (s) | s/step | reward last 5 | greedy accuracy |",
               "|---|---|---|---|---|---|---|"]

@@ -71,3 +71,13 @@ def test_the_trl_algorithm_turns_every_seed_mask_off():
     args = learn.ALGORITHMS["trl"]
     for key in NO_SEED_MASKS:
         assert f"--train.loss.{key}" in args, key
+
+
+def test_phase_cpu_reads_each_side_while_the_other_works():
+    samples = [(1.9, 0.02), (1.8, 0.0), (0.05, 1.95), (0.1, 1.7), (0.2, 0.1)]  # (trainer, vLLM) cores
+    ph = learn.phase_cpu(samples)
+    assert abs(ph["vllm_while_training"] - 0.01) < 1e-12 and abs(ph["trainer_while_sampling"] - 0.075) < 1e-12
+    assert abs(ph["trainer_busy"] - 1.85) < 1e-12 and abs(ph["vllm_busy"] - 1.825) < 1e-12
+    assert learn.side_of(["python", "-m", "tidal.cli", "grpo-train", "x"], "python") == "trainer"
+    assert learn.side_of(["python", "-m", "vllm.entrypoints.openai.api_server"], "python") == "vllm"
+    assert learn.side_of([], "VLLM::EngineCore") == "vllm" and learn.side_of(["tidal", "grpo-orch"], "x") is None
