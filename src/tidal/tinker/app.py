@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tidal.tinker.losses import STABLE_REINFORCE_FIX
 from tidal.tinker.sampler import MAX_LOGPROBS, SampleParams
 from tidal.tinker.service import Result, TinkerService, UserError
 from tidal.tinker.trainer import AdamStep, LoraSpec
@@ -222,9 +223,10 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
         req = await _body(request, types.SampleRequest)
+        if req.record_stability_info:
+            raise UserError(f"sample with record_stability_info: {STABLE_REINFORCE_FIX}")
         refused = [what for what, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
-                                         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
-                                         ("record_stability_info", bool(req.record_stability_info))) if on]
+                                         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0)) if on]
         if refused:
             raise UserError(f"sample: {', '.join(refused)} is not supported by tidal's Tinker server")
         if max(req.topk_prompt_logprobs, req.topk_sample_logprobs) > MAX_LOGPROBS:
