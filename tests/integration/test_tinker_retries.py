@@ -24,7 +24,7 @@ from tinker import types  # noqa: E402
 
 from tests.integration.test_tinker_server import KEY, datums, server  # noqa: E402, F401
 
-FWDBWD, OPTIM = "/api/v1/forward_backward", "/api/v1/optim_step"
+FWDBWD, OPTIM, RETRIEVE = "/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/retrieve_future"
 MAX_RELAYS = 16
 HOP = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding", "keep-alive"}
 
@@ -115,9 +115,10 @@ def weights(service, model_id: str) -> dict[str, torch.Tensor]:  # type: ignore[
     return {k: p.detach().clone() for k, p in service.trainer.adapters[model_id].params.items()}
 
 
-PLAN = {(FWDBWD, 2): "502", (OPTIM, 1): "502", (FWDBWD, 4): "cut"}
+PLAN = {(FWDBWD, 2): "502", (OPTIM, 1): "502", (FWDBWD, 4): "cut", (RETRIEVE, 5): "cut"}
 """The 2nd forward_backward (step 2) and the 1st optim_step lose their responses after the server took them; the
-first copy of step 3's forward_backward loses its connection mid-body (arrival 3 is step 2's retry)."""
+first copy of step 3's forward_backward loses its connection mid-body (arrival 3 is step 2's retry); so does one
+poll of a result (the SDK polls again; a finished future stays retrievable)."""
 
 
 def test_training_is_applied_exactly_once_through_a_faulty_link(server):  # noqa: F811
