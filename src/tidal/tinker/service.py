@@ -1,9 +1,9 @@
 """The state of tidal's Tinker server: sessions, training models, sampling sessions, checkpoints and futures.
 
 Every training operation (create_model, forward_backward, forward, optim_step, save_weights,
-save_weights_for_sampler, load_weights) is submitted to one worker thread that owns the `TrainerHost`, in the
-order requests arrive: the SDK sends a training client's requests in `seq_id` order (it waits for each one to be
-accepted before sending the next), so they run in that order too. The request returns a future id at once; the
+save_weights_for_sampler, load_weights) is submitted to one worker thread that owns the `TrainerHost`, in each
+model's `seq_id` order and exactly once (`submit_seq`, `tidal.tinker.sequence`: a request the SDK resends gets the
+future of its first copy; one after a gap waits for the missing ones). The request returns a future id at once; the
 SDK polls `retrieve_future`, which waits up to `POLL_S` for the result and otherwise answers `try_again`.
 Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurrently, as futures too.
 
