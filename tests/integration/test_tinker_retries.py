@@ -183,3 +183,33 @@ def test_a_resent_request_gets_its_first_future_and_a_gap_waits(server):  # noqa
     service.worker.submit(lambda: None).result()
     assert steps.steps == 6
     sc.close("success").result()
+
+
+def test_sampling_retries_get_their_first_session_and_future(server):  # noqa: F811
+    """A resent create_sampling_session (same sampling_session_seq_id) and a resent sample (same seq_id in the same
+    sampling session) get what their first copy got. This server has no vLLM, so the sample's future fails later;
+    its id and sequence ids are what the SDK holds on to."""
+    url, facts, service = server
+    h = {"X-API-Key": KEY}
+    sid = httpx.post(f"{url}/api/v1/create_session", headers=h, json=types.CreateSessionRequest(
+        tags=[], user_metadata=None, sdk_version="0.38.0").model_dump(mode="json")).json()["session_id"]
+
+    def session(seq: int) -> str:
+        body = types.CreateSamplingSessionRequest(session_id=sid, sampling_session_seq_id=seq,
+                                                  base_model=facts.served_name)
+        r = httpx.post(f"{url}/api/v1/create_sampling_session", headers=h, json=body.model_dump(mode="json"))
+        return str(r.json()["sampling_session_id"])
+
+    first = session(0)
+    assert session(0) == first and session(1) != first
+
+    def sample(seq: int) -> dict:  # type: ignore[type-arg]
+        body = types.SampleRequest(sampling_session_id=first, seq_id=seq, num_samples=2,
+                                   prompt=types.ModelInput.from_ints([1, 2, 3]),
+                                   sampling_params=types.SamplingParams(max_tokens=2))
+        return dict(httpx.post(f"{url}/api/v1/asample", headers=h, json=body.model_dump(mode="json")).json())
+
+    a, again, other = sample(7), sample(7), sample(8)
+    assert a == again and len(a["sample_sequence_ids"]) == 2
+    assert other["request_id"] != a["request_id"]
+    assert service.sample_ids.seen(first, 7) == a["request_id"]
