@@ -213,3 +213,33 @@ def test_sampling_retries_get_their_first_session_and_future(server):  # noqa: F
     assert a == again and len(a["sample_sequence_ids"]) == 2
     assert other["request_id"] != a["request_id"]
     assert service.sample_ids.seen(first, 7) == a["request_id"]
+
+
+def test_a_refused_request_takes_its_seq_id_so_the_next_one_runs(server):  # noqa: F811
+    """The SDK goes on after a refusal, with the next seq_id: a forward_backward refused for its body (an image
+    chunk) and a save_weights_external (a route tidal lacks) take theirs, so what follows runs at once instead of
+    waiting for a request that will never come."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    url, facts, service = server
+    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = sc.create_lora_training_client(base_model=facts.served_name, rank=4, seed=0).result()
+    h = {"X-API-Key": KEY}
+    image = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png")]),
+                        loss_fn_inputs={"target_tokens": [1]})
+    msg = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[image], loss_fn="cross_entropy"),
+        model_id=tc.model_id, seq_id=1))
+    r = httpx.post(f"{url}/api/v1/forward_backward", headers={**h, "content-type": "application/x-protobuf"},
+                   content=msg.SerializeToString())
+    assert r.status_code == 400 and "image" in r.json()["detail"].lower()
+    r = httpx.post(f"{url}/api/v1/save_weights_external", headers=h, json=types.SaveWeightsExternalRequest(
+        model_id=tc.model_id, path="x", seq_id=2, age_encryption_recipients=["age1x"]).model_dump(mode="json"))
+    assert r.status_code == 404
+    assert service.ledger.last(tc.model_id) == 2
+    # the next request, by hand (this SDK client never sent 1 and 2 itself)
+    body = types.OptimStepRequest(model_id=tc.model_id, seq_id=3, optim_params=types.AdamParams())
+    rid = httpx.post(f"{url}/api/v1/optim_step", headers=h, json=body.model_dump(mode="json")).json()["request_id"]
+    service.futures[rid].result(timeout=60)  # ran at once: not held behind a gap
+    assert service.trainer.adapters[tc.model_id].steps == 1
+    sc.close("success").result()

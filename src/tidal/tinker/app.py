@@ -17,6 +17,7 @@ the future its first copy got.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from typing import Any
@@ -28,7 +29,7 @@ from tidal.tinker.losses import STABLE_REINFORCE_FIX
 from tidal.tinker.sampler import MAX_LOGPROBS, SampleParams
 from tidal.tinker.service import Result, TinkerService, UserError
 from tidal.tinker.trainer import AdamStep, LoraSpec
-from tidal.tinker.wire import decode_fwdbwd
+from tidal.tinker.wire import decode_fwdbwd, fwdbwd_ident
 
 log = logging.getLogger("tidal.tinker")
 PROTO = "application/x-protobuf"
@@ -153,9 +154,16 @@ def _add_training_routes(app: FastAPI, service: TinkerService) -> None:
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        if PROTO not in request.headers.get("content-type", ""):
-            raise UserError(f"forward_backward takes a protobuf body ({PROTO}), as the Tinker SDK sends it")
-        req = decode_fwdbwd(await request.body(), request.headers.get("content-encoding"))
+        body, encoding = await request.body(), request.headers.get("content-encoding")
+        try:
+            if PROTO not in request.headers.get("content-type", ""):
+                raise UserError(f"forward_backward takes a protobuf body ({PROTO}), as the Tinker SDK sends it")
+            req = decode_fwdbwd(body, encoding)
+        except ValueError as exc:  # the refusal takes the request's seq_id when its envelope reads
+            ident = fwdbwd_ident(body, encoding)
+            if ident is not None:
+                service.refuse(ident[0], ident[1], exc)
+            raise
         return _future(service.forward_backward(req), model_id=req.model_id)
 
     @app.post("/api/v1/optim_step")
@@ -200,9 +208,13 @@ def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
         return _future(service.load_state(req.model_id, req.path, req.optimizer, req.seq_id), model_id=req.model_id)
 
     @app.post("/api/v1/save_weights_external")
-    async def save_external() -> JSONResponse:
-        return _error(404, "save_weights_external is not implemented by tidal's Tinker server; the sampler "
-                           "checkpoints under OUTPUT_DIR/checkpoints are PEFT adapter directories already")
+    async def save_external(request: Request) -> JSONResponse:
+        message = ("save_weights_external is not implemented by tidal's Tinker server; the sampler checkpoints "
+                   "under OUTPUT_DIR/checkpoints are PEFT adapter directories already")
+        with contextlib.suppress(ValueError):  # the refusal takes its seq_id: the SDK's next request is no gap
+            req = await _body(request, types.SaveWeightsExternalRequest)
+            service.refuse(req.model_id, req.seq_id, UserError(message))
+        return _error(404, message)
 
 
 def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import re
@@ -173,6 +174,18 @@ class TinkerService:
         if isinstance(job, Exception):
             raise job
         return rid
+
+    def refuse(self, model_id: str | None, seq: int | None, exc: Exception) -> None:
+        """A numbered request refused before it could be queued (an unreadable body, a route tidal lacks) still
+        takes its `seq_id`, so the SDK's next request is no gap (the SDK goes on after a refusal)."""
+        if model_id is None or seq is None or model_id not in self.models:
+            return
+
+        def prepare() -> Run:
+            raise exc
+
+        with contextlib.suppress(*USER_ERRORS):
+            self.submit_seq(model_id, seq, prepare)
 
     def _drain(self, model_id: str) -> None:
         """Start the held requests of `model_id` that are next in order."""

@@ -168,6 +168,19 @@ def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdReq
     return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
 
 
+def fwdbwd_ident(body: bytes, content_encoding: str | None = None) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a forward_backward body `decode_fwdbwd` refused, when its envelope reads (so the
+    refusal can take its `seq_id`); None otherwise."""
+    try:
+        if (content_encoding or "").strip().lower() == "zstd":
+            body = _unzstd(body)
+        msg = _pb().ForwardBackwardRequest()
+        msg.ParseFromString(body)
+    except Exception:  # noqa: BLE001 - unreadable: nothing to take
+        return None
+    return (msg.model_id, int(msg.seq_id)) if msg.seq_id else None
+
+
 def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """`ForwardBackwardOutput` protobuf bytes: one `ArrayRecord` per datum (its shapes may differ from the next
     one's), float32 / int64 fields, and the metrics."""
