@@ -25,6 +25,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,8 +49,8 @@ def batch(seed: int) -> list:  # type: ignore[type-arg]
             lp[PROMPT - 1:] = -rng.exponential(0.5, n).astype(np.float32)
             adv = np.zeros(len(tokens) - 1, dtype=np.float32)
             adv[PROMPT - 1:] = np.float32(rng.normal())
-            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                   loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": lp, "advantages": adv}))
+            inputs: dict[str, Any] = {"target_tokens": tokens[1:], "logprobs": lp, "advantages": adv}
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
     return out
 
 
@@ -65,7 +66,9 @@ def chunks(data: list) -> list[bytes]:  # type: ignore[type-arg]
         return bytes(forward_backward_request_to_proto(req).SerializeToString())
 
     sizes = [len(body([d], 1)) for d in data]
-    out, part, used = [], [], 0
+    out: list[bytes] = []
+    part: list[Any] = []
+    used = 0
     for d, size in zip(data, sizes, strict=True):
         if part and used + size > CHUNK_BYTES:
             out.append(body(part, len(out) + 1))
