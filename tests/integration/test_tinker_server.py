@@ -189,3 +189,18 @@ def test_checkpoint_with_optimizer_state_resumes_exactly(client, server):
     np.testing.assert_allclose(resumed, want, rtol=0, atol=1e-6)
     fresh_optimizer = third_step(client.create_training_client_from_state(path).result())
     assert np.abs(fresh_optimizer - want).max() > 1e-4  # without the moments the step differs
+
+
+def test_stable_reinforce_is_refused_at_the_first_request_with_the_fix(client, server):
+    """The cookbook's stable_reinforce loops first sample with record_stability_info, then train with the loss:
+    either request is refused with one line naming the fix."""
+    facts = server[1]
+    sampler = client.create_sampling_client(base_model=facts.served_name, record_stability_info=True).result()
+    with pytest.raises(tinker.BadRequestError) as refused:
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+    tc = client.create_lora_training_client(base_model=facts.served_name, rank=4).result()
+    with pytest.raises(Exception) as failed:
+        tc.forward_backward(datums(1), "stable_reinforce").result()
+    for exc in (refused.value, failed.value):
+        assert "loss_fn='cispo' or 'ppo'" in str(exc) and "recipes.rl_loop loss_fn=cispo" in str(exc)
+    assert "\n" not in refused.value.body["detail"]

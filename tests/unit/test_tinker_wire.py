@@ -59,9 +59,34 @@ def test_text_config_values_are_refused():
         decode_fwdbwd(sdk_body(data, config={"mode": "x"}))
 
 
+def test_a_zstd_body_as_the_sdk_compresses_it_decodes_like_the_plain_one(monkeypatch):
+    import zstandard
+
+    import tidal.tinker.wire as wire
+
+    rng = np.random.default_rng(0)
+    data = [types.Datum(model_input=types.ModelInput.from_ints(rng.integers(0, 1000, 300).tolist()),
+                        loss_fn_inputs={"target_tokens": rng.integers(0, 1000, 300).tolist(),
+                                        "logprobs": rng.normal(size=300).astype(np.float32),
+                                        "advantages": np.full(300, 0.5, dtype=np.float32)}) for _ in range(4)]
+    plain = sdk_body(data)
+    packed = zstandard.ZstdCompressor().compress(plain)  # what tinker.resources.training sends
+    a, b = decode_fwdbwd(plain), decode_fwdbwd(packed, "zstd")
+    assert (a.model_id, a.seq_id, len(a.data)) == (b.model_id, b.seq_id, 4)
+    for x, y in zip(a.data, b.data, strict=True):
+        assert x.tokens == y.tokens
+        for k in x.inputs:
+            np.testing.assert_array_equal(x.inputs[k], y.inputs[k])
+    monkeypatch.setattr(wire, "MAX_BODY", len(plain) - 1)
+    with pytest.raises(WireError, match="decompresses to more than"):
+        decode_fwdbwd(packed, "zstd")
+
+
 def test_compressed_or_garbage_bodies_are_refused():
-    with pytest.raises(WireError, match="Content-Encoding"):
-        decode_fwdbwd(b"", "zstd")
+    with pytest.raises(WireError, match="Content-Encoding 'gzip'"):
+        decode_fwdbwd(b"\x1f\x8b", "gzip")
+    with pytest.raises(WireError, match="not a zstd frame"):
+        decode_fwdbwd(b"\xff\xff\xff\xff\xff\xff", "zstd")
     with pytest.raises(WireError, match="not a ForwardBackwardRequest"):
         decode_fwdbwd(b"\xff\xff\xff")
 

@@ -6,13 +6,18 @@ futures, which the SDK reads only as protobuf (`tidal.tinker.wire`). Every `/api
 `X-API-Key` header the SDK sends (its `api_key`); a wrong or missing key is answered 401.
 
 `/api/v1/client/config` tells the SDK how to talk to this server: API keys (no JWT exchange), plain httpx,
-uncompressed forward/backward bodies, one `retrieve_future` poll per request (no session-wide poller), client-side
-custom losses, no sampling-session join. Routes the SDK has but tidal does not implement (billing, projects,
-checkpoint publishing and listing, external weights, weight copies) answer 404 with a message saying so.
+zstd-compressed forward/backward bodies (`tidal.tinker.wire`), one `retrieve_future` poll per request (no
+session-wide poller: `retrieve_futures` is not offered), client-side custom losses, no sampling-session join.
+Routes the SDK has but tidal does not implement (billing, projects, checkpoint publishing and listing, external
+weights, weight copies) answer 404 with a message saying so.
+
+Training requests are applied exactly once under the SDK's retries (`tidal.tinker.sequence`): a resent request gets
+the future its first copy got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from typing import Any
@@ -20,16 +25,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tidal.tinker.losses import STABLE_REINFORCE_FIX
 from tidal.tinker.sampler import MAX_LOGPROBS, SampleParams
 from tidal.tinker.service import Result, TinkerService, UserError
 from tidal.tinker.trainer import AdamStep, LoraSpec
-from tidal.tinker.wire import decode_fwdbwd
+from tidal.tinker.wire import decode_fwdbwd, fwdbwd_ident
 
 log = logging.getLogger("tidal.tinker")
 PROTO = "application/x-protobuf"
 
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "use_pyqwest_transport": False,
-                 "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": False, "sample_use_retrieve_futures": False,
+                 "proto_compress_fwdbwd": True, "parallel_fwdbwd_chunks": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False,
                  "sample_max_concurrent_requests": 64, "fwdbwd_max_chunk_len": 4096}
 """What `/api/v1/client/config` answers (see the module doc); `parallel_fwdbwd_chunks` false keeps a large request's
@@ -148,20 +154,29 @@ def _add_training_routes(app: FastAPI, service: TinkerService) -> None:
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        if PROTO not in request.headers.get("content-type", ""):
-            raise UserError(f"forward_backward takes a protobuf body ({PROTO}), as the Tinker SDK sends it")
-        req = decode_fwdbwd(await request.body(), request.headers.get("content-encoding"))
+        body, encoding = await request.body(), request.headers.get("content-encoding")
+        try:
+            if PROTO not in request.headers.get("content-type", ""):
+                raise UserError(f"forward_backward takes a protobuf body ({PROTO}), as the Tinker SDK sends it")
+            req = decode_fwdbwd(body, encoding)
+        except ValueError as exc:  # the refusal takes the request's seq_id when its envelope reads
+            ident = fwdbwd_ident(body, encoding)
+            if ident is not None:
+                service.refuse(ident[0], ident[1], exc)
+            raise
         return _future(service.forward_backward(req), model_id=req.model_id)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         req = await _body(request, types.OptimStepRequest)
         p = req.optim_params
-        if not isinstance(p, types.AdamParams):
-            raise UserError(f"optim_step with {getattr(p, 'type', type(p).__name__)} parameters: tidal trains with "
-                            "AdamW only (types.AdamParams)")
-        step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        return _future(service.optim_step(req.model_id, step), model_id=req.model_id)
+        step: AdamStep | UserError
+        if isinstance(p, types.AdamParams):
+            step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+        else:
+            step = UserError(f"optim_step with {getattr(p, 'type', type(p).__name__)} parameters: tidal trains "
+                             "with AdamW only (types.AdamParams)")
+        return _future(service.optim_step(req.model_id, step, req.seq_id), model_id=req.model_id)
 
 
 def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
@@ -171,13 +186,13 @@ def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         req = await _body(request, types.SaveWeightsRequest)
-        return _future(service.save_state(req.model_id, req.path, req.overwrite), model_id=req.model_id)
+        return _future(service.save_state(req.model_id, req.path, req.overwrite, req.seq_id), model_id=req.model_id)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
         req = await _body(request, types.SaveWeightsForSamplerRequest)
         session = service.models[req.model_id].session_id if req.model_id in service.models else None
-        return _future(service.save_for_sampler(req.model_id, req.path, session), model_id=req.model_id)
+        return _future(service.save_for_sampler(req.model_id, req.path, session, req.seq_id), model_id=req.model_id)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -190,12 +205,16 @@ def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
             return _future(rid, model_id=f"{req.session_id}:train:{int(req.model_seq_id or 0)}")
         if req.model_id is None:
             raise UserError("load_weights needs a model_id or a session_id")
-        return _future(service.load_state(req.model_id, req.path, req.optimizer), model_id=req.model_id)
+        return _future(service.load_state(req.model_id, req.path, req.optimizer, req.seq_id), model_id=req.model_id)
 
     @app.post("/api/v1/save_weights_external")
-    async def save_external() -> JSONResponse:
-        return _error(404, "save_weights_external is not implemented by tidal's Tinker server; the sampler "
-                           "checkpoints under OUTPUT_DIR/checkpoints are PEFT adapter directories already")
+    async def save_external(request: Request) -> JSONResponse:
+        message = ("save_weights_external is not implemented by tidal's Tinker server; the sampler checkpoints "
+                   "under OUTPUT_DIR/checkpoints are PEFT adapter directories already")
+        with contextlib.suppress(ValueError):  # the refusal takes its seq_id: the SDK's next request is no gap
+            req = await _body(request, types.SaveWeightsExternalRequest)
+            service.refuse(req.model_id, req.seq_id, UserError(message))
+        return _error(404, message)
 
 
 def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
@@ -205,7 +224,8 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         req = await _body(request, types.CreateSamplingSessionRequest)
-        sid = service.create_sampling_session(req.session_id, req.model_path, req.base_model)
+        sid = service.create_sampling_session(req.session_id, req.model_path, req.base_model,
+                                              req.sampling_session_seq_id)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @app.get("/api/v1/samplers/{sampler_id}")
@@ -215,9 +235,10 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
         req = await _body(request, types.SampleRequest)
+        if req.record_stability_info:
+            raise UserError(f"sample with record_stability_info: {STABLE_REINFORCE_FIX}")
         refused = [what for what, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
-                                         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0),
-                                         ("record_stability_info", bool(req.record_stability_info))) if on]
+                                         ("prompt_alt_tokens_k", req.prompt_alt_tokens_k > 0)) if on]
         if refused:
             raise UserError(f"sample: {', '.join(refused)} is not supported by tidal's Tinker server")
         if max(req.topk_prompt_logprobs, req.topk_sample_logprobs) > MAX_LOGPROBS:
@@ -232,7 +253,7 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
         except ValueError as exc:
             raise UserError(f"sample: {exc}; tidal's Tinker server takes token prompts only") from None
         rid, seq_ids = service.sample(req.sampling_session_id, req.model_path, req.base_model, prompt,
-                                      req.num_samples, params)
+                                      req.num_samples, params, req.seq_id)
         return _future(rid, sample_sequence_ids=seq_ids)
 
 

@@ -128,10 +128,17 @@ LOSSES: dict[str, LossSpec] = {
 }
 """Every loss of the SDK's `LossFnType` that tidal runs."""
 
+STABLE_REINFORCE_FIX = (
+    "tidal refuses stable_reinforce (its formula reads per-sequence stability information that Tinker's sampler "
+    "records and Tinker does not publish); train with loss_fn='cispo' or 'ppo' instead: tinker-cookbook "
+    "`python -m tinker_cookbook.recipes.rl_loop loss_fn=cispo` (rl_loop takes no ppo), "
+    "`python -m tinker_cookbook.recipes.math_rl.train loss_fn=ppo`, rl.train's async mode `async_config.loss_fn=cispo`")
+"""The one-line refusal of `stable_reinforce` with its fix: at the first forward_backward that asks for it, and at
+the first sample that records stability information (`record_stability_info`, which the cookbook sets only for
+stable_reinforce, and which its loops send before any training request)."""
+
 REFUSED: dict[str, str] = {
-    "stable_reinforce": "it needs per-sequence stability information that Tinker's sampler records at sampling "
-                        "time and whose formula Tinker does not publish, so tidal cannot reproduce it; use "
-                        "'importance_sampling', 'ppo', 'cispo' or 'gspo'",
+    "stable_reinforce": STABLE_REINFORCE_FIX,
     "custom": "server-side custom losses are not offered by this server; the SDK's forward_backward_custom runs "
               "the loss on the client instead (over cross_entropy), which works here",
 }
@@ -142,7 +149,8 @@ def check_request(loss_fn: str, input_keys: set[str], config: Config) -> LossSpe
     """The `LossSpec` of `loss_fn`, after checking a datum's input keys and the config's keys; `LossError` naming
     the key and what is valid otherwise."""
     if loss_fn in REFUSED:
-        raise LossError(f"loss_fn '{loss_fn}' is not supported by tidal: {REFUSED[loss_fn]}")
+        raise LossError(REFUSED[loss_fn] if loss_fn == "stable_reinforce" else
+                        f"loss_fn '{loss_fn}' is not supported by tidal: {REFUSED[loss_fn]}")
     spec = LOSSES.get(loss_fn)
     if spec is None:
         raise LossError(f"unknown loss_fn '{loss_fn}'; valid: {', '.join(LOSSES)}")

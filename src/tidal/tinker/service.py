@@ -1,9 +1,9 @@
 """The state of tidal's Tinker server: sessions, training models, sampling sessions, checkpoints and futures.
 
 Every training operation (create_model, forward_backward, forward, optim_step, save_weights,
-save_weights_for_sampler, load_weights) is submitted to one worker thread that owns the `TrainerHost`, in the
-order requests arrive: the SDK sends a training client's requests in `seq_id` order (it waits for each one to be
-accepted before sending the next), so they run in that order too. The request returns a future id at once; the
+save_weights_for_sampler, load_weights) is submitted to one worker thread that owns the `TrainerHost`, in each
+model's `seq_id` order and exactly once (`submit_seq`, `tidal.tinker.sequence`: a request the SDK resends gets the
+future of its first copy; one after a gap waits for the missing ones). The request returns a future id at once; the
 SDK polls `retrieve_future`, which waits up to `POLL_S` for the result and otherwise answers `try_again`.
 Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurrently, as futures too.
 
@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from typing import Any
 from tidal.paths import STABLE, tinker_ckpt_dir
 from tidal.tinker.losses import LossError
 from tidal.tinker.sampler import SampleParams, Sampler, SamplerError
+from tidal.tinker.sequence import GAP_S, Ledger, SeqError
 from tidal.tinker.trainer import AdamStep, LoraSpec, TrainerError, TrainerHost
 from tidal.tinker.wire import FwdBwdRequest, WireError, encode_fwdbwd_output, encode_sample_response
 
@@ -41,12 +44,16 @@ POLL_S = 30.0
 """How long `retrieve_future` waits for a result before answering `try_again` (the SDK polls again at once)."""
 KEEP_S = 300.0
 """How long a finished future stays retrievable after it was first retrieved."""
-USER_ERRORS = (TrainerError, LossError, WireError, ValueError)
+USER_ERRORS = (TrainerError, LossError, WireError, SeqError, ValueError)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class UserError(ValueError):
     """A request the caller can fix."""
+
+
+Run = Callable[[], "Result"]
+"""A training operation, run on the training thread."""
 
 
 @dataclass
@@ -100,6 +107,16 @@ class TinkerService:
         self.samplers: dict[str, SamplingSession] = {}
         self.adapter_names: dict[str, str] = {}  # tinker sampler path -> vLLM adapter name
         self.futures: dict[str, concurrent.futures.Future[Result]] = {}
+        self.ledger = Ledger()
+        """Training requests' ids by (model id, seq_id): a retried request gets its first future."""
+        self.held: dict[str, dict[int, tuple[concurrent.futures.Future[Result], Run | Exception]]] = {}
+        """Training requests after a gap in their model's seq_ids, waiting for the missing ones."""
+        self.created: dict[str, str] = {}
+        """The request id of each model's creation (create_model, create-via-load_weights), for their retries."""
+        self.sample_ids = Ledger()
+        """Sampling requests' ids by (sampling session id, seq_id)."""
+        self.sampling_by_seq: dict[tuple[str, int], str] = {}
+        """Sampling session ids by (session id, sampling_session_seq_id)."""
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._counter = itertools.count()
 
@@ -127,6 +144,84 @@ class TinkerService:
         except Exception:
             log.exception("training operation %s failed", getattr(fn, "__name__", fn))
             raise
+
+    def submit_seq(self, model_id: str, seq: int | None, prepare: Callable[[], Run]) -> str:
+        """Queue training request `seq` of `model_id` exactly once (`tidal.tinker.sequence`); the future's id.
+
+        `prepare()` checks the request and returns what to run; a request it refuses (`USER_ERRORS`) still takes
+        its `seq_id` (a failed future: its retries get the same refusal, and the next request is no gap), and the
+        refusal is raised. Without a `seq_id` (not the SDK) the request is simply queued."""
+        if seq is None:
+            return self.submit_training(prepare())
+        verdict = self.ledger.check(model_id, seq)
+        if verdict.rid is not None:
+            log.info("model %s: seq_id %d again (a retry): answered with its first future %s", model_id, seq,
+                     verdict.rid)
+            return verdict.rid
+        rid, fut = self._new_future()
+        job: Run | Exception
+        try:
+            job = prepare()
+        except USER_ERRORS as exc:
+            job = exc
+        self.ledger.remember(model_id, seq, rid, in_order=False)
+        self.held.setdefault(model_id, {})[seq] = (fut, job)
+        if verdict.hold:
+            log.warning("model %s: seq_id %d arrived before %d; held until the missing ones arrive", model_id, seq,
+                        self.ledger.last(model_id) + 1)
+            asyncio.get_running_loop().call_later(GAP_S, self._expire, model_id, seq)
+        self._drain(model_id)
+        if isinstance(job, Exception):
+            raise job
+        return rid
+
+    def refuse(self, model_id: str | None, seq: int | None, exc: Exception) -> None:
+        """A numbered request refused before it could be queued (an unreadable body, a route tidal lacks) still
+        takes its `seq_id`, so the SDK's next request is no gap (the SDK goes on after a refusal)."""
+        if model_id is None or seq is None or model_id not in self.models:
+            return
+
+        def prepare() -> Run:
+            raise exc
+
+        with contextlib.suppress(*USER_ERRORS):
+            self.submit_seq(model_id, seq, prepare)
+
+    def _drain(self, model_id: str) -> None:
+        """Start the held requests of `model_id` that are next in order."""
+        held = self.held.get(model_id, {})
+        while (nxt := self.ledger.last(model_id) + 1) in held:
+            fut, job = held.pop(nxt)
+            self.ledger.remember(model_id, nxt, self.ledger.seen(model_id, nxt) or "", in_order=True)
+            if isinstance(job, Exception):
+                fut.set_exception(job)
+            else:
+                self._start(fut, job)
+
+    def _start(self, fut: concurrent.futures.Future[Result], job: Run) -> None:
+        work = self.worker.submit(self._guarded, job)
+
+        def copy(done: concurrent.futures.Future[Result]) -> None:
+            if fut.done():
+                return
+            exc = None if done.cancelled() else done.exception()
+            if done.cancelled():
+                fut.cancel()
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(done.result())
+
+        work.add_done_callback(copy)
+        fut.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
+
+    def _expire(self, model_id: str, seq: int) -> None:
+        """A held request whose predecessors did not come within `GAP_S` fails."""
+        entry = self.held.get(model_id, {}).pop(seq, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_exception(SeqError(
+                f"seq_id {seq} for {model_id} waited {GAP_S:.0f} s for seq_id {self.ledger.last(model_id) + 1}, "
+                "which never arrived; the SDK sends a training client's requests in order, one client per model"))
 
     def submit_async(self, coro: Any) -> str:
         """Run coroutine `coro` (returning a `Result`) on the event loop; the future's id."""
@@ -195,7 +290,12 @@ class TinkerService:
         s.finished = True
         for model_id in [m for m, rec in self.models.items() if rec.session_id == session_id]:
             del self.models[model_id]
+            self.ledger.drop(model_id)
+            self.held.pop(model_id, None)
+            self.created.pop(model_id, None)
             self.worker.submit(self.trainer.remove, model_id)
+        for sid in s.sampling:
+            self.sample_ids.drop(sid)
 
     # --- models --------------------------------------------------------------------------------------------------
 
@@ -216,13 +316,16 @@ class TinkerService:
         self.check_base(base_model)
         self.check_lora(lora)
         model_id = f"{session_id}:train:{seq}"
+        if model_id in self.created:  # a retry: the SDK derives the id from (session, model_seq_id)
+            return self.created[model_id]
 
         def run() -> Result:
             self.trainer.create(model_id, lora)
             self.models[model_id] = ModelRecord(session_id, lora)
             return Result({"model_id": model_id, "type": "create_model"})
 
-        return self.submit_training(run)
+        self.created[model_id] = rid = self.submit_training(run)
+        return rid
 
     def model(self, model_id: str) -> ModelRecord:
         rec = self.models.get(model_id)
@@ -244,11 +347,18 @@ class TinkerService:
             outputs, metrics = self.trainer.forward_backward(req)
             return Result(proto=encode_fwdbwd_output(outputs, metrics))
 
-        return self.submit_training(run)
+        return self.submit_seq(req.model_id, req.seq_id or None, lambda: run)
 
-    def optim_step(self, model_id: str, step: AdamStep) -> str:
+    def optim_step(self, model_id: str, step: AdamStep | Exception, seq: int | None) -> str:
+        """An AdamW step; `step` an exception: the request was refused (it still takes its `seq_id`)."""
         self.model(model_id)
-        return self.submit_training(lambda: Result({"metrics": self.trainer.optim_step(model_id, step)}))
+
+        def prepare() -> Run:
+            if isinstance(step, Exception):
+                raise step
+            return lambda: Result({"metrics": self.trainer.optim_step(model_id, step)})
+
+        return self.submit_seq(model_id, seq, prepare)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -267,61 +377,78 @@ class TinkerService:
             raise UserError(f"no (complete) checkpoint at {path} (looked for {local / STABLE})")
         return local
 
-    def save_state(self, model_id: str, name: str | None, overwrite: bool) -> str:
+    def save_state(self, model_id: str, name: str | None, overwrite: bool, seq: int | None) -> str:
         self.model(model_id)
-        name = name or f"state-{next(self._counter)}"
-        path = self.tinker_path(model_id, "weights", name)
-        local = tinker_ckpt_dir(self.output_dir, model_id, "weights", name)
-        if local.exists() and not overwrite:
-            raise UserError(f"checkpoint {path} exists; pass overwrite=True or another name")
 
-        def run() -> Result:
-            self.trainer.save_state(model_id, local, self.served_name)
-            return Result({"path": path, "type": "save_weights"})
+        def prepare() -> Run:  # a retry never gets here: "exists" is no refusal of its own first save
+            nonlocal name
+            name = name or f"state-{next(self._counter)}"
+            path = self.tinker_path(model_id, "weights", name)
+            local = tinker_ckpt_dir(self.output_dir, model_id, "weights", name)
+            if local.exists() and not overwrite:
+                raise UserError(f"checkpoint {path} exists; pass overwrite=True or another name")
 
-        return self.submit_training(run)
+            def run() -> Result:
+                self.trainer.save_state(model_id, local, self.served_name)
+                return Result({"path": path, "type": "save_weights"})
 
-    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None) -> str:
+            return run
+
+        return self.submit_seq(model_id, seq, prepare)
+
+    def save_for_sampler(self, model_id: str, name: str | None, session_id: str | None, seq: int | None) -> str:
         """Save the adapter for sampling: under `name` (result: its path), or, without a name, as an ephemeral
         checkpoint with a new sampling session (result: the session's id)."""
         rec = self.model(model_id)
-        ephemeral = name is None
-        name = name or f"ephemeral-{next(self._counter)}"
-        path = self.tinker_path(model_id, "sampler_weights", name)
-        local = tinker_ckpt_dir(self.output_dir, model_id, "sampler_weights", name)
 
-        def run() -> Result:
-            self.trainer.save_sampler(model_id, local)
-            self.adapter_names[path] = f"lora-{next(self._counter)}"
-            if not ephemeral:
-                return Result({"path": path, "type": "save_weights_for_sampler"})
-            sid = self._new_sampling_session(session_id or rec.session_id, path)
-            return Result({"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        def prepare() -> Run:
+            ephemeral = name is None
+            label = name or f"ephemeral-{next(self._counter)}"
+            path = self.tinker_path(model_id, "sampler_weights", label)
+            local = tinker_ckpt_dir(self.output_dir, model_id, "sampler_weights", label)
 
-        return self.submit_training(run)
+            def run() -> Result:
+                self.trainer.save_sampler(model_id, local)
+                self.adapter_names[path] = f"lora-{next(self._counter)}"
+                if not ephemeral:
+                    return Result({"path": path, "type": "save_weights_for_sampler"})
+                sid = self._new_sampling_session(session_id or rec.session_id, path)
+                return Result({"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
-    def load_state(self, model_id: str, path: str, optimizer: bool) -> str:
+            return run
+
+        return self.submit_seq(model_id, seq, prepare)
+
+    def load_state(self, model_id: str, path: str, optimizer: bool, seq: int | None) -> str:
         self.model(model_id)
-        local = self.local(path, ("weights",))
-        return self.submit_training(lambda: self._load(model_id, local, path, optimizer))
+
+        def prepare() -> Run:
+            local = self.local(path, ("weights",))
+            return lambda: self._load(model_id, local, path, optimizer)
+
+        return self.submit_seq(model_id, seq, prepare)
 
     def create_from_state(self, session_id: str, seq: int, path: str, optimizer: bool,
                           base_model: str | None) -> str:
-        """`create_training_client_from_state[_with_optimizer]`: a new model from a training checkpoint."""
+        """`create_training_client_from_state[_with_optimizer]`: a new model from a training checkpoint (a new
+        model id, whose requests the SDK numbers from 1 again)."""
+        model_id = f"{session_id}:train:{seq}"
+        if model_id in self.created:  # a retry
+            return self.created[model_id]
         self.session(session_id)
         self.check_base(base_model)
         local = self.local(path, ("weights",))
         record = TrainerHost.read_record(local)
         lora = LoraSpec(**record["lora"])
         self.check_lora(lora)
-        model_id = f"{session_id}:train:{seq}"
 
         def run() -> Result:
             self.trainer.create(model_id, lora)
             self.models[model_id] = ModelRecord(session_id, lora)
             return self._load(model_id, local, path, optimizer)
 
-        return self.submit_training(run)
+        self.created[model_id] = rid = self.submit_training(run)
+        return rid
 
     def _load(self, model_id: str, local: Path, path: str, optimizer: bool) -> Result:
         self.trainer.load_state(model_id, local, optimizer)
@@ -341,10 +468,17 @@ class TinkerService:
             self.sessions[session_id].sampling.append(sid)
         return sid
 
-    def create_sampling_session(self, session_id: str, model_path: str | None, base_model: str | None) -> str:
+    def create_sampling_session(self, session_id: str, model_path: str | None, base_model: str | None,
+                                seq: int | None = None) -> str:
+        """A sampling session; a retry (the same `sampling_session_seq_id` of the session) gets the same one."""
+        if seq is not None and (session_id, seq) in self.sampling_by_seq:
+            return self.sampling_by_seq[(session_id, seq)]
         self.session(session_id)
         self.check_base(base_model)
-        return self._new_sampling_session(session_id, model_path)
+        sid = self._new_sampling_session(session_id, model_path)
+        if seq is not None:
+            self.sampling_by_seq[(session_id, seq)] = sid
+        return sid
 
     def sampler_info(self, sampler_id: str) -> dict[str, Any]:
         s = self.samplers.get(sampler_id)
@@ -353,8 +487,13 @@ class TinkerService:
         return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
     def sample(self, sampler_id: str | None, model_path: str | None, base_model: str | None, prompt: list[int],
-               n: int, params: SampleParams) -> tuple[str, list[str]]:
-        """Start sampling; (the future's id, one sequence id per sample)."""
+               n: int, params: SampleParams, seq: int | None = None) -> tuple[str, list[str]]:
+        """Start sampling; (the future's id, one sequence id per sample). A retry (the same `seq_id` in the same
+        sampling session) gets the first request's future and sequence ids."""
+        if sampler_id is not None and seq is not None:
+            rid = self.sample_ids.seen(sampler_id, seq)
+            if rid is not None:
+                return rid, [f"seq-{rid}-{i}" for i in range(n)]
         if sampler_id is not None:
             if sampler_id not in self.samplers:
                 raise UserError(f"unknown sampling_session_id {sampler_id!r}")
@@ -375,7 +514,10 @@ class TinkerService:
             seqs, prompt_lps, topk = await self.sampler.sample(model, prompt, n, params)
             return Result(proto=encode_sample_response(seqs, prompt_lps, topk))
 
-        return self.submit_async(run()), [f"seq-{uuid.uuid4().hex}" for _ in range(n)]
+        rid = self.submit_async(run())
+        if sampler_id is not None and seq is not None:
+            self.sample_ids.remember(sampler_id, seq, rid, in_order=False)
+        return rid, [f"seq-{rid}-{i}" for i in range(n)]
 
     def capabilities(self) -> dict[str, Any]:
         return {"supported_models": [{"model_name": self.served_name, "max_context_length": self.max_context,

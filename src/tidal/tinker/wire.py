@@ -6,9 +6,10 @@ of forward/backward and sampling futures only as protobuf; everything else it sp
 This module turns those messages into plain typed records (`FwdBwdRequest`, `Datum` with numpy arrays) and back,
 and knows nothing of torch or of the server. Tensors: dense or sparse CSR (the SDK sparsifies 2-D `target_tokens`
 and `weights` when that is smaller; unlisted cells are 0), float32 / int64 / int32 / bfloat16. Model inputs: token
-chunks only; an image or audio chunk is refused (`WireError`), as is a zstd-compressed body (tidal's client config
-never asks the SDK to compress). Provenance spans are checked and then not used (only `stable_reinforce`, which tidal
-refuses, reads them).
+chunks only; an image or audio chunk is refused (`WireError`). A body may come zstd-compressed (`Content-Encoding:
+zstd`: the SDK compresses when the server's client config sets `proto_compress_fwdbwd`, which tidal's does); it is
+decompressed up to `MAX_BODY` bytes. Provenance spans are checked and then not used (only `stable_reinforce`, which
+tidal refuses, reads them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import numpy as np
 
 class WireError(ValueError):
     """A request this server cannot read (what it holds, and why, in the message)."""
+
+
+MAX_BODY = 1 << 30
+"""The largest decompressed forward_backward body read (1 GiB; the SDK's chunks are ~5 MB before compression)."""
 
 
 def _pb():  # type: ignore[no-untyped-def]
@@ -108,11 +113,35 @@ def _check_provenance(i: int, d, n_tokens: int, inputs: dict[str, np.ndarray]) -
                             f"{want}")
 
 
+def _unzstd(body: bytes) -> bytes:
+    """A zstd frame decompressed, refused past `MAX_BODY` bytes (a frame may omit its size)."""
+    import io
+
+    import zstandard
+
+    try:
+        parts: list[bytes] = []
+        size = 0
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+            while size <= MAX_BODY and (part := reader.read(1 << 20)):
+                parts.append(part)
+                size += len(part)
+        out = b"".join(parts)
+    except zstandard.ZstdError as exc:
+        raise WireError(f"forward_backward body is not a zstd frame (Content-Encoding: zstd): {exc}") from None
+    if len(out) > MAX_BODY:
+        raise WireError(f"forward_backward body decompresses to more than {MAX_BODY} bytes")
+    return bytes(out)
+
+
 def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdRequest:
     """The protobuf body of `/api/v1/forward_backward` -> `FwdBwdRequest`."""
-    if content_encoding and content_encoding.lower() not in ("identity",):
-        raise WireError(f"forward_backward body with Content-Encoding {content_encoding!r}: tidal reads it "
-                        "uncompressed (its client config sets proto_compress_fwdbwd false)")
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "zstd":
+        body = _unzstd(body)
+    elif encoding != "identity":
+        raise WireError(f"forward_backward body with Content-Encoding {content_encoding!r}: tidal reads zstd or "
+                        "uncompressed bodies")
     pb = _pb()
     msg = pb.ForwardBackwardRequest()
     try:
@@ -137,6 +166,19 @@ def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdReq
         _check_provenance(i, d, len(tokens), inputs)
         data.append(Datum(tokens, inputs))
     return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
+
+
+def fwdbwd_ident(body: bytes, content_encoding: str | None = None) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a forward_backward body `decode_fwdbwd` refused, when its envelope reads (so the
+    refusal can take its `seq_id`); None otherwise."""
+    try:
+        if (content_encoding or "").strip().lower() == "zstd":
+            body = _unzstd(body)
+        msg = _pb().ForwardBackwardRequest()
+        msg.ParseFromString(body)
+    except Exception:  # noqa: BLE001 - unreadable: nothing to take
+        return None
+    return (msg.model_id, int(msg.seq_id)) if msg.seq_id else None
 
 
 def encode_fwdbwd_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
