@@ -246,8 +246,10 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
             skippable: bool) -> tuple[list[MicroBatch], list[OptimizerStep]]:
     """The batch's micro-batches and optimizer steps. With `skippable` (train `skip_zero_gradient`) and one optimizer
     step, the samples whose loss has zero gradient are packed apart from the others, so that their micro-batches
-    skip the backward, unless that would take a second optimizer step (the samples of each step would change) or
-    the loss is `bnpo` (normalized per micro-batch)."""
+    skip the backward, unless that would take a second optimizer step (the samples of each step would change),
+    the loss is `bnpo` (normalized per micro-batch) or `loss.top_entropy_quantile` < 1 (the entropy mask takes its
+    quantile per micro-batch, so other neighbours would train other tokens). Either way the update is the one
+    without the skip; without the repacking only micro-batches that happen to hold no gradient skip."""
     def packed(apart: list[bool] | None) -> tuple[list[MicroBatch], list[OptimizerStep]]:
         mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                    drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
@@ -256,7 +258,8 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
                          cfg.steps_per_generation)
 
     micro, steps = packed(None)
-    if not (skippable and len(steps) == 1 and cfg.loss.loss_type != "bnpo" and advantage_only(cfg.loss)):
+    if not (skippable and len(steps) == 1 and cfg.loss.loss_type != "bnpo" and advantage_only(cfg.loss)
+            and cfg.loss.top_entropy_quantile >= 1):
         return micro, steps
     zero = [not np.any(batch.advantages[s][batch.loss_mask[s].astype(bool)] != 0) for s in batch.samples()]
     if not any(zero) or all(zero):
