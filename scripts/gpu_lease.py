@@ -7,7 +7,8 @@ run, then failed ones, each by the ledger's `priority`; then passed rows, the ol
 and runs them one by one, each a child of scripts/harness.py (`tidal.procs`: its own process group, killed as a
 whole at its budget).
 
-A row passes when its command exits 0 within its budget and reports no failure; a command may print
+A row passes when its command exits 0 within its budget, reports no failure and, for pytest, skips no test (a
+skipped test proves nothing of the row's claim); a command may print
 `LEDGER_RESULT {"status": ..., "figure": ...}` lines (scripts/gpu_check.py prints one per check: a check FAIL,
 skipped or not reached is not a pass). A row not reached keeps its ledger result. Written to `--out` (default
 `$OUT`, else a temp directory): `gpu_ledger_rows.json` (the updated rows: merge them here with
@@ -131,8 +132,8 @@ PYTEST_SUMMARY = re.compile(r"^=*\s*(no tests ran|\d+ (passed|failed|skipped|des
 
 def judge(code: int | None, text: str, budget_s: float) -> tuple[str, str]:
     """(status, figure) of a row's run: `code` None when it was stopped at its budget. Status `pass`, `fail` or
-    `skipped` (a `LEDGER_RESULT` skipped / not reached and nothing failed, or a pytest run that passed no test: the
-    ledger keeps its result)."""
+    `skipped` (a `LEDGER_RESULT` skipped / not reached and nothing failed, or a pytest run that skipped any of its
+    tests, "1 passed, 3 skipped" included: the ledger keeps its result)."""
     reports = []
     for line in text.splitlines():
         if line.startswith("LEDGER_RESULT "):
@@ -149,6 +150,9 @@ def judge(code: int | None, text: str, budget_s: float) -> tuple[str, str]:
     summary = next((m for m in reversed(text.splitlines()) if PYTEST_SUMMARY.match(m.strip())), None)
     if summary is not None and code in (0, 5) and " passed" not in summary:
         return "skipped", f"pytest ran nothing: {summary.strip('= ')}"  # every test skipped, or none collected
+    if summary is not None and code == 0 and re.search(r"\d+ skipped", summary):
+        # a skipped test did not prove its part of the row's claim: not a pass (the ledger keeps its result)
+        return "skipped", f"pytest skipped some of the row's tests: {summary.strip('= ')}"
     if code != 0:
         return "fail", f"exit {code}; {figure}"
     if any(str(r.get("status")).lower() != "pass" for r in reports):

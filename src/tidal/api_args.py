@@ -9,7 +9,8 @@
   tidal's trainer is another process that builds its own optimizer, so instances are refused with that reason;
   an optimizer class with its keyword arguments (`(torch.optim.AdamW, None)` or `((torch.optim.AdamW, {"lr": ...}),
   None)`, transformers' `optimizer_cls_and_kwargs` shape) becomes the GRPOConfig keys it means
-  (`optim`, `learning_rate`, `adam_beta1`/`adam_beta2`, `weight_decay`), which reach the trainer's config.
+  (`optim`, `learning_rate`, `adam_beta1`/`adam_beta2`, `weight_decay`, `adam_epsilon`), which reach the trainer's
+  config.
 - `callbacks`: `tidal.api_callbacks`.
 - `reward_processing_classes`: one per reward function, as in TRL (a single one for a single function); for a
   reward model (a model name in `reward_funcs`, `tidal.reward_model`) it is used when it agrees with the tokenizer
@@ -32,8 +33,8 @@ OPTIMIZER_CLASSES = {"torch.optim.adamw.AdamW": "adamw_torch", "bitsandbytes.opt
                      "bitsandbytes.optim.adamw.PagedAdamW8bit": "adamw_8bit"}
 """Optimizer classes (module.qualname) tidal's trainer builds -> GRPOConfig `optim`."""
 
-OPTIMIZER_KWARGS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
-"""Optimizer keyword -> GRPOConfig key (`betas` -> adam_beta1/adam_beta2 and `eps` at 1e-8 are handled apart)."""
+OPTIMIZER_KWARGS = {"lr": "learning_rate", "weight_decay": "weight_decay", "eps": "adam_epsilon"}
+"""Optimizer keyword -> GRPOConfig key (`betas` -> adam_beta1/adam_beta2 is handled apart)."""
 
 REFUSED = {
     "quantization_config": "a bitsandbytes-quantized trainer model is not supported; tidal's QLoRA is the train "
@@ -79,11 +80,9 @@ def optimizer_keys(optimizers: Any) -> dict[str, Any]:
             out[OPTIMIZER_KWARGS[key]] = value
         elif key == "betas":
             out["adam_beta1"], out["adam_beta2"] = (float(b) for b in value)
-        elif key == "eps" and value == 1e-8:
-            continue  # the trainer's AdamW epsilon
         else:
             raise ValueError(f"GRPOTrainer(optimizers=...): keyword {key!r} of {cls.__name__} is not supported by "
-                             f"tidal (supported: {sorted([*OPTIMIZER_KWARGS, 'betas', 'eps'])}, eps at 1e-8)")
+                             f"tidal (supported: {sorted([*OPTIMIZER_KWARGS, 'betas'])})")
     return out
 
 

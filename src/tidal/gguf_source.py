@@ -22,11 +22,13 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import procs
+from tidal.paths import sweep_temps, write_atomic
 
 SUFFIX = ".gguf"
 STABLE = "STABLE"
@@ -100,14 +102,6 @@ def content_hash(path: Path) -> str:
     digest = h.hexdigest()
     write_atomic(memo, digest)
     return digest
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary name and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_info(path: Path) -> GGUFInfo:
@@ -186,20 +180,40 @@ def resolve_gguf(name: str) -> str | None:
 
 def convert(path: Path, info: GGUFInfo, entry: Path) -> None:
     """Dequantize `path` into the cache entry `entry`: a child process writes a temporary directory beside it, which
-    is renamed into place once complete (another process that got there first wins; its entry is equal)."""
+    is renamed into place once complete (another process that got there first wins; its entry is equal). The temp
+    is removed when the conversion fails or times out (`DEQUANT_TIMEOUT_S`: GGUFModelError, exit 2); one left by a
+    run that was killed (its pid is in the name) is removed by the next conversion (`paths.sweep_temps`)."""
     size_mb = path.stat().st_size / 2**20
     types = ", ".join(f"{k} x{v}" for k, v in sorted(info.tensor_types.items()))
     print(f"[tidal] dequantizing {path.name} ({size_mb:.0f} MB, {info.architecture}, tensors {types}) once into "
           f"{entry} (float32; later runs reuse it)", file=sys.stderr, flush=True)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    sweep_temps(entry.parent)  # float32 copies left by killed runs (`.NAME.tmp.PID`, the writer gone)
+    tmp = entry.with_name(f".{entry.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _dequantize(path, tmp)
+        _finish(path, info, tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
+
+
+def _dequantize(path: Path, tmp: Path) -> None:
+    """Run the dequantization child into `tmp`; GGUFModelError (exit 2) when it fails or outlives its time."""
     # a child in its own process group that dies with this process (tidal.procs.run); an hour bounds a stuck one
-    proc = procs.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)], DEQUANT_TIMEOUT_S)
+    try:
+        proc = procs.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)], DEQUANT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise GGUFModelError(f"model {path}: dequantizing the GGUF file took longer than {DEQUANT_TIMEOUT_S:g} s "
+                             f"(tidal.gguf_source.DEQUANT_TIMEOUT_S); it was stopped and its partial copy removed. "
+                             f"Convert it once on a faster machine or give an HF model directory") from None
     if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         raise GGUFModelError(f"model {path}: dequantizing the GGUF file failed (exit {proc.returncode}):\n{tail}")
+
+
+def _finish(path: Path, info: GGUFInfo, tmp: Path, entry: Path) -> None:
+    """Describe and mark the converted `tmp`, then rename it into place as `entry`."""
     write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
                                                 "architecture": info.architecture,
                                                 "tensor_types": info.tensor_types}, indent=1))

@@ -199,7 +199,7 @@ def reward_answer(completions, answer, **kwargs):
     return [float(a in c[0]["content"]) - len(c[0]["content"]) / 100 for c, a in zip(completions, answer)]
 
 args = GRPOConfig(output_dir=sys.argv[1], max_steps=2, num_generations=4, per_device_train_batch_size=8,
-                  max_completion_length=16, vllm_server_port=int(sys.argv[2]), loss_type="cispo",
+                  max_completion_length=16, vllm_server_port=int(sys.argv[2]), use_vllm=True, loss_type="cispo",
                   epsilon_high=5.0, vllm_importance_sampling_mode="sequence_mask", entropy_coef=0.01,
                   learning_rate=1e-4)
 out = GRPOTrainer(model="tidal:tiny-reverse", reward_funcs=reward_answer, args=args, train_dataset=dataset).train()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import MODEL
+from tests.e2e.multiturn_env import EchoTool
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.advantage import combine_rewards
@@ -22,6 +23,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stream import GroupStream
+from tidal.rewards import ServiceUnavailable
 
 pytestmark = pytest.mark.vllm
 
@@ -111,11 +113,12 @@ def judge_down_once(prompts, completions, **_):
 
 def test_an_outage_group_is_sampled_again_and_never_trained_on(vllm_server, tmp_path, caplog):
     """A streamed group that was an environment outage (every rollout unjudged) is waited out and sampled again,
-    as gated mode samples its step again: its failures are not in the batch, its example is (sampled again)."""
+    as gated mode samples its step again: its failures are not in the batch, its example is (sampled again). One
+    group in flight (`in_flight_groups: 1`), so the wait is the outage's own backoff, not another group's clear."""
     FAILED_PROMPTS.clear()
     cfg = OrchConfig.model_validate({
         "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
-        "env_reward_weight": 0.0, "async_mode": "in_flight", "in_flight_groups": 4,
+        "env_reward_weight": 0.0, "async_mode": "in_flight", "in_flight_groups": 1,
         "reward_funcs": [{"import_path": "tests.integration.test_inflight_stream:judge_down_once"}]})
     env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
@@ -137,10 +140,64 @@ def test_an_outage_group_is_sampled_again_and_never_trained_on(vllm_server, tmp_
 
     sample, counts = asyncio.run(go())
     got = sample.collected
-    # the outage was declared; `env/outage_waits` may be 0: another in-flight group judged meanwhile ends the
-    # outage (`Outage.clear`), and the waiter then returns before its first backoff is over
-    assert len(FAILED_PROMPTS) == 1 and counts["env/outage_waits"] >= 0
+    # one group in flight: nothing else can end the outage, so the group waits exactly one backoff (1 s; the
+    # judge has no probe: the group is simply sampled again), then is judged
+    assert len(FAILED_PROMPTS) == 1 and counts["env/outage_waits"] == 1
     assert "environment outage: a group of batch 1" in caplog.text and "environment outage over" in caplog.text
     assert got.env.failed == 0 and got.env.dropped_groups == 0, "the outage group's failures are not in the batch"
     assert all(c.env_error is None for g in got.groups for c in g)
     assert FAILED_PROMPTS[0] in [ex.prompt[-1]["content"] for ex in got.examples], "sampled again"
+
+
+FLAKY_CALLS: dict[str, int] = {}
+
+
+class FlakyEcho(EchoTool):
+    """`EchoTool` whose tool service is down for the first example's first group (every reply raises
+    ServiceUnavailable: an outage), then fails one reply of each further group (a rollout of 4 unjudged, below
+    `env_outage.fraction` 0.5: no outage)."""
+
+    id = "flaky-echo"
+
+    def respond(self, example, transcript):
+        reply = super().respond(example, transcript)
+        key = str(example.prompt[-1]["content"])
+        first = not FLAKY_CALLS or next(iter(FLAKY_CALLS)) == key
+        FLAKY_CALLS[key] = calls = FLAKY_CALLS.get(key, 0) + 1
+        if calls == 1 or (first and calls <= 5):  # the first group: its 4 rollouts; its retry: one
+            raise ServiceUnavailable("tool at http://tool:9000", "ConnectError: refused")
+        return reply
+
+
+def test_a_group_judged_with_a_few_failures_ends_the_outage(vllm_server, tmp_path, caplog):
+    """After an outage, groups with a few unjudged rollouts (below `env_outage.fraction`) are judged, so they end
+    the outage: the next outage starts its own `env_outage.timeout_s` clock instead of inheriting the old one's
+    start (which stopped a run with a flaky environment at its next short outage)."""
+    FLAKY_CALLS.clear()
+    cfg = OrchConfig.model_validate({
+        "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 48},
+        "async_mode": "in_flight", "in_flight_groups": 1,
+        "env": [{"id": "tests.integration.test_inflight_stream:FlakyEcho"}]})
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, tmp_path, "default")
+            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
+                                 None, 1)
+            await stream.start()
+            try:
+                return await stream.take(1, {}), stream.outage.since
+            finally:
+                await stream.close()
+        finally:
+            await client.close()
+
+    sample, since = asyncio.run(go())
+    got = sample.collected
+    assert "environment outage: a group of batch 1" in caplog.text
+    assert got.env.failed >= 1, "the batch's groups were judged with a failed rollout each"
+    assert all(sum(c.env_error is not None for c in g) <= 1 for g in got.groups)
+    assert since is None and "environment outage over" in caplog.text, "a judged group ends the outage"

@@ -333,8 +333,9 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
 def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm_server, tmp_path, lr0_adapter):
     """`GroupStream` with `partial_rollouts: abort_resume` and a multi-turn environment (its first turn ends at the
     `<reversed_text>` tag, the environment answers, the model goes on): policy 1 is published while groups run on
-    policy 0; every completion carries a version per token, its environment tokens masked and versioned like the
-    model token before them, and each group's (start, end) bound its tokens' versions."""
+    policy 0; requests running at the switch are stopped and resumed on policy 1 (counted), so a rollout holds
+    tokens of both policies; every completion carries a version per token, its environment tokens masked
+    and versioned like the model token before them, and each group's (start, end) bound its tokens' versions."""
     from tidal.config.orch import OrchConfig
     from tidal.orchestrator.buffer import Buffer
     from tidal.orchestrator.envmix import EnvMix
@@ -356,30 +357,39 @@ def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm
             stream = GroupStream(cfg, env, random.Random(7), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
                                  None, 1)
             await stream.start()
-            while not stream.partial.running or client.streamed_tokens < 8:
-                await asyncio.sleep(0.005)
-            publish(tmp_path, 1, adapter_dir)
-            # the follower loads policy 1 on its own clock: wait for the switch, so that it lands in this batch's
-            # counts (a fast batch could otherwise be taken whole on policy 0 before the follower sees the file)
-            t0 = time.monotonic()
-            while not stream.partial.counts.get("partial/switches") and time.monotonic() - t0 < 120:
-                await asyncio.sleep(0.01)
-            counts: dict[str, float] = {}
-            got = await stream.take(1, counts)
+            # policy `step` is published while batch `step`'s groups run; a batch whose switch found no request
+            # running (all between turns or done: it depends on the follower's clock) is taken and the next one
+            # tried, up to 3, so the batch checked holds a request stopped and resumed on the new policy
+            for step in (1, 2, 3):
+                base = client.streamed_tokens
+                while not stream.partial.running or client.streamed_tokens < base + 8:
+                    await asyncio.sleep(0.005)
+                publish(tmp_path, step, adapter_dir)
+                # the follower loads the policy on its own clock: wait for the switch, so that it lands in this
+                # batch's counts (a fast batch could otherwise be taken whole before the follower sees the file)
+                t0 = time.monotonic()
+                while not stream.partial.counts.get("partial/switches") and time.monotonic() - t0 < 120:
+                    await asyncio.sleep(0.01)
+                counts: dict[str, float] = {}
+                got = await stream.take(step, counts)
+                if counts.get("partial/stopped_requests"):
+                    break
             await stream.close()
             await client.unload_adapter(policy.model)
-            return got, counts
+            return got, counts, step
         finally:
             await client.close()
 
-    got, counts = asyncio.run(go())
+    got, counts, step = asyncio.run(go())
     c = got.collected
-    assert counts["partial/switches"] >= 1
+    assert counts["partial/switches"] >= 1 and counts.get("partial/stopped_requests", 0) >= 1, (step, counts)
+    assert counts["partial/resumed_requests"] >= 1
     comps = [comp for group in c.groups for comp in group]
     assert len(comps) == 4 and any(x.mask is not None and 0 in x.mask for x in comps), [x.text for x in comps]
+    assert any(len(set(x.versions)) == 2 for x in comps), "a rollout must go on across the switch"
     for x in comps:
         v = np.array(x.versions)
-        assert len(v) == len(x.token_ids) and (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
+        assert len(v) == len(x.token_ids) and (np.diff(v) >= 0).all() and set(v.tolist()) <= set(range(step + 1))
         mask = np.array(x.mask if x.mask is not None else [1] * len(v))
         env_tokens = np.flatnonzero(mask == 0)
         assert all(v[i] == v[i - 1] for i in env_tokens if i > 0)

@@ -30,10 +30,12 @@ def make(**kw):
 def test_an_optimizer_class_and_kwargs_reach_the_trainer_config():
     lr, b1, b2, wd = (round(random.uniform(lo, hi), 6) for lo, hi in ((1e-6, 1e-3), (0.5, 0.9), (0.9, 0.99),
                                                                         (0.0, 0.2)))
-    t = make(optimizers=((torch.optim.AdamW, {"lr": lr, "betas": (b1, b2), "weight_decay": wd, "eps": 1e-8}), None))
+    eps = 10 ** random.uniform(-9, -5)  # AdamW's `eps` is GRPOConfig adam_epsilon (train `adam_epsilon`)
+    t = make(optimizers=((torch.optim.AdamW, {"lr": lr, "betas": (b1, b2), "weight_decay": wd, "eps": eps}), None))
     train = t.derived.train
-    assert (train.optimizer, train.learning_rate, train.adam_beta1, train.adam_beta2, train.weight_decay) == \
-        ("adamw", lr, b1, b2, wd)
+    assert (train.optimizer, train.learning_rate, train.adam_beta1, train.adam_beta2, train.weight_decay,
+            train.adam_epsilon) == ("adamw", lr, b1, b2, wd, eps)
+    assert t.args.adam_epsilon == eps
     assert t.args.optim == "adamw_torch" and t.args.learning_rate == lr
     plain = make(optimizers=(torch.optim.AdamW, None))  # the class alone: GRPOConfig's values stay
     assert plain.derived.train.learning_rate == GRPOConfig().learning_rate
@@ -51,8 +53,8 @@ def test_optimizer_instances_other_classes_and_kwargs_are_refused():
         optimizer_keys((torch.optim.SGD, None))
     with pytest.raises(ValueError, match="keyword 'amsgrad' of AdamW is not supported"):
         optimizer_keys(((torch.optim.AdamW, {"amsgrad": True}), None))
-    with pytest.raises(ValueError, match="keyword 'eps'"):
-        optimizer_keys(((torch.optim.AdamW, {"eps": 1e-6}), None))
+    with pytest.raises(ValueError, match="adam_epsilon"):  # GRPOConfig's check (gt 0) names the key it maps to
+        make(optimizers=((torch.optim.AdamW, {"eps": 0.0}), None))
 
 
 def test_the_models_own_tokenizer_is_accepted_as_processing_class():

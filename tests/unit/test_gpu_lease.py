@@ -70,7 +70,10 @@ def test_judge_reads_the_exit_code_the_budget_and_ledger_result_lines():
     status, figure = gpu_lease.judge(None, ok, 60)
     assert status == "fail" and figure.startswith("stopped at its budget of 60 s")
     assert gpu_lease.judge(0, "LEDGER_RESULT {broken", 60)[0] == "fail"
-    assert gpu_lease.judge(0, "....\n4 passed, 1 skipped in 3.20s\n", 60) == ("pass", "4 passed, 1 skipped in 3.20s")
+    assert gpu_lease.judge(0, "....\n4 passed in 3.20s\n", 60) == ("pass", "4 passed in 3.20s")
+    for summary in ("4 passed, 1 skipped in 3.20s", "==== 1 passed, 7 skipped, 2 deselected in 9.10s ===="):
+        status, figure = gpu_lease.judge(0, f"....\n{summary}\n", 60)  # a skipped test proves nothing
+        assert status == "skipped" and "skipped some of the row's tests" in figure, (summary, figure)
     assert gpu_lease.judge(0, "==== 3 skipped in 0.20s ====\n", 60)[0] == "skipped"
     assert gpu_lease.judge(5, "no tests ran in 0.05s\n", 60)[0] == "skipped"
     assert gpu_lease.judge(1, "1 failed, 2 passed in 3.00s\n", 60)[0] == "fail"

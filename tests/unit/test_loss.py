@@ -234,6 +234,8 @@ def test_loss_type_combinations_are_checked():
         LossConfig(loss_type="grpo", is_cap=3)
     with pytest.raises(ValueError, match="needs loss.beta > 0"):
         LossConfig(use_on_policy_kl_approximation=True)
+    with pytest.raises(ValueError, match="both weight the KL term by the ratio to the old policy"):
+        LossConfig(loss_type="grpo", beta=0.1, use_on_policy_kl_approximation=True, use_bias_correction_kl=True)
     with pytest.raises(ValueError, match="greater than 1"):
         LossConfig(loss_type="grpo", ratio_clip_c=0.5)
     with pytest.warns(UserWarning, match="GSPO normalizes per sequence"):

@@ -58,7 +58,7 @@ def comp(n: int, rng: random.Random) -> Completion:
 
 def test_batch_carries_start_and_end_versions_through_safetensors(tmp_path):
     rng = random.Random(SEED)
-    cfg = OrchConfig(batch_size=6, rollouts_per_example=2, max_off_policy_steps=3, max_async_level=1)
+    cfg = OrchConfig(batch_size=6, rollouts_per_example=2, max_off_policy_steps=3, max_async_level=1, max_steps=40)
     groups = [[comp(rng.randint(1, 5), rng) for _ in range(2)] for _ in range(3)]
     versions = [(4, 4), (3, 5), (5, 5)]
     adv = [np.zeros(len(c.token_ids)) for g in groups for c in g]
@@ -68,7 +68,10 @@ def test_batch_carries_start_and_end_versions_through_safetensors(tmp_path):
     assert back.policy_steps.tolist() == [4, 4, 3, 3, 5, 5] and back.policy_steps_end.tolist() == [4, 4, 5, 5, 5, 5]
     assert metrics["staleness/0"] == 2 and metrics["staleness/1"] == 2 and metrics["staleness/2"] == 2
     assert metrics["policy_switch_samples"] == 2 and metrics["dropped_stale"] == 4
-    assert metrics["policy_step"] == 3 and metrics["off_policy_level"] == 2
+    # typed on the batch, not strings in its metrics: they travel through safetensors and decide in the trainer
+    assert "policy_step" not in metrics and "off_policy_level" not in metrics and "max_steps" not in metrics
+    assert back.policy_step == batch.policy_step == 3 and back.off_policy_level == batch.off_policy_level == 2
+    assert back.max_steps == batch.max_steps == cfg.max_steps
     np.testing.assert_array_equal(back.inference_logprobs[2:2 + len(groups[0][0].token_ids)],
                                   np.float32(groups[0][0].logprobs)), "behaviour logprobs travel unchanged"
 

@@ -51,7 +51,7 @@ ALTERNATIVES: dict[str, Any] = {
     "max_steps": 5, "num_train_epochs": 1.0, "beta": 0.04, "epsilon": 0.1, "epsilon_high": 0.28, "delta": 2.0,
     "loss_type": "grpo", "scale_rewards": False, "importance_sampling_level": "sequence", "num_iterations": 2,
     "mask_truncated_completions": True, "top_entropy_quantile": 0.2,
-    "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": 2.5,
+    "use_vllm": True, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": 2.5,
     "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
     "vllm_server_host": "127.0.0.2", "vllm_server_port": 8123, "vllm_gpu_memory_utilization": 0.3,
     "vllm_tensor_parallel_size": 2, "vllm_max_model_length": 2048, "logging_steps": 1, "save_strategy": "no",
@@ -72,6 +72,9 @@ WITH: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
     "use_bias_correction_kl": {"beta": 0.1},
+    **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
+                     "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                     "vllm_importance_sampling_clip_min"), {"use_vllm": True}),
     "lr_scheduler_kwargs": {"lr_scheduler_type": "cosine"}, "sync_ref_model": {"beta": 0.1},
     **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), {"beta": 0.1, "sync_ref_model": True}),
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
@@ -79,7 +82,7 @@ WITH: dict[str, dict[str, Any]] = {
 """Keys whose effect needs another key set (the loss type that reads them, a KL term)."""
 NOT_IN_CONFIGS = {"gradient_checkpointing_kwargs": "one value only: tidal's non-reentrant checkpointing",
                   "reward_weights": "the weights of the in-process reward functions (tests/unit/test_api.py)",
-                  "use_vllm": "always vLLM, either value", "vllm_mode": "one layout either way",
+                  "vllm_mode": "one layout either way",
                   "vllm_server_timeout": "the launcher's wait (GRPOTrainer.train)",
                   "run_name": "tested with report_to", "eval_strategy": "tested with an eval dataset",
                   "eval_steps": "tested with an eval dataset", "num_generations_eval": "tested with an eval dataset",
@@ -110,7 +113,9 @@ def test_defaults_follow_trl():
     assert o.advantage.scale_rewards == "group" and o.env[0].id == "dataset" and o.report_to is None
     assert o.max_steps == 30  # 3 epochs x 10 prompts x 8 generations / 8 completions per batch
     assert t.loss.loss_type == "dapo" and t.loss.beta == 0 and t.loss.epsilon == 0.2
-    assert t.loss.is_correction == "sequence_masked" and t.loss.is_cap == 3.0  # TRL 1.16: sequence_mask, 3.0
+    assert t.loss.is_correction == "none"  # TRL 1.16 corrects with use_vllm only (default False)
+    vllm = derive(use_vllm=True).train.loss
+    assert vllm.is_correction == "sequence_masked" and vllm.is_cap == 3.0  # TRL 1.16: sequence_mask, 3.0
     assert t.loss.is_cap_min is None and t.loss.off_policy_mask_threshold is None
     assert not t.loss.use_bias_correction_kl  # TRL's True acts on the KL term, and beta is 0
     assert derive(beta=0.1).train.loss.use_bias_correction_kl
@@ -163,16 +168,22 @@ def test_unimplemented_and_unknown_keys_are_errors_naming_them():
         derive(peft=FakeLora(), beta=0.1, sync_ref_model=True)
     loss = derive(beta=0.1, sync_ref_model=True, ref_model_sync_steps=8).train.loss
     assert loss.sync_ref_model and loss.ref_model_sync_steps == 8 and loss.ref_model_mixup_alpha == 0.6
-    with pytest.raises(ValidationError, match=r"'vespo' needs vllm_importance_sampling_mode token_truncate"):
-        GRPOConfig(loss_type="vespo")  # TRL's default mode is sequence_mask, which TRL refuses with vespo too
+    # TRL checks vespo against the IS mode (default sequence_mask) and applies the correction with vLLM only
+    with pytest.raises(ValidationError, match=r"'vespo' with use_vllm=True needs vllm_importance_sampling_mode"):
+        GRPOConfig(loss_type="vespo", use_vllm=True)
+    assert derive(loss_type="vespo").train.loss.is_correction == "none"
+    assert derive(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"
+                  ).train.loss.is_correction == "masked"
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):
         GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
     with pytest.raises(ValidationError, match=r"clip_min \(3.0\) must be less than .*clip_max \(2.0\)"):
         GRPOConfig(vllm_importance_sampling_clip_min=3.0, vllm_importance_sampling_clip_max=2.0)
     with pytest.raises(ValidationError, match=r"gradient_checkpointing_kwargs .* non-reentrant"):
         GRPOConfig(gradient_checkpointing_kwargs={"use_reentrant": True})
-    assert derive(vllm_importance_sampling_clip_max=None).train.loss.is_cap == float("inf")  # masks nothing above
+    assert derive(use_vllm=True, vllm_importance_sampling_clip_max=None).train.loss.is_cap == float("inf")
     assert GRPOConfig(use_vllm=True).use_vllm and not GRPOConfig().use_vllm  # tidal always uses vLLM
+    assert derive().train.loss.is_correction == "none", "TRL corrects nothing without use_vllm"
+    assert derive(use_vllm=True).train.loss.is_correction == "sequence_masked"
     with pytest.raises(ValidationError, match=r"'num_generation' is not a TRL GRPOConfig key.*'num_generations'"):
         GRPOConfig(num_generation=4)
     with pytest.raises(ValidationError, match="loss_type"):
@@ -315,9 +326,22 @@ def test_resume_from_checkpoint_is_an_argument_of_train_not_a_config_key():
 def test_importance_sampling_bounds_as_trl_allows_them():
     """TRL 1.16 takes any positive clip_max (below 1 too) and a clip_min alone; they reach train loss.is_cap /
     is_cap_min as given."""
-    low = derive(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.8).train.loss
+    low = derive(use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+                 vllm_importance_sampling_clip_max=0.8).train.loss
     assert low.is_correction == "truncated" and low.is_cap == 0.8 and low.is_cap_min is None
-    only_min = derive(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=0.5,
-                      vllm_importance_sampling_clip_max=None).train.loss
+    only_min = derive(use_vllm=True, vllm_importance_sampling_mode="sequence_truncate",
+                      vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=None).train.loss
     assert only_min.is_correction == "sequence_truncated" and only_min.is_cap_min == 0.5
     assert only_min.is_cap == float("inf")
+
+
+def test_refusal_texts_of_compile_and_liger_name_the_keys_that_map_them():
+    """torch_compile and use_liger_kernel are mapped (train compile_layers / liger_kernel): the refusals of their
+    sub-options say so, instead of claiming tidal does not compile or has no Liger kernels."""
+    fields = TrainingArgumentsFields.model_fields
+    for key, mapped in (("torch_compile_backend", "compile_layers"), ("torch_compile_mode", "compile_layers"),
+                        ("liger_kernel_config", "liger_kernel")):
+        doc = fields[key].description or ""
+        assert mapped in doc and "is refused" not in doc and "does not torch.compile" not in doc, (key, doc)
+    docs = DOCS.read_text()
+    assert "use_liger_kernel is refused" not in docs and "does not torch.compile" not in docs

@@ -144,17 +144,20 @@ def test_zero_gradient_samples_are_packed_apart_and_every_sample_once():
     assert flags == sorted(flags), "the flagged micro-batches come last"
 
 
-def test_one_optimizer_step_repacks_zero_samples_apart_with_the_same_update():
+@pytest.mark.parametrize("quantile", [1.0, 0.3])
+def test_one_optimizer_step_repacks_zero_samples_apart_with_the_same_update(quantile):
     """Interleaved zero-advantage samples in one optimizer step: packed apart, their micro-batches skip the
-    backward, and the update equals the unskipped one's (plain SGD, so float-summation order shows as itself)."""
+    backward, and the update equals the unskipped one's (plain SGD, so float-summation order shows as itself).
+    With `top_entropy_quantile` < 1 the entropy mask takes its quantile per micro-batch, so repacking would change
+    which tokens train: the samples stay packed as without the skip, and the update is still the unskipped one's."""
     seed = random.randrange(2**31)
     batch = fixed_batch(seed % 1000)
     starts = np.r_[0, np.cumsum(batch.lengths)[:-1]]
     for k, (s, n) in enumerate(zip(starts, batch.lengths, strict=True)):
         if k % 2:
             batch.advantages[s:s + n] = 0.0
-    cfgs = {skip: config(1, 1, 64, "dapo").model_copy(update={"loss": LossConfig(loss_type="dapo", beta=0.0),
-                                                               "skip_zero_gradient": skip,
+    loss = LossConfig(loss_type="dapo", beta=0.0, top_entropy_quantile=quantile)
+    cfgs = {skip: config(1, 1, 64, "dapo").model_copy(update={"loss": loss, "skip_zero_gradient": skip,
                                                                "per_device_train_batch_size": 2})
             for skip in (True, False)}
     pols = {skip: build_policy(cfgs[skip], 10) for skip in cfgs}
@@ -163,8 +166,12 @@ def test_one_optimizer_step_repacks_zero_samples_apart_with_the_same_update():
         p.opt = torch.optim.SGD([q for q in p.model.parameters() if q.requires_grad], lr=0.5)
         m[skip] = train_step(p.model, p.opt, batch, cfgs[skip], p.device, p.pad_id, sched=p.sched)
     assert m[True]["optim/steps"] == m[False]["optim/steps"] == 1
-    assert m[True]["micro_batches/skipped"] >= 1 and m[False]["micro_batches/skipped"] == 0
-    assert m[True]["loss"] == pytest.approx(m[False]["loss"], rel=1e-5, abs=1e-7)
+    assert m[True]["loss"] == pytest.approx(m[False]["loss"], rel=1e-5, abs=1e-7), seed
     b = dict(pols[False].model.named_parameters())
     for n, q in pols[True].model.named_parameters():
         torch.testing.assert_close(q, b[n], rtol=1e-5, atol=1e-6, msg=f"{n} seed {seed}")
+    assert m[False]["micro_batches/skipped"] == 0
+    if quantile == 1:
+        assert m[True]["micro_batches/skipped"] >= 1
+    else:  # packed as without the skip; only a micro-batch that happens to hold zero samples alone skips
+        assert m[True]["micro_batches"] == m[False]["micro_batches"]

@@ -95,7 +95,8 @@ class LossConfig(StrictModel):
     """KL coefficient to the reference policy (k3 estimator). With LoRA the reference is the base model with
     the adapters disabled (one extra no-grad forward, no second copy). 0: no reference pass."""
     use_on_policy_kl_approximation: bool = False
-    """(beta > 0) Weight the k3 KL of each token by the (detached) ratio current/old policy (NeMo RL)."""
+    """(beta > 0) Weight the k3 KL of each token by the (detached) ratio current/old policy (NeMo RL); not with
+    `use_bias_correction_kl`, which weights it by the same ratio (with its gradient)."""
     is_correction: Literal["none", "token", "truncated", "masked", "sequence_truncated",
                            "sequence_masked"] = "none"
     """(TRL loss types) Importance-sampling correction between trainer and inference policies
@@ -205,6 +206,10 @@ class LossConfig(StrictModel):
             raise ValueError("loss.use_bias_correction_kl needs loss.beta > 0 (there is no KL term)")
         if self.use_on_policy_kl_approximation and self.beta == 0:
             raise ValueError("loss.use_on_policy_kl_approximation needs loss.beta > 0 (there is no KL term)")
+        if self.use_on_policy_kl_approximation and self.use_bias_correction_kl:
+            raise ValueError("loss.use_on_policy_kl_approximation and loss.use_bias_correction_kl both weight the KL "
+                             "term by the ratio to the old policy exp(lp - old) (NeMo RL's detached, TRL 1.16's with "
+                             "its gradient): together the KL would be weighted twice; set one of them")
         return self
 
     @model_validator(mode="after")

@@ -225,9 +225,12 @@ class TrainConfig(StrictModel):
     rewards are all equal) and no KL (`loss.beta`), entropy bonus, `loss.teacher_tau` or aipo `loss.kl_tau` term
     (`tidal.trainer.step.loss.zero_gradient`). Its forward still runs, without a graph, for the metrics
     (mismatch_kl, entropy, clipping); the optimizer gets the zero gradients the backward would have given, so the
-    parameters are the same either way. Applies to one trainer rank on dense models without images (several
-    ranks run every backward together; an unused expert or vision tower would get a zero gradient instead of
-    none). Metric `micro_batches/skipped`. false: every micro-batch runs its backward."""
+    parameters are the same either way. With one optimizer step per batch the zero-gradient samples are packed
+    into micro-batches of their own, except with `loss.loss_type: bnpo` or `loss.top_entropy_quantile` < 1 (each
+    normalizes or takes its entropy quantile per micro-batch, so other neighbours would change the update): then
+    only micro-batches that happen to hold no gradient skip. Applies to one trainer rank on dense models without
+    images (several ranks run every backward together; an unused expert or vision tower would get a zero gradient
+    instead of none). Metric `micro_batches/skipped`. false: every micro-batch runs its backward."""
     router_replay: bool | Literal["auto"] = "auto"
     """MoE router replay (R3, `tidal.trainer.model.router_replay`): the trainer's mixture-of-experts blocks route each
     token to the experts vLLM routed it to (the batch's `routed_experts`), keeping the trainer's own gate weights

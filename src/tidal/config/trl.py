@@ -125,9 +125,7 @@ class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
     reward_weights: list[float] | None = None
     """One weight per reward function (None: all 1)."""
     # vLLM
-    use_vllm: bool = False
-    """tidal always generates with vLLM, whatever the value (TRL's default False is accepted like every key at
-    its default; True is what tidal does)."""
+    # use_vllm: TRLAlgorithmKeys (it decides the importance-sampling correction, as in TRL)
     vllm_mode: Literal["server", "colocate"] = "colocate"
     """Either way tidal starts its own vLLM server beside the trainer, sharing the GPU (`tidal grpo`'s layout)."""
     vllm_server_host: str = "127.0.0.1"
@@ -264,7 +262,7 @@ MAPPING: dict[str, str] = {
     "seed": "train/orch `seed`, orch `sampling.seed`", "max_steps": "orch `max_steps` (batches)",
     "num_train_epochs": "orch `max_steps` when max_steps is -1", "scale_rewards": "orch `advantage.scale_rewards`",
     "reward_weights": "the reward functions' weights (orch `reward_funcs[].weight`)",
-    "use_vllm": "(always vLLM)", "trust_remote_code": "train/infer `trust_remote_code`",
+    "trust_remote_code": "train/infer `trust_remote_code`",
     "vllm_mode": "(tidal's co-located server either way)", "vllm_server_host": "infer `host`",
     "vllm_server_port": "infer `port`", "vllm_server_timeout": "the launcher's wait for vLLM",
     "vllm_gpu_memory_utilization": "infer `gpu_memory_utilization`", "vllm_tensor_parallel_size": "infer `tp`",

@@ -2,12 +2,15 @@
 optimizer / model keys TRL inherits from transformers' `TrainingArguments` that shape the algorithm (issue 51).
 
 `TRLAlgorithmKeys` is the part of `tidal.config.trl.GRPOConfig` these keys live in (its base class), at TRL 1.16's
-defaults, so a script that sets nothing runs TRL's algorithm: `dapo` with the vLLM importance-sampling correction
-in `sequence_mask` mode (clip 3.0) and, with `beta` > 0, the bias-corrected KL. `loss_keys(args)` gives the train
-`loss` section (`tidal.config.loss.LossConfig`) and `algorithm_train_keys(args)` the other train keys;
-`ALGORITHM_MAPPING` says where each key goes (docs/trl.md). Seed 000's trainer/inference masks, which TRL does
-not have, are off in the derived `loss` (`NO_SEED_MASKS`). Keys tidal cannot honor are refused with the reason
-(`ALGORITHM_UNSUPPORTED`: accepted at TRL's default only). Torch-free, pure.
+defaults, so a script that sets nothing runs TRL's algorithm: `dapo` and, with `beta` > 0, the bias-corrected KL;
+with `use_vllm=True` also the vLLM importance-sampling correction in `sequence_mask` mode (clip 3.0). TRL applies
+that correction (and checks its mode against `vespo`) only with `use_vllm`, because without vLLM it samples with
+the trained model itself; tidal always samples with vLLM, so `use_vllm=True` is the setting that corrects for the
+trainer/vLLM mismatch (docs/trl.md), and `use_vllm=False` runs what TRL runs: no correction. `loss_keys(args)`
+gives the train `loss` section (`tidal.config.loss.LossConfig`) and `algorithm_train_keys(args)` the other train
+keys; `ALGORITHM_MAPPING` says where each key goes (docs/trl.md). Seed 000's trainer/inference masks, which TRL
+does not have, are off in the derived `loss` (`NO_SEED_MASKS`). Keys tidal cannot honor are refused with the
+reason (`ALGORITHM_UNSUPPORTED`: accepted at TRL's default only). Torch-free, pure.
 """
 
 from __future__ import annotations
@@ -68,9 +71,13 @@ class TRLAlgorithmKeys(StrictModel):
     """(vespo) Gamma shape for negative advantages (train `loss.vespo_k_neg`)."""
     vespo_lambda_neg: float = Field(2.0, ge=0)
     """(vespo) Gamma rate for negative advantages (train `loss.vespo_lambda_neg`)."""
+    use_vllm: bool = False
+    """TRL: generate with vLLM. tidal always generates with vLLM; as in TRL the value decides whether the
+    `vllm_importance_sampling_*` correction applies (True: yes, the setting for tidal's vLLM samples; False, TRL's
+    default: TRL samples with the trained model and corrects nothing, and neither does tidal)."""
     vllm_importance_sampling_correction: bool = True
-    """Correct for the trainer/vLLM mismatch with importance weights (train `loss.is_correction`; `none` if
-    False)."""
+    """(use_vllm) Correct for the trainer/vLLM mismatch with importance weights (train `loss.is_correction`;
+    `none` if False or without `use_vllm`, as in TRL)."""
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                            "sequence_mask"] = "sequence_mask"
     """Per token or per sequence (exp of the summed log ratio), truncated or masked (train `loss.is_correction`:
@@ -152,10 +159,16 @@ class TRLAlgorithmKeys(StrictModel):
         if self.vllm_importance_sampling_mode.endswith("truncate") and lo is None and hi is None:
             raise ValueError("GRPOConfig: set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max "
                              "with a *_truncate vllm_importance_sampling_mode")
-        if self.loss_type == "vespo" and self.vllm_importance_sampling_mode.startswith("sequence"):
-            raise ValueError(f"GRPOConfig loss_type 'vespo' needs vllm_importance_sampling_mode token_truncate or "
-                             f"token_mask, not '{self.vllm_importance_sampling_mode}' (as in TRL)")
+        if (self.use_vllm and self.loss_type == "vespo"
+                and self.vllm_importance_sampling_mode.startswith("sequence")):  # TRL checks it with vLLM only
+            raise ValueError(f"GRPOConfig loss_type 'vespo' with use_vllm=True needs vllm_importance_sampling_mode "
+                             f"token_truncate or token_mask, not '{self.vllm_importance_sampling_mode}' (as in TRL), "
+                             f"or vllm_importance_sampling_correction=False")
         return self
+
+    def corrects_is(self) -> bool:
+        """Whether TRL applies its vLLM importance-sampling correction: with `use_vllm` only."""
+        return self.use_vllm and self.vllm_importance_sampling_correction
 
     def is_cap(self) -> float | None:
         """The upper IS bound (`vllm_importance_sampling_cap` wins over `..._clip_max`, as in TRL)."""
@@ -183,7 +196,7 @@ def loss_keys(args: TRLAlgorithmKeys) -> dict[str, Any]:
     if args.loss_type == "vespo":
         loss |= {"vespo_k_pos": args.vespo_k_pos, "vespo_lambda_pos": args.vespo_lambda_pos,
                  "vespo_k_neg": args.vespo_k_neg, "vespo_lambda_neg": args.vespo_lambda_neg}
-    if args.vllm_importance_sampling_correction:
+    if args.corrects_is():
         cap = args.is_cap()
         loss |= {"is_correction": IS_MODES[args.vllm_importance_sampling_mode],
                  "is_cap": math.inf if cap is None else cap, "is_cap_min": args.vllm_importance_sampling_clip_min}
@@ -212,7 +225,8 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "sapo_temperature_pos": "train `loss.sapo_temperature_pos`", "vespo_k_pos": "train `loss.vespo_k_pos`",
     "vespo_lambda_pos": "train `loss.vespo_lambda_pos`", "vespo_k_neg": "train `loss.vespo_k_neg`",
     "vespo_lambda_neg": "train `loss.vespo_lambda_neg`",
-    "vllm_importance_sampling_correction": "train `loss.is_correction` (`none` when False)",
+    "use_vllm": "train `loss.is_correction` (`none` when False, as TRL; tidal always samples with vLLM)",
+    "vllm_importance_sampling_correction": "train `loss.is_correction` (`none` when False or without use_vllm)",
     "vllm_importance_sampling_mode": "train `loss.is_correction`: `truncated`, `masked`, `sequence_truncated`, "
                                      "`sequence_masked`",
     "vllm_importance_sampling_clip_max": "train `loss.is_cap` (None: `.inf`)",

@@ -56,11 +56,14 @@ class TrainingArgumentsFields(StrictModel):
     tf32: bool | None = None
     """Refused: tidal sets matmul precision from train `recipe`; TF32 is not configurable."""
     torch_compile_backend: str | None = None
-    """Refused: tidal does not torch.compile the trainer's model from GRPOConfig."""
+    """Refused: torch_compile=True compiles each decoder layer with tidal's own backend (train `compile_layers`);
+    another backend is not configurable."""
     torch_compile_mode: str | None = None
-    """Refused: tidal does not torch.compile the trainer's model from GRPOConfig."""
+    """Refused: torch_compile=True compiles each decoder layer in tidal's own mode (train `compile_layers`); another
+    mode is not configurable."""
     liger_kernel_config: dict[str, bool] | None = None
-    """Refused: tidal has no Liger kernels (use_liger_kernel is refused)."""
+    """Refused: use_liger_kernel=True applies a fixed set of Liger kernels (train `liger_kernel: [rms_norm, swiglu,
+    rope]`); a per-kernel selection is not supported."""
     use_cache: bool = False
     """Refused: training forward passes never use a KV cache in tidal (generation is vLLM's)."""
     neftune_noise_alpha: float | None = None

@@ -30,8 +30,10 @@ and full fine-tuning of a MoE model on CPU is refused (`tidal.colocate.derive.mo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
@@ -61,12 +63,28 @@ class ArchInfo:
         return f"{self.architecture}{' (mixture of experts)' if self.moe else ''}"
 
 
+def is_moe(config: Mapping[str, Any]) -> bool:
+    """A mixture-of-experts model: any of `EXPERT_KEYS` above 0 in its config.json dict (a VLM's `text_config`)."""
+    text = text_config(config)
+    return any(isinstance(text.get(k), int) and not isinstance(text.get(k), bool) and text[k] > 0
+               for k in EXPERT_KEYS)
+
+
+def skips_backward(config: Mapping[str, Any], images: bool) -> bool:
+    """Whether train `skip_zero_gradient` may skip a zero-gradient micro-batch's backward on this model (its
+    config.json dict, e.g. `model.config.to_dict()`) and batch (`images`: it holds some): not with images, nor on
+    a mixture-of-experts model (an expert or vision tower a micro-batch does not use gets no gradient from its
+    backward, where the skip would give it a zero one; dense text models use every trainable parameter in every
+    forward)."""
+    return not images and not is_moe(config)
+
+
 def read_arch(model_dir: str | Path) -> ArchInfo:
     """`ArchInfo` of the model directory `model_dir` (its config.json)."""
     config = read_config(model_dir)
     text = text_config(config)
     archs = config.get("architectures") or ["?"]
-    moe = any(isinstance(text.get(k), int) and text[k] > 0 for k in EXPERT_KEYS)
+    moe = is_moe(config)
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
     return ArchInfo(architecture=str(archs[0]), model_type=str(config.get("model_type", "?")), moe=moe,
                     tied_embeddings=tied, remote_code="auto_map" in config)

@@ -85,8 +85,6 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     policy_step = min(starts, default=max(0, step - 1))
     lag = staleness(step, policy_step)
     keep = lag <= cfg.max_off_policy_steps
-    # off_policy_level (what the trainer's mismatch guard reads): the oldest sample's staleness, and at least 1
-    # when some sample's weights changed during its request (its later tokens are not policy n - 1's)
     tokens: list[int] = []
     mask: list[int] = []
     lps: list[float] = []
@@ -120,13 +118,13 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
                           truncated=np.array(truncated),
                           token_versions=None if token_versions is None else np.array(token_versions if keep else []),
                           max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
+                          max_steps=cfg.max_steps,
                           routed_experts=batch_routes([(n, c.routed_experts if c.mask is None else None)
                                                        for n, (_, c) in zip(lengths, comps, strict=False)]),
                           **(image_arrays(prompts, groups, images) if keep and images else {}))
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
-               "seq_len/mean": float(np.mean(lengths or [0])), "off_policy_level": max(lag, int(starts != ends)),
-               "policy_step": policy_step, "samples": n, "dropped_off_policy": 0 if keep else n,
-               "max_steps": cfg.max_steps, "temperature": batch.temperature}
+               "seq_len/mean": float(np.mean(lengths or [0])), "samples": n, "dropped_off_policy": 0 if keep else n,
+               "temperature": batch.temperature}  # policy_step, off_policy_level, max_steps: typed on the batch
     metrics |= staleness_metrics(step, starts, ends, dropped_stale[0] + (0 if keep else n),
                                  dropped_stale[1] + (0 if keep else len(groups)))
     return batch, metrics

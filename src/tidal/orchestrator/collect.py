@@ -77,11 +77,10 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
             buffer.new_step()
             assert scorer is not None
             got = await collect_groups(step, cfg, env, rng, client, base, policy, counts, scorer, buffer)
-            if got.env.is_outage(cfg.env_outage.fraction):
+            if outage.settle(got.env):
                 await outage.wait(f"step {step}: {got.env.describe()}")
                 rng.setstate(state)
                 continue
-            outage.clear()
             return await with_teacher(StepSample(got, waited, time.monotonic() - t0), cfg, teacher)
         except ServiceUnavailable as exc:  # an environment could not draw the step's examples
             await outage.wait(f"step {step}: drawing its examples failed: {exc}")

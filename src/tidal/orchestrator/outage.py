@@ -17,6 +17,11 @@ from completions nobody judged. So:
   the outage's first failed step the run stops with `EnvOutage` naming the environment (`env/outage_waits` counts
   the waits of a step). In-flight mode applies the rule per group (`stream`): a group that was an outage is
   waited out and sampled again, never trained on. One `Outage` per run, shared by every step or group waiting.
+- the outage ends when a step (group) is judged again, i.e. is no outage (`Outage.settle`), even if a few of its
+  rollouts failed below `env_outage.fraction`: the next outage then starts its own clock. A probe that answers
+  only ends the wait (the step is sampled again); it does not end the outage, since the probe cannot judge a
+  rollout (a reward function's service has no probe at all): an environment whose health check answers while its
+  rollouts keep failing still stops the run after `env_outage.timeout_s`.
 The model's own doing is not an environment failure: an invalid action, a wrong answer, code the model wrote that
 crashes or hangs in a sandbox all score as before (`reward_default` where a reward function raised).
 """
@@ -157,6 +162,14 @@ class Outage:
                     what = f"still unavailable: {why}"
         finally:
             self.waiting -= 1
+
+    def settle(self, failures: EnvFailures) -> bool:
+        """Judge a scored step (group) by its `failures`: True when it is an outage (the caller waits and samples it
+        again); otherwise the outage, if any, is over (`clear`), whether or not a few of its rollouts failed."""
+        if failures.is_outage(self.section.fraction):
+            return True
+        self.clear()
+        return False
 
     def clear(self) -> None:
         """A step (group) was judged again: the outage, if any, is over (its waiters return)."""

@@ -38,9 +38,11 @@ partial rollouts; the staleness of the tokens does (`token_staleness`, per batch
 
 What a continuation changes, and why it is sound: vLLM's sampling state of a request is its token history (the
 repetition penalty reads prompt + output, both carried over), its seed (a continuation is seeded `seed + 7919 x
-segment`, so a seeded run stays reproducible, but draws other random numbers than the uninterrupted request would
-have: the tokens are equally likely, not the same; a greedy continuation is the same), `min_tokens` (what is left of
-it) and its stop strings (above). The prompt's KV cache is prefilled again (prefix caching shares what it can). A
+segment`, so each segment is seeded, but draws other random numbers than the uninterrupted request would have: the
+tokens are equally likely, not the same; a greedy continuation is the same), `min_tokens` (what is left of it) and
+its stop strings (above). A seeded run with partial rollouts is not reproducible: where a request is stopped (the
+token a segment starts at) follows the wall clock of the policy switch, so two runs split their requests at other
+tokens and sample other continuations. The prompt's KV cache is prefilled again (prefix caching shares what it can). A
 teacher scores the finished completion, every segment (`fill.with_teacher`). Refused: prompts with images (a
 continuation is a token prompt; vLLM takes images with chat prompts only), rollout-function environments (the
 function returns its own token rows, which tidal cannot map back to the requests and versions that sampled them),

@@ -263,12 +263,10 @@ class GroupStream:
                 scores = self.scorer.score(ex, comps, step)
                 group = EnvFailures()
                 group.add(comps)
-                if not group.is_outage(self.cfg.env_outage.fraction):
+                if not self.outage.settle(group):  # judged: the outage, if any, is over
                     break
                 slots.free_all()
                 await self.outage.wait(f"a group of batch {self.filling}: {group.describe()}")
-            if not group.failed:
-                self.outage.clear()
             p = comps[0].prompt_ids or prompt  # an environment's reset observation changed the prompt
             self.ready.append(Group(ex, p, comps, scores, images, (start, end)))
         except asyncio.CancelledError:

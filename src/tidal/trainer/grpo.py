@@ -24,6 +24,7 @@ import torch
 
 from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
+from tidal.models.arch import skips_backward
 from tidal.models.memory import train_footprint_gib
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
@@ -136,7 +137,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Traini
     reduced over the ranks."""
     lc = cfg.loss
     ec = entropy or EntropyControl(lc.entropy_coef)  # the entropy bonus's coefficient (adaptive: across steps)
-    skippable = cfg.skip_zero_gradient and ranks.world == 1 and skips_backward(model, batch)
+    skippable = (cfg.skip_zero_gradient and ranks.world == 1
+                 and skips_backward(model_config(model), batch.image_data is not None))
     micro, steps = _packed(model, batch, cfg, pad_id, ranks, skippable)
     micro = [mb.to(device) for mb in micro]
     attach_images(model, batch, micro, resolve_model(cfg.model), cfg.model, cfg.trust_remote_code)
@@ -246,8 +248,10 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
             skippable: bool) -> tuple[list[MicroBatch], list[OptimizerStep]]:
     """The batch's micro-batches and optimizer steps. With `skippable` (train `skip_zero_gradient`) and one optimizer
     step, the samples whose loss has zero gradient are packed apart from the others, so that their micro-batches
-    skip the backward, unless that would take a second optimizer step (the samples of each step would change) or
-    the loss is `bnpo` (normalized per micro-batch)."""
+    skip the backward, unless that would take a second optimizer step (the samples of each step would change),
+    the loss is `bnpo` (normalized per micro-batch) or `loss.top_entropy_quantile` < 1 (the entropy mask takes its
+    quantile per micro-batch, so other neighbours would train other tokens). Either way the update is the one
+    without the skip; without the repacking only micro-batches that happen to hold no gradient skip."""
     def packed(apart: list[bool] | None) -> tuple[list[MicroBatch], list[OptimizerStep]]:
         mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                    drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
@@ -256,7 +260,8 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
                          cfg.steps_per_generation)
 
     micro, steps = packed(None)
-    if not (skippable and len(steps) == 1 and cfg.loss.loss_type != "bnpo" and advantage_only(cfg.loss)):
+    if not (skippable and len(steps) == 1 and cfg.loss.loss_type != "bnpo" and advantage_only(cfg.loss)
+            and cfg.loss.top_entropy_quantile >= 1):
         return micro, steps
     zero = [not np.any(batch.advantages[s][batch.loss_mask[s].astype(bool)] != 0) for s in batch.samples()]
     if not any(zero) or all(zero):
@@ -265,17 +270,10 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
     return (alt, alt_steps) if len(alt_steps) == 1 else (micro, steps)
 
 
-def skips_backward(model: torch.nn.Module, batch: TrainingBatch) -> bool:
-    """Whether train `skip_zero_gradient` may skip a zero-gradient micro-batch's backward on this model and batch:
-    not with images, nor on a mixture-of-experts model (an expert or vision tower a micro-batch does not use gets
-    no gradient from its backward, where the skip would give it a zero one; dense text models use every trainable
-    parameter in every forward)."""
-    if batch.image_data is not None:
-        return False
-    configs = [getattr(model, "config", None)]
-    configs.append(getattr(configs[0], "text_config", None))
-    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-    return not any(getattr(c, k, None) for c in configs if c is not None for k in keys)
+def model_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's config as a config.json dict (`tidal.models` reads it; {} for a module without one)."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if config is not None else {}
 
 
 def _step_metrics(batch: TrainingBatch, cfg: TrainConfig, micro: list[MicroBatch], ranks: Ranks, optim_steps: int,
@@ -492,18 +490,20 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
             break
         step += 1
         waited = time.monotonic() - wait_start
-        record = {"step": step, **batch.metrics, "resumed_from": resumed_from, "wait_time_s": waited,
+        record = {"step": step, **batch.metrics, "policy_step": batch.policy_step,
+                  "off_policy_level": batch.off_policy_level, "max_steps": batch.max_steps,
+                  "resumed_from": resumed_from, "wait_time_s": waited,
                   **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys, peaks)}
         now = time.monotonic()
         record["step_time_s"], last_done = now - (wait_start + waited if last_done is None else last_done), now
         if metrics is None:
             continue
         metrics.write(record)
-        if qerl_noise(cfg, int(record.get("policy_step") or 0)) is None:  # QeRL noise is a mismatch by design
-            guard.check(step, record)
+        if qerl_noise(cfg, batch.policy_step) is None:  # QeRL noise is a mismatch by design
+            guard.check(step, record)  # reads the batch's typed off_policy_level, recorded above
         step_times.append(record["step_time_s"])
         if step % cfg.logging_steps == 0 or step == total:
-            goal = total or batch.metrics.get("max_steps")
+            goal = total or batch.max_steps
             eta = (goal - step) * sum(step_times[-5:]) / len(step_times[-5:]) if goal else None
             log.info(progress_line(record, goal, eta))
     if pusher is not None:

@@ -11,8 +11,13 @@ the in-flight orchestrator) the newest policy that may have produced some of its
 weights changed during the request; `tidal.orchestrator.staleness`); `token_versions` (optional, per token, written
 with orch `partial_rollouts`) the policy version that sampled each token (a prompt token: its sample's start version;
 `tidal.orchestrator.partial`); `max_tokens` is the
-completion budget the rollouts were sampled with. Scalars and the orchestrator's step
-metrics travel as JSON in the safetensors metadata. No pickle anywhere.
+completion budget the rollouts were sampled with, `max_steps` the run's length in batches (None: open-ended).
+Scalars and the orchestrator's step metrics travel as JSON in the safetensors metadata. No pickle anywhere.
+
+The trainer decides on typed values, not on metric strings: `policy_step` (the oldest policy that sampled a sample,
+from `policy_steps`; QeRL's noise schedule), `off_policy_level` (how far the oldest trained token lags behind the
+trainer's policy, from `token_versions` when present, else `policy_steps` / `policy_steps_end`; the mismatch guard's
+on-policy scope) and `max_steps` (the progress line's ETA); it records them in its metrics row.
 
 Images (prompts with images, `tidal.envs.images`): each distinct image once, as PNG bytes concatenated in
 `image_data` (uint8) with `image_lengths` bytes each; `sample_image_counts` (per sample) and `sample_images`
@@ -74,6 +79,8 @@ class TrainingBatch:
     policy_steps_end: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
     token_versions: np.ndarray | None = None
+    max_steps: int | None = None
+    """The run's length in batches (orch `max_steps`; None: open-ended)."""
 
     def __post_init__(self) -> None:
         if self.truncated is None:
@@ -88,6 +95,26 @@ class TrainingBatch:
     @property
     def num_samples(self) -> int:
         return len(self.lengths)
+
+    @property
+    def policy_step(self) -> int:
+        """The oldest policy that sampled a sample of this batch (the smallest `policy_steps`); for an empty batch
+        (nothing to train on) the trainer's current policy, `step - 1`."""
+        return int(self.policy_steps.min()) if len(self.policy_steps) else max(self.step - 1, 0)
+
+    @property
+    def off_policy_level(self) -> int:
+        """Policy updates between the oldest trained token and the policy the trainer holds before this step
+        (`step - 1`); 0: every token was sampled by that policy (on-policy). With `token_versions` (partial
+        rollouts) the oldest version among the loss tokens; else the oldest sample's start, and at least 1 when
+        the weights changed during a sample's request (`policy_steps_end` > `policy_steps`)."""
+        trained = self.loss_mask.astype(bool)
+        if self.token_versions is not None and trained.any():
+            return max(self.step - 1 - int(self.token_versions[trained].min()), 0)
+        if not len(self.policy_steps):
+            return 0
+        changed = self.policy_steps_end is not None and bool((self.policy_steps_end != self.policy_steps).any())
+        return max(self.step - 1 - self.policy_step, int(changed))
 
     def validate(self) -> None:
         """Raise ValueError when array shapes disagree."""
@@ -161,7 +188,8 @@ class TrainingBatch:
 
     def _meta_arrays(self) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         meta = {"step": str(self.step), "temperature": repr(self.temperature), "max_tokens": str(self.max_tokens),
-                "metrics": json.dumps(self.metrics), "format": "tidal.TrainingBatch/2"}
+                "max_steps": json.dumps(self.max_steps), "metrics": json.dumps(self.metrics),
+                "format": "tidal.TrainingBatch/2"}
         return meta, {k: getattr(self, k) for k in [*_ARRAYS, *_OPTIONAL, *_IMAGES, _ROUTES]
                       if getattr(self, k) is not None}
 
@@ -185,7 +213,7 @@ class TrainingBatch:
             arrays = load(data)
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
-                       **{k: arrays[k] for k in _ARRAYS},
+                       max_steps=_max_steps(meta), **{k: arrays[k] for k in _ARRAYS},
                        **{k: arrays[k] for k in [*_OPTIONAL, *_IMAGES, _ROUTES] if k in arrays})
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt message
             raise BatchFormatError(f"corrupt or not a tidal batch: {exc}") from exc
@@ -204,6 +232,14 @@ class TrainingBatch:
                 arrays |= {k: f.get_tensor(k) for k in [*_OPTIONAL, *_IMAGES, _ROUTES] if k in f.keys()}  # noqa: SIM118
             return cls(step=int(meta["step"]), temperature=float(meta["temperature"]),
                        max_tokens=int(meta["max_tokens"]), metrics=json.loads(meta.get("metrics", "{}")),
-                       **arrays)
+                       max_steps=_max_steps(meta), **arrays)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means a corrupt file
             raise BatchFormatError(f"batch file {path} is corrupt or not a tidal batch: {exc}") from exc
+
+
+def _max_steps(meta: dict[str, str]) -> int | None:
+    """The batch's `max_steps` from its metadata (an int or null; absent in files written before it travelled)."""
+    value = json.loads(meta.get("max_steps", "null"))
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"max_steps {value!r} is not an integer or null")
+    return value

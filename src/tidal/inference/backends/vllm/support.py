@@ -5,8 +5,8 @@ whether the torchvision its Qwen-VL model code imports works here (`check_vision
 only for those models).
 
 `check_weight_transfer` turns a missing module into a `ConfigError` naming the version, before anything starts.
-The vLLM plugin (`tidal.inference.backends.vllm.weight_transfer.register`) does the same check by import, and registers
-nothing rather than break a vLLM start.
+The vLLM plugin (`tidal.inference.backends.vllm.plugin.register`, through `weight_transfer.register_backend`) does
+the same check by import, and registers nothing rather than break a vLLM start.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ head keeps sampling from the packed copy of the first load.
 
 `install()` wraps vLLM's `finalize_layerwise_processing` (which both update paths end with) so that afterwards
 every lm_head whose weight *is* an embedding's weight re-runs its own post-load processing from that weight.
-It is called from tidal's vLLM plugin (`tidal.inference.backends.vllm.weight_transfer.register`) in every vLLM process;
-on other platforms (GPU: the head reads `layer.weight` directly) it does nothing.
+It is called from tidal's vLLM plugin (`tidal.inference.backends.vllm.plugin.register`) in every vLLM process; on
+other platforms (GPU: the head reads `layer.weight` directly) it does nothing.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ trainer opens rank 0 of a process group at `weight_broadcast.host:port` and broa
 the workers (`tidal.trainer.publish.push_vllm`). On GPUs this is vLLM's own `nccl` engine. NCCL needs CUDA, so on
 CPU-only machines the same protocol runs over gloo: `tidal_gloo` is vLLM's dense NCCL engine with the
 communicator swapped for a torch gloo process group (same init/update payloads, same layerwise reload). It is
-registered in every vLLM process through the `vllm.general_plugins` entry point (`register`).
+registered in every vLLM process by tidal's vLLM plugin (`tidal.inference.backends.vllm.plugin`, which also installs
+tidal's runtime patches of vLLM) through `register_backend`.
 
 The plugin runs in every vLLM start, also in runs that never push weights, so it must never break one: it
 registers only what the installed vLLM supports. A vLLM without the weight-transfer modules the gloo engine builds
@@ -95,28 +96,10 @@ def _engine_cls() -> type:
     return GlooWeightTransferEngine
 
 
-def register() -> None:
-    """vLLM general plugin: make `tidal_gloo` a weight-transfer backend, (CPU) refresh tied lm_heads after
-    in-place weight updates (`tidal.inference.backends.vllm.tied_head`), and drain vLLM 0.24's list of allocated KV
-    block ids after every scheduler step (`tidal.inference.backends.vllm.block_ids`), and (CPU) rewind a seeded
-    request's generator by state after a discarded sample (`tidal.inference.backends.vllm.seeded_cpu`). Idempotent;
-    vLLM may call it often. On a vLLM without weight transfer, or without the modules the engine builds on, it
-    registers no backend (the vLLM still starts)."""
-    from tidal.inference.backends.vllm import block_ids, seeded_cpu
-    from tidal.inference.backends.vllm.tied_head import install
-
-    try:
-        install()  # another vLLM's layout only loses the hook, with a warning (tied_head.install)
-    except Exception as exc:  # noqa: BLE001 - the plugin must never break a vLLM start
-        log.warning("tidal: the tied lm_head refresh is not installed in this vLLM: %r", exc)
-    try:
-        block_ids.install()
-    except Exception as exc:  # noqa: BLE001 - as above
-        log.warning("tidal: the KV block-id drain is not installed in this vLLM: %r", exc)
-    try:
-        seeded_cpu.install()
-    except Exception as exc:  # noqa: BLE001 - as above
-        log.warning("tidal: seeded CPU generators are not restored by state in this vLLM: %r", exc)
+def register_backend() -> None:
+    """Make `tidal_gloo` a vLLM weight-transfer backend (called by tidal's vLLM plugin,
+    `tidal.inference.backends.vllm.plugin.register`, in every vLLM process). Idempotent. On a vLLM without weight
+    transfer, or without the modules the engine builds on, it registers nothing (the vLLM still starts)."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
