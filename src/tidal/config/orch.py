@@ -59,7 +59,9 @@ class OrchConfig(StrictModel):
     max_steps: int | None = Field(None, ge=1)
     """Training steps to produce batches for (null: run until stopped)."""
     max_async_level: int = Field(1, ge=0)
-    """Batch n may be sampled by a policy at most this many updates older than the one it trains."""
+    """Batch n may be sampled by a policy at most this many updates older than the one it trains. `tidal grpo` on
+    a CPU-only machine makes it 0 unless set (on-policy: rollouts and training take turns, each on every core;
+    docs/performance.md)."""
     max_off_policy_steps: int = Field(8, ge=0)
     """Rollouts whose policy lag exceeds this are discarded: a group whose oldest producing policy m gives
     batch n a staleness (n - 1) - m above this is dropped (reachable with `async_mode: in_flight`)."""
