@@ -106,3 +106,19 @@ def test_flags_override_the_file_and_env_entries_parse_as_yaml(tmp_path):
                                                                                   "args": {"level": 2}}
     with pytest.raises(ValueError, match="address"):
         EvalConfig(address="http://x:1", serve="merged")
+
+
+def test_on_cpu_the_eval_server_gets_every_core_unless_the_user_bound_it(monkeypatch):
+    import os
+
+    from tidal.config.infer import InferConfig
+    from tidal.evaluate.serve import every_core
+    from tidal.inference.backends.vllm.server import vllm_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    env = vllm_env(InferConfig(model=MODEL), every_core(True))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores)) and env["OMP_NUM_THREADS"] == str(len(cores))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert every_core(True)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in every_core(False) or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "0"

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -71,7 +72,8 @@ class Server:
             from tidal.procs import check_port_free
 
             check_port_free("127.0.0.1", self.infer.port)
-            self.child = Child("vllm", vllm_argv(self.infer), log_path=self.log_path, env=vllm_env(self.infer))
+            self.child = Child("vllm", vllm_argv(self.infer), log_path=self.log_path,
+                               env=vllm_env(self.infer, every_core(self.cpu)))
         try:
             return wait_healthy(f"{self.url}/health", self.child, timeout_s, poll_s=0.5)
         except NotHealthy as exc:
@@ -133,6 +135,19 @@ class Server:
             dtype = self.cfg.dtype if self.cfg.dtype != "auto" else trainer_dtype("auto", "cpu" if self.cpu else "cuda")
             self._base = load_base_model(model_dir, torch.device("cpu"), getattr(torch, dtype)).eval()
         return self._base
+
+
+def every_core(cpu: bool) -> dict[str, str]:
+    """This process's environment, on CPU with vLLM's OpenMP threads on every core of its affinity (unless the
+    user set VLLM_CPU_OMP_THREADS_BIND): tidal eval and vLLM take turns (merging vs sampling), as `tidal grpo`'s
+    on-policy phases do; vLLM's own `auto` would keep a core free for a scheduler that has nothing to do here."""
+    env = dict(os.environ)
+    if cpu and OMP_BIND not in env and hasattr(os, "sched_getaffinity"):
+        env[OMP_BIND] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return env
+
+
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def check_address(cfg: EvalConfig) -> None:

@@ -204,9 +204,10 @@ def worker_in_engine_threads(cfg: InferConfig, environ: Mapping[str, str]) -> in
     return physical - reserved if physical > reserved else physical
 
 
-def vllm_env(cfg: InferConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    threads = worker_in_engine_threads(cfg, os.environ)
+def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: `environ` (default: this process's) with vLLM's variables for `cfg`."""
+    env = dict(os.environ if environ is None else environ)
+    threads = worker_in_engine_threads(cfg, env)
     if threads is not None:  # the worker in the engine-core process (see worker_in_engine_threads)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if threads != KEEP_THREADS:
