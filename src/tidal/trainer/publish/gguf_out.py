@@ -25,7 +25,6 @@ what that script writes for the architectures listed in `ARCHS`, with the names 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Iterable
@@ -115,8 +114,11 @@ def check_gguf_export(config: dict[str, Any], model_dir: Path, source: str,
     """Refuse train `export.gguf` for a model this writer cannot write, or without the `gguf` package (ConfigError
     naming the key and what is supported)."""
     key = f"{source}: key 'export.gguf'"
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"{key}: writing a GGUF file needs the `gguf` package, which is not installed; {INSTALL}")
+    try:
+        import gguf  # noqa: F401 - the writer's package, checked before training rather than after it
+    except ImportError as exc:
+        raise ConfigError(f"{key}: writing a GGUF file needs the `gguf` package, which cannot be imported "
+                          f"({exc}); {INSTALL}") from None
     mt = config.get("model_type")
     if mt not in ARCHS:
         raise ConfigError(f"{key}: model_type '{mt}' cannot be written as GGUF by tidal; "
