@@ -43,7 +43,7 @@ def hf_completions(base_dir: str, texts: list[str]) -> list[str]:
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
-        out.append(tok.decode(ids[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
+        out.append(str(tok.decode(ids[0, enc.input_ids.shape[1]:], skip_special_tokens=True)))
     return out
 
 
@@ -64,10 +64,12 @@ def main(argv: list[str]) -> int:
     env = Addition()
     examples = (env.eval_examples() or [])[:args.n]
     tok = AutoTokenizer.from_pretrained(base_dir)
-    texts = [tok.apply_chat_template(list(e.prompt), add_generation_prompt=True, tokenize=False) for e in examples]
+    texts = [str(tok.apply_chat_template(e.prompt, add_generation_prompt=True, tokenize=False))  # type: ignore[arg-type]
+             for e in examples]
     t0 = time.time()
     want = hf_completions(base_dir, texts)
-    rows = [f"| transformers float32 (reference) | - | {sum(env.reward(e, c) for e, c in zip(examples, want)) / len(examples):.3f} | - |"]  # noqa: E501
+    ref = sum(env.reward(e, c) for e, c in zip(examples, want, strict=True)) / len(examples)
+    rows = [f"| transformers float32 (reference) | - | {ref:.3f} | - |"]
     weights = load_file(str(Path(base_dir) / "model.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.types.split(","):

@@ -69,8 +69,8 @@ def tiny_llama(out: Path, tied: bool = True, **config):
     vocab = smol_tokenizer(out, **{k: config.pop(k) for k in ("digits", "custom_split") if k in config})
     config.setdefault("max_position_embeddings", 256)
     cfg = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                               rms_norm_eps=1e-5, **config)
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5, **config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
     model.save_pretrained(str(out))

@@ -28,7 +28,12 @@ from tidal.config.load import ConfigError
 
 TOKENIZER_FILE = "gguf_tokenizer.json"
 """A GGUF source's tokenizer facts in its dequantized directory (`tidal.gguf_source.TOKENIZER_FILE`)."""
-CHECK_TEXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
+CHECK_TEXT = (
+    '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated'
+    ') ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作131415'
+    '1天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\''
+    "s there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
 """llama.cpp's pre-tokenizer check text (`convert_hf_to_gguf.py`'s `chktxt`): whitespace runs, emoji, digit runs,
 scripts and contractions, where pre-tokenizers differ."""
 PRE_BY_HASH = {
@@ -36,7 +41,7 @@ PRE_BY_HASH = {
     "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": ("smollm", "SmolLM / SmolLM2"),
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": ("qwen2", "Qwen1.5 / Qwen2 / Qwen2.5"),
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": ("qwen2", "Qwen3"),
-    "b3f499bb4255f8ca19fccd664443283318f2fd2414d5e0b040fbdd0cc195d6c5": ("deepseek-r1-qwen", "DeepSeek-R1-Distill-Qwen"),
+    "b3f499bb4255f8ca19fccd664443283318f2fd2414d5e0b040fbdd0cc195d6c5": ("deepseek-r1-qwen", "DeepSeek-R1 Qwen"),
     "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": ("tekken", "Mistral Nemo (tekken)"),
     "0e9433cbbb161f89e264eb32e8e64bfe69e834973ffca5d41d3948a604a3e2a3": ("pixtral", "Pixtral / Mistral tekken v7"),
     "9d032fcbd5501f4a38150912590928bfb36091efb5df11b8e2124b0390e3fb1e": ("falcon3", "Falcon3"),
