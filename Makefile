@@ -103,9 +103,10 @@ bench-gpu-e2e: setup
 	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 	$(BIN)/python bench/gpu_e2e.py $(BENCH_ARGS)
 
-## A real llama.cpp for the GGUF checks: llama-cpp-python built from its PyPI sdist (plain CPU build, ~10-15 min on
-## 2 cores) into $(LLAMA_CPP_DIR), a pip --target dir that tests/slow/test_gguf_llama_cpp.py puts on sys.path (it skips,
-## naming this target, without it). Built once and kept: delete the dir to rebuild. Nothing in `make test` needs it.
+## A real llama.cpp for the GGUF checks: llama-cpp-python built from its PyPI sdist (plain CPU build, ~20 min on 2
+## cores) into $(LLAMA_CPP_DIR), a pip --target dir that tests/e2e/test_gguf_llama_cpp.py and bench/gguf_types.py put
+## on sys.path (the slow test skips, naming this target, without it). Built once and kept: delete the dir to rebuild.
+## Nothing in `make test` needs it.
 LLAMA_CPP_DIR ?= $(VENV)/llama-cpp
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF

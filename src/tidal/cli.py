@@ -1,4 +1,5 @@
-"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft` (and `serve-tinker`: docs/tinker.md).
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft` (and `serve-tinker`: docs/tinker.md;
+`export`: a run's model as GGUF, `tidal.trainer.publish.export_cmd`).
 
 Arguments are parsed and configs validated before torch or vLLM is imported, so config mistakes fail fast
 (exit code 2, with a message naming the file and key). Dotted overrides follow the config files:
@@ -368,7 +369,6 @@ HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_i
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
             "report": (cmd_report, set()), "env-server": (cmd_env_server, set()),
             "serve-tinker": (cmd_serve_tinker, set()), "export": (cmd_export, set())}
-
 
 
 def main(argv: list[str] | None = None) -> int:
