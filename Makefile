@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev setup-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e clean
+.PHONY: setup setup-dev setup-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e llama-cpp clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -103,6 +103,19 @@ bench-gpu: setup
 bench-gpu-e2e: setup
 	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/bench-trl "trl==1.16.0" "datasets==5.2.0"
 	$(BIN)/python bench/gpu_e2e.py $(BENCH_ARGS)
+
+## A real llama.cpp for the GGUF checks: llama-cpp-python built from its PyPI sdist (plain CPU build, ~20 min on 2
+## cores) into $(LLAMA_CPP_DIR), a pip --target dir that tests/e2e/test_gguf_llama_cpp.py and bench/gguf_types.py put
+## on sys.path (the slow test skips, naming this target, without it). Built once and kept: delete the dir to rebuild.
+## Nothing in `make test` needs it.
+LLAMA_CPP_DIR ?= $(VENV)/llama-cpp
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF
+llama-cpp: setup
+	test -f $(LLAMA_CPP_DIR)/.built-$(LLAMA_CPP_VERSION) || ( rm -rf $(LLAMA_CPP_DIR).tmp && \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 $(BIN)/pip install --no-deps \
+	    --no-binary llama-cpp-python --target $(LLAMA_CPP_DIR).tmp "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3" && \
+	  touch $(LLAMA_CPP_DIR).tmp/.built-$(LLAMA_CPP_VERSION) && rm -rf $(LLAMA_CPP_DIR) && mv $(LLAMA_CPP_DIR).tmp $(LLAMA_CPP_DIR) )
 
 ## ruff, mypy, and the import layering (import-linter contracts in pyproject.toml).
 lint: setup-dev

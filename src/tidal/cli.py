@@ -1,5 +1,6 @@
-"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft | eval` (and `serve-tinker`: docs/tinker.md;
-`eval`: `tidal.evaluate`, docs/evaluation.md).
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft | eval | export` (and `serve-tinker`:
+docs/tinker.md; `eval`: `tidal.evaluate`, docs/evaluation.md; `export`: a run's model as GGUF,
+`tidal.trainer.publish.export_cmd`).
 
 Arguments are parsed and configs validated before torch or vLLM is imported, so config mistakes fail fast
 (exit code 2, with a message naming the file and key). Dotted overrides follow the config files:
@@ -297,6 +298,12 @@ def cmd_serve_tinker(args: argparse.Namespace, ov: dict[str, dict[str, str]]) ->
         raise ConfigError(str(exc)) from None
 
 
+def cmd_export(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    from tidal.trainer.publish.export_cmd import cmd_export as run  # tidal export: its own module
+
+    return run(args, ov)
+
+
 def count(text: str) -> int:
     """An argparse type: an integer >= 0."""
     value = int(text)
@@ -343,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write RUN_DIR/report.html: curves, samples and configs of a run")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--out", help="write the HTML here instead of RUN_DIR/report.html")
+    from tidal.trainer.publish import export_cmd
+
+    export_cmd.add_parser(sub)
     t = sub.add_parser("serve-tinker", help="serve the Tinker API (the tinker SDK drives tidal): docs/tinker.md")
     t.add_argument("--model", help="the base model (default tidal:tiny-reverse)")
     t.add_argument("--host", help="address to bind (default 127.0.0.1)")
@@ -370,7 +380,7 @@ def cmd_eval(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
             "report": (cmd_report, set()), "env-server": (cmd_env_server, set()),
-            "serve-tinker": (cmd_serve_tinker, set()), "eval": (cmd_eval, set())}
+            "serve-tinker": (cmd_serve_tinker, set()), "eval": (cmd_eval, set()), "export": (cmd_export, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,11 @@ load like any local model (`tidal.assets.resolve_model` calls `resolve_gguf`).
 - Conversion: transformers + PyPI's `gguf` (the `gguf` extra) dequantize the file (`from_pretrained(gguf_file=...)`,
   float32), in a child process (`python -m tidal.gguf_dequant`: this module stays torch-free, and so does the
   `tidal grpo` parent that resolves a model before anything starts). The entry holds float32 safetensors, the
-  tokenizer and chat template the file carries, and `gguf_source.json` (file, hash, architecture, tensor types).
+  tokenizer and chat template the file carries, `gguf_source.json` (file, hash, architecture, tensor types) and
+  `gguf_tokenizer.json`: what the file says about its tokenizer beyond what transformers keeps (`tokenizer.ggml.pre`,
+  the token types, add_bos/add_eos), so a GGUF export of the trained model writes them as the source had them
+  without the source file (`tidal.trainer.publish.gguf_vocab`). An entry converted before that record existed gets
+  it the next time it is resolved (the source file is at hand then).
 - Refusals (`GGUFModelError`, a FileNotFoundError: the command line turns it into exit 2, before anything starts),
   read from the file's header without reading its tensors: an architecture transformers cannot read as GGUF
   (`supported_architectures`), a tensor type `gguf` cannot dequantize (`dequantizable_types`), no tokenizer in the
@@ -33,6 +37,8 @@ from tidal.paths import sweep_temps, write_atomic
 SUFFIX = ".gguf"
 STABLE = "STABLE"
 SOURCE_FILE = "gguf_source.json"
+TOKENIZER_FILE = "gguf_tokenizer.json"
+"""The source file's tokenizer facts in a cache entry (`tokenizer_facts`); merged/ exports copy it along."""
 HASH_CHARS = 16
 """The hex characters of the content hash that name a cache entry."""
 DEQUANT_TIMEOUT_S = 3600.0
@@ -127,6 +133,27 @@ def gguf_reader(path: Path):  # type: ignore[no-untyped-def]
         raise GGUFModelError(f"model {path} is no readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
+def tokenizer_facts(path: Path) -> dict[str, object]:
+    """What the GGUF file `path` says about its tokenizer that transformers' GGUF tokenizer does not keep:
+    `pre` (llama.cpp's pre-tokenizer id, `tokenizer.ggml.pre`), `token_types` (one `gguf.TokenType` per token),
+    `add_bos_token` / `add_eos_token` (absent when the file does not say)."""
+    fields = gguf_reader(path).fields
+    out: dict[str, object] = {"file": str(path)}
+    for key, name in (("tokenizer.ggml.pre", "pre"), ("tokenizer.ggml.token_type", "token_types"),
+                      ("tokenizer.ggml.add_bos_token", "add_bos_token"),
+                      ("tokenizer.ggml.add_eos_token", "add_eos_token")):
+        field = fields.get(key)
+        if field is not None:
+            value = field.contents()
+            out[name] = [int(v) for v in value] if name == "token_types" else value
+    return out
+
+
+def record_tokenizer(path: Path, entry: Path) -> None:
+    """Write `gguf_tokenizer.json` (`tokenizer_facts` of `path`) into the cache entry `entry` (atomically)."""
+    write_atomic(entry / TOKENIZER_FILE, json.dumps(tokenizer_facts(path)))
+
+
 def supported_architectures() -> list[str]:
     """The GGUF architectures transformers converts to a causal LM (its GGUF config mapping; torch-free import)."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -171,6 +198,8 @@ def resolve_gguf(name: str) -> str | None:
         return None
     entry = cache_root() / "gguf" / content_hash(path)[:HASH_CHARS]
     if is_complete(entry):
+        if not (entry / TOKENIZER_FILE).is_file():  # converted before the record existed
+            record_tokenizer(path, entry)
         return str(entry)
     info = read_info(path)
     check_supported(path, info)
@@ -217,6 +246,7 @@ def _finish(path: Path, info: GGUFInfo, tmp: Path, entry: Path) -> None:
     write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
                                                 "architecture": info.architecture,
                                                 "tensor_types": info.tensor_types}, indent=1))
+    record_tokenizer(path, tmp)
     (tmp / STABLE).write_text("")
     if entry.exists() and not is_complete(entry):
         shutil.rmtree(entry, ignore_errors=True)  # not from a rename (those are complete): a leftover, replaced

@@ -130,11 +130,20 @@ class ExportSection(StrictModel):
     merged: bool = False
     """Also write the merged full model (`final/merged/`: config, safetensors weights, tokenizer), loadable by
     `AutoModelForCausalLM.from_pretrained` and servable by vLLM as a plain model."""
-    gguf: Literal["f16", "f32"] | None = None
+    gguf: Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"] | None = None
     """Also write the final model (a LoRA policy merged into its base) as one GGUF file for llama.cpp, Ollama and LM
-    Studio, `final/gguf/model-{f16|f32}.gguf`: `f16` (matrices float16, norms float32) or `f32`; null: none. Llama,
-    Mistral, Qwen2 and Qwen3 models with a byte-level BPE tokenizer (`tidal.trainer.publish.gguf_out`); any other
-    model exits 2 before training starts."""
+    Studio, `final/gguf/model-{type}.gguf`, written after the adapter / merged model (a failure there costs the run
+    nothing: one error line says how to export again with `tidal export`). Norms and biases stay float32; matrices:
+    - `f32`: float32 (the trained weights exactly; 4 bytes per weight);
+    - `f16`: float16 (2 bytes per weight; what llama.cpp's converter writes by default);
+    - `bf16`: bfloat16 (2 bytes; float32's range, 8 bits of mantissa);
+    - `q8_0`: 8-bit blocks of 32 with one float16 scale (~1.06 bytes per weight; close to f16 in quality);
+    - `q5_1` / `q5_0`: 5-bit blocks of 32 with a scale and (q5_1) a minimum (~0.75 / 0.69 bytes per weight);
+    - `q4_1` / `q4_0`: 4-bit blocks of 32 with a scale and (q4_1) a minimum (~0.63 / 0.56 bytes per weight; the
+      smallest, at a measurable accuracy cost: docs/real-model.md).
+    In the 4/5-bit types the embedding/output matrix is q8_0. null: no GGUF. Llama, Mistral, Qwen2 and Qwen3 models
+    with a byte-level BPE tokenizer whose pre-tokenizer llama.cpp knows and RoPE llama.cpp reads
+    (`tidal.trainer.publish.gguf_out`); anything else, and a missing `gguf` package, exits 2 before training."""
 
 
 DEFAULT_SFT_STEPS = 100

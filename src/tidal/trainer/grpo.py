@@ -427,8 +427,14 @@ def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: 
         return
     log.info("trainer finished after %d steps; metrics in %s", step, metrics_path(run_dir))
     if step > 0:
-        for what, path in export_final(p.view, p.tokenizer, cfg.export, cfg.model, run_dir).items():
-            log.info("final %s: %s", what, path)
+        from tidal.trainer.publish.export import GGUFExportError
+
+        try:  # the GGUF last: its failure costs nothing else, and the run still ends with exit 0 (trained)
+            for what, path in export_final(p.view, p.tokenizer, cfg.export, cfg.model, run_dir,
+                                           cfg.rope_scaling).items():
+                log.info("final %s: %s", what, path)
+        except GGUFExportError as exc:
+            log.error("%s", exc)
     try:
         from tidal.monitor.report import write_report
 

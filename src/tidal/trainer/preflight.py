@@ -75,7 +75,7 @@ def check_train(cfg: TrainConfig) -> None:
     if cfg.export.gguf and config:
         from tidal.trainer.publish.gguf_out import check_gguf_export
 
-        check_gguf_export(config, Path(resolve_model(cfg.model)), "train")
+        check_gguf_export(config, Path(resolve_model(cfg.model)), "train", cfg.rope_scaling)
 
 
 def check_liger(cfg: TrainConfig, config: dict) -> None:

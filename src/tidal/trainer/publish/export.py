@@ -1,4 +1,4 @@
-"""Final export (`{run_dir}/final/`): the trained LoRA adapter and, on request, the merged full model.
+"""Final export (`{run_dir}/final/`): the trained LoRA adapter and, on request, the merged full model and a GGUF file.
 
 `final/adapter/` is a PEFT adapter directory (`PeftModel.from_pretrained`, vLLM `--lora-modules`).
 `final/merged/` is a Hugging Face model directory: the base model's config, tokenizer and other files, with
@@ -6,20 +6,30 @@
 (one file; `AutoModelForCausalLM.from_pretrained` and `vllm serve` load it like the base model). A fully
 fine-tuned policy (train `lora: false`) has no adapter: it is written once, as `final/model/` (a Hugging Face
 model directory with the tokenizer), whatever `export` says. Each directory is written to a temp name, renamed,
-then marked `STABLE`. `final/gguf/model-{f16|f32}.gguf` (train `export.gguf`) is the same merged model (or the fully
-fine-tuned one) as one GGUF file with the base model's tokenizer (`tidal.trainer.publish.gguf_out`).
+then marked `STABLE`. `final/gguf/model-{type}.gguf` (train `export.gguf`) is the same merged model (or the fully
+fine-tuned one) as one GGUF file with the base model's tokenizer (`tidal.trainer.publish.gguf_out`), written LAST:
+whatever goes wrong there (a tensor without a llama.cpp name, a full disk, ...) leaves the adapter / model already
+in place and raises `GGUFExportError`, whose one-line message names the `tidal export` command that writes the GGUF
+from them later (`tidal.trainer.publish.export_cmd`).
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tidal.assets import resolve_model
 from tidal.config.train import ExportSection
 from tidal.paths import atomic_dir, final_dir
 from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict
+
+GGUF_RECORD = "gguf_tokenizer.json"
+"""A GGUF source's tokenizer facts (`tidal.gguf_source.TOKENIZER_FILE`), carried into final/model too."""
+
+
+class GGUFExportError(RuntimeError):
+    """The GGUF step failed after everything else of the final export was written (message: one line)."""
 
 
 def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
@@ -27,7 +37,7 @@ def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
     with atomic_dir(out) as tmp:
-        for f in base_dir.iterdir():  # config, generation config, tokenizer, chat template, ...
+        for f in base_dir.iterdir():  # config, generation config, tokenizer, chat template, gguf_tokenizer.json ...
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
         weights = merged_state_dict(model, checkpoint_keys(base_dir))
@@ -35,37 +45,58 @@ def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
     return out
 
 
-def write_final_gguf(model: Any, base_dir: Path, run_dir: Path, dtype: Literal["f16", "f32"]) -> Path:
-    """`final/gguf/model-{dtype}.gguf`: the merged (or fully trained) weights with the base model's config and
-    tokenizer."""
+def write_final_gguf(weights: dict[str, Any], base_dir: Path, run_dir: Path, dtype: str,
+                     rope_scaling: dict[str, Any] | None = None) -> Path:
+    """`final/gguf/model-{dtype}.gguf`: `weights` (checkpoint names) with the base model's config and tokenizer."""
     from tidal.trainer.publish.gguf_out import write_gguf
 
-    weights = merged_state_dict(model, checkpoint_keys(base_dir))
     with atomic_dir(final_dir(run_dir, "gguf")) as tmp:
-        write_gguf(weights.items(), base_dir, tmp / f"model-{dtype}.gguf", dtype)
+        write_gguf(weights.items(), base_dir, tmp / f"model-{dtype}.gguf", dtype, rope_scaling)
     return final_dir(run_dir, "gguf") / f"model-{dtype}.gguf"
 
 
-def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: str,
-                 run_dir: Path) -> dict[str, Path]:
-    """Write what `export` asks for (`base_model`: train `model`, whose files the merged export copies);
-    returns {"adapter": path, "merged": path} for what was written."""
+def base_dir_of(model: Any, base_model: str) -> Path:
+    """The directory the policy was loaded from (its config's `_name_or_path`, so a GGUF source's cache entry is
+    used without the source file), else `base_model` resolved."""
+    loaded = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or "."))
+    return loaded if (loaded / "config.json").is_file() else Path(resolve_model(base_model))
+
+
+def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: str, run_dir: Path,
+                 rope_scaling: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write what `export` asks for (`base_model`: train `model`, whose files the merged export copies; the GGUF
+    last); returns {"adapter" | "merged" | "model" | "gguf": path} for what was written. A failing GGUF step raises
+    GGUFExportError after the rest is written."""
     from tidal.trainer.publish.broadcast import is_peft
 
     out: dict[str, Path] = {}
-    if export.gguf:
-        out["gguf"] = write_final_gguf(model, Path(resolve_model(base_model)), run_dir, export.gguf)
+    base_dir = base_dir_of(model, base_model)
     if not is_peft(model):
         out["model"] = final_dir(run_dir, "model")
         with atomic_dir(out["model"]) as tmp:
             model.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
-        return out
-    if export.adapter:
-        out["adapter"] = final_dir(run_dir, "adapter")
-        with atomic_dir(out["adapter"]) as tmp:
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-    if export.merged:
-        out["merged"] = write_merged(model, Path(resolve_model(base_model)), final_dir(run_dir, "merged"))
+            if (base_dir / GGUF_RECORD).is_file():
+                shutil.copy2(base_dir / GGUF_RECORD, tmp / GGUF_RECORD)
+    else:
+        if export.adapter:
+            out["adapter"] = final_dir(run_dir, "adapter")
+            with atomic_dir(out["adapter"]) as tmp:
+                model.save_pretrained(str(tmp))
+                tokenizer.save_pretrained(str(tmp))
+        if export.merged:
+            out["merged"] = write_merged(model, base_dir, final_dir(run_dir, "merged"))
+    if export.gguf:
+        try:
+            weights = merged_state_dict(model, checkpoint_keys(base_dir))
+            out["gguf"] = write_final_gguf(weights, base_dir, run_dir, export.gguf, rope_scaling)
+        except Exception as exc:  # noqa: BLE001 - any failure here must leave what was written, and say so
+            if not out:  # the GGUF was to be the only result: keep the adapter instead of nothing
+                out["adapter"] = final_dir(run_dir, "adapter")
+                with atomic_dir(out["adapter"]) as tmp:
+                    model.save_pretrained(str(tmp))
+                    tokenizer.save_pretrained(str(tmp))
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())
+            raise GGUFExportError(f"GGUF export failed ({why}); kept: {', '.join(str(p) for p in out.values())}; "
+                                  f"write it later with: tidal export {run_dir} --gguf {export.gguf}") from exc
     return out

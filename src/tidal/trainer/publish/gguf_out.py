@@ -1,17 +1,24 @@
-"""GGUF out: a model's weights (checkpoint names) + its HF directory's config and tokenizer -> one GGUF file, F32 or
-F16, that llama.cpp-based tools (llama.cpp, Ollama, LM Studio) and transformers + gguf load (train `export.gguf`).
+"""GGUF out: a model's weights (checkpoint names) + its HF directory's config and tokenizer -> one GGUF file that
+llama.cpp-based tools (llama.cpp, Ollama, LM Studio) and transformers + gguf load (train `export.gguf`).
 
 What is written, and why by hand: neither transformers (it reads GGUF only) nor PyPI's `gguf` (a writer of keys and
-tensors, plus llama.cpp's tensor-name table `gguf.TensorNameMap`) converts an HF checkpoint; llama.cpp's
-`convert_hf_to_gguf.py` does, but it is a script outside any package. So this module writes what that script writes
-for the architectures listed in `ARCHS`, with the names from `gguf.TensorNameMap` (not a table of our own):
-- hyperparameters under `{arch}.*` (blocks, context, widths, heads, rope base and dimension, RMS-norm epsilon);
-- the tokenizer of a byte-level BPE tokenizer.json (`gpt2` model: tokens, types, merges, special ids, the chat
-  template): what transformers' GGUF tokenizer converter and llama.cpp read. `tokenizer.ggml.pre` (llama.cpp's
-  pre-tokenizer id) is taken from the source GGUF when the model came from one (`tidal.gguf_source`), else `default`;
-- tensors: F16 for matrices and F32 for 1-d tensors (norms) with `f16`, all F32 with `f32`; tied embeddings once
-  (`token_embd`, no `output`). Llama: llama.cpp applies rotary embeddings to interleaved pairs, HF to the two halves
-  of each head, so q/k rows are reordered per head (`rope_interleave`); transformers' GGUF reader undoes exactly this.
+tensors, plus llama.cpp's tensor-name table `gguf.TensorNameMap` and numpy quantizers `gguf.quants`) converts an HF
+checkpoint; llama.cpp's `convert_hf_to_gguf.py` does, but it is a script outside any package. So this module writes
+what that script writes for the architectures listed in `ARCHS`, with the names from `gguf.TensorNameMap`:
+- hyperparameters under `{arch}.*` (blocks, context, widths, heads, rope base and dimension, RMS-norm epsilon) and
+  RoPE scaling as llama.cpp reads it: `linear` (type, factor), `yarn` (type, factor, original context),
+  `llama3` (Llama/Mistral: the per-frequency factors as the `rope_freqs` tensor, as the script computes them).
+  What llama.cpp would not read for these architectures is refused before training (`hparam_problems`, naming the
+  config key): other RoPE types, non-default YaRN attention factor / betas, a sliding window that is in effect,
+  an activation other than SiLU, partial rotary dimensions, per-layer-type RoPE;
+- the tokenizer (`tidal.trainer.publish.gguf_vocab`: token types, pre-tokenizer, merges, special ids, template);
+- tensors in `TYPES`: 1-d tensors (norms, biases) stay F32; matrices in the chosen type. The quantized types are the
+  ones gguf's own numpy quantizers write (`gguf.quants.quantize`): Q8_0, Q5_0/Q5_1, Q4_0/Q4_1 (blocks of 32
+  values, one scale each); with them the embedding/output matrix is written Q8_0, as llama.cpp's quantizer keeps the
+  output layer above the 4/5-bit type (it uses Q6_K, which gguf cannot write), and a matrix whose rows are not a
+  multiple of 32 falls back to F16 (as the script does). Tied embeddings once (`token_embd`, no `output`). Llama:
+  llama.cpp applies rotary embeddings to interleaved pairs, HF to the two halves of each head, so q/k rows (weights
+  and biases) are reordered per head (`rope_interleave`); transformers' GGUF reader undoes exactly this.
 
 `check_gguf_export` refuses (exit 2, before training) a model this writer cannot express.
 """
@@ -19,9 +26,10 @@ for the architectures listed in `ARCHS`, with the names from `gguf.TensorNameMap
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +38,12 @@ from tidal.config.load import ConfigError
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
 """HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama` architecture)."""
 PERMUTED = {"llama", "mistral"}
-"""Architectures whose q/k rows llama.cpp expects in interleaved rotary order."""
+"""Architectures whose q/k rows llama.cpp expects in interleaved rotary order (and that read `rope_freqs`)."""
+TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+"""train `export.gguf` values: the matrix type of the file (`tidal.config.train.ExportSection.gguf`)."""
+QUANTIZED = {"q8_0", "q5_1", "q5_0", "q4_1", "q4_0"}
+"""The block-quantized types (32 values per block); their embedding/output matrix is Q8_0."""
+INSTALL = "pip install gguf (tidal's extra: pip install -e '.[gguf]')"
 
 
 def tokenizer_problem(model_dir: Path) -> str | None:
@@ -46,16 +59,82 @@ def tokenizer_problem(model_dir: Path) -> str | None:
     return None
 
 
-def check_gguf_export(config: dict[str, Any], model_dir: Path, source: str) -> None:
-    """Refuse train `export.gguf` for a model this writer cannot write (ConfigError naming what is supported)."""
+def rope_params(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config's RoPE parameters as one dict (`rope_parameters`, or the older `rope_scaling` + `rope_theta`),
+    with train `rope_scaling` (`overlay`) merged over them and the legacy `type` read as `rope_type`."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if not rope:
+        rope = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
+    rope.update(overlay or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return rope
+
+
+def hparam_problems(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) -> list[str]:
+    """What of the config llama.cpp would not read for this architecture (each names its config key); [] when
+    everything the model does is written."""
+    mt, out = cfg.get("model_type"), []
+    rope = rope_params(cfg, overlay)
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return ["rope_parameters: per-layer-type RoPE is not written for " + str(mt)]
+    kind = str(rope.get("rope_type") or "default").lower()
+    if kind == "llama3" and mt not in PERMUTED:
+        out.append(f"rope_parameters.rope_type 'llama3' on {mt} (llama.cpp reads its rope_freqs for llama only)")
+    elif kind == "yarn":
+        for key, default in (("attention_factor", None), ("mscale", None), ("mscale_all_dim", None),
+                             ("beta_fast", 32.0), ("beta_slow", 1.0), ("truncate", True)):
+            if rope.get(key) is not None and rope[key] != default:
+                out.append(f"rope_parameters.{key} {rope[key]} (llama.cpp's yarn for {mt} uses "
+                           f"{'the factor-derived value' if default is None else default})")
+        if rope.get("original_max_position_embeddings") is None:
+            out.append("rope_parameters.original_max_position_embeddings (yarn needs it)")
+    elif kind not in ("default", "linear", "llama3"):
+        out.append(f"rope_parameters.rope_type '{kind}' (written: default, linear, yarn, llama3 for llama/mistral)")
+    if kind in ("linear", "yarn", "llama3") and not rope.get("factor"):
+        out.append(f"rope_parameters.factor (rope_type {kind} needs it)")
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        out.append(f"partial_rotary_factor {cfg['partial_rotary_factor']} (llama.cpp rotates the whole head here)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act '{cfg.get('hidden_act')}' (llama.cpp's {mt} uses silu)")
+    window = cfg.get("sliding_window")
+    ctx = int(cfg.get("max_position_embeddings", 2048))
+    if mt == "mistral" and window is not None and int(window) < ctx:
+        out.append(f"sliding_window {window} < max_position_embeddings {ctx} (llama.cpp's llama architecture "
+                   "attends to the whole context)")
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        out.append(f"use_sliding_window true (llama.cpp's {mt} attends to the whole context)")
+    if "sliding_attention" in (cfg.get("layer_types") or []) and not out:
+        out.append(f"layer_types with sliding_attention (llama.cpp's {mt} attends to the whole context)")
+    return out
+
+
+def check_gguf_export(config: dict[str, Any], model_dir: Path, source: str,
+                      rope_scaling: dict[str, Any] | None = None) -> None:
+    """Refuse train `export.gguf` for a model this writer cannot write, or without the `gguf` package (ConfigError
+    naming the key and what is supported)."""
+    key = f"{source}: key 'export.gguf'"
+    try:
+        import gguf  # noqa: F401 - the writer's package, checked before training rather than after it
+    except ImportError as exc:
+        raise ConfigError(f"{key}: writing a GGUF file needs the `gguf` package, which cannot be imported "
+                          f"({exc}); {INSTALL}") from None
     mt = config.get("model_type")
     if mt not in ARCHS:
-        raise ConfigError(f"{source}: key 'export.gguf': model_type '{mt}' cannot be written as GGUF by tidal; "
+        raise ConfigError(f"{key}: model_type '{mt}' cannot be written as GGUF by tidal; "
                           f"supported: {', '.join(sorted(ARCHS))} (or set export.gguf: null and convert "
                           "final/merged/ with llama.cpp's convert_hf_to_gguf.py)")
     why = tokenizer_problem(model_dir)
     if why is not None:
-        raise ConfigError(f"{source}: key 'export.gguf': model {model_dir}: {why}")
+        raise ConfigError(f"{key}: model {model_dir}: {why}")
+    problems = hparam_problems(config, rope_scaling)
+    if problems:
+        raise ConfigError(f"{key}: model {model_dir}: llama.cpp would run another model than the one trained: "
+                          f"{'; '.join(problems)}. Set export.gguf: null (final/adapter and final/merged/ keep "
+                          "the model)")
+    from tidal.trainer.publish.gguf_vocab import choose_pre
+
+    choose_pre(model_dir, key)
 
 
 def rope_interleave(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -65,65 +144,78 @@ def rope_interleave(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def add_hparams(w: Any, cfg: dict[str, Any], name: str) -> None:
-    """The `{arch}.*` hyperparameters of an HF config.json."""
-    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rope = cfg.get("rope_parameters") or {}
+def head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+
+
+def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any]) -> None:
+    """The `{arch}.*` hyperparameters of an HF config.json, RoPE scaling included (`rope`: `rope_params`)."""
+    import gguf
+
+    heads = int(cfg["num_attention_heads"])
     w.add_name(name)
     w.add_block_count(int(cfg["num_hidden_layers"]))
     w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
-    w.add_embedding_length(hidden)
+    w.add_embedding_length(int(cfg["hidden_size"]))
     w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(heads)
     w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_key_length(head_dim(cfg))
+    w.add_value_length(head_dim(cfg))
+    w.add_rope_dimension_count(head_dim(cfg))
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    kind = str(rope.get("rope_type") or "default").lower()
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    if kind == "yarn":
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))
 
 
-def source_pre(model_dir: Path) -> str:
-    """llama.cpp's pre-tokenizer id: the source GGUF's (`gguf_source.json`), else `default`."""
-    src = model_dir / "gguf_source.json"
-    if src.is_file():
-        import gguf
+def llama3_rope_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """(dim/2,) float32: the divisor of each rotary frequency under `rope_type: llama3` (1 above the high-frequency
+    wavelength, `factor` below the low one, a smooth blend between), llama.cpp's `rope_freqs` tensor."""
+    base, factor = float(rope.get("rope_theta", 10000.0)), float(rope["factor"])
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
-        field = gguf.GGUFReader(json.loads(src.read_text())["file"]).fields.get("tokenizer.ggml.pre")
-        if field is not None:
-            return str(field.contents())
-    return "default"
 
-
-def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
-    """The byte-level BPE tokenizer of `model_dir` (padded with unused tokens up to the model's vocabulary)."""
+def encode(name: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
+    """(data, gguf.GGMLQuantizationType) of the tensor `name` in the file's type `dtype` (module docstring)."""
     import gguf
-    from gguf.vocab import BpeVocab, SpecialVocab
+    from gguf.quants import QuantError, quantize
 
-    vocab = BpeVocab(model_dir)
-    tokens, types = [], []
-    for text, _score, typ in vocab.all_tokens():
-        tokens.append(text)
-        types.append(typ)
-    for i in range(len(tokens), vocab_size):
-        tokens.append(f"[PAD{i}]".encode())
-        types.append(gguf.TokenType.UNUSED)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(source_pre(model_dir))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    special = SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-    template = model_dir / "chat_template.jinja"
-    if special.chat_template is None and template.is_file():
-        special.chat_template = template.read_text()
-    special.add_to_gguf(w, quiet=True)
+    Q = gguf.GGMLQuantizationType
+    if a.ndim < 2 or dtype == "f32":
+        return a.astype(np.float32), Q.F32
+    qtype = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q5_1": Q.Q5_1, "q5_0": Q.Q5_0, "q4_1": Q.Q4_1,
+             "q4_0": Q.Q4_0}[dtype]
+    if dtype in QUANTIZED and dtype != "q8_0" and name in ("token_embd.weight", "output.weight"):
+        qtype = Q.Q8_0
+    if qtype == Q.F16:
+        return a.astype(np.float16), Q.F16
+    try:
+        return quantize(a.astype(np.float32), qtype), qtype
+    except QuantError:  # rows not a multiple of the block size
+        return a.astype(np.float16), Q.F16
 
 
-def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
-                 dtype: Literal["f16", "f32"]) -> Iterable[tuple[str, np.ndarray]]:
-    """(GGUF name, array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for llama."""
+def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any]) -> Iterable[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for
+    llama."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
@@ -138,31 +230,51 @@ def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
         if new is None:
             raise ValueError(f"GGUF export: tensor {key} has no name in gguf's {cfg['model_type']} table")
         a = tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
-        if cfg["model_type"] in PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
-            a = rope_interleave(a, heads if key.endswith("q_proj.weight") else kv_heads)
-        yield new, (a.astype(np.float16) if dtype == "f16" and a.ndim > 1 else a.astype(np.float32))
+        if cfg["model_type"] in PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                                           "k_proj.bias")):
+            a = rope_interleave(a, heads if ".q_proj." in key else kv_heads)
+        yield new, a
 
 
-def write_gguf(weights: Iterable[tuple[str, Any]], model_dir: Path, out: Path,
-               dtype: Literal["f16", "f32"]) -> Path:
-    """Write `weights` (checkpoint names -> tensors) with `model_dir`'s config.json and tokenizer as the GGUF file
-    `out` (through a temporary name and a rename)."""
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+              "q5_1": "MOSTLY_Q5_1", "q5_0": "MOSTLY_Q5_0", "q4_1": "MOSTLY_Q4_1", "q4_0": "MOSTLY_Q4_0"}
+"""`general.file_type` (gguf.LlamaFileType member) of each type."""
+
+
+def write_gguf(weights: Iterable[tuple[str, Any]], model_dir: Path, out: Path, dtype: str,
+               rope_scaling: dict[str, Any] | None = None) -> Path:
+    """Write `weights` (checkpoint names -> tensors) with `model_dir`'s config.json (train `rope_scaling` merged
+    over its RoPE parameters) and tokenizer as the GGUF file `out` of type `dtype` (one of `TYPES`), through a
+    temporary name and a rename."""
     import gguf
 
+    if dtype not in TYPES:
+        raise ConfigError(f"GGUF type '{dtype}' is not one tidal writes; valid: {', '.join(TYPES)}")
     cfg = json.loads((model_dir / "config.json").read_text())
-    check_gguf_export(cfg, model_dir, str(model_dir / "config.json"))
+    check_gguf_export(cfg, model_dir, str(model_dir / "config.json"), rope_scaling)
+    rope = rope_params(cfg, rope_scaling)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-    add_hparams(w, cfg, out.stem)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(w, model_dir, int(cfg["vocab_size"]))
-    for name, array in gguf_tensors(weights, cfg, dtype):
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(out)
+    try:
+        w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
+        add_hparams(w, cfg, out.stem, rope)
+        w.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[dtype]))
+        from tidal.trainer.publish.gguf_vocab import add_tokenizer
+
+        add_tokenizer(w, model_dir, int(cfg["vocab_size"]))
+        if str(rope.get("rope_type") or "").lower() == "llama3":
+            w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                         llama3_rope_factors(rope, head_dim(cfg)))
+        for name, array in gguf_tensors(weights, cfg):
+            data, qtype = encode(name, array, dtype)
+            w.add_tensor(name, data, raw_dtype=qtype if qtype not in (gguf.GGMLQuantizationType.F32,
+                                                                       gguf.GGMLQuantizationType.F16) else None)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
