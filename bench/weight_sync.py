@@ -7,6 +7,8 @@ step is done" to "vLLM serves the new weights":
 - baseline, `weight_broadcast.reload: merged` (filesystem): the trainer writes `broadcasts/step_n/` (adapter +
   merged safetensors, temp + rename + STABLE) and the orchestrator has vLLM reload them (`/collective_rpc
   reload_weights`, then `/reset_prefix_cache`);
+- the same with only the LoRA-adapted weights in the merged file (what the trainer publishes for a LoRA policy
+  since issue 57: `tidal.trainer.publish.broadcast.changed_keys`; the embeddings and norms stay as vLLM loaded them);
 - `weight_broadcast.type: nccl`: the trainer pushes the merged LoRA-adapted weights into the workers (pause,
   start, update + broadcast, finish, resume) — gloo on CPU, NCCL on GPU.
 
@@ -48,7 +50,7 @@ def main() -> int:
     from tidal.inference.backends.vllm.client import VllmClient
     from tidal.paths import broadcast_dir
     from tidal.trainer.model.load import load_base_model
-    from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter
+    from tidal.trainer.publish.broadcast import changed_keys, checkpoint_keys, publish_adapter
     from tidal.trainer.publish.push_vllm import WeightPusher
 
     device = torch.device(args.device)
@@ -63,7 +65,9 @@ def main() -> int:
                                    "--infer.port", str(port), "--infer.enable_lora", "false", "--infer.weight_reload",
                                    "true", "--infer.weight_broadcast_type", "nccl"], log)
     url = f"http://127.0.0.1:{port}/v1"
-    times: dict[str, list[float]] = {"merged files + reload": [], "nccl push": []}
+    times: dict[str, list[float]] = {"merged files + reload": [],
+                                     "merged files, LoRA-adapted weights only + reload": [], "nccl push": []}
+    slim = changed_keys(model, keys)  # what the trainer publishes for a LoRA policy (grpo.slim_reloads)
     try:
         harness.wait_ready(proc, f"http://127.0.0.1:{port}/health", 600)
         pusher = WeightPusher([url], "127.0.0.1", harness.free_port(), 600, None, device)
@@ -75,9 +79,13 @@ def main() -> int:
                     if "lora_B" in name:
                         p.normal_(0, 0.01)
             t0 = time.perf_counter()
-            publish_adapter(model, tmp, step, keep=2, merged_keys=keys)
-            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, step) / "merged")))
+            publish_adapter(model, tmp, 2 * step - 1, keep=2, merged_keys=keys)  # policy numbers only go up
+            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 2 * step - 1) / "merged")))
             times["merged files + reload"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            publish_adapter(model, tmp, 2 * step, keep=2, merged_keys=slim)
+            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 2 * step) / "merged")))
+            times["merged files, LoRA-adapted weights only + reload"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             pusher.push(model, step)
             times["nccl push"].append(time.perf_counter() - t0)
@@ -95,7 +103,7 @@ def main() -> int:
              "| path | first round (s) | median of the rest (s) | ratio to the baseline |", "|---|---|---|---|"]
     for name, ts in times.items():
         med = statistics.median(ts[1:])
-        lines.append(f"| {name}{' (baseline)' if name.startswith('merged') else ''} | {ts[0]:.3f} | {med:.3f} | "
+        lines.append(f"| {name}{' (baseline)' if name == 'merged files + reload' else ''} | {ts[0]:.3f} | {med:.3f} | "
                      f"{med / base:.2f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

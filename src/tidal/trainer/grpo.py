@@ -48,7 +48,7 @@ from tidal.trainer.model.vision import attach_images
 from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
 from tidal.trainer.profile import OPTIMIZER
-from tidal.trainer.publish.broadcast import checkpoint_keys, publish_adapter, publish_base
+from tidal.trainer.publish.broadcast import changed_keys, checkpoint_keys, publish_adapter, publish_base
 from tidal.trainer.publish.push import Pusher, make_pusher
 from tidal.trainer.step import ref_sync
 from tidal.trainer.step.entropy_control import EntropyControl
@@ -464,6 +464,12 @@ def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatc
             and prompt_sharing_blocker(model.config, cfg.sequence_len) is None)
 
 
+def slim_reloads(cfg: TrainConfig) -> bool:
+    """Whether each policy's merged copy holds only the LoRA-adapted weights (`changed_keys`): LoRA on an unquantized
+    base without QeRL (its noise is on the norms; a QLoRA base is served dequantized, every quantized layer)."""
+    return cfg.lora and qlora_kind(cfg) is None and not cfg.noise_scheduler.enabled
+
+
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
@@ -472,6 +478,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     p = build_policy(cfg, total, ranks)
     # a fully fine-tuned policy is published as its merged (= all) weights
     merged_keys = checkpoint_keys(resolve_model(cfg.model)) if cfg.broadcast_merged or not cfg.lora else None
+    if merged_keys is not None and p.view is not None and slim_reloads(cfg):
+        merged_keys = changed_keys(p.view, merged_keys)  # each policy's merged copy: only what LoRA changes
     source = open_source(cfg, run_dir) if ranks.main else None
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
                                  cfg=cfg)
