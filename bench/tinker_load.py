@@ -20,9 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,31 +30,30 @@ from typing import Any
 import httpx
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+
 KEY = "tml-bench-load"
 OUT = Path(__file__).with_name("TINKER_LOAD.md")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(out: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    log = open(out / "serve.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve-tinker", "--port", str(port), "--api-key",
-                             KEY, "--output-dir", str(out)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def start(out: Path) -> tuple[harness.Child, str]:
+    """`tidal serve-tinker` as a harness child (its own process group, output to serve.log), once it answers."""
+    port = harness.free_port()
+    child = harness.start("serve-tinker", [sys.executable, "-m", "tidal.cli", "serve-tinker", "--port", str(port),
+                                           "--api-key", KEY, "--output-dir", str(out)], out / "serve.log")
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if child.poll() is not None:
             raise RuntimeError((out / "serve.log").read_text()[-3000:])
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return proc, url
+                return child, url
         time.sleep(1)
+    harness.stop(child)
     raise TimeoutError("serve-tinker did not answer in 900 s")
 
 
@@ -148,9 +144,7 @@ def main() -> None:
     try:
         got = run_loop(url, proc.pid, args.steps)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        harness.stop(proc)
     steps = {}
     for key, path in got["paths"].items():
         local = out / "checkpoints" / path.removeprefix("tinker://")

@@ -307,6 +307,84 @@ def test_serve_tinker(flag, capsys, monkeypatch):
     assert getattr(seen[0], key) == value != getattr(TinkerServeConfig(), key)
 
 
+# --- tidal eval --------------------------------------------------------------------------------------------------
+
+EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no-base": ("base", False),
+        "--num-examples": ("num_examples", 7), "--seed": ("seed", 3), "--no-greedy": ("greedy", False),
+        "--samples": ("samples", 4), "--temperature": ("temperature", 0.7), "--max-tokens": ("max_tokens", 33),
+        "--max-model-len": ("max_model_len", 300), "--address": ("address", "http://127.0.0.1:9"),
+        "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
+        "--show-samples": ("show_samples", 5), "--out": ("out", "x.json")}
+"""flag -> (EvalConfig key, a value other than its default)."""
+
+
+def eval_argv(flag: str) -> list[str]:
+    key, value = EVAL[flag]
+    argv = [flag] if isinstance(value, bool) else [flag, value[0] if isinstance(value, list) else str(value)]
+    return [*argv, *(["--samples", "2"] if flag == "--no-greedy" else []),
+            *(["--adapter", "runs/b"] if flag == "--no-base" else [])]
+
+
+@pytest.mark.parametrize("flag", sorted(EVAL))
+def test_eval_flag_sets_its_key(flag, capsys, monkeypatch):
+    """Each flag sets its `EvalConfig` key in what `tidal eval` scores with (`evaluate` recorded, nothing starts)."""
+    import tidal.evaluate.report as report
+    import tidal.evaluate.run as run_mod
+    from tidal.config.evaluate import EvalConfig
+
+    seen: list[Any] = []
+    monkeypatch.setattr(run_mod, "evaluate", lambda cfg, progress=True: seen.append((cfg, progress)) or "r")
+    monkeypatch.setattr(report, "write_json", lambda result, path: None)
+    monkeypatch.setattr(report, "print_report", lambda result, path: None)
+    assert run(capsys, "eval", "--env", "addition", *eval_argv(flag))[0] == 0
+    key, value = EVAL[flag]
+    assert getattr(seen[0][0], key) == value != getattr(EvalConfig(), key) and seen[0][1] is True
+
+
+def test_eval_env_flags_config_file_quiet_and_dry_run(capsys, monkeypatch, tmp_path):
+    import tidal.evaluate.report as report
+    import tidal.evaluate.run as run_mod
+
+    seen: list[Any] = []
+    monkeypatch.setattr(run_mod, "evaluate", lambda cfg, progress=True: seen.append((cfg, progress)) or "r")
+    monkeypatch.setattr(report, "write_json", lambda result, path: None)
+    monkeypatch.setattr(report, "print_report", lambda result, path: None)
+    cfg_file = tmp_path / "eval.yaml"
+    cfg_file.write_text("samples: 3\nenv: {id: addition}\n")
+    assert run(capsys, "eval", str(cfg_file), "--quiet", "--env-args", "{eval_size: 8}", "--env-address",
+               "http://127.0.0.1:9", "--chat-template-kwargs", "{enable_thinking: false}")[0] == 0
+    cfg, progress = seen[0]
+    assert cfg.samples == 3 and cfg.env.args == {"eval_size": 8} and cfg.env.address == "http://127.0.0.1:9"
+    assert cfg.chat_template_kwargs == {"enable_thinking": False} and progress is False
+    monkeypatch.setattr(run_mod, "evaluate", lambda *a, **k: pytest.fail("--dry-run started an evaluation"))
+    code, out, _ = run(capsys, "eval", "--env", "{id: addition, args: {eval_size: 8}}", "--dry-run")
+    assert code == 0 and "1 rows, 8 examples: checked, nothing started" in out
+
+
+# --- tidal export ------------------------------------------------------------------------------------------------
+
+def test_export_base_names_the_adapters_base_model(capsys, tmp_path):
+    """`--base` replaces an adapter's `base_model_name_or_path` (here one that does not exist: exit 2 without it);
+    SOURCE, --gguf and --out: tests/unit/test_gguf_export.py::test_tidal_export_refuses_bad_input_with_exit_2."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.test_gguf_export import tiny_llama
+
+    base = tmp_path / "base"
+    tiny_llama(base)  # a byte-level BPE model the GGUF export takes (the bundled one's tokenizer is not)
+    adapter = tmp_path / "adapter"
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), LoraConfig(r=2, target_modules=["q_proj"]))
+    peft.save_pretrained(str(adapter))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/no/such/model"}))
+    code, _, err = run(capsys, "export", str(adapter), "--gguf", "f32", "--out", str(tmp_path / "a.gguf"))
+    assert code == 2 and "/no/such/model" in err and "--base" in err
+    code, _, err = run(capsys, "export", str(adapter), "--gguf", "f32", "--out", str(tmp_path / "a.gguf"),
+                       "--base", str(base))
+    assert code == 0 and (tmp_path / "a.gguf").is_file(), err
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 GRPO_RUN = test_grpo_resume_output_dir_and_model
@@ -329,6 +407,10 @@ CHECKS: dict[str, dict[str, Any]] = {
                    "--port": test_env_server},
     "report": {"RUN_DIR": test_report, "--out": test_report},
     "serve-tinker": {flag: test_serve_tinker for flag in TINKER},
+    "eval": {**{flag: test_eval_flag_sets_its_key for flag in EVAL},
+             **{flag: test_eval_env_flags_config_file_quiet_and_dry_run for flag in (
+                 "config", "--env", "--env-args", "--env-address", "--chat-template-kwargs", "--quiet", "--dry-run")}},
+    "export": dict.fromkeys(("SOURCE", "--gguf", "--out", "--base"), test_export_base_names_the_adapters_base_model),
 }
 """command -> flag in its --help -> the test that checks the flag's effect."""
 

@@ -30,7 +30,8 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from tidal.inference.backends.vllm.weight_transfer import GLOO_BACKEND, register
+from tidal.inference.backends.vllm.plugin import register  # the vLLM plugin entry point (pyproject)
+from tidal.inference.backends.vllm.weight_transfer import GLOO_BACKEND
 register()
 register()  # vLLM calls it in every process, maybe more than once
 try:
