@@ -56,8 +56,8 @@ def main(argv: list[str]) -> int:
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
-    from tidal.assets import resolve_model
     from tidal.envs.addition import Addition
+    from tidal.models.sources import resolve_model
     from tidal.trainer.publish.gguf_out import write_gguf
 
     base_dir = resolve_model("tidal:smollm2-135m-instruct")

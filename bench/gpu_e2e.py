@@ -365,7 +365,7 @@ BUILD_BUDGET_S = 600
 def build_model(key: str, out: Path, layers: int | None, cuda: bool) -> Path:
     """The random-init model of `key` in bf16 with the bundled tokenizer, written once (in a child process, so
     this process holds no CUDA context during the measured runs); `tiny` is the bundled model itself."""
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     if key == "tiny":
         return Path(resolve_model("tidal:tiny-reverse"))
@@ -385,7 +385,7 @@ def write_model(key: str, out: str, layers: int | None, cuda: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     spec = dict(MODELS[key][1] or {})
     if layers:

@@ -9,7 +9,7 @@ install.sh installs). This script, in one command:
    checking each part's sha256 and the whole file's against `SHA256SUMS` and against `GGUF_SHA256` (the wheel's
    file: a part from another kit is refused, naming it);
 2. runs `tidal grpo` on examples/real_model (two-number addition, 8 prompts x 8 completions, LoRA r16) with
-   `--model <file.gguf>` (tidal dequantizes it once into its cache, `tidal.gguf_source`), train recipe bf16 on CUDA
+   `--model <file.gguf>` (dequantized once into tidal's cache, `tidal.models.sources.gguf`), train recipe bf16 on CUDA
    (`--cpu`: fp32, the CPU mode that proves the wiring), `--steps` steps (default 10 on CUDA, 2 on CPU), its whole
    process group stopped at `--budget` seconds;
 3. reads the run's metrics.jsonl and writes the row's table (`--out`; default `$OUT/GPU-SMOLLM2.md` under the device

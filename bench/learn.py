@@ -140,7 +140,7 @@ def watch(cmd: list[str], log: Path, metrics: Path, env: dict[str, str], timeout
 NO_MASKS = ["--train.loss.token_mask_low", "0", "--train.loss.token_mask_high", "1e30",
             "--train.loss.geo_mask_low", "0", "--train.loss.geo_mask_high", "1e30",
             "--train.loss.sequence_mask_low", "0", "--train.loss.sequence_mask_high", "1e30"]
-"""Seed 000's six ratio masks off (`tidal.config.trl_loss.NO_SEED_MASKS`): TRL has none of them."""
+"""Seed 000's six ratio masks off (`tidal.api.loss_keys.NO_SEED_MASKS`): TRL has none of them."""
 _TRL = ["--train.loss.loss_type", "dapo", "--train.loss.beta", "0", *NO_MASKS, "--orch.advantage.scale_rewards",
         "group"]
 ALGORITHMS = {
@@ -508,7 +508,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "src"))
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     model_dir = resolve_model(MODEL)  # dequantized once before either trainer's clock starts
     workload = {k: getattr(args, k) for k in ("steps", "prompts", "generations", "max_tokens", "lr", "lora_rank",

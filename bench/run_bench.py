@@ -390,7 +390,7 @@ def main() -> None:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every run of the bench: tidal's (each recipe, in-flight, long tail, start-up before issue 37), TRL's, the
     rollout and trainer baselines; their figures by name for `write_results`."""
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     model = resolve_model("tidal:tiny-reverse")
     work = Path(tempfile.mkdtemp(prefix="tidal-bench-"))

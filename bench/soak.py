@@ -41,7 +41,7 @@ MIB = 1024 * 1024
 
 ROLES = (("VLLM::EngineCore", "engine-core"), ("EngineCore", "engine-core"), ("vllm.entrypoints", "api-server"),
          ("grpo-train", "trainer"), ("grpo-orch", "orchestrator"), ("grpo-infer", "infer-launcher"),
-         ("tidal.reaper", "reaper"), ("resource_tracker", "resource-tracker"), (" grpo ", "launcher"))
+         ("tidal.procs.reaper", "reaper"), ("resource_tracker", "resource-tracker"), (" grpo ", "launcher"))
 """(substring of the command line or process name, role), first match wins."""
 
 

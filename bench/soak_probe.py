@@ -165,9 +165,9 @@ def main() -> int:
 
     from soak import slope
 
-    from tidal.assets import resolve_model
     from tidal.config import InferConfig
     from tidal.inference.backends.vllm.server import vllm_argv, vllm_env
+    from tidal.models.sources import resolve_model
 
     cfg = InferConfig(model="tidal:tiny-reverse", port=args.port, max_model_len=512, enable_lora=False,
                       weight_reload=True, log_stats=False,

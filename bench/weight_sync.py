@@ -45,9 +45,9 @@ def main() -> int:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from tidal.assets import resolve_model
     from tidal.config.orch import ClientSection
     from tidal.inference.backends.vllm.client import VllmClient
+    from tidal.models.sources import resolve_model
     from tidal.paths import broadcast_dir
     from tidal.trainer.model.load import load_base_model
     from tidal.trainer.publish.broadcast import changed_keys, checkpoint_keys, publish_adapter

@@ -169,8 +169,8 @@ def make_adapter(out: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tidal.assets import resolve_model
     from tidal.models.lora import resolve_lora_targets
+    from tidal.models.sources import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("tidal:tiny-reverse"), dtype=torch.float32)
     targets = resolve_lora_targets(model, "all-linear")
@@ -463,7 +463,7 @@ def tiny_qwen3_moe(ctx: Ctx) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     out = ctx.work / "qwen3-moe-tiny"
     if (out / "config.json").exists():

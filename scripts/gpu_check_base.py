@@ -172,7 +172,7 @@ def qwen3_0_6b(ctx: Ctx) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     out = ctx.work / "qwen3-0.6b-random"
     if (out / "config.json").exists():

@@ -66,7 +66,7 @@ def config() -> Any:
 
 def write_processor_files(out: Path) -> Path:
     """The tokenizer (Qwen's vision tokens renamed in), chat template and image processor config into `out`."""
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     out.mkdir(parents=True, exist_ok=True)
     src = Path(resolve_model("tidal:tiny-reverse"))

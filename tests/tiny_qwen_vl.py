@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tidal.assets import bundled
+from tidal.models.sources import bundled
 
 VISION_START, VISION_END, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 100, 101, 103, 104
 ARCHS = ("qwen2_5_vl", "qwen3_vl")

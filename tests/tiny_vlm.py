@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tidal.assets import bundled
+from tidal.models.sources import bundled
 
 IMAGE_TOKENS = {102: "<fake_token_around_image>", 103: "<image>", 104: "<end_of_utterance>", 105: "<global-img>"}
 IMAGE_TOKEN_ID = 103

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidal.assets import resolve_model
 from tidal.envs.addition import Addition
+from tidal.models.sources import resolve_model
 
 MODEL = "tidal:smollm2-135m-instruct"
 

@@ -18,13 +18,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.colocate import start
 from tidal.colocate.start import dump
 from tidal.colocate.wire import wire_colocate, with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.models.arch import check_model
+from tidal.models.sources import resolve_model
 from tidal.paths import find_run_dir, metrics_path, rollouts_dir, sft_dir, step_files
 
 COMPONENTS: dict[str, type[StrictModel]] = {"train": TrainConfig, "infer": InferConfig, "orch": OrchConfig}
@@ -130,9 +130,10 @@ def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(dump(cfg))
         return 0
+    from tidal.inference.backends.bind import InsecureBindError
     from tidal.inference.backends.dp import PlacementError
     from tidal.inference.backends.launch import serve
-    from tidal.procs import InsecureBindError, PortInUseError
+    from tidal.procs import PortInUseError
 
     try:
         return serve(cfg)  # dp 1: becomes the server (does not return); dp N: supervises N servers
@@ -169,7 +170,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         raise ConfigError(f"output_dir {run_dir} already holds a run (rollouts/); pass --resume to continue it "
                           "(ckpt.resume_step), or use another output_dir")
     setup_logging("[orch]")
-    from tidal.reaper import start_reaper
+    from tidal.procs.reaper import start_reaper
 
     start_reaper()  # environment servers it spawns die with it, however it dies
     try:
@@ -201,7 +202,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             return 1
     if cfg.gpus > 1 and not distributed.under_rendezvous():  # become the agent of `gpus` ranks of this command
         setup_logging("[train]")
-        from tidal.reaper import start_reaper
+        from tidal.procs.reaper import start_reaper
 
         start_reaper()  # the ranks die with this process, however it dies
         return distributed.launch_ranks(cfg.gpus, args.argv, cfg.cpu_affinity)

@@ -233,10 +233,12 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path, marker: str = "") -> Iterator[Path]:
+def atomic_dir(final: Path, marker: str = "", *, keep_complete: bool = False) -> Iterator[Path]:
     """Yield an empty temp directory to fill; on success every file in it is fsynced, it replaces `final`, and
     `final/STABLE` (holding `marker`) is written last. On any error the temp directory is removed and
-    `final` is left as it was."""
+    `final` is left as it was. `keep_complete`: for a cache entry of which any copy is as good as another (two
+    processes filling the same one at once): when `final` is complete (its STABLE exists) by the time the temp is,
+    the temp is dropped and `final`, which a reader may be using, is left alone."""
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_temps(final.parent)
     tmp = _temp_name(final)
@@ -244,6 +246,9 @@ def atomic_dir(final: Path, marker: str = "") -> Iterator[Path]:
     try:
         tmp.mkdir()
         yield tmp
+        if keep_complete and (final / STABLE).is_file():
+            _remove(tmp)
+            return
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync_path(f)

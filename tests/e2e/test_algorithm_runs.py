@@ -78,7 +78,7 @@ def test_combined_algorithm_options_run(vllm_server, tmp_path):
     assert any(r["clip_ratio/region_mean"] > 0 for r in rows), "iteration 2 moves ratios off 1"
 
     # the batch carries the teacher's (base model's) untempered logprobs and process advantages
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_base_model
     from tidal.trainer.step.logprobs import forward_logprobs
 

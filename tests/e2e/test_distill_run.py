@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import MODEL, free_port, kill_group, tidal
 from tests.e2e.distill_student import noised_copy
 from tidal.monitor.metrics import read_metrics
-from tidal.reaper import group_alive
+from tidal.procs.reaper import group_alive
 
 pytestmark = pytest.mark.vllm
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 def _model_from(merged: Path, tmp: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     d = tmp / "served"
     shutil.copytree(resolve_model(MODEL), d)
@@ -32,7 +32,7 @@ def _model_from(merged: Path, tmp: Path) -> torch.nn.Module:
 
 @pytest.mark.slow  # default suite budget: full-weight reloads and pushes are served exactly in the default arch matrix
 def test_full_finetune_colocate_run_serves_the_trained_weights(tmp_path):
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.step.logprobs import forward_logprobs
 
     run_dir, port = tmp_path / "run", free_port()

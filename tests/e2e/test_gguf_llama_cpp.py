@@ -68,9 +68,9 @@ def test_smollm2_export_runs_in_llama_cpp(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.assets import resolve_model
     from tidal.config.train import ExportSection
     from tidal.envs.addition import Addition
+    from tidal.models.sources import resolve_model
     from tidal.trainer.publish.export import export_final
 
     base_dir = resolve_model(MODEL)

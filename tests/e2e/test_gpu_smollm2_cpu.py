@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
 
 
 def test_the_row_runs_in_cpu_mode_from_stashed_parts(tmp_path):
-    from tidal.assets import packaged
+    from tidal.models.sources import packaged
 
     env = {**os.environ, "OUT_DIR": str(tmp_path / "kit"), "SMOLLM2_GGUF": packaged("tidal:smollm2-135m-instruct"),
            "SMOLLM2_NO_WHEEL": "1"}

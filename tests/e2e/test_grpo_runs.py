@@ -66,7 +66,7 @@ def assert_served_trained_policy(run_dir: Path, step: int) -> None:
     PEFT with that broadcast's adapter and differ from the base model."""
     from peft import PeftModel
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_base_model
     from tidal.trainer.step.logprobs import forward_logprobs
 

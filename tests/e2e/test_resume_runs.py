@@ -3,7 +3,7 @@
 - Co-locate (default suite): the inference server is killed (the launcher restarts it, the orchestrator
   retries and reloads the policy), then the trainer is killed (everything stops, naming it and the resume
   command), then `tidal grpo --resume` runs a step and the launcher itself is SIGKILLed (every process it
-  started, vLLM's engine included, must be gone within seconds: `tidal.reaper`), and a last `--resume`
+  started, vLLM's engine included, must be gone within seconds: `tidal.procs.reaper`), and a last `--resume`
   finishes the run.
 - Chaos (slow): three processes; trainer, orchestrator and inference are each SIGKILLed at random steps, several
   times, and restarted with `--resume`.

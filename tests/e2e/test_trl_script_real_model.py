@@ -37,7 +37,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
 from tidal import GRPOConfig, GRPOTrainer   # was: from trl import GRPOConfig, GRPOTrainer
-from tidal.assets import resolve_model      # the model's local directory (a TRL script names a Hub id)
+from tidal.models.sources import resolve_model      # the model's local directory (a TRL script names a Hub id)
 
 rng = random.Random(0)
 rows = []

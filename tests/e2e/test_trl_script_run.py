@@ -23,7 +23,7 @@ import json, random, sys
 from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
 from tidal import GRPOConfig, GRPOTrainer   # was: from trl import GRPOConfig, GRPOTrainer
-from tidal.assets import resolve_model      # the bundled model's directory (a TRL script names a Hub id)
+from tidal.models.sources import resolve_model      # the bundled model's directory (a TRL script names a Hub id)
 
 rng = random.Random(0)
 rows = []

@@ -41,7 +41,7 @@ THINK_STRIPPING_TEMPLATE = _HEAD + _STRIPPED + _TAIL
 
 def tool_model(dst: Path, template: str = TOOL_TEMPLATE) -> Path:
     """A copy of the bundled model at `dst` with `template` as its chat template."""
-    from tidal.assets import bundled
+    from tidal.models.sources import bundled
 
     shutil.copytree(bundled("tidal:tiny-reverse"), dst)
     (dst / "chat_template.jinja").write_text(template)

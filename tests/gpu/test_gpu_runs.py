@@ -72,7 +72,7 @@ def qwen3_0_6b(tmp_path_factory) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     out = tmp_path_factory.mktemp("qwen3-0.6b-random")
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
-from tidal.assets import bundled
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
+from tidal.models.sources import bundled
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

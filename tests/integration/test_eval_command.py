@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import MODEL, tidal
-from tidal.assets import resolve_model
+from tidal.models.sources import resolve_model
 
 pytestmark = pytest.mark.vllm
 

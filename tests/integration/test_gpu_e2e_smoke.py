@@ -24,11 +24,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_e2e  # noqa: E402
 
-from tidal.assets import resolve_model  # noqa: E402
 from tidal.config.infer import InferConfig  # noqa: E402
 from tidal.config.load import load_config  # noqa: E402
 from tidal.config.orch import OrchConfig  # noqa: E402
 from tidal.config.train import TrainConfig  # noqa: E402
+from tidal.models.sources import resolve_model  # noqa: E402
 
 
 def args(**kw):

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 
 from tests.conftest import MODEL
 from tidal import generate_rollout_completions
-from tidal.assets import resolve_model
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
 from tidal.envs.base import Example
 from tidal.inference.backends.vllm.client import VllmClient
+from tidal.models.sources import resolve_model
 from tidal.orchestrator.assemble import build_batch
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix

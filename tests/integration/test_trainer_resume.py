@@ -129,7 +129,7 @@ def test_final_export_loads_in_transformers_and_is_served_by_vllm(reference, vll
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_base_model
     from tidal.trainer.step.logprobs import forward_logprobs
 

@@ -135,7 +135,7 @@ def test_a_fully_fine_tuned_tied_model_is_served_exactly_after_reloads_and_pushe
 
     from safetensors.torch import save_file
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict
 
     url, proc, log = nccl_server

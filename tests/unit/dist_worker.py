@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
+from tidal.models.sources import resolve_model
 from tidal.trainer import distributed
 from tidal.trainer.grpo import train_step
 from tidal.trainer.policy import build_policy, sync_view

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from tidal import GRPOConfig, GRPOTrainer
-from tidal.api import reward_functions, write_rows
+from tidal.api.trainer import reward_functions, write_rows
 from tidal.colocate.supervise import InProcess
 from tidal.envs import make_env
 
@@ -208,7 +208,7 @@ def complete_checkpoint(run_dir, component, step):
 
 
 def test_resume_from_checkpoint_true_a_path_or_nothing(tmp_path):
-    from tidal.api import resume_step
+    from tidal.api.trainer import resume_step
 
     run = tmp_path / "run"
     assert resume_step(None, run) is None and resume_step(False, run) is None

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from tidal import GRPOConfig, GRPOTrainer
-from tidal.api_args import optimizer_keys
-from tidal.assets import resolve_model
+from tidal.api.args import optimizer_keys
+from tidal.models.sources import resolve_model
 
 MODEL = "tidal:tiny-reverse"
 ROWS = [{"prompt": "abc"}, {"prompt": "de"}]

@@ -1,4 +1,4 @@
-"""`tidal.api_callbacks`: TRL users' transformers `TrainerCallback`s get a run's events from its metrics.jsonl
+"""`tidal.api.callbacks`: TRL users' transformers `TrainerCallback`s get a run's events from its metrics.jsonl
 (real files, appended by another thread as a run does), with TRL 1.16's metric names, transformers' own
 `TrainerState` / `TrainerControl`, and a clean stop on `should_training_stop`. The end-to-end path (a real run)
 is tests/e2e/test_trl_script_run.py."""
@@ -11,7 +11,7 @@ import time
 
 from transformers import TrainerCallback
 
-from tidal.api_callbacks import RunCallbacks, trl_logs
+from tidal.api.callbacks import RunCallbacks, trl_logs
 
 
 class Recorder(TrainerCallback):

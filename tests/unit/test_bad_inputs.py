@@ -92,7 +92,7 @@ def test_environment_reward_failure_is_contained_too(monkeypatch):
 
 
 def test_empty_completions_make_a_valid_batch_that_trains(tmp_path):
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.grpo import train_step
     from tidal.trainer.model.load import load_policy
 

@@ -66,7 +66,7 @@ def test_trl_runs_are_reused_only_from_this_machine_and_day(tmp_path):
 
 
 def test_the_trl_algorithm_turns_every_seed_mask_off():
-    from tidal.config.trl_loss import NO_SEED_MASKS
+    from tidal.api.loss_keys import NO_SEED_MASKS
 
     args = learn.ALGORITHMS["trl"]
     for key in NO_SEED_MASKS:

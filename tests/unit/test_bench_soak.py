@@ -34,7 +34,7 @@ def test_roles_come_from_the_command_line_of_each_process_of_a_run():
         == "api-server"
     assert soak.role_of("python", [py, "-m", "tidal.cli", "grpo-train", "train.yaml"]) == "trainer"
     assert soak.role_of("python", [py, "-m", "tidal.cli", "grpo-orch", "orch.yaml"]) == "orchestrator"
-    assert soak.role_of("python", [py, "-m", "tidal.reaper", "12"]) == "reaper"
+    assert soak.role_of("python", [py, "-m", "tidal.procs.reaper", "12"]) == "reaper"
     assert soak.role_of("python", [py, "-m", "tidal.cli", "grpo", "--output-dir", "x"]) == "launcher"
     assert soak.role_of("bash", ["bash"]) == "other"
 

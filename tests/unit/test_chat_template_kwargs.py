@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from tidal.assets import bundled
 from tidal.config import ConfigError, OrchConfig, TrainConfig
 from tidal.config.load import validate
 from tidal.config.orch import ClientSection
 from tidal.envs import make_env
 from tidal.inference.backends.vllm.client import VllmClient
+from tidal.models.sources import bundled
 from tidal.monitor.metrics import MetricsWriter
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.groups import draw_prompts

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from tidal import cli
-from tidal.assets import resolve_model
 from tidal.cli import main
+from tidal.models.sources import resolve_model
 from tidal.paths import STABLE, report_path, rollouts_dir
 
 TINY = str(resolve_model("tidal:tiny-reverse"))
@@ -75,9 +75,9 @@ def bundled(component: str, tmp_path: Path, **changes: Any) -> str:
 
 @pytest.fixture
 def no_reaper(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tidal.reaper
+    import tidal.procs.reaper
 
-    monkeypatch.setattr(tidal.reaper, "start_reaper", lambda pid=None: None)
+    monkeypatch.setattr(tidal.procs.reaper, "start_reaper", lambda pid=None: None)
 
 
 # --- tidal grpo ------------------------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ def test_one_model_flag_sets_all_three_files(tmp_path):
     model in a local directory)."""
     import shutil
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     model = tmp_path / "my-model"
     shutil.copytree(resolve_model("tidal:tiny-reverse"), model)

@@ -119,7 +119,7 @@ def test_errors_name_the_file_and_what_is_valid(tmp_path):
 
 
 def test_sft_renders_standard_prompts_as_plain_text_and_chat_with_the_template():
-    from tidal.assets import bundled
+    from tidal.models.sources import bundled
     from tidal.trainer.model.load import load_tokenizer
     from tidal.trainer.sft import render_prompt
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
-from tidal.assets import resolve_model
+from tidal.models.sources import resolve_model
 from tidal.trainer.step.packing import group_rows, pack
 from tidal.trainer.step.schedule import optimizer_groups, plan
 

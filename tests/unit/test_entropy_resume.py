@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.unit.test_train_step import own_batch
-from tidal.assets import resolve_model
 from tidal.config.train import TrainCkptSection, TrainConfig
+from tidal.models.sources import resolve_model
 from tidal.trainer.grpo import train_step
 from tidal.trainer.policy import build_policy, restore, save
 from tidal.trainer.step.entropy_control import EntropyControl

@@ -51,7 +51,7 @@ def test_an_adapter_of_another_base_model_is_refused_naming_the_tensor(tmp_path)
 
 
 def test_an_adapter_whose_rank_contradicts_its_tensors_is_refused(tmp_path):
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     adapter = adapter_of(Path(resolve_model(MODEL)), tmp_path / "adapter", r=4)
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -66,8 +66,8 @@ def test_an_adapter_whose_rank_contradicts_its_tensors_is_refused(tmp_path):
 
 
 def test_a_run_directory_means_its_final_adapter(tmp_path):
-    from tidal.assets import resolve_model
     from tidal.evaluate.targets import adapter_dir
+    from tidal.models.sources import resolve_model
 
     run = tmp_path / "run"
     adapter_of(Path(resolve_model(MODEL)), run / "final" / "adapter")

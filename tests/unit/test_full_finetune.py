@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
-from tidal.assets import resolve_model
 from tidal.colocate.derive import Machine, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.config.train import TrainCkptSection
+from tidal.models.sources import resolve_model
 from tidal.trainer.grpo import train_step
 from tidal.trainer.policy import build_policy, restore, save
 from tidal.trainer.publish.broadcast import checkpoint_keys, policy_weight_specs, policy_weights, publish_adapter

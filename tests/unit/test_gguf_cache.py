@@ -1,4 +1,4 @@
-"""The GGUF source cache (`tidal.gguf_source.convert`) leaves no float32 copy behind: a dequantization that outlives
+"""The GGUF source cache (`models.sources.gguf.convert`) leaves no float32 copy behind: a dequantization that outlives
 `DEQUANT_TIMEOUT_S` is a config error (GGUFModelError -> ConfigError, exit 2) and its temp directory is removed; a
 run killed mid-conversion leaves a temp named with its pid, which the next conversion removes (its writer is gone)
 before it converts. Real children throughout (the dequantization child, a killed `resolve_model` process); the
@@ -19,11 +19,11 @@ pytest.importorskip("gguf", reason="the gguf extra (pip install -e '.[gguf]'; ma
 pytest.importorskip("torch")
 
 from tests.unit.test_gguf_models import tiny_model  # noqa: E402
-from tidal import gguf_source  # noqa: E402
-from tidal.assets import resolve_model  # noqa: E402
 from tidal.config.load import ConfigError  # noqa: E402
-from tidal.gguf_source import GGUFModelError, is_complete  # noqa: E402
 from tidal.models.arch import check_model  # noqa: E402
+from tidal.models.sources import gguf as gguf_source  # noqa: E402
+from tidal.models.sources import resolve_model  # noqa: E402
+from tidal.models.sources.gguf import GGUFModelError, is_complete  # noqa: E402
 from tidal.trainer.publish.gguf_out import write_gguf  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_a_dequantization_timeout_is_a_config_error_and_leaves_no_copy(gguf_file
 def test_a_killed_conversion_leaves_a_temp_the_next_one_removes(gguf_file, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "TIDAL_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", f"from tidal.assets import resolve_model; "
+    proc = subprocess.Popen([sys.executable, "-c", f"from tidal.models.sources import resolve_model; "
                              f"resolve_model({str(gguf_file)!r})"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

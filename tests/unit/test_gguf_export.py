@@ -299,7 +299,7 @@ def test_gguf_source_keeps_its_token_types_and_pre_without_the_file(tmp_path, mo
     """A model that came from a GGUF file: its token types and `tokenizer.ggml.pre` are stored at conversion
     (gguf_tokenizer.json in the cache entry), and an export after the source file is gone writes them as the
     source had them, even where they differ from what the tokenizer alone would give."""
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "src"

@@ -1,4 +1,4 @@
-"""GGUF files as model sources and as exports (`tidal.gguf_source`, `tidal.trainer.publish.gguf_out`).
+"""GGUF files as model sources and as exports (`tidal.models.sources.gguf`, `tidal.trainer.publish.gguf_out`).
 
 Every model here is built in the test: a random-init tiny Llama / Qwen3 made from a config, with a byte-level BPE
 tokenizer trained on a few sentences (`tokenizers`, no download). The GGUF files are written by tidal's writer and
@@ -19,10 +19,10 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install -e '.[gguf]'; make setup-dev installs it)")
 torch = pytest.importorskip("torch")
 
-from tidal.assets import resolve_model  # noqa: E402
 from tidal.config.load import ConfigError  # noqa: E402
-from tidal.gguf_source import GGUFInfo, GGUFModelError, check_supported, gguf_file, is_complete  # noqa: E402
 from tidal.models.arch import check_model  # noqa: E402
+from tidal.models.sources import resolve_model  # noqa: E402
+from tidal.models.sources.gguf import GGUFInfo, GGUFModelError, check_supported, gguf_file, is_complete  # noqa: E402
 from tidal.trainer.publish.gguf_out import check_gguf_export, write_gguf  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -202,7 +202,7 @@ def test_gguf_export_refuses_what_it_cannot_write(tmp_path):
 
 def test_gguf_source_imports_no_torch():
     """The parent of `tidal grpo` resolves GGUF sources without torch (the conversion runs in a child)."""
-    code = ("import sys, tidal.gguf_source as g; g.supported_architectures(); g.dequantizable_types(); "
+    code = ("import sys, tidal.models.sources.gguf as g; g.supported_architectures(); g.dequantizable_types(); "
             "print(sorted(m for m in ('torch', 'vllm', 'peft') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -78,7 +78,7 @@ def test_parts_join_back_to_the_file_and_a_bad_part_is_named(tmp_path):
 
 
 def real_gguf() -> Path | None:
-    from tidal.assets import packaged
+    from tidal.models.sources import packaged
 
     try:
         return Path(packaged("tidal:smollm2-135m-instruct"))

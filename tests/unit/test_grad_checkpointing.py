@@ -92,7 +92,7 @@ def test_train_step_with_checkpointing_matches(tmp_path):
     import numpy as np
 
     from tests.unit.test_train_step import own_batch
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.grpo import train_step
     from tidal.trainer.step.optim import make_optimizer
 

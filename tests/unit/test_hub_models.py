@@ -1,4 +1,4 @@
-"""Models by Hugging Face Hub id (`tidal.hub`): a real HF cache layout on disk, never the network.
+"""Models by Hugging Face Hub id (`tidal.models.sources.hub`): a real HF cache layout on disk, never the network.
 
 The cache is built as huggingface_hub writes it: `{HF_HUB_CACHE}/models--ORG--NAME/` with `blobs/<sha256>`,
 `snapshots/<commit>/<file>` symlinks to `../../blobs/<sha256>` and `refs/main` holding the commit hash. Tests
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.assets import ASSETS, resolve_model
+from tidal.assets import ASSETS
 from tidal.config import InferConfig
+from tidal.models.sources import resolve_model
 
 REPO_ID = "tidal-test/tiny-reverse"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -95,7 +96,7 @@ def test_local_directory_wins_over_a_hub_id(hub, tmp_path, monkeypatch):
 
 
 def test_names_that_are_no_repo_id_are_left_alone(hub, tmp_path):
-    from tidal.hub import parse_hub_id
+    from tidal.models.sources.hub import parse_hub_id
 
     for name in (str(tmp_path / "nope"), "./a/b", "a/b/c", "a--b/c", "gpt2", "../x", "./x", "~/x"):
         assert parse_hub_id(name) is None, name
@@ -105,7 +106,7 @@ def test_names_that_are_no_repo_id_are_left_alone(hub, tmp_path):
 
 
 def test_offline_uncached_id_is_an_error_naming_id_and_cache(hub):
-    from tidal.hub import HubModelError
+    from tidal.models.sources.hub import HubModelError
 
     with pytest.raises(HubModelError, match="tidal-test/absent") as err:
         resolve_model("tidal-test/absent")
@@ -115,7 +116,7 @@ def test_offline_uncached_id_is_an_error_naming_id_and_cache(hub):
 
 
 def test_offline_partial_snapshot_is_an_error(hub):
-    from tidal.hub import HubModelError
+    from tidal.models.sources.hub import HubModelError
 
     build_cache(hub, skip=("model.safetensors",))  # e.g. only config and tokenizer were ever fetched
     with pytest.raises(HubModelError, match="only partly in"):
@@ -124,7 +125,7 @@ def test_offline_partial_snapshot_is_an_error(hub):
 
 def test_offline_snapshot_missing_a_listed_file_is_an_error(hub):
     """huggingface_hub's own completeness check: its tree listing names a file the snapshot lacks."""
-    from tidal.hub import HubModelError
+    from tidal.models.sources.hub import HubModelError
 
     build_cache(hub)
     entry = {"size": 1, "blob_id": "0" * 40}
@@ -160,7 +161,7 @@ def test_online_downloads_once_with_the_model_patterns(hub, monkeypatch):
 def test_download_patterns_keep_only_what_a_model_needs():
     from huggingface_hub.utils import filter_repo_objects
 
-    from tidal.hub import ALLOW_PATTERNS, IGNORE_PATTERNS
+    from tidal.models.sources.hub import ALLOW_PATTERNS, IGNORE_PATTERNS
 
     repo = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -177,7 +178,7 @@ def test_online_unknown_repo_is_an_error(hub, monkeypatch):
     from huggingface_hub import constants
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from tidal.hub import HubModelError
+    from tidal.models.sources.hub import HubModelError
 
     def fake(repo_id, **kw):
         if kw["local_files_only"]:

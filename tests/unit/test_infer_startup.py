@@ -17,8 +17,8 @@ def fake_exec(path, argv, env):
     print("EXEC", argv[2], "HEAVY", heavy, flush=True)
     os._exit(0)
 os.execve = fake_exec
-import tidal.reaper
-tidal.reaper.start_reaper = lambda: None
+import tidal.procs.reaper
+tidal.procs.reaper.start_reaper = lambda: None
 from tidal.cli import main
 main()
 """

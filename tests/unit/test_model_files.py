@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tidal.assets import bundled
 from tidal.config import ConfigError
-from tidal.models.files import check_local_model, check_weights, is_model_dir, missing_weights
+from tidal.models.files import check_weights, is_model_dir, missing_weights
+from tidal.models.sources import bundled, check_local_model
 
 
 def test_a_model_directory_holds_a_config_json(tmp_path):
@@ -40,7 +40,7 @@ def test_only_local_directories_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=rf"train.yaml: key 'model': model directory {tmp_path} holds a config.json "
                                           r"but no weight files"):
         check_weights(str(tmp_path), tmp_path, "train.yaml: key 'model'")
-    check_weights("org/name", tmp_path, "train.yaml: key 'model'")  # a Hub id: its snapshot is tidal.hub's to check
+    check_weights("org/name", tmp_path, "train.yaml: key 'model'")  # a Hub id: models.sources.hub checks it
     check_local_model("org/not-downloaded", "reward")  # nothing resolved, nothing downloaded
     check_local_model("tidal:tiny-reverse", "reward")
     (tmp_path / "sub").mkdir()

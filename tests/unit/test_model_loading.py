@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.assets import bundled
 from tidal.config import ConfigError, TrainConfig
 from tidal.config.load import validate
+from tidal.models.sources import bundled
 from tidal.trainer.model.load import load_base_model, load_policy, load_tokenizer, resolve_device
 
 TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

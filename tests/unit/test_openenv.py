@@ -74,7 +74,7 @@ def server():
 def tok():
     from transformers import AutoTokenizer
 
-    from tidal.assets import bundled
+    from tidal.models.sources import bundled
 
     return AutoTokenizer.from_pretrained(bundled("tidal:tiny-reverse"))
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
+from tidal.models.sources import resolve_model
 from tidal.trainer.state import load_state, save_state
 from tidal.trainer.step.optim import MIN_8BIT_SIZE, make_optimizer
 

@@ -119,8 +119,8 @@ def test_padding_mask_takes_the_masked_path():
 
 
 def _bf16_policy(tmp_path):
-    from tidal.assets import resolve_model
     from tidal.config.train import TrainConfig
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_policy
 
     models = {}

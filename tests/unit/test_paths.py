@@ -41,6 +41,23 @@ def test_atomic_dir_marks_stable_last_and_a_failure_keeps_the_old_directory(tmp_
     assert sorted(p.name for p in final.iterdir()) == [STABLE, "b"], "a rewrite replaces the whole directory"
 
 
+def test_keep_complete_leaves_an_entry_another_writer_completed_and_replaces_an_incomplete_one(tmp_path):
+    final = tmp_path / "entry"
+    with atomic_dir(final, keep_complete=True) as tmp:
+        (tmp / "w").write_text("mine")
+        with atomic_dir(final, keep_complete=True) as other:  # a second writer finishes first
+            (other / "w").write_text("theirs")
+    assert (final / "w").read_text() == "theirs" and (final / STABLE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"], "the late writer's temp is gone"
+    (final / STABLE).unlink()  # a leftover without its marker is replaced, as without keep_complete
+    with atomic_dir(final, keep_complete=True) as tmp:
+        (tmp / "w").write_text("new")
+    assert (final / "w").read_text() == "new" and (final / STABLE).is_file()
+    with atomic_dir(final) as tmp:  # without it, a complete entry is replaced
+        (tmp / "w").write_text("newer")
+    assert (final / "w").read_text() == "newer"
+
+
 def test_temps_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.assets import resolve_model
 from tidal.config import ConfigError, load_config
 from tidal.config.train import TrainConfig
+from tidal.models.sources import resolve_model
 from tidal.trainer.model.precision import apply_recipe, fp8_linear_class
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.dist_worker import config, fixed_batch
-from tidal.assets import resolve_model
 from tidal.config import ConfigError, TrainConfig
 from tidal.config.train import NoiseSchedulerConfig, TrainWeightBroadcast
+from tidal.models.sources import resolve_model
 from tidal.trainer.grpo import train_step
 from tidal.trainer.model.noise import noisy_norms, norm_keys, qerl_noise, qerl_sigma
 from tidal.trainer.policy import build_policy

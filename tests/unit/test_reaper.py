@@ -1,4 +1,4 @@
-"""`tidal.reaper`: when a process dies without cleanup (SIGKILL), the processes it started die too — real
+"""`tidal.procs.reaper`: when a process dies without cleanup (SIGKILL), the processes it started die too — real
 processes, real signals."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import sys
 import textwrap
 import time
 
-from tidal.reaper import _alive, _stat, descendants, kill_all, process_table
+from tidal.procs.reaper import _alive, _stat, descendants, kill_all, process_table
 
 # A parent that starts a child, which starts a grandchild (all sleeping), optionally with a reaper; it prints
 # the pids and waits to be killed.
 FAMILY = textwrap.dedent("""
     import subprocess, sys, time
-    from tidal.reaper import start_reaper
+    from tidal.procs.reaper import start_reaper
     reaper = start_reaper() if sys.argv[1] == "reaper" else None
     child = subprocess.Popen([sys.executable, "-c",
         "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
@@ -96,7 +96,7 @@ def test_descendants_follow_the_process_tree():
 def test_stop_groups_returns_once_every_member_of_the_group_is_gone():
     """`stop_groups` (the launcher's stop) returns only when no live process of a child's group is left, the
     members the leader started included (vLLM's engine core beside its API server)."""
-    from tidal.reaper import group_alive, stop_groups
+    from tidal.procs.reaper import group_alive, stop_groups
 
     leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                                "m = subprocess.Popen([sys.executable, '-c', 'import signal, time; "

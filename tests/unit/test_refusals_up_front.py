@@ -140,7 +140,7 @@ def weightless_model(tmp_path: Path) -> Path:
     """The bundled model's directory without its weights: config.json, tokenizer and chat template only."""
     import shutil
 
-    from tidal.assets import bundled
+    from tidal.models.sources import bundled
 
     out = tmp_path / "no-weights"
     shutil.copytree(bundled("tidal:tiny-reverse"), out, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -167,12 +167,12 @@ def test_teacher_and_reward_model_directories_without_weights_exit_2(tmp_path, c
     model = str(weightless_model(tmp_path))
     runs = {"orch teacher": orch_file(tmp_path, "teacher", teacher={"model": model}),
             "orch reward_funcs[0].kwargs.model": orch_file(tmp_path, "rm", reward_funcs=[
-                {"import_path": "tidal.reward_model:reward_model", "kwargs": {"model": model}}])}
+                {"import_path": "tidal.rewards.model:reward_model", "kwargs": {"model": model}}])}
     for where, orch in runs.items():
         assert main(["grpo", "--dry-run", "--orch", orch]) == 2, where
         err = capsys.readouterr().err
         assert where in err and "holds a config.json but no weight files" in err, f"{where}: {err[-2000:]}"
-    hub = orch_file(tmp_path, "hub-rm", reward_funcs=[{"import_path": "tidal.reward_model:reward_model",
+    hub = orch_file(tmp_path, "hub-rm", reward_funcs=[{"import_path": "tidal.rewards.model:reward_model",
                                                        "kwargs": {"model": "nobody/not-downloaded-here"}}])
     assert main(["grpo", "--dry-run", "--orch", hub]) == 0, capsys.readouterr().err[-2000:]
 
@@ -183,7 +183,7 @@ def huge_model(tmp_path: Path) -> Path:
     import json
     import shutil
 
-    from tidal.assets import bundled
+    from tidal.models.sources import bundled
 
     out = tmp_path / "llama-70b-shape"
     shutil.copytree(bundled("tidal:tiny-reverse"), out, ignore=shutil.ignore_patterns("*.safetensors", "config*"))

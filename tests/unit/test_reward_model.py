@@ -1,8 +1,8 @@
-"""Reward models (`tidal.reward_model`): a random-init tiny sequence classifier (the bundled model's architecture
+"""Reward models (`tidal.rewards.model`): a random-init tiny sequence classifier (the bundled model's architecture
 and tokenizer, one label) scores completions as TRL does: prompt + completion, the chat template for
 conversational samples, plain text for standard ones, its own tokenizer without added special tokens, batched
 with right padding (the same scores as one at a time), first logit; loaded once; usable from GRPOTrainer and
-from YAML (`tidal.reward_model:reward_model`) through the scorer."""
+from YAML (`tidal.rewards.model:reward_model`) through the scorer."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tidal.assets import bundled
 from tidal.config import OrchConfig
 from tidal.envs import make_env
 from tidal.inference.protocol import Completion
+from tidal.models.sources import bundled
 from tidal.orchestrator.scoring import Scorer
-from tidal.reward_model import RewardModel
+from tidal.rewards.model import RewardModel
 
 CHAT = [{"role": "user", "content": "reverse: abc"}]
 
@@ -73,7 +73,7 @@ def test_conversational_samples_use_the_reward_models_chat_template(classifier):
 
 
 def test_grpo_trainer_takes_a_model_directory_as_a_reward_function(classifier):
-    from tidal.api import reward_functions
+    from tidal.api.trainer import reward_functions
 
     (name, fn, weight), = reward_functions([classifier], None)
     assert isinstance(fn, RewardModel) and name == Path(classifier).name and weight == 1.0
@@ -83,7 +83,7 @@ def test_yaml_reward_funcs_reach_a_reward_model_through_the_scorer(classifier, t
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "Reverse: abc. Answer:"}) + "\n")
     env = make_env("dataset", {"path": str(data)})
-    cfg = OrchConfig.model_validate({"reward_funcs": [{"import_path": "tidal.reward_model:reward_model",
+    cfg = OrchConfig.model_validate({"reward_funcs": [{"import_path": "tidal.rewards.model:reward_model",
                                                        "kwargs": {"model": classifier, "batch_size": 1}}]})
     scorer = Scorer({"data": env}, cfg)
     comps = [Completion([1], [0.0], " cba", "stop"), Completion([2], [0.0], " x", "stop")]

@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from tidal.assets import resolve_model
+from tidal.models.sources import resolve_model
 from tidal.orchestrator.rollout_func import completions_of
 
 N, SEQ_LEN, BUDGET = 3, 64, 8

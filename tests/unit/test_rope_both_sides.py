@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.inference.backends.vllm.server import vllm_argv
 from tidal.models.rope import merge_rope, model_rope_parameters
+from tidal.models.sources import resolve_model
 
 LINEAR = {"type": "linear", "factor": 2.0}
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tidal.config.infer import InferConfig
+from tidal.inference.backends.bind import InsecureBindError, check_bind_secure
 from tidal.inference.backends.vllm.server import vllm_argv
-from tidal.procs import InsecureBindError, check_bind_secure
 from tidal.rewards.code_exec import unit_tests
-from tidal.sandbox import network_namespace_available, run_python
+from tidal.rewards.sandbox import network_namespace_available, run_python
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tidal"
 

@@ -32,7 +32,7 @@ def test_group_ranks_follow_each_servers_tp_size():
 
 
 def test_the_update_request_announces_what_is_broadcast_in_sglangs_fields():
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
     from tidal.trainer.model.load import load_base_model
     from tidal.trainer.publish.broadcast import policy_weight_specs, policy_weights
     from tidal.trainer.publish.push_sglang import update_request

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tidal.assets import resolve_model
 from tidal.colocate import start
 from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
+from tidal.models.sources import resolve_model
 
 H100_GIB = 79.18
 GPU = Machine(cores=tuple(range(16)), has_gpu=True, gpu_memory_gib=H100_GIB)

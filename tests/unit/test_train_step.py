@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
+from tidal.models.sources import resolve_model
 from tidal.trainer.grpo import train_step
 from tidal.trainer.model.load import load_policy
 from tidal.trainer.step.logprobs import forward_logprobs

@@ -13,9 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from tidal import GRPOConfig as LazyGRPOConfig
+from tidal.api.grpo_config import MAPPING, GRPOConfig, to_tidal
+from tidal.api.training_args import EFFECTS, TrainingArgumentsFields
 from tidal.config.train import TrainConfig
-from tidal.config.trl import MAPPING, GRPOConfig, to_tidal
-from tidal.config.trl_training_args import EFFECTS, TrainingArgumentsFields
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests.unit.trl_fields import fields_of, trl_fields
-from tidal.config.trl import MAPPING, GRPOConfig
+from tidal.api.grpo_config import MAPPING, GRPOConfig
 
 DIFFERENT_DEFAULTS = {
     "vllm_server_host": "tidal's server binds to 127.0.0.1 (TRL 0.0.0.0): no open port unless asked",

@@ -168,7 +168,7 @@ NO_SEED_MASKS = {"token_mask_low": 0.0, "token_mask_high": math.inf, "geo_mask_l
 
 
 def tidal_config(trl: dict[str, Any]) -> LossConfig:
-    """The train `loss` section meaning `trl` (what `tidal.config.trl.to_tidal` derives)."""
+    """The train `loss` section meaning `trl` (what `tidal.api.grpo_config.to_tidal` derives)."""
     keys: dict[str, Any] = {k: trl[k] for k in ("loss_type", "beta", "epsilon", "epsilon_high", "delta",
                                                 "importance_sampling_level", "top_entropy_quantile",
                                                 "off_policy_mask_threshold", "entropy_coef")}

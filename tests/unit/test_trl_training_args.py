@@ -1,6 +1,6 @@
 """The field walk of TRL 1.16's inherited `TrainingArguments` fields (issue 53): every field `GRPOConfig` inherits
 has its effect in tidal or is refused with the reason, so a field TRL adds is never silently ignored; the
-list of fields is TRL 1.16's own (`config/trl_1_16_fields.json`, read from the wheel)."""
+list of fields is TRL 1.16's own (`api/trl_1_16_fields.json`, read from the wheel)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tidal.config.trl import MAPPING, GRPOConfig, to_tidal
-from tidal.config.trl_training_args import EFFECTS, REMOVED, TrainingArgumentsFields
+from tidal.api.grpo_config import MAPPING, GRPOConfig, to_tidal
+from tidal.api.training_args import EFFECTS, REMOVED, TrainingArgumentsFields
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "tidal" / "config"
+SRC = Path(__file__).resolve().parents[2] / "src" / "tidal" / "api"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
 FIELDS = json.loads((SRC / "trl_1_16_fields.json").read_text())["fields"]
 INHERITED = {f["name"]: f["default"] for f in FIELDS if f["origin"] == "TrainingArguments"}

@@ -139,9 +139,9 @@ class ModelFacts:
     @classmethod
     def read(cls, model: str) -> ModelFacts:
         """The facts of the model `model` names (`tidal:NAME`, a directory or a cached Hub id)."""
-        from tidal.assets import resolve_model
         from tidal.models.arch import read_arch
         from tidal.models.config import model_config
+        from tidal.models.sources import resolve_model
 
         info = read_arch(resolve_model(model))
         return cls(architecture=info.architecture, moe=info.moe, config=model_config(model), arch=info)

@@ -15,8 +15,8 @@ start, so no refusal can come after vLLM was started.
 - the inference side's model code: vLLM's Qwen-VL code imports torchvision, so a Qwen-VL model where
   torchvision does not import is refused here, saying what to install
   (`tidal.inference.backends.vllm.support.check_vision_imports`), not left to a stack trace from vLLM's start;
-- a reward model in a local directory (orch `reward_funcs` of `tidal.reward_model`, or one given in process)
-  must be a model directory with its weights (`tidal.models.files.check_local_model`), as the policy's and the
+- a reward model in a local directory (orch `reward_funcs` of `tidal.rewards.model`, or one given in process)
+  must be a model directory with its weights (`tidal.models.sources.check_local_model`), as the policy's and the
   teacher's directories must (`tidal.models.arch.check_model`, when the configs are loaded).
 Each raises `ConfigError` (the CLI exits 2; the Python API raises it as a `ValueError`).
 """
@@ -25,17 +25,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.models.arch import check_trainable, read_arch
 from tidal.models.config import model_config
-from tidal.models.files import check_local_model
 from tidal.models.limits import check_lengths
+from tidal.models.sources import check_local_model, resolve_model
 from tidal.orchestrator.preflight import check_orch
-from tidal.reward_model import named_models
+from tidal.rewards.model import named_models
 from tidal.trainer.preflight import check_train
 
 

@@ -69,8 +69,9 @@ def check_startable(co: Colocated) -> None:
         from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
 
         check_runnable(has_cuda(), sglang_installed())
+    from tidal.inference.backends.bind import InsecureBindError, check_bind_secure
     from tidal.inference.backends.vllm.support import check_weight_transfer
-    from tidal.procs import InsecureBindError, PortInUseError, check_bind_secure, check_port_free
+    from tidal.procs import PortInUseError, check_port_free
 
     if co.infer.backend == "vllm":
         check_weight_transfer(co.infer.weight_broadcast_type)  # a vLLM without the nccl push: exit 2 now

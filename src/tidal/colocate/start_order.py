@@ -16,7 +16,7 @@ their start-up was added to vLLM's. Now (`start_plan`, mode `auto`):
   base weights (train `share_base_weights`) are vLLM's own tensors, so the trainer must not allocate before vLLM
   is up. So on a GPU only the imports overlap; the memory order is the one `tidal.colocate.split` planned for.
   The orchestrator starts after `/health` as before: it may hold a reward model on the GPU
-  (`tidal.reward_model`), and its `connect_timeout_s` (300 s) is shorter than a large model's first start.
+  (`tidal.rewards.model`), and its `connect_timeout_s` (300 s) is shorter than a large model's first start.
 - mode `sequential` (`tidal grpo --startup sequential`): the order before, both after `/health` (a baseline for
   `make bench` and bench/vllm_startup.py).
 

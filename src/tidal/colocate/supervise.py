@@ -12,7 +12,7 @@ loads the current policy into the new server). If the trainer or the orchestrato
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
 that resumes the run. Ctrl-C / SIGTERM stop everything. Each child (`tidal.procs.Child`) runs in its own process
 group (killed as a group, so vLLM's engine processes go too) and gets SIGKILL if this parent dies; a reaper
-(`tidal.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
+(`tidal.procs.reaper`) kills the rest of the family (vLLM's engine processes, environment servers) when this
 launcher is killed outright (SIGKILL, the OOM killer). The children
 inherit this process's environment; `infer_env` adds variables for the inference server only (e.g. its core
 binding, from `tidal.colocate.derive.Placement`). A teacher server (orch `teacher` without an address:
@@ -43,7 +43,7 @@ from tidal import procs
 from tidal.checkpoint import TRAINER, complete_steps
 from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
 from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
-from tidal.reaper import start_reaper
+from tidal.procs.reaper import start_reaper
 
 STARTUP_PHASES: tuple[tuple[str, str], ...] = (
     ("tidal", r"tidal grpo-infer: starting vLLM"),

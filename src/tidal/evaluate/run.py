@@ -112,7 +112,7 @@ def model_length(model_dir: str, wanted: int | None) -> int:
 
 def prepare(cfg: EvalConfig) -> Plan:
     """The checks that run before anything starts (module docs); ConfigError names what is wrong."""
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     check_address(cfg)
     try:
@@ -131,7 +131,7 @@ def prepare(cfg: EvalConfig) -> Plan:
 def evaluate(cfg: EvalConfig, progress: bool = True, log_path: Path | None = None) -> EvalResult:
     """Score `cfg`'s rows (module docs); vLLM's output goes to `log_path` (None: `eval-vllm.log` beside the JSON)."""
     from tidal.inference.backends.vllm.server import on_cpu
-    from tidal.reaper import start_reaper
+    from tidal.procs.reaper import start_reaper
 
     plan = prepare(cfg)
     out = Path(cfg.out or "eval.json")

@@ -2,7 +2,7 @@
 
 - Started by tidal eval (no `address`): like `tidal grpo-infer` (`vllm_argv` / `vllm_env`: processed logprobs, the
   model's generation config ignored, on CPU the worker in the engine process and every core), as a `tidal.procs.Child`
-  in its own process group, stopped at the end; a reaper (`tidal.reaper`) kills it should tidal eval be killed.
+  in its own process group, stopped at the end; a reaper (`tidal.procs.reaper`) kills it should tidal eval be killed.
 - `lora` (`Served.lora`): vLLM starts with LoRA layers for the adapters' targets and rank, each adapter is loaded
   under its row's name, and every row is sampled at once (one start for N adapters).
 - `merged`: vLLM starts without LoRA (on CPU it then compiles the model: its LoRA path is ~5x slower) and able to
@@ -109,7 +109,7 @@ class Server:
             return  # vLLM serves the weights it loaded: the base model
         from safetensors.torch import save_file
 
-        from tidal.assets import resolve_model
+        from tidal.models.sources import resolve_model
 
         model_dir = resolve_model(self.cfg.model)
         model = self._model(model_dir)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
 from tidal.models.config import read_config, text_config
 from tidal.models.files import check_weights, is_model_dir
+from tidal.models.sources import resolve_model
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """config.json keys that give the number of routed experts of a mixture-of-experts model."""
@@ -119,7 +119,7 @@ def check_cpu_moe_lora(info: ArchInfo, model: str, on_cpu: bool, enable_lora: bo
 def check_model(name: str, source: str) -> None:
     """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
     (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and
-    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`tidal.hub`). A local
+    HF_HUB_OFFLINE is unset), so `tidal grpo` fetches it once, before anything starts (`models.sources.hub`). A local
     directory must hold its weights (`tidal.models.files.check_weights`)."""
     try:
         path = resolve_model(name)

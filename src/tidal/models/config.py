@@ -1,7 +1,7 @@
 """One reader of a model's config.json, and the one `text_config` rule (torch-free).
 
 `read_config(model_dir)` reads a model directory's config.json; `model_config(model)` first resolves a model name
-(`tidal:NAME`, a local directory or a cached Hub id, `tidal.assets.resolve_model`). `text_config(config)` is the
+(`tidal:NAME`, a local directory or a cached Hub id, `tidal.models.sources.resolve_model`). `text_config(config)` is the
 language model's part of a config: a vision-language model's `text_config` (a non-empty mapping), else the config
 itself; every length, width, vocabulary and expert count tidal reads comes through it.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.models.files import CONFIG_FILE, is_model_dir
+from tidal.models.sources import resolve_model
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ one weights check.
   files, the shards `pytorch_model.bin.index.json` names). A directory with config.json and a tokenizer but no
   weights would pass every config check, start vLLM and then end the trainer with transformers' `OSError: Error
   no file named model.safetensors`; `check_weights` refuses it up front (`ConfigError`, exit 2), naming the
-  directory and the files it looked for. A Hugging Face Hub id is left alone: `tidal.hub` only uses a snapshot
+  directory and the files it looked for. A Hugging Face Hub id is left alone: `models.sources.hub` only uses a snapshot
   whose safetensors weights are complete.
 """
 
@@ -81,20 +81,3 @@ def check_weights(model: str, path: str | Path, source: str) -> None:
                           f"{why}: transformers and vLLM would fail loading it after the run started; copy the "
                           f"weights there (model.safetensors, or the shards with their index), or name a complete "
                           f"model directory or a Hub id")
-
-
-def check_local_model(model: str, source: str) -> None:
-    """Refuse a local directory `model` names (a `tidal:` name or an existing path) that is no model directory or
-    holds no complete weights; a Hub id passes unresolved (nothing is downloaded here). For models loaded later
-    by name (a reward model), where `tidal.models.arch.check_model` would download a Hub id up front."""
-    if not is_local(model):
-        return
-    from tidal.assets import resolve_model
-
-    try:
-        path = resolve_model(model)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    if not is_model_dir(path):
-        raise ConfigError(f"{source}: '{model}' is not a model directory (no config.json in {Path(path).resolve()})")
-    check_weights(model, path, source)

@@ -161,6 +161,11 @@ def gdpo_advantages(per_func: np.ndarray, weights: Sequence[float], group_size: 
     return np.nan_to_num(adv, nan=0.0)
 
 
+MOVED = {"tidal.reward_model": "tidal.rewards.model", "tidal.sandbox": "tidal.rewards.sandbox"}
+"""tidal modules that config files named by import path before they moved into packages (2026-12): the old path is
+refused with the new one."""
+
+
 def load_function(import_path: str) -> Callable[..., Any]:
     """`pkg.mod:fn` or `pkg.mod.fn` -> the function; errors name the path."""
     mod_name, sep, attr = import_path.partition(":")
@@ -168,6 +173,9 @@ def load_function(import_path: str) -> Callable[..., Any]:
         mod_name, _, attr = import_path.rpartition(".")
     if not mod_name or not attr:
         raise ValueError(f"import path {import_path!r} must look like 'package.module:function'")
+    if mod_name in MOVED:
+        raise ValueError(f"import path {import_path!r}: tidal's module {mod_name} is now {MOVED[mod_name]}; write "
+                         f"'{MOVED[mod_name]}:{attr}'")
     try:
         fn = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as exc:

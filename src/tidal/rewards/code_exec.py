@@ -1,7 +1,7 @@
 """`tidal.rewards.code_exec:unit_tests` — reward a completion's Python code by running tests against it.
 
 The code (the last ```python fenced block of the completion, else the whole completion) is concatenated with
-the example's `tests` column and run by `tidal.sandbox.run_python`: a subprocess with time and memory limits
+the example's `tests` column and run by `tidal.rewards.sandbox.run_python`: a subprocess with time and memory limits
 and no network. Reward 1.0 when it exits 0 within the limits, else 0.0; None for an example without tests
 (TRL's "not applicable"). Use as
 `reward_funcs: [{import_path: "tidal.rewards.code_exec:unit_tests", kwargs: {timeout_s: 5, memory_mb: 256}}]`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tidal.sandbox import run_python
+from tidal.rewards.sandbox import run_python
 
 FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 

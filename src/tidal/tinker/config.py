@@ -19,7 +19,7 @@ class TinkerServeConfig(StrictModel):
 
     model: str = "tidal:tiny-reverse"
     """The base model: a bundled `tidal:NAME`, a local Hugging Face model directory or a Hub id (resolved like
-    every tidal model: `tidal.assets.resolve_model`)."""
+    every tidal model: `tidal.models.sources.resolve_model`)."""
     host: str = "127.0.0.1"
     """Address the Tinker API binds to; beyond loopback an explicit `api_key` is required."""
     port: int = Field(8900, ge=1, le=65535)

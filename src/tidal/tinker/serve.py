@@ -3,7 +3,7 @@
 Start-up order: check the API key, the `tinker` extra and the ports (the server reads the SDK's protobuf messages
 with the SDK's own module); start vLLM in the background (`tidal.tinker.sampler`), load the trainer's base model
 meanwhile (`tidal.tinker.trainer`), wait for vLLM, then serve with uvicorn. On exit (Ctrl-C, SIGTERM) vLLM is
-stopped; a reaper (`tidal.reaper`) kills it too if this process is killed outright.
+stopped; a reaper (`tidal.procs.reaper`) kills it too if this process is killed outright.
 
 The served name of the model is what `--model` says, except for a bundled `tidal:NAME`, which is served under its
 directory's path: the SDK loads a tokenizer from the base model's name with `AutoTokenizer.from_pretrained`
@@ -56,10 +56,10 @@ def served_model(cfg: TinkerServeConfig, sampler_on_cpu: bool) -> ServedModel:
     (`--max-model-len`, else the positions the model holds, RoPE factor included: `tidal.models.limits`). The
     lm_head is a LoRA target of vLLM on CPU (checked against PEFT), and on a GPU when the vocabulary is at least the
     hidden size (vLLM 0.24's CUDA warm-up mis-sizes a tied head otherwise: docs/design.md)."""
-    from tidal.assets import resolve_model
     from tidal.models.config import read_config, text_config
     from tidal.models.files import is_model_dir
     from tidal.models.limits import max_positions
+    from tidal.models.sources import resolve_model
 
     model_dir = str(Path(resolve_model(cfg.model)).resolve())
     if not is_model_dir(model_dir):
@@ -115,7 +115,7 @@ def run(cfg: TinkerServeConfig) -> int:
 
     import uvicorn
 
-    from tidal.reaper import start_reaper
+    from tidal.procs.reaper import start_reaper
     from tidal.tinker.app import build_app
     from tidal.tinker.sampler import Sampler
     from tidal.tinker.service import TinkerService

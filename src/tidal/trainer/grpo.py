@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.models.arch import skips_backward
 from tidal.models.memory import train_footprint_gib
+from tidal.models.sources import resolve_model
 from tidal.monitor.metrics import MetricsWriter, progress_line
 from tidal.paths import metrics_path
 from tidal.trainer.distributed import (

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tidal.assets import resolve_model
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
 from tidal.models.config import model_config
 from tidal.models.limits import check_lengths
+from tidal.models.sources import resolve_model
 
 
 def publishes_merged(cfg: TrainConfig) -> bool:

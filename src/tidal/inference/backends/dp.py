@@ -27,7 +27,7 @@ seeds; this only keeps unseeded ones from repeating each other), and gets
 dp 1 changes nothing: one server, vLLM's own placement (`tidal.inference.backends.vllm.server.exec_server`).
 
 Supervision (`run_servers`): each server is a child (`tidal.procs.Child`) in its own process group, killed with it by
-PR_SET_PDEATHSIG and by the reaper (`tidal.reaper`) if this process is killed outright; its output is echoed
+PR_SET_PDEATHSIG and by the reaper (`tidal.procs.reaper`) if this process is killed outright; its output is echoed
 with a `[dp{i}:{port}]` prefix. The supervisor reports when every server answers `/health`; when one server
 exits, it stops the others and exits non-zero (the co-locate launcher then restarts inference as a whole, and
 the orchestrator loads the current policy into the new servers). SIGTERM / SIGINT stop all of them.
@@ -162,7 +162,7 @@ def run_servers(cfg: InferConfig, plans: list[ServerPlan], host: str, argv_of: C
     `common` plus the plan's; `engine` names them in the log: `SGLang` for `tidal.inference.backends.sglang`) and
     supervise them; returns the exit code (1 when a server exited on its own,
     128 + the signal's number after SIGINT / SIGTERM). The caller has checked the ports and the bind address."""
-    from tidal.reaper import start_reaper
+    from tidal.procs.reaper import start_reaper
 
     start_reaper()  # killed outright, this process still takes every server and engine along
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}

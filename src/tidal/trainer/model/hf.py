@@ -20,8 +20,8 @@ from tidal.trainer.model.vision import TRAINABLE, is_vision_config
 
 def check_model_dir(path: str) -> Path:
     """The model directory (`tidal:NAME` for a bundled one) must hold a config.json; nothing is downloaded."""
-    from tidal.assets import resolve_model
     from tidal.models.files import is_model_dir
+    from tidal.models.sources import resolve_model
 
     p = Path(resolve_model(path))
     if not is_model_dir(p):

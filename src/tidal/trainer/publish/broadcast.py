@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.config.train import TrainConfig
 from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, is_expert_key, plain_name
+from tidal.models.sources import resolve_model
 from tidal.trainer.model.quant import dense_spec, dense_weight, qlora_kind
 from tidal.transport import weights
 

@@ -19,13 +19,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tidal.assets import resolve_model
 from tidal.config.train import ExportSection
+from tidal.models.sources import resolve_model
 from tidal.paths import atomic_dir, final_dir
 from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict
 
 GGUF_RECORD = "gguf_tokenizer.json"
-"""A GGUF source's tokenizer facts (`tidal.gguf_source.TOKENIZER_FILE`), carried into final/model too."""
+"""A GGUF source's tokenizer facts (`tidal.models.sources.gguf.TOKENIZER_FILE`), carried into final/model too."""
 
 
 class GGUFExportError(RuntimeError):

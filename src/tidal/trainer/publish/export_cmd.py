@@ -61,7 +61,7 @@ def adapter_base(adapter: Path, base: str | None) -> Path:
     """The base model directory of `adapter` (`--base`, else its adapter_config.json's)."""
     import json
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     name = base or json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not name:

@@ -7,7 +7,7 @@ byte-level BPE tokenizer.json, as llama.cpp reads them (`tidal.trainer.publish.g
   so `<|im_start|>` came out as 7 ordinary pieces). Other vocabulary tokens are NORMAL, padding up to the model's
   vocabulary UNUSED.
 - A model that came from a GGUF file keeps that file's token types, `tokenizer.ggml.pre` and add_bos/add_eos flags:
-  `tidal.gguf_source` stored them in the cache entry (`gguf_tokenizer.json`; merged/ exports copy it), so the source
+  `models.sources.gguf` stored them in the cache entry (`gguf_tokenizer.json`; merged/ exports copy it), so the source
   file need not exist any more.
 - Pre-tokenizer of a Hugging Face tokenizer, chosen as llama.cpp's `convert_hf_to_gguf.py` chooses it: by identity,
   the sha256 of the token ids of llama.cpp's check text (`CHECK_TEXT`) looked up among the families of the
@@ -27,7 +27,7 @@ from typing import Any
 from tidal.config.load import ConfigError
 
 TOKENIZER_FILE = "gguf_tokenizer.json"
-"""A GGUF source's tokenizer facts in its dequantized directory (`tidal.gguf_source.TOKENIZER_FILE`)."""
+"""A GGUF source's tokenizer facts in its dequantized directory (`tidal.models.sources.gguf.TOKENIZER_FILE`)."""
 CHECK_TEXT = (
     '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated'
     ') ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作131415'

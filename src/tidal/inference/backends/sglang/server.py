@@ -41,11 +41,12 @@ import os
 import sys
 import time
 
-from tidal.assets import resolve_model
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
+from tidal.inference.backends.bind import check_bind_secure
 from tidal.inference.backends.sglang.client import LAUNCH_VERSION
-from tidal.procs import bind_host, check_bind_secure, check_port_free
+from tidal.models.sources import resolve_model
+from tidal.procs import bind_host, check_port_free
 
 API_KEY_VAR = "VLLM_API_KEY"
 LORA_RANK_DEFAULT = 16
@@ -151,7 +152,7 @@ def serve(cfg: InferConfig) -> int:
     if cfg.dp == 1:
         check_port_free(host, cfg.port)
         argv = sglang_argv(cfg)
-        from tidal.reaper import start_reaper
+        from tidal.procs.reaper import start_reaper
 
         start_reaper()  # SGLang's scheduler and detokenizer processes die with it
         print(f"tidal grpo-infer: starting SGLang on {host}:{cfg.port}", flush=True)

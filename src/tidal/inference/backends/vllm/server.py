@@ -10,7 +10,7 @@ set) lets a server without LoRA reuse torch's compile caches instead of compilin
 server runs its model worker inside vLLM's engine-core process (`worker_in_engine_threads`: one process and one
 import of torch + vLLM fewer), and oneDNN's global primitive cache is off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
 unless set: with it, every merged reload grew the engine core, issue 44). vLLM gets the model's directory
-(`tidal.assets.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
+(`tidal.models.sources.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
 configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
 HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
 """
@@ -25,9 +25,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from tidal.assets import resolve_model
 from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
-from tidal.procs import bind_host, check_bind_secure, check_port_free
+from tidal.inference.backends.bind import check_bind_secure
+from tidal.models.sources import resolve_model
+from tidal.procs import bind_host, check_port_free
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
@@ -289,8 +290,8 @@ def serve(cfg: InferConfig) -> int:
 
 def exec_server(cfg: InferConfig) -> None:
     """Replace this process with the vLLM server (so signals reach vLLM directly), leaving a reaper behind that
-    kills vLLM's engine processes if the server dies without taking them along (`tidal.reaper`)."""
-    from tidal.reaper import start_reaper
+    kills vLLM's engine processes if the server dies without taking them along (`tidal.procs.reaper`)."""
+    from tidal.procs.reaper import start_reaper
 
     host = bind_host(cfg.host)
     check_bind_secure(cfg)

@@ -1,13 +1,14 @@
 """GGUF files as a model source: `model: path/to/file.gguf` (or a directory holding one `.gguf` and no config.json)
 -> a Hugging Face model directory in tidal's cache, dequantized once, which vLLM, the trainer and the tokenizer then
-load like any local model (`tidal.assets.resolve_model` calls `resolve_gguf`).
+load like any local model (`tidal.models.sources.resolve_model` calls `resolve_gguf`).
 
 - Cache: `$TIDAL_CACHE/gguf/<sha256 of the file, 16 hex>/` (`TIDAL_CACHE` defaults to `$XDG_CACHE_HOME/tidal`, else
   `~/.cache/tidal`). An entry is complete only with its `STABLE` marker; it is written under a temporary name in the
   same directory and renamed, so a killed conversion never leaves an entry that is used. The content hash of a file is
   remembered by (path, size, mtime) (`hashes/`), so a large file is read once, not at every start.
 - Conversion: transformers + PyPI's `gguf` (the `gguf` extra) dequantize the file (`from_pretrained(gguf_file=...)`,
-  float32), in a child process (`python -m tidal.gguf_dequant`: this module stays torch-free, and so does the
+  float32), in a child process (`python -m tidal.models.sources.gguf_dequant`: this
+  module stays torch-free, and so does the
   `tidal grpo` parent that resolves a model before anything starts). The entry holds float32 safetensors, the
   tokenizer and chat template the file carries, `gguf_source.json` (file, hash, architecture, tensor types) and
   `gguf_tokenizer.json`: what the file says about its tokenizer beyond what transformers keeps (`tokenizer.ggml.pre`,
@@ -25,17 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import procs
-from tidal.paths import sweep_temps, write_atomic
+from tidal.paths import STABLE, atomic_dir, write_atomic
 
 SUFFIX = ".gguf"
-STABLE = "STABLE"
 SOURCE_FILE = "gguf_source.json"
 TOKENIZER_FILE = "gguf_tokenizer.json"
 """The source file's tokenizer facts in a cache entry (`tokenizer_facts`); merged/ exports copy it along."""
@@ -208,51 +207,34 @@ def resolve_gguf(name: str) -> str | None:
 
 
 def convert(path: Path, info: GGUFInfo, entry: Path) -> None:
-    """Dequantize `path` into the cache entry `entry`: a child process writes a temporary directory beside it, which
-    is renamed into place once complete (another process that got there first wins; its entry is equal). The temp
-    is removed when the conversion fails or times out (`DEQUANT_TIMEOUT_S`: GGUFModelError, exit 2); one left by a
-    run that was killed (its pid is in the name) is removed by the next conversion (`paths.sweep_temps`)."""
+    """Dequantize `path` into the cache entry `entry`: a child process fills a temporary directory beside it, which
+    becomes the entry once complete (`tidal.paths.atomic_dir`; another process that got there first wins, and its
+    entry is equal). The temp is removed when the conversion fails or times out (`DEQUANT_TIMEOUT_S`:
+    GGUFModelError, exit 2); one left by a run that was killed (its pid is in the name) is removed by the next
+    conversion (`paths.sweep_temps`)."""
     size_mb = path.stat().st_size / 2**20
     types = ", ".join(f"{k} x{v}" for k, v in sorted(info.tensor_types.items()))
     print(f"[tidal] dequantizing {path.name} ({size_mb:.0f} MB, {info.architecture}, tensors {types}) once into "
           f"{entry} (float32; later runs reuse it)", file=sys.stderr, flush=True)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    sweep_temps(entry.parent)  # float32 copies left by killed runs (`.NAME.tmp.PID`, the writer gone)
-    tmp = entry.with_name(f".{entry.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(entry, keep_complete=True) as tmp:
         _dequantize(path, tmp)
-        _finish(path, info, tmp, entry)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
+        write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
+                                                    "architecture": info.architecture,
+                                                    "tensor_types": info.tensor_types}, indent=1))
+        record_tokenizer(path, tmp)
 
 
 def _dequantize(path: Path, tmp: Path) -> None:
     """Run the dequantization child into `tmp`; GGUFModelError (exit 2) when it fails or outlives its time."""
     # a child in its own process group that dies with this process (tidal.procs.run); an hour bounds a stuck one
     try:
-        proc = procs.run([sys.executable, "-m", "tidal.gguf_dequant", str(path), str(tmp)], DEQUANT_TIMEOUT_S)
+        cmd = [sys.executable, "-m", "tidal.models.sources.gguf_dequant", str(path), str(tmp)]
+        proc = procs.run(cmd, DEQUANT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise GGUFModelError(f"model {path}: dequantizing the GGUF file took longer than {DEQUANT_TIMEOUT_S:g} s "
-                             f"(tidal.gguf_source.DEQUANT_TIMEOUT_S); it was stopped and its partial copy removed. "
+                             f"(tidal.models.sources.gguf.DEQUANT_TIMEOUT_S); it was stopped and its partial copy "
+                             f"removed. "
                              f"Convert it once on a faster machine or give an HF model directory") from None
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         raise GGUFModelError(f"model {path}: dequantizing the GGUF file failed (exit {proc.returncode}):\n{tail}")
-
-
-def _finish(path: Path, info: GGUFInfo, tmp: Path, entry: Path) -> None:
-    """Describe and mark the converted `tmp`, then rename it into place as `entry`."""
-    write_atomic(tmp / SOURCE_FILE, json.dumps({"file": str(path), "sha256": content_hash(path),
-                                                "architecture": info.architecture,
-                                                "tensor_types": info.tensor_types}, indent=1))
-    record_tokenizer(path, tmp)
-    (tmp / STABLE).write_text("")
-    if entry.exists() and not is_complete(entry):
-        shutil.rmtree(entry, ignore_errors=True)  # not from a rename (those are complete): a leftover, replaced
-    try:
-        os.rename(tmp, entry)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not is_complete(entry):
-            raise

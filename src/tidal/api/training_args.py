@@ -1,5 +1,5 @@
 """transformers' `TrainingArguments` fields that TRL 1.16's `GRPOConfig` inherits, beyond the ones `GRPOConfig`
-maps itself (`tidal.config.trl`): each has its effect or is refused with the reason.
+maps itself (`tidal.api.grpo_config`): each has its effect or is refused with the reason.
 
 TRL 1.16's `GRPOConfig` has 112 fields from `TrainingArguments` (`trl_1_16_fields.json`, origin
 "TrainingArguments"). A TRL script sets some of them for a trainer tidal does not have (a torch DataLoader, DDP,

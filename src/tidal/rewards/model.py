@@ -9,7 +9,7 @@ batches of `batch_size`, and scored by the first logit (`logits[:, 0]`). The mod
 (thread-safe: reward calls run in worker threads), in eval mode without gradients.
 
 `GRPOTrainer(reward_funcs="org/name")` (any string that is not an import path) builds one; in YAML use the
-function form: `reward_funcs: [{import_path: "tidal.reward_model:reward_model", kwargs: {model: PATH}}]`
+function form: `reward_funcs: [{import_path: "tidal.rewards.model:reward_model", kwargs: {model: PATH}}]`
 (one model per path, cached in the orchestrator). It imports torch and transformers into the orchestrator's
 process when (and only when) a reward model is configured.
 """
@@ -47,8 +47,8 @@ class RewardModel:
             if self._model is None:
                 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-                from tidal.assets import resolve_model
                 from tidal.models.files import is_model_dir
+                from tidal.models.sources import resolve_model
 
                 path = resolve_model(self.model_name)
                 if not is_model_dir(path):
@@ -91,7 +91,7 @@ class RewardModel:
         return scores
 
 
-IMPORT_PATH = "tidal.reward_model:reward_model"
+IMPORT_PATH = "tidal.rewards.model:reward_model"
 """orch `reward_funcs[].import_path` of the YAML form (`reward_model`; the model in `kwargs.model`)."""
 
 
@@ -110,7 +110,7 @@ _LOADED_LOCK = threading.Lock()
 
 def reward_model(prompts: list[Any], completions: list[Any], model: str, batch_size: int = DEFAULT_BATCH_SIZE,
                  device: str = "cpu", max_length: int | None = None, **kwargs: Any) -> list[float]:
-    """The YAML form: orch `reward_funcs: [{import_path: "tidal.reward_model:reward_model", kwargs: {model:
+    """The YAML form: orch `reward_funcs: [{import_path: "tidal.rewards.model:reward_model", kwargs: {model:
     PATH}}]`; one `RewardModel` per (model, device), loaded once."""
     with _LOADED_LOCK:
         rm = _LOADED.get((model, device))

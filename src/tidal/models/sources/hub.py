@@ -14,10 +14,11 @@ huggingface_hub is imported only when a name looks like a Hub id (no torch, tran
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
+
+from tidal.models.files import is_model_dir, missing_weights
 
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                   "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -47,18 +48,10 @@ def parse_hub_id(name: str) -> tuple[str, str | None] | None:
     return m["repo"], m["revision"]
 
 
-def has_weights(path: Path) -> bool:
-    """`path` holds a config.json and its safetensors weights (every shard its index names)."""
-    if not (path / "config.json").is_file():
-        return False
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError):
-            return False
-        return all((path / s).is_file() for s in shards)
-    return any(path.glob("*.safetensors"))
+def is_complete(path: Path) -> bool:
+    """A snapshot holds a config.json and every weight file it needs (`tidal.models.files.missing_weights`; only
+    safetensors are downloaded: `ALLOW_PATTERNS`)."""
+    return is_model_dir(path) and missing_weights(path) is None
 
 
 def cache_dir() -> str:
@@ -92,7 +85,7 @@ def cached_snapshot(repo: str, revision: str | None) -> tuple[Path | None, str]:
         return None, "incomplete"
     except LocalEntryNotFoundError:
         return None, "not cached"
-    return (path, "") if has_weights(path) else (None, "incomplete")
+    return (path, "") if is_complete(path) else (None, "incomplete")
 
 
 def offline_error(name: str, why: str) -> HubModelError:
@@ -129,7 +122,7 @@ def download(name: str, repo: str, revision: str | None) -> Path:
         reason = f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}"
         raise HubModelError(f"model '{name}': cannot download it from the Hugging Face Hub into {cache_dir()} "
                             f"({reason}); check the network, {fix}") from None
-    if not has_weights(path):
+    if not is_complete(path):
         raise HubModelError(f"model '{name}': the Hub repository holds no config.json with safetensors weights "
                             f"(tidal loads *.safetensors only; downloaded to {path})")
     return path

@@ -11,9 +11,9 @@
   None)`, transformers' `optimizer_cls_and_kwargs` shape) becomes the GRPOConfig keys it means
   (`optim`, `learning_rate`, `adam_beta1`/`adam_beta2`, `weight_decay`, `adam_epsilon`), which reach the trainer's
   config.
-- `callbacks`: `tidal.api_callbacks`.
+- `callbacks`: `tidal.api.callbacks`.
 - `reward_processing_classes`: one per reward function, as in TRL (a single one for a single function); for a
-  reward model (a model name in `reward_funcs`, `tidal.reward_model`) it is used when it agrees with the tokenizer
+  reward model (a model name in `reward_funcs`, `tidal.rewards.model`) it is used when it agrees with the tokenizer
   in the reward model's directory, which `RewardModel` loads, and refused naming what differs otherwise; for a
   plain function (where TRL ignores it) it is refused, so that nothing given is ignored.
 - `rollout_func` (TRL's custom-rollout hook): the orchestrator calls it for each group and trains on the token ids
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.config.trl import GRPOConfig
+from tidal.api.grpo_config import GRPOConfig
 
 OPTIMIZER_CLASSES = {"torch.optim.adamw.AdamW": "adamw_torch", "bitsandbytes.optim.adamw.AdamW8bit": "adamw_8bit",
                      "bitsandbytes.optim.adamw.PagedAdamW8bit": "adamw_8bit"}
@@ -101,7 +101,7 @@ def model_tokenizer(model: str) -> Any:
     """The tokenizer in model `model`'s directory (what the vLLM server and the trainer load)."""
     from transformers import AutoTokenizer
 
-    from tidal.assets import resolve_model
+    from tidal.models.sources import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(model))
 
@@ -123,7 +123,7 @@ def tokenizer_difference(given: Any, model: str) -> str | None:
 def check_reward_processing_classes(classes: Any, reward_funcs: list[tuple[str, Any, float]]) -> None:
     """Refuse (ValueError) `reward_processing_classes` that do not fit `reward_funcs` ((name, function, weight), in
     order; see the module doc)."""
-    from tidal.reward_model import RewardModel
+    from tidal.rewards.model import RewardModel
 
     if classes is None:
         return

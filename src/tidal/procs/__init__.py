@@ -6,7 +6,7 @@ OpenEnv apps, environment servers) is a `Child`:
   engine core and workers), and a Ctrl-C aimed at the terminal's group does not reach it directly;
 - it gets SIGKILL when its parent dies (PR_SET_PDEATHSIG, Linux). The "parent" is the *thread* that started it:
   start a child from a thread that lives as long as the child should (the main thread, an asyncio loop's thread).
-  Its own children are not covered; the reaper (`tidal.reaper`) kills those when a launcher is killed outright;
+  Its own children are not covered; the reaper (`tidal.procs.reaper`) kills those when a launcher is killed outright;
 - its environment is this process's plus `env`, with PYTHONUNBUFFERED=1 (a Python child's lines arrive as written);
   it runs in `cwd` (default: this process's directory);
 - its output (stdout and stderr, merged) is read line by line by a thread that appends each line to `log_path`
@@ -16,9 +16,9 @@ OpenEnv apps, environment servers) is a `Child`:
 `run` is the short-lived kind (a probe, a calibration step): the same session and parent-death signal, run to its
 end with a timeout. `wait_healthy` polls health URLs until each answers 200 and raises `NotHealthy` (naming the URLs
 and the time) when the child exits first or time runs out; `stop` stops children as whole groups
-(`tidal.reaper.stop_groups`: SIGTERM, a grace period, SIGKILL). `free_port` picks a free localhost port.
-`bind_host`, `check_port_free` and `check_bind_secure` are the checks a server's address gets before anything starts
-(a taken port; a bind beyond localhost without an API key).
+(`tidal.procs.reaper.stop_groups`: SIGTERM, a grace period, SIGKILL). `free_port` picks a free localhost port.
+`bind_host` and `check_port_free` are the checks a server's address gets before anything starts (a taken port; the
+engines' API-key rule is `tidal.inference.backends.bind`).
 
 The lowest layer: torch-free, imports nothing of tidal but the reaper (httpx only inside the health checks).
 """
@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from tidal.reaper import Stoppable, signal_group, stop_groups
+from tidal.procs.reaper import Stoppable, signal_group, stop_groups
 
 TAIL_LINES = 2000
 """How many of its last output lines a `Child` keeps for `tail`."""
@@ -155,7 +155,7 @@ def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = N
 
 def stop(children: Sequence[Stoppable], timeout_s: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM every child's process group, wait up to `timeout_s` in all, then SIGKILL what is left of each group
-    (`tidal.reaper.stop_groups`)."""
+    (`tidal.procs.reaper.stop_groups`)."""
     stop_groups(children, timeout_s)
 
 
@@ -240,35 +240,4 @@ def check_port_free(host: str, port: int) -> None:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-class InsecureBindError(RuntimeError):
-    """Binding beyond loopback without an API key."""
-
-
-class ServerAddress(Protocol):
-    """The infer config keys `check_bind_secure` reads (`tidal.config.infer.InferConfig` has them)."""
-
-    @property
-    def host(self) -> str | None: ...
-    @property
-    def extra_args(self) -> list[str]: ...
-    @property
-    def weight_reload(self) -> bool: ...
-    @property
-    def weight_broadcast_type(self) -> str: ...
-    @property
-    def export_base_weights(self) -> bool: ...
-
-
-def check_bind_secure(cfg: ServerAddress) -> None:
-    """Beyond loopback the server must require an API key (VLLM_API_KEY or `--api-key` in extra_args)."""
-    host = bind_host(cfg.host)
-    if host in LOOPBACK or os.environ.get("VLLM_API_KEY") or "--api-key" in cfg.extra_args:
-        return
-    dev = cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights
-    mode = (" with weight_reload, export_base_weights or nccl weight broadcasts (their dev routes run methods in the "
-            "engine)") * dev
-    raise InsecureBindError(f"host {host}: refusing to serve beyond localhost without an API key{mode}; set the "
-                            f"VLLM_API_KEY environment variable (clients read it too: client.api_key_var) or "
-                            f"bind to 127.0.0.1 (host: null)")
+"""The hosts a server may bind to without an API key (`tidal.inference.backends.bind`, `tidal serve-tinker`)."""

@@ -8,7 +8,7 @@ runs the same pipeline as `tidal grpo`: a vLLM server and the trainer as supervi
 launcher, `tidal.colocate.supervise.run_colocate`, with the placement of `tidal.colocate.derive.derive_colocate`), and
 the orchestrator in THIS process, on its own asyncio loop in a thread, so reward functions defined in the script
 (closures and lambdas included) are called where they live; nothing is pickled. `args` maps onto tidal's configs
-by `tidal.config.trl.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl`
+by `tidal.api.grpo_config.to_tidal` (docs/trl.md). The datasets are written to `{output_dir}/data/*.jsonl`
 (`tidal.paths.data_dir`) and read by the `dataset` environment (`tidal.envs.dataset`): a string `prompt` is a
 standard prompt (no chat template), a list of messages a conversational one; every other column reaches the reward
 functions. The resolved configs land in `{output_dir}/configs/` as with `tidal grpo`.
@@ -20,10 +20,10 @@ or path, not a loaded model;
 tool calls parsed in the Hermes, Mistral or Llama-3 JSON format, whichever the model writes; one factory, not a
 dict of them); `reward_funcs` may be left out when the environments score themselves (`get_reward`). A string in
 `reward_funcs` is an import path
-(`package.module:function`) or a reward model (`tidal.reward_model.RewardModel`: a sequence-classification
+(`package.module:function`) or a reward model (`tidal.rewards.model.RewardModel`: a sequence-classification
 model, loaded once in this process). `processing_class`, `optimizers` (a class and kwargs) and `rollout_func`
 (TRL's custom-rollout hook, sampling through tidal's vLLM server: `tidal.orchestrator.rollout_func`) are
-`tidal.api_args`; `callbacks` (transformers TrainerCallbacks, fed from the run's metrics) `tidal.api_callbacks`.
+`tidal.api.args`; `callbacks` (transformers TrainerCallbacks, fed from the run's metrics) `tidal.api.callbacks`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.api.grpo_config import GRPOConfig, to_tidal
 from tidal.checkpoint import complete_steps
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
-from tidal.config.trl import GRPOConfig, to_tidal
 from tidal.paths import ckpt_dir, ckpt_root, data_dir, final_dir, logs_dir, metrics_path
 
 log = logging.getLogger("tidal.api")
@@ -103,9 +103,9 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
 
 def reward_functions(reward_funcs: Any, weights: Sequence[float] | None) -> list[tuple[str, Callable[..., Any], float]]:
     """(unique name, function, weight) of each reward function; a string is an import path (`pkg.mod:fn`) or
-    else a reward model (a sequence-classification model's name or directory, `tidal.reward_model`)."""
+    else a reward model (a sequence-classification model's name or directory, `tidal.rewards.model`)."""
     from tidal.orchestrator.advantage import load_function
-    from tidal.reward_model import RewardModel
+    from tidal.rewards.model import RewardModel
 
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [
         reward_funcs]
@@ -177,7 +177,7 @@ class GRPOTrainer:
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
                  environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
-        from tidal import api_args  # TRL's other arguments: used, or refused with the reason
+        from tidal.api import args as api_args  # TRL's other arguments: used, or refused with the reason
 
         api_args.refuse_unsupported(quantization_config=quantization_config)
         if not isinstance(model, str | Path):
@@ -206,8 +206,8 @@ class GRPOTrainer:
                                 f"device, which tidal places the run on; hide it (CUDA_VISIBLE_DEVICES='') to train "
                                 f"on the CPU")
         self.callbacks = None
-        if callbacks:  # TRL's TrainerCallbacks, fed from the run's metrics and checkpoints (tidal.api_callbacks)
-            from tidal.api_callbacks import RunCallbacks
+        if callbacks:  # TRL's TrainerCallbacks, fed from the run's metrics and checkpoints (tidal.api.callbacks)
+            from tidal.api.callbacks import RunCallbacks
 
             self.callbacks = RunCallbacks(list(callbacks), self.args, processing_class,
                                           self.derived.orch.max_steps or 0)

@@ -1,7 +1,7 @@
 """TRL 1.16 `GRPOConfig`'s algorithm keys: the loss, its importance-sampling corrections and masks, and the
 optimizer / model keys TRL inherits from transformers' `TrainingArguments` that shape the algorithm (issue 51).
 
-`TRLAlgorithmKeys` is the part of `tidal.config.trl.GRPOConfig` these keys live in (its base class), at TRL 1.16's
+`TRLAlgorithmKeys` is the part of `tidal.api.grpo_config.GRPOConfig` these keys live in (its base class), at TRL 1.16's
 defaults, so a script that sets nothing runs TRL's algorithm: `dapo` and, with `beta` > 0, the bias-corrected KL;
 with `use_vllm=True` also the vLLM importance-sampling correction in `sequence_mask` mode (clip 3.0). TRL applies
 that correction (and checks its mode against `vespo`) only with `use_vllm`, because without vLLM it samples with

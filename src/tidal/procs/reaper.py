@@ -167,11 +167,17 @@ def start_reaper(pid: int | None = None) -> subprocess.Popen[bytes] | None:
     """Start a reaper for `pid` (default: this process); None where the platform has no pidfd or /proc."""
     if not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists():
         return None
-    return subprocess.Popen([sys.executable, "-m", "tidal.reaper", str(pid or os.getpid())],
+    return subprocess.Popen([sys.executable, "-c", REAPER_MAIN, str(pid or os.getpid())],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 
 
-if __name__ == "__main__":
+REAPER_MAIN = "import sys; from tidal.procs.reaper import main; main(int(sys.argv[1]))"
+"""The reaper process's program. Not `-m tidal.procs.reaper`: `tidal.procs` imports this module, and runpy would
+run it a second time beside the imported copy (its RuntimeWarning on every start)."""
+
+
+def main(pid: int) -> None:
+    """The reaper process: watch `pid` until it exits, then stop what it started (Ctrl-C does not end the watch)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the watched process's exit ends the watch
-    watch(int(sys.argv[1]))
+    watch(pid)

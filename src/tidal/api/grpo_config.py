@@ -25,11 +25,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from tidal.api.loss_keys import ALGORITHM_MAPPING, ALGORITHM_UNSUPPORTED, TRLAlgorithmKeys, algorithm_train_keys
+from tidal.api.training_args import REMOVED, TrainingArgumentsFields
 from tidal.config.infer import InferConfig
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
-from tidal.config.trl_loss import ALGORITHM_MAPPING, ALGORITHM_UNSUPPORTED, TRLAlgorithmKeys, algorithm_train_keys
-from tidal.config.trl_training_args import REMOVED, TrainingArgumentsFields
 
 
 class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
@@ -119,7 +119,7 @@ class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
     """Optimizer steps; -1: `num_train_epochs` passes over the dataset (orch `max_steps` in batches)."""
     num_train_epochs: float = Field(3.0, gt=0)
     """Epochs when `max_steps` is -1."""
-    # the GRPO objective: the loss keys are TRLAlgorithmKeys' (tidal.config.trl_loss)
+    # the GRPO objective: the loss keys are TRLAlgorithmKeys' (tidal.api.loss_keys)
     scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     """Advantage scaling (orch `advantage.scale_rewards`; True is `group`, False `none`)."""
     reward_weights: list[float] | None = None

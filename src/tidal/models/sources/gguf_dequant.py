@@ -1,4 +1,5 @@
-"""The child process of `tidal.gguf_source.convert`: `python -m tidal.gguf_dequant FILE.gguf OUT_DIR` dequantizes a
+"""The child process of `tidal.models.sources.gguf.convert`:
+`python -m tidal.models.sources.gguf_dequant FILE.gguf OUT_DIR` dequantizes a
 GGUF file with transformers + gguf into a Hugging Face model directory (float32 safetensors, config.json, the tokenizer
 and chat template the file carries).
 
@@ -30,7 +31,7 @@ def dequantize(gguf_path: Path, out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m tidal.gguf_dequant FILE.gguf OUT_DIR", file=sys.stderr)
+        print("usage: python -m tidal.models.sources.gguf_dequant FILE.gguf OUT_DIR", file=sys.stderr)
         return 2
     dequantize(Path(argv[0]), Path(argv[1]))
     return 0
