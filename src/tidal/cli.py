@@ -222,12 +222,19 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if ranks.sharded:
         cfg = cfg.model_copy(update={"device": device,
                                      "cpu_affinity": distributed.rank_cores(cfg.cpu_affinity, ranks)})
+    from tidal.procs import EXPORT_FAILED
+    from tidal.trainer.publish.export import GGUFExportError
+
     try:
         with exits_on_oom(cfg):
             grpo.run(cfg, run_dir, ranks)
     except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
+    except GGUFExportError as exc:  # trained to the end; the file asked for is missing (exit code says so)
+        logging.getLogger("tidal.trainer").error("%s", exc)
+        distributed.close(ranks)
+        return EXPORT_FAILED
     distributed.close(ranks)
     return 0
 

@@ -213,6 +213,21 @@ def test_grpo_train_output_dir_and_start_gate(capsys, monkeypatch, tmp_path):
     assert run_dir == tmp_path / "r" and rollouts_dir(run_dir).is_dir() and cfg.output_dir == str(tmp_path / "r")
 
 
+def test_grpo_train_exits_export_failed_when_the_gguf_step_fails(capsys, monkeypatch, tmp_path, caplog):
+    """A run that trained to its end but whose GGUF step failed (`GGUFExportError`, raised by `grpo.finish` after the
+    report) exits `procs.EXPORT_FAILED` (3), with the export's one error line; any other failure stays 1."""
+    from tidal.procs import EXPORT_FAILED
+    from tidal.trainer import grpo
+    from tidal.trainer.publish.export import GGUFExportError
+
+    def fails(cfg, run_dir, ranks):
+        raise GGUFExportError(f"GGUF export failed (OSError: disk full); write it later with: tidal export {run_dir}")
+
+    monkeypatch.setattr(grpo, "run", fails)
+    code, out, err = run(capsys, "grpo-train", "--output-dir", str(tmp_path / "r"))
+    assert code == EXPORT_FAILED == 3 and f"tidal export {tmp_path / 'r'}" in out + err + caplog.text
+
+
 # --- tidal sft -------------------------------------------------------------------------------------------------
 
 def test_sft_bundled_config_dry_run(capsys, tmp_path):

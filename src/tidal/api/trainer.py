@@ -40,6 +40,7 @@ from tidal.checkpoint import complete_steps
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.paths import ckpt_dir, ckpt_root, data_dir, final_dir, logs_dir, metrics_path
+from tidal.procs import EXPORT_FAILED
 
 log = logging.getLogger("tidal.api")
 
@@ -295,6 +296,10 @@ class GRPOTrainer:
                 cbs.end(metrics_path(run_dir), saved)
         if code == 130:
             raise KeyboardInterrupt
+        if code == EXPORT_FAILED:
+            raise RuntimeError(f"tidal GRPO run trained to its end, but a final export it was asked for (export.gguf) "
+                               f"failed; the trainer's log in {logs_dir(run_dir)} names the `tidal export` command "
+                               f"that writes it")
         if code != 0:
             raise RuntimeError(f"tidal GRPO run failed (exit code {code}); logs in {logs_dir(run_dir)}")
         rows = read_metrics(metrics_path(run_dir))

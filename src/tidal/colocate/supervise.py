@@ -6,7 +6,9 @@ server answers `/health`, as `tidal.colocate.start_order.start_plan` says (on CP
 imports with it and builds its model after `/health`); their output is echoed with a `[orch]`/`[train]` prefix and
 kept in `logs/`. The launcher prints vLLM's start-up phases when it is ready and the run's milestones (orchestrator
 and trainer ready, first batch) when the first step is done.
-Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is stopped. If
+Shutdown: when the orchestrator and the trainer have both exited 0 the run is done and inference is stopped (a
+trainer that trained to its end but could not write a final export exits `procs.EXPORT_FAILED`, and so does the
+run, after the orchestrator is done, with a line naming what is missing). If
 inference dies it is restarted (up to `infer_restarts` times; the orchestrator retries its requests and
 loads the current policy into the new server). If the trainer or the orchestrator dies, the
 others are stopped and the exit code is 1, with a message naming the component, its log and the command
@@ -43,6 +45,7 @@ from tidal import procs
 from tidal.checkpoint import TRAINER, complete_steps
 from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
 from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
+from tidal.procs import EXPORT_FAILED
 from tidal.procs.reaper import start_reaper
 
 STARTUP_PHASES: tuple[tuple[str, str], ...] = (
@@ -359,10 +362,10 @@ def start_teacher(cli: list[str], configs: dict[str, Path], logs: Path, env: Map
 
 
 def supervise_to_end(orch: Component, train: Component, servers: list[InferRestarts], children: list[Component],
-                     milestones: Milestones, board: LiveBoard | None, health: list[str]) -> None:
-    """Watch the running components until the orchestrator and the trainer have both exited 0: a dead vLLM (the
-    policy's or the teacher's, `servers`) is restarted, any other failure raises `ComponentFailed`; the run's
-    start-up milestones are told once the first step is done."""
+                     milestones: Milestones, board: LiveBoard | None, health: list[str]) -> int:
+    """Watch the running components until the orchestrator and the trainer have both ended (0; the trainer also
+    `EXPORT_FAILED`, which is returned): a dead vLLM (the policy's or the teacher's, `servers`) is restarted, any
+    other failure raises `ComponentFailed`; the run's start-up milestones are told once the first step is done."""
     told = False
     while True:
         if milestones.done() and not told:
@@ -370,12 +373,12 @@ def supervise_to_end(orch: Component, train: Component, servers: list[InferResta
             print(f"[tidal] {milestones.summary()}", flush=True)
         for server in servers:  # a dead vLLM (policy or teacher) is restarted
             server.check(children)
-        for c in (orch, train):
+        for c, ended in ((orch, (0,)), (train, (0, EXPORT_FAILED))):
             code = c.poll()
-            if code not in (None, 0):
+            if code is not None and code not in ended:
                 raise ComponentFailed(c, f"exited with code {code}")
-        if orch.poll() == 0 and train.poll() == 0:
-            return
+        if orch.poll() == 0 and train.poll() in (0, EXPORT_FAILED):
+            return train.poll() or 0
         if board is not None:
             more = f" (+{len(health) - 1} more)" if len(health) > 1 else ""
             board.refresh(infer_state=f"vLLM serving at {health[0].removesuffix('/health')}{more}")
@@ -388,7 +391,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                  orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
                  teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
                  teacher_restarts: int | None = None, plan: StartPlan | None = None) -> int:
-    """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted).
+    """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted,
+    `EXPORT_FAILED`: trained, a final export missing).
     `plan`: which components start with vLLM (`tidal.colocate.start_order.start_plan`; None: both after `/health`).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
@@ -437,7 +441,12 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
               f"{starter.plan.describe()}", flush=True)
         children += starter.start(early=False)
         assert starter.orch is not None and starter.train is not None
-        supervise_to_end(starter.orch, starter.train, servers, children, milestones, board, health)
+        code = supervise_to_end(starter.orch, starter.train, servers, children, milestones, board, health)
+        if code == EXPORT_FAILED:
+            print(f"[tidal] the run trained to its end, but a final export it was asked for is missing (the "
+                  f"trainer's error line names the `tidal export` command that writes it); metrics: "
+                  f"{metrics_path(run_dir)}", file=sys.stderr, flush=True)
+            return code
         print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
         return 0
     except ComponentFailed as exc:

@@ -133,7 +133,8 @@ class ExportSection(StrictModel):
     gguf: Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"] | None = None
     """Also write the final model (a LoRA policy merged into its base) as one GGUF file for llama.cpp, Ollama and LM
     Studio, `final/gguf/model-{type}.gguf`, written after the adapter / merged model (a failure there costs the run
-    nothing: one error line says how to export again with `tidal export`). Norms and biases stay float32; matrices:
+    nothing else: one error line says how to export again with `tidal export`, and the run exits 3, not 0). Norms
+    and biases stay float32; matrices:
     - `f32`: float32 (the trained weights exactly; 4 bytes per weight);
     - `f16`: float16 (2 bytes per weight; what llama.cpp's converter writes by default);
     - `bf16`: bfloat16 (2 bytes; float32's range, 8 bits of mantissa);

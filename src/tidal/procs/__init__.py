@@ -239,5 +239,10 @@ def check_port_free(host: str, port: int) -> None:
                                  "process holds the port (set `port` in infer.yaml or --infer.port)") from None
 
 
+EXPORT_FAILED = 3
+"""The exit code of a trainer that trained to its last step but could not write a final export it was asked for
+(train `export.gguf`): `grpo-train` exits with it, `tidal grpo` waits for the orchestrator as after a 0 and then
+exits with it too, naming the `tidal export` command that writes the file; `GRPOTrainer.train` raises."""
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 """The hosts a server may bind to without an API key (`tidal.inference.backends.bind`, `tidal serve-tinker`)."""

@@ -418,29 +418,32 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
 
 
 def finish(p: Policy, cfg: TrainConfig, run_dir: Path, step: int, resumed_from: int) -> None:
-    """After the last step: a final checkpoint, the exports (`export.*`) and the run report (rank 0)."""
-    from tidal.trainer.publish.export import export_final
+    """After the last step: a final checkpoint, the exports (`export.*`) and the run report (rank 0). A failed
+    GGUF step (`GGUFExportError`, after everything else is written) is raised after the report: the run trained,
+    and its exit code says what it lacks (`tidal.procs.EXPORT_FAILED`)."""
+    from tidal.trainer.publish.export import GGUFExportError, export_final
 
     if cfg.ckpt.interval and step > resumed_from and step % cfg.ckpt.interval:
         save(p, run_dir, step, cfg)  # the last step too: a longer run resumes
     if not p.ranks.main:
         return
     log.info("trainer finished after %d steps; metrics in %s", step, metrics_path(run_dir))
+    failed: GGUFExportError | None = None
     if step > 0:
-        from tidal.trainer.publish.export import GGUFExportError
-
-        try:  # the GGUF last: its failure costs nothing else, and the run still ends with exit 0 (trained)
+        try:  # the GGUF last: its failure costs nothing else
             for what, path in export_final(p.view, p.tokenizer, cfg.export, cfg.model, run_dir,
                                            cfg.rope_scaling).items():
                 log.info("final %s: %s", what, path)
         except GGUFExportError as exc:
-            log.error("%s", exc)
+            failed = exc
     try:
         from tidal.monitor.report import write_report
 
         log.info("run report: %s", write_report(run_dir))
     except Exception as exc:  # noqa: BLE001 - a failed report must not fail a finished run
         log.warning("could not write the run report: %r (retry with `tidal report %s`)", exc, run_dir)
+    if failed is not None:
+        raise failed
 
 
 def next_batch(step: int, source: BatchSource | None, cfg: TrainConfig, p: Policy, run_dir: Path,
