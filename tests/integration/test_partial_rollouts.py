@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import MODEL
+from tests.integration.streams import open_stream
 from tidal.config.orch import ClientSection, SamplingSection
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.partial import Switch, partial_completion, partial_group
@@ -287,26 +288,16 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
     groups of n = 2 run on policy 0 (the base model); the batch's completions carry per-token versions, some span
     0 -> 1, and each group's (start, end) are its start and its newest token's version."""
     from tidal.config.orch import OrchConfig
-    from tidal.orchestrator.buffer import Buffer
-    from tidal.orchestrator.envmix import EnvMix
-    from tidal.orchestrator.scoring import Scorer
-    from tidal.orchestrator.stream import GroupStream
 
     adapter_dir, _ = lr0_adapter
     cfg = OrchConfig.model_validate({
         "batch_size": 4, "rollouts_per_example": 2, "seq_len": 512, "async_mode": "in_flight",
         "partial_rollouts": "abort_resume", "in_flight_groups": 2, "max_async_level": 2,
         "sampling": {"max_tokens": 300, "min_tokens": 300}})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
     async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "stream")
-            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
+        async with open_stream(vllm_server, cfg, 5, tmp_path, policy_dir="stream") as stream:
+            client, policy = stream.client, stream.policy
             # the running completions hold tokens of policy 0 before the switch (a fixed 0.2 s sleep raced a loaded
             # machine: stopped before their first token, their continuations were all policy 1)
             while not stream.partial.running or client.streamed_tokens < 4 * 8:
@@ -317,8 +308,6 @@ def test_the_in_flight_stream_continues_running_completions_on_a_new_policy(vllm
             await stream.close()
             await client.unload_adapter(policy.model)
             return got, counts
-        finally:
-            await client.close()
 
     got, counts = asyncio.run(go())
     c = got.collected
@@ -337,26 +326,16 @@ def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm
     tokens of both policies; every completion carries a version per token, its environment tokens masked
     and versioned like the model token before them, and each group's (start, end) bound its tokens' versions."""
     from tidal.config.orch import OrchConfig
-    from tidal.orchestrator.buffer import Buffer
-    from tidal.orchestrator.envmix import EnvMix
-    from tidal.orchestrator.scoring import Scorer
-    from tidal.orchestrator.stream import GroupStream
 
     adapter_dir, _ = lr0_adapter
     cfg = OrchConfig.model_validate({
         "batch_size": 4, "rollouts_per_example": 2, "seq_len": 512, "async_mode": "in_flight",
         "partial_rollouts": "abort_resume", "in_flight_groups": 2, "max_async_level": 2,
         "sampling": {"max_tokens": 300}, "env": [{"id": "tests.e2e.multiturn_env:EchoTool"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
 
     async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "stream-mt")
-            stream = GroupStream(cfg, env, random.Random(7), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
+        async with open_stream(vllm_server, cfg, 7, tmp_path, policy_dir="stream-mt") as stream:
+            client, policy = stream.client, stream.policy
             # policy `step` is published while batch `step`'s groups run; a batch whose switch found no request
             # running (all between turns or done: it depends on the follower's clock) is taken and the next one
             # tried, up to 3, so the batch checked holds a request stopped and resumed on the new policy
@@ -377,8 +356,6 @@ def test_the_in_flight_stream_continues_multi_turn_rollouts_on_a_new_policy(vllm
             await stream.close()
             await client.unload_adapter(policy.model)
             return got, counts, step
-        finally:
-            await client.close()
 
     got, counts, step = asyncio.run(go())
     c = got.collected

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import MODEL
+from tests.integration.streams import take_first
 from tidal import generate_rollout_completions
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.envs import make_env
@@ -21,14 +21,11 @@ from tidal.envs.base import Example
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.models.sources import resolve_model
 from tidal.orchestrator.assemble import build_batch
-from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.groups import group_rollouts
-from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.preflight import give_tools
 from tidal.orchestrator.rollout_func import RolloutFunc
 from tidal.orchestrator.scoring import Scorer
-from tidal.orchestrator.stream import GroupStream
 
 pytestmark = pytest.mark.vllm
 
@@ -159,7 +156,7 @@ def test_in_flight_stream_samples_groups_through_the_rollout_func(vllm_server, t
     cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": N, "seq_len": 256,
                                      "sampling": {"max_tokens": 8}, "async_mode": "in_flight",
                                      "env": [{"id": "reverse-text"}]})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+    env = EnvMix(cfg.env, cfg.buffer.env_ratios)
 
     def rollout(prompts, trainer):
         outs = generate_rollout_completions(trainer, prompts)
@@ -169,23 +166,7 @@ def test_in_flight_stream_samples_groups_through_the_rollout_func(vllm_server, t
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     give_tools(env.envs.values(), None, RolloutFunc(rollout, MODEL, tokenizer))
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[vllm_server]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            stream = GroupStream(cfg, env, random.Random(5), client, MODEL, policy, Scorer(env.envs, cfg), buffer,
-                                 None, 1)
-            await stream.start()
-            try:
-                return await stream.take(1, {})
-            finally:
-                await stream.close()
-        finally:
-            await client.close()
-
-    got = asyncio.run(go()).collected
+    got = take_first(vllm_server, cfg, 5, tmp_path, env=env)[0].collected
     comps = [c for g in got.groups for c in g]
     assert len(got.groups) == 2 and len(comps) == 8
     assert all(1 <= len(c.token_ids) <= 2 and len(c.logprobs) == len(c.token_ids) for c in comps)

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from tidal.procs import EXPORT_FAILED
+
 log = logging.getLogger("tidal.trainer")
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -91,7 +93,8 @@ def _describe(failure: Any) -> str:
 
 def launch_ranks(nproc: int, argv: list[str], cpu_cores: list[int] | None = None) -> int:
     """Run `python -m tidal.cli *argv` as `nproc` ranks on a local rendezvous (torch's elastic agent, here in
-    this process) and wait; returns 0, or 1 after a rank failed (the others are stopped)."""
+    this process) and wait; returns 0, 1 after a rank failed (the others are stopped), or `EXPORT_FAILED` when rank
+    0 trained to its end but could not write a final export."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -108,6 +111,8 @@ def launch_ranks(nproc: int, argv: list[str], cpu_cores: list[int] | None = None
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if rank == 0 and failure.exitcode == EXPORT_FAILED:  # trained to the end; its error line says what is missing
+            return EXPORT_FAILED
         log.error("trainer rank %d (pid %d) failed: %s; the other ranks were stopped", rank, failure.pid,
                   _describe(failure))
         return 1
