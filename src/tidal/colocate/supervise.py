@@ -385,6 +385,17 @@ def supervise_to_end(orch: Component, train: Component, servers: list[InferResta
         time.sleep(0.2)
 
 
+def tell_end(code: int, run_dir: Path) -> int:
+    """Say how the run ended (`supervise_to_end`'s code: 0, or the trainer's `EXPORT_FAILED`) and return the code."""
+    if code == EXPORT_FAILED:
+        print(f"[tidal] the run trained to its end, but a final export it was asked for is missing (the trainer's "
+              f"error line names the `tidal export` command that writes it); metrics: {metrics_path(run_dir)}",
+              file=sys.stderr, flush=True)
+        return code
+    print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
+    return 0
+
+
 def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_url: str | Sequence[str],
                  infer_start_timeout_s: float = 600.0, live: bool = False, max_steps: int | None = None,
                  resume_hint: str | None = None, infer_restarts: int = 3, infer_env: Mapping[str, str] | None = None,
@@ -441,14 +452,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
               f"{starter.plan.describe()}", flush=True)
         children += starter.start(early=False)
         assert starter.orch is not None and starter.train is not None
-        code = supervise_to_end(starter.orch, starter.train, servers, children, milestones, board, health)
-        if code == EXPORT_FAILED:
-            print(f"[tidal] the run trained to its end, but a final export it was asked for is missing (the "
-                  f"trainer's error line names the `tidal export` command that writes it); metrics: "
-                  f"{metrics_path(run_dir)}", file=sys.stderr, flush=True)
-            return code
-        print(f"[tidal] run complete; metrics: {metrics_path(run_dir)}", flush=True)
-        return 0
+        return tell_end(supervise_to_end(starter.orch, starter.train, servers, children, milestones, board, health),
+                        run_dir)
     except ComponentFailed as exc:
         hint = (f"\n[tidal] resume the run with: {resume_hint}\n(trainer and orchestrator continue from their newest "
                 f"checkpoints under {run_dir / 'checkpoints'}; they are written every ckpt.interval steps)"
