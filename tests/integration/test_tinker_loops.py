@@ -3,7 +3,7 @@
 
 - sampling: vLLM's sampled-token logprobs equal the trainer's `forward` logprobs of the same tokens, for the base
   model and for a trained adapter (LoRA on attention, MLP and lm_head, hot-loaded into vLLM); `compute_logprobs`,
-  stop tokens and top-k logprobs;
+  stop tokens and top-k logprobs; samples announced by `retrieve_futures`, also to clones that joined;
 - SFT: `cross_entropy` on reverse-text's reference answers lowers the loss;
 - GRPO: sample groups on reverse-text, score, centre the rewards per group, `forward_backward` with
   `importance_sampling`, `optim_step`, `save_weights_for_sampler`, sample again: the mean reward rises.
@@ -97,6 +97,23 @@ def test_sampling_logprobs_match_the_trainer(service, url):
     topk = base_sampler.sample(types.ModelInput.from_ints(prompt), 1, params, topk_sample_logprobs=3).result()
     rows = topk.sequences[0].topk_logprobs
     assert rows is not None and len(rows) == len(topk.sequences[0].tokens) and len(rows[0]) == 3
+
+
+def test_samples_arrive_through_the_session_poller_also_for_joined_clones(service, url):
+    """The server offers `sample_use_retrieve_futures` and `sample_join_sampling_session`: every sample here (the
+    loops' too) is announced by `retrieve_futures` before its payload is fetched. Two clients rebuilt from a sampler
+    handle get clone ids 1 and 2 from the server and their own pollers; all three get whole samples."""
+    sampler = service.create_sampling_client(base_model=base_model(url)).result()
+    handle = sampler.get_sampler_handle()
+    clients = [sampler] + [tinker.SamplingClient.from_sampler_handle(handle, api_key=KEY) for _ in range(2)]
+    futures = [c.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 3, types.SamplingParams(max_tokens=8, seed=i))
+               for i, c in enumerate(clients) for _ in range(2)]
+    for fut in futures:
+        seqs = fut.result(timeout=300).sequences
+        assert len(seqs) == 3 and all(0 < len(s.tokens) == len(s.logprobs) <= 8 for s in seqs)
+    assert [c._cloned_sampler_id for c in clients] == [0, 1, 2]  # 1, 2: the server's (a random id is > 2)
+    for c in clients:  # each client's poller read its completions (a cursor moves only with one)
+        assert c._futures_poller is not None and c._futures_poller._cursor > 0
 
 
 def test_sft_loop_lowers_the_loss(service, url):

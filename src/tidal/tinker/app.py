@@ -6,8 +6,10 @@ futures, which the SDK reads only as protobuf (`tidal.tinker.wire`). Every `/api
 `X-API-Key` header the SDK sends (its `api_key`); a wrong or missing key is answered 401.
 
 `/api/v1/client/config` tells the SDK how to talk to this server: API keys (no JWT exchange), plain httpx,
-zstd-compressed forward/backward bodies (`tidal.tinker.wire`), one `retrieve_future` poll per request (no
-session-wide poller: `retrieve_futures` is not offered), client-side custom losses, no sampling-session join.
+zstd-compressed forward/backward bodies (`tidal.tinker.wire`), one `retrieve_futures` poller per sampling client
+(`sample_use_retrieve_futures`: it learns which samples ended, then fetches each with `retrieve_future`; training
+futures are polled one by one), server-allocated clone ids for unpickled sampling clients
+(`sample_join_sampling_session`; both in `tidal.tinker.completions`), client-side custom losses.
 Routes the SDK has but tidal does not implement (billing, projects, checkpoint publishing and listing, external
 weights, weight copies) answer 404 with a message saying so.
 
@@ -35,8 +37,8 @@ log = logging.getLogger("tidal.tinker")
 PROTO = "application/x-protobuf"
 
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "use_pyqwest_transport": False,
-                 "proto_compress_fwdbwd": True, "parallel_fwdbwd_chunks": False, "sample_use_retrieve_futures": False,
-                 "custom_loss_server_side": False, "sample_join_sampling_session": False,
+                 "proto_compress_fwdbwd": True, "parallel_fwdbwd_chunks": False, "sample_use_retrieve_futures": True,
+                 "custom_loss_server_side": False, "sample_join_sampling_session": True,
                  "sample_max_concurrent_requests": 64, "fwdbwd_max_chunk_len": 4096}
 """What `/api/v1/client/config` answers (see the module doc); `parallel_fwdbwd_chunks` false keeps a large request's
 chunks in order on the one training thread."""
@@ -218,7 +220,7 @@ def _add_checkpoint_routes(app: FastAPI, service: TinkerService) -> None:
 
 
 def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
-    """Sampling sessions, sampler info and `asample`."""
+    """Sampling sessions (create, join), sampler info and `asample`."""
     from tinker import types
 
     @app.post("/api/v1/create_sampling_session")
@@ -227,6 +229,12 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
         sid = service.create_sampling_session(req.session_id, req.model_path, req.base_model,
                                               req.sampling_session_seq_id)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @app.post("/api/v1/join_sampling_session")
+    async def join_sampling_session(request: Request) -> dict[str, Any]:
+        req = await _body(request, types.JoinSamplingSessionRequest)
+        counter = service.join_sampling_session(req.sampling_session_id)
+        return types.JoinSamplingSessionResponse(client_counter=counter).model_dump(mode="json")
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
@@ -258,7 +266,7 @@ def _add_sampling_routes(app: FastAPI, service: TinkerService) -> None:
 
 
 def _add_future_routes(app: FastAPI, service: TinkerService) -> None:
-    """Retrieving and cancelling futures."""
+    """Retrieving futures (one, or a sampling client's completions) and cancelling them."""
     from tinker import types
 
     @app.post("/api/v1/retrieve_future")
@@ -270,6 +278,18 @@ def _add_future_routes(app: FastAPI, service: TinkerService) -> None:
                 return Response(out.proto, media_type=PROTO)
             return out.data
         return out
+
+    @app.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(request: Request) -> dict[str, Any]:
+        req = await _body(request, types.FuturesRetrieveRequest)
+        target = req.target
+        ended, cursor = await service.retrieve_futures(target.sampling_session_id, target.cloned_sampler_id,
+                                                       req.prev_cursor, req.timeout, req.retrieved_request_ids)
+        completions: list[types.FutureFinished | types.FutureFailed] = [
+            types.FutureFailed(request_id=c.request_id) if c.failed
+            else types.FutureFinished(request_id=c.request_id, response_payload_uncompressed_size=c.size)
+            for c in ended]
+        return types.FuturesRetrieveResponse(completions=completions, cursor=cursor).model_dump(mode="json")
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request) -> None:

@@ -98,7 +98,9 @@ class Sampler:
         self.child: Child | None = None
         self.loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # adapter name -> path
         self._lock = asyncio.Lock()
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+        # pool=None: with `retrieve_futures` the SDK no longer caps its in-flight samples, so a large batch queues
+        # for httpx's 100 connections to vLLM; a queued request waits its turn instead of failing after 600 s
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0, pool=None))
 
     def start(self) -> None:
         """Start vLLM (`tidal.procs.Child`: its own process group, killed if this process dies), its output

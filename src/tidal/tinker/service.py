@@ -5,7 +5,10 @@ save_weights_for_sampler, load_weights) is submitted to one worker thread that o
 model's `seq_id` order and exactly once (`submit_seq`, `tidal.tinker.sequence`: a request the SDK resends gets the
 future of its first copy; one after a gap waits for the missing ones). The request returns a future id at once; the
 SDK polls `retrieve_future`, which waits up to `POLL_S` for the result and otherwise answers `try_again`.
-Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurrently, as futures too.
+Sampling runs on the event loop against vLLM (`tidal.tinker.sampler`), concurrently, as futures too; each sample of
+the SDK also lands in its (sampling session, clone)'s completion queue when it ends, which the SDK's one poller per
+sampling client reads with `retrieve_futures` (`tidal.tinker.completions`; `join_sampling_session` hands a new clone
+its block of `seq_id`s).
 
 Paths: `tinker://MODEL_ID/weights/NAME` (training state: adapter + optimizer) and
 `tinker://MODEL_ID/sampler_weights/NAME` (adapter for sampling) live under `OUTPUT_DIR/checkpoints/` with the same
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.paths import STABLE, tinker_ckpt_dir
+from tidal.tinker.completions import Completion, Completions, Joins, clone_of
 from tidal.tinker.losses import LossError
 from tidal.tinker.sampler import SampleParams, Sampler, SamplerError
 from tidal.tinker.sequence import GAP_S, Ledger, SeqError
@@ -117,6 +121,10 @@ class TinkerService:
         """Sampling requests' ids by (sampling session id, seq_id)."""
         self.sampling_by_seq: dict[tuple[str, int], str] = {}
         """Sampling session ids by (session id, sampling_session_seq_id)."""
+        self.completions = Completions()
+        """Finished samples per (sampling session, clone), for `retrieve_futures`."""
+        self.joins = Joins()
+        """The clone ids `join_sampling_session` gave out, per sampling session (never reused)."""
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
         self._counter = itertools.count()
 
@@ -296,6 +304,7 @@ class TinkerService:
             self.worker.submit(self.trainer.remove, model_id)
         for sid in s.sampling:
             self.sample_ids.drop(sid)
+            self.completions.drop_idle(sid)
 
     # --- models --------------------------------------------------------------------------------------------------
 
@@ -517,7 +526,45 @@ class TinkerService:
         rid = self.submit_async(run())
         if sampler_id is not None and seq is not None:
             self.sample_ids.remember(sampler_id, seq, rid, in_order=False)
+            self._report(sampler_id, clone_of(seq), rid)
         return rid, [f"seq-{rid}-{i}" for i in range(n)]
+
+    def _report(self, sampler_id: str, clone: int, rid: str) -> None:
+        """Put sample `rid` in its target's completion queue once it ends (finished with its payload's size, or
+        failed: cancelled or raised)."""
+        queue = self.completions.queue(sampler_id, clone)
+        queue.expect(rid)
+        loop = asyncio.get_running_loop()
+
+        def ended(fut: concurrent.futures.Future[Result]) -> None:
+            failed = fut.cancelled() or fut.exception() is not None
+            proto = None if failed else fut.result().proto
+            loop.call_soon_threadsafe(queue.push, rid, failed, None if proto is None else len(proto))
+
+        self.futures[rid].add_done_callback(ended)
+
+    async def retrieve_futures(self, sampler_id: str, clone: int, prev_cursor: int, timeout: float | None,
+                               retrieved: list[str]) -> tuple[list[Completion], int]:
+        """`/api/v1/retrieve_futures`: the target's completions after `prev_cursor` (waiting up to `timeout` for
+        one) and the cursor to send next; the futures in `retrieved` (the SDK has their payloads) are freed."""
+        if sampler_id not in self.samplers:
+            raise UserError(f"retrieve_futures: unknown sampling_session_id {sampler_id!r}")
+        if clone < 0 or prev_cursor < 0:
+            raise UserError(f"retrieve_futures: cloned_sampler_id ({clone}) and prev_cursor ({prev_cursor}) are "
+                            "counts from 0")
+        queue = self.completions.queue(sampler_id, clone)
+        for rid in retrieved:
+            if rid in queue.owned:  # only this target's own requests
+                del queue.owned[rid]
+                self.futures.pop(rid, None)
+        return await queue.poll(prev_cursor, timeout)
+
+    def join_sampling_session(self, sampler_id: str) -> int:
+        """`/api/v1/join_sampling_session`: a clone id unique in the sampling session (1, 2, ...; 0 is its creator),
+        so that a new client's `seq_id`s never collide with another's."""
+        if sampler_id not in self.samplers:
+            raise UserError(f"join_sampling_session: unknown sampling_session_id {sampler_id!r}")
+        return self.joins.join(sampler_id)
 
     def capabilities(self) -> dict[str, Any]:
         return {"supported_models": [{"model_name": self.served_name, "max_context_length": self.max_context,
