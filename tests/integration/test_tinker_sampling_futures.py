@@ -76,4 +76,6 @@ def test_unpickled_clients_join_with_server_given_clone_ids_and_poll_their_own_q
         r = link.http.post(f"{url}{JOIN}", headers={"X-API-Key": KEY},
                            json=types.JoinSamplingSessionRequest(sampling_session_id="nope").model_dump(mode="json"))
         assert r.status_code == 400 and "unknown sampling_session_id" in r.json()["detail"]
+        for c in clones:  # each rebuilt client has its own holder: its session heartbeat would outlive the server
+            c.holder.close()
         sc.close("success").result()

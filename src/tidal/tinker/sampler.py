@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tidal.inference.backends.vllm.client import KEEPALIVE_S
 from tidal.procs import Child, NotHealthy, wait_healthy
 from tidal.tinker.wire import Sequence
 
@@ -100,7 +101,9 @@ class Sampler:
         self._lock = asyncio.Lock()
         # pool=None: with `retrieve_futures` the SDK no longer caps its in-flight samples, so a large batch queues
         # for httpx's 100 connections to vLLM; a queued request waits its turn instead of failing after 600 s
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0, pool=None))
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0, pool=None),
+                                      limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                                          keepalive_expiry=KEEPALIVE_S))  # httpx's, idle below vLLM's
 
     def start(self) -> None:
         """Start vLLM (`tidal.procs.Child`: its own process group, killed if this process dies), its output

@@ -43,6 +43,12 @@ the orchestrator with vLLM on CPU (`tidal.colocate.start_order`), so its first r
 connection costs well under a millisecond."""
 
 
+KEEPALIVE_S = 2.0
+"""How long an idle connection to vLLM is kept for reuse: below vLLM's own keep-alive (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`,
+5 s), so the client never reuses a connection the server is closing at that moment. With httpx's default (5 s, the
+same as the server's) a request sent after ~5 s of quiet (a weight reload, `tidal eval` merging the next adapter)
+could meet the server's close: `ReadError('')`, seen ending a bench's eval (2026-12-02)."""
+
 class VllmClient:
     """`InferenceClient` (tidal.inference.protocol) over vLLM's OpenAI-compatible server(s)."""
 
@@ -55,7 +61,8 @@ class VllmClient:
         key = os.environ.get(cfg.api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), headers=headers,
-                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                      limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                          keepalive_expiry=KEEPALIVE_S))
 
     async def close(self) -> None:
         await self.http.aclose()
