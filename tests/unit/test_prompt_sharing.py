@@ -75,7 +75,9 @@ def test_every_token_keeps_its_data_and_position_and_prompts_are_packed_once(dro
     # (group - 1) x (prompt - 1) per prompt when a group fits one row
     assert shared_tokens(batch, shared) == len(missing) > 0
     assert shared_tokens(batch, whole) == 0
-    assert sum(mb.num_tokens for mb in shared) < 0.75 * sum(mb.num_tokens for mb in whole)
+    # the tokens packed are the whole packing's less exactly those left out (a fixed share would depend on the
+    # random lengths drawn: 0.75 failed once in ~2,000 draws)
+    assert sum(mb.num_tokens for mb in shared) == sum(mb.num_tokens for mb in whole) - len(missing)
     assert all(mb.input_ids.shape[1] <= 96 for mb in shared)
     assert all(mb.attention_mask is None for mb in whole)
     assert any(mb.attention_mask is not None for mb in shared)

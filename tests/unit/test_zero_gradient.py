@@ -119,7 +119,9 @@ def test_skipping_leaves_the_same_parameters(lora):
         m = {s: train_step(p.model, p.opt, batch, cfgs[s], p.device, p.pad_id, sched=p.sched,
                            reference=p.reference) for s, p in pols.items()}
         skipped, micro = m[True]["micro_batches/skipped"], m[True]["micro_batches"]
-        assert (0 < skipped < micro if share < 1 else skipped == micro) and m[False]["micro_batches/skipped"] == 0
+        # half the samples: not every micro-batch skips (whether one does depends on the random lengths drawn: a
+        # fixed "at least one" failed once); all of them: every one does, so the skip path always runs
+        assert (skipped < micro if share < 1 else skipped == micro) and m[False]["micro_batches/skipped"] == 0
         assert m[True]["loss"] == m[False]["loss"] and m[True]["grad_norm"] == m[False]["grad_norm"]
         assert m[True]["mismatch_kl"] == m[False]["mismatch_kl"]
         b = dict(pols[False].model.named_parameters())
