@@ -106,14 +106,32 @@ def reload_keys(model: Any, checkpoint_keys: list[str]) -> list[str]:
     return checkpoint_keys
 
 
+class SlimReloadError(ValueError):
+    """The checkpoint tensors a LoRA policy changes could not all be found among the checkpoint's names."""
+
+
 def changed_keys(model: Any, checkpoint_keys: list[str]) -> list[str]:
     """The checkpoint tensors a LoRA policy changes: the weights of its LoRA-adapted modules (the rest stay as vLLM
     loaded them, so a reload of these alone serves the policy; a restarted vLLM loads the base and then them). For
-    SmolLM2-135M that leaves out the 113 MB embedding of 540 MB. A fully fine-tuned model changes every tensor."""
+    SmolLM2-135M that leaves out the 113 MB embedding of 540 MB. A fully fine-tuned model changes every tensor.
+    The adapted modules' names are turned into checkpoint names as `policy_weight_specs` turns them
+    (`tidal.models.names.checkpoint_tensors`: transformers 5 renames Qwen2-VL / Qwen2.5-VL's and the Llava-mapped
+    families' `model.layers.*` into `model.language_model.layers.*` at load): a trainer name compared with the
+    checkpoint's directly finds nothing there, and an empty merged copy serves the base model all run. An adapted
+    weight the checkpoint does not hold is `SlimReloadError`, never a smaller (or empty) file."""
     if not is_peft(model):
         return checkpoint_keys
-    adapted = {key for key, _ in lora_layers(model)}
-    return [k for k in checkpoint_keys if k in adapted]
+    adapted = [name for name, _, _ in policy_weight_specs(model)]
+    have = set(checkpoint_keys)
+    missing = [k for k in adapted if k not in have]
+    if missing or not adapted:
+        raise SlimReloadError(
+            f"the merged copy of this LoRA policy would leave out {len(missing)} of its {len(adapted)} adapted "
+            f"weights (e.g. {', '.join(missing[:3]) or 'none adapted'}): the checkpoint has no tensor of that name "
+            f"(e.g. {', '.join(checkpoint_keys[:3])}); set train broadcast_merged: false or report the model's "
+            f"architecture")
+    wanted = set(adapted)
+    return [k for k in checkpoint_keys if k in wanted]
 
 
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
