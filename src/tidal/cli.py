@@ -173,8 +173,14 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.procs.reaper import start_reaper
 
     start_reaper()  # environment servers it spawns die with it, however it dies
+    from tidal.procs import WRONG_POLICY
+    from tidal.transport.probe import PolicyMismatch
+
     try:
         asyncio.run(loop.run(cfg, run_dir))
+    except PolicyMismatch as exc:  # one line: step, path, distances (tidal.orchestrator.identity)
+        logging.getLogger("tidal.orch").error("stopping: %s", exc)
+        return WRONG_POLICY
     except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
@@ -212,6 +218,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
     from tidal.checkpoint import CheckpointError
     from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom
+    from tidal.trainer.publish.broadcast import SlimReloadError
     from tidal.trainer.step.health import MismatchError
     from tidal.transport.batch import BatchFormatError
 
@@ -228,7 +235,8 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     try:
         with exits_on_oom(cfg):
             grpo.run(cfg, run_dir, ranks)
-    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory) as exc:
+    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory,
+            SlimReloadError) as exc:
         logging.getLogger("tidal.trainer").error("stopping: %s", exc)
         return 1
     except GGUFExportError as exc:  # trained to the end; the file asked for is missing (exit code says so)

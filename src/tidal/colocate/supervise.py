@@ -45,8 +45,9 @@ from tidal import procs
 from tidal.checkpoint import TRAINER, complete_steps
 from tidal.colocate.start_order import SEQUENTIAL, Milestones, StartPlan
 from tidal.paths import infer_ready_path, logs_dir, metrics_path, write_atomic
-from tidal.procs import EXPORT_FAILED
+from tidal.procs import EXPORT_FAILED, WRONG_POLICY
 from tidal.procs.reaper import start_reaper
+from tidal.transport.probe import PolicyMismatch
 
 STARTUP_PHASES: tuple[tuple[str, str], ...] = (
     ("tidal", r"tidal grpo-infer: starting vLLM"),
@@ -159,6 +160,9 @@ class InProcess:
             self.code = 0
         except asyncio.CancelledError:
             self.code = 143
+        except PolicyMismatch as exc:  # the identity check's one line (tidal.orchestrator.identity)
+            logging.getLogger(f"tidal.{self.name}").error("stopping: %s", exc)
+            self.code = WRONG_POLICY
         except BaseException:  # noqa: BLE001 - any failure is this component's exit code 1, logged
             logging.getLogger(f"tidal.{self.name}").exception("%s failed", self.name)
             self.code = 1
@@ -403,7 +407,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                  teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
                  teacher_restarts: int | None = None, plan: StartPlan | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted,
-    `EXPORT_FAILED`: trained, a final export missing).
+    `EXPORT_FAILED`: trained, a final export missing; `WRONG_POLICY`: the orchestrator's policy identity check
+    stopped the run).
     `plan`: which components start with vLLM (`tidal.colocate.start_order.start_plan`; None: both after `/health`).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
@@ -461,7 +466,7 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
         print(f"[tidal] error: the {NAMES[exc.child.name]} {str(exc).split(' ', 1)[1]}; stopping the other "
               f"components. Last lines of {exc.child.log_path}:\n{exc.child.tail()}{hint}", file=sys.stderr,
               flush=True)
-        return 1
+        return WRONG_POLICY if exc.child.poll() == WRONG_POLICY else 1
     except KeyboardInterrupt:
         print("[tidal] interrupted; stopping all components", file=sys.stderr, flush=True)
         return 130

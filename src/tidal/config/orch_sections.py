@@ -350,6 +350,16 @@ class WeightBroadcastSection(StrictModel):
     its quantized QLoRA base dequantized: train `qlora_bnb` / `qlora_fp8`) and reload it in place before any
     rollout, so vLLM samples the policy the trainer scores (needs infer `weight_reload: true`). `tidal grpo`
     sets it (and `weight_reload`) from train.yaml; set it yourself in three-process mode."""
+    policy_check: bool = True
+    """The policy identity check (docs/orchestrator.md): after each policy n is loaded (LoRA load, merged reload or
+    push), score the probe the trainer published with it (`broadcasts/step_n/probe.json`: its logprobs of 32
+    fixed tokens, and the previous policy's and the base's) through every inference server, and stop the run
+    (exit code 4, one line naming the step, the path and the distances) when a server's logprobs are farther from
+    policy n's than the tolerance, i.e. it serves the previous policy, the base model or something else. Logs
+    `policy/probe_gap` every step. false: no check and no metric (a sampler that changes weights on purpose)."""
+    policy_check_tolerance: float | None = Field(None, gt=0)
+    """The check's tolerance: the largest mean |logprob difference| over the probe taken as numerical. null: by the
+    trainer's dtype (`tidal.transport.probe.TOLERANCE`: float32 0.01, 16-bit 0.1)."""
 
 
 class TeacherSection(StrictModel):

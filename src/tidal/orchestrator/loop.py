@@ -40,6 +40,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.groups import StepSample
+from tidal.orchestrator.identity import IdentityCheck
 from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.preflight import build_scoring, give_tools, teacher_url
@@ -146,7 +147,8 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
         policy = PolicyTracker(parts.client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
                                pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
                                expect=(cfg.model.lora_rank, cfg.model.lora_alpha),
-                               await_base=wb.policy_zero == "published")
+                               await_base=wb.policy_zero == "published",
+                               identity=IdentityCheck(wb.policy_check, wb.policy_check_tolerance))
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, parts.sink.where)
         step = resumed_at = parts.progress.step
@@ -180,7 +182,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
             progress = parts.progress
             progress.step, progress.total_tokens = step, progress.total_tokens + done.generated_tokens
             progress.total_samples += len(done.flat)
-            done.batch.metrics |= step_metrics(parts, got, done, counts)
+            done.batch.metrics |= step_metrics(parts, got, done, counts) | policy.identity.metrics()
             # 3. hand over
             await parts.sink.put(done.batch)
             # 4. bookkeeping

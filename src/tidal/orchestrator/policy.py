@@ -20,6 +20,10 @@ In-flight mode (`async_mode: in_flight`, `stream`) loads each policy while reque
 the model they use (`lease` / `release`), and a LoRA adapter that leased requests still use is unloaded only
 when the last of them returns; `version_high` is the newest policy whose load has begun (a merged reload or nccl
 push may reach a running request between two of its decoding steps).
+
+After each load of a policy n > 0 the identity check (`tidal.orchestrator.identity`, orch
+`weight_broadcast.policy_check`) scores the probe the trainer published with it on every server and stops the run
+(`PolicyMismatch`) when a server serves another policy.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from tidal.inference.protocol import InferenceClient
+from tidal.orchestrator.identity import IdentityCheck, PolicyMismatch
 from tidal.paths import broadcast_dir, broadcasts_dir
 from tidal.transport import weights
 
@@ -47,7 +52,9 @@ class PolicyTracker:
 
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
                  merged: bool = False, pushed_timeout_s: float | None = None,
-                 expect: tuple[int | None, float | None] = (None, None), await_base: bool = False) -> None:
+                 expect: tuple[int | None, float | None] = (None, None), await_base: bool = False,
+                 identity: IdentityCheck | None = None) -> None:
+        self.identity = identity or IdentityCheck(enabled=False)  # orch weight_broadcast.policy_check
         self.await_base = await_base  # orch weight_broadcast.policy_zero: published
         self.base_stamp = 0  # the published policy 0 every server serves as its base (0: none loaded)
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
@@ -133,10 +140,32 @@ class PolicyTracker:
         if ident != self.loaded:
             self.version_high = max(self.version_high, newest)
             await self._load(newest)  # on every server (or an error, and the step is retried): none serves stale
+            if newest:
+                await self._identify(newest)
             self.loaded = ident
             if newest:
                 log.info("policy %d served by %d inference server(s)", self.step, len(self.client.urls))
         return time.monotonic() - start
+
+    async def _identify(self, newest: int) -> None:
+        """The identity check of policy `newest` on every server (`tidal.orchestrator.identity`). With pushed weights
+        a server may already hold a newer policy whose probe is not published yet, or be in the middle of its push:
+        the check runs only while every server reports version `newest` before and after it, and a failed one is
+        repeated once a second later before it stops the run."""
+        path = broadcast_dir(self.run_dir, newest)
+        if self.pushed_timeout_s is None:
+            await self.identity.after_load(self.client, self.model, path, newest)
+            return
+        for attempt in (0, 1):
+            if set((await self.client.weight_versions()).values()) != {newest}:
+                return  # a newer push is under way: its own load checks it
+            try:
+                await self.identity.after_load(self.client, self.model, path, newest)
+                return
+            except PolicyMismatch:
+                if attempt:
+                    raise
+            await asyncio.sleep(1.0)
 
     async def _load_base(self) -> None:
         """Reload the trainer's policy 0 (a dequantized QLoRA base) on every server unless they serve it already;

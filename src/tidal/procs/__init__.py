@@ -244,5 +244,10 @@ EXPORT_FAILED = 3
 (train `export.gguf`): `grpo-train` exits with it, `tidal grpo` waits for the orchestrator as after a 0 and then
 exits with it too, naming the `tidal export` command that writes the file; `GRPOTrainer.train` raises."""
 
+WRONG_POLICY = 4
+"""The exit code of an orchestrator (and of `tidal grpo`) stopped by the policy identity check: an inference server
+served another policy than the one it reported loaded (`tidal.orchestrator.identity`); the log's last line names
+the step, the adapter / weights path and the distances."""
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 """The hosts a server may bind to without an API key (`tidal.inference.backends.bind`, `tidal serve-tinker`)."""

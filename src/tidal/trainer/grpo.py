@@ -49,6 +49,7 @@ from tidal.trainer.policy import Policy, build_policy, restore, save, sync_view
 from tidal.trainer.preflight import check_train
 from tidal.trainer.profile import OPTIMIZER
 from tidal.trainer.publish.broadcast import changed_keys, checkpoint_keys, publish_adapter, publish_base
+from tidal.trainer.publish.probe import Prober
 from tidal.trainer.publish.push import Pusher, make_pusher
 from tidal.trainer.step import ref_sync
 from tidal.trainer.step.entropy_control import EntropyControl
@@ -386,10 +387,11 @@ class PeakWatch:
 
 
 def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConfig, run_dir: Path,
-                      pusher: Pusher | None, merged_keys: list[str] | None, peak: PeakWatch) -> dict[str, Any]:
-    """Trainer step `step` on `batch`, then push (nccl) and publish policy `step`, and checkpoint every
-    `ckpt.interval` steps; returns the trainer's metrics with their timings (every rank runs it; rank 0
-    publishes)."""
+                      pusher: Pusher | None, merged_keys: list[str] | None, peak: PeakWatch,
+                      prober: Prober | None = None) -> dict[str, Any]:
+    """Trainer step `step` on `batch`, then push (nccl) and publish policy `step` (with its identity probe:
+    `prober`), and checkpoint every `ckpt.interval` steps; returns the trainer's metrics with their timings (every
+    rank runs it; rank 0 publishes)."""
     t0 = time.monotonic()
     peak.start()
     tm = train_step(p.model, p.opt, batch, cfg, p.device, p.pad_id, ranks=p.ranks, sched=p.sched,
@@ -399,12 +401,16 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     sync_view(p)
     tm["memory/peak_gb"] = peak.measure(p.ranks)
     train_time = time.monotonic() - t0
-    push_time = 0.0
+    push_time = probe_time = 0.0
     noise = qerl_noise(cfg, step)
     if p.ranks.main:
         assert p.view is not None
         push_time = pusher.push_policy(p.view, run_dir, step) if pusher else 0.0
-        publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys, noise=noise)
+        t1 = time.monotonic()
+        probe = prober.record(p.view, step) if prober is not None else None
+        probe_time = time.monotonic() - t1
+        publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys, noise=noise,
+                        probe=probe)
     ckpt_time = 0.0
     if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
         t1 = time.monotonic()
@@ -413,6 +419,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     return {**tm, "lr": lr, "optimizer_steps": optimizer_steps(p.opt), "train_time_s": train_time,
             "broadcast_time_s": time.monotonic() - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
             **({"push_time_s": push_time} if pusher else {}), "trainer_ranks": p.ranks.world,
+            **({"probe_time_s": probe_time} if prober else {}),
             **({"qerl/sigma": noise[0] if noise else 0.0} if cfg.noise_scheduler.enabled else {}),
             "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
 
@@ -473,6 +480,20 @@ def slim_reloads(cfg: TrainConfig) -> bool:
     return cfg.lora and qlora_kind(cfg) is None and not cfg.noise_scheduler.enabled
 
 
+def make_prober(p: Policy, cfg: TrainConfig, run_dir: Path, resumed_from: int) -> Prober | None:
+    """Rank 0's identity probe (`tidal.trainer.publish.probe`), unless QeRL noise makes the served copy differ on
+    purpose."""
+    if not p.ranks.main or cfg.noise_scheduler.enabled:
+        if p.ranks.main:
+            log.info("no policy identity probe: QeRL's noise makes vLLM serve another copy on purpose")
+        return None
+    assert p.view is not None
+    prober = Prober(p.view, p.tokenizer, p.reference, fresh=resumed_from == 0)
+    if resumed_from:
+        prober.resume_from(run_dir, resumed_from)
+    return prober
+
+
 def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     """Train until `max_steps` or the orchestrator's DONE; returns the number of steps trained. Every rank runs
     it (`tidal.trainer.distributed`)."""
@@ -490,6 +511,7 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
         assert p.view is not None
         publish_base(p.view, cfg, run_dir)
     pusher = make_pusher(cfg, p.device) if ranks.main else None
+    prober = make_prober(p, cfg, run_dir, resumed_from)
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,
              f" (+{ranks.world - 1} more ranks, FSDP2 zero_level {cfg.zero_level})" if ranks.sharded else "",
@@ -510,7 +532,7 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
         record = {"step": step, **batch.metrics, "policy_step": batch.policy_step,
                   "off_policy_level": batch.off_policy_level, "max_steps": batch.max_steps,
                   "resumed_from": resumed_from, "wait_time_s": waited,
-                  **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys, peaks)}
+                  **train_and_publish(step, batch, p, cfg, run_dir, pusher, merged_keys, peaks, prober)}
         now = time.monotonic()
         record["step_time_s"], last_done = now - (wait_start + waited if last_done is None else last_done), now
         if metrics is None:

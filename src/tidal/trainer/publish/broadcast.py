@@ -24,6 +24,7 @@ from tidal.models.names import base_weights, checkpoint_tensors, config_is_moe, 
 from tidal.models.sources import resolve_model
 from tidal.trainer.model.quant import dense_spec, dense_weight, qlora_kind
 from tidal.transport import weights
+from tidal.transport.probe import ProbeRecord
 
 log = logging.getLogger("tidal.trainer")
 
@@ -135,14 +136,18 @@ def changed_keys(model: Any, checkpoint_keys: list[str]) -> list[str]:
 
 
 def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = None,
-                    merged_keys: list[str] | None = None, noise: tuple[float, int] | None = None) -> Path:
+                    merged_keys: list[str] | None = None, noise: tuple[float, int] | None = None,
+                    probe: ProbeRecord | None = None) -> Path:
     """Publish `model`'s adapter as policy `step` (plus merged full weights when `merged_keys` lists the base
     checkpoint's tensor names; a fully fine-tuned model publishes those only); prune all but the newest `keep`
-    policies. `noise` = (sigma, seed): QeRL noise on the merged copy's RMSNorm weights (`tidal.trainer.model.noise`)."""
+    policies. `noise` = (sigma, seed): QeRL noise on the merged copy's RMSNorm weights (`tidal.trainer.model.noise`).
+    `probe`: the policy identity probe (`tidal.transport.probe`), written inside the directory before `STABLE`."""
     if not is_peft(model) and merged_keys is None:
         raise ValueError("a fully fine-tuned policy is published as merged weights: merged_keys are needed")
 
     def fill(tmp: Path) -> None:
+        if probe is not None:
+            probe.write(tmp)
         if is_peft(model):
             model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
         if merged_keys is not None:
