@@ -381,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-lora-rank", dest="max_lora_rank", type=int, help="highest LoRA rank (default 32)")
     t.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="run vLLM without torch.compile and CUDA graphs (a faster start on a GPU)")
+    t.add_argument("--no-policy-check", dest="policy_check", action="store_false", default=None,
+                   help="do not check that vLLM serves each sampler checkpoint (the policy identity check)")
     from tidal.evaluate.cli import add_parser as add_eval
 
     add_eval(sub)

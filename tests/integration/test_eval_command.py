@@ -92,3 +92,32 @@ def test_eval_scores_base_and_adapter_as_transformers_decodes_them(tmp_path):
     assert equal >= N - 2 and equal_tuned >= N - 2, (equal, equal_tuned)
     differ = sum(a["token_ids"] != b["token_ids"] for a, b in zip(base["samples"], tuned["samples"], strict=True))
     assert differ >= 1, "the adapter row was sampled with the adapter's weights (an ignored adapter: no difference)"
+
+
+def test_eval_stops_on_an_adapter_row_vllm_serves_as_the_base_unless_the_check_is_off(tmp_path):
+    """The policy identity check of `tidal eval`: an adapter published with its probe (as tidal's trainer publishes
+    `broadcasts/step_n`), whose weights were then made a no-op, is served as the base model: exit 4 and one line
+    naming the row's adapter, the step and the distances; `--no-policy-check` scores it anyway."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    from tidal.trainer.model.load import load_base_model, load_tokenizer
+    from tidal.trainer.publish.probe import Prober
+
+    adapter = random_adapter(tmp_path / "adapter", seed=1)
+    path = resolve_model(MODEL)
+    peft = PeftModel.from_pretrained(load_base_model(path, torch.device("cpu"), torch.float32), str(adapter))
+    Prober(peft, load_tokenizer(path)).record(peft, 5).write(adapter)
+    file = str(adapter / "adapter_model.safetensors")
+    save_file({k: v * 0 if "lora_B" in k else v for k, v in load_file(file).items()}, file)
+    args = ["eval", "--model", MODEL, "--env", "reverse-text", "--num-examples", "2", "--max-tokens", "4",
+            "--no-base", "--adapter", str(adapter), "--out", str(tmp_path / "eval.json"), "--quiet"]
+    proc = tidal(*args)
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 4, text[-3000:]
+    [line] = [x for x in text.splitlines() if "policy identity check failed" in x]
+    assert "at step 5" in line and str(adapter) in line and "it serves the base model" in line
+    assert not (tmp_path / "eval.json").exists()
+    proc = tidal(*args, "--no-policy-check")
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and (tmp_path / "eval.json").is_file(), text[-3000:]

@@ -6,7 +6,9 @@
   stop tokens and top-k logprobs; samples announced by `retrieve_futures`, also to clones that joined;
 - SFT: `cross_entropy` on reverse-text's reference answers lowers the loss;
 - GRPO: sample groups on reverse-text, score, centre the rewards per group, `forward_backward` with
-  `importance_sampling`, `optim_step`, `save_weights_for_sampler`, sample again: the mean reward rises.
+  `importance_sampling`, `optim_step`, `save_weights_for_sampler`, sample again: the mean reward rises;
+- the policy identity check: every sampler checkpoint sampled above passes it; one whose adapter file was made a
+  no-op after saving (vLLM then serves the base model) fails its first sample with the check's one line.
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ KEY = "tml-loops"
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    with serving_tinker(tmp_path_factory.mktemp("serve_tinker"), KEY) as base:
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve_tinker")
+
+
+@pytest.fixture(scope="module")
+def url(out_dir):
+    with serving_tinker(out_dir, KEY) as base:
         yield base
 
 
@@ -174,3 +181,23 @@ def test_grpo_loop_raises_the_reward(service, url):
     print("GRPO mean reward per step:", [round(x, 3) for x in rewards_per_step])
     first, last = np.mean(rewards_per_step[:3]), np.mean(rewards_per_step[-3:])
     assert last >= first + 0.1, rewards_per_step
+
+
+def test_a_sampler_checkpoint_vllm_serves_as_the_base_fails_the_identity_check(service, url, out_dir):
+    from safetensors.torch import load_file, save_file
+
+    tc = service.create_lora_training_client(base_model=base_model(url), rank=8, seed=0).result()
+    prompt = chat_prompt(tc.get_tokenizer(), ReverseText().sample(random.Random(2)))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),
+                        loss_fn_inputs={"target_tokens": prompt[1:]})]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = tc.save_weights_for_sampler("made-a-no-op").result().path
+    [local] = [d for d in out_dir.rglob("made-a-no-op") if (d / "probe.json").is_file()]
+    weights = load_file(str(local / "adapter_model.safetensors"))
+    save_file({k: v * 0 if "lora_B" in k else v for k, v in weights.items()},
+              str(local / "adapter_model.safetensors"))  # the load now changes nothing
+    sampler = service.create_sampling_client(model_path=path).result()
+    with pytest.raises(Exception, match=r"policy identity check failed at step 2: .* it serves the base model"):
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result()

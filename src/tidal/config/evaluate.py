@@ -64,6 +64,12 @@ class EvalConfig(StrictModel):
     """Completions printed and stored per row (the first examples')."""
     out: str | None = None
     """JSON report path (null: `eval.json` in the current directory); written whole (temp + rename)."""
+    policy_check: bool = True
+    """The policy identity check (docs/orchestrator.md) of every adapter row: once vLLM serves the row's adapter
+    (loaded or merged), its logprobs of a fixed 32-token probe are compared with the adapter's own (its
+    `probe.json` when a tidal trainer published it, else computed here from the base model and the adapter, on
+    the CPU); a row vLLM serves as another policy stops tidal eval with exit code 4 and one line (row, path,
+    distances). false (`--no-policy-check`): no probe."""
 
     @model_validator(mode="after")
     def _something_to_do(self) -> EvalConfig:

@@ -9,6 +9,7 @@ table and the JSON report. Config mistakes exit 2 before vLLM starts.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--port", type=int, help="port of the vLLM server tidal eval starts (default: a free one)")
     e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     e.add_argument("--show-samples", type=int, help="completions shown per row (default 3)")
+    e.add_argument("--no-policy-check", dest="policy_check", action="store_false", default=None,
+                   help="do not check that vLLM serves each adapter row (the policy identity check)")
     e.add_argument("--out", help="JSON report (default eval.json)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--dry-run", action="store_true", help="check the model, adapters, environment and examples; "
@@ -79,7 +82,7 @@ def eval_config(args: argparse.Namespace) -> Any:
     for dest, key in FLAGS.items():
         if getattr(args, dest, None) is not None:
             data[key] = getattr(args, dest)
-    for dest in ("base", "greedy"):
+    for dest in ("base", "greedy", "policy_check"):
         if getattr(args, dest) is not None:
             data[dest] = getattr(args, dest)
     if args.chat_template_kwargs is not None:
@@ -113,7 +116,14 @@ def cmd_eval(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         print(f"# {len(plan.targets)} rows, {len(plan.examples)} examples: checked, nothing started")
         return 0
-    result = evaluate(cfg, progress=not args.quiet)
+    from tidal.procs import WRONG_POLICY
+    from tidal.transport.probe import PolicyMismatch
+
+    try:
+        result = evaluate(cfg, progress=not args.quiet)
+    except PolicyMismatch as exc:  # one line: row, path, distances (tidal.orchestrator.identity)
+        print(f"tidal eval: {exc}", file=sys.stderr)
+        return WRONG_POLICY
     out = Path(cfg.out or "eval.json")
     write_json(result, out)
     print_report(result, out)

@@ -160,16 +160,32 @@ async def score_rows(cfg: EvalConfig, plan: Plan, server: Server, progress: bool
                                               for ex in plan.examples)))
         if server.mode == "lora":
             await server.load_lora(client, plan.targets)
+            for i, target in enumerate(plan.targets):
+                await check_row(cfg, server, client, target, i)
             return list(await asyncio.gather(*(score_row(cfg, plan, server, client, i, prompts, bar)
                                                for i in range(len(plan.targets)))))
         rows = []
         for i, target in enumerate(plan.targets):  # merged: one row's weights at a time
             await server.load_merged(client, target)
+            await check_row(cfg, server, client, target, i)
             rows.append(await score_row(cfg, plan, server, client, i, prompts, bar))
         return rows
     finally:
         bar.close()
         await client.close()
+
+
+async def check_row(cfg: EvalConfig, server: Server, client: InferenceClient, target: Target, index: int) -> None:
+    """The policy identity check of an adapter row vLLM now serves (`tidal.orchestrator.identity`; EvalConfig
+    `policy_check`): raises `PolicyMismatch` when vLLM serves another policy."""
+    if not cfg.policy_check or target.adapter is None:
+        return
+    from tidal.orchestrator.identity import check_served
+
+    record = server.probe(target)
+    name = server.served_name(target, index)
+    await check_served(lambda ids: client.prompt_logprobs(name, ids), record, what="tidal eval's vLLM",
+                       path=str(target.adapter), off="tidal eval --no-policy-check")
 
 
 class Bar:

@@ -26,6 +26,7 @@ from tidal.config.load import ConfigError
 from tidal.evaluate.targets import Target
 from tidal.inference.protocol import InferenceClient
 from tidal.procs import Child, NotHealthy, free_port, wait_healthy
+from tidal.transport.probe import ProbeRecord, probe_ids
 
 
 def serve_mode(cfg: EvalConfig, cpu: bool) -> str:
@@ -124,6 +125,29 @@ class Server:
         if target.adapter is not None:
             self._base = model.unload()  # the base model again, for the next row
         await client.reload_weights(str(self.merge_dir))
+
+    def probe(self, target: Target) -> ProbeRecord:
+        """The identity probe of `target`'s adapter: the `probe.json` a tidal trainer published beside it, else its
+        logprobs (and the base's) computed here from the base model (`_model`, on the CPU) and the adapter."""
+        assert target.adapter is not None
+        record = ProbeRecord.read(Path(target.adapter))
+        if record is not None:
+            return record
+        from peft import PeftModel
+
+        from tidal.models.sources import resolve_model
+        from tidal.trainer.model.load import load_tokenizer
+        from tidal.trainer.publish.probe import compute_dtype, score, vocab_limit
+
+        model_dir = resolve_model(self.cfg.model)
+        base = self._model(model_dir)
+        ids = probe_ids(vocab_limit(base, load_tokenizer(model_dir)))
+        base_lps = score(base, ids)
+        model = PeftModel.from_pretrained(base, str(target.adapter))
+        try:
+            return ProbeRecord(step=0, ids=ids, new=score(model, ids), dtype=compute_dtype(base), base=base_lps)
+        finally:
+            self._base = model.unload()
 
     def _model(self, model_dir: str) -> Any:
         if self._base is None:

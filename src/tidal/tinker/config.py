@@ -50,6 +50,11 @@ class TinkerServeConfig(StrictModel):
     """Run the vLLM it starts eagerly (infer `enforce_eager`: no torch.compile, no CUDA graphs): on a GPU a start
     ~80 s shorter for slower decoding (`make gpu-check`'s `t` uses it); on CPU with LoRA vLLM compiles nothing
     anyway."""
+    policy_check: bool = True
+    """The policy identity check (docs/orchestrator.md): each sampler checkpoint carries the trainer's logprobs of a
+    fixed probe (`probe.json`); the first time vLLM loads it, the probe is scored through vLLM and a sample request
+    fails with one line (step, path, distances) when vLLM serves another policy (the adapter is then unloaded).
+    `--no-policy-check`: no probe is scored."""
 
     @field_validator("api_key")
     @classmethod

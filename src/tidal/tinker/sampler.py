@@ -139,19 +139,33 @@ class Sampler:
             raise SamplerError(f"vLLM {route} -> HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
-    async def ensure_adapter(self, name: str, path: Path) -> None:
-        """Load the adapter at `path` as `name` unless it is loaded; unload the least recently used beyond
-        `MAX_LOADED`."""
+    async def ensure_adapter(self, name: str, path: Path) -> bool:
+        """Load the adapter at `path` as `name` unless it is loaded (True: loaded now); unload the least recently
+        used beyond `MAX_LOADED`."""
         async with self._lock:
             if name in self.loaded:
                 self.loaded.move_to_end(name)
-                return
+                return False
             while len(self.loaded) >= MAX_LOADED:
                 old, _ = self.loaded.popitem(last=False)
                 with contextlib.suppress(SamplerError):
                     await self._post("/v1/unload_lora_adapter", {"lora_name": old})
             await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             self.loaded[name] = str(path)
+            return True
+
+    async def forget(self, name: str) -> None:
+        """Unload adapter `name` (its next use loads it again)."""
+        async with self._lock:
+            if self.loaded.pop(name, None) is not None:
+                with contextlib.suppress(SamplerError):
+                    await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def prompt_logprobs(self, model: str, ids: list[int]) -> list[float]:
+        """Untempered logprob of each of `ids` given the ones before (the first: 0), as `model` serves it."""
+        _, lps, _ = await self.sample(model, ids, 1, SampleParams(max_tokens=1, prompt_logprobs=True))
+        assert lps is not None
+        return [0.0, *(float(x) for x in lps[1:])]
 
     async def sample(self, model: str, prompt: list[int], n: int,
                      p: SampleParams) -> tuple[list[Sequence], np.ndarray | None, tuple[np.ndarray, np.ndarray] | None]:

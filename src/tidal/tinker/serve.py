@@ -132,7 +132,7 @@ def run(cfg: TinkerServeConfig) -> int:
         sampler.wait_ready()
         service = TinkerService(facts.served_name, facts.model_dir, facts.architecture, facts.max_context, trainer,
                                 sampler, cfg.output_dir, cfg.max_lora_rank, aliases={cfg.model},
-                                vllm_model=infer.model)
+                                vllm_model=infer.model, policy_check=cfg.policy_check)
         app = build_app(service, api_key)
         print(f"tidal serve-tinker: serving {facts.served_name} at http://{cfg.host}:{cfg.port}", flush=True)
         print(f"tidal serve-tinker: API key {api_key}" if cfg.api_key is None else

@@ -94,8 +94,10 @@ class TinkerService:
 
     def __init__(self, served_name: str, model_dir: str, architecture: str, max_context: int,
                  trainer: TrainerHost, sampler: Sampler, output_dir: Path, max_lora_rank: int,
-                 aliases: set[str], vllm_model: str) -> None:
+                 aliases: set[str], vllm_model: str, policy_check: bool = True) -> None:
         self.served_name = served_name
+        self.policy_check = policy_check
+        """Check what vLLM serves after each adapter load (`tidal.orchestrator.identity`; `--no-policy-check`)."""
         self.vllm_model = vllm_model
         """The base model's name in vLLM."""
         self.model_dir = model_dir
@@ -518,8 +520,8 @@ class TinkerService:
 
         async def run() -> Result:
             model = self.vllm_model if session.adapter is None else session.adapter[0]
-            if session.adapter is not None:
-                await self.sampler.ensure_adapter(*session.adapter)
+            if session.adapter is not None and await self.sampler.ensure_adapter(*session.adapter):
+                await self.check_served(*session.adapter)
             seqs, prompt_lps, topk = await self.sampler.sample(model, prompt, n, params)
             return Result(proto=encode_sample_response(seqs, prompt_lps, topk))
 
@@ -528,6 +530,23 @@ class TinkerService:
             self.sample_ids.remember(sampler_id, seq, rid, in_order=False)
             self._report(sampler_id, clone_of(seq), rid)
         return rid, [f"seq-{rid}-{i}" for i in range(n)]
+
+    async def check_served(self, name: str, path: Path) -> None:
+        """The policy identity check of a sampler checkpoint vLLM just loaded as `name` (`probe.json` written by
+        `TrainerHost`): on a mismatch the adapter is unloaded and the request fails with the check's one line."""
+        from tidal.orchestrator.identity import check_served
+        from tidal.transport.probe import PolicyMismatch, ProbeRecord
+
+        record = ProbeRecord.read(path) if self.policy_check else None
+        if record is None:
+            return
+        try:
+            await check_served(lambda ids: self.sampler.prompt_logprobs(name, ids), record,
+                               what="the Tinker sampler's vLLM", path=str(path), off="tidal serve-tinker "
+                               "--no-policy-check")
+        except PolicyMismatch:
+            await self.sampler.forget(name)
+            raise
 
     def _report(self, sampler_id: str, clone: int, rid: str) -> None:
         """Put sample `rid` in its target's completion queue once it ends (finished with its payload's size, or

@@ -40,6 +40,7 @@ import torch
 from tidal.paths import atomic_dir
 from tidal.tinker.losses import LossError, check_request, datum_loss
 from tidal.tinker.wire import Datum, FwdBwdRequest
+from tidal.transport.probe import ProbeRecord, probe_ids
 
 log = logging.getLogger("tidal.tinker")
 
@@ -89,6 +90,8 @@ class Adapter:
     steps: int = 0
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     """Trainable parameters by their adapter state-dict key (the PEFT name without the adapter's name)."""
+    probe: tuple[int, list[float]] | None = None
+    """(steps, probe logprobs) of its last saved checkpoint: the previous policy of the next one's probe."""
 
 
 def module_groups(model: Any) -> dict[str, set[str]]:
@@ -174,6 +177,7 @@ class TrainerHost:
         self.micro_batch_tokens = micro_batch_tokens
         self.unembed_ok = unembed_ok
         self.peft: Any = None
+        self._base_probe: tuple[list[int], list[float]] | None = None  # (probe ids, the base's logprobs)
         self.adapters: dict[str, Adapter] = {}
         self._next = 0
 
@@ -309,11 +313,30 @@ class TrainerHost:
         return {k: p.detach().cpu().contiguous() for k, p in adapter.params.items()}
 
     def _write_adapter(self, adapter: Adapter, directory: Path) -> None:
-        """adapter_config.json and adapter_model.safetensors of `adapter` into `directory`."""
+        """adapter_config.json, adapter_model.safetensors and the policy identity probe (`probe.json`,
+        `tidal.transport.probe`: this adapter's, its previous checkpoint's and the base's logprobs of the probe)
+        of the active `adapter` into `directory`."""
         from safetensors.torch import save_file
 
         self.peft.peft_config[adapter.name].save_pretrained(str(directory))
         save_file(self._state_dict(adapter), str(directory / "adapter_model.safetensors"))
+        self._probe(adapter).write(directory)
+
+    def _probe(self, adapter: Adapter) -> ProbeRecord:
+        from tidal.trainer.model.load import load_tokenizer
+        from tidal.trainer.publish.probe import compute_dtype, score, vocab_limit
+
+        if self._base_probe is None:
+            ids = probe_ids(vocab_limit(self.base, load_tokenizer(self.model_path)))
+            with self.peft.disable_adapter():
+                self._base_probe = (ids, score(self.peft, ids))
+        ids, base = self._base_probe
+        new = score(self.peft, ids)
+        prev = adapter.probe
+        adapter.probe = (adapter.steps, new)
+        return ProbeRecord(step=adapter.steps, ids=ids, new=new, dtype=compute_dtype(self.base),
+                           previous=None if prev is None else prev[1], previous_step=None if prev is None else prev[0],
+                           base=base)
 
     def save_sampler(self, model_id: str, path: Path) -> None:
         """A PEFT adapter directory vLLM loads: adapter_config.json and adapter_model.safetensors, written
