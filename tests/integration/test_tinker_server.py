@@ -204,3 +204,27 @@ def test_stable_reinforce_is_refused_at_the_first_request_with_the_fix(client, s
     for exc in (refused.value, failed.value):
         assert "loss_fn='cispo' or 'ppo'" in str(exc) and "recipes.rl_loop loss_fn=cispo" in str(exc)
     assert "\n" not in refused.value.body["detail"]
+
+
+def test_sampler_checkpoints_carry_their_identity_probe(client, server):
+    """Each sampler checkpoint holds `probe.json` (`tidal.transport.probe`): the adapter's logprobs of the probe as the
+    trainer's own `forward` gives them, the previous checkpoint's as its previous and the base's (the adapter at
+    step 0), which the sampler compares with vLLM's after loading it (tests/integration/test_tinker_loops.py)."""
+    from tidal.transport.probe import ProbeRecord
+
+    facts, service = server[1], server[2]
+    tc = client.create_lora_training_client(base_model=facts.served_name, rank=8, seed=2).result()
+    first = service.local(tc.save_weights_for_sampler("p0").result().path)
+    for step in range(2):
+        tc.forward_backward(datums(20 + step, with_rl=False), "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    second = service.local(tc.save_weights_for_sampler("p2").result().path)
+    r0, r2 = ProbeRecord.read(first), ProbeRecord.read(second)
+    assert r0 is not None and r2 is not None and r0.ids == r2.ids and r2.step == 2
+    assert np.allclose(r0.new, r0.base, atol=1e-6)  # B = 0: the base model
+    assert r2.previous == r0.new and r2.previous_step == 0 and r2.base == r0.base
+    ids = r2.ids
+    lps = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                                  loss_fn_inputs={"target_tokens": ids[1:]})], "cross_entropy").result()
+    np.testing.assert_allclose(r2.new[1:], lps.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
+    assert np.abs(np.array(r2.new) - np.array(r2.base)).mean() > 1e-3  # the steps moved it
