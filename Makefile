@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev setup-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-memory bench-soak bench-gpu bench-gpu-e2e llama-cpp clean
+.PHONY: setup setup-dev setup-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-policy-check bench-memory bench-soak bench-gpu bench-gpu-e2e llama-cpp clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -86,6 +86,10 @@ bench-learn: setup-dev bench-trl
 ## time from optimizer step to vLLM serving the new weights: merged files + reload vs the nccl push; writes bench/WEIGHT_SYNC.md.
 bench-weights: setup
 	$(BIN)/python bench/weight_sync.py $(BENCH_ARGS)
+
+## the policy identity check's cost beside a step (one `tidal grpo` run on the bundled model); writes bench/POLICY_CHECK.md
+bench-policy-check: setup
+	$(BIN)/python bench/policy_check.py $(BENCH_ARGS)
 
 ## peak memory of one training micro-batch (Qwen3-0.6B shape): full logits vs chunked logprobs, with and without gradient checkpointing; writes bench/MEMORY.md (~10 min on 2 cores).
 bench-memory: setup

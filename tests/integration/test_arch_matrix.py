@@ -210,6 +210,57 @@ def test_a_pushed_lora_policy_is_served_exactly(served, tmp_path):
     assert gap < 1e-3 and kl <= 1e-3, f"{served.name}: pushed weights served differently (gap {gap}, KL {kl})"
 
 
+def identity_gap(s: Served, policy: Any, base: Any, served_name: str | None = None) -> float:
+    """The policy identity check (`tidal.orchestrator.identity.check_served`, what the orchestrator runs after each
+    load) of `policy` as vLLM serves it now; raises `PolicyMismatch` when it fails. Returns the probe gap."""
+    from tidal.orchestrator.identity import check_served
+    from tidal.trainer.model.load import load_tokenizer
+    from tidal.trainer.publish.probe import Prober
+
+    record = Prober(base, load_tokenizer(str(s.model_dir))).record(policy, 1)
+
+    async def go() -> float:
+        client = VllmClient(ClientSection(base_url=[s.url]))
+        try:
+            v = await check_served(lambda ids: client.prompt_logprobs(served_name or str(s.model_dir), ids), record,
+                                   what="vLLM", path=s.name, off="-")
+            return v.gap_new
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def test_the_policy_identity_check_is_quiet_on_every_path(served, tmp_path):
+    """LoRA adapter (unless MoE on CPU), merged LoRA reload, push, and (unless MoE on CPU, whose experts vLLM-CPU
+    garbles on update) a fully fine-tuned policy reloaded: the served policy is within the float32 tolerance of the
+    trainer's on the probe, and far from the base (so the check would see a stale one)."""
+    from tidal.trainer.model.load import load_tokenizer
+    from tidal.trainer.publish.probe import Prober
+    from tidal.transport.probe import TOLERANCE, distance
+
+    tol, gaps = TOLERANCE["float32"], {}
+    policy = lora_policy(served.model_dir, 5)
+    if ARCHS[served.name].vllm_lora:
+        policy.save_pretrained(str(tmp_path / "adapter"))
+        r = httpx.post(served.url.removesuffix("/v1") + "/v1/load_lora_adapter",
+                       json={"lora_name": "probe", "lora_path": str(tmp_path / "adapter")}, timeout=120)
+        assert r.status_code == 200, r.text
+        gaps["lora"] = identity_gap(served, policy, policy, "probe")
+    reset(served, tmp_path / "base")
+    reload_merged(served, policy, tmp_path / "merged")
+    gaps["merged"] = identity_gap(served, policy, policy)
+    reset(served, tmp_path / "base2")
+    push(served, policy)
+    gaps["push"] = identity_gap(served, policy, policy)
+    if ARCHS[served.name].cpu_full_updates:
+        full = full_policy(served.model_dir, 6)
+        reload_merged(served, full, tmp_path / "full")
+        gaps["full"] = identity_gap(served, full, base_model(served))
+    assert all(g < tol / 10 for g in gaps.values()), (served.name, gaps)
+    record = Prober(policy, load_tokenizer(str(served.model_dir))).record(policy, 1)
+    assert record.base is not None and distance(record.new, record.base) > tol, "a stale base would be seen"
+
+
 @pytest.mark.parametrize("how", ["reload", "push"])
 def test_a_fully_fine_tuned_policy_reaches_vllm_exactly(served, tmp_path, how):
     """Last for each server: on MoE it checks that vLLM-CPU still garbles experts updated in place (the reason
