@@ -304,7 +304,7 @@ def test_report(capsys, tmp_path):
 TINKER = {"--model": ("model", TINY), "--host": ("host", "localhost"), "--port": ("port", 8123),
           "--api-key": ("api_key", "tml-k"), "--output-dir": ("output_dir", Path("/tmp/t")),
           "--device": ("device", "cpu"), "--vllm-port": ("vllm_port", 8124), "--max-lora-rank": ("max_lora_rank", 8),
-          "--enforce-eager": ("enforce_eager", True)}
+          "--enforce-eager": ("enforce_eager", True), "--no-policy-check": ("policy_check", False)}
 
 
 @pytest.mark.parametrize("flag", sorted(TINKER))
@@ -317,7 +317,7 @@ def test_serve_tinker(flag, capsys, monkeypatch):
     seen: list[Any] = []
     monkeypatch.setattr(serve, "run", lambda cfg: seen.append(cfg) or 0)
     key, value = TINKER[flag]
-    argv = [flag] if value is True else [flag, str(value)]
+    argv = [flag] if isinstance(value, bool) else [flag, str(value)]
     assert run(capsys, "serve-tinker", *argv)[0] == 0
     assert getattr(seen[0], key) == value != getattr(TinkerServeConfig(), key)
 
@@ -329,7 +329,7 @@ EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no
         "--samples": ("samples", 4), "--temperature": ("temperature", 0.7), "--max-tokens": ("max_tokens", 33),
         "--max-model-len": ("max_model_len", 300), "--address": ("address", "http://127.0.0.1:9"),
         "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
-        "--show-samples": ("show_samples", 5), "--out": ("out", "x.json")}
+        "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False)}
 """flag -> (EvalConfig key, a value other than its default)."""
 
 
