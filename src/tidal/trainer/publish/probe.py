@@ -5,7 +5,7 @@ each policy.
 base model once (LoRA: adapters disabled; full fine-tuning: the frozen reference, or the model before its first
 step) and with each published policy, and hands `publish_adapter` a `ProbeRecord` holding the new policy's, the
 previously published one's and the base's logprobs, which it writes inside the policy's directory before its
-`STABLE`. Untempered, float32 log-softmax over the model's logits (what vLLM's prompt logprobs report). Not
+`STABLE`. Untempered logprobs through the trainer's own forward (what vLLM's prompt logprobs report). Not
 written for QeRL policies (their served copy carries noise on purpose: `tidal.trainer.model.noise`). The Tinker
 service publishes its sampler checkpoints' probes with the same `score`.
 """
@@ -40,8 +40,10 @@ def vocab_limit(model: torch.nn.Module, tokenizer: Any) -> int:
 
 @torch.no_grad()
 def score(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    """Untempered logprob of each of `ids` given the ones before it (the first: 0), float32."""
+    """Untempered logprob of each of `ids` given the ones before it (the first: 0), float32, through the trainer's
+    own forward (`forward_logprobs`: its autocast, attention and chunked head, as the loss sees the policy)."""
     from tidal.trainer.model import router_replay
+    from tidal.trainer.step.logprobs import forward_logprobs
 
     router_replay.use(model, None)  # the routers choose, as vLLM's do for a plain prompt
     device = next(model.parameters()).device
@@ -49,11 +51,10 @@ def score(model: torch.nn.Module, ids: list[int]) -> list[float]:
     training = model.training
     model.eval()  # no dropout (train lora_dropout)
     try:
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()  # (T-1, V)
+        lp = forward_logprobs(model, x, torch.arange(len(ids), device=device)[None], 1.0)[0]  # (T,)
     finally:
         model.train(training)
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]  # (T-1,)
-    return [0.0, *lp.cpu().tolist()]
+    return [0.0, *lp[1:].float().cpu().tolist()]
 
 
 class Prober:
