@@ -142,3 +142,25 @@ def test_on_cpu_the_eval_server_gets_every_core_unless_the_user_bound_it(monkeyp
     assert "VLLM_CPU_OMP_THREADS_BIND" not in every_core(False)  # not on CPU: vLLM's own binding
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert every_core(True)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_keys_without_effect_are_refused_naming_the_key():
+    """Issue 66: `--temperature` without `--samples` (greedy rows have no temperature) and `--port` / `--dtype`
+    with `--address` (a running server: tidal eval starts none) were accepted and ignored; each is a ConfigError
+    naming the key and what would give it effect (exit 2 through the CLI); with their partner they are taken."""
+    from tidal.config.load import ConfigError
+
+    p = __import__("argparse").ArgumentParser()
+    add_parser(p.add_subparsers(dest="command"))
+    cases = [(["--temperature", "0.7"], r"temperature .*samples"),
+             (["--address", "http://127.0.0.1:9", "--port", "8123"], r"port .*address"),
+             (["--address", "http://127.0.0.1:9", "--dtype", "bfloat16"], r"dtype .*address")]
+    for flags, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            eval_config(p.parse_args(["eval", *flags]))
+    assert eval_config(p.parse_args(["eval", "--temperature", "0.7", "--samples", "4"])).temperature == 0.7
+    assert eval_config(p.parse_args(["eval", "--port", "8123", "--dtype", "bfloat16"])).port == 8123
+    assert eval_config(p.parse_args(["eval", "--address", "http://127.0.0.1:9", "--dtype", "auto"])).dtype == "auto"
+    done = run_eval("--model", MODEL, "--env", "reverse-text", "--num-examples", "4", "--temperature", "0.5",
+                    "--dry-run")
+    assert done.returncode == 2 and "temperature" in done.stderr, done.stderr[-2000:]
