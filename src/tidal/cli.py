@@ -20,7 +20,7 @@ from typing import Any
 
 from tidal.colocate import start
 from tidal.colocate.start import dump
-from tidal.colocate.wire import wire_colocate, with_resume
+from tidal.colocate.wire import with_resume
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig, load_config
 from tidal.config.base import StrictModel
 from tidal.models.arch import check_model
@@ -110,9 +110,8 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         raise ConfigError(f"--infer-restarts {args.infer_restarts}: with train share_base_weights the trainer holds "
                           "vLLM's weights, so a dead vLLM is not restarted (the run stops; --resume continues it); "
                           "leave --infer-restarts out or set --train.share_base_weights false")
-    if args.dry_run:  # the wired configs, before placement on this machine (core split, CPU merged reload)
-        wired = wire_colocate(train, infer, orch, args.output_dir, args.resume)
-        for name, cfg in zip(("train", "infer", "orch"), wired, strict=True):
+    if args.dry_run:  # what the run's configs/ will hold: derived for this machine (on-policy, cores, reloads)
+        for name, cfg in (("train", co.train), ("infer", co.infer), ("orch", co.orch)):
             print(f"# --- {name} ---\n{dump(cfg)}")
         if teacher is not None:
             print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")

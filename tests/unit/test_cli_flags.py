@@ -84,10 +84,10 @@ def no_reaper(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_grpo_files(capsys, tmp_path):
     code, out, _ = run(capsys, "grpo", "--dry-run", "--train", bundled("train", tmp_path, learning_rate=0.00123),
-                       "--infer", bundled("infer", tmp_path, max_lora_rank=32),
+                       "--infer", bundled("infer", tmp_path, port=8123),
                        "--orch", bundled("orch", tmp_path, max_steps=7))
     got = sections(out)
-    assert code == 0 and got["train"]["learning_rate"] == 0.00123 and got["infer"]["max_lora_rank"] == 32
+    assert code == 0 and got["train"]["learning_rate"] == 0.00123 and got["infer"]["port"] == 8123
     assert got["orch"]["max_steps"] == 7
 
 
@@ -97,6 +97,21 @@ def test_grpo_dry_run_starts_nothing(capsys, monkeypatch):
     monkeypatch.setattr(start, "start", lambda co, **kw: pytest.fail("--dry-run started the run"))
     code, out, _ = run(capsys, "grpo", "--dry-run")
     assert code == 0 and set(sections(out)) == {"train", "infer", "orch"}
+
+
+def test_grpo_dry_run_prints_the_configs_the_run_uses(capsys, monkeypatch, tmp_path):
+    """Issue 66: `--dry-run` printed the wired configs before this machine's derivation (on CPU orch/train
+    max_async_level 1 and infer enable_lora true, while the run used 0 and false). It prints what the run's
+    `configs/` holds: the derived configs, equal to those `tidal grpo` starts with."""
+    from tidal.colocate.start import dump
+
+    got = sections(run(capsys, "grpo", "--dry-run", "--output-dir", str(tmp_path / "run"))[1])
+    co = started_grpo(capsys, monkeypatch, tmp_path)["co"]
+    for name in ("train", "infer", "orch"):
+        assert got[name] == yaml.safe_load(dump(getattr(co, name))), name
+    if co.placement.device == "cpu":  # this machine's derivation: on-policy, merged reloads without LoRA layers
+        assert got["orch"]["max_async_level"] == got["train"]["max_async_level"] == 0
+        assert got["infer"]["enable_lora"] is False
 
 
 def test_grpo_resume_output_dir_and_model(capsys, tmp_path):
@@ -330,13 +345,14 @@ EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no
         "--max-model-len": ("max_model_len", 300), "--address": ("address", "http://127.0.0.1:9"),
         "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
         "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False)}
-"""flag -> (EvalConfig key, a value other than its default)."""
+"""flag -> (EvalConfig key, a value other than its default); `eval_argv` adds what gives it effect (`--samples` for
+`--temperature` and `--no-greedy`: a key without effect is refused, issue 66)."""
 
 
 def eval_argv(flag: str) -> list[str]:
     key, value = EVAL[flag]
     argv = [flag] if isinstance(value, bool) else [flag, value[0] if isinstance(value, list) else str(value)]
-    return [*argv, *(["--samples", "2"] if flag == "--no-greedy" else []),
+    return [*argv, *(["--samples", "2"] if flag in ("--no-greedy", "--temperature") else []),
             *(["--adapter", "runs/b"] if flag == "--no-base" else [])]
 
 

@@ -65,6 +65,26 @@ def test_an_adapter_whose_rank_contradicts_its_tensors_is_refused(tmp_path):
     assert ok.returncode == 0 and "2 rows, 4 examples: checked" in ok.stdout, ok.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("extra", "named"), [({"use_dora": True}, "use_dora"),
+                                              ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+def test_dora_and_modules_to_save_adapters_are_refused_before_vllm_starts(tmp_path, extra, named):
+    """Issue 66: vLLM's LoRA loader serves lora_A/B only: a DoRA adapter was scored without its magnitude vectors
+    (silently another model) and a modules_to_save adapter crashed the run after vLLM started. Both exit 2 naming
+    the adapter and the key, in the dry run already (nothing started)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidal.models.sources import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL))
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra)).save_pretrained(str(adapter))
+    done = run_eval("--model", MODEL, "--env", "reverse-text", "--num-examples", "4", "--adapter", str(adapter),
+                    "--dry-run")
+    assert done.returncode == 2, (done.stdout[-1000:], done.stderr[-2000:])
+    assert f"adapter {adapter}" in done.stderr and named in done.stderr, done.stderr[-2000:]
+
+
 def test_a_run_directory_means_its_final_adapter(tmp_path):
     from tidal.evaluate.targets import adapter_dir
     from tidal.models.sources import resolve_model
@@ -119,6 +139,28 @@ def test_on_cpu_the_eval_server_gets_every_core_unless_the_user_bound_it(monkeyp
     cores = sorted(os.sched_getaffinity(0))
     env = vllm_env(InferConfig(model=MODEL), every_core(True))
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores)) and env["OMP_NUM_THREADS"] == str(len(cores))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in every_core(False)  # not on CPU: vLLM's own binding
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     assert every_core(True)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in every_core(False) or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "0"
+
+
+def test_keys_without_effect_are_refused_naming_the_key():
+    """Issue 66: `--temperature` without `--samples` (greedy rows have no temperature) and `--port` / `--dtype`
+    with `--address` (a running server: tidal eval starts none) were accepted and ignored; each is a ConfigError
+    naming the key and what would give it effect (exit 2 through the CLI); with their partner they are taken."""
+    from tidal.config.load import ConfigError
+
+    p = __import__("argparse").ArgumentParser()
+    add_parser(p.add_subparsers(dest="command"))
+    cases = [(["--temperature", "0.7"], r"temperature .*samples"),
+             (["--address", "http://127.0.0.1:9", "--port", "8123"], r"port .*address"),
+             (["--address", "http://127.0.0.1:9", "--dtype", "bfloat16"], r"dtype .*address")]
+    for flags, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            eval_config(p.parse_args(["eval", *flags]))
+    assert eval_config(p.parse_args(["eval", "--temperature", "0.7", "--samples", "4"])).temperature == 0.7
+    assert eval_config(p.parse_args(["eval", "--port", "8123", "--dtype", "bfloat16"])).port == 8123
+    assert eval_config(p.parse_args(["eval", "--address", "http://127.0.0.1:9", "--dtype", "auto"])).dtype == "auto"
+    done = run_eval("--model", MODEL, "--env", "reverse-text", "--num-examples", "4", "--temperature", "0.5",
+                    "--dry-run")
+    assert done.returncode == 2 and "temperature" in done.stderr, done.stderr[-2000:]

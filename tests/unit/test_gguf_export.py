@@ -316,3 +316,66 @@ def test_gguf_source_keeps_its_token_types_and_pre_without_the_file(tmp_path, mo
     out = write_gguf(model.state_dict().items(), entry, tmp_path / "again.gguf", "f16")
     f = fields(out)
     assert f["tokenizer.ggml.pre"] == "qwen2" and list(f["tokenizer.ggml.token_type"]) == types
+
+
+def test_tidal_export_of_a_bf16_directory_reads_back_as_its_weights(tmp_path):
+    """Issue 66: a bfloat16 model directory (every GPU run's final/merged, most Hub directories) exported to an f32
+    GGUF exits 0, and every tensor reads back equal to the bf16 weights cast to float32 (q/k in llama.cpp's row
+    order). Before, `safetensors.numpy` could not read bfloat16: a TypeError traceback, exit 1."""
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file
+
+    from tidal.trainer.publish.gguf_out import rope_interleave
+
+    src = tmp_path / "src"
+    tiny_llama(src, tied=False).to(torch.bfloat16).save_pretrained(str(src))
+    sd = load_file(str(src / "model.safetensors"))
+    assert {t.dtype for t in sd.values()} == {torch.bfloat16}
+    r = tidal_export(str(src), "--gguf", "f32", "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 0, r.stderr
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    pairs = {"token_embd.weight": ("model.embed_tokens.weight", 0), "output.weight": ("lm_head.weight", 0),
+             "output_norm.weight": ("model.norm.weight", 0)}
+    for i in range(2):
+        pairs |= {f"blk.{i}.attn_q.weight": (f"model.layers.{i}.self_attn.q_proj.weight", 4),
+                  f"blk.{i}.attn_k.weight": (f"model.layers.{i}.self_attn.k_proj.weight", 2),
+                  f"blk.{i}.attn_v.weight": (f"model.layers.{i}.self_attn.v_proj.weight", 0),
+                  f"blk.{i}.ffn_down.weight": (f"model.layers.{i}.mlp.down_proj.weight", 0),
+                  f"blk.{i}.attn_norm.weight": (f"model.layers.{i}.input_layernorm.weight", 0)}
+    for name, (key, heads) in pairs.items():
+        t = tensors[name]
+        assert t.tensor_type.name == "F32", name
+        got = dequantize(np.asarray(t.data), t.tensor_type).reshape(sd[key].shape)
+        want = sd[key].float().numpy()
+        want = rope_interleave(want, heads) if heads else want
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_a_second_gguf_type_keeps_the_first(tmp_path):
+    """Issue 66: `tidal export RUN_DIR --gguf q8_0` after an f16 export keeps `model-f16.gguf` (final/gguf/ was
+    replaced whole, deleting it); exporting the same type again replaces that file only."""
+    from tidal.trainer.publish.export import write_final_gguf
+
+    src, run = tmp_path / "src", tmp_path / "run"
+    model = tiny_llama(src)
+    weights = dict(model.state_dict())
+    first = write_final_gguf(weights, src, run, "f16")
+    before = first.read_bytes()
+    second = write_final_gguf(weights, src, run, "q8_0")
+    gguf_dir = run / "final" / "gguf"
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["STABLE", "model-f16.gguf", "model-q8_0.gguf"]
+    assert first.read_bytes() == before and second.stat().st_size < len(before)
+    assert gguf.GGUFReader(str(first)).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_F16
+    write_final_gguf(weights, src, run, "q8_0")
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["STABLE", "model-f16.gguf", "model-q8_0.gguf"]
+    assert sorted(p.name for p in (run / "final").iterdir()) == ["gguf"]  # no temporary directory left
+
+
+def test_tidal_export_base_for_a_model_directory_is_refused(tmp_path):
+    """Issue 66: `--base` names the base an adapter merges into; for a model directory it was accepted and
+    ignored. Now exit 2 naming the flag, nothing written."""
+    src = tmp_path / "src"
+    tiny_llama(src)
+    r = tidal_export(str(src), "--base", str(src), "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 2 and "--base" in r.stderr and "adapter" in r.stderr, r.stderr
+    assert not (tmp_path / "m.gguf").exists()

@@ -70,7 +70,7 @@ ALTERNATIVES: dict[str, Any] = {
 WITH: dict[str, dict[str, Any]] = {
     "sapo_temperature_neg": {"loss_type": "sapo"}, "sapo_temperature_pos": {"loss_type": "sapo"},
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
-                    {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask"}),
+                    {"loss_type": "vespo"}),
     "use_bias_correction_kl": {"beta": 0.1},
     **dict.fromkeys(("vllm_importance_sampling_correction", "vllm_importance_sampling_cap",
                      "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
@@ -175,9 +175,10 @@ def test_unimplemented_and_unknown_keys_are_errors_naming_them():
     assert derive(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"
                   ).train.loss.is_correction == "masked"
     with pytest.raises(ValidationError, match=r"set vllm_importance_sampling_clip_min or .*_truncate"):
-        GRPOConfig(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
+        GRPOConfig(use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+                   vllm_importance_sampling_clip_max=None)
     with pytest.raises(ValidationError, match=r"clip_min \(3.0\) must be less than .*clip_max \(2.0\)"):
-        GRPOConfig(vllm_importance_sampling_clip_min=3.0, vllm_importance_sampling_clip_max=2.0)
+        GRPOConfig(use_vllm=True, vllm_importance_sampling_clip_min=3.0, vllm_importance_sampling_clip_max=2.0)
     with pytest.raises(ValidationError, match=r"gradient_checkpointing_kwargs .* non-reentrant"):
         GRPOConfig(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert derive(use_vllm=True, vllm_importance_sampling_clip_max=None).train.loss.is_cap == float("inf")
@@ -345,3 +346,47 @@ def test_refusal_texts_of_compile_and_liger_name_the_keys_that_map_them():
         assert mapped in doc and "is refused" not in doc and "does not torch.compile" not in doc, (key, doc)
     docs = DOCS.read_text()
     assert "use_liger_kernel is refused" not in docs and "does not torch.compile" not in docs
+
+
+@pytest.mark.parametrize("kw", [{}, {"use_vllm": True, "vllm_importance_sampling_correction": False},
+                                {"use_vllm": True}])
+def test_grpo_config_derived_for_a_gpu_never_lags_without_a_correction(kw):
+    """Issue 66: tidal samples with vLLM, and on a GPU `tidal grpo`'s default is one policy of lag; TRL's default
+    (`use_vllm=False`) corrects nothing because TRL samples on-policy. Derived for a simulated GPU machine, a
+    GRPOConfig either samples on-policy (orch and train max_async_level 0) or corrects the ratio."""
+    from tidal.colocate.derive import Machine, derive_colocate
+
+    d = derive(**kw)
+    for machine in (Machine(cores=tuple(range(16)), has_gpu=True, gpu_memory_gib=80.0), Machine(cores=(0, 1))):
+        co = derive_colocate(d.train, d.infer, d.orch, machine)
+        corrected = co.train.loss.is_correction != "none"
+        on_policy = co.orch.max_async_level == 0 and co.train.max_async_level == 0
+        assert corrected or on_policy, (kw, machine.has_gpu, co.orch.max_async_level, co.train.loss.is_correction)
+        assert corrected == bool(kw.get("use_vllm") and kw.get("vllm_importance_sampling_correction", True))
+
+
+@pytest.mark.parametrize(("key", "value"), [("vllm_importance_sampling_correction", False),
+                                            ("vllm_importance_sampling_mode", "token_mask"),
+                                            ("vllm_importance_sampling_clip_max", 2.0),
+                                            ("vllm_importance_sampling_clip_min", 0.5),
+                                            ("vllm_importance_sampling_cap", 2.5)])
+def test_importance_sampling_keys_without_use_vllm_are_refused_not_ignored(key, value):
+    """Issue 66: TRL reads the vLLM IS keys with use_vllm=True only; without it they changed nothing in tidal
+    either (train loss.is_correction stayed `none`). Set away from their default, they are refused naming the key;
+    at their default (as a TRL script may spell them out) they are accepted."""
+    with pytest.raises(ValidationError, match=rf"GRPOConfig {key} applies with use_vllm=True only"):
+        GRPOConfig(**{key: value})
+    default = GRPOConfig.model_fields[key].default
+    assert GRPOConfig(**{key: default}).corrects_is() is False
+    assert derive(use_vllm=True, **{key: value, **({"vllm_importance_sampling_clip_max": 2.0}
+                                                    if key == "vllm_importance_sampling_clip_min" else {})})
+
+
+def test_vespo_runs_with_the_correction_off_as_its_refusal_suggests():
+    """Issue 66 (TRL 1.16 checks vespo's IS mode only with use_vllm and vllm_importance_sampling_correction): the
+    setting vespo's refusal names, vllm_importance_sampling_correction=False, runs (uncorrected, hence on-policy)."""
+    with pytest.raises(ValidationError, match=r"or vllm_importance_sampling_correction=False"):
+        GRPOConfig(loss_type="vespo", use_vllm=True)
+    d = derive(loss_type="vespo", use_vllm=True, vllm_importance_sampling_correction=False)
+    assert d.train.loss.loss_type == "vespo" and d.train.loss.is_correction == "none"
+    assert d.orch.max_async_level == 0 and d.train.max_async_level == 0

@@ -12,6 +12,10 @@ optimizer steps (train `steps_per_generation`), each repeated `num_iterations` t
 `save_steps`, `logging_steps`, `eval_steps` and the warmup (`warmup_steps`, or `warmup_ratio` x the run's
 optimizer steps) become batches: `ceil(n / optimizer steps per batch)`.
 
+Lag. TRL samples with the policy it trains; tidal samples with vLLM, one policy behind by default on a GPU
+(`tidal.colocate.derive`). A lag needs the importance-sampling correction, so without it (`use_vllm=False`, TRL's
+default, or `vllm_importance_sampling_correction=False`) orch and train `max_async_level` are 0: on-policy, as TRL.
+
 `to_tidal(args, model, ...)` is pure and torch-free: it returns the three validated configs.
 """
 
@@ -460,6 +464,8 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
         "advantage": advantage_keys(args),
         "ckpt": ckpt, "report_to": report_section(args),
         "client": {"chat_template_kwargs": args.chat_template_kwargs or {}}}
+    if not args.corrects_is():  # nothing corrects the lag: sample on-policy, as TRL does (on a GPU too)
+        orch["max_async_level"] = 0
     if args.eval_strategy == "steps":
         if not eval_names:
             raise ValueError("GRPOConfig eval_strategy 'steps' needs an eval_dataset")
@@ -475,6 +481,8 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
     if args.vllm_gpu_memory_utilization is not None:
         infer["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
     train = train_keys(args, model, per_batch, warmup_batches(args, max_steps, opt_per_batch)) | peft_keys(peft_config)
+    if not args.corrects_is():
+        train["max_async_level"] = 0
     train["ckpt"] = dict(ckpt)
     return Derived(TrainConfig.model_validate(train), InferConfig.model_validate(infer),
                    OrchConfig.model_validate(orch), per_batch)

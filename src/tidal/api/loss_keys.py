@@ -6,7 +6,8 @@ defaults, so a script that sets nothing runs TRL's algorithm: `dapo` and, with `
 with `use_vllm=True` also the vLLM importance-sampling correction in `sequence_mask` mode (clip 3.0). TRL applies
 that correction (and checks its mode against `vespo`) only with `use_vllm`, because without vLLM it samples with
 the trained model itself; tidal always samples with vLLM, so `use_vllm=True` is the setting that corrects for the
-trainer/vLLM mismatch (docs/trl.md), and `use_vllm=False` runs what TRL runs: no correction. `loss_keys(args)`
+trainer/vLLM mismatch (docs/trl.md), and `use_vllm=False` runs what TRL runs: no correction, sampled on-policy
+(`tidal.api.grpo_config.to_tidal` sets `max_async_level` 0 whenever nothing corrects). `loss_keys(args)`
 gives the train `loss` section (`tidal.config.loss.LossConfig`) and `algorithm_train_keys(args)` the other train
 keys; `ALGORITHM_MAPPING` says where each key goes (docs/trl.md). Seed 000's trainer/inference masks, which TRL
 does not have, are off in the derived `loss` (`NO_SEED_MASKS`). Keys tidal cannot honor are refused with the
@@ -30,6 +31,10 @@ NO_SEED_MASKS: dict[str, float] = {"token_mask_low": 0.0, "token_mask_high": mat
 IS_MODES = {"token_truncate": "truncated", "token_mask": "masked", "sequence_truncate": "sequence_truncated",
             "sequence_mask": "sequence_masked"}
 """TRL's `vllm_importance_sampling_mode` -> train `loss.is_correction`."""
+
+IS_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+           "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+"""The keys of TRL's vLLM importance-sampling correction: read with `use_vllm=True` only (else refused when set)."""
 
 ALGORITHM_UNSUPPORTED = frozenset({
     "cast_lm_head_to_fp32", "per_device_eval_batch_size",
@@ -74,7 +79,8 @@ class TRLAlgorithmKeys(StrictModel):
     use_vllm: bool = False
     """TRL: generate with vLLM. tidal always generates with vLLM; as in TRL the value decides whether the
     `vllm_importance_sampling_*` correction applies (True: yes, the setting for tidal's vLLM samples; False, TRL's
-    default: TRL samples with the trained model and corrects nothing, and neither does tidal)."""
+    default: TRL samples with the trained model and corrects nothing, and neither does tidal, which then samples
+    on-policy, orch and train `max_async_level` 0)."""
     vllm_importance_sampling_correction: bool = True
     """(use_vllm) Correct for the trainer/vLLM mismatch with importance weights (train `loss.is_correction`;
     `none` if False or without `use_vllm`, as in TRL)."""
@@ -150,6 +156,13 @@ class TRLAlgorithmKeys(StrictModel):
         for key in ("ref_model_mixup_alpha", "ref_model_sync_steps"):
             if not self.sync_ref_model and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"GRPOConfig {key} applies with sync_ref_model=True only")
+        if not self.use_vllm:  # TRL reads these with vLLM only: without it nothing is corrected (on-policy)
+            given = [k for k in IS_KEYS if k in self.model_fields_set
+                     and getattr(self, k) != type(self).model_fields[k].default]
+            if given:
+                raise ValueError(f"GRPOConfig {given[0]} applies with use_vllm=True only (as in TRL, the vLLM "
+                                 f"importance-sampling correction is off without it, and tidal then samples "
+                                 f"on-policy); set use_vllm=True or leave {given[0]} at its default")
         lo, hi = self.vllm_importance_sampling_clip_min, self.is_cap()
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"GRPOConfig vllm_importance_sampling_clip_min ({lo}) must be less than "
@@ -225,7 +238,8 @@ ALGORITHM_MAPPING: dict[str, str] = {
     "sapo_temperature_pos": "train `loss.sapo_temperature_pos`", "vespo_k_pos": "train `loss.vespo_k_pos`",
     "vespo_lambda_pos": "train `loss.vespo_lambda_pos`", "vespo_k_neg": "train `loss.vespo_k_neg`",
     "vespo_lambda_neg": "train `loss.vespo_lambda_neg`",
-    "use_vllm": "train `loss.is_correction` (`none` when False, as TRL; tidal always samples with vLLM)",
+    "use_vllm": "train `loss.is_correction` (`none` when False, as TRL; tidal always samples with vLLM, then "
+                "on-policy: orch/train `max_async_level` 0)",
     "vllm_importance_sampling_correction": "train `loss.is_correction` (`none` when False or without use_vllm)",
     "vllm_importance_sampling_mode": "train `loss.is_correction`: `truncated`, `masked`, `sequence_truncated`, "
                                      "`sequence_masked`",

@@ -5,7 +5,7 @@ Config is user input only; what `tidal grpo` derives from it lives here, as a pu
 address, which cores vLLM and the trainer get, the environment the inference child needs, notices to print).
 The user's configs are never modified. Derivations, in order:
 
-- wiring (`tidal.colocate.wire.wire_colocate`, machine-independent; what `tidal grpo --dry-run` prints): the three
+- wiring (`tidal.colocate.wire.wire_colocate`, machine-independent): the three
   files connected to each other (one run directory, one model, one length, one checkpoint interval, the server
   addresses, the transport).
 - placement on the `Machine`: `RULES`, each rule one function (`Derivation` -> `Derivation`), in this order:
@@ -55,7 +55,8 @@ The user's configs are never modified. Derivations, in order:
   cannot hold vLLM's weights and one sequence, a notice when it leaves the trainer less than its estimate).
   `cuda_graphs`: on a GPU, vLLM's CUDA-graph capture up to the sequences the run can have in one server
   (`tidal.colocate.graphs`: `--max-cudagraph-capture-size`, a power of two).
-  Then `place` records the `Placement`.
+  Then `place` records the `Placement`. `tidal grpo --dry-run` prints the configs after every rule (what the run's
+  `configs/` holds; on a GPU the split from the estimate: the run itself calibrates first).
 
 `Machine.detect()` is the only part that looks at the machine. Torch-free: configs and facts in, configs and a
 placement out.

@@ -39,7 +39,7 @@ class EvalConfig(StrictModel):
     """Sampled completions per example at `temperature` (0: none): mean reward and pass@k for every k <= samples,
     with the unbiased estimator."""
     temperature: float = Field(1.0, gt=0)
-    """Temperature of the sampled completions."""
+    """Temperature of the sampled completions (set without `samples`: refused, greedy rows have none)."""
     max_tokens: int = Field(256, ge=1)
     """Completion tokens at most; a completion stopped there counts in `cut/share`."""
     max_model_len: int | None = Field(None, ge=16)
@@ -57,9 +57,10 @@ class EvalConfig(StrictModel):
     LoRA path is ~5x slower than its plain one); `auto`: merged when tidal eval starts vLLM on a CPU-only machine,
     else lora."""
     port: int | None = Field(None, ge=1, le=65535)
-    """Port of the vLLM server tidal eval starts (null: a free one)."""
+    """Port of the vLLM server tidal eval starts (null: a free one; refused with `address`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """vLLM's dtype (auto: float32 on CPU, bfloat16 on a GPU, as training)."""
+    """vLLM's dtype (auto: float32 on CPU, bfloat16 on a GPU, as training; another value with `address` is
+    refused: the running server has its own)."""
     show_samples: int = Field(3, ge=0)
     """Completions printed and stored per row (the first examples')."""
     out: str | None = None
@@ -80,4 +81,13 @@ class EvalConfig(StrictModel):
         if self.serve == "merged" and self.address is not None:
             raise ValueError("serve: merged reloads weights into a server tidal eval starts itself; with address "
                              "(a running server) use serve: lora or auto")
+        if "temperature" in self.model_fields_set and self.samples == 0:
+            raise ValueError("temperature applies to the sampled completions, and samples is 0 (greedy rows are "
+                             "temperature 0): set samples: K (--samples K) or drop temperature")
+        if self.address is not None:
+            given = [k for k in ("port", "dtype") if k in self.model_fields_set
+                     and getattr(self, k) != type(self).model_fields[k].default]
+            if given:
+                raise ValueError(f"{given[0]} applies to the vLLM server tidal eval starts, and address names a "
+                                 f"running one (started with its own {given[0]}): drop {given[0]} or address")
         return self

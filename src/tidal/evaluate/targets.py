@@ -4,7 +4,8 @@ An adapter argument is a PEFT directory (`adapter_config.json` + `adapter_model.
 (its `final/adapter`, else its newest published policy `broadcasts/step_N`), or a trainer checkpoint
 (`checkpoints/trainer/step_N`: its `adapter/`). Each is checked against the model on the meta device (no weights
 read): every LoRA tensor must name a module of the model whose shape it fits, so an adapter trained on another base
-(or a rank the shapes contradict) is refused with exit 2 naming the file, before any server starts.
+(or a rank the shapes contradict) is refused with exit 2 naming the file, before any server starts. So is what
+vLLM's LoRA loader cannot serve as trained (`UNSERVED`: DoRA, `modules_to_save`; any tensor besides lora_A/B).
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from tidal.paths import broadcasts_dir, final_dir, stable_steps
 
 LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 """A PEFT adapter tensor: `base_model.model.<module>.lora_A.weight` (or with the adapter's name before `.weight`)."""
+
+
+UNSERVED = {
+    "use_dora": "vLLM's LoRA layers have no DoRA magnitude vectors, so its rows would score another model than the "
+                "one trained (merge it into the base with PEFT's merge_and_unload and evaluate that directory as "
+                "--model)",
+    "modules_to_save": "vLLM loads no fully trained modules beside the LoRA matrices (it refuses the adapter when it "
+                       "is loaded); merge it into the base with PEFT's merge_and_unload and evaluate that directory "
+                       "as --model"}
+"""adapter_config.json keys whose adapters vLLM cannot serve as trained (refused with the reason, exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,17 @@ def check_adapter(label: str, directory: Path, model_dir: str) -> Target:
     config = json.loads((directory / "adapter_config.json").read_text())
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ConfigError(f"adapter {label}: peft_type {config.get('peft_type')!r}; tidal eval serves LoRA adapters")
+    for key, why in UNSERVED.items():
+        if config.get(key):
+            raise ConfigError(f"adapter {label}: adapter_config.json sets {key}={config[key]!r}; {why}")
     rank = int(config.get("r", 0))
     modules = meta_linear_shapes(model_dir)
     leaves: set[str] = set()
     for key, shape in adapter_shapes(directory).items():
         m = LORA_KEY.match(key)
-        if m is None:
-            continue
+        if m is None:  # vLLM would drop it (a DoRA magnitude, a saved module): another model than trained
+            raise ConfigError(f"adapter {label}: its tensor {key} is no LoRA A/B matrix; vLLM serves lora_A / "
+                              f"lora_B only, so the adapter cannot be scored as trained")
         name = m["module"]
         if name not in modules:
             raise ConfigError(f"adapter {label}: its tensor {key} adapts {name}, which the model {model_dir} does not "

@@ -47,12 +47,24 @@ def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
 
 def write_final_gguf(weights: dict[str, Any], base_dir: Path, run_dir: Path, dtype: str,
                      rope_scaling: dict[str, Any] | None = None) -> Path:
-    """`final/gguf/model-{dtype}.gguf`: `weights` (checkpoint names) with the base model's config and tokenizer."""
+    """`final/gguf/model-{dtype}.gguf`: `weights` (checkpoint names) with the base model's config and tokenizer.
+    The files of other types already there are kept (hard-linked into the new directory, copied where links fail):
+    a second `tidal export --gguf TYPE` adds its file, it does not delete the first."""
+    import os
+
     from tidal.trainer.publish.gguf_out import write_gguf
 
-    with atomic_dir(final_dir(run_dir, "gguf")) as tmp:
-        write_gguf(weights.items(), base_dir, tmp / f"model-{dtype}.gguf", dtype, rope_scaling)
-    return final_dir(run_dir, "gguf") / f"model-{dtype}.gguf"
+    final, name = final_dir(run_dir, "gguf"), f"model-{dtype}.gguf"
+    with atomic_dir(final) as tmp:
+        if (final / "STABLE").is_file():
+            for old in final.glob("model-*.gguf"):
+                if old.name != name:
+                    try:
+                        os.link(old, tmp / old.name)
+                    except OSError:
+                        shutil.copy2(old, tmp / old.name)
+        write_gguf(weights.items(), base_dir, tmp / name, dtype, rope_scaling)
+    return final / name
 
 
 def base_dir_of(model: Any, base_model: str) -> Path:

@@ -5,9 +5,10 @@ for another type (`tidal export RUN_DIR --gguf q4_0`).
 SOURCE is a run directory (its `final/merged`, `final/model` or `final/adapter`, the first that is complete), a PEFT
 adapter directory (`adapter_config.json`; merged into its base: `base_model_name_or_path`, or `--base MODEL`), or a
 Hugging Face model directory (e.g. `final/merged`). The file goes to `RUN_DIR/final/gguf/model-TYPE.gguf` for a run
-directory (replacing that directory whole), else to `--out`. A run's `configs/train.yaml` `rope_scaling`, when set,
-is applied as in training. Exit codes: 0 written; 2 bad input, named (nothing written); 1 the writing failed
-(nothing half-written: a temporary name and a rename). Torch and PEFT are imported only to merge an adapter.
+directory (files of other types there are kept; one of the same type is replaced), else to `--out`. A run's
+`configs/train.yaml` `rope_scaling`, when set, is applied as in training. Exit codes: 0 written; 2 bad input, named
+(nothing written); 1 the writing failed (nothing half-written: a temporary name and a rename). Weights are read with
+safetensors' torch reader (any dtype, bfloat16 included); PEFT is imported only to merge an adapter.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def merged_weights(model_dir: Path, adapter: bool, base: str | None) -> tuple[di
     """(checkpoint name -> tensor, the directory whose config and tokenizer go into the file)."""
     from tidal.trainer.publish.broadcast import checkpoint_keys
 
-    if not adapter:
-        from safetensors.numpy import load_file
+    if not adapter:  # torch's reader: safetensors.numpy cannot read bfloat16 (every GPU run's final/merged)
+        from safetensors.torch import load_file
 
         weights: dict[str, Any] = {}
         for f in sorted(model_dir.glob("*.safetensors")):
@@ -120,6 +121,9 @@ def cmd_export(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     source = Path(args.source)
     model_dir, adapter = find_source(source)
     is_run = model_dir != source
+    if args.base and not adapter:
+        raise ConfigError(f"tidal export {source}: --base names the base model a PEFT adapter is merged into, but "
+                          f"{model_dir} is a full model (no adapter_config.json); drop --base")
     if not is_run and not args.out:
         raise ConfigError(f"tidal export {source}: not a run directory, so say where the file goes: --out FILE")
     rope = run_rope_scaling(source) if is_run else None
@@ -136,7 +140,7 @@ def cmd_export(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             from tidal.trainer.publish.export import write_final_gguf
 
             out = write_final_gguf(weights, config_dir, source, args.gguf, rope)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
         print(f"tidal export: writing the GGUF failed ({type(exc).__name__}: {exc}); nothing was written",
               file=sys.stderr)
         return 1
