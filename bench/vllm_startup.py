@@ -74,6 +74,21 @@ class Variant:
     src: str = str(REPO / "src")
     grpo_args: list[str] = field(default_factory=list)
     """More `tidal grpo` arguments (the `--grpo-steps` runs only; `tidal grpo-infer` does not take them)."""
+    fresh_caches: bool = False
+    """Start as on a fresh machine (or after a reboot emptied /tmp): tidal's cache (the Inductor cache under it) and
+    vLLM's (`VLLM_CACHE_ROOT`: model inspection, compile cache) are new empty directories for each run."""
+
+    def environ(self, log_dir: Path) -> dict[str, str]:
+        """The run's environment: this process's, the variant's `src` on PYTHONPATH and its variables (fresh caches:
+        new empty ones)."""
+        env = {**os.environ, "PYTHONPATH": self.src, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.fresh_caches:
+            import tempfile
+
+            fresh = Path(tempfile.mkdtemp(prefix=f"caches-{self.name}-", dir=log_dir))
+            env.update(TIDAL_CACHE=str(fresh / "tidal"), VLLM_CACHE_ROOT=str(fresh / "vllm"))
+            env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        return env
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -101,6 +116,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "every start compiles)", args=["--infer.enable_lora", "false"], env={"VLLM_USE_AOT_COMPILE": "1"}),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
+    Variant("cold", "as on a fresh machine or after a reboot: empty tidal and vLLM caches (issue 68; `make setup` "
+            "fills them, so a user's first run is the default row)", fresh_caches=True),
+    Variant("cold-eager", "empty caches, and vLLM eager (infer enforce_eager: nothing to compile; slower rollouts)",
+            args=["--infer.enforce_eager", "true"], fresh_caches=True),
 ]}
 
 
@@ -140,7 +159,7 @@ def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> R
     port = free_port()
     argv = [sys.executable, "-m", "tidal.cli", "grpo-infer", str(EXAMPLE), "--infer.port", str(port),
             *variant.args]
-    env = {**os.environ, "PYTHONPATH": variant.src, "PYTHONUNBUFFERED": "1", **variant.env}
+    env = variant.environ(log_dir)
     log_path = log_dir / f"{variant.name}-{port}.log"
     marks: dict[str, float] = {}
     start = time.monotonic()
@@ -217,7 +236,7 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
             "--infer.port", str(free_port()), *variant.args, *variant.grpo_args]
-    env = {**os.environ, "PYTHONPATH": variant.src, "PYTHONUNBUFFERED": "1", **variant.env}
+    env = variant.environ(log_dir)
     metrics, first = out / "metrics.jsonl", float("nan")
     start = time.monotonic()
     child = harness.start(f"{variant.name}-grpo", argv, out / "launcher.log", env=env)

