@@ -310,6 +310,17 @@ def load_runs(path: Path, workload: dict[str, Any], algorithm: str) -> dict[tupl
     return out
 
 
+def mode_label(run: dict[str, Any]) -> str:
+    """The row's mode, and for a reused run where and when it ran (tidal's are reused from any machine and day)."""
+    mode = run.get("mode", run["framework"].lower())
+    if not run.get("reused"):
+        return mode
+    date, machine = run.get("date"), run.get("machine")
+    if date == time.strftime("%Y-%m-%d") and machine == machine_id():
+        return f"{mode} (reused, same machine and day)"
+    return f"{mode} (reused: {date or '?'} on {machine or '?'})"
+
+
 def final_reward(run: dict[str, Any], last: int = 5) -> float:
     """Mean reward over the run's last `last` steps."""
     return statistics.mean(c[2] for c in run["curve"][-last:])
@@ -395,7 +406,7 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str
     for r in runs:
         first5 = statistics.mean(c[2] for c in r["curve"][:5])
         acc = evals.get(r["adapter"], {})
-        mode = r.get("mode", r["framework"].lower()) + (" (reused, same machine and day)" if r.get("reused") else "")
+        mode = mode_label(r)
         lines.append(f"| {mode} | {r['seed']} | {r['first_step_s']:.1f} | {r['ready_s']:.1f} | "
                      f"{r['step_s']:.1f} | {r['total_s']:.0f} | {first5:.3f} | {final_reward(r):.3f} | "
                      f"{r['mismatch_kl_1']:.1e} | {acc.get('accuracy', float('nan')):.3f} "

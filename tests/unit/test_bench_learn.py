@@ -81,3 +81,18 @@ def test_phase_cpu_reads_each_side_while_the_other_works():
     assert learn.side_of(["python", "-m", "tidal.cli", "grpo-train", "x"], "python") == "trainer"
     assert learn.side_of(["python", "-m", "vllm.entrypoints.openai.api_server"], "python") == "vllm"
     assert learn.side_of([], "VLLM::EngineCore") == "vllm" and learn.side_of(["tidal", "grpo-orch"], "x") is None
+
+
+def test_a_reused_row_says_where_and_when_it_ran():
+    """Issue 66: every reused row was labelled "same machine and day", but tidal's rows are reused from any machine
+    and day (only TRL's must match both). The label names the row's own date and machine unless both match."""
+    import time
+
+    today, here = time.strftime("%Y-%m-%d"), learn.machine_id()
+    fresh = {"framework": "tidal", "mode": "tidal", "date": today, "machine": here}
+    assert learn.mode_label(fresh) == "tidal"
+    assert learn.mode_label({**fresh, "reused": True}) == "tidal (reused, same machine and day)"
+    old = {"framework": "tidal", "mode": "tidal", "date": "2026-11-28", "machine": "box / Xeon / 2 CPUs",
+           "reused": True}
+    assert learn.mode_label(old) == "tidal (reused: 2026-11-28 on box / Xeon / 2 CPUs)"
+    assert learn.mode_label({"framework": "tidal", "reused": True}) == "tidal (reused: ? on ?)"

@@ -346,13 +346,14 @@ EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no
         "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
         "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False)}
 """flag -> (EvalConfig key, a value other than its default); `eval_argv` adds what gives it effect (`--samples` for
-`--temperature` and `--no-greedy`: a key without effect is refused, issue 66)."""
+`--temperature`, `--no-greedy` and `--seed`, which seeds the sampled completions; `--temperature` alone is refused,
+issue 66)."""
 
 
 def eval_argv(flag: str) -> list[str]:
     key, value = EVAL[flag]
     argv = [flag] if isinstance(value, bool) else [flag, value[0] if isinstance(value, list) else str(value)]
-    return [*argv, *(["--samples", "2"] if flag in ("--no-greedy", "--temperature") else []),
+    return [*argv, *(["--samples", "2"] if flag in ("--no-greedy", "--temperature", "--seed") else []),
             *(["--adapter", "runs/b"] if flag == "--no-base" else [])]
 
 

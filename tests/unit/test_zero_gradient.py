@@ -104,6 +104,18 @@ def batch_with_zero_groups(seed: int, zero_share: float) -> TrainingBatch:
     return b
 
 
+def batch_with_zero_micro_batches(seed: int, cfg) -> tuple[TrainingBatch, int, int]:
+    """fixed_batch with the advantages of every other micro-batch (as `cfg` packs it: one optimizer step each, so
+    the skip repacks nothing) set to 0: (batch, micro-batches, zeroed micro-batches), whatever lengths were drawn."""
+    b = fixed_batch(seed)
+    micro = pack(b, cfg.sequence_len, cfg.per_device_train_batch_size)
+    starts = np.r_[0, np.cumsum(b.lengths)[:-1]]
+    for mb in micro[::2]:
+        for i in {int(i) for i in mb.seq_ids.unique() if i >= 0}:
+            b.advantages[starts[i]:starts[i] + b.lengths[i]] = 0.0
+    return b, len(micro), len(micro[::2])
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_skipping_leaves_the_same_parameters(lora):
     # accumulation 1: every micro-batch its own optimizer step, so the packing is the same with and without the
@@ -113,15 +125,20 @@ def test_skipping_leaves_the_same_parameters(lora):
         for skip in (True, False)}
     pols = {skip: build_policy(cfgs[skip], 10) for skip in cfgs}
     seed = random.randrange(2**31)
-    for step, share in enumerate((0.5, 1.0)):  # half the samples, then all of them (AdamW still moves)
-        batch = batch_with_zero_groups(seed + step, share)
+    for step in range(2):  # every other micro-batch zero, then all of them (AdamW still moves)
+        if step == 0:
+            batch, micro_want, zeroed = batch_with_zero_micro_batches(seed + step, cfgs[True])
+            assert 0 < zeroed < micro_want, (zeroed, micro_want, seed)
+        else:
+            batch = batch_with_zero_groups(seed + step, 1.0)
+            zeroed = micro_want = len(pack(batch, cfgs[True].sequence_len, 1))
         before = {n: q.detach().clone() for n, q in pols[False].model.named_parameters()}
         m = {s: train_step(p.model, p.opt, batch, cfgs[s], p.device, p.pad_id, sched=p.sched,
                            reference=p.reference) for s, p in pols.items()}
-        skipped, micro = m[True]["micro_batches/skipped"], m[True]["micro_batches"]
-        # half the samples: not every micro-batch skips (whether one does depends on the random lengths drawn: a
-        # fixed "at least one" failed once); all of them: every one does, so the skip path always runs
-        assert (skipped < micro if share < 1 else skipped == micro) and m[False]["micro_batches/skipped"] == 0
+        # exactly the zeroed micro-batches skip, and only with the skip on (the half case built so that some do
+        # and some do not on every draw: weakening it to `skipped < micro` let a never-skipping step pass)
+        assert m[True]["micro_batches"] == m[False]["micro_batches"] == micro_want, seed
+        assert m[True]["micro_batches/skipped"] == zeroed and m[False]["micro_batches/skipped"] == 0, seed
         assert m[True]["loss"] == m[False]["loss"] and m[True]["grad_norm"] == m[False]["grad_norm"]
         assert m[True]["mismatch_kl"] == m[False]["mismatch_kl"]
         b = dict(pols[False].model.named_parameters())

@@ -12,7 +12,7 @@ The user's configs are never modified. Derivations, in order:
   `on_policy`: on a CPU-only machine, orch `max_async_level` unset with `async_mode: gated` becomes 0 (and train's
   follows): rollouts of batch n come from policy n - 1, so vLLM and the trainer never run at once and each phase
   gets the whole machine (`cpu_cores`). Measured on 2 cores (SmolLM2-135M, addition, 3 seeds each, bench/LEARN.md):
-  runs as long as with one policy of lag on split cores (2026-11-28) or up to 9% longer (2026-12-01), and more
+  runs 9-16% longer per seed than with one policy of lag on split cores (2026-12-02; as long on 2026-11-28), and more
   learned per sample (final reward 0.604 against 0.547). On a GPU the default stays 1 (overlap),
   unmeasured against time-sharing there (GPU ledger row `gpu-timeshare`). A value the user sets always wins.
   `route_replay`: train `router_replay` resolved on for this model, engine and machine (`tidal.models.routes`).
@@ -460,9 +460,9 @@ def precision(d: Derivation) -> Derivation:
 
 
 ON_POLICY_NOTICE = ("CPU only: on-policy (orch max_async_level 0, tidal grpo's default on one CPU machine): "
-                    "rollouts and training take turns, each on every core; one policy of lag on split cores ends its "
-                    "runs 0-9% sooner but learns less per sample (bench/LEARN.md); orch max_async_level: 1 overlaps "
-                    "them")
+                    "rollouts and training take turns, each on every core; one policy of lag on split cores ended its "
+                    "runs 8-14% sooner but learned less per sample (bench/LEARN.md, 3 seeds on 2 cores); orch "
+                    "max_async_level: 1 overlaps them")
 
 
 def on_policy(d: Derivation) -> Derivation:

@@ -226,12 +226,30 @@ class TinkerService:
         fut.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
 
     def _expire(self, model_id: str, seq: int) -> None:
-        """A held request whose predecessors did not come within `GAP_S` fails."""
-        entry = self.held.get(model_id, {}).pop(seq, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_exception(SeqError(
-                f"seq_id {seq} for {model_id} waited {GAP_S:.0f} s for seq_id {self.ledger.last(model_id) + 1}, "
-                "which never arrived; the SDK sends a training client's requests in order, one client per model"))
+        """A held request whose predecessors did not come within `GAP_S` fails, and the gap closes: each missing
+        `seq_id` before it takes a refusal (a late one is answered with it, never run out of order), the requests
+        held before it fail too, and the model goes on from `seq` + 1 (before, it waited for the gap forever)."""
+        held = self.held.get(model_id, {})
+        entry = held.pop(seq, None)
+        if entry is None or seq <= self.ledger.last(model_id):
+            return  # its predecessors came: it ran (or was answered) in order
+        missing = self.ledger.last(model_id) + 1
+        error = SeqError(f"seq_id {seq} for {model_id} waited {GAP_S:.0f} s for seq_id {missing}, which never "
+                         "arrived; the SDK sends a training client's requests in order, one client per model")
+        for lost in range(missing, seq):
+            earlier = held.pop(lost, None)
+            if earlier is not None:
+                if not earlier[0].done():
+                    earlier[0].set_exception(error)
+            elif self.ledger.seen(model_id, lost) is None:
+                rid, fut = self._new_future()
+                fut.set_exception(SeqError(f"seq_id {lost} for {model_id} did not arrive within {GAP_S:.0f} s of "
+                                           f"seq_id {seq}, so the model went on without it; it is not run late"))
+                self.ledger.remember(model_id, lost, rid, in_order=False)
+        if not entry[0].done():
+            entry[0].set_exception(error)
+        self.ledger.remember(model_id, seq, self.ledger.seen(model_id, seq) or "", in_order=True)
+        self._drain(model_id)
 
     def submit_async(self, coro: Any) -> str:
         """Run coroutine `coro` (returning a `Result`) on the event loop; the future's id."""
