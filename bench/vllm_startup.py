@@ -114,6 +114,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
                                                          '["--distributed-executor-backend", "mp"]']),
     Variant("nolora-aot", "LoRA off, VLLM_USE_AOT_COMPILE=1 (vLLM's default: its AOT artifact fails to load on CPU, so "
             "every start compiles)", args=["--infer.enable_lora", "false"], env={"VLLM_USE_AOT_COMPILE": "1"}),
+    Variant("block32", "32-token KV blocks (infer block_size 32; vLLM-CPU's default is 128): the n completions of a "
+            "prompt share its prefill but for the last partial block", args=["--infer.block_size", "32"]),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
     Variant("cold", "as on a fresh machine or after a reboot: empty tidal and vLLM caches (issue 68; `make setup` "

@@ -45,6 +45,7 @@ MAPPED = {  # infer key: (value away from its default, what the argv must then h
     "max_loras": (3, lambda a: value_after(a, "--max-loras-per-batch") == "3"),
     "max_cpu_loras": (20, lambda a: value_after(a, "--max-loaded-loras") == "20"),
     "enable_prefix_caching": (False, lambda a: "--disable-radix-cache" in a),
+    "block_size": (32, lambda a: value_after(a, "--page-size") == "32"),
     "log_stats": (False, lambda a: "--enable-metrics" not in a),
     "extra_args": (["--attention-backend", "triton"], lambda a: a[-2:] == ["--attention-backend", "triton"]),
 }

@@ -121,3 +121,11 @@ def test_compile_cache_persists_under_tidals_cache(cpu, tmp_path):
     assert vllm_env(CFG)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "tc" / "inductor")
     cpu.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert vllm_env(CFG)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_block_size_reaches_vllm(cpu):
+    """infer `block_size` is vLLM's `--block-size` (issue 68: 32-token blocks let the n completions of a short prompt
+    share its prefill on CPU); unset, vLLM chooses."""
+    argv = vllm_argv(InferConfig(model="tidal:tiny-reverse", block_size=32))
+    assert argv[argv.index("--block-size") + 1] == "32"
+    assert "--block-size" not in vllm_argv(CFG)

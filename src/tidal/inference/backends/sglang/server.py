@@ -17,6 +17,7 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 | | never `all`, which adds the embeddings and LM head); a name SGLang cannot adapt exits 2 |
 | max_loras, max_cpu_loras | `--max-loras-per-batch`, `--max-loaded-loras` |
 | enable_prefix_caching false | `--disable-radix-cache` |
+| block_size | `--page-size` (tokens per KV page, the radix cache's sharing unit) |
 | enforce_eager | `--disable-decode-cuda-graph --disable-prefill-cuda-graph` (`--disable-cuda-graph` is deprecated) |
 | trust_remote_code | `--trust-remote-code` |
 | seed | `--random-seed` |
@@ -78,6 +79,8 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
                  "--max-loaded-loras", str(cfg.max_cpu_loras or cfg.max_loras)]
     if cfg.enable_prefix_caching is False:
         argv.append("--disable-radix-cache")
+    if cfg.block_size is not None:
+        argv += ["--page-size", str(cfg.block_size)]
     if cfg.log_stats is not False:
         argv.append("--enable-metrics")
     key = os.environ.get(API_KEY_VAR)

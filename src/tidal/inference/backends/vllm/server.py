@@ -100,6 +100,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
                  "--lora-target-modules", *lora_targets(cfg)]
     if cfg.enable_prefix_caching is not None:
         argv.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
+    if cfg.block_size is not None:
+        argv += ["--block-size", str(cfg.block_size)]
     if cfg.log_stats is False:
         argv.append("--disable-log-stats")
     if not on_cpu():
