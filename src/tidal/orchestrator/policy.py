@@ -173,6 +173,7 @@ class PolicyTracker:
         stamp = weights.policy_stamp(self.run_dir, 0)
         if stamp and stamp != self.base_stamp:
             await self.client.reload_weights(str(weights.merged_dir(self.run_dir, 0)))
+            await self.identity.after_load(self.client, self.base_model, broadcast_dir(self.run_dir, 0), 0)
             self.base_stamp = stamp
             log.info("policy 0 (the trainer's dequantized base) served by %d inference server(s)",
                      len(self.client.urls))

@@ -507,11 +507,11 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
     source = open_source(cfg, run_dir) if ranks.main else None
     step = resumed_from = resume(cfg.ckpt.resume_step, run_dir, p, merged_keys, keep=cfg.max_async_level + 2,
                                  cfg=cfg)
+    prober = make_prober(p, cfg, run_dir, resumed_from)
     if ranks.main and qlora_kind(cfg) is not None:
         assert p.view is not None
-        publish_base(p.view, cfg, run_dir)
+        publish_base(p.view, cfg, run_dir, prober.record(p.view, 0) if prober and not resumed_from else None)
     pusher = make_pusher(cfg, p.device) if ranks.main else None
-    prober = make_prober(p, cfg, run_dir, resumed_from)
     metrics = MetricsWriter(metrics_path(run_dir)) if ranks.main else None
     log.info("trainer ready on %s%s: %s trainable parameters; waiting for batches in %s", p.device,
              f" (+{ranks.world - 1} more ranks, FSDP2 zero_level {cfg.zero_level})" if ranks.sharded else "",

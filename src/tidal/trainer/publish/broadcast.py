@@ -164,14 +164,14 @@ def publish_adapter(model: Any, run_dir: Path, step: int, keep: int | None = Non
     return weights.publish(run_dir, step, fill, keep)
 
 
-def publish_base(model: Any, cfg: TrainConfig, run_dir: Path) -> None:
+def publish_base(model: Any, cfg: TrainConfig, run_dir: Path, probe: ProbeRecord | None = None) -> None:
     """A quantized QLoRA base: publish policy 0 as `model`'s dequantized full weights (once per run directory),
     which the orchestrator has vLLM reload before the first rollouts, so vLLM samples the policy this trainer
-    scores."""
+    scores; `probe`: its identity probe (the orchestrator checks the reload)."""
     if weights.policy_stamp(run_dir, 0):
         return
     start = time.monotonic()
-    publish_adapter(model, run_dir, 0, merged_keys=checkpoint_keys(resolve_model(cfg.model)))
+    publish_adapter(model, run_dir, 0, merged_keys=checkpoint_keys(resolve_model(cfg.model)), probe=probe)
     log.info("published policy 0: the %s base dequantized (%.1f s)", qlora_kind(cfg), time.monotonic() - start)
 
 
