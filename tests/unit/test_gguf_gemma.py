@@ -158,10 +158,44 @@ def test_query_scale_follows_llama_cpps_27b_rule():
     assert any("query_pre_attn_scalar 168" in p for p in hparam_problems({**big, "num_hidden_layers": 60}))
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "qwen3_5", "qwen3_5_moe_text"])
+def test_gemma4_global_layers_and_proportional_rope(tmp_path):
+    """Gemma 4 (dense, no per-layer inputs): the global layers' head size (64) and KV heads (1) beside the sliding
+    layers' (32, 2), both RoPE dimensions, proportional RoPE as `rope_freqs` (8 of 32 pairs turn: partial 0.25 of
+    64), the per-layer output scale, final soft-capping; norms as they are (Gemma 4 multiplies by the weight)."""
+    src = tmp_path / "src"
+    model = build("gemma4", src)
+    state = model.state_dict()
+    f, t = read(write_gguf(state.items(), src, tmp_path / "m.gguf", "f32"))
+    assert f["general.architecture"] == "gemma4"
+    assert (f["gemma4.attention.key_length"], f["gemma4.attention.key_length_swa"]) == (64, 32)
+    assert (f["gemma4.rope.dimension_count"], f["gemma4.rope.dimension_count_swa"]) == (64, 32)
+    assert list(f["gemma4.attention.head_count_kv"]) == [2, 1, 2, 1]
+    assert list(f["gemma4.attention.sliding_window_pattern"]) == [True, False, True, False]
+    assert f["gemma4.embedding_length_per_layer_input"] == 0 and f["gemma4.attention.shared_kv_layers"] == 0
+    assert f["gemma4.final_logit_softcapping"] == 30.0
+    assert list(t["rope_freqs.weight"]) == [1.0] * 8 + [np.float32(1e30)] * 24
+    np.testing.assert_array_equal(t["blk.3.layer_output_scale.weight"], np.float32([0.8]))
+    np.testing.assert_array_equal(t["blk.1.attn_k_norm.weight"],
+                                  state["model.layers.1.self_attn.k_norm.weight"].numpy())
+    assert t["blk.1.attn_q.weight"].shape == (256, 128)
+
+
+@pytest.mark.parametrize("change, key", [({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input 256"),
+                                         ({"num_kv_shared_layers": 2}, "num_kv_shared_layers 2"),
+                                         ({"enable_moe_block": True}, "enable_moe_block True"),
+                                         ({"attention_k_eq_v": True}, "attention_k_eq_v True")])
+def test_gemma4_parts_tidal_does_not_write_are_refused(change, key):
+    cfg = {**BASE, "model_type": "gemma4_text", "rope_parameters": {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    assert hparam_problems(cfg) == []
+    assert any(key in p for p in hparam_problems({**cfg, **change})), hparam_problems({**cfg, **change})
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused(tmp_path, model_type):
-    """Gemma 4 and Qwen3.5 are in llama.cpp 0.3.36 (llama-arch.cpp: gemma4, qwen35, qwen35moe), but tidal does not
-    write them: refused naming the model, the key and why."""
+    """Qwen3.5 / Qwen3-Next are in llama.cpp 0.3.36 (llama-arch.cpp: qwen35, qwen35moe, qwen3next), but tidal does
+    not write them: refused naming the model, the key and why."""
     assert model_type in NOT_WRITTEN and model_type not in ARCHS
     with pytest.raises(ConfigError, match=rf"train: key 'export.gguf': model {tmp_path}: model_type '{model_type}' "
                                           r"cannot be written as GGUF by tidal: llama.cpp 0.3.36 reads .*supported: "
@@ -169,21 +203,23 @@ def test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused(tmp_
         check_gguf_export({"model_type": model_type}, tmp_path, "train")
 
 
-def test_grpo_with_export_gguf_on_gemma4_exits_2_before_starting(tmp_path):
-    """`tidal grpo --dry-run` with export.gguf set on a model tidal cannot write exits 2 naming the model and the
-    key, before anything starts (`tidal.trainer.preflight.check_train`)."""
+def test_grpo_with_export_gguf_on_gemma4_e2b_shape_exits_2_before_starting(tmp_path):
+    """`tidal grpo --dry-run` with export.gguf set on a model tidal cannot write (a Gemma 4 with per-layer input
+    embeddings, E2B's shape) exits 2 naming the model, the key and the config key, before anything starts
+    (`tidal.trainer.preflight.check_train`)."""
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
     src = tmp_path / "gemma4"
     vocab = gemma_tokenizer(src)
     cfg = Gemma4TextConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=32,
-                           hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
-                           sliding_window=8)
+                           hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab,
+                           layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(src))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run([sys.executable, "-m", "tidal.cli", "grpo", "--dry-run", "--output-dir", str(tmp_path / "r"),
                         "--model", str(src), "--train.export.gguf", "f16"], capture_output=True, text=True, env=env,
                        timeout=300, cwd=ROOT)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "key 'export.gguf'" in r.stderr and str(src) in r.stderr and "gemma4_text" in r.stderr, r.stderr
+    assert "key 'export.gguf'" in r.stderr and str(src) in r.stderr, r.stderr
+    assert "hidden_size_per_layer_input 16" in r.stderr, r.stderr

@@ -34,19 +34,24 @@ from typing import Any
 import numpy as np
 
 from tidal.config.load import ConfigError
-from tidal.trainer.publish.gguf_gemma import GEMMA_TYPES, NORM_SHIFT, add_gemma_hparams, gemma_problems
+from tidal.trainer.publish.gguf_gemma import (
+    GEMMA_TYPES,
+    NORM_SHIFT,
+    add_gemma_hparams,
+    full_head_dim,
+    gemma_problems,
+    kv_heads,
+    proportional_freqs,
+)
 
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
-         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3"}
+         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4"}
 """What tidal writes as GGUF: HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama`
 architecture; the Gemma family's rules are `tidal.trainer.publish.gguf_gemma`). The one list of the GGUF-out support
 (with `TEXT_OF` and `NOT_WRITTEN`): docs/models.md's family table reads it."""
-TEXT_OF = {"gemma3": "gemma3_text"}
+TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 """Vision-language `model_type` -> its language model's, written from `text_config` (the vision tower left out)."""
 NOT_WRITTEN = {
-    **dict.fromkeys(("gemma4", "gemma4_text"), "llama.cpp 0.3.36 reads gemma4, but tidal does not write what Gemma 4 "
-                    "adds to Gemma 3 (per-layer input embeddings, the global layers' own head size and KV heads, "
-                    "proportional RoPE as a frequency-factor tensor, shared KV layers)"),
     **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
                     "llama.cpp 0.3.36 reads qwen35 / qwen35moe / qwen3next, but tidal does not write their gated "
                     "delta-net layers (the convolution, A_log, dt_bias and gate tensors in llama.cpp's layout)"),
@@ -197,10 +202,10 @@ def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any],
     w.add_embedding_length(int(cfg["hidden_size"]))
     w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(heads)
-    w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
-    w.add_key_length(head_dim(cfg))
-    w.add_value_length(head_dim(cfg))
-    w.add_rope_dimension_count(head_dim(cfg))
+    w.add_head_count_kv(kv_heads(cfg))
+    w.add_key_length(full_head_dim(cfg))
+    w.add_value_length(full_head_dim(cfg))
+    w.add_rope_dimension_count(full_head_dim(cfg))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))
     if cfg["model_type"] in GEMMA_TYPES:
@@ -285,6 +290,8 @@ def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
         key = text_name(original, vlm)
         if key is None or (tied and key == "lm_head.weight"):
             continue
+        if key.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale, a bare buffer name
+            key += ".weight"
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF export: tensor {key} has no name in gguf's {cfg['model_type']} table")
@@ -325,9 +332,11 @@ def write_gguf(weights: Iterable[tuple[str, Any]], model_dir: Path, out: Path, d
         from tidal.trainer.publish.gguf_vocab import add_tokenizer
 
         add_tokenizer(w, model_dir, int(cfg["vocab_size"]))
+        freqs = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         if str(rope.get("rope_type") or "").lower() == "llama3":
-            w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                         llama3_rope_factors(rope, head_dim(cfg)))
+            w.add_tensor(freqs, llama3_rope_factors(rope, head_dim(cfg)))
+        if cfg["model_type"] == "gemma4_text":
+            w.add_tensor(freqs, np.asarray(proportional_freqs(cfg, rope_scaling), np.float32))
         for name, array in gguf_tensors(weights, cfg, cfg is not full):
             data, qtype = encode(name, array, dtype)
             w.add_tensor(name, data, raw_dtype=qtype if qtype not in (gguf.GGMLQuantizationType.F32,
