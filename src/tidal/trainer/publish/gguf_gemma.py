@@ -125,7 +125,7 @@ def gemma_problems(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) -
         out += [f"{k} {cfg[k]} (tidal writes Gemma 4 with {k} {v} only)" for k, v in GEMMA4_UNWRITTEN.items()
                 if cfg.get(k) not in (None, v)]
     checked = mt not in ("gemma", "gemma4_text") and scalar is not None
-    if checked and not math.isclose(float(scalar) ** -0.5, scale, rel_tol=1e-6):
+    if checked and not math.isclose(float(scalar or 1) ** -0.5, scale, rel_tol=1e-6):
         out.append(f"query_pre_attn_scalar {scalar} (llama.cpp's {mt} scales queries by {scale:.6g}, i.e. "
                    f"query_pre_attn_scalar {1 / scale ** 2:g})")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
