@@ -3,7 +3,7 @@ tests/e2e/test_gguf_gemma_llama_cpp.py). No download.
 
 The tokenizer is shaped like Gemma's tokenizer.json (what a Gemma checkpoint ships and what transformers makes of a
 Gemma GGUF): a BPE over SentencePiece-escaped text (the normalizer replaces spaces by `▁`, no pre-tokenizer split),
-byte fallback to the 256 `<0xXX>` tokens, `<pad> <eos> <bos> <unk>` at ids 0-3 and the chat markers
+byte fallback to the 256 `<0xXX>` tokens, `<pad> <eos> <bos> <unk> <mask>` at ids 0-4 (as Gemma's) and the chat markers
 `<start_of_turn>` / `<end_of_turn>` (special), a non-special added `<tool>`, BOS added on encoding, merges learned
 from a few sentences (`tokenizers`' trainer), a Gemma-style chat template. The models (`build`) are Gemma 2,
 Gemma 3 and Gemma 4 text configs at 3 layers (Gemma 4: 4, its global layers with its own head size 64 and 1 KV head,
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
             "m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
             "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")

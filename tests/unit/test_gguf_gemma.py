@@ -71,8 +71,8 @@ def test_gemma3_keys_tensors_and_vocabulary(tmp_path):
     T = gguf.TokenType
     assert f["tokenizer.ggml.model"] == "llama" and f["tokenizer.ggml.pre"] == "default"
     assert f["tokenizer.ggml.add_space_prefix"] is False and f["tokenizer.ggml.add_bos_token"] is True
-    assert [types[ids[s]] for s in ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")] == \
-        [T.CONTROL] * 6
+    assert [types[ids[s]] for s in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")] == \
+        [T.CONTROL] * 7
     assert types[ids["<tool>"]] == T.USER_DEFINED and types[ids["<0x41>"]] == T.BYTE and scores[ids["<0x41>"]] == 0
     merges = json.loads((src / "tokenizer.json").read_text())["model"]["merges"]
     for rank in (0, len(merges) // 2, len(merges) - 1):
@@ -223,3 +223,40 @@ def test_grpo_with_export_gguf_on_gemma4_e2b_shape_exits_2_before_starting(tmp_p
     assert r.returncode == 2, r.stderr[-2000:]
     assert "key 'export.gguf'" in r.stderr and str(src) in r.stderr, r.stderr
     assert "hidden_size_per_layer_input 16" in r.stderr, r.stderr
+
+
+def test_gemma_gguf_source_keeps_its_spelling_and_scores_without_the_file(tmp_path, monkeypatch):
+    """A Gemma model that came from a GGUF file (an SPM vocabulary): the file's tokens as spelled there and its
+    scores are stored at conversion and written again after the file is gone; transformers' tokenizer read from
+    the file alone would give other scores (its merges keep only the file's order; here the source's scores are
+    twice the merge ranks, as a file of another converter may have them)."""
+    import tidal.trainer.publish.gguf_vocab as vocab
+    from tidal.models.sources import resolve_model
+    from tidal.trainer.publish.gguf_vocab import spm_scores, vocab_tokens
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    model = build("gemma3-tied", src)
+    with monkeypatch.context() as m:
+        m.setattr(vocab, "spm_scores", lambda tok, tokens, types: [
+            2 * x - 1 if t == gguf.TokenType.NORMAL else x for x, t in zip(spm_scores(tok, tokens, types), types)])
+        source = write_gguf(model.state_dict().items(), src, tmp_path / "g" / "s.gguf", "f32")
+    f_src, _ = read(source)
+    scores = list(f_src["tokenizer.ggml.scores"])
+    entry = Path(resolve_model(str(source)))
+    record = json.loads((entry / "gguf_tokenizer.json").read_text())
+    assert record["model"] == "llama" and record["scores"] == scores
+    assert record["tokens"] == list(f_src["tokenizer.ggml.tokens"])
+    source.unlink()
+    # transformers 5.19 reads no query_pre_attn_scalar from a gemma3 GGUF (its default: 256; llama.cpp scales by
+    # 1/sqrt(head_dim) = 1/sqrt(32)): the export refuses that, rightly; this test is about the tokenizer
+    config = json.loads((entry / "config.json").read_text())
+    assert config["query_pre_attn_scalar"] == 256
+    (entry / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 32}))
+    tok = json.loads((entry / "tokenizer.json").read_text())
+    tokens, types = vocab_tokens(tok, len(scores), spm=True)
+    assert spm_scores(tok, tokens, record["token_types"]) != scores  # what the export would write without the record
+    f, _ = read(write_gguf(model.state_dict().items(), entry, tmp_path / "again.gguf", "f16"))
+    assert list(f["tokenizer.ggml.scores"]) == scores
+    assert list(f["tokenizer.ggml.tokens"]) == record["tokens"]
+    assert list(f["tokenizer.ggml.token_type"]) == list(f_src["tokenizer.ggml.token_type"])

@@ -13,7 +13,8 @@ the BPE merge order), byte tokens 0, added and unused tokens -1000; `add_space_p
   that are also in the BPE vocabulary (SmolLM2's and Qwen's chat markers; `gguf.vocab.BpeVocab` types those NORMAL,
   so `<|im_start|>` came out as 7 ordinary pieces). In an SPM-style vocabulary `<0xXX>` tokens are BYTE. Other
   vocabulary tokens are NORMAL, padding up to the model's vocabulary UNUSED.
-- A model that came from a GGUF file keeps that file's token types, `tokenizer.ggml.pre` and add_bos/add_eos flags:
+- A model that came from a GGUF file keeps that file's token types, `tokenizer.ggml.pre` and add_bos/add_eos flags
+  (and, for an SPM vocabulary, its tokens as spelled there and its scores):
   `models.sources.gguf` stored them in the cache entry (`gguf_tokenizer.json`; merged/ exports copy it), so the source
   file need not exist any more.
 - Pre-tokenizer of a Hugging Face tokenizer, chosen as llama.cpp's `convert_hf_to_gguf.py` chooses it: by identity,
@@ -214,6 +215,10 @@ def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
     record = read_record(model_dir)
     spm = tokenizer_kind(tok) == "llama"
     tokens, types = vocab_tokens(tok, vocab_size, spm)
+    scores = None
+    if spm and record.get("model") == "llama" and len(record.get("tokens") or []) == len(tokens) \
+            and len(record.get("scores") or []) == len(tokens):
+        tokens, scores = list(record["tokens"]), [float(x) for x in record["scores"]]  # the source file's own
     if record.get("token_types"):
         src = [int(t) for t in record["token_types"]]
         if len(src) != len(tokens):
@@ -224,7 +229,7 @@ def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
     w.add_tokenizer_pre(choose_pre(model_dir))
     w.add_token_list(tokens)
     if spm:
-        w.add_token_scores(spm_scores(tok, tokens, types))
+        w.add_token_scores(scores if scores is not None else spm_scores(tok, tokens, types))
         w.add_add_space_prefix(False)
     w.add_token_types(types)
     special = SpecialVocab(model_dir, load_merges=not spm, n_vocab=vocab_size)
