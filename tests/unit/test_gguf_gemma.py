@@ -71,8 +71,8 @@ def test_gemma3_keys_tensors_and_vocabulary(tmp_path):
     T = gguf.TokenType
     assert f["tokenizer.ggml.model"] == "llama" and f["tokenizer.ggml.pre"] == "default"
     assert f["tokenizer.ggml.add_space_prefix"] is False and f["tokenizer.ggml.add_bos_token"] is True
-    assert [types[ids[s]] for s in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")] == \
-        [T.CONTROL] * 7
+    specials = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+    assert [types[ids[s]] for s in specials] == [T.CONTROL] * 7
     assert types[ids["<tool>"]] == T.USER_DEFINED and types[ids["<0x41>"]] == T.BYTE and scores[ids["<0x41>"]] == 0
     merges = json.loads((src / "tokenizer.json").read_text())["model"]["merges"]
     for rank in (0, len(merges) // 2, len(merges) - 1):
