@@ -239,7 +239,8 @@ def test_gemma_gguf_source_keeps_its_spelling_and_scores_without_the_file(tmp_pa
     model = build("gemma3-tied", src)
     with monkeypatch.context() as m:
         m.setattr(vocab, "spm_scores", lambda tok, tokens, types: [
-            2 * x - 1 if t == gguf.TokenType.NORMAL else x for x, t in zip(spm_scores(tok, tokens, types), types)])
+            2 * x - 1 if t == gguf.TokenType.NORMAL else x
+            for x, t in zip(spm_scores(tok, tokens, types), types, strict=True)])
         source = write_gguf(model.state_dict().items(), src, tmp_path / "g" / "s.gguf", "f32")
     f_src, _ = read(source)
     scores = list(f_src["tokenizer.ggml.scores"])
