@@ -3,7 +3,7 @@
 how each of the request's `specials` tokenizes (special=True), the vocabulary size, and for each prompt text its
 llama.cpp token ids (no BOS added: the texts carry theirs), the logits after the whole prompt, and the ids of
 `max_tokens` greedy steps from it (no stop at end-of-generation tokens, so a random model's completions compare
-token by token). In its own process: a crash of the C++ library cannot take the test run with it.
+token by token). With `f32_cache` the KV cache holds float32 (llama.cpp's default is F16, which rounds K and V). In its own process: a crash of the C++ library cannot take the test run with it.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ import sys
 
 
 def main(model: str, request: str) -> int:
+    import numpy as np
     from llama_cpp import Llama
 
     req = json.loads(open(request).read())
-    llm = Llama(model_path=model, n_ctx=512, n_threads=req.get("threads", 2), seed=0, verbose=False)
+    kv = 0 if req.get("f32_cache") else None  # GGML_TYPE_F32; llama.cpp's default KV cache is F16
+    llm = Llama(model_path=model, n_ctx=512, n_threads=req.get("threads", 2), seed=0, verbose=False, type_k=kv,
+                type_v=kv)
     out: dict = {"special": {t: llm.tokenize(t.encode(), add_bos=False, special=True) for t in req["specials"]},
                  "n_vocab": llm.n_vocab(), "prompts": []}
     for text in req["texts"]:
         ids = llm.tokenize(text.encode(), add_bos=False, special=True)
         llm.reset()
-        llm.eval(ids)
-        logits = [float(x) for x in llm.scores[llm.n_tokens - 1]]
+        llm.eval(ids)  # one batch (< n_batch tokens): the context holds the last token's logits
+        logits = [float(x) for x in np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))]
         llm.reset()
         greedy = []
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
