@@ -135,16 +135,25 @@ def gguf_reader(path: Path):  # type: ignore[no-untyped-def]
 def tokenizer_facts(path: Path) -> dict[str, object]:
     """What the GGUF file `path` says about its tokenizer that transformers' GGUF tokenizer does not keep:
     `pre` (llama.cpp's pre-tokenizer id, `tokenizer.ggml.pre`), `token_types` (one `gguf.TokenType` per token),
-    `add_bos_token` / `add_eos_token` (absent when the file does not say)."""
+    `add_bos_token` / `add_eos_token` (absent when the file does not say); for a SentencePiece (`llama`) vocabulary
+    also `model`, the `tokens` as the file spells them (transformers respells added whitespace tokens with `▁`) and
+    their `scores` (the merge priorities llama.cpp's SPM tokenizer uses, which transformers' merges only approximate).
+    """
     fields = gguf_reader(path).fields
     out: dict[str, object] = {"file": str(path)}
+    spm = fields.get("tokenizer.ggml.model") is not None and fields["tokenizer.ggml.model"].contents() == "llama"
     for key, name in (("tokenizer.ggml.pre", "pre"), ("tokenizer.ggml.token_type", "token_types"),
                       ("tokenizer.ggml.add_bos_token", "add_bos_token"),
-                      ("tokenizer.ggml.add_eos_token", "add_eos_token")):
+                      ("tokenizer.ggml.add_eos_token", "add_eos_token"), ("tokenizer.ggml.model", "model"),
+                      ("tokenizer.ggml.tokens", "tokens"), ("tokenizer.ggml.scores", "scores")):
         field = fields.get(key)
-        if field is not None:
+        if field is not None and (spm or name not in ("model", "tokens", "scores")):
             value = field.contents()
-            out[name] = [int(v) for v in value] if name == "token_types" else value
+            if name == "token_types":
+                value = [int(v) for v in value]
+            elif name == "scores":
+                value = [float(v) for v in value]
+            out[name] = value
     return out
 
 

@@ -34,9 +34,29 @@ from typing import Any
 import numpy as np
 
 from tidal.config.load import ConfigError
+from tidal.trainer.publish.gguf_gemma import (
+    GEMMA_TYPES,
+    NORM_SHIFT,
+    add_gemma_hparams,
+    full_head_dim,
+    gemma_problems,
+    kv_heads,
+    proportional_freqs,
+)
 
-ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
-"""HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama` architecture)."""
+ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
+         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4"}
+"""What tidal writes as GGUF: HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama`
+architecture; the Gemma family's rules are `tidal.trainer.publish.gguf_gemma`). The one list of the GGUF-out support
+(with `TEXT_OF` and `NOT_WRITTEN`): docs/models.md's family table reads it."""
+TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+"""Vision-language `model_type` -> its language model's, written from `text_config` (the vision tower left out)."""
+NOT_WRITTEN = {
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
+                    "llama.cpp 0.3.36 reads qwen35 / qwen35moe / qwen3next, but tidal does not write their gated "
+                    "delta-net layers (the convolution, A_log, dt_bias and gate tensors in llama.cpp's layout)"),
+}
+"""`model_type`s llama.cpp could run that tidal does not write (why), refused with that reason."""
 PERMUTED = {"llama", "mistral"}
 """Architectures whose q/k rows llama.cpp expects in interleaved rotary order (and that read `rope_freqs`)."""
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -47,16 +67,31 @@ INSTALL = "pip install gguf (tidal's extra: pip install -e '.[gguf]')"
 
 
 def tokenizer_problem(model_dir: Path) -> str | None:
-    """Why the tokenizer of `model_dir` cannot go into a GGUF (None: it can): a byte-level BPE tokenizer.json."""
+    """Why the tokenizer of `model_dir` cannot go into a GGUF (None: it can): a byte-level BPE or a
+    SentencePiece-style BPE tokenizer.json (`gguf_vocab.tokenizer_kind`)."""
+    from tidal.trainer.publish.gguf_vocab import tokenizer_kind
+
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         return "it has no tokenizer.json"
     tok = json.loads(path.read_text())
     model, decoder = tok.get("model") or {}, tok.get("decoder") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
+    if tokenizer_kind(tok) is None:
         return (f"its tokenizer is {model.get('type')} with a {decoder.get('type')} decoder; GGUF export writes "
-                "byte-level BPE tokenizers (GPT-2 style: Llama 3, Qwen, SmolLM)")
+                "byte-level BPE tokenizers (GPT-2 style: Llama 3, Qwen, SmolLM) and SentencePiece-style BPE ones "
+                "with byte fallback (Gemma)")
     return None
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config llama.cpp's text model is written from: a vision-language model's `text_config` (`TEXT_OF`), with
+    its `model_type` and tying; the config itself otherwise."""
+    mt = config.get("model_type")
+    if mt not in TEXT_OF:
+        return config
+    text = {"model_type": TEXT_OF[mt], **(config.get("text_config") or {})}
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    return text
 
 
 def rope_params(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -75,6 +110,8 @@ def hparam_problems(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) 
     """What of the config llama.cpp would not read for this architecture (each names its config key); [] when
     everything the model does is written."""
     mt, out = cfg.get("model_type"), []
+    if mt in GEMMA_TYPES:
+        return gemma_problems(cfg, overlay)
     rope = rope_params(cfg, overlay)
     if rope and all(isinstance(v, dict) for v in rope.values()):
         return ["rope_parameters: per-layer-type RoPE is not written for " + str(mt)]
@@ -119,14 +156,18 @@ def check_gguf_export(config: dict[str, Any], model_dir: Path, source: str,
     except ImportError as exc:
         raise ConfigError(f"{key}: writing a GGUF file needs the `gguf` package, which cannot be imported "
                           f"({exc}); {INSTALL}") from None
+    config = text_config(config)
     mt = config.get("model_type")
     if mt not in ARCHS:
-        raise ConfigError(f"{key}: model_type '{mt}' cannot be written as GGUF by tidal; "
-                          f"supported: {', '.join(sorted(ARCHS))} (or set export.gguf: null and convert "
-                          "final/merged/ with llama.cpp's convert_hf_to_gguf.py)")
-    why = tokenizer_problem(model_dir)
-    if why is not None:
-        raise ConfigError(f"{key}: model {model_dir}: {why}")
+        why = NOT_WRITTEN.get(str(mt), "llama.cpp's converter knows more architectures than tidal writes")
+        written = ", ".join([*ARCHS, *(f"{k} (its text model)" for k in TEXT_OF)])
+        raise ConfigError(f"{key}: model {model_dir}: model_type '{mt}' cannot be written as GGUF by tidal: {why}; "
+                          f"supported: {written}. Set export.gguf: null (final/adapter "
+                          "and final/merged/ keep the model) and convert final/merged/ with llama.cpp's "
+                          "convert_hf_to_gguf.py")
+    problem = tokenizer_problem(model_dir)
+    if problem is not None:
+        raise ConfigError(f"{key}: model {model_dir}: {problem}")
     problems = hparam_problems(config, rope_scaling)
     if problems:
         raise ConfigError(f"{key}: model {model_dir}: llama.cpp would run another model than the one trained: "
@@ -148,8 +189,10 @@ def head_dim(cfg: dict[str, Any]) -> int:
     return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
-def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any]) -> None:
-    """The `{arch}.*` hyperparameters of an HF config.json, RoPE scaling included (`rope`: `rope_params`)."""
+def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any],
+                overlay: dict[str, Any] | None = None) -> None:
+    """The `{arch}.*` hyperparameters of an HF config.json, RoPE scaling included (`rope`: `rope_params`; the Gemma
+    family's from the config and train `rope_scaling`, `overlay`)."""
     import gguf
 
     heads = int(cfg["num_attention_heads"])
@@ -159,10 +202,15 @@ def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any]) ->
     w.add_embedding_length(int(cfg["hidden_size"]))
     w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(heads)
-    w.add_head_count_kv(int(cfg.get("num_key_value_heads") or heads))
-    w.add_key_length(head_dim(cfg))
-    w.add_value_length(head_dim(cfg))
-    w.add_rope_dimension_count(head_dim(cfg))
+    w.add_head_count_kv(kv_heads(cfg))
+    w.add_key_length(full_head_dim(cfg))
+    w.add_value_length(full_head_dim(cfg))
+    w.add_rope_dimension_count(full_head_dim(cfg))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    if cfg["model_type"] in GEMMA_TYPES:
+        add_gemma_hparams(w, cfg, overlay)
+        return
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     kind = str(rope.get("rope_type") or "default").lower()
     if kind in ("linear", "yarn"):
@@ -170,8 +218,6 @@ def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any]) ->
         w.add_rope_scaling_factor(float(rope["factor"]))
     if kind == "yarn":
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(int(cfg["vocab_size"]))
 
 
 def llama3_rope_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
@@ -213,9 +259,25 @@ def encode(name: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
         return a.astype(np.float16), Q.F16
 
 
-def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any]) -> Iterable[tuple[str, np.ndarray]]:
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+"""A vision-language checkpoint's language-model names (transformers 5's, then 4's) -> a causal LM's."""
+
+
+def text_name(key: str, vlm: bool) -> str | None:
+    """The causal-LM name of checkpoint tensor `key` (a VLM's vision tower and projector: None, not written)."""
+    if not vlm:
+        return key
+    for old, new in TEXT_PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key if key.startswith("lm_head.") else None
+
+
+def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
+                 vlm: bool = False) -> Iterable[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for
-    llama."""
+    llama, Gemma's norms +1 (`gguf_gemma.NORM_SHIFT`), a VLM's text path only (`vlm`)."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
@@ -223,9 +285,13 @@ def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any]) -> Ite
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     tied = bool(cfg.get("tie_word_embeddings", False))
-    for key, tensor in weights:
-        if tied and key == "lm_head.weight":
+    shift = NORM_SHIFT.get(cfg["model_type"], 0.0)
+    for original, tensor in weights:
+        key = text_name(original, vlm)
+        if key is None or (tied and key == "lm_head.weight"):
             continue
+        if key.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale, a bare buffer name
+            key += ".weight"
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF export: tensor {key} has no name in gguf's {cfg['model_type']} table")
@@ -233,6 +299,8 @@ def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any]) -> Ite
         if cfg["model_type"] in PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                                            "k_proj.bias")):
             a = rope_interleave(a, heads if ".q_proj." in key else kv_heads)
+        if shift and key.endswith("norm.weight"):
+            a = a + np.float32(shift)
         yield new, a
 
 
@@ -250,23 +318,26 @@ def write_gguf(weights: Iterable[tuple[str, Any]], model_dir: Path, out: Path, d
 
     if dtype not in TYPES:
         raise ConfigError(f"GGUF type '{dtype}' is not one tidal writes; valid: {', '.join(TYPES)}")
-    cfg = json.loads((model_dir / "config.json").read_text())
-    check_gguf_export(cfg, model_dir, str(model_dir / "config.json"), rope_scaling)
-    rope = rope_params(cfg, rope_scaling)
+    full = json.loads((model_dir / "config.json").read_text())
+    check_gguf_export(full, model_dir, str(model_dir / "config.json"), rope_scaling)
+    cfg = text_config(full)
+    rope = rope_params(cfg, rope_scaling) if cfg["model_type"] not in GEMMA_TYPES else {}
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-        add_hparams(w, cfg, out.stem, rope)
+        add_hparams(w, cfg, out.stem, rope, rope_scaling)
         w.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[dtype]))
         from tidal.trainer.publish.gguf_vocab import add_tokenizer
 
         add_tokenizer(w, model_dir, int(cfg["vocab_size"]))
+        freqs = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         if str(rope.get("rope_type") or "").lower() == "llama3":
-            w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                         llama3_rope_factors(rope, head_dim(cfg)))
-        for name, array in gguf_tensors(weights, cfg):
+            w.add_tensor(freqs, llama3_rope_factors(rope, head_dim(cfg)))
+        if cfg["model_type"] == "gemma4_text":
+            w.add_tensor(freqs, np.asarray(proportional_freqs(cfg, rope_scaling), np.float32))
+        for name, array in gguf_tensors(weights, cfg, cfg is not full):
             data, qtype = encode(name, array, dtype)
             w.add_tensor(name, data, raw_dtype=qtype if qtype not in (gguf.GGMLQuantizationType.F32,
                                                                        gguf.GGMLQuantizationType.F16) else None)

@@ -1,12 +1,20 @@
-"""GGUF out, the tokenizer: tokens, token types, merges, special ids, flags and llama.cpp's pre-tokenizer id of a
-byte-level BPE tokenizer.json, as llama.cpp reads them (`tidal.trainer.publish.gguf_out` writes the rest).
+"""GGUF out, the tokenizer: tokens, token types, merges or scores, special ids, flags and llama.cpp's pre-tokenizer
+id of a tokenizer.json, as llama.cpp reads them (`tidal.trainer.publish.gguf_out` writes the rest).
+
+Two shapes are written (`tokenizer_kind`): a byte-level BPE (GPT-2 style: Llama 3, Qwen, SmolLM) as llama.cpp's
+`gpt2` model with its merges, and a SentencePiece-style BPE (Gemma's: spaces replaced by `▁`, byte fallback to
+`<0xXX>` tokens, no pre-tokenizer split) as llama.cpp's `llama` (SPM) model with scores, as llama.cpp's
+convert_hf_to_gguf.py writes Gemma's `tokenizer.model`: llama.cpp's SPM merges, of all adjacent pairs whose text is a
+token, the one with the highest score, so each token scores minus the rank of the merge that makes it (`spm_scores`:
+the BPE merge order), byte tokens 0, added and unused tokens -1000; `add_space_prefix` false (Gemma adds none).
 
 - Token types: llama.cpp matches special tokens in text only for CONTROL and USER_DEFINED tokens, so every added token
   of tokenizer.json is typed from the tokenizer: `special: true` -> CONTROL, else USER_DEFINED, including added tokens
   that are also in the BPE vocabulary (SmolLM2's and Qwen's chat markers; `gguf.vocab.BpeVocab` types those NORMAL,
-  so `<|im_start|>` came out as 7 ordinary pieces). Other vocabulary tokens are NORMAL, padding up to the model's
-  vocabulary UNUSED.
-- A model that came from a GGUF file keeps that file's token types, `tokenizer.ggml.pre` and add_bos/add_eos flags:
+  so `<|im_start|>` came out as 7 ordinary pieces). In an SPM-style vocabulary `<0xXX>` tokens are BYTE. Other
+  vocabulary tokens are NORMAL, padding up to the model's vocabulary UNUSED.
+- A model that came from a GGUF file keeps that file's token types, `tokenizer.ggml.pre` and add_bos/add_eos flags
+  (and, for an SPM vocabulary, its tokens as spelled there and its scores):
   `models.sources.gguf` stored them in the cache entry (`gguf_tokenizer.json`; merged/ exports copy it), so the source
   file need not exist any more.
 - Pre-tokenizer of a Hugging Face tokenizer, chosen as llama.cpp's `convert_hf_to_gguf.py` chooses it: by identity,
@@ -67,6 +75,28 @@ def load_tokenizer_json(model_dir: Path) -> dict[str, Any]:
     return json.loads((model_dir / "tokenizer.json").read_text())
 
 
+SPM_SPACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+"""Gemma's normalizer: every space becomes `▁` (SentencePiece's escape; llama.cpp's SPM tokenizer does the same)."""
+SPACE_SPLIT = {"type": "Split", "pattern": {"String": " "}}
+"""A split on spaces, which after `SPM_SPACE` finds none (transformers' Gemma tokenizer read from a GGUF has it)."""
+
+
+def tokenizer_kind(tok: dict[str, Any]) -> str | None:
+    """llama.cpp's tokenizer model for a tokenizer.json: `gpt2` (byte-level BPE), `llama` (SentencePiece-style BPE
+    with byte fallback, Gemma's shape: module docstring), None (neither: not written)."""
+    model, decoder = tok.get("model") or {}, tok.get("decoder") or {}
+    if model.get("type") != "BPE":
+        return None
+    if not model.get("byte_fallback") and decoder.get("type") == "ByteLevel":
+        return "gpt2"
+    steps = [d.get("type") for d in decoder.get("decoders") or []] if decoder.get("type") == "Sequence" else []
+    pre = tok.get("pre_tokenizer")
+    if model.get("byte_fallback") and "ByteFallback" in steps and _matches(tok.get("normalizer"), SPM_SPACE) \
+            and (pre is None or _matches(pre, SPACE_SPLIT)):
+        return "llama"
+    return None
+
+
 def _matches(step: dict[str, Any] | None, want: dict[str, Any]) -> bool:
     return step is not None and all(step.get(k) == v for k, v in want.items())
 
@@ -100,6 +130,8 @@ def choose_pre(model_dir: Path, source: str = "train export.gguf") -> str:
     record = read_record(model_dir)
     if record.get("pre"):
         return str(record["pre"])
+    if tokenizer_kind(load_tokenizer_json(model_dir)) == "llama":
+        return "default"  # SPM has no pre-tokenizer
     digest = check_hash(model_dir)
     if digest in PRE_BY_HASH:
         return PRE_BY_HASH[digest][0]
@@ -117,12 +149,17 @@ def choose_pre(model_dir: Path, source: str = "train export.gguf") -> str:
         "know more families)")
 
 
-def vocab_tokens(tok: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int]]:
-    """(tokens by id, gguf.TokenType per token): vocabulary NORMAL, added tokens CONTROL (special) or USER_DEFINED,
-    ids without a token and the padding up to `vocab_size` UNUSED."""
+def vocab_tokens(tok: dict[str, Any], vocab_size: int, spm: bool = False) -> tuple[list[str], list[int]]:
+    """(tokens by id, gguf.TokenType per token): vocabulary NORMAL (`<0xXX>` BYTE when `spm`), added tokens CONTROL
+    (special) or USER_DEFINED, ids without a token and the padding up to `vocab_size` UNUSED."""
+    import re
+
     import gguf
 
-    by_id: dict[int, tuple[str, int]] = {int(i): (t, gguf.TokenType.NORMAL) for t, i in tok["model"]["vocab"].items()}
+    def kind(t: str) -> int:
+        return gguf.TokenType.BYTE if spm and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t) else gguf.TokenType.NORMAL
+
+    by_id: dict[int, tuple[str, int]] = {int(i): (t, kind(t)) for t, i in tok["model"]["vocab"].items()}
     for added in tok.get("added_tokens") or []:
         typ = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
         by_id[int(added["id"])] = (added["content"], typ)
@@ -150,24 +187,52 @@ def special_flags(model_dir: Path, tok: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
+def spm_scores(tok: dict[str, Any], tokens: list[str], types: list[int]) -> list[float]:
+    """One score per token for llama.cpp's SPM merging (module docstring): minus the rank of the first merge that
+    makes a NORMAL token (one no merge makes: below them all), 0 for BYTE tokens, -1000 for the others."""
+    import gguf
+
+    rank: dict[str, int] = {}
+    for i, merge in enumerate(tok["model"].get("merges") or []):
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        rank.setdefault(left + right, i)
+    n = len(rank) + 1
+    out = []
+    for i, (t, typ) in enumerate(zip(tokens, types, strict=True)):
+        if typ == gguf.TokenType.NORMAL:
+            out.append(-float(rank[t]) if t in rank else -float(n + i))
+        else:
+            out.append(0.0 if typ == gguf.TokenType.BYTE else -1000.0)
+    return out
+
+
 def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
-    """Write the byte-level BPE tokenizer of `model_dir` into the GGUF writer `w` (module docstring)."""
+    """Write the tokenizer of `model_dir` (byte-level BPE or SentencePiece-style: module docstring) into the GGUF
+    writer `w`."""
     from gguf.vocab import SpecialVocab
 
     tok = load_tokenizer_json(model_dir)
     record = read_record(model_dir)
-    tokens, types = vocab_tokens(tok, vocab_size)
+    spm = tokenizer_kind(tok) == "llama"
+    tokens, types = vocab_tokens(tok, vocab_size, spm)
+    scores = None
+    if spm and record.get("model") == "llama" and len(record.get("tokens") or []) == len(tokens) \
+            and len(record.get("scores") or []) == len(tokens):
+        tokens, scores = list(record["tokens"]), [float(x) for x in record["scores"]]  # the source file's own
     if record.get("token_types"):
         src = [int(t) for t in record["token_types"]]
         if len(src) != len(tokens):
             raise ValueError(f"GGUF export: {model_dir / TOKENIZER_FILE} has {len(src)} token types for "
                              f"{len(tokens)} tokens")
         types = src
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model("llama" if spm else "gpt2")
     w.add_tokenizer_pre(choose_pre(model_dir))
     w.add_token_list(tokens)
+    if spm:
+        w.add_token_scores(scores if scores is not None else spm_scores(tok, tokens, types))
+        w.add_add_space_prefix(False)
     w.add_token_types(types)
-    special = SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    special = SpecialVocab(model_dir, load_merges=not spm, n_vocab=vocab_size)
     template = model_dir / "chat_template.jinja"
     if special.chat_template is None and template.is_file():
         special.chat_template = template.read_text()
