@@ -192,10 +192,10 @@ the checkpoint too and keep their names (vLLM loads them as they are). Tied embe
 """
 
 
-GRPO_RUN_DEFAULT: tuple[str, ...] = ()
-"""Architectures whose 2-step `tidal grpo` run is in the default suite (the others' runs are `slow`: a run costs
-a minute or more on 2 cores, the serving checks already cover names and logprobs, and the bundled model's own run
-is in the default suite)."""
+GRPO_RUN_DEFAULT: tuple[str, ...] = ("qwen3", "qwen3.5", "gemma3", "gemma4")
+"""Architectures whose 2-step `tidal grpo` run is in the default suite: the families users try first (issue 65:
+Qwen3, Qwen3.5, Gemma 3, Gemma 4). The others' runs are `slow`: a run costs a minute or more on 2 cores, the
+serving checks already cover names and logprobs, and the bundled model's own run is in the default suite."""
 
 
 def suite(name: str, arch: Any) -> str:

@@ -63,6 +63,7 @@ from tidal.trainer.step.loss import (
     policy_loss,
     zero_gradient,
 )
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
@@ -255,7 +256,8 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
     def packed(apart: list[bool] | None) -> tuple[list[MicroBatch], list[OptimizerStep]]:
         mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                    drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
-                   share_prompts=shares_prompts(model, cfg, batch), apart=apart)
+                   share_prompts=shares_prompts(model, cfg, batch), apart=apart,
+                   one_per_row=packing_rule(model.config) == ONE_PER_ROW)
         return mbs, plan([mb.input_ids.numel() for mb in mbs], ranks.world, cfg.gradient_accumulation_steps,
                          cfg.steps_per_generation)
 

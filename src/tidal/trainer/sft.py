@@ -36,6 +36,7 @@ from tidal.trainer.model.load import load_policy, load_tokenizer
 from tidal.trainer.model.vision import model_inputs
 from tidal.trainer.step.logprobs import Head, _chunk_logits, forward_logprobs, split_head
 from tidal.trainer.step.optim import make_optimizer, make_scheduler
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 
@@ -148,7 +149,8 @@ def run(cfg: TrainConfig) -> Path:
         batch = make_sft_batch(tok, examples, [env.reference_completion(e) for e in examples], step,
                                cfg.sft.chat_template_kwargs, env.tooling.schemas if env.tooling is not None else None)
         total_tokens, nll = float(batch.loss_mask.sum()), 0.0
-        for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0):
+        for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0,
+                       one_per_row=packing_rule(model.config) == ONE_PER_ROW):
             mb = mb.to(device)
             loss = sft_loss(model, mb, cfg.sft.label_smoothing, cfg.logprob_chunk_size) / total_tokens
             loss.backward()

@@ -49,6 +49,7 @@ def torch_core(layer: Any, meta: Any, mixed_qkv: Any, b: Any, a: Any, out: Any, 
     ssm = layer.kv_cache[1]
     ssm = ssm.view(ssm.size(0), ssm.size(1), ssm.size(3), ssm.size(2))  # (slots, v_heads, k_dim, v_dim): vLLM's view
     weight = layer.conv1d.weight.reshape(layer.conv1d.weight.size(0), 1, width)  # (dim, 1, w)
+    dt = torch.promote_types(mixed_qkv.dtype, torch.float32)  # float32 (float64 in the tests)
     tp = layer.tp_size
     qk, vd = layer.key_dim // tp, layer.value_dim // tp
     hk, hv = layer.num_k_heads // tp, layer.num_v_heads // tp
@@ -72,9 +73,9 @@ def torch_core(layer: Any, meta: Any, mixed_qkv: Any, b: Any, a: Any, out: Any, 
         v = v.reshape(n, hv, -1)  # (L, hv, v_dim)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + EPS) / q.size(-1) ** 0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + EPS)
-        g = -layer.A_log.float().exp() * F.softplus(a[bos:eos].float() + layer.dt_bias.float())  # (L, hv)
-        beta = b[bos:eos].float().sigmoid()
-        s = ssm[slot].float() if prior[i] else torch.zeros_like(ssm[slot], dtype=torch.float32)  # (hv, k, v)
+        g = -layer.A_log.to(dt).exp() * F.softplus(a[bos:eos].to(dt) + layer.dt_bias.to(dt))  # (L, hv)
+        beta = b[bos:eos].to(dt).sigmoid()
+        s = ssm[slot].to(dt) if prior[i] else torch.zeros_like(ssm[slot], dtype=dt)  # (hv, k, v)
         for t in range(n):
             s = s * g[t].exp()[:, None, None]
             mem = (s * k[t, :, :, None]).sum(-2)  # (hv, v_dim)
