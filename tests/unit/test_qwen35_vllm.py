@@ -97,7 +97,7 @@ def test_float32_gdn_path_equals_transformers_across_steps():
         b = torch.cat([ab[s][1][lo:hi] for s, lo, hi in spans])
         out = torch.zeros(len(x), hv, vdim, dtype=f64)
         gdn_fp32.torch_core(layer, meta, x, b, a, out, conv_state_dim_first=True)
-        for (s, lo, hi), o0, o1 in zip(spans, starts, starts[1:], strict=False):
+        for (s, _, _), o0, o1 in zip(spans, starts, starts[1:], strict=False):
             got[s].append(out[o0:o1])
 
     step([], [(1, 0, 5, False), (3, 0, 4, False)])  # two prompts, chunked

@@ -65,7 +65,8 @@ def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | 
     """The cells of a family checked by the architecture matrix (`tests/integration/test_arch_matrix.py`)."""
     t = f"[{arch}]"
     return {
-        "vLLM-CPU serves": Cell("yes (fp32, mismatch KL <= 1e-3)", f"{MATRIX}::test_vllm_serves_it_and_the_trainer_agrees{t}"),
+        "vLLM-CPU serves": Cell("yes (fp32, mismatch KL <= 1e-3)",
+                                f"{MATRIX}::test_vllm_serves_it_and_the_trainer_agrees{t}"),
         "trainer": Cell("yes (2 GRPO steps)", f"{MATRIX}::test_a_two_step_grpo_run_completes{t}"),
         "LoRA": Cell("yes (adapter served by vLLM)" if lora else "trainer only; vLLM-CPU gets merged weights",
                      f"{MATRIX}::test_a_lora_adapter_loads_into_vllm_and_is_served_exactly{t}"),

@@ -24,6 +24,7 @@ import torch
 
 from tidal.config.train import TrainConfig
 from tidal.models.arch import skips_backward
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.models.memory import train_footprint_gib
 from tidal.models.sources import resolve_model
 from tidal.monitor.metrics import MetricsWriter, progress_line
@@ -63,7 +64,6 @@ from tidal.trainer.step.loss import (
     policy_loss,
     zero_gradient,
 )
-from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights

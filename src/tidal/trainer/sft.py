@@ -30,13 +30,13 @@ from tidal.config.load import ConfigError
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE, TrainConfig
 from tidal.envs import make_env
 from tidal.envs.images import has_images
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.paths import STABLE, atomic_dir, sft_dir
 from tidal.trainer.model.hf import check_model_dir
 from tidal.trainer.model.load import load_policy, load_tokenizer
 from tidal.trainer.model.vision import model_inputs
 from tidal.trainer.step.logprobs import Head, _chunk_logits, forward_logprobs, split_head
 from tidal.trainer.step.optim import make_optimizer, make_scheduler
-from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.trainer.step.packing import pack
 from tidal.transport.batch import TrainingBatch
 

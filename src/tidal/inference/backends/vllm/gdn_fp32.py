@@ -97,7 +97,7 @@ def wrap(core: Any, conv_state_dim_first: Any) -> Any:
 
         ctx = get_forward_context()
         layer = ctx.no_compile_layers[_resolve_layer_name(layer_name)]
-        meta = ctx.attn_metadata
+        meta: Any = ctx.attn_metadata
         if meta is None or meta[layer.prefix].num_actual_tokens == 0:
             return None
         torch_core(layer, meta[layer.prefix], mixed_qkv, b, a, core_attn_out, conv_state_dim_first())

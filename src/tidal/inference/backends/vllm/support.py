@@ -124,7 +124,7 @@ def check_vision_imports(architecture: str, model: str) -> None:
     if architecture in TEXT_PATH_ARCHS:
         from tidal.inference.backends.vllm import vl_imports
 
-        if vl_imports.needed() or not has_source(vl_imports.VLLM_FILE, "image_processing_qwen2_vl"):
+        if vl_imports.needed() or not vl_imports.vllm_imports_it():
             return
     problem = torchvision_problem()
     if problem is None:

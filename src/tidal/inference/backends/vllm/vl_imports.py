@@ -30,6 +30,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -64,13 +65,22 @@ def needed() -> bool:
     return importlib.util.find_spec("torchvision") is None and importlib.util.find_spec(TWIN) is not None
 
 
+def vllm_imports_it() -> bool:
+    """The installed vLLM's `VLLM_FILE` imports `TARGET` (read from disk: vLLM is not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            return "image_processing_qwen2_vl" in (Path(root) / VLLM_FILE).read_text(errors="replace")
+        except OSError:
+            return False
+    return False
+
+
 def install() -> bool:
     """Put `StandInFinder` first on `sys.meta_path` when the guards allow (see the module doc); idempotent."""
-    from tidal.inference.backends.vllm.support import has_source
-
     if any(isinstance(f, StandInFinder) for f in sys.meta_path):
         return True
-    if not has_source(VLLM_FILE, "image_processing_qwen2_vl") or not needed():
+    if not vllm_imports_it() or not needed():
         return False
     sys.meta_path.insert(0, StandInFinder())
     return True
