@@ -128,3 +128,14 @@ def alone_on(model: torch.nn.Module, batch: TrainingBatch, device: torch.device)
             out[i] = forward_logprobs(model, ids, torch.arange(ids.shape[1], device=device)[None], 1.0,
                                       chunk_size=0)[0, 1:]
     return out
+
+
+def test_the_tinker_service_gives_each_datum_its_own_row_at_budget_0():
+    """`tidal.tinker.trainer.forward_backward` packs data rows with budget 0 for a linear-attention model."""
+    from types import SimpleNamespace
+
+    from tidal.tinker.trainer import _micro_batches
+
+    data: list = [SimpleNamespace(tokens=[1] * n) for n in (3, 4, 5)]
+    assert _micro_batches(data, 0) == [[0], [1], [2]]
+    assert _micro_batches(data, 64) == [[0, 1, 2]]
