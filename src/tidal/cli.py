@@ -98,6 +98,16 @@ def resume_hint(argv: list[str]) -> str:
     return "tidal " + " ".join([*argv, *([] if "--resume" in argv else ["--resume"])])
 
 
+def print_family_row(model: str) -> None:
+    """`--dry-run`: the model family's row of the matrix (`tidal.models.families`, docs/models.md), as comments."""
+    from tidal.models.config import model_config
+    from tidal.models.families import describe
+
+    config = model_config(model, missing_ok=True)
+    if config:
+        print("\n".join(f"# {line}" for line in describe(config).splitlines()))
+
+
 def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     # the GPU split's calibration (one training step on the GPU) only when the run really starts
@@ -117,6 +127,7 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
             print(f"# --- teacher (served by tidal grpo at {teacher.base_url}) ---\n{dump(teacher.infer)}")
         for notice in co.placement.notices:  # what the placement on this machine changes (on-policy, cores, ...)
             print(f"# on this machine: {notice}")
+        print_family_row(co.infer.model)
         return 0
     live = sys.stdout.isatty() and os.environ.get("TIDAL_PLAIN") != "1"
     restarts = 3 if args.infer_restarts is None else args.infer_restarts

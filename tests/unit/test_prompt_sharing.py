@@ -139,12 +139,18 @@ def _run(model: torch.nn.Module, micro: list[MicroBatch], weight: dict[tuple[int
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_shared_prompts_give_the_unshared_logprobs_and_gradients(name):
     """float64 (the MoE in float32: no float64 grouped-expert kernel); tidal's per-sample attention and SDPA with
-    the micro-batch's 4D mask (the GPU path). gemma2 (a 64-token sliding window) is refused instead. Gradients to
+    the micro-batch's 4D mask (the GPU path). gemma2/3/4 (64-token sliding windows) are refused instead, and so is
+    qwen3.5 (linear attention: one sample per row, tests/unit/test_linear_attention_packing.py). Gradients to
     1e-6 relative: a shared prompt token sums its completions' gradients in one backward instead of in one copy
     each, and transformers' RMSNorm rounds through float32 even in a float64 model, which can turn a last-bit
     difference into a float32 one (a missing or wrong attention link would be off by far more)."""
+    from tidal.models.families import has_linear_attention
+
     cfg = config_for(name)
-    if name == "gemma2":
+    if has_linear_attention(cfg):
+        assert "linear-attention" in (prompt_sharing_blocker(cfg, 96) or "")
+        return
+    if getattr(cfg, "sliding_window", None):
         assert "sliding-window" in (prompt_sharing_blocker(cfg, 96) or "")
         assert prompt_sharing_blocker(cfg, 64) is None  # a window covering the row is fine
         return

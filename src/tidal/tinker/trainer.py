@@ -133,7 +133,8 @@ def lora_targets(groups: dict[str, set[str]], spec: LoraSpec, unembed_ok: bool) 
 
 
 def _micro_batches(data: list[Datum], budget: int) -> list[list[int]]:
-    """Datum indices grouped into rows of at most `budget` tokens (a longer datum gets a row of its own)."""
+    """Datum indices grouped into rows of at most `budget` tokens (a longer datum gets a row of its own; budget 0:
+    every datum alone, for models with linear-attention layers, `tidal.models.families.packing_rule`)."""
     rows: list[list[int]] = []
     used = budget
     for i, d in enumerate(data):
@@ -243,7 +244,10 @@ class TrainerHost:
         outputs: list[dict[str, np.ndarray]] = [{} for _ in req.data]
         total = 0.0
         self.peft.train()
-        for row in _micro_batches(req.data, self.micro_batch_tokens):
+        from tidal.models.families import ONE_PER_ROW, packing_rule
+
+        one_per_row = packing_rule(self.peft.config) == ONE_PER_ROW  # linear attention: no state crosses data
+        for row in _micro_batches(req.data, 0 if one_per_row else self.micro_batch_tokens):
             with torch.set_grad_enabled(not req.forward_only):
                 lps = self._row_logprobs([req.data[i] for i in row])
                 loss = torch.zeros((), device=self.device)

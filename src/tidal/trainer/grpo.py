@@ -24,6 +24,7 @@ import torch
 
 from tidal.config.train import TrainConfig
 from tidal.models.arch import skips_backward
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.models.memory import train_footprint_gib
 from tidal.models.sources import resolve_model
 from tidal.monitor.metrics import MetricsWriter, progress_line
@@ -256,7 +257,8 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
     def packed(apart: list[bool] | None) -> tuple[list[MicroBatch], list[OptimizerStep]]:
         mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                    drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
-                   share_prompts=shares_prompts(model, cfg, batch), apart=apart)
+                   share_prompts=shares_prompts(model, cfg, batch), apart=apart,
+                   one_per_row=packing_rule(model.config) == ONE_PER_ROW)
         return mbs, plan([mb.input_ids.numel() for mb in mbs], ranks.world, cfg.gradient_accumulation_steps,
                          cfg.steps_per_generation)
 

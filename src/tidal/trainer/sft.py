@@ -30,6 +30,7 @@ from tidal.config.load import ConfigError
 from tidal.config.train import DEFAULT_LOGPROB_CHUNK_SIZE, TrainConfig
 from tidal.envs import make_env
 from tidal.envs.images import has_images
+from tidal.models.families import ONE_PER_ROW, packing_rule
 from tidal.paths import STABLE, atomic_dir, sft_dir
 from tidal.trainer.model.hf import check_model_dir
 from tidal.trainer.model.load import load_policy, load_tokenizer
@@ -148,7 +149,8 @@ def run(cfg: TrainConfig) -> Path:
         batch = make_sft_batch(tok, examples, [env.reference_completion(e) for e in examples], step,
                                cfg.sft.chat_template_kwargs, env.tooling.schemas if env.tooling is not None else None)
         total_tokens, nll = float(batch.loss_mask.sum()), 0.0
-        for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0):
+        for mb in pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, tok.pad_token_id or 0,
+                       one_per_row=packing_rule(model.config) == ONE_PER_ROW):
             mb = mb.to(device)
             loss = sft_loss(model, mb, cfg.sft.label_smoothing, cfg.logprob_chunk_size) / total_tokens
             loss.backward()

@@ -10,6 +10,12 @@ rows hold one long sample or many short ones. A batch with images (`TrainingBatc
 micro-batch's `prompt_mask` and `image_ids` (its samples' images in row-major placeholder order); the trainer
 turns them into `images` (`tidal.trainer.model.vision.ImageInputs`).
 
+One sample per row (`one_per_row`): a model with linear-attention layers (Qwen3.5's gated-delta-net:
+`tidal.models.families.packing_rule`) carries a recurrent state and a convolution window along the row, and
+transformers' torch path of those layers ignores the samples' position restarts, so packed neighbours would leak
+into each other; such a model gets every sample in a row of its own (right-padded: causal, so padding never
+reaches a sample's tokens), and no shared prompts.
+
 Shared prompts (`share_prompts`, train `prompt_sharing`): the completions of a GRPO group repeat one prompt, and
 on short completions most of a row is prompt (the bundled example: 56 of 72 tokens). Samples whose tokens before
 their first loss token are identical (one group's prompt; the same prompt drawn twice too) are packed as one
@@ -183,15 +189,18 @@ def units(batch: TrainingBatch, capacity: int, share_prompts: bool) -> list[Unit
 
 
 def layout(packed: list[Unit], sequence_len: int, rows_per_micro_batch: int, max_tokens: int | None,
-           apart: list[bool] | None = None) -> list[list[list[Unit]]]:
+           apart: list[bool] | None = None, one_per_row: bool = False) -> list[list[list[Unit]]]:
     """The micro-batches (each a list of rows, each a list of units) of `packed`; with `apart` (per sample), the
     units whose samples are all flagged are laid out on their own, after the others: no row or micro-batch mixes
-    them (train `skip_zero_gradient` flags the samples whose loss has zero gradient)."""
+    them (train `skip_zero_gradient` flags the samples whose loss has zero gradient). `one_per_row`: each unit in
+    a row of its own (longest first)."""
     classes = [packed] if apart is None else [[u for u in packed if not all(apart[i] for i in u.samples)],
                                               [u for u in packed if all(apart[i] for i in u.samples)]]
     out: list[list[list[Unit]]] = []
     for cls in (c for c in classes if c):
         rows = assign_rows(np.array([u.length for u in cls], dtype=np.int64), sequence_len)
+        if one_per_row:
+            rows = [[u] for row in rows for u in row]
         row_lengths = [sum(cls[u].length for u in row) for row in rows]
         for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
             out.append([[cls[u] for u in rows[r]] for r in members])
@@ -200,20 +209,24 @@ def layout(packed: list[Unit], sequence_len: int, rows_per_micro_batch: int, max
 
 def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
          drop_truncated: bool = False, max_tokens: int | None = None,
-         share_prompts: bool = False, apart: list[bool] | None = None) -> list[MicroBatch]:
+         share_prompts: bool = False, apart: list[bool] | None = None,
+         one_per_row: bool = False) -> list[MicroBatch]:
     """Pack `batch` into micro-batches of `rows_per_micro_batch` rows, or of at most `max_tokens` padded tokens
     (see module doc and `group_rows`). `drop_truncated` clears the loss mask of samples flagged `truncated`
     (mask_truncated_completions). `share_prompts`: the samples of one prompt share its tokens (module doc; text
-    batches only). `apart`: per sample, those packed on their own, after the others (`layout`)."""
+    batches only). `apart`: per sample, those packed on their own, after the others (`layout`). `one_per_row`:
+    every sample in a row of its own (models with linear-attention layers; module doc)."""
     if share_prompts and batch.has_images:
         raise ValueError("shared prompts are for text batches; this batch has images")
+    if share_prompts and one_per_row:
+        raise ValueError("shared prompts put several samples in a row; one_per_row forbids that")
     if int(batch.lengths.max(initial=0)) > sequence_len:
         assign_rows(batch.lengths, sequence_len)  # raises, naming the samples
     spans = batch.samples()
     teacher = batch.teacher_logprobs
     out: list[MicroBatch] = []
     for group in layout(units(batch, sequence_len, share_prompts), sequence_len, rows_per_micro_batch, max_tokens,
-                        apart):
+                        apart, one_per_row):
         width = max(sum(u.length for u in row) for row in group)
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
         pos = np.zeros((len(group), width), dtype=np.int64)

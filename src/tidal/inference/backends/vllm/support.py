@@ -86,6 +86,12 @@ TORCHVISION_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditiona
 """Architectures whose vLLM model code imports torchvision (vLLM 0.32's `model_executor/models/qwen2_vl.py`,
 `qwen2_5_vl.py`, `qwen3_vl.py` import `smart_resize` from transformers' `image_processing_qwen2_vl`, which imports
 `torchvision.transforms.v2`): without a working torchvision the server dies while inspecting the model."""
+TEXT_PATH_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                   "Qwen3_5MoeForConditionalGeneration")
+"""Qwen3.5 (text or not): vLLM 0.32's `qwen3_5.py` imports `qwen3_vl.py`, so the same torchvision import, for text
+only; where torchvision is not installed tidal's plugin serves that import with transformers' torchvision-free twin
+(`tidal.inference.backends.vllm.vl_imports`), so these need a working torchvision only where one is installed but
+broken (the stand-in then stays out of the way) or transformers lacks the twin."""
 
 
 def torchvision_problem() -> str | None:
@@ -111,9 +117,15 @@ def torchvision_problem() -> str | None:
 
 def check_vision_imports(architecture: str, model: str) -> None:
     """Raise ConfigError, before anything starts, when vLLM's model code for `architecture` needs torchvision and
-    torchvision does not import here (`torchvision_problem`), saying why and what to install."""
-    if architecture not in TORCHVISION_ARCHS:
+    torchvision does not import here (`torchvision_problem`), saying why and what to install. A Qwen3.5 model
+    (`TEXT_PATH_ARCHS`) passes where the plugin's stand-in serves the import (`vl_imports.needed`)."""
+    if architecture not in TORCHVISION_ARCHS + TEXT_PATH_ARCHS:
         return
+    if architecture in TEXT_PATH_ARCHS:
+        from tidal.inference.backends.vllm import vl_imports
+
+        if vl_imports.needed() or not vl_imports.vllm_imports_it():
+            return
     problem = torchvision_problem()
     if problem is None:
         return

