@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tidal.config.agent import AgentArgs
 from tidal.config.base import StrictModel
 
 
@@ -224,6 +225,11 @@ class EnvSection(StrictModel):
                 raise ValueError(f"env '{self.name or self.id}': an OpenEnv server is given by args.base_url or "
                                  f"args.app, not address/spawn (those serve tidal's own environments)")
             check_openenv_args(self.args)
+        if self.id == "agent":
+            if self.address is not None or self.spawn or self.tools is not None:
+                raise ValueError(f"env '{self.name or self.id}': the agent environment runs in the orchestrator "
+                                 f"with the program's own tools; address, spawn and tools do not apply")
+            check_args(AgentArgs, f"env '{self.name or self.id}'", self.args)
         if self.id in LONGTAIL_IDS:
             check_args(LongTailArgs, f"env '{self.name or self.id}'", self.args)
         if self.id in SHAPES_IDS:
