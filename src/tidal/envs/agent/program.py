@@ -3,9 +3,9 @@
 A command runs through `tidal.procs.run`: its own session and process group, SIGKILL when the orchestrator dies
 (the parent-death signal), its whole group killed past `timeout_s`. It gets the session's URLs and key in the
 variables the OpenAI and Anthropic SDKs read, the model name, the reward URL and the example as JSON. A callable
-`fn(base_url, api_key, example)` runs in a worker thread (sync) or on the orchestrator's loop (async), bounded by
-`timeout_s` (a sync function past it is abandoned: Python cannot kill a thread; its session is closed, so its next
-call is answered 404). The outcome is `(failure or None, reward or None)`.
+`fn(base_url, api_key, example)` runs in a worker thread (sync; `POOL`) or on the orchestrator's loop (async),
+bounded by `timeout_s` (a sync function past it is abandoned: Python cannot kill a thread; its session is closed,
+so its next call is answered 404). The outcome is `(failure or None, reward or None)`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import inspect
 import json
 import shlex
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tidal.envs.tools import load_object
@@ -22,6 +23,13 @@ from tidal.procs import run
 
 TAIL = 1500
 """Characters of a failed command's stderr kept in its failure."""
+POOL = ThreadPoolExecutor(max_workers=256, thread_name_prefix="tidal-agent")
+"""The threads programs run in (a command's waiting thread, a sync callable): one per session at once, so the
+orchestrator's default executor (a few threads on a small machine) does not queue sessions behind each other."""
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(POOL, fn, *args)
 
 
 def environment(openai_url: str, anthropic_url: str, key: str, model: str, example: dict[str, Any]
@@ -50,7 +58,7 @@ class Program:
 
     async def _command(self, env: dict[str, str]) -> tuple[str | None, float | None]:
         try:
-            done = await asyncio.to_thread(run, self.argv or [], self.timeout_s, env)
+            done = await in_thread(run, self.argv or [], self.timeout_s, env)
         except subprocess.TimeoutExpired:
             return f"the program ran past timeout_s={self.timeout_s:g} s and was killed", None
         except OSError as exc:
@@ -66,7 +74,7 @@ class Program:
             if inspect.iscoroutinefunction(self.fn):
                 value = await asyncio.wait_for(self.fn(base_url, key, example), self.timeout_s)
             else:
-                value = await asyncio.wait_for(asyncio.to_thread(self.fn, base_url, key, example), self.timeout_s)
+                value = await asyncio.wait_for(in_thread(self.fn, base_url, key, example), self.timeout_s)
         except TimeoutError:
             return f"the program ran past timeout_s={self.timeout_s:g} s", None
         except Exception as exc:  # noqa: BLE001 - the program's failure fails its episode, never the run

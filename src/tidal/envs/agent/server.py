@@ -29,6 +29,9 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from tidal.envs.agent.session import Backend, Session, SessionFailed
 from tidal.envs.agent.wire import (
     WireError,
@@ -75,6 +78,7 @@ class AgentServer:
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 
     @property
     def root(self) -> str:
@@ -85,10 +89,16 @@ class AgentServer:
         return f"{self.root}/s/{session.id}/v1", f"{self.root}/s/{session.id}"
 
     async def ensure_started(self) -> None:
-        """Serve on this event loop (again, when an earlier loop has gone)."""
+        """Serve on this event loop (again, when an earlier loop has gone); concurrent callers start it once."""
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._task is not None and not self._task.done():
             return
+        async with self._starting.setdefault(loop, asyncio.Lock()):
+            if self._loop is loop and self._task is not None and not self._task.done():
+                return
+            await self._start(loop)
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         import uvicorn
 
         class Quiet(uvicorn.Server):
@@ -177,16 +187,12 @@ class AgentServer:
 
 
 def openai_error(status: int, message: str) -> Any:
-    from fastapi.responses import JSONResponse
-
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             429: "rate_limit_error"}.get(status, "api_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
 def anthropic_error(status: int, message: str) -> Any:
-    from fastapi.responses import JSONResponse
-
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             429: "rate_limit_error"}.get(status, "api_error")
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
@@ -194,9 +200,6 @@ def anthropic_error(status: int, message: str) -> Any:
 
 def build_app(server: AgentServer) -> Any:
     """The FastAPI app of `server` (see the module doc)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     async def answer(sid: str, request: Request, kind: str) -> Any:

@@ -82,6 +82,18 @@ class Row:
 
 
 @dataclass
+class CallRecord:
+    """One model call of a session, as sampled."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    messages: list[dict[str, Any]]
+    """The call's messages (template form)."""
+    extended: bool
+    """Whether it extended the open row (else it started a row)."""
+
+
+@dataclass
 class Session:
     """One rollout's session (see the module doc)."""
 
@@ -102,6 +114,8 @@ class Session:
     """Why the episode failed (a limit, the program's exit code, a timeout); None: it did not."""
     last_answer: str = ""
     last_prompt_len: int = 0
+    log: list[CallRecord] = field(default_factory=list)
+    """Every call, in order."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def call(self, backend: Backend, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -134,6 +148,7 @@ class Session:
             c = await backend.sample(prompt, min(room, max_tokens or room), self.calls, params)
             self.calls += 1
             self.sampled += len(c.token_ids)
+            self.log.append(CallRecord(prompt, list(c.token_ids), list(messages), row is not None))
             if row is None:
                 self.forks += bool(self.rows)
                 row = Row(prompt, list(messages), tools, history=list(messages))
