@@ -203,7 +203,8 @@ class EnvSection(StrictModel):
     """Environment id from tidal's registry (`reverse-text`, `reverse-text-longtail`: its `args` are
     `LongTailArgs`, `visual-shapes`: generated images for vision-language models, its `args` are
     `VisualShapesArgs`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv server, its `args` in
-    docs/orchestrator.md) or `package.module:Class`."""
+    docs/orchestrator.md, `agent`: a user's own agent program, its `args` are `tidal.config.agent.AgentArgs`,
+    docs/agents.md) or `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)

@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import json
 import shlex
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +46,9 @@ class Program:
 
     def __init__(self, command: list[str] | str | None, function: str | None, timeout_s: float) -> None:
         self.argv = shlex.split(command) if isinstance(command, str) else command
+        if self.argv is not None and shutil.which(self.argv[0]) is None:
+            raise ValueError(f"agent args.command: '{self.argv[0]}' is not an executable file nor found on PATH "
+                             f"(command {self.argv})")
         self.fn = load_object(function, "agent args.function") if function is not None else None
         if self.fn is not None and not callable(self.fn):
             raise ValueError(f"agent args.function '{function}' is not callable")
