@@ -16,7 +16,7 @@ client = OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
 model = os.environ.get("TIDAL_AGENT_MODEL", "policy")
 example = json.loads(os.environ["TIDAL_AGENT_EXAMPLE"])
 messages = list(example["prompt"])
-for turn in range(2):
+for _ in range(2):
     msg = client.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message
     messages.append(msg)  # the answer exactly as returned: the next call extends the same training row
     for call in msg.tool_calls or []:  # run the tool the model called
