@@ -214,6 +214,13 @@ def build_app(server: AgentServer) -> Any:
             return error(400, str(exc))
         except SessionFailed as exc:
             return error(exc.status, str(exc))
+        except Exception as exc:  # noqa: BLE001 - inference failed: the episode fails, the program is told why
+            session = server.sessions.get(sid, (None,))[0]
+            why = f"sampling failed: {type(exc).__name__}: {str(exc)[:500]}"
+            if session is not None:
+                session.failure = session.failure or why
+            log.warning("agent session %s: %s", sid, why)
+            return error(502, why)
         session = server.sessions[sid][0]
         n_in, n_out = session.last_prompt_len, len(c.token_ids)
         usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}

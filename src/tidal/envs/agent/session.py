@@ -1,18 +1,17 @@
-"""One agent session: its calls stitched into training rows, token for token.
-
-A session is one rollout: a program's run against its own base URL. Each model call carries the whole conversation
-(the API is stateless); the session keeps its open row: the prompt ids, the completion ids so far (model tokens and
-spliced tokens), the per-token logprobs, loss mask and policy versions, and the conversation they render (template
-form, `tidal.envs.agent.wire`). A call *extends* the row when its messages are the row's conversation (the earlier
-messages and every assistant message exactly as returned) followed by new messages (tool results, a user's
-follow-up), with the same tools, and the row's last turn ended at its end-of-turn token. Then the call's prompt ids
-are the row's prompt ids + completion ids + the rendered suffix of the new messages (`tidal.envs.splice`: the tool
-loop's rule), and the call is sampled from those ids (token in). Otherwise (history rewritten or summarised, a side
-call with another system prompt, other tools, a turn cut at `max_tokens` or a `stop` string) the call starts a new
-row: a fork, counted. Sampled tokens get loss mask 1 with their logprobs; spliced tokens mask 0. A call whose
-temperature or top_p differs from the run's is sampled as asked but its tokens are context (mask 0): the trainer
-scores every token at the run's sampling distribution. The session's trained row is its last (the one holding the
-final answer); earlier rows are counted (`agent/rows`), not trained.
+"""One agent session: its calls stitched into training rows, token for token. A session is one rollout: a program's run
+against its own base URL. Each model call carries the whole conversation (the API is stateless); the session keeps
+its open row: the prompt ids, the completion ids so far (model tokens and spliced tokens), the per-token logprobs,
+loss mask and policy versions, and the conversation they render (template form, `tidal.envs.agent.wire`). A call
+*extends* the row when its messages are the row's conversation (the earlier messages and every assistant message
+exactly as returned) followed by new messages (tool results, a user's follow-up), with the same tools, and the row's
+last turn ended at its end-of-turn token. Then the call's prompt ids are the row's prompt ids + completion ids + the
+rendered suffix of the new messages (`tidal.envs.splice`: the tool loop's rule), and the call is sampled from those
+ids (token in). Otherwise (history rewritten or summarised, a side call with another system prompt, other tools, a
+turn cut at `max_tokens` or a `stop` string, a turn that ended at a token the template does not end turns with) the
+call starts a new row: a fork, counted. Sampled tokens get loss mask 1 with their logprobs; spliced tokens mask 0. A
+call whose temperature or top_p differs from the run's is sampled as asked but its tokens are context (mask 0): the
+trainer scores every token at the run's sampling distribution. The session's trained row is its last (the one
+holding the final answer); earlier rows are counted (`agent/rows`), not trained.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tidal.envs.agent.wire import canonical
+from tidal.envs.splice import ToolTemplateError
 
 
 class Backend(Protocol):
@@ -130,12 +130,13 @@ class Session:
                 self.failure = f"more than max_calls={self.max_calls} model calls"
                 raise SessionFailed(429, f"session {self.id}: {self.failure}")
             row = self.rows[-1] if self.rows and self.rows[-1].extends(messages, tools) else None
+            new, suffix = messages[len(row.history):] if row is not None else [], []
             if row is not None:
-                new = messages[len(row.history):]
-                suffix = await backend.suffix(row.history, new, row.stop_id, tools)
-                prompt = row.prompt_ids + row.ids + suffix
-            else:
-                suffix, prompt = [], await backend.render(messages, tools)
+                try:
+                    suffix = await backend.suffix(row.history, new, row.stop_id, tools)
+                except ToolTemplateError:  # the turn did not end at a token the template ends turns with: a fork
+                    row = None
+            prompt = row.prompt_ids + row.ids + suffix if row is not None else await backend.render(messages, tools)
             room = self.seq_len - len(prompt)
             if self.max_tokens is not None:
                 room = min(room, self.max_tokens - self.sampled)
