@@ -1,4 +1,6 @@
-"""One agent session: its calls stitched into training rows, token for token. A session is one rollout: a program's run
+"""One agent session: its calls stitched into training rows, token for token.
+
+A session is one rollout: a program's run
 against its own base URL. Each model call carries the whole conversation (the API is stateless); the session keeps
 its open row: the prompt ids, the completion ids so far (model tokens and spliced tokens), the per-token logprobs,
 loss mask and policy versions, and the conversation they render (template form, `tidal.envs.agent.wire`). A call
