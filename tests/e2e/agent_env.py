@@ -113,8 +113,9 @@ def forking_program(base_url: str, api_key: str, example: dict[str, Any]) -> flo
     return 0.25
 
 
-def anthropic_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
-    """The 3-turn conversation through the `anthropic` SDK (tool_use / tool_result blocks)."""
+def anthropic_program(base_url: str, api_key: str, example: dict[str, Any], stream: bool = False) -> None:
+    """The 3-turn conversation through the `anthropic` SDK (tool_use / tool_result blocks; `stream`: through
+    `messages.stream`, the SDK's event accumulator)."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0)
@@ -123,7 +124,12 @@ def anthropic_program(base_url: str, api_key: str, example: dict[str, Any]) -> N
     system = example["prompt"][0]["content"]
     messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"][-1]["content"]}]
     for turn in range(3):
-        msg = client.messages.create(model=MODEL, max_tokens=64, system=system, messages=messages, tools=tools)
+        kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "system": system, "messages": messages, "tools": tools}
+        if stream:
+            with client.messages.stream(**kw) as events:
+                msg = events.get_final_message()
+        else:
+            msg = client.messages.create(**kw)
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
         if turn == 2:
             break
@@ -131,6 +137,10 @@ def anthropic_program(base_url: str, api_key: str, example: dict[str, Any]) -> N
         messages.append({"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": b.id, "content": str(b.input.get("text", ""))[::-1]}
             for b in uses] or text})
+
+
+def anthropic_streaming_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
+    anthropic_program(base_url, api_key, example, stream=True)
 
 
 def crashing_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:

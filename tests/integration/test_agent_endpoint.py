@@ -145,6 +145,14 @@ def test_anthropic_sdk_session_with_tool_use_is_one_spliced_row(agent_server):
     assert any(m["role"] == "tool" for c in comps for m in c.messages), "tool_result blocks became tool messages"
 
 
+def test_anthropic_streaming_gives_the_same_rows(agent_server):
+    _, plain = run_group(agent_server, function="tests.e2e.agent_env:anthropic_program")
+    _, streamed = run_group(agent_server, function="tests.e2e.agent_env:anthropic_streaming_program")
+    for a, b in zip(plain, streamed, strict=True):
+        assert b.env_error is None, b.env_error
+        assert a.token_ids == b.token_ids and a.mask == b.mask and a.environment.calls == b.environment.calls == 3
+
+
 def test_command_program_gets_the_sdk_environment(agent_server):
     _, comps = run_group(agent_server, command=[sys.executable, "-m", "tests.e2e.agent_env"])
     for c in comps:
