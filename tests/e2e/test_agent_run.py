@@ -45,3 +45,39 @@ def test_openai_sdk_agent_trains_through_tidal_grpo(tmp_path):
     assert len(turns) >= 2 * len(batch.samples()), "two spliced turns (tool result or user message) per session"
     assert any(t.startswith("<|im_end|>\n<|im_start|>tool\n") or "<|im_start|>tool\n" in t for t in turns), turns[:4]
     assert all(t.endswith("<|im_end|>\n<|im_start|>assistant\n") for t in turns), turns[:4]
+
+
+def test_sigkill_of_the_launcher_leaves_no_agent_process(tmp_path):
+    """Programs (and a process each starts) running when `tidal grpo` is SIGKILLed are gone shortly after: the
+    orchestrator dies with its parent, each program with the orchestrator (parent-death signal), and the
+    orchestrator's reaper takes the rest."""
+    import os
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    program = (f"import os, subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+               f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{p.pid}} '); time.sleep(300)")
+    env = ("[{id: agent, args: {command: [" + sys.executable + ", -c, \"" + program.replace('"', '\\"') + "\"], "
+           "task: {id: reverse-text}, timeout_s: 600}}]")
+    proc = tidal("grpo", "--output-dir", str(tmp_path / "run"), "--infer.port", str(free_port()),
+                 "--orch.max_steps", "1", "--orch.env", env, "--orch.batch_size", "4",
+                 "--orch.rollouts_per_example", "2")
+    try:
+        deadline = time.monotonic() + 600
+        while not (pids.exists() and len(pids.read_text().split()) >= 8):
+            assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+            assert time.monotonic() < deadline, "the programs never started"
+            time.sleep(1)
+        time.sleep(1.5)  # the reaper scans descendants every 0.5 s
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        alive = [int(p) for p in pids.read_text().split()]
+        deadline = time.monotonic() + 30
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "Z" not in
+                     open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[:1]]
+            time.sleep(0.5)
+        assert not alive, f"agent processes left: {alive}"
+    finally:
+        kill_group(proc)
