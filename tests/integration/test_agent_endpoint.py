@@ -21,6 +21,8 @@ from tidal.envs.splice import splice_after
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.protocol import server_root
 from tidal.orchestrator.agentloop import agent_group
+from tidal.orchestrator.assemble import build_batch
+from tidal.orchestrator.outage import judged, keeps_group
 
 pytestmark = pytest.mark.vllm
 
@@ -179,12 +181,18 @@ def test_a_rewritten_history_forks_and_is_counted(agent_server):
 def test_crashing_and_hanging_programs_train_nothing(agent_server, tmp_path):
     env, crashed = run_group(agent_server, function="tests.e2e.agent_env:crashing_program")
     assert all("RuntimeError: the agent crashed" in (c.env_error or "") for c in crashed)
+    ok = judged(crashed)
+    assert not ok.any() and not keeps_group(ok), "failed episodes are not judged: the group is dropped"
+    batch, _ = build_batch(1, [crashed[0].prompt_ids], [crashed], np.zeros(N), [np.ones(len(c.token_ids))
+                                                                            for c in crashed], 0, CFG, masked=~ok)
+    assert batch.loss_mask.sum() == 0, "nothing of a failed episode is trained"
     pid_file = tmp_path / "pids"
     hang = (f"import os, time; open({str(pid_file)!r}, 'a').write(str(os.getpid()) + '\\n'); "
             f"os.system('sleep 120 &'); time.sleep(120)")
     env, hung = run_group(agent_server, command=[sys.executable, "-c", hang], timeout_s=3)
     assert all("timeout_s=3" in (c.env_error or "") for c in hung)
     assert all(c.token_ids == [] for c in hung), "no call: nothing to train"
+    assert not judged(hung).any()
     assert env.take_metrics()["agent/failures"] == N
     for pid in pid_file.read_text().split():
         with pytest.raises(ProcessLookupError):
