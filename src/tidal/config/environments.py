@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tidal.config.agent import AgentArgs
 from tidal.config.base import StrictModel
 
 
@@ -202,7 +203,8 @@ class EnvSection(StrictModel):
     """Environment id from tidal's registry (`reverse-text`, `reverse-text-longtail`: its `args` are
     `LongTailArgs`, `visual-shapes`: generated images for vision-language models, its `args` are
     `VisualShapesArgs`, `math`, `calculator`, `dataset`, `openenv`: an OpenEnv server, its `args` in
-    docs/orchestrator.md) or `package.module:Class`."""
+    docs/orchestrator.md, `agent`: a user's own agent program, its `args` are `tidal.config.agent.AgentArgs`,
+    docs/agents.md) or `package.module:Class`."""
     name: str | None = None
     """Name in metrics and `Example.task` (null: the id); tells apart two entries with the same id."""
     args: dict[str, Any] = Field(default_factory=dict)
@@ -224,6 +226,11 @@ class EnvSection(StrictModel):
                 raise ValueError(f"env '{self.name or self.id}': an OpenEnv server is given by args.base_url or "
                                  f"args.app, not address/spawn (those serve tidal's own environments)")
             check_openenv_args(self.args)
+        if self.id == "agent":
+            if self.address is not None or self.spawn or self.tools is not None:
+                raise ValueError(f"env '{self.name or self.id}': the agent environment runs in the orchestrator "
+                                 f"with the program's own tools; address, spawn and tools do not apply")
+            check_args(AgentArgs, f"env '{self.name or self.id}'", self.args)
         if self.id in LONGTAIL_IDS:
             check_args(LongTailArgs, f"env '{self.name or self.id}'", self.args)
         if self.id in SHAPES_IDS:

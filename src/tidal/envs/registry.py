@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.envs.addition import Addition
+from tidal.envs.agent import make_agent
 from tidal.envs.base import Environment
 from tidal.envs.calculator import Calculator
 from tidal.envs.dataset import DatasetEnv
@@ -25,8 +26,8 @@ _REGISTRY: dict[str, type[Environment]] = {ReverseText.id: ReverseText, MathProb
 
 
 def available() -> list[str]:
-    """Ids of the registered environments."""
-    return sorted(_REGISTRY)
+    """Ids of the registered environments (and `agent`: a user's agent program, `tidal.envs.agent`)."""
+    return sorted([*_REGISTRY, "agent"])
 
 
 def register(cls: type[Environment]) -> type[Environment]:
@@ -53,6 +54,8 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
 
     if env_id.startswith("verifiers:"):
         return verifiers.load(env_id.removeprefix("verifiers:"), args)
+    if env_id == "agent":  # the user's agent program (tidal.envs.agent); its task environment built here
+        return make_agent(args or {}, make_env)
     target: Any = _REGISTRY.get(env_id)
     if target is None and ":" not in env_id:
         raise ValueError(f"unknown environment id '{env_id}' (available: {', '.join(available())}, "

@@ -66,6 +66,16 @@ class EnvMix:
     def env_of(self, example: Example) -> Environment:
         return self.envs.get(example.task) or next(iter(self.envs.values()))
 
+    def take_metrics(self) -> dict[str, float]:
+        """Counters the environments keep (`take_metrics`, e.g. the agent environment's `agent/*`) since the last
+        call, summed over the environments that have them."""
+        out: dict[str, float] = {}
+        for e in self.envs.values():
+            take = getattr(e, "take_metrics", None)
+            for k, v in (take() if callable(take) else {}).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
     def state(self) -> dict[str, Any]:
         return {"counts": dict(zip(self.names, self.counts, strict=True))}
 

@@ -26,10 +26,12 @@ import numpy as np
 
 from tidal.config.orch import EvalSection, SamplingSection
 from tidal.envs import Environment, Example
+from tidal.envs.agent import AgentEnv
 from tidal.envs.images import has_images, openai_messages
 from tidal.inference.protocol import Completion, InferenceClient
 from tidal.monitor.eval_metrics import summarize
 from tidal.monitor.metrics import MetricsWriter
+from tidal.orchestrator.agentloop import agent_group
 from tidal.orchestrator.envmix import build_env
 from tidal.orchestrator.rollout import multi_turn_group, rollout_group
 from tidal.orchestrator.scoring import Scorer
@@ -136,6 +138,8 @@ async def sample_group(client: InferenceClient, model: str, env: Environment, pr
     if env.rollout_func is not None:
         return await env.rollout_func.group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature,
                                             example, policy_step)
+    if isinstance(env, AgentEnv):
+        return await agent_group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature, env, example)
     if env.tooling is not None:
         return await tool_group(client, model, prompt_ids, k, sampling, seq_len, seed, temperature, env, example)
     if env.max_turns > 1:

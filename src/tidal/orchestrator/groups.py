@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig, SamplingSection, TeacherSection
+from tidal.envs.agent import AgentEnv
 from tidal.envs.base import Example
 from tidal.envs.images import count_images, has_images, openai_messages, text_of
 from tidal.inference.protocol import Completion, InferenceClient, NotMultimodal
+from tidal.orchestrator.agentloop import agent_group
 from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.outage import EnvFailures
@@ -137,6 +139,7 @@ async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: Inference
     return list(await asyncio.gather(*(
         e.rollout_func.group(client, model, p, k, sp, cfg.seq_len, s, temp, ex, step, cfg.max_steps)
         if e.rollout_func is not None else
+        agent_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex, turns) if isinstance(e, AgentEnv) else
         tool_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex, turns) if e.tooling is not None else
         multi_turn_group(client, model, p, k, sp, cfg.seq_len, s, temp, e, ex, turns) if e.max_turns > 1 else
         rollout_group(client, model, p, k, sp, cfg.seq_len, s, temp,

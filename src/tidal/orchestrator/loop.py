@@ -125,7 +125,7 @@ async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
 def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[str, float]) -> dict[str, float]:
     """Progress, buffer and timing metrics of a step (beside those of its batch)."""
     p = parts.progress
-    return {**counts, **parts.buffer.metrics(), "progress/total_tokens": p.total_tokens,
+    return {**counts, **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
             "progress/total_samples": p.total_samples, "rollout_time_s": got.rollout_time_s,
             "weights_wait_s": got.waited_s,
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}

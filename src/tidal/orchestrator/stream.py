@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from tidal.config.orch import OrchConfig
+from tidal.envs.agent import AgentEnv
 from tidal.envs.base import Example
 from tidal.envs.images import prompt_images
 from tidal.inference.protocol import Completion, InferenceClient, InferenceError
@@ -299,12 +300,13 @@ class GroupStream:
         """One group's completions, counted in `seqs_running` (`slots`) until each is done: a single-turn
         text group as `rollouts_per_example` requests of one completion (`rollout.split_group`), so a group that
         waits for its last long completions holds only their slots; other groups (multi-turn, tools, images, a
-        rollout function's, and
+        rollout function's, an agent program's, and
         every group with orch `in_flight_split: false`) whole until they return. With partial rollouts every model
         turn (of a multi-turn or tool rollout too) is continued across policy switches."""
         n = self.cfg.rollouts_per_example
         env = self.env.env_of(ex) if isinstance(self.env, EnvMix) else self.env
-        whole = env.tooling is not None or env.rollout_func is not None or env.max_turns > 1
+        whole = (env.tooling is not None or env.rollout_func is not None or env.max_turns > 1
+                 or isinstance(env, AgentEnv))
         temp = temperature_at(self.cfg.sampling, self.cfg.max_steps, step)
         if images or whole or self.cfg.in_flight_split is False:
             refuse_whole_group(self.partial, images, env)  # partial rollouts: no images, no rollout functions

@@ -6,11 +6,9 @@ For an environment with `tooling` (`tidal.envs.tools.Tooling`): the prompt was r
 exact token ids so far and ends at the end-of-turn token (EOS); its text is parsed for tool calls in the
 environment's format; the calls run and their results become `tool` messages (a session's `after_turn`: a
 verifiers environment may answer with other messages too). The tokens of those messages are
-what the chat template renders after the assistant turn: the conversation is rendered without and with them
-(`/tokenize` on the server, generation prompt included the second time) and the tokens after the k-th end-of-turn
-token are taken, k being the number of end-of-turn tokens in the first rendering. Counting end-of-turn tokens
-instead of comparing prefixes keeps this right for templates that render earlier turns differently once later
-messages follow (e.g. strip earlier `<think>` blocks); earlier turns are never re-tokenized, the model's own
+what the chat template renders after the assistant turn, by the house's one splice rule (`tidal.envs.splice`:
+the tokens after the k-th end-of-turn token, k counted in the rendering without them); earlier turns are never
+re-tokenized, the model's own
 tokens stay as sampled. Tool tokens get loss mask 0 and logprob 0 (and, when the model turns carry policy versions
 under orch `partial_rollouts`, the version of the model token before them: `rollout.fill_versions`). Each model
 turn is sampled through a `rollout.Turns` (partial rollouts: `tidal.orchestrator.partial.PartialTurns`). The
@@ -35,14 +33,11 @@ from typing import Any
 
 from tidal.config.orch import SamplingSection
 from tidal.envs.base import Environment, Example
+from tidal.envs.splice import tool_suffix, turn_text
 from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
 from tidal.inference.protocol import Completion, InferenceClient
 from tidal.orchestrator.rollout import Turns, fill_versions
 from tidal.orchestrator.sampling import extra_sampling
-
-
-class ToolTemplateError(ValueError):
-    """The chat template does not render tool turns the loop can splice in."""
 
 
 def with_observation(prompt: list[dict[str, Any]], observation: str | None) -> list[dict[str, Any]]:
@@ -51,38 +46,6 @@ def with_observation(prompt: list[dict[str, Any]], observation: str | None) -> l
         return list(prompt)
     last = prompt[-1]
     return [*prompt[:-1], {**last, "content": f"{last.get('content') or ''}{observation}"}]
-
-
-def turn_text(c: Completion) -> str:
-    """A model turn's text without its end-of-turn token's text (sampled with special tokens kept, so tool-call
-    markers that are special tokens survive)."""
-    if c.finish_reason == "stop" and c.token_texts and c.text.endswith(c.token_texts[-1]):
-        return c.text[:len(c.text) - len(c.token_texts[-1])]
-    return c.text
-
-
-async def tool_suffix(client: InferenceClient, model: str, history: list[dict[str, Any]],
-                      results: list[dict[str, Any]], stop_id: int, tools: list[dict[str, Any]]) -> list[int]:
-    """Token ids the chat template puts after the last assistant turn's end-of-turn token `stop_id` for the tool
-    messages `results`, through the next generation prompt (see the module docs)."""
-    before, after = await asyncio.gather(
-        client.tokenize_chat(model, history, tools, add_generation_prompt=False),
-        client.tokenize_chat(model, history + results, tools, add_generation_prompt=True))
-    k = before.count(stop_id)
-    if k == 0:
-        raise ToolTemplateError(f"the chat template does not end an assistant turn with the token the model stopped "
-                                f"at (id {stop_id}); tool results cannot be spliced in after it")
-    seen = 0
-    for pos, tok in enumerate(after):
-        seen += tok == stop_id
-        if seen == k:
-            suffix = after[pos + 1:]
-            if not suffix:
-                raise ToolTemplateError("the chat template renders nothing for the tool messages (does it handle the "
-                                        "`tool` role?)")
-            return suffix
-    raise ToolTemplateError("the chat template renders the conversation with the tool messages with fewer "
-                            "end-of-turn tokens than without them")
 
 
 def assistant_message(content: str, calls: list[ToolCall], round_: int) -> dict[str, Any]:

@@ -1,0 +1,113 @@
+"""A group of the `agent` environment: `n` runs of the user's program, each a session, stitched into `n` rollouts.
+
+The sessions sample through `ClientBackend`: the group's policy on the inference client, token in, the house's splice
+rule for extending calls (`tidal.envs.splice`), the run's sampling keys (`sampling`, the step's temperature; a call
+asking for another temperature or top_p is sampled so, its tokens context only: `tidal.envs.agent.session`), each
+call capped at `sampling.max_tokens` and what `seq_len` leaves, special tokens kept in the text (tool-call markers).
+With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i`. Model turns go through the group's `Turns`
+(partial rollouts: `PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
+partial-rollout rules apply as to any rollout.
+
+Stitching: each session's trained row is its last (`Session.rows[-1]`); a group trains against one prompt, so the
+group's prompt is the longest common prefix of its rows' prompts and each row's own rest of prompt goes before its
+completion tokens with loss mask 0 (context, never re-tokenized). A failed session (`Session.failure`) becomes a
+rollout with `env_error` (no loss, not judged); one that made no call has no tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tidal.config.orch import SamplingSection
+from tidal.envs.agent import AgentEnv
+from tidal.envs.agent.session import Session
+from tidal.envs.base import Example
+from tidal.envs.splice import tool_suffix
+from tidal.inference.protocol import Completion, InferenceClient
+from tidal.orchestrator.rollout import Turns, fill_versions
+from tidal.orchestrator.sampling import extra_sampling
+
+TURN_SEED_STRIDE = 7919
+
+
+class ClientBackend:
+    """What the sessions of one group sample with (`tidal.envs.agent.session.Backend`)."""
+
+    def __init__(self, client: InferenceClient, turns: Turns, sampling: SamplingSection, temperature: float,
+                 seed: int | None, index: int) -> None:
+        self.client, self.turns, self.sampling, self.temperature = client, turns, sampling, temperature
+        self.seed, self.index = seed, index
+
+    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return await self.client.tokenize_chat(self.turns.model, messages, tools, add_generation_prompt=True)
+
+    async def suffix(self, history: list[dict[str, Any]], new: list[dict[str, Any]], stop_id: int,
+                     tools: list[dict[str, Any]] | None) -> list[int]:
+        return await tool_suffix(self.client, self.turns.model, history, new, stop_id, tools)
+
+    def on_policy(self, params: dict[str, Any]) -> bool:
+        t, p = params.get("temperature"), params.get("top_p")
+        return (t is None or float(t) == self.temperature) and (p is None or float(p) == self.sampling.top_p)
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any]) -> Completion:
+        max_tokens = min(max_tokens, self.sampling.max_tokens or max_tokens)
+        extra: dict[str, Any] = {**extra_sampling(self.sampling, max_tokens), "skip_special_tokens": False}
+        if params.get("stop"):
+            extra["stop"] = list(params["stop"])
+        seed = None if self.seed is None else self.seed + TURN_SEED_STRIDE * call + self.index
+        if self.on_policy(params):
+            return await self.turns.next(prompt_ids, max_tokens, seed, extra)
+        if params.get("top_p") is not None:
+            extra["top_p"] = float(params["top_p"])
+        temp = self.temperature if params.get("temperature") is None else float(params["temperature"])
+        return (await self.client.sample(self.turns.model, prompt_ids, 1, max_tokens, temp, seed, extra))[0]
+
+
+async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
+                      seq_len: int, seed: int | None, temperature: float, env: AgentEnv, example: Example,
+                      turns: Turns | None = None) -> list[Completion]:
+    """`n` sessions of `example` run by the environment's program, as `n` rollouts (module doc)."""
+    how = turns or Turns(client, model, temperature)
+    sessions = [env.new_session(example, seq_len) for _ in range(n)]
+    await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i))
+                           for i, s in enumerate(sessions)))
+    return stitch(sessions, prompt_ids)
+
+
+def common_prefix(rows: list[list[int]]) -> list[int]:
+    first = rows[0]
+    k = min(len(r) for r in rows)
+    for i in range(k):
+        if any(r[i] != first[i] for r in rows):
+            return first[:i]
+    return first[:k]
+
+
+def stitch(sessions: list[Session], prompt_ids: list[int]) -> list[Completion]:
+    """The sessions' trained rows as rollouts of one prompt (module doc); `prompt_ids`: the example's prompt, used
+    when no session made a call."""
+    prompts = [s.rows[-1].prompt_ids for s in sessions if s.rows]
+    prompt = common_prefix(prompts) if prompts else list(prompt_ids)
+    if not prompt:
+        raise ValueError("agent: the sessions' first prompts share no token (their chat templates' renderings start "
+                         "differently); tidal trains a group against one prompt")
+    out = []
+    for s in sessions:
+        if not s.rows:
+            out.append(Completion([], [], "", "stop", None, [], messages=[], environment=s, env_error=why(s),
+                                  prompt_ids=prompt))
+            continue
+        row = s.rows[-1]
+        rest = row.prompt_ids[len(prompt):]
+        vers = [None] * len(rest) + row.versions
+        out.append(Completion(rest + row.ids, [0.0] * len(rest) + row.logprobs, s.last_answer, row.finish, None,
+                              [0] * len(rest) + row.mask, messages=row.history[len(row.prompt_messages):],
+                              environment=s, env_error=why(s), prompt_ids=prompt,
+                              versions=fill_versions(vers)))
+    return out
+
+
+def why(s: Session) -> str | None:
+    """A failed session's `env_error` (naming the agent program), or None."""
+    return None if s.failure is None else f"agent program, session {s.id}: {s.failure}"
