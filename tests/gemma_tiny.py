@@ -3,13 +3,13 @@ tests/e2e/test_gguf_gemma_llama_cpp.py). No download.
 
 The tokenizer is shaped like Gemma's tokenizer.json (what a Gemma checkpoint ships and what transformers makes of a
 Gemma GGUF): a BPE over SentencePiece-escaped text (the normalizer replaces spaces by `▁`, no pre-tokenizer split),
-byte fallback to the 256 `<0xXX>` tokens, `<pad> <eos> <bos> <unk> <mask>` at ids 0-4 (as Gemma's) and the chat markers
-`<start_of_turn>` / `<end_of_turn>` (special), a non-special added `<tool>`, BOS added on encoding, merges learned
-from a few sentences (`tokenizers`' trainer), a Gemma-style chat template. The models (`build`) are Gemma 2,
-Gemma 3 and Gemma 4 text configs at 3 layers (Gemma 4: 4, its global layers with its own head size 64 and 1 KV head,
-proportional RoPE on a quarter of it), hidden 128, head_dim 32, a sliding window of 8 tokens on the layers
-`layer_types` says (so prompts of ~30 tokens use it), weights drawn with std 0.3 (peaked logits: greedy choices
-that float rounding does not flip), float32.
+byte fallback to the 256 `<0xXX>` tokens, `<pad> <eos> <bos> <unk> <mask>` at ids 0-4 (as Gemma's) and the chat
+markers `<start_of_turn>` / `<end_of_turn>` (special), a non-special added `<tool>`, BOS added on encoding, merges
+learned from a few sentences (`tokenizers`' trainer), a Gemma-style chat template. The models (`build`) are Gemma,
+Gemma 2, Gemma 3 and Gemma 4 text configs at 3 layers (Gemma 4: 4, its global layers with its own head size 64 and 1
+KV head, proportional RoPE on a quarter of it), hidden 128, head_dim 32, a sliding window of 8 tokens on the layers
+`layer_types` says (so prompts of ~30 tokens use it), weights drawn with std 0.3 (peaked logits: greedy choices that
+float rounding does not flip), float32.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma2": {"model_type": "gemma2", "query_pre_attn_scalar": 32, "sliding_window": WINDOW,
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "rope_parameters":
                {"rope_type": "default", "rope_theta": 1e4}},
+    "gemma": {"model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh",
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
     "gemma4": {"model_type": "gemma4_text", "sliding_window": WINDOW, "hidden_size_per_layer_input": 0,
                "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
                "per_layer_config": {str(i): {"head_dim": 64, "num_key_value_heads": 1} for i in (1, 3)},

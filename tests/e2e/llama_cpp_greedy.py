@@ -1,9 +1,10 @@
-"""Run by tests/e2e/test_gguf_gemma_llama_cpp.py with llama-cpp-python on PYTHONPATH (`make llama-cpp`):
-`python tests/e2e/llama_cpp_greedy.py MODEL.gguf REQUEST.json` loads the GGUF in a real llama.cpp and prints JSON:
-how each of the request's `specials` tokenizes (special=True), the vocabulary size, and for each prompt text its
-llama.cpp token ids (no BOS added: the texts carry theirs), the logits after the whole prompt, and the ids of
-`max_tokens` greedy steps from it (no stop at end-of-generation tokens, so a random model's completions compare
-token by token). With `f32_cache` the KV cache holds float32 (llama.cpp's default is F16, which rounds K and V). In its own process: a crash of the C++ library cannot take the test run with it.
+"""Run by tests/e2e/test_gguf_gemma_llama_cpp.py with llama-cpp-python on PYTHONPATH (`make llama-cpp`): `python
+tests/e2e/llama_cpp_greedy.py MODEL.gguf REQUEST.json` loads the GGUF in a real llama.cpp and prints JSON: how each
+of the request's `specials` tokenizes (special=True), the vocabulary size, and for each prompt text its llama.cpp
+token ids (no BOS added: the texts carry theirs), the logits after the whole prompt, and the ids of `max_tokens`
+greedy steps from it (no stop at end-of-generation tokens, so a random model's completions compare token by token).
+With `f32_cache` the KV cache holds float32 (llama.cpp's default is F16, which rounds K and V). In its own process: a
+crash of the C++ library cannot take the test run with it.
 """
 
 from __future__ import annotations

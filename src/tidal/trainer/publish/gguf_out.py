@@ -57,6 +57,16 @@ NOT_WRITTEN = {
                     "delta-net layers (the convolution, A_log, dt_bias and gate tensors in llama.cpp's layout)"),
 }
 """`model_type`s llama.cpp could run that tidal does not write (why), refused with that reason."""
+
+
+def gguf_out_support(model_type: str) -> tuple[bool, str]:
+    """(written, what to show) for a config.json `model_type`: the family table's "GGUF out" cell. Written: llama.cpp's
+    architecture name (a VLM: its text model's); not: why (`NOT_WRITTEN`), else that tidal does not write it."""
+    text = TEXT_OF.get(model_type, model_type)
+    if text in ARCHS:
+        name = ARCHS[text].lower()
+        return True, name if text == model_type else f"{name} (text model)"
+    return False, NOT_WRITTEN.get(model_type, "not written by tidal (llama.cpp's convert_hf_to_gguf.py may know it)")
 PERMUTED = {"llama", "mistral"}
 """Architectures whose q/k rows llama.cpp expects in interleaved rotary order (and that read `rope_freqs`)."""
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
