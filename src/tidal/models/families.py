@@ -100,7 +100,7 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3", gguf_in=Cell("yes", "tests/unit/test_gguf_models.py::test_gguf_source_resolves_to_the_same_model"
                                      "[qwen3]"),
         gguf_out=GGUF_WRITTEN, gpu=Cell("e2e-0.6b, e2e-4b (bench/GPU-LEDGER.md)"))),
-    Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "qwen3.5",
+    Family("Qwen3.5", ("qwen3_5", "qwen3_5_text"), "qwen3.5",
            linear_attention=True, torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
            cells=_matrix("qwen3.5", packing=LINEAR_PACKING,
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
