@@ -83,6 +83,8 @@ def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | 
     }
 
 
+GGUF_LLAMA_CPP = "tests/e2e/test_gguf_gemma_llama_cpp.py"
+GGUF_GEMMA = "tests/unit/test_gguf_gemma.py"
 GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
                     "tests/unit/test_gguf_export.py::test_chat_markers_are_control_tokens")
 LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
@@ -102,15 +104,23 @@ FAMILIES: tuple[Family, ...] = (
         gguf_out=GGUF_WRITTEN, gpu=Cell("e2e-0.6b, e2e-4b (bench/GPU-LEDGER.md)"))),
     Family("Qwen3.5", ("qwen3_5", "qwen3_5_text"), "qwen3.5",
            linear_attention=True, torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
-           cells=_matrix("qwen3.5", packing=LINEAR_PACKING,
+           cells=_matrix("qwen3.5", packing=LINEAR_PACKING, gguf_out=Cell(
+               "refused (llama.cpp 0.3.36 reads qwen35; tidal does not write the gated delta-net tensors)",
+               f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused[qwen3_5]"),
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
     Family("Gemma 3", ("gemma3", "gemma3_text"), "gemma3", cells=_matrix(
-        "gemma3", gpu=Cell("cuda-vllm-new-families (never run)"))),
+        "gemma3", gguf_out=Cell("yes (real Gemma 3 270M and tiny: specials single, greedy equal, F32 and F16)",
+                                f"{GGUF_LLAMA_CPP}::test_real_gemma3_270m_export_runs_in_llama_cpp"),
+        gpu=Cell("cuda-vllm-new-families (never run)"))),
     Family("Gemma 4", ("gemma4", "gemma4_text"), "gemma4", cells=_matrix(
-        "gemma4", gpu=Cell("cuda-vllm-new-families (never run)"))),
+        "gemma4", gguf_out=Cell("yes, dense text models (tiny: specials single, greedy equal, F32 and F16)",
+                                f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma4]"),
+        gpu=Cell("cuda-vllm-new-families (never run)"))),
     Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
     Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
-    Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix("gemma2")),
+    Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix(
+        "gemma2", gguf_out=Cell("yes (tiny: specials single, greedy equal, F32 and F16)",
+                                f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma2]"))),
     Family("Phi-3", ("phi3",), "phi3", cells=_matrix("phi3")),
     Family("OLMo 2", ("olmo2",), "olmo2", cells=_matrix("olmo2")),
     Family("Granite", ("granite",), "granite", cells=_matrix("granite")),
