@@ -11,12 +11,14 @@ their servers; their checks stay with `grpo-orch`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
+from tidal.envs.base import Environment
 from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
@@ -94,10 +96,12 @@ def served_elsewhere(cfg: OrchConfig) -> bool:
     return any(e.address is not None or e.spawn for e in sections)
 
 
-def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> None:
-    """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and drop them.
-    With environments served elsewhere only the filters and the custom advantage function are built. A teacher
-    needs an address (`teacher_url`)."""
+def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None
+               ) -> dict[str, Environment]:
+    """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and return them by
+    name (for the checks that read their prompts, `chat_prompt_envs`; eval ones as `eval:NAME`). With environments
+    served elsewhere only the filters and the custom advantage function are built (and none is returned). A
+    teacher needs an address (`teacher_url`)."""
     if cfg.teacher is not None:
         teacher_url(cfg)
     if served_elsewhere(cfg):
@@ -107,12 +111,34 @@ def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, to
                 load_function(cfg.advantage.import_path)
         except BUILD_ERRORS as exc:
             raise ConfigError(f"orch: {exc}") from None
-        return
+        return {}
     scoring = build_scoring(cfg, reward_funcs, tooling)
+    envs: dict[str, Environment] = dict(scoring.env.envs)
     if cfg.eval is None:
-        return
+        return envs
     try:
         for e in cfg.eval.env:
-            eval_env(e, scoring.scorer)
+            envs[f"eval:{e.name or e.id}"] = eval_env(e, scoring.scorer)
     except BUILD_ERRORS as exc:
         raise ConfigError(f"orch: {exc}") from None
+    return envs
+
+
+PROMPT_PROBES = 4
+"""Examples drawn (seeds 0..3) from each environment to tell its prompt format."""
+
+
+def chat_prompt_envs(envs: dict[str, Environment]) -> list[str]:
+    """Names of the environments in `envs` whose prompts are chat messages (conversational: they need a chat
+    template) or that give the model tools (rendered by the template): judged on `PROMPT_PROBES` drawn examples
+    and the first of the fixed eval set. An environment that cannot draw an example here is left to its run."""
+    out = []
+    for name, env in envs.items():
+        try:
+            prompts = [env.sample(random.Random(i)).prompt for i in range(PROMPT_PROBES)]
+            prompts += [ex.prompt for ex in (env.eval_examples() or [])[:1]]
+        except Exception:  # noqa: BLE001 - a probe only; the run itself reports what its environment raises
+            continue
+        if env.tooling is not None or any(not isinstance(p, str) for p in prompts):
+            out.append(name)
+    return out

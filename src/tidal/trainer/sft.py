@@ -137,7 +137,7 @@ def run(cfg: TrainConfig) -> Path:
         env = make_env(cfg.sft.env, cfg.sft.env_args)
     except ValueError as exc:
         raise ConfigError(f"train sft.env / sft.env_args: {exc}") from None
-    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
     opt = make_optimizer(model, cfg)

@@ -97,6 +97,11 @@ class VllmClient:
         if r.status_code == 400 and "is not a multimodal model" in r.text:
             raise NotMultimodal(f"a prompt holds images, but model '{payload.get('model')}' served at {url} takes "
                                 f"text only (vLLM: {r.text[:200]}); use a vision-language model or text prompts")
+        if r.status_code == 400 and "messages" in payload and "chat template" in r.text.lower():
+            raise InferenceError(f"model '{payload.get('model')}' served at {url} has no chat template to render a "
+                                 f"chat-message prompt (vLLM: {r.text[:200]}): give plain-text prompts, or start the "
+                                 f"server with infer chat_template (a file or an inline Jinja template; "
+                                 f"docs/real-model.md, base models)")
         if r.status_code != 200:
             raise InferenceError(f"POST {url} -> HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
