@@ -168,3 +168,33 @@ def test_eval_refuses_chat_prompts_on_a_base_model(tmp_path):
     rc, out, _ = run_cli("eval", "--dry-run", "--model", str(d), "--env", "reverse-text", "--num-examples", "2",
                          "--chat-template", TEMPLATE)
     assert rc == 0, out[-2000:]
+
+
+def test_a_standard_prompt_keeps_the_leading_bos_and_drops_a_trailing_eos():
+    from tidal.models.chat_template import standard_prompt_ids
+
+    assert standard_prompt_ids([2, 5, 6, 7], [5, 6, 7]) == [2, 5, 6, 7]  # Gemma: <bos> text
+    assert standard_prompt_ids([1, 5, 6, 2], [5, 6]) == [1, 5, 6]  # BOS text EOS: the prompt goes on
+    assert standard_prompt_ids([5, 6], [5, 6]) == [5, 6]  # Qwen, SmolLM2, the bundled model: nothing added
+    assert standard_prompt_ids([9, 9], [5, 6]) == [5, 6]  # not the same text framed: the plain ids
+
+
+def test_a_gguf_tokenizer_gets_back_the_bos_its_file_asks_for(tmp_path):
+    """transformers' GGUF tokenizer drops `add_bos_token` (Gemma 3's `<bos>`); `restore_bos` puts it back, only
+    when the file's record says so."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from tidal.models.sources.gguf import TOKENIZER_FILE, restore_bos
+
+    for add_bos, first in ((True, "<|im_start|>"), (False, None)):
+        d = base_model(tmp_path / f"m{add_bos}")
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": "<|im_start|>"}))
+        (d / TOKENIZER_FILE).write_text(json.dumps({"add_bos_token": add_bos}))
+        plain = AutoTokenizer.from_pretrained(str(d))("ab", add_special_tokens=False).input_ids
+        restore_bos(d)
+        restore_bos(d)  # idempotent
+        tok = AutoTokenizer.from_pretrained(str(d))
+        ids = tok("ab").input_ids
+        assert ids == ([tok.convert_tokens_to_ids(first)] if first else []) + plain

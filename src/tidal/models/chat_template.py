@@ -14,6 +14,9 @@ environment whose prompts are strings, TRL's "standard" format) or a `chat_templ
   else `chat_template.json` (a processor's). None: there is none.
 - `run_template(model, chat_template)`: the configured template's text (`tidal.config.chat_template`), else the
   model's own.
+- `standard_prompt_ids(with_specials, plain)`: a plain-text (standard) prompt's ids: the text's own, after the
+  special tokens the tokenizer puts BEFORE a text (its BOS: Gemma's `<bos>`, Llama's `<|begin_of_text|>`, as
+  `generate` and vLLM's text prompts get them), never those it puts after (an EOS would end the prompt).
 - Model types for which vLLM brings a template of its own when the model has none (its
   `chat_templates/registry.py`, vLLM 0.32: vision and OCR models) are not refused (`VLLM_FALLBACK_TYPES`).
 """
@@ -102,3 +105,14 @@ def check_chat_prompts(model: str, model_dir: str | Path, chat_template: str | N
         f"environment whose prompts are strings, e.g. `args: {{prompt_format: text}}` for the built-in addition, "
         f"or a dataset with a string `prompt` column), or set {key} to a chat template (a file path or the Jinja "
         f"template inline) that renders them (docs/real-model.md, base models)")
+
+
+def standard_prompt_ids(with_specials: list[int], plain: list[int]) -> list[int]:
+    """A plain-text prompt's token ids from the tokenizer's encoding of it with (`with_specials`) and without
+    (`plain`) special tokens: the leading specials (BOS) kept, trailing ones (EOS) dropped; `plain` when the two
+    do not frame the same text."""
+    n = len(plain)
+    for k in range(len(with_specials) - n + 1):
+        if with_specials[k:k + n] == plain:
+            return with_specials[:k] + plain
+    return plain

@@ -50,9 +50,13 @@ def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_
     """Prompt token ids: the chat template with the generation prompt, and `chat_template_kwargs` as extra
     template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`) and the
     environment's tool schemas (`tools`, as the orchestrator renders them); a standard (string) prompt as plain
-    text without special tokens (`InferenceClient.tokenize_prompt`)."""
+    text after the tokenizer's BOS, if any (`InferenceClient.tokenize_prompt`,
+    `tidal.models.chat_template.standard_prompt_ids`)."""
     if isinstance(messages, str):
-        return list(tok(messages, add_special_tokens=False)["input_ids"])
+        from tidal.models.chat_template import standard_prompt_ids
+
+        return standard_prompt_ids(list(tok(messages)["input_ids"]),
+                                   list(tok(messages, add_special_tokens=False)["input_ids"]))
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools or None,
                                   **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
