@@ -79,6 +79,15 @@ def run_template(model_dir: str | Path, chat_template: str | None) -> str | None
     return model_template(model_dir)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory holding one of these has a tokenizer whose template can be asked about."""
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """The directory holds a tokenizer (a directory without one is refused by the other checks, not this one)."""
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def vllm_has_fallback(model_dir: str | Path) -> bool:
     """vLLM brings a template for this model's type when it carries none (`VLLM_FALLBACK_TYPES`)."""
     return str(_read_json(Path(model_dir) / "config.json").get("model_type", "")) in VLLM_FALLBACK_TYPES
@@ -90,7 +99,7 @@ def check_chat_prompts(model: str, model_dir: str | Path, chat_template: str | N
     chat messages) is not empty and neither `chat_template` (the config's value, `key` naming it) nor the model
     directory gives a template, ConfigError naming `model`, the environments and both ways out."""
     envs = sorted(set(chat_envs))
-    if not envs or vllm_has_fallback(model_dir):
+    if not envs or vllm_has_fallback(model_dir) or not has_tokenizer(model_dir):
         return
     try:
         template = run_template(model_dir, chat_template)
