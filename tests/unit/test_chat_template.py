@@ -198,3 +198,48 @@ def test_a_gguf_tokenizer_gets_back_the_bos_its_file_asks_for(tmp_path):
         tok = AutoTokenizer.from_pretrained(str(d))
         ids = tok("ab").input_ids
         assert ids == ([tok.convert_tokens_to_ids(first)] if first else []) + plain
+
+
+def test_a_server_without_a_template_is_named_with_both_ways_out():
+    """Split mode (`grpo-orch` against a server started elsewhere): the orchestrator cannot know the server's template
+    up front, so vLLM's HTTP 400 at the first chat `/tokenize` becomes an error naming both ways out. The server is a
+    stand-in answering as vLLM 0.32 does for a model without a template."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tidal.config.orch import ClientSection
+    from tidal.inference.backends.vllm.client import VllmClient
+    from tidal.inference.protocol import InferenceError
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            return
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"error": {"message": "As of transformers v4.44, default chat template is no longer "
+                                         "allowed, so you must provide a chat template if the tokenizer does not "
+                                         "define one.", "code": 400}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    async def go():
+        client = VllmClient(ClientSection(base_url=[f"http://127.0.0.1:{srv.server_address[1]}/v1"]))
+        try:
+            return await client.tokenize_prompt("base", [{"role": "user", "content": "hi"}])
+        finally:
+            await client.close()
+
+    try:
+        with pytest.raises(InferenceError, match=r"model 'base' .* has no chat template .* plain-text prompts, or "
+                                                 r"start the server with infer chat_template"):
+            asyncio.run(go())
+    finally:
+        srv.shutdown()
