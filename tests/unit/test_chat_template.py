@@ -243,3 +243,11 @@ def test_a_server_without_a_template_is_named_with_both_ways_out():
             asyncio.run(go())
     finally:
         srv.shutdown()
+
+
+def test_sft_refuses_chat_prompts_on_a_base_model_before_loading_it(tmp_path):
+    d = base_model(tmp_path / "m")
+    rc, out, _ = run_cli("sft", "--train.model", str(d), "--train.output_dir", str(tmp_path / "o"),
+                         "--train.max_steps", "1")
+    assert rc == 2 and "has no chat template" in out and "train chat_template (--train.chat_template)" in out, \
+        out[-2000:]

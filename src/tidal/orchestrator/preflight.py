@@ -11,14 +11,13 @@ their servers; their checks stay with `grpo-orch`.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
-from tidal.envs.base import Environment
+from tidal.envs.base import Environment, has_chat_prompts
 from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
@@ -124,21 +123,6 @@ def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, to
     return envs
 
 
-PROMPT_PROBES = 4
-"""Examples drawn (seeds 0..3) from each environment to tell its prompt format."""
-
-
 def chat_prompt_envs(envs: dict[str, Environment]) -> list[str]:
-    """Names of the environments in `envs` whose prompts are chat messages (conversational: they need a chat
-    template) or that give the model tools (rendered by the template): judged on `PROMPT_PROBES` drawn examples
-    and the first of the fixed eval set. An environment that cannot draw an example here is left to its run."""
-    out = []
-    for name, env in envs.items():
-        try:
-            prompts = [env.sample(random.Random(i)).prompt for i in range(PROMPT_PROBES)]
-            prompts += [ex.prompt for ex in (env.eval_examples() or [])[:1]]
-        except Exception:  # noqa: BLE001 - a probe only; the run itself reports what its environment raises
-            continue
-        if env.tooling is not None or any(not isinstance(p, str) for p in prompts):
-            out.append(name)
-    return out
+    """Names of the environments in `envs` whose prompts need a chat template (`tidal.envs.base.has_chat_prompts`)."""
+    return [name for name, env in envs.items() if has_chat_prompts(env)]

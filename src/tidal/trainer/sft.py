@@ -141,6 +141,11 @@ def run(cfg: TrainConfig) -> Path:
         env = make_env(cfg.sft.env, cfg.sft.env_args)
     except ValueError as exc:
         raise ConfigError(f"train sft.env / sft.env_args: {exc}") from None
+    from tidal.envs.base import has_chat_prompts
+    from tidal.models.chat_template import check_chat_prompts
+
+    check_chat_prompts(cfg.model, check_model_dir(cfg.model), cfg.chat_template,
+                       [cfg.sft.env] if has_chat_prompts(env) else [], "train chat_template (--train.chat_template)")
     tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
