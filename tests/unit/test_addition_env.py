@@ -43,3 +43,17 @@ def test_default_eval_set_is_256_problems_whose_first_64_are_the_old_set():
     big, old = Addition().eval_examples() or [], Addition(eval_size=64).eval_examples() or []
     assert len(big) == 256 and [e.answer for e in big[:64]] == [e.answer for e in old]
     assert len({(e.info["a"], e.info["b"]) for e in big}) > 240  # few repeats among 8,100 problems
+
+
+def test_text_format_is_a_plain_continuation_scored_by_its_first_number():
+    """`prompt_format: text` (a base model's task): the prompt is the string "A + B =", sent without a chat template,
+    and the first integer the continuation writes is the answer (the model goes on past it)."""
+    env = make_env("addition", {"low": 0, "high": 9, "prompt_format": "text"})
+    ex = env.sample(random.Random(3))
+    a, b = ex.info["a"], ex.info["b"]
+    assert ex.prompt == f"{a} + {b} =" and ex.answer == str(a + b)
+    assert env.reward(ex, f" {a + b}\n\n{a} + 7 = {a + 7}") == 1.0
+    assert env.reward(ex, f" {a + b + 1}\n{a + b}") == 0.0 and env.reward(ex, " =") == 0.0
+    assert all(isinstance(e.prompt, str) for e in env.eval_examples() or [])
+    with pytest.raises(ValueError, match="prompt_format must be 'chat'"):
+        Addition(prompt_format="plain")

@@ -43,6 +43,7 @@ ALTERNATIVES: dict[str, Any] = {
     "output_dir": "elsewhere", "num_generations": 4, "max_completion_length": 100, "max_prompt_length": 100,
     "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
     "generation_batch_size": 16, "steps_per_generation": 2, "chat_template_kwargs": {"enable_thinking": False},
+    "chat_template_path": "{{ messages[0].content }}",
     "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "learning_rate": 1e-5,
     "lr_scheduler_type": "cosine", "warmup_steps": 3, "warmup_ratio": 0.5, "weight_decay": 0.1, "adam_beta1": 0.8,
     "adam_beta2": 0.99,

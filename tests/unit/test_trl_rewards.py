@@ -4,8 +4,9 @@ and every dataset column but `prompt` as keyword arguments, one entry per comple
 None = not applicable (skipped in the weighted sum); `async def` functions; closures given in process.
 
 The functions below are written from TRL's documented contract (docs "Using a custom reward function"), not
-copied from anywhere. Also: standard prompts are tokenized as plain text (no chat template, no special tokens)
-and conversational ones with the chat template, through a stand-in for vLLM's `/tokenize`."""
+copied from anywhere. Also: standard prompts are tokenized as plain text (no chat template; the tokenizer's leading
+BOS kept, a trailing EOS dropped) and conversational ones with the chat template, through a stand-in for vLLM's
+`/tokenize`."""
 
 from __future__ import annotations
 
@@ -228,6 +229,8 @@ def tokenize_server():
                 ids = [999] + [len(m["content"]) for m in req["messages"]]
             else:
                 ids = [ord(ch) for ch in req["prompt"]]
+                if req["add_special_tokens"]:  # a tokenizer that frames a text with BOS 1 ... EOS 2
+                    ids = [1, *ids, 2]
             data = json.dumps({"tokens": ids}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -258,11 +261,11 @@ def test_standard_prompts_are_tokenized_as_plain_text(tmp_path, tokenize_server)
 
     requests.clear()
     prompts = asyncio.run(go())
-    assert {tuple(p) for p in prompts} == {(97, 98, 99), (999, len(CHAT[0]["content"]))}
+    assert {tuple(p) for p in prompts} == {(1, 97, 98, 99), (999, len(CHAT[0]["content"]))}  # BOS kept, EOS not
     plain = [r for r in requests if "prompt" in r]
     chat = [r for r in requests if "messages" in r]
     assert plain and chat
-    assert all(r["add_special_tokens"] is False and r["prompt"] == "abc" for r in plain)
+    assert {r["add_special_tokens"] for r in plain} == {False, True} and all(r["prompt"] == "abc" for r in plain)
     assert all(r["add_generation_prompt"] is True and r["messages"] == CHAT for r in chat)
 
 

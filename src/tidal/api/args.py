@@ -97,18 +97,24 @@ def tokenizer_of(processing_class: Any) -> Any:
     return getattr(processing_class, "tokenizer", None) or processing_class
 
 
-def model_tokenizer(model: str) -> Any:
-    """The tokenizer in model `model`'s directory (what the vLLM server and the trainer load)."""
+def model_tokenizer(model: str, chat_template: str | None = None) -> Any:
+    """The tokenizer in model `model`'s directory (what the vLLM server and the trainer load), with
+    `chat_template` (GRPOConfig `chat_template_path`: a file or an inline template) as its template when given."""
     from transformers import AutoTokenizer
 
+    from tidal.config.chat_template import template_text
     from tidal.models.sources import resolve_model
 
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+    tok = AutoTokenizer.from_pretrained(resolve_model(model))
+    if chat_template is not None:
+        tok.chat_template = template_text(chat_template)
+    return tok
 
 
-def tokenizer_difference(given: Any, model: str) -> str | None:
-    """What differs between the tokenizer `given` and the one in model `model`'s directory, or None."""
-    ours = model_tokenizer(model)
+def tokenizer_difference(given: Any, model: str, chat_template: str | None = None) -> str | None:
+    """What differs between the tokenizer `given` and the one in model `model`'s directory (with `chat_template`
+    when given), or None."""
+    ours = model_tokenizer(model, chat_template)
     given = tokenizer_of(given)
     if not hasattr(given, "get_vocab"):
         return f"it is a {type(given).__name__}, not a tokenizer or a processor with one"
@@ -144,15 +150,17 @@ def check_reward_processing_classes(classes: Any, reward_funcs: list[tuple[str, 
                              f"directory; save yours there or give None")
 
 
-def check_processing_class(processing_class: Any, model: str) -> None:
-    """Refuse (ValueError) a `processing_class` that disagrees with the model's own tokenizer (see the module doc)."""
+def check_processing_class(processing_class: Any, model: str, chat_template: str | None = None) -> None:
+    """Refuse (ValueError) a `processing_class` that disagrees with the model's own tokenizer (see the module doc),
+    whose chat template is GRPOConfig `chat_template_path`'s when that is given."""
     if processing_class is None:
         return
-    why = tokenizer_difference(processing_class, model)
+    why = tokenizer_difference(processing_class, model, chat_template)
     if why is not None:
         raise ValueError(f"GRPOTrainer(processing_class=...) disagrees with model {model!r}: {why}. tidal's vLLM "
                          f"server and trainer tokenize with the tokenizer in the model directory; save yours there "
-                         f"(tokenizer.save_pretrained(model_dir)) or leave processing_class out")
+                         f"(tokenizer.save_pretrained(model_dir)) or leave processing_class out (a chat template of "
+                         f"your own: GRPOConfig(chat_template_path=FILE or the template inline))")
 
 
 def rollout_function(rollout_func: Any, model: str, args: GRPOConfig, processing_class: Any, tooling: Any) -> Any:
@@ -168,5 +176,5 @@ def rollout_function(rollout_func: Any, model: str, args: GRPOConfig, processing
     if not callable(rollout_func):  # before loading a tokenizer for it
         raise TypeError(f"GRPOTrainer(rollout_func=...) must be a function (prompts, trainer) -> dict, got a "
                         f"{type(rollout_func).__name__}")
-    tokenizer = processing_class if processing_class is not None else model_tokenizer(model)
+    tokenizer = processing_class if processing_class is not None else model_tokenizer(model, args.chat_template_path)
     return RolloutFunc(rollout_func, model, tokenizer, args)

@@ -80,6 +80,10 @@ class GRPOConfig(TRLAlgorithmKeys, TrainingArgumentsFields):
     `per_device_train_batch_size` x this."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra chat-template variables (orch `client.chat_template_kwargs`)."""
+    chat_template_path: str | None = None
+    """Chat template for conversational prompts, as TRL's: a file path, or (tidal) the Jinja template itself inline
+    (infer and train `chat_template`: one value for vLLM's rendering of the prompts, the trainer's tokenizer and
+    the exports). None: the model's own; a model without one given chat prompts is refused before vLLM starts."""
     max_tool_calling_iterations: int | None = Field(None, ge=0)
     """Most tool-calling rounds per rollout with `GRPOTrainer(tools=...)` / `environment_factory` (orch
     `env[].tools.max_iterations`); None: until the completion budget ends the rollout."""
@@ -253,6 +257,7 @@ MAPPING: dict[str, str] = {
     "min_p": "orch `sampling.min_p`", "repetition_penalty": "orch `sampling.repetition_penalty`",
     "generation_batch_size": "orch `batch_size`", "steps_per_generation": "orch `batch_size` / train "
     "`steps_per_generation`", "chat_template_kwargs": "orch `client.chat_template_kwargs`",
+    "chat_template_path": "infer and train `chat_template`",
     "max_tool_calling_iterations": "the tool loop's cap (orch `env[].tools.max_iterations` in YAML)",
     "per_device_train_batch_size": "train `per_device_train_batch_size`",
     "gradient_accumulation_steps": "train `steps_per_generation` (optimizer steps per batch)",
@@ -404,7 +409,8 @@ def train_keys(args: GRPOConfig, model: str, per_batch: int, warmup: int) -> dic
         "adam_beta2": args.adam_beta2, "max_grad_norm": args.max_grad_norm,
         "optimizer": "adamw_8bit" if "8bit" in args.optim else "adamw",
         "gradient_checkpointing": args.gradient_checkpointing, "seed": args.seed,
-        "trust_remote_code": args.trust_remote_code, "recipe": "bf16" if args.bf16 else "fp32",
+        "trust_remote_code": args.trust_remote_code, "chat_template": args.chat_template_path,
+        "recipe": "bf16" if args.bf16 else "fp32",
         "logging_steps": batches(args.logging_steps, per_batch * args.num_iterations)}
     return out | algorithm_train_keys(args) | schedule_kwargs(args)
 
@@ -475,7 +481,7 @@ def to_tidal(args: GRPOConfig, model: str, train_rows: int, num_reward_funcs: in
     elif args.num_generations_eval is not None or args.eval_steps is not None:
         raise ValueError("GRPOConfig eval_steps / num_generations_eval need eval_strategy='steps'")
     infer: dict[str, Any] = {"model": model, "host": args.vllm_server_host, "port": args.vllm_server_port,
-                             "trust_remote_code": args.trust_remote_code,
+                             "trust_remote_code": args.trust_remote_code, "chat_template": args.chat_template_path,
                              "tp": args.vllm_tensor_parallel_size,
                              "max_model_len": args.vllm_max_model_length or seq_len}
     if args.vllm_gpu_memory_utilization is not None:

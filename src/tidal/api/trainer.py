@@ -188,7 +188,7 @@ class GRPOTrainer:
             raise ValueError("train_dataset is required")
         self.model = str(model)
         self.args = api_args.with_optimizer(args if args is not None else GRPOConfig(), optimizers)
-        api_args.check_processing_class(processing_class, self.model)
+        api_args.check_processing_class(processing_class, self.model, self.args.chat_template_path)
         self.processing_class = processing_class
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)

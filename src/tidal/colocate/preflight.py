@@ -5,11 +5,15 @@ start, so no refusal can come after vLLM was started.
 `check_run(train, infer, orch)` on the configs `derive_colocate` returns, in order:
 - the model's length limit (`tidal.models.limits`): orch `seq_len`, infer `max_model_len` and (trainer side)
   train `sequence_len` within the positions the model holds, RoPE scaling included;
+- the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
+  custom advantage function and the eval environments are built once and dropped;
+- conversational prompts need a chat template: an environment (training or eval) whose prompts are chat messages,
+  on a model that carries no template and without infer `chat_template`, is refused naming the model and both ways
+  out (`tidal.models.chat_template.check_chat_prompts`; a base model such as `tidal:gemma3-270m`), instead of
+  vLLM's HTTP 400 at the first `/tokenize`;
 - the trainer side: transformers knows the architecture, named LoRA targets exist (`tidal.models`), and the
   trainer's own refusals (`tidal.trainer.preflight.check_train`: lengths, RoPE scaling, VLMs, QeRL, prompt
   sharing);
-- the orchestrator side (`tidal.orchestrator.preflight.check_orch`): environments, reward functions, filters, the
-  custom advantage function and the eval environments are built once and dropped;
 - across the two: train `loss.teacher_tau` needs orch `teacher` (the batches carry no teacher logprobs otherwise);
   orch `advantage.type: none` (reward-free distillation) needs `loss.teacher_tau > 0`;
 - the inference side's model code: vLLM's Qwen-VL code imports torchvision, so a Qwen-VL model where
@@ -30,12 +34,16 @@ from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
 from tidal.models.arch import check_trainable, read_arch
+from tidal.models.chat_template import check_chat_prompts
 from tidal.models.config import model_config
 from tidal.models.limits import check_lengths
 from tidal.models.sources import check_local_model, resolve_model
-from tidal.orchestrator.preflight import check_orch
+from tidal.orchestrator.preflight import chat_prompt_envs, check_orch
 from tidal.rewards.model import named_models
 from tidal.trainer.preflight import check_train
+
+CHAT_TEMPLATE_KEY = "chat_template (infer.yaml or train.yaml, --infer.chat_template; GRPOConfig's chat_template_path)"
+"""How the refusal of chat prompts without a template names the key that fixes it."""
 
 
 def check_trainer_side(train: TrainConfig) -> None:
@@ -70,6 +78,9 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
     served = model_config(infer.model, missing_ok=True)
     check_lengths(infer.model, served, {"orch seq_len": orch.seq_len, "infer max_model_len": infer.max_model_len},
                   infer.rope_scaling)
+    envs = check_orch(orch, reward_funcs, tooling)  # before the trainer side, whose transformers imports take ~5 s
+    check_chat_prompts(infer.model, resolve_model(infer.model), infer.chat_template, chat_prompt_envs(envs),
+                       CHAT_TEMPLATE_KEY)
     check_trainer_side(train)
     if infer.backend == "vllm":
         from tidal.inference.backends.vllm.support import check_vision_imports
@@ -78,4 +89,3 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
     check_teacher(train, orch)
     for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
         check_local_model(model, where)
-    check_orch(orch, reward_funcs, tooling)

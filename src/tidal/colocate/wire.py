@@ -11,8 +11,8 @@ orch `rollout_transport: zmq` sets the trainer's `transport_*`; orch `weight_bro
 `seq_len`; a shorter explicit one, or an infer `max_model_len` below `seq_len`, is refused); one checkpoint interval
 (a component without `ckpt.interval` follows the other's; two different ones are refused); one model (train
 `model` = infer `model`, orch `model.name` unset follows it; `tidal grpo --model X` sets all three); one way to
-build it (`rope_scaling`, `trust_remote_code`, `lora_target_modules`: a file that does not set one follows the
-other's; two different values are refused). Torch-free.
+build it (`rope_scaling`, `trust_remote_code`, `lora_target_modules`, `chat_template`: a file that does not set one
+follows the other's; two different values are refused). Torch-free.
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ def couple_checkpoints(train: TrainConfig, orch: OrchConfig) -> tuple[dict[str, 
     return {}, {"ckpt": orch.ckpt.model_copy(update={"interval": ti})}
 
 
-MODEL_BUILD_KEYS = ("trust_remote_code", "rope_scaling", "lora_target_modules")
+MODEL_BUILD_KEYS = ("trust_remote_code", "rope_scaling", "lora_target_modules", "chat_template")
 """Keys both train.yaml and infer.yaml have that decide how the model is built (and which modules carry LoRA
-layers: vLLM's must be the trainer's adapter targets); they must agree."""
+layers: vLLM's must be the trainer's adapter targets; which chat template renders prompts: vLLM's for the rollouts,
+the trainer's for SFT and the exports); they must agree."""
 
 
 def couple_model_code(train: TrainConfig, infer: InferConfig) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -24,6 +24,13 @@ silently ignored); `default only` means another value could have no effect in ti
 the reason. Unknown keys are errors that name the nearest valid key. Every key can be overridden from
 the command line with a dotted path: `--train.loss.kl_tau 0.1`, `--orch.sampling.max_tokens 64`,
 `--infer.port 8001`.
+
+**Base models (no chat template).** Chat-message prompts need a chat template; a model that carries none (a base
+model such as `tidal:gemma3-270m`) given them is refused before vLLM starts, naming the model and both ways out:
+plain-text prompts (an environment whose prompts are strings, e.g. addition's `prompt_format: text`), or the
+`chat_template` key (infer and train, one value: `tidal grpo` makes an unset one follow the other; a file path or
+the Jinja template inline; `tidal eval --chat-template`; the Python API's `chat_template_path`). Plain-text prompts
+start with the tokenizer's BOS when it puts one before a text (Gemma's `<bos>`). docs/real-model.md, "A base model".
 """
 
 

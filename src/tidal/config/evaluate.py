@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
+from tidal.config.chat_template import check_chat_template
 from tidal.config.environments import EnvSection
 
 
@@ -48,6 +49,10 @@ class EvalConfig(StrictModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the chat template, as orch `client.chat_template_kwargs` (e.g.
     `{enable_thinking: false}`)."""
+    chat_template: str | None = None
+    """Chat template the vLLM server tidal eval starts renders conversational prompts with, as infer
+    `chat_template` (a file path or the Jinja template inline; null: the model's own). Give the value the run was
+    trained with. A model without a template given chat prompts exits 2 before vLLM starts."""
     address: str | None = None
     """`http://host:port` of a running vLLM server serving `model` (null: tidal eval starts one and stops it).
     Adapters are loaded into it by name (it needs `--enable-lora` and runtime LoRA updating)."""
@@ -72,12 +77,17 @@ class EvalConfig(StrictModel):
     the CPU); a row vLLM serves as another policy stops tidal eval with exit code 4 and one line (row, path,
     distances). false (`--no-policy-check`): no probe."""
 
+    _chat_template = field_validator("chat_template")(check_chat_template)
+
     @model_validator(mode="after")
     def _something_to_do(self) -> EvalConfig:
         if not self.greedy and self.samples == 0:
             raise ValueError("greedy is false and samples is 0: nothing to sample; set samples: K or greedy: true")
         if not self.base and not self.adapters:
             raise ValueError("base is false and no adapters are given: nothing to score")
+        if self.chat_template is not None and self.address is not None:
+            raise ValueError("chat_template is given to the vLLM server tidal eval starts; a running server (address) "
+                             "renders prompts with its own: start it with --chat-template, and drop chat_template")
         if self.serve == "merged" and self.address is not None:
             raise ValueError("serve: merged reloads weights into a server tidal eval starts itself; with address "
                              "(a running server) use serve: lora or auto")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
+from tidal.config.chat_template import check_chat_template, is_inline
 
 CHAT_ONLY = ("would have no effect: tidal's rollouts are token-id completions (/v1/completions), and vLLM "
              "applies it to chat completions only")
@@ -72,6 +73,12 @@ class InferConfig(StrictModel):
     trust_remote_code: bool = False
     """Allow custom model code from the model directory. The trainer has its own key (train
     `trust_remote_code`); `tidal grpo` makes an unset one follow this one and refuses two different values."""
+    chat_template: str | None = None
+    """Chat template vLLM renders conversational prompts with (its `--chat-template`; `/tokenize` renders every
+    rollout and evaluation prompt): a file path, or the Jinja template itself inline (a value holding `{{` or `{%`),
+    as TRL's `chat_template_path`. null: the model's own. A base model without one (e.g. `tidal:gemma3-270m`) needs
+    it for chat-message prompts: without it `tidal grpo` exits 2 before vLLM starts. The trainer has its own key
+    (train `chat_template`); `tidal grpo` makes an unset one follow this one and refuses two different values."""
     tp: int = Field(1, ge=1)
     """Tensor parallel degree (vLLM's own)."""
     dp: int = Field(1, ge=1)
@@ -152,6 +159,8 @@ class InferConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 
+    _chat_template = field_validator("chat_template")(check_chat_template)
+
     @model_validator(mode="after")
     def _sglang_keys(self) -> InferConfig:
         if self.backend == "sglang":
@@ -159,6 +168,9 @@ class InferConfig(StrictModel):
             if unmapped:
                 raise ValueError("backend sglang: " + "; ".join(f"{k} {SGLANG_UNMAPPED[k]}" for k in unmapped)
                                  + " (drop the key or use backend: vllm)")
+            if self.chat_template is not None and is_inline(self.chat_template):
+                raise ValueError("backend sglang: chat_template is an inline template, and SGLang's --chat-template "
+                                 "reads a file: put the template in a file and give its path (or use backend: vllm)")
         return self
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tidal.config.base import StrictModel
+from tidal.config.chat_template import check_chat_template
 from tidal.config.loss import LossConfig
 from tidal.config.orch import check_chat_template_kwargs
 
@@ -223,6 +224,12 @@ class TrainConfig(StrictModel):
     """RoPE scaling dict (e.g. `{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}`) applied
     onto the model's config before the model is built; keys it does not give (e.g. `rope_theta`) keep the
     model's values. Set it like infer `rope_scaling`; `tidal grpo` makes an unset one follow infer's."""
+    chat_template: str | None = None
+    """Chat template of the trainer's tokenizer: a file path, or the Jinja template itself inline (a value holding
+    `{{` or `{%`), as TRL's `chat_template_path`; null: the model's own. It renders `tidal sft`'s conversational
+    prompts and goes with the exports (`final/adapter`, `final/merged`, `final/model`: `chat_template.jinja`). Set
+    it like infer `chat_template` (which renders the GRPO prompts); `tidal grpo` makes an unset one follow infer's
+    and refuses two different values."""
     logprob_chunk_size: int = Field(DEFAULT_LOGPROB_CHUNK_SIZE, ge=0)
     """Positions per chunk when computing log-probabilities (and the entropy metric) from the final hidden
     states: the lm_head, the float32 softmax and their backward run on this many loss positions at a time, so
@@ -417,6 +424,8 @@ class TrainConfig(StrictModel):
     """QeRL noise on the inference model's RMSNorm weights (seed 000)."""
     sft: SftSection = Field(default_factory=SftSection)
     """Settings used only by `tidal sft`."""
+
+    _chat_template = field_validator("chat_template")(check_chat_template)
 
     @field_validator("recipe")
     @classmethod

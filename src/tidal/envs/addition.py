@@ -6,6 +6,10 @@ model's habit of restating the sum and rambling on ("12 + 30 = 42. This is ...")
 follows, so the policy learns to answer and stop. `eval_examples`: a fixed set of `eval_size` problems (seed
 `eval_seed`; 256 by default, so that one problem is 0.4 points; the first 64 are the 64-problem set of earlier
 releases), the same at every evaluation, in `tidal eval` and in `examples/real_model/greedy_eval.py`.
+
+`prompt_format: text` is the task for a base model (no chat template, e.g. `tidal:gemma3-270m`): the prompt is the
+plain string "A + B =" (TRL's "standard" format, sent with no template), which a pre-trained model continues; it
+goes on past the answer ("A + B = 42\n\n42 + 30 ..."), so the reward reads the FIRST integer of the completion.
 """
 
 from __future__ import annotations
@@ -29,14 +33,21 @@ class Addition(Environment):
 
     id = "addition"
 
-    def __init__(self, low: int = 10, high: int = 99, eval_size: int = 256, eval_seed: int = 1234) -> None:
+    def __init__(self, low: int = 10, high: int = 99, eval_size: int = 256, eval_seed: int = 1234,
+                 prompt_format: str = "chat") -> None:
         if not 0 <= low <= high:
             raise ValueError(f"addition: need 0 <= low <= high, got low={low}, high={high}")
         if eval_size < 1:
             raise ValueError(f"addition: eval_size must be >= 1, got {eval_size}")
+        if prompt_format not in ("chat", "text"):
+            raise ValueError(f"addition: prompt_format must be 'chat' (a user message) or 'text' (the plain string "
+                             f"'A + B =', for a base model), got {prompt_format!r}")
         self.low, self.high, self.eval_size, self.eval_seed = low, high, eval_size, eval_seed
+        self.prompt_format = prompt_format
 
     def problem(self, a: int, b: int) -> Example:
+        if self.prompt_format == "text":
+            return Example(prompt=f"{a} + {b} =", answer=str(a + b), info={"a": a, "b": b})
         return Example(prompt=[{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
                        answer=str(a + b), info={"a": a, "b": b})
 
@@ -44,6 +55,9 @@ class Addition(Environment):
         return self.problem(rng.randint(self.low, self.high), rng.randint(self.low, self.high))
 
     def reward(self, example: Example, completion: str) -> float:
+        if self.prompt_format == "text":  # a continuation: the answer is the first number written
+            found = INTEGER.findall(completion.replace(",", ""))
+            return 1.0 if found and found[0].lstrip("+") == example.answer else 0.0
         return 1.0 if last_integer(completion) == example.answer else 0.0
 
     def reference_completion(self, example: Example) -> str:

@@ -101,3 +101,21 @@ class Environment(ABC):
     def reference_completion(self, example: Example) -> str:
         """A perfect completion (used for SFT warm starts); environments without one raise."""
         raise NotImplementedError(f"environment '{self.id}' has no reference completions")
+
+
+PROMPT_PROBES = 4
+"""Examples drawn (seeds 0..3) from an environment to tell its prompt format."""
+
+
+def has_chat_prompts(env: Environment) -> bool:
+    """Whether `env`'s prompts need a chat template: chat messages (conversational), or tools the template renders;
+    judged on `PROMPT_PROBES` drawn examples and the first of its fixed eval set. An environment that cannot draw an
+    example here counts as not (its run reports what it raises)."""
+    if env.tooling is not None:
+        return True
+    try:
+        prompts = [env.sample(random.Random(i)).prompt for i in range(PROMPT_PROBES)]
+        prompts += [ex.prompt for ex in (env.eval_examples() or [])[:1]]
+    except Exception:  # noqa: BLE001 - a probe only
+        return False
+    return any(not isinstance(p, str) for p in prompts)

@@ -18,7 +18,8 @@ import yaml
 FLAGS: dict[str, str] = {"model": "model", "adapter": "adapters", "num_examples": "num_examples", "seed": "seed",
                          "samples": "samples", "temperature": "temperature", "max_tokens": "max_tokens",
                          "max_model_len": "max_model_len", "address": "address", "serve": "serve", "port": "port",
-                         "dtype": "dtype", "show_samples": "show_samples", "out": "out"}
+                         "dtype": "dtype", "show_samples": "show_samples", "out": "out",
+                         "chat_template": "chat_template"}
 """argparse destination -> EvalConfig key."""
 
 
@@ -41,6 +42,8 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--max-tokens", type=int, help="completion tokens at most (default 256)")
     e.add_argument("--max-model-len", type=int, help="prompt + completion tokens at most (default 2048)")
     e.add_argument("--chat-template-kwargs", help="chat template keyword arguments as YAML/JSON")
+    e.add_argument("--chat-template", help="chat template for chat-message prompts: a file or the Jinja template "
+                   "inline (default: the model's own; a base model has none)")
     e.add_argument("--address", help="a running vLLM server's URL instead of starting one")
     e.add_argument("--serve", choices=("auto", "lora", "merged"), help="how adapters reach vLLM (default auto)")
     e.add_argument("--port", type=int, help="port of the vLLM server tidal eval starts (default: a free one)")

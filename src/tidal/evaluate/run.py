@@ -124,8 +124,15 @@ def prepare(cfg: EvalConfig) -> Plan:
     seq_len = model_length(model_dir, cfg.max_model_len)
     if cfg.max_tokens >= seq_len:
         raise ConfigError(f"max_tokens {cfg.max_tokens} leaves no room for a prompt under max_model_len {seq_len}")
-    return Plan(model_dir, targets, env, pick_examples(env, cfg.env.name or cfg.env.id, cfg.num_examples, cfg.seed),
-                seq_len)
+    name = cfg.env.name or cfg.env.id
+    examples = pick_examples(env, name, cfg.num_examples, cfg.seed)
+    if cfg.address is None:  # the server tidal eval starts renders chat prompts with chat_template or the model's
+        from tidal.models.chat_template import check_chat_prompts
+
+        chat = env.tooling is not None or any(not isinstance(ex.prompt, str) for ex in examples)
+        check_chat_prompts(cfg.model, model_dir, cfg.chat_template, [name] if chat else [],
+                           "chat_template (tidal eval --chat-template)")
+    return Plan(model_dir, targets, env, examples, seq_len)
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, log_path: Path | None = None) -> EvalResult:

@@ -46,7 +46,8 @@ def infer_config(cfg: EvalConfig, targets: list[Target], mode: str, port: int, s
         extra = {"max_lora_rank": round_lora_rank(rank), "max_loras": len(adapters),
                  "lora_target_modules": sorted({m for t in adapters for m in t.modules})}
     return InferConfig(model=cfg.model, port=port, max_model_len=seq_len, dtype=cfg.dtype,
-                       enable_lora=lora, weight_reload=mode == "merged" and bool(adapters), log_stats=False, **extra)
+                       chat_template=cfg.chat_template, enable_lora=lora,
+                       weight_reload=mode == "merged" and bool(adapters), log_stats=False, **extra)
 
 
 class Server:

@@ -17,6 +17,7 @@ from typing import Any
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
+from tidal.envs.base import Environment, has_chat_prompts
 from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
@@ -94,10 +95,12 @@ def served_elsewhere(cfg: OrchConfig) -> bool:
     return any(e.address is not None or e.spawn for e in sections)
 
 
-def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None) -> None:
-    """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and drop them.
-    With environments served elsewhere only the filters and the custom advantage function are built. A teacher
-    needs an address (`teacher_url`)."""
+def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, tooling: Any = None
+               ) -> dict[str, Environment]:
+    """Every up-front refusal of an orch config: build its `Scoring` and its eval environments, and return them by
+    name (for the checks that read their prompts, `chat_prompt_envs`; eval ones as `eval:NAME`). With environments
+    served elsewhere only the filters and the custom advantage function are built (and none is returned). A
+    teacher needs an address (`teacher_url`)."""
     if cfg.teacher is not None:
         teacher_url(cfg)
     if served_elsewhere(cfg):
@@ -107,12 +110,19 @@ def check_orch(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None, to
                 load_function(cfg.advantage.import_path)
         except BUILD_ERRORS as exc:
             raise ConfigError(f"orch: {exc}") from None
-        return
+        return {}
     scoring = build_scoring(cfg, reward_funcs, tooling)
+    envs: dict[str, Environment] = dict(scoring.env.envs)
     if cfg.eval is None:
-        return
+        return envs
     try:
         for e in cfg.eval.env:
-            eval_env(e, scoring.scorer)
+            envs[f"eval:{e.name or e.id}"] = eval_env(e, scoring.scorer)
     except BUILD_ERRORS as exc:
         raise ConfigError(f"orch: {exc}") from None
+    return envs
+
+
+def chat_prompt_envs(envs: dict[str, Environment]) -> list[str]:
+    """Names of the environments in `envs` whose prompts need a chat template (`tidal.envs.base.has_chat_prompts`)."""
+    return [name for name, env in envs.items() if has_chat_prompts(env)]

@@ -54,7 +54,7 @@ class Policy:
 
 def build_policy(cfg: TrainConfig, total_steps: int | None, ranks: Ranks = dist.SINGLE) -> Policy:
     """The LoRA policy, AdamW and the LR schedule per `cfg` (before any resume), sharded over `ranks`."""
-    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     model, device = load_policy(cfg)
     view: torch.nn.Module | None = model
     if ranks.sharded:

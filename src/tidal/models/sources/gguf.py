@@ -231,6 +231,34 @@ def convert(path: Path, info: GGUFInfo, entry: Path) -> None:
                                                     "architecture": info.architecture,
                                                     "tensor_types": info.tensor_types}, indent=1))
         record_tokenizer(path, tmp)
+        restore_bos(tmp)
+
+
+def restore_bos(entry: Path) -> None:
+    """Make the entry's tokenizer prepend its BOS token when the GGUF file says so (`add_bos_token` in
+    `gguf_tokenizer.json`): transformers' GGUF tokenizer drops that flag (Gemma 3's `<bos>`: the converted
+    tokenizer encodes without it, and Gemma's output degrades badly without it), so tokenizer.json gets a
+    post-processor that prepends BOS (what `from_pretrained(add_bos_token=True)` writes) and tokenizer_config.json
+    `add_bos_token: true`. Nothing changes when the file says no or its tokenizer already adds BOS."""
+    facts = json.loads((entry / TOKENIZER_FILE).read_text())
+    cfg_path, tok_path = entry / "tokenizer_config.json", entry / "tokenizer.json"
+    if facts.get("add_bos_token") is not True or not cfg_path.is_file() or not tok_path.is_file():
+        return
+    cfg, tok = json.loads(cfg_path.read_text()), json.loads(tok_path.read_text())
+    bos = cfg.get("bos_token")
+    ids = [t["id"] for t in tok.get("added_tokens", []) if t.get("content") == bos]
+    post = tok.get("post_processor") or {}
+    if not isinstance(bos, str) or not ids or "SpecialToken" in json.dumps(post.get("single", [])):
+        return
+    special = {"SpecialToken": {"id": bos, "type_id": 0}}
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": ids[:1], "tokens": [bos]}}}
+    write_atomic(tok_path, json.dumps(tok, ensure_ascii=False))
+    write_atomic(cfg_path, json.dumps({**cfg, "add_bos_token": True}, indent=2))
 
 
 def _dequantize(path: Path, tmp: Path) -> None:

@@ -71,11 +71,19 @@ def resolve_dtype(recipe: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    """The model directory's tokenizer (`trust_remote_code`: train `trust_remote_code`, for custom tokenizer code)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
+    """The model directory's tokenizer (`trust_remote_code`: train `trust_remote_code`, for custom tokenizer code),
+    with train `chat_template` (a file or an inline template; null: the model's own) as its chat template: what
+    `tidal sft` renders conversational prompts with and the exports carry, the template vLLM serves (infer
+    `chat_template`, which `tidal grpo` keeps equal)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
+    from tidal.config.chat_template import template_text
+
+    tok = AutoTokenizer.from_pretrained(str(check_model_dir(path)), trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tok.chat_template = template_text(chat_template)
+    return tok
 
 
 def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool = False,

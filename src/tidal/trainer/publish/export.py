@@ -32,14 +32,20 @@ class GGUFExportError(RuntimeError):
     """The GGUF step failed after everything else of the final export was written (message: one line)."""
 
 
-def write_merged(model: Any, base_dir: Path, out: Path) -> Path:
-    """The merged model as a Hugging Face directory at `out` (the training model is not modified)."""
+def write_merged(model: Any, base_dir: Path, out: Path, chat_template: str | None = None) -> Path:
+    """The merged model as a Hugging Face directory at `out` (the training model is not modified); `chat_template`:
+    the trainer tokenizer's template, written as `chat_template.jinja` where it is not the base model's own (train
+    `chat_template`), so the merged model renders prompts as the run did."""
     from safetensors.torch import save_file
+
+    from tidal.models.chat_template import model_template
 
     with atomic_dir(out) as tmp:
         for f in base_dir.iterdir():  # config, generation config, tokenizer, chat template, gguf_tokenizer.json ...
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
+        if chat_template and chat_template != model_template(base_dir):
+            (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
         weights = merged_state_dict(model, checkpoint_keys(base_dir))
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -97,7 +103,8 @@ def export_final(model: Any, tokenizer: Any, export: ExportSection, base_model: 
                 model.save_pretrained(str(tmp))
                 tokenizer.save_pretrained(str(tmp))
         if export.merged:
-            out["merged"] = write_merged(model, base_dir, final_dir(run_dir, "merged"))
+            out["merged"] = write_merged(model, base_dir, final_dir(run_dir, "merged"),
+                                         getattr(tokenizer, "chat_template", None))
     if export.gguf:
         try:
             weights = merged_state_dict(model, checkpoint_keys(base_dir))

@@ -20,6 +20,7 @@ The infer keys map onto SGLang 0.5.16's arguments (`sglang/srt/server_args.py`; 
 | block_size | `--page-size` (tokens per KV page, the radix cache's sharing unit) |
 | enforce_eager | `--disable-decode-cuda-graph --disable-prefill-cuda-graph` (`--disable-cuda-graph` is deprecated) |
 | trust_remote_code | `--trust-remote-code` |
+| chat_template | `--chat-template` (a file's absolute path; SGLang reads files only, so an inline template exits 2) |
 | seed | `--random-seed` |
 | log_stats | `--enable-metrics` unless false |
 | VLLM_API_KEY (environment) | `--api-key` (the same variable as for vLLM, which clients read: `client.api_key_var`) |
@@ -42,6 +43,7 @@ import os
 import sys
 import time
 
+from tidal.config.chat_template import template_arg
 from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.inference.backends.bind import check_bind_secure
@@ -73,6 +75,8 @@ def sglang_argv(cfg: InferConfig) -> list[str]:
         argv += ["--disable-decode-cuda-graph", "--disable-prefill-cuda-graph"]
     if cfg.trust_remote_code:
         argv.append("--trust-remote-code")
+    if cfg.chat_template is not None:  # a file (InferConfig refuses an inline template with SGLang)
+        argv += ["--chat-template", template_arg(cfg.chat_template)]
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank or LORA_RANK_DEFAULT),
                  "--lora-target-modules", *sglang_lora_targets(cfg), "--max-loras-per-batch", str(cfg.max_loras),

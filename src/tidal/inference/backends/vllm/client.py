@@ -28,6 +28,7 @@ import httpx
 from tidal.config.orch import ClientSection
 from tidal.envs.images import has_images, openai_messages
 from tidal.inference.protocol import Completion, InferenceError, InferenceUnreachable, NotMultimodal, server_root
+from tidal.models.chat_template import standard_prompt_ids
 
 log = logging.getLogger("tidal.client")
 FINAL_ONLY = 2
@@ -97,6 +98,11 @@ class VllmClient:
         if r.status_code == 400 and "is not a multimodal model" in r.text:
             raise NotMultimodal(f"a prompt holds images, but model '{payload.get('model')}' served at {url} takes "
                                 f"text only (vLLM: {r.text[:200]}); use a vision-language model or text prompts")
+        if r.status_code == 400 and "messages" in payload and "chat template" in r.text.lower():
+            raise InferenceError(f"model '{payload.get('model')}' served at {url} has no chat template to render a "
+                                 f"chat-message prompt (vLLM: {r.text[:200]}): give plain-text prompts, or start the "
+                                 f"server with infer chat_template (a file or an inline Jinja template; "
+                                 f"docs/real-model.md, base models)")
         if r.status_code != 200:
             raise InferenceError(f"POST {url} -> HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
@@ -150,14 +156,18 @@ class VllmClient:
     async def tokenize_prompt(self, model: str, prompt: list[dict[str, Any]] | str,
                               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of an example's prompt: chat messages through `tokenize_chat` (conversational, with the
-        tools' schemas if any); a string as plain text, no chat template and no special tokens (standard; what
-        TRL's GRPOTrainer sends). Images go as PNG data URLs (`tidal.envs.images.openai_messages`), and vLLM
-        expands their placeholder tokens."""
+        tools' schemas if any); a string as plain text, no chat template, after the BOS token the tokenizer puts
+        before a text, if any (standard; `tidal.models.chat_template.standard_prompt_ids`: a base model such as
+        Gemma 3 expects its `<bos>`, as vLLM's own text prompts get it). Images go as PNG data URLs
+        (`tidal.envs.images.openai_messages`), and vLLM expands their placeholder tokens."""
         if isinstance(prompt, str):
             if tools:
                 raise ValueError("tools need conversational prompts (a list of chat messages), which the chat "
                                  "template renders with the tools; this prompt is a plain string")
-            return await self.tokenize_text(model, prompt)
+            plain = await self.tokenize_text(model, prompt)
+            out = await self._post(f"{server_root(self.urls[0])}/tokenize",
+                                   {"model": model, "prompt": prompt, "add_special_tokens": True})
+            return standard_prompt_ids(list(out["tokens"]), plain)
         return await self.tokenize_chat(model, openai_messages(prompt) if has_images(prompt) else prompt, tools)
 
     async def tokenize_text(self, model: str, text: str) -> list[int]:

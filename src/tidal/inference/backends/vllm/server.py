@@ -28,6 +28,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from tidal.config.chat_template import template_arg
 from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
 from tidal.inference.backends.bind import check_bind_secure
 from tidal.models.sources import resolve_model
@@ -94,6 +95,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv.append("--enforce-eager")
     if cfg.trust_remote_code:
         argv.append("--trust-remote-code")
+    if cfg.chat_template is not None:
+        argv += ["--chat-template", template_arg(cfg.chat_template)]
     if cfg.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(round_lora_rank(cfg.max_lora_rank)),
                  "--max-loras", str(cfg.max_loras), "--max-cpu-loras", str(cfg.max_cpu_loras or cfg.max_loras),

@@ -1,0 +1,159 @@
+"""Does a base model learn? `tidal:gemma3-270m` (Gemma 3 270M base, no chat template) on addition as a plain-text
+continuation: `python bench/learn_gemma.py` writes bench/LEARN-GEMMA.md (and .json), row by row as runs finish.
+
+Task: `addition` with `prompt_format: text` ("A + B =", A and B in [LOW, HIGH]; the completion's first integer is
+scored), which the base model solves greedily about a third of the time (transformers, with its `<bos>`: 37% on 30
+single-digit problems, 33% on [1, 20]) -- between 5% and 50%, so GRPO groups have both outcomes. Per seed: one
+`tidal grpo` run (examples/real_model's configs with `--model tidal:gemma3-270m`: LoRA r16/alpha 32 on all linear
+layers, lr 5e-4, float32, on-policy), then one `tidal eval` of the base model and every run's final adapter on the
+environment's fixed eval set (greedy, one vLLM with merged reloads), 95% Wilson intervals. Train and eval problems
+come from the same small space (LOW..HIGH squared pairs), so the check is "learns the task", not "generalizes".
+Simplifications: few steps and short completions (CPU, shared machine); the reward is the env's own; no TRL side.
+Every vLLM start must hold the shared lock: run it as `flock /tmp/tidal-vllm.lock python bench/learn_gemma.py`.
+`--deadline HH:MM` (UTC) stops starting runs that could not finish by then; the rows written so far stay, marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "real_model"
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' one harness (tidal.procs)
+
+MODEL = "tidal:gemma3-270m"
+
+
+def env_arg(args: argparse.Namespace) -> str:
+    return (f"{{id: addition, args: {{prompt_format: text, low: {args.low}, high: {args.high}, "
+            f"eval_size: {args.eval_size}}}}}")
+
+
+def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
+    """One `tidal grpo` run; its metrics summary and final adapter."""
+    run_dir = work / f"seed{seed}"
+    cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(EXAMPLE / "train.yaml"), "--infer",
+           str(EXAMPLE / "infer.yaml"), "--orch", str(EXAMPLE / "orch.yaml"), "--model", MODEL, "--output-dir",
+           str(run_dir), "--orch.env", f"[{env_arg(args)}]", "--orch.max_steps", str(args.steps),
+           "--orch.batch_size", str(args.prompts * args.generations), "--orch.rollouts_per_example",
+           str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens), "--orch.seed", str(seed),
+           "--orch.sampling.seed", str(seed), "--train.seed", str(seed), "--train.learning_rate", str(args.lr),
+           "--train.export.gguf", "null", "--infer.port", str(args.port)]
+    t0 = time.monotonic()
+    code, text = harness.run(cmd, work / f"seed{seed}.log", args.run_budget_s, env=harness.child_env(),
+                             name=f"grpo_seed{seed}")
+    if code != 0:
+        raise RuntimeError(f"tidal grpo seed {seed} failed (exit {code}): {text[-2000:]}")
+    from tidal.monitor.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    k = min(3, len(rows))
+    return {"seed": seed, "total_s": time.monotonic() - t0, "adapter": str(run_dir / "final" / "adapter"),
+            "step_s": statistics.mean(r["step_time_s"] for r in rows[1:] or rows),
+            "reward_first": statistics.mean(r["reward/mean"] for r in rows[:k]),
+            "reward_last": statistics.mean(r["reward/mean"] for r in rows[-k:]),
+            "mismatch_kl_1": rows[0]["mismatch_kl"], "steps": len(rows)}
+
+
+def greedy(args: argparse.Namespace, work: Path, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`tidal eval` of the base model and the runs' adapters: label -> accuracy with its 95% Wilson interval."""
+    out = work / "eval.json"
+    cmd = [sys.executable, "-m", "tidal.cli", "eval", "--model", MODEL, "--env", env_arg(args), "--max-tokens",
+           str(args.max_tokens), "--max-model-len", "256", "--out", str(out), "--quiet", "--show-samples", "3"]
+    for r in runs:
+        cmd += ["--adapter", r["adapter"]]
+    code, text = harness.run(cmd, work / "eval.log", args.run_budget_s, env=harness.child_env(), name="tidal_eval")
+    if code != 0:
+        raise RuntimeError(f"tidal eval failed (exit {code}): {text[-2000:]}")
+    report = json.loads(out.read_text())
+    res: dict[str, Any] = {"examples": report["examples"], "samples": {}}
+    for row in report["rows"]:
+        g = row["greedy"]
+        res[row["label"]] = (g["accuracy"], g["accuracy_lo"], g["accuracy_hi"])
+        res["samples"][row["label"]] = [s.get("completion", "") for s in row.get("samples", [])][:3]
+    return res
+
+
+def fmt(acc: tuple[float, float, float] | None) -> str:
+    return "-" if acc is None else f"{acc[0]:.3f} [{acc[1]:.3f}, {acc[2]:.3f}]"
+
+
+def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str, Any] | None, note: str) -> None:
+    """bench/LEARN-GEMMA.md and .json (whole files, temp + rename), from what has finished so far."""
+    from tidal.paths import write_atomic
+
+    lines = ["# A base model learns: `tidal:gemma3-270m` on addition as plain text (`bench/learn_gemma.py`)", "",
+             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on a shared 2-core machine (other jobs "
+             f"ran meanwhile: times are not comparable across invocations). {note}", "",
+             f"Workload: Gemma 3 270M base (Q4_K_M GGUF dequantized to float32), `addition` prompt_format text, "
+             f"A, B in [{args.low}, {args.high}], {args.prompts} prompts x {args.generations} completions x <= "
+             f"{args.max_tokens} tokens per step, {args.steps} steps, lr {args.lr}, LoRA r16/alpha 32 (all linear), "
+             f"on-policy. Greedy accuracy: `tidal eval` on the env's fixed {args.eval_size}-problem set, 95% Wilson "
+             "interval in brackets.", ""]
+    base = evals.get("base") if evals else None
+    lines += [f"Base model greedy accuracy: {fmt(base)}", "",
+              "| seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
+              "greedy before | greedy after |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        after = evals.get(r["adapter"]) if evals else None
+        lines.append(f"| {r['seed']} | {r['steps']} | {r['step_s']:.1f} | {r['total_s']:.0f} | "
+                     f"{r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['mismatch_kl_1']:.1e} | {fmt(base)} | "
+                     f"{fmt(after)} |")
+    if evals and runs and all(r["adapter"] in evals for r in runs):
+        accs = [evals[r["adapter"]][0] for r in runs]
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        lines += ["", f"After, over {len(accs)} seeds: {statistics.mean(accs):.3f} +- {sd:.3f} (sample std); "
+                  f"before: {base[0]:.3f}." if base else ""]
+    if evals:
+        lines += ["", "Greedy completions (first 3 problems):", ""]
+        lines += [f"- {label}: {json.dumps(s)}" for label, s in evals["samples"].items()]
+    out = REPO / "bench" / "LEARN-GEMMA.md"
+    write_atomic(out, "\n".join(lines) + "\n")
+    write_atomic(out.with_suffix(".json"), json.dumps({"args": vars(args), "runs": runs, "evals": evals,
+                                                        "note": note}, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--low", type=int, default=0)
+    p.add_argument("--high", type=int, default=19)
+    p.add_argument("--eval-size", type=int, default=128)
+    p.add_argument("--port", type=int, default=8377)
+    p.add_argument("--run-budget-s", type=float, default=1800)
+    p.add_argument("--work", default="/tmp/learn_gemma")
+    p.add_argument("--deadline", help="HH:MM UTC: start no run after it minus --reserve-s")
+    p.add_argument("--reserve-s", type=float, default=900, help="time kept for the evaluation before the deadline")
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    note = "Complete."
+    for seed in args.seeds:
+        if args.deadline:
+            hh, mm = (int(x) for x in args.deadline.split(":"))
+            now = time.gmtime()
+            left = (hh * 60 + mm - now.tm_hour * 60 - now.tm_min) * 60
+            if left < args.reserve_s + (runs[-1]["total_s"] if runs else 300):
+                note = f"PARTIAL: seeds {[r['seed'] for r in runs]} of {args.seeds} ran before the deadline."
+                break
+        runs.append(grpo(args, work, seed))
+        write(args, runs, None, "PARTIAL: training rows so far, evaluation pending.")
+    write(args, runs, greedy(args, work, runs), note)
+
+
+if __name__ == "__main__":
+    main()
