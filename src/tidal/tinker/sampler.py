@@ -221,3 +221,21 @@ class Sampler:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+    async def check_served(self, name: str, path: Path, *, enabled: bool) -> None:
+        """The policy identity check of a sampler checkpoint vLLM just loaded as `name` (`probe.json` written by
+        `TrainerHost`; `enabled`: serve-tinker without `--no-policy-check`): on a mismatch the adapter is unloaded
+        and the request fails with the check's one line."""
+        from tidal.orchestrator.identity import check_served
+        from tidal.transport.probe import PolicyMismatch, ProbeRecord
+
+        record = ProbeRecord.read(path) if enabled else None
+        if record is None:
+            return
+        try:
+            await check_served(lambda ids: self.prompt_logprobs(name, ids), record,
+                               what="the Tinker sampler's vLLM", path=str(path), off="tidal serve-tinker "
+                               "--no-policy-check")
+        except PolicyMismatch:
+            await self.forget(name)
+            raise

@@ -539,7 +539,7 @@ class TinkerService:
         async def run() -> Result:
             model = self.vllm_model if session.adapter is None else session.adapter[0]
             if session.adapter is not None and await self.sampler.ensure_adapter(*session.adapter):
-                await self.check_served(*session.adapter)
+                await self.sampler.check_served(*session.adapter, enabled=self.policy_check)
             seqs, prompt_lps, topk = await self.sampler.sample(model, prompt, n, params)
             return Result(proto=encode_sample_response(seqs, prompt_lps, topk))
 
@@ -548,23 +548,6 @@ class TinkerService:
             self.sample_ids.remember(sampler_id, seq, rid, in_order=False)
             self._report(sampler_id, clone_of(seq), rid)
         return rid, [f"seq-{rid}-{i}" for i in range(n)]
-
-    async def check_served(self, name: str, path: Path) -> None:
-        """The policy identity check of a sampler checkpoint vLLM just loaded as `name` (`probe.json` written by
-        `TrainerHost`): on a mismatch the adapter is unloaded and the request fails with the check's one line."""
-        from tidal.orchestrator.identity import check_served
-        from tidal.transport.probe import PolicyMismatch, ProbeRecord
-
-        record = ProbeRecord.read(path) if self.policy_check else None
-        if record is None:
-            return
-        try:
-            await check_served(lambda ids: self.sampler.prompt_logprobs(name, ids), record,
-                               what="the Tinker sampler's vLLM", path=str(path), off="tidal serve-tinker "
-                               "--no-policy-check")
-        except PolicyMismatch:
-            await self.sampler.forget(name)
-            raise
 
     def _report(self, sampler_id: str, clone: int, rid: str) -> None:
         """Put sample `rid` in its target's completion queue once it ends (finished with its payload's size, or
