@@ -15,12 +15,14 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 	$(MAKE) --no-print-directory warm
 	touch $(STAMP)
 
-## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the classic verifiers the tests use; verifiers 0.4 goes to .venv/verifiers04 (its adapter's tests put it on PYTHONPATH).
+## `setup` plus the `dev` extra: pytest, ruff, mypy, import-linter and the classic verifiers the tests use; verifiers 0.4 goes to .venv/verifiers04 (its adapter's tests put it on PYTHONPATH). It also joins and dequantizes tidal:gemma3-270m into tidal's cache once (the real model of the tests' Gemma e2e; minutes, off the test run).
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=dev bash scripts/setup_env.sh
 	$(MAKE) --no-print-directory warm
+	$(BIN)/python -c "from tidal.models.sources import resolve_model; print('setup: tidal:gemma3-270m at', \
+	  resolve_model('tidal:gemma3-270m'))"
 	touch $(STAMP) $(DEV_STAMP)
 
 ## Fill the start-up caches off the critical path (issue 68): one GRPO step of the bundled example compiles vLLM's
