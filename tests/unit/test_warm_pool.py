@@ -114,3 +114,15 @@ def test_serve_commands(cache, capsys):
     state_for(co).write(cache)
     with pytest.raises(ConfigError, match="a warm pool already runs"):
         pool.serve(co)
+
+
+def test_a_dead_pool_server_ends_the_run_naming_the_pool(tmp_path):
+    from tidal.colocate.supervise import ComponentFailed, InferRestarts
+
+    (tmp_path / "x.log").write_text("vLLM said goodbye\n")
+    watch = InferRestarts([], None, 0, PoolServer(dead_pid(), tmp_path / "x.log"))
+    children: list = []
+    with pytest.raises(ComponentFailed, match="warm pool's vLLM.*is gone") as exc:
+        watch.check(children)
+    assert exc.value.child.tail() == "vLLM said goodbye" and children == []
+    InferRestarts([], None, 0, PoolServer(os.getpid(), tmp_path / "x.log")).check(children)  # alive: nothing

@@ -154,6 +154,10 @@ def check_matches(state: PoolState, co: Colocated) -> None:
                           f"{'; '.join(diff)}; start the pool with the run's config files and overrides, or {stop}")
 
 
+class PoolError(RuntimeError):
+    """The pool's server did not take its reset (it does not answer, or refused a request): the run stops (exit 1)."""
+
+
 class Attached:
     """A run attached to the pool: holds the attach lock until `release` (or the process's end)."""
 
@@ -194,9 +198,16 @@ def attach(co: Colocated) -> Attached | None:
         return None
     check_matches(state, co)
     lock = take_lock(directory)
+    from tidal.inference.protocol import InferenceError
+
     try:
         t0 = time.monotonic()
         asyncio.run(reset(state, co))
+    except InferenceError as exc:
+        lock.close()
+        raise PoolError(f"the warm pool's vLLM at {state.base_urls[0]} (pid {state.infer_pid}) did not take its reset "
+                        f"to the base weights: {exc}; its log: {directory / LOG_FILE}; stop it (`tidal serve "
+                        f"--stop`) and start it again, or run without it") from None
     except BaseException:
         lock.close()
         raise
@@ -209,8 +220,10 @@ def attach(co: Colocated) -> Attached | None:
 async def reset(state: PoolState, co: Colocated) -> None:
     """Bring the pool's server(s) back to the base model: unload every adapter, reload the base checkpoint in place
     (with `weight_reload`: a merged policy of the last run is in the weights), then check the probe."""
+    import httpx
+
     from tidal.inference.backends.vllm.client import VllmClient
-    from tidal.inference.protocol import server_root
+    from tidal.inference.protocol import InferenceError, server_root
     from tidal.orchestrator.identity import check_served
     from tidal.transport.probe import ProbeRecord
 
@@ -218,8 +231,11 @@ async def reset(state: PoolState, co: Colocated) -> None:
     try:
         if co.infer.enable_lora:
             for url in client.urls:
-                r = await client.http.get(f"{server_root(url)}/v1/models")
-                for name in [m["id"] for m in r.json().get("data", []) if m["id"] != state.model]:
+                try:
+                    served = (await client.http.get(f"{url}/models", timeout=30.0)).json().get("data", [])
+                except (httpx.HTTPError, ValueError) as exc:
+                    raise InferenceError(f"GET {url}/models failed: {exc!r}") from exc
+                for name in [m["id"] for m in served if m["id"] != state.model]:
                     await client._post(f"{server_root(url)}/v1/unload_lora_adapter", {"lora_name": name})
         if co.infer.weight_reload:
             await client.reload_weights(state.base_dir)  # and drops the prefix cache
@@ -327,12 +343,12 @@ def stop() -> int:
     deadline = time.monotonic() + STOP_WAIT_S
     while _alive(state.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in (state.pid, state.infer_pid):
-        if _alive(pid) or group_alive(pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    if _alive(state.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.pid, signal.SIGKILL)  # its reaper then ends what it started
+    if group_alive(state.infer_pid):  # vLLM's own group (the API server leads it; its engine runs in it)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(state.infer_pid, signal.SIGKILL)
     gone = wait_group_gone(state.infer_pid, 10.0) and not _alive(state.pid)
     (pool_dir() / STATE_FILE).unlink(missing_ok=True)
     print(f"[tidal] warm pool (pid {state.pid}, {state.model}) {'stopped' if gone else 'NOT fully stopped'}",

@@ -124,15 +124,15 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
     (`tidal serve`) the run attaches to its server instead of starting vLLM (`tidal.colocate.pool.attach`: a pool
     that does not match is a `ConfigError`, one that still serves another policy after its reset exits
     `procs.WRONG_POLICY`)."""
-    from tidal.colocate.pool import attach
+    from tidal.colocate.pool import PoolError, attach
     from tidal.procs import WRONG_POLICY
     from tidal.transport.probe import PolicyMismatch
 
     try:
         pool = attach(co)
-    except PolicyMismatch as exc:
+    except (PolicyMismatch, PoolError) as exc:
         print(f"[tidal] error: {exc}", file=sys.stderr, flush=True)
-        return WRONG_POLICY
+        return WRONG_POLICY if isinstance(exc, PolicyMismatch) else 1
     try:
         return _start(co, pool, live=live, resume_hint=resume_hint, infer_restarts=infer_restarts,
                       infer_start_timeout_s=infer_start_timeout_s, orch_for=orch_for, orchestrator=orchestrator,

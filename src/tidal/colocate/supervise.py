@@ -331,9 +331,10 @@ class InferRestarts:
     def check(self, children: list[Component]) -> None:
         """Restart `child` when it has died, replacing it in `children` (`restart`)."""
         if self.child is not None and self.child.poll() is not None:
+            new = self.restart(self.child)  # raises for a pool's server, which is not among `children`
             children.remove(self.child)
-            self.child = self.restart(self.child)
-            children.append(self.child)
+            self.child = new
+            children.append(new)
 
     def restart(self, dead: Child | PoolServer) -> Child:
         """A new server for the `dead` one, or `ComponentFailed` naming the exit code and the cause."""
