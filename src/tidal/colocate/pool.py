@@ -292,6 +292,9 @@ def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / STATE_FILE).unlink(missing_ok=True)  # a stale one (a pool killed outright)
     write_atomic(directory / "infer.yaml", dump(co.infer))
+    if os.getpgrp() != os.getpid():  # its own process group (started with `&` from a script: not the script's)
+        with contextlib.suppress(OSError):
+            os.setsid()
     start_reaper()  # `tidal serve` killed outright: vLLM's engine processes go too
     previous = {sig: signal.signal(sig, _raise_on_term) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
