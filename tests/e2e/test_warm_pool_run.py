@@ -38,7 +38,7 @@ from tidal.procs.reaper import group_alive
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SMALL = ["--orch.batch_size", "16", "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens", "24",
-         "--orch.sampling.seed", "7", "--train.lr", "5e-3"]
+         "--orch.sampling.seed", "7", "--train.learning_rate", "5e-3"]
 
 
 def cli(*args: str) -> list[str]:
