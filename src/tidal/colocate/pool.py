@@ -277,7 +277,9 @@ def _raise_on_term(signum: int, frame: object) -> None:
 def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
     """`tidal serve`: start the pool's server for `co` and keep it until SIGTERM / Ctrl-C (module docs); returns
     the exit code (0 stopped, 1 the server died)."""
-    from tidal.colocate.start import check_startable, dump
+    import yaml
+
+    from tidal.inference.backends.bind import InsecureBindError, check_bind_secure
     from tidal.inference.precision import trainer_dtype
     from tidal.models.sources import resolve_model
 
@@ -288,10 +290,15 @@ def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
                           f"(`tidal serve --stop`)")
     if (why := refusal(co)) is not None:
         raise ConfigError(why)
-    check_startable(co)
+    try:  # the checks of `tidal grpo` that need the machine (`tidal.colocate.start.check_startable`), for vLLM's ports
+        check_bind_secure(co.infer)
+        for port in range(co.placement.port, co.placement.port + co.infer.dp):
+            procs.check_port_free(co.placement.host, port)
+    except (procs.PortInUseError, InsecureBindError) as exc:
+        raise ConfigError(str(exc)) from None
     directory.mkdir(parents=True, exist_ok=True)
     (directory / STATE_FILE).unlink(missing_ok=True)  # a stale one (a pool killed outright)
-    write_atomic(directory / "infer.yaml", dump(co.infer))
+    write_atomic(directory / "infer.yaml", yaml.safe_dump(co.infer.model_dump(mode="json"), sort_keys=False))
     if os.getpgrp() != os.getpid():  # its own process group (started with `&` from a script: not the script's)
         with contextlib.suppress(OSError):
             os.setsid()
