@@ -349,7 +349,8 @@ def test_serve_flags(capsys, tmp_path, monkeypatch):
     assert yaml.safe_load(run(capsys, "serve", "--dry-run", "--model", TINY)[1])["model"] == TINY
     files = {"infer": {"max_model_len": 1024}, "orch": {"weight_broadcast": {"type": "nccl"}},
              "train": {"trust_remote_code": True}}
-    changed = {"infer": ("max_model_len", 1024), "orch": ("weight_broadcast_type", "nccl"), "train": ("trust_remote_code", True)}
+    changed = {"infer": ("max_model_len", 1024), "orch": ("weight_broadcast_type", "nccl"),
+               "train": ("trust_remote_code", True)}
     for name, body in files.items():  # the bundled example's file with one key changed
         full = yaml.safe_load(cli.example_path(name).read_text()) | body
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(full))
