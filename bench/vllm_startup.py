@@ -22,7 +22,8 @@ Phases (from the log lines of tidal and vLLM 0.32's processes):
 With `--grpo-steps N` each round also runs every variant as `tidal grpo` (bundled example, N steps) and reports
 vLLM ready (with the launcher's phases), the launcher's start-up milestones (orchestrator and trainer ready, first
 batch), the first step done (first metrics row, since `tidal grpo` started), the whole run, rollout and step time,
-and the step-1 mismatch KL. Variant `before` is the start-up before issue 37 (three vLLM processes, orchestrator
+and the step-1 mismatch KL. Variant `pool` runs `tidal grpo` against a warm pool started (untimed) before it
+(`tidal serve`). Variant `before` is the start-up before issue 37 (three vLLM processes, orchestrator
 and trainer after `/health`); `sequential` only the latter.
 
 Run: `PYTHONPATH=src python bench/vllm_startup.py [--rounds 2] [--variants default,mp] [--grpo-steps 6] [--write]`;
@@ -74,6 +75,9 @@ class Variant:
     src: str = str(REPO / "src")
     grpo_args: list[str] = field(default_factory=list)
     """More `tidal grpo` arguments (the `--grpo-steps` runs only; `tidal grpo-infer` does not take them)."""
+    pool: bool = False
+    """`tidal grpo` runs attach to a warm pool (`tidal serve`, docs/warm-pool.md) started for them beforehand, its
+    start not timed: the first step of a run whose vLLM is already loaded (the reset to the base weights included)."""
     fresh_caches: bool = False
     """Start as on a fresh machine (or after a reboot emptied /tmp): tidal's cache (the Inductor cache under it) and
     vLLM's (`VLLM_CACHE_ROOT`: model inspection, compile cache) are new empty directories for each run."""
@@ -82,6 +86,13 @@ class Variant:
         """The run's environment: this process's, the variant's `src` on PYTHONPATH and its variables (fresh caches:
         new empty ones)."""
         env = {**os.environ, "PYTHONPATH": self.src, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.pool:  # the pool's state and lock in a directory of its own (not a pool the user runs), the
+            import tempfile  # compile cache the shared one
+
+            from tidal.inference.backends.vllm.server import inductor_cache
+
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
+            env["TIDAL_CACHE"] = tempfile.mkdtemp(prefix=f"pool-{self.name}-", dir=log_dir)
         if self.fresh_caches:
             import tempfile
 
@@ -118,6 +129,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "prompt share its prefill but for the last partial block", args=["--infer.block_size", "32"]),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
+    Variant("pool", "a warm pool (`tidal serve`) started before the run and not timed; the run attaches to its vLLM, "
+            "resets it to the base weights and starts no vLLM (`tidal grpo` rows only)", pool=True),
     Variant("cold", "as on a fresh machine or after a reboot: empty tidal and vLLM caches (issue 68; `make setup` "
             "fills them, so a user's first run is the default row)", fresh_caches=True),
     Variant("cold-eager", "empty caches, and vLLM eager (infer enforce_eager: nothing to compile; slower rollouts)",
@@ -236,9 +249,11 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
+    port = free_port()
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
-            "--infer.port", str(free_port()), *variant.args, *variant.grpo_args]
+            "--infer.port", str(port), *variant.args, *variant.grpo_args]
     env = variant.environ(log_dir)
+    pool = start_pool(port, variant.args, env, out) if variant.pool else None
     metrics, first = out / "metrics.jsonl", float("nan")
     start = time.monotonic()
     child = harness.start(f"{variant.name}-grpo", argv, out / "launcher.log", env=env)
@@ -249,6 +264,9 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
             time.sleep(0.1)
     finally:
         harness.stop(child)
+        if pool is not None:
+            subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
+            harness.stop(pool)
     total = time.monotonic() - start
     if code != 0:
         raise RuntimeError(f"{variant.name}: tidal grpo exited {code}; see {out / 'launcher.log'}")
@@ -262,6 +280,19 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
                    statistics.median(r["rollout_time_s"] for r in steady),
                    statistics.median(r["step_time_s"] for r in steady), float(rows[0].get("mismatch_kl", "nan")),
                    os.getloadavg()[0], told.group(1) if told else "")
+
+
+def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> harness.Child:
+    """`tidal serve` for the run's port, once its state file says it serves (variant `pool`)."""
+    child = harness.start("pool", [sys.executable, "-m", "tidal.cli", "serve", "--infer.port", str(port), *args],
+                          out / "pool.log", env=env)
+    state, deadline = Path(env["TIDAL_CACHE"]) / "pool" / "state.json", time.monotonic() + 900
+    while not state.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            harness.stop(child)
+            raise RuntimeError(f"the warm pool did not start; see {out / 'pool.log'}")
+        time.sleep(0.2)
+    return child
 
 
 def fmt_grpo(r: GrpoRun) -> str:

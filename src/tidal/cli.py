@@ -1,4 +1,5 @@
-"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft | eval | export` (and `serve-tinker`:
+"""Command line: `tidal grpo | grpo-infer | grpo-orch | grpo-train | sft | eval | export` (and `serve`: the warm pool,
+docs/warm-pool.md; `serve-tinker`:
 docs/tinker.md; `eval`: `tidal.evaluate`, docs/evaluation.md; `export`: a run's model as GGUF,
 `tidal.trainer.publish.export_cmd`).
 
@@ -133,6 +134,24 @@ def cmd_grpo(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     restarts = 3 if args.infer_restarts is None else args.infer_restarts
     return start.start(co, live=live, resume_hint=resume_hint(sys.argv[1:]), infer_restarts=restarts,
                        startup=args.startup)
+
+
+def cmd_serve(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
+    """`tidal serve`: the warm pool (`tidal.colocate.pool`), for the configs `tidal grpo` would derive."""
+    from tidal.colocate import pool
+
+    if args.stop or args.status:
+        if ov or any(getattr(args, c) for c in ("train", "infer", "orch", "model")) or args.dry_run:
+            raise ConfigError(f"--{'stop' if args.stop else 'status'} takes no config files, overrides or --dry-run: "
+                              "it acts on the running pool")
+        return pool.stop() if args.stop else pool.status()
+    train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
+    co = start.derive(train, infer, orch, calibrate=False)
+    if args.dry_run:  # the server the pool would keep: what `tidal grpo` derives from the same files
+        print(dump(co.infer))
+        return 0
+    setup_logging("serve")
+    return pool.serve(co)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -344,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("grpo", help="co-locate: run inference, orchestrator and trainer together")
     for c in ("train", "infer", "orch"):
         g.add_argument(f"--{c}", metavar="FILE", help=f"{c}.yaml (default: bundled reverse-text example)")
+    w = sub.add_parser("serve", help="warm pool: keep vLLM loaded for the next `tidal grpo` runs of the same model "
+                       "(docs/warm-pool.md)")
+    for c in ("train", "infer", "orch"):
+        w.add_argument(f"--{c}", metavar="FILE", help=f"{c}.yaml the runs will use (default: bundled example)")
+    w.add_argument("--stop", action="store_true", help="stop the running pool (and everything it started)")
+    w.add_argument("--status", action="store_true", help="print the running pool's state (exit 1: none runs)")
     for name, help_ in (("grpo-infer", "start the vLLM inference server"),
                         ("grpo-orch", "run the orchestrator"), ("grpo-train", "run the trainer"),
                         ("sft", "supervised warm start on an environment's reference completions")):
@@ -355,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--resume", action="store_true",
                            help="continue the run in the output directory from its newest checkpoint "
                                 "(ckpt.resume_step -1)")
-        if s.prog.split()[-1] != "grpo-infer":
+        if s.prog.split()[-1] not in ("grpo-infer", "serve"):
             s.add_argument("--output-dir", help="run directory for every component's output")
         s.add_argument("--model", metavar="MODEL", help="the model of every component this command runs (train "
                        "`model`, infer `model`, orch `model.name`): tidal:NAME, a local directory or a Hub id")
@@ -408,7 +433,8 @@ def cmd_eval(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
 HANDLERS = {"grpo": (cmd_grpo, {"train", "infer", "orch"}), "grpo-infer": (cmd_infer, {"infer"}),
             "grpo-orch": (cmd_orch, {"orch"}), "grpo-train": (cmd_train, {"train"}), "sft": (cmd_sft, {"train"}),
             "report": (cmd_report, set()), "env-server": (cmd_env_server, set()),
-            "serve-tinker": (cmd_serve_tinker, set()), "eval": (cmd_eval, set()), "export": (cmd_export, set())}
+            "serve-tinker": (cmd_serve_tinker, set()), "serve": (cmd_serve, {"train", "infer", "orch"}),
+            "eval": (cmd_eval, set()), "export": (cmd_export, set())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -337,6 +337,32 @@ def test_serve_tinker(flag, capsys, monkeypatch):
     assert getattr(seen[0], key) == value != getattr(TinkerServeConfig(), key)
 
 
+# --- tidal serve (the warm pool) ---------------------------------------------------------------------------------
+
+def test_serve_flags(capsys, tmp_path, monkeypatch):
+    """`--dry-run` prints the infer config the pool would serve, derived from `--train/--infer/--orch/--model` as
+    `tidal grpo` derives it; `--status` / `--stop` act on the running pool (none here) and take nothing else."""
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
+    code, out, _ = run(capsys, "serve", "--dry-run")
+    base = yaml.safe_load(out)
+    assert code == 0 and base["model"] == "tidal:tiny-reverse"
+    assert yaml.safe_load(run(capsys, "serve", "--dry-run", "--model", TINY)[1])["model"] == TINY
+    files = {"infer": {"max_model_len": 1024}, "orch": {"weight_broadcast": {"type": "nccl"}},
+             "train": {"trust_remote_code": True}}
+    changed = {"infer": ("max_model_len", 1024), "orch": ("weight_broadcast_type", "nccl"),
+               "train": ("trust_remote_code", True)}
+    for name, body in files.items():  # the bundled example's file with one key changed
+        full = yaml.safe_load(cli.example_path(name).read_text()) | body
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(full))
+        got = yaml.safe_load(run(capsys, "serve", "--dry-run", f"--{name}", str(tmp_path / f"{name}.yaml"))[1])
+        key, value = changed[name]
+        assert got[key] != base[key] and (value is None or got[key] == value), (name, got[key], base[key])
+    assert run(capsys, "serve", "--status")[0] == 1  # none runs
+    code, out, _ = run(capsys, "serve", "--stop")
+    assert code == 0 and "no warm pool is running" in out
+    assert run(capsys, "serve", "--stop", "--dry-run")[0] == 2
+
+
 # --- tidal eval --------------------------------------------------------------------------------------------------
 
 EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no-base": ("base", False),
@@ -344,7 +370,8 @@ EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no
         "--samples": ("samples", 4), "--temperature": ("temperature", 0.7), "--max-tokens": ("max_tokens", 33),
         "--max-model-len": ("max_model_len", 300), "--address": ("address", "http://127.0.0.1:9"),
         "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
-        "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False)}
+        "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False),
+        "--chat-template": ("chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")}
 """flag -> (EvalConfig key, a value other than its default); `eval_argv` adds what gives it effect (`--samples` for
 `--temperature`, `--no-greedy` and `--seed`, which seeds the sampled completions; `--temperature` alone is refused,
 issue 66)."""
@@ -439,6 +466,8 @@ CHECKS: dict[str, dict[str, Any]] = {
                    "--port": test_env_server},
     "report": {"RUN_DIR": test_report, "--out": test_report},
     "serve-tinker": {flag: test_serve_tinker for flag in TINKER},
+    "serve": dict.fromkeys(("--train", "--infer", "--orch", "--model", "--stop", "--status", "--dry-run"),
+                           test_serve_flags),
     "eval": {**{flag: test_eval_flag_sets_its_key for flag in EVAL},
              **{flag: test_eval_env_flags_config_file_quiet_and_dry_run for flag in (
                  "config", "--env", "--env-args", "--env-address", "--chat-template-kwargs", "--quiet", "--dry-run")}},

@@ -27,6 +27,7 @@ import yaml
 
 from tidal.colocate.cpu_memory import check_cpu_memory
 from tidal.colocate.derive import Colocated, Machine, ModelFacts, derive_colocate
+from tidal.colocate.pool import Attached
 from tidal.colocate.start_order import StartupMode, start_plan
 from tidal.colocate.teacher import serves_teacher
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
@@ -62,9 +63,10 @@ def derive(train: TrainConfig, infer: InferConfig, orch: OrchConfig, *, output_d
     return co
 
 
-def check_startable(co: Colocated) -> None:
+def check_startable(co: Colocated, pooled: bool = False) -> None:
     """The refusals that need this machine, before anything starts: SGLang without CUDA, a vLLM without the nccl
-    push, an insecure bind, a taken port (each a `ConfigError`)."""
+    push, an insecure bind, a taken port (each a `ConfigError`); `pooled`: the run uses the warm pool's server,
+    whose ports are taken by it."""
     if co.infer.backend == "sglang":
         from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_installed
 
@@ -78,7 +80,7 @@ def check_startable(co: Colocated) -> None:
     place = co.placement
     try:
         check_bind_secure(co.infer)
-        for port in range(place.port, place.port + co.infer.dp):  # infer dp servers on consecutive ports
+        for port in range(place.port, place.port + co.infer.dp) if not pooled else ():  # infer dp servers
             check_port_free(place.host, port)
         if co.teacher is not None:
             check_port_free(place.host, co.teacher.infer.port)
@@ -118,8 +120,33 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
           startup: StartupMode = "auto") -> int:
     """Start the derived run and supervise it to the end (module docs); returns the exit code (0 done, 1 a component
     failed, 130 interrupted). `extra_configs`: more files for `{run_dir}/configs/` (name -> text); `startup`: which
-    components start with vLLM (`tidal.colocate.start_order.start_plan`)."""
-    check_startable(co)
+    components start with vLLM (`tidal.colocate.start_order.start_plan`). With a warm pool running
+    (`tidal serve`) the run attaches to its server instead of starting vLLM (`tidal.colocate.pool.attach`: a pool
+    that does not match is a `ConfigError`, one that still serves another policy after its reset exits
+    `procs.WRONG_POLICY`)."""
+    from tidal.colocate.pool import PoolError, attach
+    from tidal.procs import WRONG_POLICY
+    from tidal.transport.probe import PolicyMismatch
+
+    try:
+        pool = attach(co)
+    except (PolicyMismatch, PoolError) as exc:
+        print(f"[tidal] error: {exc}", file=sys.stderr, flush=True)
+        return WRONG_POLICY if isinstance(exc, PolicyMismatch) else 1
+    try:
+        return _start(co, pool, live=live, resume_hint=resume_hint, infer_restarts=infer_restarts,
+                      infer_start_timeout_s=infer_start_timeout_s, orch_for=orch_for, orchestrator=orchestrator,
+                      extra_configs=extra_configs, startup=startup)
+    finally:
+        if pool is not None:
+            pool.release()
+
+
+def _start(co: Colocated, pool: Attached | None, *, live: bool, resume_hint: str | None, infer_restarts: int,
+           infer_start_timeout_s: float, orch_for: OrchFor | None, orchestrator: InProcessOrch | None,
+           extra_configs: Mapping[str, str] | None, startup: StartupMode) -> int:
+    """`start` once the pool (if any) is attached."""
+    check_startable(co, pooled=pool is not None)
     place = co.placement
     for notice in (*place.notices, *(co.teacher.notices if co.teacher is not None else ())):
         print(f"[tidal] {notice}", flush=True)
@@ -133,7 +160,7 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
                                           **({"teacher": co.teacher.infer} if co.teacher is not None else {})})
     for name, text in (extra_configs or {}).items():
         (configs_dir(place.run_dir) / name).write_text(text)
-    from tidal.colocate.supervise import run_colocate
+    from tidal.colocate.supervise import PoolServer, run_colocate
 
     in_process = None
     if orchestrator is not None:
@@ -148,4 +175,5 @@ def start(co: Colocated, *, live: bool = False, resume_hint: str | None = None, 
                         teacher_health=co.teacher.health_url if co.teacher is not None else None,
                         teacher_env=co.teacher.env if co.teacher is not None else None,
                         teacher_restarts=infer_restarts,  # the teacher shares nothing with the trainer
-                        plan=start_plan(place.device, startup))
+                        plan=start_plan(place.device, startup),
+                        pool=PoolServer(pool.state.infer_pid, pool.log_path) if pool is not None else None)

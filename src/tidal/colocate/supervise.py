@@ -197,7 +197,35 @@ class InProcess:
         root.setLevel(self._level)
 
 
-Component = Child | InProcess
+class PoolServer:
+    """The warm pool's server seen from an attached run (`tidal.colocate.pool`): `Child`'s interface for the
+    supervisor's checks (poll, tail, log), but never signalled or stopped by the run: only `tidal serve --stop` ends
+    it. `poll` is None while the pool's `tidal grpo-infer` process lives, 1 once it is gone."""
+
+    def __init__(self, pid: int, log_path: Path) -> None:
+        self.name, self.pid, self.log_path, self.proc = "infer", pid, log_path, self
+
+    def poll(self) -> int | None:
+        try:
+            raw = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return 1
+        return 1 if raw[raw.rfind(")") + 2:].split()[0] == "Z" else None
+
+    def signal_group(self, sig: int) -> None:
+        """Nothing: the run does not own the pool."""
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.poll()
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+Component = Child | InProcess | PoolServer
 
 
 def stop_all(children: list[Component]) -> None:
@@ -293,22 +321,26 @@ class InferRestarts:
     reported instead of retried."""
 
     def __init__(self, argv: list[str], env: Mapping[str, str] | None, limit: int,
-                 child: Child | None = None) -> None:
+                 child: Child | PoolServer | None = None) -> None:
         self.argv, self.env, self.limit = argv, env, limit
         self.child = child
-        """The server this policy keeps running (`check`)."""
+        """The server this policy keeps running (`check`); a `PoolServer` (limit 0) is only watched."""
         self.count = 0
         self.last_cause: str | None = None
 
     def check(self, children: list[Component]) -> None:
         """Restart `child` when it has died, replacing it in `children` (`restart`)."""
         if self.child is not None and self.child.poll() is not None:
+            new = self.restart(self.child)  # raises for a pool's server, which is not among `children`
             children.remove(self.child)
-            self.child = self.restart(self.child)
-            children.append(self.child)
+            self.child = new
+            children.append(new)
 
-    def restart(self, dead: Child) -> Child:
+    def restart(self, dead: Child | PoolServer) -> Child:
         """A new server for the `dead` one, or `ComponentFailed` naming the exit code and the cause."""
+        if isinstance(dead, PoolServer):
+            raise ComponentFailed(dead, "(the warm pool's vLLM, `tidal serve`) is gone; the run does not restart a "
+                                        "pool's server: start the pool again, or run without one")
         code, cause = dead.poll(), death_cause(dead.tail(2000))
         repeated = cause is not None and cause == self.last_cause
         if self.count >= self.limit or repeated:
@@ -318,8 +350,22 @@ class InferRestarts:
         print(f"[tidal] the {NAMES[dead.name]} exited with code {code}{explain(code, cause)}; restarting it "
               f"({self.count} of {self.limit}); the orchestrator retries once it answers. Last lines of "
               f"{dead.log_path}:\n{dead.tail(8)}", file=sys.stderr, flush=True)
+        assert isinstance(dead, Child)  # a pool's server is watched with limit 0: never restarted
         dead.signal_group(signal.SIGKILL)  # engine processes left in its group
         return Child(dead.name, self.argv, dead.log_path, echo=False, env=self.env)
+
+
+def start_infer(cli: list[str], configs: dict[str, Path], logs: Path, env: Mapping[str, str] | None, restarts: int,
+                clock: StartupClock, pool: PoolServer | None) -> tuple[Child | PoolServer, list[InferRestarts]]:
+    """The run's inference server and its restart policy: a new `grpo-infer` child, or the warm pool's server
+    (`pool`: already serving, watched with no restart)."""
+    if pool is not None:
+        print(f"[tidal] using the warm pool's vLLM (no vLLM start; its log: {pool.log_path})", flush=True)
+        return pool, [InferRestarts([], None, 0, pool)]
+    argv = [*cli, "grpo-infer", str(configs["infer"])]
+    infer = Child("infer", argv, logs / "infer.log", echo=False, env=env, on_line=clock.feed)
+    print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
+    return infer, [InferRestarts(argv, env, restarts, infer)]
 
 
 class Starter:
@@ -405,7 +451,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                  resume_hint: str | None = None, infer_restarts: int = 3, infer_env: Mapping[str, str] | None = None,
                  orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
                  teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
-                 teacher_restarts: int | None = None, plan: StartPlan | None = None) -> int:
+                 teacher_restarts: int | None = None, plan: StartPlan | None = None,
+                 pool: PoolServer | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted,
     `EXPORT_FAILED`: trained, a final export missing; `WRONG_POLICY`: the orchestrator's policy identity check
     stopped the run).
@@ -416,7 +463,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     health endpoint of each inference server (infer `dp`), all waited for. With `configs["teacher"]` a teacher
     server (`tidal.colocate.teacher`) starts beside inference (`grpo-infer` on that config, log `logs/teacher.log`,
     `teacher_env` added), waited for at `teacher_health`, restarted like inference (`teacher_restarts` times, None:
-    `infer_restarts`) and stopped with the run."""
+    `infer_restarts`) and stopped with the run. `pool`: the warm pool's server this run attached to
+    (`tidal.colocate.pool`), used instead of starting vLLM: watched, never restarted nor stopped."""
     health = [health_url] if isinstance(health_url, str) else list(health_url)
     logs = logs_dir(run_dir)
     cli = [python, "-m", "tidal.cli"]
@@ -431,15 +479,13 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     if board is not None:
         board.live.start()
     try:
-        infer_argv = [*cli, "grpo-infer", str(configs["infer"])]
         gate = infer_ready_path(run_dir)
         gate.unlink(missing_ok=True)  # a resumed run's gate is from its previous start
         clock = StartupClock()
         milestones = Milestones(clock.start)
-        infer = Child("infer", infer_argv, logs / "infer.log", echo=False, env=infer_env, on_line=clock.feed)
-        children.append(infer)
-        print(f"[tidal] starting vLLM (log: {infer.log_path})", flush=True)
-        servers = [InferRestarts(infer_argv, infer_env, infer_restarts, infer)]
+        infer, servers = start_infer(cli, configs, logs, infer_env, infer_restarts, clock, pool)
+        if isinstance(infer, Child):
+            children.append(infer)
         teacher = start_teacher(cli, configs, logs, teacher_env,
                                 infer_restarts if teacher_restarts is None else teacher_restarts)
         if teacher is not None and teacher.child is not None:  # on-policy distillation: beside the policy's vLLM
