@@ -36,6 +36,8 @@ def test_openai_sdk_agent_trains_through_tidal_grpo(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
+    print("agent run:", [{k: r[k] for k in r if k.startswith("agent/") or k in ("step", "mismatch_kl", "reward/mean")}
+                         for r in rows])
     for r in rows:
         assert r["agent/sessions"] >= 8 and r["agent/calls"] == 3 * r["agent/sessions"], r
         assert r["agent/failures"] == 0, r
