@@ -56,7 +56,7 @@ def openai_turns(client: Any, example: dict[str, Any], rounds: int = 2, stream: 
         messages.append(msg)
         if turn == rounds:
             break
-        calls = msg["tool_calls"] if isinstance(msg, dict) else msg.tool_calls
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else msg.tool_calls
         if calls:
             for c in calls:
                 fn = c["function"] if isinstance(c, dict) else c.function

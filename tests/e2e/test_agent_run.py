@@ -36,13 +36,17 @@ def test_openai_sdk_agent_trains_through_tidal_grpo(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
+    print("agent run:", [{k: r[k] for k in r if k.startswith("agent/") or k in ("step", "mismatch_kl", "reward/mean")}
+                         for r in rows])
     for r in rows:
         assert r["agent/sessions"] >= 8 and r["agent/calls"] == 3 * r["agent/sessions"], r
-        assert r["agent/forks"] == 0 and r["agent/failures"] == 0, r
+        assert r["agent/failures"] == 0, r
+        # a turn cut at max_tokens makes the next call a fork (counted); the rows are then the calls' chains
+        assert r["agent/rows"] == r["agent/sessions"] + r["agent/forks"], r
     assert rows[0]["mismatch_kl"] < 1e-6, rows[0]["mismatch_kl"]  # step 1 is on-policy: every trained token sampled
     batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
     turns = tool_turns_of(batch, load_tokenizer(str(model)))
-    assert len(turns) >= 2 * len(batch.samples()), "two spliced turns (tool result or user message) per session"
+    assert len(turns) >= len(batch.samples()), "spliced turns (tool result or user message) between model turns"
     assert any(t.startswith("<|im_end|>\n<|im_start|>tool\n") or "<|im_start|>tool\n" in t for t in turns), turns[:4]
     assert all(t.endswith("<|im_end|>\n<|im_start|>assistant\n") for t in turns), turns[:4]
 

@@ -59,6 +59,7 @@ def test_openai_sdk_is_refused_clearly():
                status_of(lambda: chat(model="policy", messages=MSGS, tool_choice="required",
                                       tools=[{"type": "function", "function": {"name": "f"}}])),
                status_of(lambda: chat(model="policy", messages=MSGS, presence_penalty=0.5)),
+               status_of(lambda: chat(model="policy", messages=MSGS, parallel_tool_calls=False)),
                status_of(lambda: chat(model="policy", messages=[{"role": "user", "content": [
                    {"type": "image_url", "image_url": {"url": "data:,"}}]}]))]
         assert [m.id for m in ok.models.list().data] == ["policy"]
@@ -73,7 +74,8 @@ def test_openai_sdk_is_refused_clearly():
     assert got[4].startswith("400") and "'gpt-4o' is not served" in got[4] and "'policy'" in got[4]
     assert got[5].startswith("400") and "tool_choice" in got[5]
     assert got[6].startswith("400") and "presence_penalty" in got[6]
-    assert got[7].startswith("400") and "image_url" in got[7]
+    assert got[7].startswith("400") and "parallel_tool_calls" in got[7]
+    assert got[8].startswith("400") and "image_url" in got[8]
     assert session.calls == 0 and session.failure is None, "refused calls are not the episode's failure"
 
 

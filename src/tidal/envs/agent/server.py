@@ -13,7 +13,8 @@ as the Anthropic SDK does):
   POST /s/SID/reward  {"reward": x}     the program's reward for its episode
 An unknown session is answered 404, a wrong key 401. What would break the sampling contract or that tidal does not
 do is answered 400 naming it: `n` > 1, a `logit_bias`, a model name that is not the policy, forced tool choices,
-request keys the endpoint does not know. Calls are sampled at most `max_concurrency` at once. The model's tool-call
+request keys the endpoint does not know, `parallel_tool_calls: false` (`user`, `metadata` and `store` are taken and
+not used: they do not change sampling). Calls are sampled at most `max_concurrency` at once. The model's tool-call
 text is parsed in its own format (`tidal.envs.tools.parse_tool_calls`) into `tool_calls` / `tool_use`; a turn whose
 calls do not all parse is answered as plain text.
 """
@@ -165,6 +166,9 @@ class AgentServer:
             if body.get("n", 1) != 1:
                 raise WireError(f"n={body['n']}: tidal samples one completion per call (a group is "
                                 f"rollouts_per_example sessions); call again instead")
+            if body.get("parallel_tool_calls") is False:
+                raise WireError("parallel_tool_calls=false: tidal answers every tool call the model writes in a turn "
+                                "(leave it unset or true)")
             if body.get("logit_bias"):
                 raise WireError("logit_bias changes the sampling distribution the trainer scores; tidal refuses it")
             messages, tools = openai_messages(body.get("messages")), openai_tools(body.get("tools"))
