@@ -46,6 +46,8 @@ def test_the_rule_fires_on_a_stale_or_foreign_policy_and_names_the_closest():
     assert not stale.ok and stale.diagnosis() == "it serves the previous policy"
     v = judge(list(base), rec, tol)
     assert not v.ok and v.diagnosis() == "it serves the base model"
+    first = judge(list(base), record(new, base, base), tol)  # policy 1: its previous is the base
+    assert first.diagnosis() == "it serves the base model"
     foreign = judge(list(base + 3.0), rec, tol)
     assert not foreign.ok and foreign.diagnosis().startswith("it serves none of the trainer's policies (closest: ")
     line = stale.line("the inference server", 7, "/run/broadcasts/step_7", "orch weight_broadcast.policy_check: false")

@@ -110,9 +110,9 @@ class Verdict:
     def diagnosis(self) -> str:
         """Which policy the served one is: a stale one within the tolerance, else none of the trainer's (a partial
         load, weights of another model)."""
-        stale = {k: v for k, v in (("the previous policy", self.gap_previous), ("the base model", self.gap_base))
+        stale = {k: v for k, v in (("the base model", self.gap_base), ("the previous policy", self.gap_previous))
                  if v is not None}
-        closest = min(stale, key=lambda k: stale[k]) if stale else None
+        closest = min(stale, key=lambda k: stale[k]) if stale else None  # a tie (the previous is the base): base
         if closest is not None and stale[closest] <= self.tolerance:
             return f"it serves {closest}"
         return "it serves none of the trainer's policies" + (f" (closest: {closest})" if closest else "")
