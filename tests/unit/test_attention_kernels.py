@@ -18,6 +18,7 @@ import torch
 from tests.archs import ARCHS, config_for
 from tests.unit.test_packed_attention import packed_positions
 from tests.unit.test_prompt_sharing import group_batch
+from tidal.models.families import has_linear_attention
 from tidal.trainer.model.attention import choose, flex, implementation, layout_mask, register
 from tidal.trainer.model.attention.flex import bucket, flex_packed_attention
 from tidal.trainer.step.logprobs import forward_logprobs
@@ -106,6 +107,12 @@ def test_flex_models_equal_masked_sdpa(name, monkeypatch):
     gemma2 (soft-capped logits) takes the dense fallback, every other model the flex kernel."""
     import transformers.integrations.sdpa_attention as sdpa
 
+    if has_linear_attention(config_for(name)):  # Qwen3.5: refused (it cannot read a block mask), auto avoids it
+        cuda = torch.device("cuda")
+        assert choose("auto", cuda, linear=True) == "per_sample" and choose("auto", cuda) == "flex"
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            choose("flex", cuda, linear=True)
+        return
     moe = name == "qwen3-moe"
     dtype = torch.float32 if moe else torch.float64
     atol = 1e-5 if moe else 1e-10

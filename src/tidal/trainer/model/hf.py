@@ -89,13 +89,13 @@ def auto_model_class(config: Any, path: str) -> Any:
     return AutoModelForImageTextToText
 
 
-def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False) -> str:
+def attn_implementation(device: torch.device, kind: str = "auto", vision: bool = False, linear: bool = False) -> str:
     """The trainer's attention for train `attention` (`kind`) on `device` (`tidal.trainer.model.attention.choose`:
     `auto` is flex_attention on CUDA, per sample of a packed row on CPU); a kernel that cannot run here raises
     `ConfigError` naming the key."""
     from tidal.trainer.model.attention import implementation
 
     try:
-        return implementation(kind, device, vision)
+        return implementation(kind, device, vision, linear)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -28,6 +28,7 @@ import torch
 
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
+from tidal.models.families import has_linear_attention
 from tidal.trainer.model.activations import apply_activation_policy
 from tidal.trainer.model.hf import (
     attn_implementation,
@@ -99,7 +100,8 @@ def load_base_model(path: str, device: torch.device, dtype: torch.dtype, *, trus
         extra = {"quantization_config": quantization_config(quantized, dtype), "device_map": {"": device}}
     model = auto_model_class(config, path).from_pretrained(str(check_model_dir(path)), config=config, dtype=dtype,
                                                            attn_implementation=attn_implementation(
-                                                               device, attention, is_vision_config(config)),
+                                                               device, attention, is_vision_config(config),
+                                                               has_linear_attention(config)),
                                                            trust_remote_code=trust_remote_code, **extra)
     if quantized is not None:
         quantize_on_load(model)

@@ -27,6 +27,7 @@ import torch
 
 from tidal.config.load import ConfigError
 from tidal.config.train import TrainConfig
+from tidal.models.families import has_linear_attention
 from tidal.models.shared_weights import SharePlan, SharingRefused, train_refusal, view_plan
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,8 @@ def load_shared_base(cfg: TrainConfig, device: torch.device, dtype: torch.dtype)
     try:
         tensors = open_handles(fetch_handles(cfg.base_weights_url), device)
         model, plan = build_from_tensors(config, auto_model_class(config, cfg.model), tensors, model_dir, device,
-                                         dtype, attn_implementation(device, cfg.attention))
+                                         dtype, attn_implementation(device, cfg.attention,
+                                                             linear=has_linear_attention(config)))
         checked = check_against_checkpoint(model, plan, model_dir)
     except SharingRefused as exc:
         raise ConfigError(f"train share_base_weights: {exc}") from None

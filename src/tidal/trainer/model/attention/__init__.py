@@ -36,15 +36,23 @@ FLEX_ON_CPU = ("train attention 'flex' needs CUDA: torch's flex_attention has no
                f"{torch.__version__.split('+')[0]}); use auto or per_sample there")
 
 
-def choose(kind: str, device: torch.device, vision: bool = False) -> str:
+FLEX_LINEAR = ("train attention 'flex' does not fit a model with linear-attention layers: transformers hands them "
+               "the attention mask, which they cannot read as flex's block mask, and such a model is packed one "
+               "sample per row anyway (tidal.models.families); use auto or per_sample")
+
+
+def choose(kind: str, device: torch.device, vision: bool = False, linear: bool = False) -> str:
     """train `attention` -> the kernel that runs (`auto` resolved per device; module doc). Raises ValueError for
-    `flex` on CPU (`FLEX_ON_CPU`) and for an unknown kind."""
+    `flex` on CPU (`FLEX_ON_CPU`), for `flex` on a model with linear-attention layers (`linear`: `FLEX_LINEAR`;
+    `auto` takes per_sample there) and for an unknown kind."""
     if kind not in KINDS:
         raise ValueError(f"train attention '{kind}' is not one of {', '.join(KINDS)}")
     if kind == "auto":
-        return "flex" if device.type == "cuda" and not vision else "per_sample"
+        return "flex" if device.type == "cuda" and not vision and not linear else "per_sample"
     if kind == "flex" and device.type != "cuda":
         raise ValueError(FLEX_ON_CPU)
+    if kind == "flex" and linear:
+        raise ValueError(FLEX_LINEAR)
     return kind
 
 
@@ -75,10 +83,10 @@ def register(kind: str = "per_sample") -> str:
     return per_sample.NAME
 
 
-def implementation(kind: str, device: torch.device, vision: bool = False) -> str:
+def implementation(kind: str, device: torch.device, vision: bool = False, linear: bool = False) -> str:
     """train `attention` on `device` -> the registered transformers attention implementation (`choose`); a dense
     choice says once what it costs."""
-    chosen = choose(kind, device, vision)
+    chosen = choose(kind, device, vision, linear)
     if chosen == "dense":
         dense.notice(device.type)
     return register(chosen)
