@@ -53,7 +53,8 @@ def test_the_real_ledger_plans_the_issue_order_within_any_deadline():
         p = gpu_lease.plan(rows, deadline)
         assert p.planned_s <= deadline
     first = [r["id"] for r in gpu_lease.plan(rows, 10**6).run]
-    expected = ["smoke", "e2e-0.6b", "g4", "o", "s", "q", "e2", "e2e-4b", "L1", "L2", "L3", "L4", "j"]
+    expected = ["smoke", "e2e-0.6b", "g4", "o", "s", "q", "e2", "policy-check", "e2e-4b", "warm-pool-gpu", "L1", "L2",
+                "L3", "L4", "j"]
     assert first[:len(expected)] == expected
     assert gpu_lease.DEFAULT_DEADLINE_S <= gpu_lease.PER_CALL_S - gpu_lease.STOP_MARGIN_S
 

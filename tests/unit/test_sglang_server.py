@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tidal.assets import ASSETS
 from tidal.config.infer import SGLANG_UNMAPPED, InferConfig
 from tidal.config.load import ConfigError
 from tidal.inference.backends.sglang.server import check_runnable, has_cuda, sglang_argv, sglang_env
@@ -27,6 +28,7 @@ def value_after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+TEMPLATE = ASSETS / "tiny-reverse" / "chat_template.jinja"
 MAPPED = {  # infer key: (value away from its default, what the argv must then hold)
     "port": (8123, lambda a: value_after(a, "--port") == "8123"),
     "host": ("127.0.0.2", lambda a: value_after(a, "--host") == "127.0.0.2"),
@@ -46,6 +48,7 @@ MAPPED = {  # infer key: (value away from its default, what the argv must then h
     "max_cpu_loras": (20, lambda a: value_after(a, "--max-loaded-loras") == "20"),
     "enable_prefix_caching": (False, lambda a: "--disable-radix-cache" in a),
     "block_size": (32, lambda a: value_after(a, "--page-size") == "32"),
+    "chat_template": (str(TEMPLATE), lambda a: value_after(a, "--chat-template") == str(TEMPLATE.resolve())),
     "log_stats": (False, lambda a: "--enable-metrics" not in a),
     "extra_args": (["--attention-backend", "triton"], lambda a: a[-2:] == ["--attention-backend", "triton"]),
 }

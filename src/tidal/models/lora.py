@@ -76,7 +76,8 @@ def meta_model(model_dir: str, trust_remote_code: bool = False) -> tuple[Any, st
 
 DECODER_LINEAR = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
 LINEAR_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
-    **{t: DECODER_LINEAR for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite")},
+    **{t: DECODER_LINEAR for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
+                                            "granite")},
     "phi3": ("down_proj", "gate_up_proj", "o_proj", "qkv_proj"),
 }
 """`linear_module_names` of the dense text models whose config.json `model_type` says it all (checked against the
