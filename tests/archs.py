@@ -64,7 +64,7 @@ ARCHS: dict[str, Arch] = {
                     "Qwen3.5: gated-delta-net (linear attention: recurrent state, conv window) + gated full "
                     "attention, partial RoPE, tied embeddings",
                     linear=("down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z",
-                            "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj"), default_suite=True),
+                            "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj")),
     "gemma3": Arch("Gemma3TextConfig", {"query_pre_attn_scalar": 32, "sliding_window": 64,
                                         "layer_types": ["sliding_attention", "full_attention"],
                                         "tie_word_embeddings": True},
