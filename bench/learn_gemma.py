@@ -115,7 +115,7 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
     if evals:
         lines += ["", "Greedy completions (first 3 problems):", ""]
         lines += [f"- {label}: {json.dumps(s)}" for label, s in evals["samples"].items()]
-    out = REPO / "bench" / "LEARN-GEMMA.md"
+    out = Path(args.out)
     write_atomic(out, "\n".join(lines) + "\n")
     write_atomic(out.with_suffix(".json"), json.dumps({"args": vars(args), "runs": runs, "evals": evals,
                                                         "note": note}, indent=1))
@@ -135,6 +135,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8377)
     p.add_argument("--run-budget-s", type=float, default=1800)
     p.add_argument("--work", default="/tmp/learn_gemma")
+    p.add_argument("--out", default=str(REPO / "bench" / "LEARN-GEMMA.md"), help="the table (and .json beside it)")
     p.add_argument("--deadline", help="HH:MM UTC: start no run after it minus --reserve-s")
     p.add_argument("--reserve-s", type=float, default=900, help="time kept for the evaluation before the deadline")
     args = p.parse_args()
