@@ -94,7 +94,7 @@ def test_eval_scores_base_and_adapter_as_transformers_decodes_them(tmp_path):
     assert differ >= 1, "the adapter row was sampled with the adapter's weights (an ignored adapter: no difference)"
 
 
-@pytest.mark.slow  # 73 s; the identity check's firing is in the default suite: tests/integration/test_policy_identity.py
+@pytest.mark.slow  # 73 s; the check firing stays in the default suite: tests/integration/test_policy_identity.py
 def test_eval_stops_on_an_adapter_row_vllm_serves_as_the_base_unless_the_check_is_off(tmp_path):
     """The policy identity check of `tidal eval`: an adapter published with its probe (as tidal's trainer publishes
     `broadcasts/step_n`), whose weights were then made a no-op, is served as the base model: exit 4 and one line
