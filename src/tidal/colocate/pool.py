@@ -44,7 +44,7 @@ from tidal.colocate.derive import Colocated
 from tidal.config import ConfigError
 from tidal.models.sources.gguf import cache_root
 from tidal.paths import write_atomic
-from tidal.procs.reaper import group_alive, start_reaper, wait_group_gone
+from tidal.procs.reaper import group_alive, pid_alive, start_reaper, wait_group_gone
 
 STATE_FILE = "state.json"
 LOCK_FILE = "attach.lock"
@@ -95,24 +95,7 @@ class PoolState:
             state = cls(**json.loads((directory / STATE_FILE).read_text()))
         except (FileNotFoundError, ValueError, TypeError):
             return None
-        return state if _alive(state.pid) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return Path(f"/proc/{pid}").exists() and not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    with contextlib.suppress(OSError, IndexError):
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return raw[raw.rfind(")") + 2:].split()[0] == "Z"
-    return False
+        return state if pid_alive(state.pid) else None
 
 
 def refusal(co: Colocated) -> str | None:
@@ -351,15 +334,15 @@ def stop() -> int:
     with contextlib.suppress(ProcessLookupError):
         os.kill(state.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_WAIT_S
-    while _alive(state.pid) and time.monotonic() < deadline:
+    while pid_alive(state.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(state.pid):
+    if pid_alive(state.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(state.pid, signal.SIGKILL)  # its reaper then ends what it started
     if group_alive(state.infer_pid):  # vLLM's own group (the API server leads it; its engine runs in it)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(state.infer_pid, signal.SIGKILL)
-    gone = wait_group_gone(state.infer_pid, 10.0) and not _alive(state.pid)
+    gone = wait_group_gone(state.infer_pid, 10.0) and not pid_alive(state.pid)
     (pool_dir() / STATE_FILE).unlink(missing_ok=True)
     print(f"[tidal] warm pool (pid {state.pid}, {state.model}) {'stopped' if gone else 'NOT fully stopped'}",
           flush=True)

@@ -41,6 +41,12 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[19]), fields[0]
 
 
+def pid_alive(pid: int) -> bool:
+    """`pid` is a live process (neither gone nor a zombie), read from /proc."""
+    st = _stat(pid)
+    return st is not None and st[2] != "Z"
+
+
 def process_table() -> dict[int, tuple[int, int]]:
     """pid -> (ppid, start time) of every live process."""
     table = {}
