@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.session_reaper import pytest_sessionstart  # noqa: F401  (the session's reaper: see that module)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tidal:tiny-reverse"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
