@@ -84,7 +84,6 @@ def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | 
 
 
 GGUF_LLAMA_CPP = "tests/e2e/test_gguf_gemma_llama_cpp.py"
-GGUF_GEMMA = "tests/unit/test_gguf_gemma.py"
 GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
                     "tests/unit/test_gguf_export.py::test_chat_markers_are_control_tokens")
 LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
@@ -105,8 +104,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3.5", ("qwen3_5", "qwen3_5_text"), "qwen3.5",
            linear_attention=True, torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
            cells=_matrix("qwen3.5", packing=LINEAR_PACKING, gguf_out=Cell(
-               "refused (llama.cpp 0.3.36 reads qwen35; tidal does not write the gated delta-net tensors)",
-               f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused[qwen3_5]"),
+               "yes, dense text models (tiny, V heads reordered and not: specials single, greedy equal, F32 and F16)",
+               "tests/e2e/test_gguf_qwen35_llama_cpp.py::test_tiny_qwen35_export_runs_in_llama_cpp[qwen3.5]"),
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
     Family("Gemma 3", ("gemma3", "gemma3_text"), "gemma3", cells=_matrix(
         "gemma3", gguf_out=Cell("yes (real Gemma 3 270M and tiny: specials single, greedy equal, F32 and F16)",

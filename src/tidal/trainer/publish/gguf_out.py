@@ -43,18 +43,22 @@ from tidal.trainer.publish.gguf_gemma import (
     kv_heads,
     proportional_freqs,
 )
+from tidal.trainer.publish.gguf_qwen35 import QWEN35_TYPES, add_qwen35_hparams, qwen35_problems, qwen35_tensor
 
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
-         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4"}
+         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4", "qwen3_5_text": "QWEN35"}
 """What tidal writes as GGUF: HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama`
-architecture; the Gemma family's rules are `tidal.trainer.publish.gguf_gemma`). The one list of the GGUF-out support
+architecture; the Gemma family's rules are `tidal.trainer.publish.gguf_gemma`, Qwen3.5's
+`tidal.trainer.publish.gguf_qwen35`). The one list of the GGUF-out support
 (with `TEXT_OF` and `NOT_WRITTEN`): docs/models.md's family table reads it."""
-TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
 """Vision-language `model_type` -> its language model's, written from `text_config` (the vision tower left out)."""
 NOT_WRITTEN = {
-    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
-                    "llama.cpp 0.3.36 reads qwen35 / qwen35moe / qwen3next, but tidal does not write their gated "
-                    "delta-net layers (the convolution, A_log, dt_bias and gate tensors in llama.cpp's layout)"),
+    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
+                    "llama.cpp 0.3.36 reads qwen35moe, but tidal writes Qwen3.5's dense models only (not the routed "
+                    "and shared experts of the MoE ones)"),
+    "qwen3_next": "llama.cpp 0.3.36 reads qwen3next, but tidal does not write it (its fused in_proj_qkvz and "
+                  "in_proj_ba delta-net projections and its experts)",
 }
 """`model_type`s llama.cpp could run that tidal does not write (why), refused with that reason."""
 
@@ -122,6 +126,8 @@ def hparam_problems(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) 
     mt, out = cfg.get("model_type"), []
     if mt in GEMMA_TYPES:
         return gemma_problems(cfg, overlay)
+    if mt in QWEN35_TYPES:
+        return qwen35_problems(cfg, overlay)
     rope = rope_params(cfg, overlay)
     if rope and all(isinstance(v, dict) for v in rope.values()):
         return ["rope_parameters: per-layer-type RoPE is not written for " + str(mt)]
@@ -215,9 +221,12 @@ def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any],
     w.add_head_count_kv(kv_heads(cfg))
     w.add_key_length(full_head_dim(cfg))
     w.add_value_length(full_head_dim(cfg))
-    w.add_rope_dimension_count(full_head_dim(cfg))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))
+    if cfg["model_type"] in QWEN35_TYPES:  # partial rotary dimensions, MRoPE sections, the delta-net's sizes
+        add_qwen35_hparams(w, cfg)
+        return
+    w.add_rope_dimension_count(full_head_dim(cfg))
     if cfg["model_type"] in GEMMA_TYPES:
         add_gemma_hparams(w, cfg, overlay)
         return
@@ -249,13 +258,17 @@ def llama3_rope_factors(rope: dict[str, Any], dim: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+F32_ALWAYS = ("ssm_conv1d.weight",)
+"""Matrices kept F32 in every type: llama.cpp's CPU `ssm_conv` reads an F32 kernel only (its converter keeps it F32)."""
+
+
 def encode(name: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
     """(data, gguf.GGMLQuantizationType) of the tensor `name` in the file's type `dtype` (module docstring)."""
     import gguf
     from gguf.quants import QuantError, quantize
 
     Q = gguf.GGMLQuantizationType
-    if a.ndim < 2 or dtype == "f32":
+    if a.ndim < 2 or dtype == "f32" or name.endswith(F32_ALWAYS):
         return a.astype(np.float32), Q.F32
     qtype = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q5_1": Q.Q5_1, "q5_0": Q.Q5_0, "q4_1": Q.Q4_1,
              "q4_0": Q.Q4_0}[dtype]
@@ -269,6 +282,9 @@ def encode(name: str, a: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
         return a.astype(np.float16), Q.F16
 
 
+LEFT_OUT = ("mtp.",)
+"""Checkpoint tensors not written: Qwen3.5's multi-token-prediction head (transformers does not load it, so tidal
+does not train it; `tidal.trainer.publish.gguf_qwen35`)."""
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."))
 """A vision-language checkpoint's language-model names (transformers 5's, then 4's) -> a causal LM's."""
@@ -287,7 +303,8 @@ def text_name(key: str, vlm: bool) -> str | None:
 def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
                  vlm: bool = False) -> Iterable[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for
-    llama, Gemma's norms +1 (`gguf_gemma.NORM_SHIFT`), a VLM's text path only (`vlm`)."""
+    llama, Gemma's norms +1 (`gguf_gemma.NORM_SHIFT`), Qwen3.5's delta-net in llama.cpp's layout
+    (`gguf_qwen35.qwen35_tensor`), a VLM's text path only (`vlm`)."""
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
@@ -298,14 +315,16 @@ def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
     shift = NORM_SHIFT.get(cfg["model_type"], 0.0)
     for original, tensor in weights:
         key = text_name(original, vlm)
-        if key is None or (tied and key == "lm_head.weight"):
+        if key is None or (tied and key == "lm_head.weight") or key.startswith(LEFT_OUT):
             continue
         if key.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale, a bare buffer name
             key += ".weight"
+        a = tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
+        if cfg["model_type"] in QWEN35_TYPES:
+            key, a = qwen35_tensor(key, a, cfg)
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF export: tensor {key} has no name in gguf's {cfg['model_type']} table")
-        a = tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
         if cfg["model_type"] in PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
                                                            "k_proj.bias")):
             a = rope_interleave(a, heads if ".q_proj." in key else kv_heads)

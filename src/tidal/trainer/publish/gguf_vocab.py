@@ -20,8 +20,9 @@ the BPE merge order), byte tokens 0, added and unused tokens -1000; `add_space_p
 - Pre-tokenizer of a Hugging Face tokenizer, chosen as llama.cpp's `convert_hf_to_gguf.py` chooses it: by identity,
   the sha256 of the token ids of llama.cpp's check text (`CHECK_TEXT`) looked up among the families of the
   architectures tidal writes (`PRE_BY_HASH`). A tokenizer no hash names but whose pre-tokenizer is exactly GPT-2's
-  byte-level split (optionally after single-digit splitting) gets llama.cpp's id with that same regex (`gpt-2`,
-  `smollm`). Anything else is refused (ConfigError, exit 2 before training) naming the hash and the known families.
+  byte-level split (optionally after single-digit splitting) or Qwen's split (`QWEN_SPLITS`, Qwen2's or Qwen3.5's
+  regex before a byte-level step) gets llama.cpp's id with that same regex (`gpt-2`, `smollm`, `qwen2`, `qwen35`).
+  Anything else is refused (ConfigError, exit 2 before training) naming the hash and the known families.
 - add_bos / add_eos: what the tokenizer does (`tokenizer_config.json`'s flags, else whether encoding adds them).
 """
 
@@ -49,6 +50,8 @@ PRE_BY_HASH = {
     "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": ("smollm", "SmolLM / SmolLM2"),
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": ("qwen2", "Qwen1.5 / Qwen2 / Qwen2.5"),
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": ("qwen2", "Qwen3"),
+    "d30d75d9059f1aa2c19359de71047b3ae408c70875e8a3ccf8c5fba56c9d8af4": ("qwen35", "Qwen3.5"),
+    "1444df51289cfa8063b96f0e62b1125440111bc79a52003ea14b6eac7016fd5f": ("qwen35", "Qwen3.5 (MiniCPM-V 4.6)"),
     "b3f499bb4255f8ca19fccd664443283318f2fd2414d5e0b040fbdd0cc195d6c5": ("deepseek-r1-qwen", "DeepSeek-R1 Qwen"),
     "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": ("tekken", "Mistral Nemo (tekken)"),
     "0e9433cbbb161f89e264eb32e8e64bfe69e834973ffca5d41d3948a604a3e2a3": ("pixtral", "Pixtral / Mistral tekken v7"),
@@ -58,9 +61,20 @@ PRE_BY_HASH = {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": ("gpt-2", "GPT-2"),
 }
 """sha256 of `str(token ids of CHECK_TEXT)` -> (llama.cpp's `tokenizer.ggml.pre`, the family), for byte-level BPE
-tokenizers of Llama / Mistral / Qwen2 / Qwen3 models (the values llama.cpp's convert_hf_to_gguf.py records)."""
+tokenizers of Llama / Mistral / Qwen2 / Qwen3 / Qwen3.5 models (the values llama.cpp 0.3.36's converter records:
+its `conversion/base.py` `get_vocab_base_pre`)."""
 GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True}
 """GPT-2's byte-level pre-tokenizer with its own regex: llama.cpp's `gpt-2` uses the same regex."""
+QWEN_SPLITS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "qwen35",
+}
+"""Qwen's pre-tokenizer regexes (a `Split` before a regex-less byte-level step: Qwen2/2.5/3's, and Qwen3.5's, which
+keeps combining marks (Unicode category M) with letters) -> the llama.cpp 0.3.36 id with that same regex
+(`llama-vocab.cpp`: `qwen2`, `qwen35`). Qwen's tokenizers also normalise to NFC, which llama.cpp does not (its
+converter maps them to these ids all the same): text already in NFC tokenizes alike."""
 DIGITS = {"type": "Digits", "individual_digits": True}
 """Single-digit splitting before GPT-2's regex: llama.cpp's `smollm` (`\\p{N}`, then GPT-2's regex)."""
 
@@ -101,9 +115,26 @@ def _matches(step: dict[str, Any] | None, want: dict[str, Any]) -> bool:
     return step is not None and all(step.get(k) == v for k, v in want.items())
 
 
+def qwen_pre(tok: dict[str, Any]) -> str | None:
+    """`qwen2` / `qwen35` for a tokenizer whose pre-tokenizer is one of Qwen's splits (`QWEN_SPLITS`, isolated, not
+    inverted) then a byte-level step without its own regex nor prefix space, under no normalizer or NFC."""
+    pre, norm = tok.get("pre_tokenizer") or {}, tok.get("normalizer")
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if norm is not None and norm.get("type") != "NFC" or not steps or len(steps) != 2:
+        return None
+    split, byte = steps
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert"):
+        return None
+    if not _matches(byte, {"type": "ByteLevel", "use_regex": False}) or byte.get("add_prefix_space"):
+        return None
+    return QWEN_SPLITS.get(str((split.get("pattern") or {}).get("Regex")))
+
+
 def structural_pre(tok: dict[str, Any]) -> str | None:
     """llama.cpp's id for a tokenizer whose pre-tokenizer is exactly GPT-2's split (`gpt-2`) or single digits then
-    GPT-2's split (`smollm`), with no normalizer; None otherwise."""
+    GPT-2's split (`smollm`), with no normalizer, or one of Qwen's splits (`qwen_pre`); None otherwise."""
+    if qwen_pre(tok) is not None:
+        return qwen_pre(tok)
     pre = tok.get("pre_tokenizer")
     if tok.get("normalizer") is not None or pre is None:
         return None
