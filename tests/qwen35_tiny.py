@@ -11,9 +11,10 @@ The models (`build`): Qwen3.5 text configs, hidden 128, 3 layers `linear_attenti
 linear_attention` (not transformers' default period of 4, so the per-layer flags are what the check sees), full
 attention with 4 query / 2 KV heads of 32 (gated q_proj, partial RoPE: 8 rotated dimensions), the gated delta-net
 with 2 key heads and 4 value heads (`qwen3.5`: llama.cpp's V-head reorder is needed) or 2 and 2 (`qwen3.5-kv-equal`,
-untied output), heads of 32, a 4-wide convolution. Weights drawn with std 0.3 (peaked logits: greedy choices float
-rounding does not flip), the norms (which transformers' Qwen3.5 initialises to 0, scale 1 + w) and the gated norm
-perturbed so a dropped +1 shows, `A_log` and `dt_bias` drawn per head so a dropped reorder shows; float32.
+untied output), heads of 32, a 4-wide convolution; `qwen3.5-moe` is a Qwen3.5-MoE text model of the same shape with
+4 experts of 64 (top 2) and a shared expert of 96 in every layer. Weights drawn with std 0.3 (peaked logits: greedy
+choices float rounding does not flip), the norms (which transformers' Qwen3.5 initialises to 0, scale 1 + w) and the
+gated norm perturbed so a dropped +1 shows, `A_log` and `dt_bias` drawn per head so a dropped reorder shows; float32.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def qwen35_tokenizer(out: Path, vocab: int = 500) -> int:
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5": {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": True},
     "qwen3.5-kv-equal": {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "tie_word_embeddings": False},
+    "qwen3.5-moe": {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": False,
+                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "shared_expert_intermediate_size": 96},
 }
 """Tiny Qwen3.5 configs by name (on top of the shared widths in `build`)."""
 
@@ -62,12 +66,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def build(name: str, out: Path, seed: int = 0, std: float = 0.3) -> Any:
     """Write the random-init tiny model `name` (`CONFIGS`) with `qwen35_tokenizer` into `out`; returns the model."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = qwen35_tokenizer(out)
-    cfg = Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+    moe = "num_experts" in CONFIGS[name]
+    cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
+        **({} if moe else {"intermediate_size": 256}),
+        vocab_size=vocab, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, linear_key_head_dim=32,
         linear_value_head_dim=32, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention"], bos_token_id=None, eos_token_id=2,

@@ -3,9 +3,11 @@
 
 Tiny random-init Qwen3.5 text models (`tests/qwen35_tiny.py`: 3 layers linear / full / linear attention, the gated
 delta-net with 2 key heads and 4 value heads, so llama.cpp's V-head reorder is needed, tied; and with 2 and 2, untied;
-a Qwen3.5-shaped byte-level BPE tokenizer, llama.cpp's `qwen35` pre-tokenizer) are written as F32 (`write_gguf`, as a
-run's `export.gguf` does) and F16 (`tidal export MODEL_DIR --gguf f16 --out ...`). In llama.cpp
-(`tests/e2e/llama_cpp_greedy.py`, its own process): the ChatML markers are single tokens with transformers' ids, each
+a Qwen3.5-shaped byte-level BPE tokenizer, llama.cpp's `qwen35` pre-tokenizer) and a tiny Qwen3.5-MoE (4 experts,
+top 2, a shared expert; llama.cpp's `qwen35moe`) are written as F32 (`write_gguf` on the model's state dict: an MoE's
+in-memory fused gate_up_proj) and F16 (`tidal export MODEL_DIR --gguf f16 --out ...` from the saved checkpoint, as a
+run's export has its tensors: an MoE's per-expert ones). In llama.cpp (`tests/e2e/llama_cpp_greedy.py`, its own
+process): the ChatML markers are single tokens with transformers' ids, each
 prompt (rendered by the chat template) tokenizes to transformers' ids, and greedy completions (16 tokens, no stop)
 equal transformers' float32 greedy completions of the same weights. The rule, as for Gemma
 (tests/e2e/test_gguf_gemma_llama_cpp.py): F32 holds the same weights, so every completion matches and (llama.cpp with
@@ -86,12 +88,11 @@ def gap(want: list, got: dict) -> float:
                for a, b in zip(w[0], p["logits"], strict=True))
 
 
-@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-kv-equal"])
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-kv-equal", "qwen3.5-moe"])
 def test_tiny_qwen35_export_runs_in_llama_cpp(tmp_path, monkeypatch, name):
     import numpy as np
     from transformers import AutoTokenizer
 
-    import tidal.trainer.publish.gguf_out as gguf_out
     import tidal.trainer.publish.gguf_qwen35 as q35
     from tests.qwen35_tiny import build
     from tidal.trainer.publish.gguf_out import write_gguf
@@ -135,10 +136,10 @@ def test_tiny_qwen35_export_runs_in_llama_cpp(tmp_path, monkeypatch, name):
             if undo is None:
                 m.setattr(q35, "reorder_v_heads", lambda a, axis, n_k, per_k, dim: a)
             else:
-                def tensor(key, a, cfg, undo=undo):
-                    new, out = q35.qwen35_tensor(key, a, cfg)
+                def tensor(key, a, cfg, undo=undo, real=q35.qwen35_tensor):
+                    new, out = real(key, a, cfg)
                     return new, undo(key, out)
-                m.setattr(gguf_out, "qwen35_tensor", tensor)
+                m.setattr(q35, "qwen35_tensor", tensor)
             bad = write_gguf(weights.items(), src, tmp_path / f"dropped-{i}.gguf", "f32")
         wrong = gap(want, llama_cpp(bad, texts, tmp_path, f32_cache=True))
         print(f"{name} without {what}: largest logit gap {wrong:.3g}")

@@ -199,11 +199,10 @@ def test_gemma4_parts_tidal_does_not_write_are_refused(change, key):
     assert any(key in p for p in hparam_problems({**cfg, **change})), hparam_problems({**cfg, **change})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_next"])
 def test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused(tmp_path, model_type):
-    """Qwen3.5-MoE / Qwen3-Next are in llama.cpp 0.3.36 (llama-arch.cpp: qwen35moe, qwen3next), but tidal does not
-    write them (Qwen3.5's dense models it does: tests/unit/test_gguf_qwen35.py): refused naming the model, the key
-    and why."""
+    """Qwen3-Next is in llama.cpp 0.3.36 (llama-arch.cpp: qwen3next), but tidal does not write it (Qwen3.5 and
+    Qwen3.5-MoE it does: tests/unit/test_gguf_qwen35.py): refused naming the model, the key and why."""
     assert model_type in NOT_WRITTEN and model_type not in ARCHS
     with pytest.raises(ConfigError, match=rf"train: key 'export.gguf': model {tmp_path}: model_type '{model_type}' "
                                           r"cannot be written as GGUF by tidal: llama.cpp 0.3.36 reads .*supported: "
@@ -278,6 +277,7 @@ def test_family_table_cell():
     assert gguf_out_support("gemma3") == (True, "gemma3 (text model)")
     assert gguf_out_support("mistral") == (True, "llama")
     assert gguf_out_support("qwen3_5") == (True, "qwen35 (text model)")
-    written, why = gguf_out_support("qwen3_5_moe")
-    assert not written and "dense models only" in why
+    assert gguf_out_support("qwen3_5_moe") == (True, "qwen35moe (text model)")
+    written, why = gguf_out_support("qwen3_next")
+    assert not written and "in_proj_qkvz" in why
     assert gguf_out_support("gpt2")[0] is False

@@ -1,9 +1,10 @@
-"""GGUF out for Qwen3.5 dense text models (`tidal.trainer.publish.gguf_qwen35`, Qwen's pre-tokenizers in
+"""GGUF out for Qwen3.5 text models, dense and MoE (`tidal.trainer.publish.gguf_qwen35`, Qwen's pre-tokenizers in
 `gguf_vocab`): what is written, read back with `gguf.GGUFReader`, and what is refused up front.
 
 Models are the random-init tiny Qwen3.5 of `tests/qwen35_tiny.py` (Qwen3.5-shaped byte-level BPE tokenizer; 2 key /
-4 value heads in the delta-net, or 2 / 2). The real llama.cpp check is tests/e2e/test_gguf_qwen35_llama_cpp.py
-(slow): greedy completions and logits equal transformers', and other logits when a convention is dropped.
+4 value heads in the delta-net, or 2 / 2; a Qwen3.5-MoE with 4 experts and a shared one). The real llama.cpp check
+is tests/e2e/test_gguf_qwen35_llama_cpp.py (slow): greedy completions and logits equal transformers', and other
+logits when a convention is dropped.
 """
 
 from __future__ import annotations
@@ -134,6 +135,43 @@ def test_the_text_path_of_a_vision_language_checkpoint(tmp_path):
     assert set(t) == set(t_text)
     assert all(np.array_equal(t[n][0], t_text[n][0]) for n in t)
     assert f["qwen35.block_count"] == f_text["qwen35.block_count"] == 3
+
+
+def test_moe_experts_router_and_shared_expert(tmp_path):
+    """Qwen3.5-MoE (`qwen35moe`): expert keys; the router, the experts as (E, rows, cols) gate / up / down (the
+    in-memory fused gate_up_proj split in halves, gate first) and the shared expert with its gate; the checkpoint
+    transformers saves (per-expert tensors) gives the same tensors; a layer missing an expert is an error."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    model = build("qwen3.5-moe", src)
+    s = {k: v.numpy() for k, v in model.state_dict().items()}
+    f, t = read(write_gguf(model.state_dict().items(), src, tmp_path / "m.gguf", "f32"))
+    assert f["general.architecture"] == "qwen35moe"
+    assert (f["qwen35moe.expert_count"], f["qwen35moe.expert_used_count"], f["qwen35moe.expert_feed_forward_length"],
+            f["qwen35moe.expert_shared_feed_forward_length"]) == (4, 2, 64, 96)
+    assert "qwen35moe.feed_forward_length" not in f and list(f["qwen35moe.attention.recurrent_layers"]) == [True,
+                                                                                                         False, True]
+    p = "model.layers.1.mlp."
+    gate_up = s[p + "experts.gate_up_proj"]  # (4, 128, 128): 64 gate rows, then 64 up rows per expert
+    assert np.array_equal(t["blk.1.ffn_gate_exps.weight"][0], gate_up[:, :64])
+    assert np.array_equal(t["blk.1.ffn_up_exps.weight"][0], gate_up[:, 64:])
+    assert np.array_equal(t["blk.1.ffn_down_exps.weight"][0], s[p + "experts.down_proj"])
+    assert np.array_equal(t["blk.1.ffn_gate_inp.weight"][0], s[p + "gate.weight"])
+    assert np.array_equal(t["blk.1.ffn_gate_inp_shexp.weight"][0], s[p + "shared_expert_gate.weight"])
+    assert np.array_equal(t["blk.1.ffn_down_shexp.weight"][0], s[p + "shared_expert.down_proj.weight"])
+    saved = load_file(str(src / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in saved  # transformers 5 saves experts one by one
+    _, t2 = read(write_gguf(saved.items(), src, tmp_path / "saved.gguf", "f32"))
+    assert set(t2) == set(t) and all(np.array_equal(t2[n][0], t[n][0]) for n in t)
+    del saved["model.layers.2.mlp.experts.1.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"experts missing of 4: model.layers.2.mlp.experts.\*.down_proj has "
+                                         r"\[0, 2, 3\]"):
+        write_gguf(saved.items(), src, tmp_path / "bad.gguf", "f32")
+    cfg = json.loads((src / "config.json").read_text())
+    assert hparam_problems(cfg) == []
+    assert any("shared_expert_intermediate_size missing" in p for p in hparam_problems(
+        {**cfg, "shared_expert_intermediate_size": None}))
 
 
 @pytest.mark.parametrize("change, key", [

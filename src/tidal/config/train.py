@@ -144,7 +144,7 @@ class ExportSection(StrictModel):
     - `q4_1` / `q4_0`: 4-bit blocks of 32 with a scale and (q4_1) a minimum (~0.63 / 0.56 bytes per weight; the
       smallest, at a measurable accuracy cost: docs/real-model.md).
     In the 4/5-bit types the embedding/output matrix is q8_0. null: no GGUF. Llama, Mistral, Qwen2, Qwen3, Qwen3.5
-    (dense) and Gemma 1-4 text models (docs/models.md's "GGUF out" column) with a byte-level BPE tokenizer whose
+    (dense and MoE) and Gemma 1-4 text models (docs/models.md's "GGUF out" column) with a byte-level BPE tokenizer whose
     pre-tokenizer llama.cpp knows, or Gemma's SentencePiece-style one, and RoPE llama.cpp reads
     (`tidal.trainer.publish.gguf_out`); anything else, and a missing `gguf` package, exits 2 before training."""
 

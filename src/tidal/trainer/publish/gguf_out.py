@@ -10,13 +10,15 @@ what that script writes for the architectures listed in `ARCHS`, with the names 
   `llama3` (Llama/Mistral: the per-frequency factors as the `rope_freqs` tensor, as the script computes them).
   What llama.cpp would not read for these architectures is refused before training (`hparam_problems`, naming the
   config key): other RoPE types, non-default YaRN attention factor / betas, a sliding window that is in effect,
-  an activation other than SiLU, partial rotary dimensions, per-layer-type RoPE;
+  an activation other than SiLU, partial rotary dimensions, per-layer-type RoPE (the Gemma family's and Qwen3.5's
+  own rules: `gguf_gemma`, `gguf_qwen35`);
 - the tokenizer (`tidal.trainer.publish.gguf_vocab`: token types, pre-tokenizer, merges, special ids, template);
 - tensors in `TYPES`: 1-d tensors (norms, biases) stay F32; matrices in the chosen type. The quantized types are the
   ones gguf's own numpy quantizers write (`gguf.quants.quantize`): Q8_0, Q5_0/Q5_1, Q4_0/Q4_1 (blocks of 32
   values, one scale each); with them the embedding/output matrix is written Q8_0, as llama.cpp's quantizer keeps the
   output layer above the 4/5-bit type (it uses Q6_K, which gguf cannot write), and a matrix whose rows are not a
-  multiple of 32 falls back to F16 (as the script does). Tied embeddings once (`token_embd`, no `output`). Llama:
+  multiple of 32 falls back to F16 (as the script does); a delta-net's conv kernel stays F32 (`F32_ALWAYS`). Tied
+  embeddings once (`token_embd`, no `output`). Llama:
   llama.cpp applies rotary embeddings to interleaved pairs, HF to the two halves of each head, so q/k rows (weights
   and biases) are reordered per head (`rope_interleave`); transformers' GGUF reader undoes exactly this.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +45,19 @@ from tidal.trainer.publish.gguf_gemma import (
     kv_heads,
     proportional_freqs,
 )
-from tidal.trainer.publish.gguf_qwen35 import QWEN35_TYPES, add_qwen35_hparams, qwen35_problems, qwen35_tensor
+from tidal.trainer.publish.gguf_qwen35 import QWEN35_TYPES, add_qwen35_hparams, qwen35_arrays, qwen35_problems
 
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
-         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4", "qwen3_5_text": "QWEN35"}
+         "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "gemma4_text": "GEMMA4", "qwen3_5_text": "QWEN35",
+         "qwen3_5_moe_text": "QWEN35MOE"}
 """What tidal writes as GGUF: HF `model_type` -> gguf's `MODEL_ARCH` member (Mistral is llama.cpp's `llama`
 architecture; the Gemma family's rules are `tidal.trainer.publish.gguf_gemma`, Qwen3.5's
 `tidal.trainer.publish.gguf_qwen35`). The one list of the GGUF-out support
 (with `TEXT_OF` and `NOT_WRITTEN`): docs/models.md's family table reads it."""
-TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}
+TEXT_OF = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+           "qwen3_5_moe": "qwen3_5_moe_text"}
 """Vision-language `model_type` -> its language model's, written from `text_config` (the vision tower left out)."""
 NOT_WRITTEN = {
-    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
-                    "llama.cpp 0.3.36 reads qwen35moe, but tidal writes Qwen3.5's dense models only (not the routed "
-                    "and shared experts of the MoE ones)"),
     "qwen3_next": "llama.cpp 0.3.36 reads qwen3next, but tidal does not write it (its fused in_proj_qkvz and "
                   "in_proj_ba delta-net projections and its experts)",
 }
@@ -216,7 +217,8 @@ def add_hparams(w: Any, cfg: dict[str, Any], name: str, rope: dict[str, Any],
     w.add_block_count(int(cfg["num_hidden_layers"]))
     w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
     w.add_embedding_length(int(cfg["hidden_size"]))
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    if cfg.get("intermediate_size") is not None:  # an MoE's experts have their own (Qwen3.5-MoE has none)
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads(cfg))
     w.add_key_length(full_head_dim(cfg))
@@ -300,28 +302,35 @@ def text_name(key: str, vlm: bool) -> str | None:
     return key if key.startswith("lm_head.") else None
 
 
-def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
-                 vlm: bool = False) -> Iterable[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for
-    llama, Gemma's norms +1 (`gguf_gemma.NORM_SHIFT`), Qwen3.5's delta-net in llama.cpp's layout
-    (`gguf_qwen35.qwen35_tensor`), a VLM's text path only (`vlm`)."""
-    import gguf
-
-    arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
-    names = gguf.TensorNameMap(arch, int(cfg["num_hidden_layers"]))
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+def text_arrays(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
+                vlm: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(causal-LM name, float32 array) of each checkpoint tensor that is written: a VLM's text path only (`vlm`), the
+    output matrix once when tied, not `LEFT_OUT`."""
     tied = bool(cfg.get("tie_word_embeddings", False))
-    shift = NORM_SHIFT.get(cfg["model_type"], 0.0)
     for original, tensor in weights:
         key = text_name(original, vlm)
         if key is None or (tied and key == "lm_head.weight") or key.startswith(LEFT_OUT):
             continue
         if key.endswith(".layer_scalar"):  # Gemma 4's per-layer output scale, a bare buffer name
             key += ".weight"
-        a = tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
-        if cfg["model_type"] in QWEN35_TYPES:
-            key, a = qwen35_tensor(key, a, cfg)
+        yield key, tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else np.asarray(
+            tensor, np.float32)
+
+
+def gguf_tensors(weights: Iterable[tuple[str, Any]], cfg: dict[str, Any],
+                 vlm: bool = False) -> Iterable[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for each (checkpoint name, tensor): names from gguf's table, q/k reordered for
+    llama, Gemma's norms +1 (`gguf_gemma.NORM_SHIFT`), Qwen3.5's delta-net and experts in llama.cpp's layout
+    (`gguf_qwen35.qwen35_arrays`), a VLM's text path only (`vlm`)."""
+    import gguf
+
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[cfg["model_type"]])
+    names = gguf.TensorNameMap(arch, int(cfg["num_hidden_layers"]))
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    shift = NORM_SHIFT.get(cfg["model_type"], 0.0)
+    arrays = text_arrays(weights, cfg, vlm)
+    for key, a in qwen35_arrays(arrays, cfg) if cfg["model_type"] in QWEN35_TYPES else arrays:
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"GGUF export: tensor {key} has no name in gguf's {cfg['model_type']} table")

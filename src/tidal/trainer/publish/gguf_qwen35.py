@@ -1,6 +1,7 @@
-"""GGUF out, Qwen3.5 dense text models (`qwen3_5_text`, and the text path of `qwen3_5` vision-language checkpoints):
-the `qwen35.*` hyperparameters llama.cpp reads, the tensor conventions of its `qwen35` model, and what of a config it
-would not read (`tidal.trainer.publish.gguf_out` writes the rest and calls these).
+"""GGUF out, Qwen3.5 text models, dense and MoE (`qwen3_5_text`, `qwen3_5_moe_text`, and the text path of `qwen3_5` /
+`qwen3_5_moe` vision-language checkpoints): the `{arch}.*` hyperparameters llama.cpp reads, the tensor conventions of
+its `qwen35` / `qwen35moe` models, and what of a config it would not read (`tidal.trainer.publish.gguf_out` writes the
+rest and calls these).
 
 The reference is the llama.cpp that llama-cpp-python 0.3.36 vendors (`src/models/qwen35.cpp`, the QWEN35 loading in
 `src/llama-model.cpp`, and what its `conversion/qwen.py` writes for `Qwen3_5ForCausalLM`). Written:
@@ -21,6 +22,12 @@ The reference is the llama.cpp that llama-cpp-python 0.3.36 vendors (`src/models
   heads (grouped: value head j reads key head j // r), llama.cpp's broadcast tiles them (j reads j % n_k); so the
   value-head axis of in_proj_qkv's V rows, in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias, the conv1d's V channels
   and out_proj's columns is permuted from grouped to tiled (`reorder_v_heads`), as llama.cpp's converter does.
+- MoE (`qwen35moe`): expert count, experts used, the routed and the shared experts' widths; the router
+  (`mlp.gate`) as `ffn_gate_inp`, the experts as 3-d tensors (E, rows, cols) `ffn_gate_exps`, `ffn_up_exps`,
+  `ffn_down_exps`, as llama.cpp's converter writes them: transformers 5's in-memory fused `gate_up_proj` split in its
+  gate and up halves, a checkpoint's per-expert `experts.{e}.{gate,up,down}_proj` (what transformers 5 saves)
+  stacked once a layer's are all read; the shared expert and its sigmoid gate (`ffn_*_shexp`, `ffn_gate_inp_shexp`).
+  llama.cpp routes by softmax over all experts, top-k, renormalised: transformers' Qwen3.5-MoE router does the same.
 Not written: the multi-token-prediction head of Qwen3.5 checkpoints (`mtp.*` tensors, `mtp_num_hidden_layers`):
 transformers does not load it, so tidal neither trains nor has it; llama.cpp runs the model without it (it is only a
 speculative-decoding draft) and the file says none (`nextn_predict_layers` absent).
@@ -28,12 +35,18 @@ speculative-decoding draft) and the file says none (`nextn_predict_layers` absen
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-QWEN35_TYPES = ("qwen3_5_text",)
-"""HF `model_type`s written by this module (a `qwen3_5` vision-language checkpoint through its text_config)."""
+QWEN35_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+"""HF `model_type`s written by this module (a `qwen3_5` / `qwen3_5_moe` vision-language checkpoint through its
+text_config)."""
+MOE = "qwen3_5_moe_text"
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""Config keys of a Qwen3.5-MoE that llama.cpp's qwen35moe reads (`add_qwen35_hparams`)."""
 DEFAULT_MROPE = [11, 11, 10]
 """transformers' Qwen3.5 `mrope_section` when the config has none (and llama.cpp's converter's)."""
 DEFAULT_PARTIAL = 0.25
@@ -117,6 +130,10 @@ def qwen35_problems(cfg: dict[str, Any], overlay: dict[str, Any] | None = None) 
     nk, nv = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
     if nv % nk:
         out.append(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
+    if cfg.get("model_type") == MOE:
+        out += [f"{k} missing (llama.cpp's qwen35moe needs it)" for k in MOE_KEYS if not cfg.get(k)]
+        if cfg.get("mlp_only_layers"):
+            out.append(f"mlp_only_layers {cfg['mlp_only_layers']} (llama.cpp's qwen35moe has experts in every layer)")
     sections, pairs = mrope_sections(cfg), rotary_dims(cfg) // 2
     if sum(sections) <= 0 or sum(sections) > head_dim(cfg):
         out.append(f"rope_parameters.mrope_section {sections[:3]} (llama.cpp needs 0 < sum <= head_dim "
@@ -140,6 +157,11 @@ def add_qwen35_hparams(w: Any, cfg: dict[str, Any]) -> None:
     w.add_ssm_inner_size(vdim * nv)
     w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_types(cfg)])
     w.add_full_attention_interval(int(cfg.get("full_attention_interval") or 4))
+    if cfg.get("model_type") == MOE:
+        w.add_expert_count(int(cfg["num_experts"]))
+        w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+        w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+        w.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
 
 
 def reorder_v_heads(a: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndarray:
@@ -175,3 +197,37 @@ def qwen35_tensor(key: str, a: np.ndarray, cfg: dict[str, Any]) -> tuple[str, np
     elif key.endswith("norm.weight") and not key.endswith(".linear_attn.norm.weight"):
         a = a + np.float32(1.0)
     return key, a
+
+
+EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+"""A per-expert tensor of a checkpoint (transformers 5 saves MoE experts so): prefix, expert, projection."""
+
+
+def qwen35_arrays(stream: Iterable[tuple[str, np.ndarray]], cfg: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """`qwen35_tensor` over (checkpoint name, float32 array) pairs; a MoE's experts as one (E, rows, cols) tensor per
+    layer and projection (`...mlp.experts.gate_proj.weight`, as gguf's table names them, llama.cpp's `ffn_gate_exps`
+    etc.): transformers 5's fused `gate_up_proj` split in its gate and up halves, a checkpoint's per-expert tensors
+    stacked, so both give the same file; ValueError if a layer's experts are incomplete at the end."""
+    n = int(cfg.get("num_experts") or 0)
+    pending: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for key, a in stream:
+        if key.endswith(".mlp.experts.gate_up_proj"):  # transformers 5's fused (E, 2F, H): gate rows, then up rows
+            half = a.shape[1] // 2
+            yield key[: -len("gate_up_proj")] + "gate_proj.weight", a[:, :half]
+            yield key[: -len("gate_up_proj")] + "up_proj.weight", a[:, half:]
+            continue
+        if key.endswith(".mlp.experts.down_proj"):  # (E, H, F)
+            yield key + ".weight", a
+            continue
+        m = EXPERT.match(key)
+        if m is None:
+            yield qwen35_tensor(key, a, cfg)
+            continue
+        group = pending.setdefault((m[1], m[3]), {})
+        group[int(m[2])] = a
+        if len(group) == n:
+            del pending[(m[1], m[3])]
+            yield f"{m[1]}.{m[3]}.weight", np.stack([group[e] for e in range(n)])
+    if pending:
+        raise ValueError(f"GGUF export: experts missing of {n}: " + ", ".join(
+            f"{prefix}.*.{proj} has {sorted(got)}" for (prefix, proj), got in pending.items()))
