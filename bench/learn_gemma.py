@@ -11,6 +11,9 @@ come from the same small space (LOW..HIGH squared pairs), so the check is "learn
 Simplifications: few steps and short completions (CPU, shared machine); the reward is the env's own; no TRL side.
 Every vLLM start must hold the shared lock: run it as `flock /tmp/tidal-vllm.lock python bench/learn_gemma.py`.
 `--deadline HH:MM` (UTC) stops starting runs that could not finish by then; the rows written so far stay, marked.
+`--temperature` sets the training rollouts' sampling temperature (orch `sampling.temperature`). Seeds can train in
+separate invocations (`--no-eval`, one lock hold each, same `--work`): a finished run of the same recipe is reused, and
+a last invocation listing every seed evaluates them all in one `tidal eval`.
 """
 
 from __future__ import annotations
@@ -37,16 +40,30 @@ def env_arg(args: argparse.Namespace) -> str:
             f"eval_size: {args.eval_size}}}}}")
 
 
+RECIPE = ("steps", "prompts", "generations", "max_tokens", "lr", "temperature", "low", "high")
+
+
 def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
-    """One `tidal grpo` run; its metrics summary and final adapter."""
+    """One `tidal grpo` run; its metrics summary and final adapter. A run of the same recipe already finished in
+    `work` (its summary `seed{seed}.json`, written last) is reused, so seeds can train in separate invocations
+    (one lock hold each) and be evaluated together by a last one."""
     run_dir = work / f"seed{seed}"
+    summary = work / f"seed{seed}.json"
+    recipe = {k: getattr(args, k) for k in RECIPE}
+    if summary.exists():
+        done = json.loads(summary.read_text())
+        if done.get("recipe") == recipe and Path(done["adapter"]).is_dir():
+            return {**done, "reused": True}
+        raise RuntimeError(f"{summary}: a run of another recipe ({done.get('recipe')}) is in {work}: use another "
+                           f"--work")
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(EXAMPLE / "train.yaml"), "--infer",
            str(EXAMPLE / "infer.yaml"), "--orch", str(EXAMPLE / "orch.yaml"), "--model", MODEL, "--output-dir",
            str(run_dir), "--orch.env", f"[{env_arg(args)}]", "--orch.max_steps", str(args.steps),
            "--orch.batch_size", str(args.prompts * args.generations), "--orch.rollouts_per_example",
            str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens), "--orch.seed", str(seed),
-           "--orch.sampling.seed", str(seed), "--train.seed", str(seed), "--train.learning_rate", str(args.lr),
-           "--train.export.gguf", "null", "--infer.port", str(args.port)]
+           "--orch.sampling.seed", str(seed), "--orch.sampling.temperature", str(args.temperature), "--train.seed",
+           str(seed), "--train.learning_rate", str(args.lr), "--train.export.gguf", "null", "--infer.port",
+           str(args.port)]
     t0 = time.monotonic()
     code, text = harness.run(cmd, work / f"seed{seed}.log", args.run_budget_s, env=harness.child_env(),
                              name=f"grpo_seed{seed}")
@@ -56,11 +73,16 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     k = min(3, len(rows))
-    return {"seed": seed, "total_s": time.monotonic() - t0, "adapter": str(run_dir / "final" / "adapter"),
+    out = {"seed": seed, "total_s": time.monotonic() - t0, "adapter": str(run_dir / "final" / "adapter"),
             "step_s": statistics.mean(r["step_time_s"] for r in rows[1:] or rows),
             "reward_first": statistics.mean(r["reward/mean"] for r in rows[:k]),
             "reward_last": statistics.mean(r["reward/mean"] for r in rows[-k:]),
-            "mismatch_kl_1": rows[0]["mismatch_kl"], "steps": len(rows)}
+            "mismatch_kl_1": rows[0]["mismatch_kl"], "steps": len(rows), "recipe": recipe,
+            "rewards": [r["reward/mean"] for r in rows]}
+    from tidal.paths import write_atomic
+
+    write_atomic(summary, json.dumps(out, indent=1))
+    return out
 
 
 def greedy(args: argparse.Namespace, work: Path, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,9 +117,9 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
              f"ran meanwhile: times are not comparable across invocations). {note}", "",
              f"Workload: Gemma 3 270M base (Q4_K_M GGUF dequantized to float32), `addition` prompt_format text, "
              f"A, B in [{args.low}, {args.high}], {args.prompts} prompts x {args.generations} completions x <= "
-             f"{args.max_tokens} tokens per step, {args.steps} steps, lr {args.lr}, LoRA r16/alpha 32 (all linear), "
-             f"on-policy. Greedy accuracy: `tidal eval` on the env's fixed {args.eval_size}-problem set, 95% Wilson "
-             "interval in brackets.", ""]
+             f"{args.max_tokens} tokens per step at temperature {args.temperature}, {args.steps} steps, lr {args.lr}, "
+             f"LoRA r16/alpha 32 (all linear), on-policy. Greedy accuracy: `tidal eval` on the env's fixed "
+             f"{args.eval_size}-problem set, 95% Wilson interval in brackets.", ""]
     base = evals.get("base") if evals else None
     lines += [f"Base model greedy accuracy: {fmt(base)}", "",
               "| seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
@@ -112,9 +134,16 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         lines += ["", f"After, over {len(accs)} seeds: {statistics.mean(accs):.3f} +- {sd:.3f} (sample std); "
                   f"before: {base[0]:.3f}." if base else ""]
+        if base:
+            above = sum(evals[r["adapter"]][0] > base[2] for r in runs)
+            clear = sum(evals[r["adapter"]][1] > base[2] for r in runs)
+            lines += ["", f"Seeds whose greedy accuracy after is above the base's interval (> {base[2]:.3f}): "
+                      f"{above} of {len(runs)}; whose own interval lies wholly above it: {clear} of {len(runs)}."]
     if evals:
         lines += ["", "Greedy completions (first 3 problems):", ""]
         lines += [f"- {label}: {json.dumps(s)}" for label, s in evals["samples"].items()]
+    if args.extra:
+        lines += ["", Path(args.extra).read_text().rstrip()]
     out = Path(args.out)
     write_atomic(out, "\n".join(lines) + "\n")
     write_atomic(out.with_suffix(".json"), json.dumps({"args": vars(args), "runs": runs, "evals": evals,
@@ -129,13 +158,19 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="orch sampling.temperature of the training rollouts (the trainer scores at it too)")
     p.add_argument("--low", type=int, default=0)
     p.add_argument("--high", type=int, default=19)
     p.add_argument("--eval-size", type=int, default=128)
     p.add_argument("--port", type=int, default=8377)
-    p.add_argument("--run-budget-s", type=float, default=1800)
+    p.add_argument("--run-budget-s", type=float, default=3600,
+                   help="one `tidal grpo` run's limit (1800 s stopped a 20-step run at step 18 on the shared machine)")
     p.add_argument("--work", default="/tmp/learn_gemma")
     p.add_argument("--out", default=str(REPO / "bench" / "LEARN-GEMMA.md"), help="the table (and .json beside it)")
+    p.add_argument("--no-eval", action="store_true", help="train only (a later invocation with the same --work "
+                   "reuses the finished runs and evaluates them all in one `tidal eval`)")
+    p.add_argument("--extra", help="a markdown file appended under the table (e.g. the recipes explored before)")
     p.add_argument("--deadline", help="HH:MM UTC: start no run after it minus --reserve-s")
     p.add_argument("--reserve-s", type=float, default=900, help="time kept for the evaluation before the deadline")
     args = p.parse_args()
@@ -153,6 +188,9 @@ def main() -> None:
                 break
         runs.append(grpo(args, work, seed))
         write(args, runs, None, "PARTIAL: training rows so far, evaluation pending.")
+    if args.no_eval:
+        write(args, runs, None, f"PARTIAL: training rows only (--no-eval). {note}")
+        return
     write(args, runs, greedy(args, work, runs), note)
 
 
