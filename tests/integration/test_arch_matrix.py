@@ -29,7 +29,7 @@ from tests.archs import ARCHS, GRPO_RUN_DEFAULT, build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
-from tidal.models.lora import resolve_lora_targets
+from tidal.models.lora import excluded_modules, resolve_lora_targets
 from tidal.models.names import is_expert_key
 from tidal.trainer.model.load import load_base_model
 from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict, reload_keys
@@ -105,7 +105,8 @@ def lora_policy(model_dir: Path, seed: int) -> Any:
     torch.manual_seed(seed)
     base = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
     targets = resolve_lora_targets(base, "all-linear")
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets,
+                                            exclude_modules=excluded_modules(base)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

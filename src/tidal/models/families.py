@@ -14,6 +14,14 @@ A family is a set of transformers `model_type`s (`Family.model_types`) with the 
 
 Rows are looked up by `model_type` (`family_of`), from a config.json dict or a transformers config (`text_config`
 of a VLM checkpoint included). A model of no family here is not refused: the matrix says nothing about it.
+
+**The text path of a VLM checkpoint** (`TEXT_PATH_VLMS`: Qwen3.5's, Qwen3.5-MoE's, Gemma 3's and Gemma 4's
+`*ForConditionalGeneration`; many of their small checkpoints are published as VLMs): tidal trains and serves their
+language model on text prompts. The trainer builds the checkpoint's own class (so its parameter names, turned into
+checkpoint names by transformers' reverse conversion, are the checkpoint's: `model.language_model.*`, Gemma 3's
+`language_model.model.*` on disk) with LoRA on the language model only, and never runs the vision tower; vLLM
+serves it with `--language-model-only` (no vision tower, no image processor: `text_path_only`). Image prompts are
+refused by name (the trainer builds no image inputs for these).
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ LINEAR_LAYER_TYPES = frozenset({"linear_attention"})
 MATRIX = "tests/integration/test_arch_matrix.py"
 ONE_PER_ROW = "one sample per row"
 PACKED = "packed (block-diagonal)"
+TEXT_PATH_VLMS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                  "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
+"""VLM checkpoint classes whose text path tidal trains and serves (module doc); checked by the `*-vlm` rows of
+`tests/archs.py`."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,17 @@ def family_of(config: Any) -> Family | None:
     table."""
     types = {_get(config, "model_type"), _get(_text(config), "model_type")}
     return next((f for f in FAMILIES if types & set(f.model_types)), None)
+
+
+def architecture(config: Any) -> str:
+    """The checkpoint's class (`architectures[0]` of a config.json dict or a transformers config; '' if none)."""
+    archs = _get(config, "architectures") or []
+    return str(archs[0]) if archs else ""
+
+
+def text_path_only(config: Any) -> bool:
+    """A VLM checkpoint tidal runs on its text path only (`TEXT_PATH_VLMS`, module doc)."""
+    return architecture(config) in TEXT_PATH_VLMS
 
 
 def has_linear_attention(config: Any) -> bool:
