@@ -70,6 +70,9 @@ class Family:
     """Whether vLLM 0.32's model code for it imports torchvision (`no`, or how tidal deals with it)."""
     cells: dict[str, Cell] = field(default_factory=dict)
     """Column -> `Cell` (every column of `COLUMNS`)."""
+    architectures: tuple[str, ...] = ()
+    """Checkpoint classes this row is for (a VLM checkpoint's text path, `TEXT_PATH_VLMS`): such a checkpoint finds
+    this row before its `model_type`'s; empty: any class of its `model_types`."""
 
 
 def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | None = None,
@@ -120,6 +123,20 @@ FAMILIES: tuple[Family, ...] = (
                "refused (llama.cpp 0.3.36 reads qwen35; tidal does not write the gated delta-net tensors)",
                f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused[qwen3_5]"),
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
+    Family("Qwen3.5 VLM, text path", ("qwen3_5",), "qwen3.5-vlm", linear_attention=True,
+           torchvision="no (served --language-model-only; vl_imports stands in for the import)",
+           architectures=("Qwen3_5ForConditionalGeneration",),
+           cells=_matrix("qwen3.5-vlm", packing=LINEAR_PACKING, gguf_out=Cell(
+               "refused (the Qwen3.5 text model's reason)",
+               f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused[qwen3_5]"),
+                         gpu=Cell("qwen3.5-fla, cuda-vllm-vlm-text-paths (never run)"))),
+    Family("Qwen3.5-MoE", ("qwen3_5_moe", "qwen3_5_moe_text"), "qwen3.5-moe", linear_attention=True,
+           torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
+           cells=_matrix("qwen3.5-moe", lora=False, full=False, packing=LINEAR_PACKING, gguf_out=Cell(
+               "refused (the Qwen3.5 text model's reason)",
+               f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused"
+               "[qwen3_5_moe_text]"),
+                         gpu=Cell("qwen3.5-fla, cuda-vllm-vlm-text-paths (never run)"))),
     Family("Gemma 3", ("gemma3", "gemma3_text"), "gemma3", cells=_matrix(
         "gemma3", gguf_out=Cell("yes (real Gemma 3 270M and tiny: specials single, greedy equal, F32 and F16)",
                                 f"{GGUF_LLAMA_CPP}::test_real_gemma3_270m_export_runs_in_llama_cpp"),
@@ -128,6 +145,14 @@ FAMILIES: tuple[Family, ...] = (
         "gemma4", gguf_out=Cell("yes, dense text models (tiny: specials single, greedy equal, F32 and F16)",
                                 f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma4]"),
         gpu=Cell("cuda-vllm-new-families (never run)"))),
+    Family("Gemma 3 VLM, text path", ("gemma3",), "gemma3-vlm", architectures=("Gemma3ForConditionalGeneration",),
+           cells=_matrix("gemma3-vlm", gguf_out=Cell(
+               "written from text_config (tiny, read back; the text model's llama.cpp check covers the tensors)",
+               f"{GGUF_GEMMA}::test_gemma3_vlm_checkpoint_writes_its_text_model"),
+                         gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
+    Family("Gemma 4 VLM, text path", ("gemma4",), "gemma4-vlm", architectures=("Gemma4ForConditionalGeneration",),
+           cells=_matrix("gemma4-vlm", gguf_out=Cell("accepted (text_config, as Gemma 3's VLM); not checked on a "
+                                                     "Gemma 4 VLM checkpoint"), gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
     Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
     Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix(
@@ -151,10 +176,14 @@ def _text(config: Any) -> Any:
 
 
 def family_of(config: Any) -> Family | None:
-    """The family of a model (its config.json dict or a transformers config), by `model_type`; None: not in the
-    table."""
+    """The family of a model (its config.json dict or a transformers config): the row of its checkpoint class
+    (`Family.architectures`), else by `model_type`; None: not in the table."""
+    arch = architecture(config)
+    by_class = next((f for f in FAMILIES if arch in f.architectures), None)
+    if by_class is not None:
+        return by_class
     types = {_get(config, "model_type"), _get(_text(config), "model_type")}
-    return next((f for f in FAMILIES if types & set(f.model_types)), None)
+    return next((f for f in FAMILIES if not f.architectures and types & set(f.model_types)), None)
 
 
 def architecture(config: Any) -> str:
