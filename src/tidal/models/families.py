@@ -152,7 +152,8 @@ FAMILIES: tuple[Family, ...] = (
                          gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Gemma 4 VLM, text path", ("gemma4",), "gemma4-vlm", architectures=("Gemma4ForConditionalGeneration",),
            cells=_matrix("gemma4-vlm", gguf_out=Cell("accepted (text_config, as Gemma 3's VLM); not checked on a "
-                                                     "Gemma 4 VLM checkpoint"), gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
+                                                     "Gemma 4 VLM checkpoint"),
+                         gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
     Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
     Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix(
