@@ -301,3 +301,27 @@ def test_a_two_step_grpo_run_completes(name, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch_kl"] <= 1e-3, f"{name}: step-1 mismatch KL {rows[0]['mismatch_kl']}"
     shutil.rmtree(model_dir)
+
+
+def test_an_image_prompt_to_a_vlms_text_path_is_refused_by_name(served):
+    """A VLM checkpoint served on its text path (`--language-model-only`): an image prompt is the same clear
+    `NotMultimodal` error as for a text model (tests/integration/test_vlm_text_model.py), not a retried failure."""
+    import random
+
+    from tests.e2e.vlm_env import SquareColour
+    from tidal.config.orch import OrchConfig
+    from tidal.inference.protocol import NotMultimodal
+    from tidal.orchestrator.groups import draw_prompts
+
+    if ARCHS[served.name].vision is None:
+        pytest.skip("a text model: tests/integration/test_vlm_text_model.py")
+
+    async def go() -> None:
+        client = VllmClient(ClientSection(base_url=[served.url]))
+        try:
+            await draw_prompts(SquareColour(), random.Random(0), client, str(served.model_dir), 2, OrchConfig(), {})
+        finally:
+            await client.close()
+
+    with pytest.raises(NotMultimodal, match="takes text only"):
+        asyncio.run(go())

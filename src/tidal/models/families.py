@@ -105,6 +105,12 @@ GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
 LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
                       "tests/unit/test_linear_attention_packing.py::test_packed_logprobs_equal_one_sample_per_row")
 
+
+def vlm_packing(arch: str) -> Cell:
+    """A VLM checkpoint's text path packs as its text model does (two samples in a row, float64 against each alone)."""
+    return Cell(PACKED, "tests/unit/test_vlm_text_path.py::"
+                        f"test_the_trainer_loads_the_checkpoint_and_its_text_logprobs_are_the_text_models[{arch}]")
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",), "llama3", cells=_matrix(
         "llama3", gguf_in=Cell("yes", "tests/unit/test_gguf_models.py::test_gguf_source_resolves_to_the_same_model"
@@ -146,13 +152,13 @@ FAMILIES: tuple[Family, ...] = (
                                 f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma4]"),
         gpu=Cell("cuda-vllm-new-families (never run)"))),
     Family("Gemma 3 VLM, text path", ("gemma3",), "gemma3-vlm", architectures=("Gemma3ForConditionalGeneration",),
-           cells=_matrix("gemma3-vlm", gguf_out=Cell(
+           cells=_matrix("gemma3-vlm", packing=vlm_packing("gemma3-vlm"), gguf_out=Cell(
                "written from text_config (tiny, read back; the text model's llama.cpp check covers the tensors)",
                f"{GGUF_GEMMA}::test_gemma3_vlm_checkpoint_writes_its_text_model"),
                          gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Gemma 4 VLM, text path", ("gemma4",), "gemma4-vlm", architectures=("Gemma4ForConditionalGeneration",),
-           cells=_matrix("gemma4-vlm", gguf_out=Cell("accepted (text_config, as Gemma 3's VLM); not checked on a "
-                                                     "Gemma 4 VLM checkpoint"),
+           cells=_matrix("gemma4-vlm", packing=vlm_packing("gemma4-vlm"), gguf_out=Cell(
+               "accepted (text_config, as Gemma 3's VLM); not checked on a Gemma 4 VLM checkpoint"),
                          gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
     Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
