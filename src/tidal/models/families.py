@@ -105,6 +105,8 @@ GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
 LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
                       "tests/unit/test_linear_attention_packing.py::test_packed_logprobs_equal_one_sample_per_row")
 
+VLM_STAND_IN = "no (vLLM imports it; tidal's plugin stands in: vl_imports; served --language-model-only)"
+
 
 def vlm_packing(arch: str) -> Cell:
     """A VLM checkpoint's text path packs as its text model does (two samples in a row, float64 against each alone)."""
@@ -130,7 +132,7 @@ FAMILIES: tuple[Family, ...] = (
                f"{GGUF_GEMMA}::test_architectures_llama_cpp_reads_but_tidal_does_not_write_are_refused[qwen3_5]"),
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
     Family("Qwen3.5 VLM, text path", ("qwen3_5",), "qwen3.5-vlm", linear_attention=True,
-           torchvision="no (served --language-model-only; vl_imports stands in for the import)",
+           torchvision=VLM_STAND_IN,
            architectures=("Qwen3_5ForConditionalGeneration",),
            cells=_matrix("qwen3.5-vlm", packing=LINEAR_PACKING, gguf_out=Cell(
                "refused (the Qwen3.5 text model's reason)",
@@ -152,11 +154,13 @@ FAMILIES: tuple[Family, ...] = (
                                 f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma4]"),
         gpu=Cell("cuda-vllm-new-families (never run)"))),
     Family("Gemma 3 VLM, text path", ("gemma3",), "gemma3-vlm", architectures=("Gemma3ForConditionalGeneration",),
+           torchvision=VLM_STAND_IN,
            cells=_matrix("gemma3-vlm", packing=vlm_packing("gemma3-vlm"), gguf_out=Cell(
                "written from text_config (tiny, read back; the text model's llama.cpp check covers the tensors)",
                f"{GGUF_GEMMA}::test_gemma3_vlm_checkpoint_writes_its_text_model"),
                          gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Gemma 4 VLM, text path", ("gemma4",), "gemma4-vlm", architectures=("Gemma4ForConditionalGeneration",),
+           torchvision=VLM_STAND_IN,
            cells=_matrix("gemma4-vlm", packing=vlm_packing("gemma4-vlm"), gguf_out=Cell(
                "accepted (text_config, as Gemma 3's VLM); not checked on a Gemma 4 VLM checkpoint"),
                          gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
