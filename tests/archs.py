@@ -220,7 +220,9 @@ Many small Qwen3.5, Gemma 3 and Gemma 4 checkpoints are published as vision-lang
 builds the checkpoint's own class, so the names it publishes (merged reloads, the push, the slim reload's
 `changed_keys`) are the checkpoint's (`model.language_model.*`; Gemma 3's `language_model.model.*` on disk), LoRA
 adapts the language model only (`tidal.models.lora.excluded_modules`) and the vision tower is never run; vLLM
-serves it with `--language-model-only` (no vision tower, no image processor needed). The `*-vlm` rows above are
+serves it with `--language-model-only` (no vision tower, no image processor needed); its model code for all three
+imports torchvision through transformers' image processors, which tidal's plugin serves with their torchvision-free
+twins where torchvision is not installed (`vl_imports`, as for Qwen3.5's text model). The `*-vlm` rows above are
 random-init tiny checkpoints of each (a one-block vision tower); `tests/unit/test_vlm_text_path.py` checks in
 float64 that the trainer's logprobs of packed text rows equal the text model's on each sample alone. A prompt with
 an image is refused by name on both sides (the trainer builds no image inputs for these).
