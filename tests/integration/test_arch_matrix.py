@@ -29,7 +29,7 @@ from tests.archs import ARCHS, GRPO_RUN_DEFAULT, build
 from tests.conftest import free_port, kill_group, tidal, wait_healthy
 from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
-from tidal.models.lora import resolve_lora_targets
+from tidal.models.lora import excluded_modules, resolve_lora_targets
 from tidal.models.names import is_expert_key
 from tidal.trainer.model.load import load_base_model
 from tidal.trainer.publish.broadcast import checkpoint_keys, merged_state_dict, reload_keys
@@ -105,7 +105,8 @@ def lora_policy(model_dir: Path, seed: int) -> Any:
     torch.manual_seed(seed)
     base = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
     targets = resolve_lora_targets(base, "all-linear")
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets,
+                                            exclude_modules=excluded_modules(base)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -300,3 +301,27 @@ def test_a_two_step_grpo_run_completes(name, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch_kl"] <= 1e-3, f"{name}: step-1 mismatch KL {rows[0]['mismatch_kl']}"
     shutil.rmtree(model_dir)
+
+
+def test_an_image_prompt_to_a_vlms_text_path_is_refused_by_name(served):
+    """A VLM checkpoint served on its text path (`--language-model-only`): an image prompt is the same clear
+    `NotMultimodal` error as for a text model (tests/integration/test_vlm_text_model.py), not a retried failure."""
+    import random
+
+    from tests.e2e.vlm_env import SquareColour
+    from tidal.config.orch import OrchConfig
+    from tidal.inference.protocol import NotMultimodal
+    from tidal.orchestrator.groups import draw_prompts
+
+    if ARCHS[served.name].vision is None:
+        pytest.skip("a text model: tests/integration/test_vlm_text_model.py")
+
+    async def go() -> None:
+        client = VllmClient(ClientSection(base_url=[served.url]))
+        try:
+            await draw_prompts(SquareColour(), random.Random(0), client, str(served.model_dir), 2, OrchConfig(), {})
+        finally:
+            await client.close()
+
+    with pytest.raises(NotMultimodal, match="takes text only"):
+        asyncio.run(go())

@@ -19,7 +19,8 @@ from tests.archs import ARCHS, build
 from tidal.colocate.derive import Machine, ModelFacts, derive_colocate
 from tidal.config import ConfigError, InferConfig, OrchConfig, TrainConfig
 from tidal.models.arch import check_cpu_moe_lora, check_trainable, read_arch
-from tidal.models.lora import check_targets, resolve_lora_targets
+from tidal.models.lora import check_targets, excluded_modules, resolve_lora_targets
+from tidal.models.names import checkpoint_tensors
 from tidal.trainer.model.load import load_base_model
 from tidal.trainer.publish.broadcast import (
     checkpoint_keys,
@@ -42,7 +43,8 @@ def lora_policy(model_dir: Path, seed: int = 0):
     torch.manual_seed(seed)
     base = load_base_model(str(model_dir), torch.device("cpu"), torch.float32)
     targets = resolve_lora_targets(base, "all-linear")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                            exclude_modules=excluded_modules(base)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -85,7 +87,8 @@ def test_trained_weights_carry_checkpoint_names_and_merge_into_the_checkpoint_la
     assert set(lora) <= set(published)
     changed = {k for k in keys if not torch.equal(merged[k], on_disk[k])}
     assert changed == set(lora), "exactly the adapted weights differ from the base checkpoint"
-    reference = peft_model.merge_and_unload().state_dict()
+    unloaded = peft_model.merge_and_unload()  # under checkpoint names (Gemma 3's VLM: language_model.model.*)
+    reference = dict(checkpoint_tensors(unloaded, unloaded.state_dict().items()))
     assert all(torch.allclose(merged[k], reference[k], atol=1e-6) for k in lora)
 
 

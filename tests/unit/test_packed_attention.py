@@ -57,7 +57,7 @@ def test_per_sample_attention_equals_masked_sdpa(name):
     gemma2 (soft-capped attention, 64-token window) takes the fallback, the others the per-sample path. The MoE
     runs in float32 (transformers' grouped expert matmul has no float64 kernel)."""
     rng = np.random.default_rng()
-    moe = name == "qwen3-moe"
+    moe = name.endswith("-moe")  # qwen3-moe, qwen3.5-moe
     dtype = torch.float32 if moe else torch.float64
     ref, ours = _pair(name, dtype)
     ids = torch.from_numpy(rng.integers(3, 120, (2, 96)))

@@ -25,28 +25,36 @@ from tidal.config.load import ConfigError
 from tidal.inference.backends.vllm import gdn_fp32, support, vl_imports
 
 IMPORT = """
-import sys
-try:
-    import vllm.model_executor.models.qwen3_5
-    print("without: ok")
-except ModuleNotFoundError as exc:
-    print("without:", exc.name)
-for name in [m for m in sys.modules if m.startswith("vllm.model_executor.models.qwen")]:
-    del sys.modules[name]
+import importlib, sys
+for mod in ("qwen3_5", "gemma3_mm", "gemma4_mm"):
+    try:
+        importlib.import_module("vllm.model_executor.models." + mod)
+        print("without:", mod, "ok")
+    except ModuleNotFoundError as exc:
+        print("without:", mod, exc.name)
+    for name in [m for m in sys.modules if m.startswith(("vllm.model_executor.models.", "transformers.models."))
+                 and any(k in m for k in ("qwen", "gemma"))]:
+        del sys.modules[name]
 from tidal.inference.backends.vllm import plugin
 plugin.register()
 import vllm.model_executor.models.qwen3_5 as m
-print("with:", m.Qwen3_5ForCausalLM.__name__, plugin.installed()["vl_imports"])
+import vllm.model_executor.models.gemma3_mm as g3
+import vllm.model_executor.models.gemma4_mm as g4
+print("with:", m.Qwen3_5ForCausalLM.__name__, g3.Gemma3ForConditionalGeneration.__name__,
+      g4.Gemma4ForConditionalGeneration.__name__, plugin.installed()["vl_imports"])
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
-def test_qwen3_5_model_code_imports_only_with_the_plugin():
+def test_qwen3_5_and_gemma_vlm_model_code_imports_only_with_the_plugin():
     pytest.importorskip("vllm")
     done = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "without: torchvision" in done.stdout, done.stdout
-    assert "with: Qwen3_5ForCausalLM True" in done.stdout, done.stdout
+    assert "without: qwen3_5 torchvision" in done.stdout, done.stdout
+    assert "without: gemma3_mm torchvision" in done.stdout, done.stdout
+    assert "without: gemma4_mm ok" not in done.stdout, done.stdout  # (its import error names a transformers class)
+    assert ("with: Qwen3_5ForCausalLM Gemma3ForConditionalGeneration Gemma4ForConditionalGeneration True"
+            in done.stdout), done.stdout
 
 
 def reference(x, weight, a, b, A_log, dt_bias, hk, hv):

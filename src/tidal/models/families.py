@@ -14,6 +14,14 @@ A family is a set of transformers `model_type`s (`Family.model_types`) with the 
 
 Rows are looked up by `model_type` (`family_of`), from a config.json dict or a transformers config (`text_config`
 of a VLM checkpoint included). A model of no family here is not refused: the matrix says nothing about it.
+
+**The text path of a VLM checkpoint** (`TEXT_PATH_VLMS`: Qwen3.5's, Qwen3.5-MoE's, Gemma 3's and Gemma 4's
+`*ForConditionalGeneration`; many of their small checkpoints are published as VLMs): tidal trains and serves their
+language model on text prompts. The trainer builds the checkpoint's own class (so its parameter names, turned into
+checkpoint names by transformers' reverse conversion, are the checkpoint's: `model.language_model.*`, Gemma 3's
+`language_model.model.*` on disk) with LoRA on the language model only, and never runs the vision tower; vLLM
+serves it with `--language-model-only` (no vision tower, no image processor: `text_path_only`). Image prompts are
+refused by name (the trainer builds no image inputs for these).
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ LINEAR_LAYER_TYPES = frozenset({"linear_attention"})
 MATRIX = "tests/integration/test_arch_matrix.py"
 ONE_PER_ROW = "one sample per row"
 PACKED = "packed (block-diagonal)"
+TEXT_PATH_VLMS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                  "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
+"""VLM checkpoint classes whose text path tidal trains and serves (module doc); checked by the `*-vlm` rows of
+`tests/archs.py`."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,9 @@ class Family:
     """Whether vLLM 0.32's model code for it imports torchvision (`no`, or how tidal deals with it)."""
     cells: dict[str, Cell] = field(default_factory=dict)
     """Column -> `Cell` (every column of `COLUMNS`)."""
+    architectures: tuple[str, ...] = ()
+    """Checkpoint classes this row is for (a VLM checkpoint's text path, `TEXT_PATH_VLMS`): such a checkpoint finds
+    this row before its `model_type`'s; empty: any class of its `model_types`."""
 
 
 def _matrix(arch: str, *, lora: bool = True, full: bool = True, gguf_in: Cell | None = None,
@@ -89,6 +104,14 @@ GGUF_WRITTEN = Cell("written (read back by transformers), not run in llama.cpp",
 LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
                       "tests/unit/test_linear_attention_packing.py::test_packed_logprobs_equal_one_sample_per_row")
 
+VLM_STAND_IN = "no (vLLM imports it; tidal's plugin stands in: vl_imports; served --language-model-only)"
+
+
+def vlm_packing(arch: str) -> Cell:
+    """A VLM checkpoint's text path packs as its text model does (two samples in a row, float64 against each alone)."""
+    return Cell(PACKED, "tests/unit/test_vlm_text_path.py::"
+                        f"test_the_trainer_loads_the_checkpoint_and_its_text_logprobs_are_the_text_models[{arch}]")
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",), "llama3", cells=_matrix(
         "llama3", gguf_in=Cell("yes", "tests/unit/test_gguf_models.py::test_gguf_source_resolves_to_the_same_model"
@@ -107,6 +130,19 @@ FAMILIES: tuple[Family, ...] = (
                "yes, dense text models (tiny, V heads reordered and not: specials single, greedy equal, F32 and F16)",
                "tests/e2e/test_gguf_qwen35_llama_cpp.py::test_tiny_qwen35_export_runs_in_llama_cpp[qwen3.5]"),
                          gpu=Cell("qwen3.5-fla, cuda-vllm-new-families (never run)"))),
+    Family("Qwen3.5 VLM, text path", ("qwen3_5",), "qwen3.5-vlm", linear_attention=True,
+           torchvision=VLM_STAND_IN,
+           architectures=("Qwen3_5ForConditionalGeneration",),
+           cells=_matrix("qwen3.5-vlm", packing=LINEAR_PACKING, gguf_out=Cell(
+               "yes, its text model (from text_config: the same file as the text model's)",
+               "tests/unit/test_gguf_qwen35.py::test_the_text_path_of_a_vision_language_checkpoint"),
+                         gpu=Cell("qwen3.5-fla, cuda-vllm-vlm-text-paths (never run)"))),
+    Family("Qwen3.5-MoE", ("qwen3_5_moe", "qwen3_5_moe_text"), "qwen3.5-moe", linear_attention=True,
+           torchvision="no (vLLM imports it; tidal's plugin stands in: vl_imports)",
+           cells=_matrix("qwen3.5-moe", lora=False, full=False, packing=LINEAR_PACKING, gguf_out=Cell(
+               "yes (tiny, 4 experts top 2 + shared: specials single, greedy equal, F32 and F16)",
+               "tests/e2e/test_gguf_qwen35_llama_cpp.py::test_tiny_qwen35_export_runs_in_llama_cpp[qwen3.5-moe]"),
+                         gpu=Cell("qwen3.5-fla, cuda-vllm-vlm-text-paths (never run)"))),
     Family("Gemma 3", ("gemma3", "gemma3_text"), "gemma3", cells=_matrix(
         "gemma3", gguf_out=Cell("yes (real Gemma 3 270M and tiny: specials single, greedy equal, F32 and F16)",
                                 f"{GGUF_LLAMA_CPP}::test_real_gemma3_270m_export_runs_in_llama_cpp"),
@@ -115,6 +151,17 @@ FAMILIES: tuple[Family, ...] = (
         "gemma4", gguf_out=Cell("yes, dense text models (tiny: specials single, greedy equal, F32 and F16)",
                                 f"{GGUF_LLAMA_CPP}::test_tiny_gemma_export_runs_in_llama_cpp[gemma4]"),
         gpu=Cell("cuda-vllm-new-families (never run)"))),
+    Family("Gemma 3 VLM, text path", ("gemma3",), "gemma3-vlm", architectures=("Gemma3ForConditionalGeneration",),
+           torchvision=VLM_STAND_IN,
+           cells=_matrix("gemma3-vlm", packing=vlm_packing("gemma3-vlm"), gguf_out=Cell(
+               "written from text_config (tiny, read back; the text model's llama.cpp check covers the tensors)",
+               "tests/unit/test_gguf_gemma.py::test_gemma3_vlm_checkpoint_writes_its_text_model"),
+                         gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
+    Family("Gemma 4 VLM, text path", ("gemma4",), "gemma4-vlm", architectures=("Gemma4ForConditionalGeneration",),
+           torchvision=VLM_STAND_IN,
+           cells=_matrix("gemma4-vlm", packing=vlm_packing("gemma4-vlm"), gguf_out=Cell(
+               "accepted (text_config, as Gemma 3's VLM); not checked on a Gemma 4 VLM checkpoint"),
+                         gpu=Cell("cuda-vllm-vlm-text-paths (never run)"))),
     Family("Qwen3-MoE", ("qwen3_moe",), "qwen3-moe", cells=_matrix("qwen3-moe", lora=False, full=False)),
     Family("Mistral", ("mistral",), "mistral", cells=_matrix("mistral", gguf_out=GGUF_WRITTEN)),
     Family("Gemma 2", ("gemma2",), "gemma2", cells=_matrix(
@@ -138,10 +185,25 @@ def _text(config: Any) -> Any:
 
 
 def family_of(config: Any) -> Family | None:
-    """The family of a model (its config.json dict or a transformers config), by `model_type`; None: not in the
-    table."""
+    """The family of a model (its config.json dict or a transformers config): the row of its checkpoint class
+    (`Family.architectures`), else by `model_type`; None: not in the table."""
+    arch = architecture(config)
+    by_class = next((f for f in FAMILIES if arch in f.architectures), None)
+    if by_class is not None:
+        return by_class
     types = {_get(config, "model_type"), _get(_text(config), "model_type")}
-    return next((f for f in FAMILIES if types & set(f.model_types)), None)
+    return next((f for f in FAMILIES if not f.architectures and types & set(f.model_types)), None)
+
+
+def architecture(config: Any) -> str:
+    """The checkpoint's class (`architectures[0]` of a config.json dict or a transformers config; '' if none)."""
+    archs = _get(config, "architectures") or []
+    return str(archs[0]) if archs else ""
+
+
+def text_path_only(config: Any) -> bool:
+    """A VLM checkpoint tidal runs on its text path only (`TEXT_PATH_VLMS`, module doc)."""
+    return architecture(config) in TEXT_PATH_VLMS
 
 
 def has_linear_attention(config: Any) -> bool:

@@ -23,10 +23,20 @@ from typing import Any
 from tidal.config.load import ConfigError
 
 ALL_LINEAR = "all-linear"
-VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector")
-"""Submodule names of the vision tower / projector of transformers' VLMs: no LoRA there (the trainer excludes
-them), and their linear modules' leaf names are not the language model's (Qwen2.5-VL's merger is an
-`nn.Sequential` whose leaves are named `0` and `2`: as a PEFT target, `0` would select decoder layer 0)."""
+VISION_MODULES = ("vision_model", "vision_tower", "visual", "connector", "multi_modal_projector", "embed_vision",
+                  "audio_tower", "embed_audio")
+"""Submodule names of the vision (and audio) tower / projector of transformers' VLMs: no LoRA there (the trainer
+excludes them), and their linear modules' leaf names are not the language model's (Qwen2.5-VL's merger is an
+`nn.Sequential` whose leaves are named `0` and `2`: as a PEFT target, `0` would select decoder layer 0; SigLIP's
+attention has `q_proj` / `k_proj` too; Gemma 4's tower wraps them in a clipping module PEFT cannot adapt)."""
+
+
+def excluded_modules(model: Any) -> str | None:
+    """PEFT `exclude_modules` for `model`: a VLM's (its config has a `vision_config`) towers and projectors
+    (`VISION_MODULES`), so LoRA adapts its language model only; None for a text model."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return None
+    return rf".*\.({'|'.join(VISION_MODULES)})\..*"
 
 
 def linear_module_names(model: Any) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tidal.config.load import ConfigError
+from tidal.models.families import TEXT_PATH_VLMS
 from tidal.models.rope import merge_rope
 from tidal.trainer.model.mrope import check_transformers
 from tidal.trainer.model.vision import TRAINABLE, is_vision_config
@@ -75,16 +76,19 @@ def load_model_config(path: str, trust_remote_code: bool = False, rope_scaling: 
 
 def auto_model_class(config: Any, path: str) -> Any:
     """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a vision-language model whose image inputs the
-    trainer builds (`tidal.trainer.model.vision.TRAINABLE`); another VLM raises `ConfigError` naming its
-    architecture, a Qwen-VL under transformers older than its M-RoPE floor (`mrope.check_transformers`) too."""
+    trainer builds (`tidal.trainer.model.vision.TRAINABLE`) or whose text path it trains (the checkpoint's own class,
+    so its names stay the checkpoint's: `tidal.models.families.TEXT_PATH_VLMS`); another VLM raises `ConfigError`
+    naming its architecture, a Qwen-VL under transformers older than its M-RoPE floor (`mrope.check_transformers`)
+    too."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not is_vision_config(config):
         return AutoModelForCausalLM
     archs = list(getattr(config, "architectures", None) or [type(config).__name__])
-    if not set(archs) & set(TRAINABLE):
+    if not set(archs) & set(TRAINABLE + TEXT_PATH_VLMS):
         raise ConfigError(f"train model '{path}' is a vision-language model ({', '.join(archs)}); tidal trains "
-                          f"the VLM families {', '.join(TRAINABLE)} (see docs/vlm.md)")
+                          f"the VLM families {', '.join(TRAINABLE)} and the text path of "
+                          f"{', '.join(TEXT_PATH_VLMS)} (see docs/vlm.md)")
     check_transformers(getattr(config, "model_type", ""))
     return AutoModelForImageTextToText
 

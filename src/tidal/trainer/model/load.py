@@ -39,7 +39,7 @@ from tidal.trainer.model.hf import (
 from tidal.trainer.model.kernels import compile_layers
 from tidal.trainer.model.precision import apply_recipe
 from tidal.trainer.model.quant import QuantKind, base_report, qlora_kind, quantization_config, quantize_on_load
-from tidal.trainer.model.vision import VISION_MODULES, is_vision_config
+from tidal.trainer.model.vision import is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +115,13 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     modules: `tidal.models.lora`)."""
     from peft import LoraConfig, get_peft_model
 
-    from tidal.models.lora import resolve_lora_targets
+    from tidal.models.lora import excluded_modules, resolve_lora_targets
 
     arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
     targets = resolve_lora_targets(model, cfg.lora_target_modules, arch)
-    vision = is_vision_config(getattr(model, "config", None))
-    exclude = rf".*\.({'|'.join(VISION_MODULES)})\..*" if vision else None  # VLM: the language model only
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                      exclude_modules=excluded_modules(model))  # VLM: the language model only
     return get_peft_model(model, lora)
 
 

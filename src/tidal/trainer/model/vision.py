@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tidal.models.families import TEXT_PATH_VLMS
 from tidal.models.lora import VISION_MODULES
 from tidal.trainer.model.mrope import packed_positions, uses_mrope, with_text_row
 from tidal.transport.batch import TrainingBatch
@@ -82,7 +83,9 @@ def check_trainable(model: torch.nn.Module, model_name: str) -> None:
                               "text-only model; use a vision-language model or text prompts")
     if arch not in TRAINABLE:
         raise ValueError(f"train model '{model_name}' is a {arch}; tidal's trainer builds image inputs for "
-                         f"{', '.join(TRAINABLE)} (see docs/vlm.md)")
+                         f"{', '.join(TRAINABLE)} (see docs/vlm.md)"
+                         + ("; this one trains and serves on its text path only: give text prompts"
+                            if arch in TEXT_PATH_VLMS else ""))
 
 
 @functools.cache

