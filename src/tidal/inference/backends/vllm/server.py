@@ -37,8 +37,9 @@ from tidal.procs import bind_host, check_port_free
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
-WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.SharedWeightsExtension"
-"""vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
+WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.TidalWorkerExtension"
+"""vLLM `--worker-extension-cls` with infer `export_base_weights` (CUDA IPC handles of the base weights) or
+`weight_reload` (its dev route also serves orch `weight_broadcast.reload: factors`: the in-worker LoRA merge)."""
 
 
 def server_module() -> str:
@@ -117,7 +118,7 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv += ["--tool-call-parser", cfg.tool_call_parser]
     if cfg.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", cfg.kv_cache_dtype]
-    if cfg.export_base_weights:  # the co-located trainer borrows the base weights (worker_ext.py)
+    if cfg.export_base_weights or cfg.weight_reload:  # base-weight export, in-worker LoRA merge (worker_ext.py)
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.weight_broadcast_type == "nccl":
         from tidal.inference.backends.vllm.weight_transfer import transfer_backend
