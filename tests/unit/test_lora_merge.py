@@ -110,8 +110,25 @@ def test_tidal_grpo_with_factors_writes_no_merged_copy_and_starts_vllm_able_to_m
     argv = vllm_argv(co.infer)
     assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
     assert "--worker-extension-cls" not in vllm_argv(InferConfig(model=tiny))
-    auto = derive_colocate(TrainConfig(model=tiny), InferConfig(model=tiny), OrchConfig(), CPU2)
-    assert auto.orch.weight_broadcast.reload == "merged" and auto.train.broadcast_merged  # the CPU default
+
+
+def test_the_cpu_default_is_factors_where_they_can_serve_the_run_else_merged_copies():
+    """`reload: auto` on a CPU-only machine (bench/WEIGHT_SYNC.md: faster and exact): a LoRA policy goes as its
+    factors; full fine-tuning, QeRL, a mixture of experts, train `broadcast_merged: true` get merged copies; a GPU
+    keeps LoRA adapters."""
+    from tidal.colocate.derive import ModelFacts
+
+    def derived(machine: Machine = CPU2, model: ModelFacts | None = None, **train: object) -> tuple[str, bool]:
+        co = derive_colocate(TrainConfig(model="m", **train), InferConfig(model="m"), OrchConfig(), machine,
+                             model=model)
+        return co.orch.weight_broadcast.reload, co.train.broadcast_merged
+
+    assert derived() == ("factors", False)
+    assert derived(lora=False) == ("merged", True)
+    assert derived(noise_scheduler={"enabled": True}, max_steps=4) == ("merged", True)
+    assert derived(model=ModelFacts(moe=True)) == ("merged", True)
+    assert derived(broadcast_merged=True) == ("merged", True)
+    assert derived(Machine(cores=tuple(range(16)), has_gpu=True)) == ("auto", False)
 
 
 @pytest.mark.parametrize("train,infer,why", [
