@@ -258,8 +258,9 @@ def cpu_lora_notice(cfg: InferConfig, cpu: bool) -> str | None:
         return None
     return ("tidal grpo-infer: vLLM on CPU with LoRA adapters (infer enable_lora: true; vLLM-CPU also leaves a "
             "LoRA-enabled model uncompiled): rollouts run ~5x slower than `tidal grpo` on the same cores, which serves "
-            "merged weights on CPU; to match it set infer enable_lora: false and weight_reload: true, orch "
-            "weight_broadcast.reload: merged, train broadcast_merged: true")
+            "merged weights on CPU; to match it set infer enable_lora: false and weight_reload: true, and orch "
+            "weight_broadcast.reload: factors (the LoRA factors merged in vLLM's worker, its default) or "
+            "weight_broadcast.reload: merged with train broadcast_merged: true")
 
 
 def serve(cfg: InferConfig) -> int:
