@@ -2,8 +2,8 @@
 
 Both servers must answer completions (the orchestrator spreads requests over them), both must load every policy
 the run samples with (CPU co-locate: the LoRA factors merged in place in each server's worker; or pushed by the
-trainer with `weight_broadcast: nccl`, over gloo here), and nothing may be left running after the run. The run is strictly
-on-policy (max_async_level 0), so a server left on an older policy would show as a mismatch_kl far above the
+trainer with `weight_broadcast: nccl`, over gloo here), and nothing may be left running after the run. The run is
+strictly on-policy (max_async_level 0), so a server left on an older policy would show as a mismatch_kl far above the
 ~1e-12 of fp32 noise. Each server's lines in `logs/infer.log` carry its `[dp{i}:{port}]` prefix, which is how
 requests and reloads are counted per server.
 """
