@@ -9,11 +9,16 @@ step is done" to "vLLM serves the new weights":
   reload_weights`, then `/reset_prefix_cache`);
 - the same with only the LoRA-adapted weights in the merged file (what the trainer publishes for a LoRA policy
   since issue 57: `tidal.trainer.publish.broadcast.changed_keys`; the embeddings and norms stay as vLLM loaded them);
+- `weight_broadcast.reload: factors`: the trainer publishes the adapter only (A, B, alpha / r; what every LoRA policy
+  directory holds anyway) and the orchestrator has each vLLM worker merge it into its weights in place
+  (`/collective_rpc tidal_merge_lora`, then `/reset_prefix_cache`; `tidal.inference.backends.vllm.lora_merge`): its
+  first round also reads the base copy of the adapted weights the worker keeps;
 - `weight_broadcast.type: nccl`: the trainer pushes the merged LoRA-adapted weights into the workers (pause,
   start, update + broadcast, finish, resume) — gloo on CPU, NCCL on GPU.
 
 Writes `bench/WEIGHT_SYNC.md` (median and ratio; the first round of each path, which opens connections and
-groups, is reported apart).
+groups, is reported apart), with the largest gap between vLLM's prompt logprobs of one policy served through the
+worker merge and through the LoRA-adapted-only merged reload (the path it replaces).
 """
 
 from __future__ import annotations
@@ -31,6 +36,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "scripts"))
 import harness  # noqa: E402 - the benches' and checks' one harness (tidal.procs)
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]], gaps: list[float], tokens: int) -> list[str]:
+    """The lines of bench/WEIGHT_SYNC.md: per path, the first round and the median of the rest, as a ratio to the
+    full merged reload; the worker merge's largest logprob gap to the slim merged reload."""
+    base = statistics.median(times["merged files + reload"][1:])
+    lines = ["# Weight broadcast: time from optimizer step to vLLM serving the new weights", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()} ({args.device}), model "
+             f"`{args.model}`, LoRA r16 on all linear layers, {args.rounds} rounds; command: "
+             f"`python bench/weight_sync.py {' '.join(sys.argv[1:])}`.", "",
+             "| path | first round (s) | median of the rest (s) | ratio to the baseline |", "|---|---|---|---|"]
+    for name, ts in times.items():
+        med = statistics.median(ts[1:])
+        lines.append(f"| {name}{' (baseline)' if name == 'merged files + reload' else ''} | {ts[0]:.3f} | {med:.3f} | "
+                     f"{med / base:.2f} |")
+    return [*lines, "", f"Largest |vLLM prompt logprob gap| between the worker merge and the LoRA-adapted-only "
+                        f"merged reload of the same policy, over {len(gaps)} policies x {tokens} tokens: "
+                        f"{max(gaps):.3g}."]
 
 
 def main() -> int:
@@ -65,27 +88,39 @@ def main() -> int:
                                    "--infer.port", str(port), "--infer.enable_lora", "false", "--infer.weight_reload",
                                    "true", "--infer.weight_broadcast_type", "nccl"], log)
     url = f"http://127.0.0.1:{port}/v1"
+    factors = "LoRA factors (adapter only) + merge in vLLM's worker"
     times: dict[str, list[float]] = {"merged files + reload": [],
-                                     "merged files, LoRA-adapted weights only + reload": [], "nccl push": []}
+                                     "merged files, LoRA-adapted weights only + reload": [], factors: [],
+                                     "nccl push": []}
+    probe = list(range(1, 65))  # token ids whose prompt logprobs compare the slim reload with the worker merge
+    gaps: list[float] = []
     slim = changed_keys(model, keys)  # what the trainer publishes for a LoRA policy (grpo.slim_reloads)
     try:
         harness.wait_ready(proc, f"http://127.0.0.1:{port}/health", 600)
         pusher = WeightPusher([url], "127.0.0.1", harness.free_port(), 600, None, device)
         client = VllmClient(ClientSection(base_url=[url], timeout=600))
         loop = asyncio.new_event_loop()
+        served = loop.run_until_complete(client.wait_ready())[0]
         for step in range(1, args.rounds + 1):
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if "lora_B" in name:
                         p.normal_(0, 0.01)
             t0 = time.perf_counter()
-            publish_adapter(model, tmp, 2 * step - 1, keep=2, merged_keys=keys)  # policy numbers only go up
-            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 2 * step - 1) / "merged")))
+            publish_adapter(model, tmp, 3 * step - 2, keep=2, merged_keys=keys)  # policy numbers only go up
+            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 3 * step - 2) / "merged")))
             times["merged files + reload"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            publish_adapter(model, tmp, 2 * step, keep=2, merged_keys=slim)
-            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 2 * step) / "merged")))
+            publish_adapter(model, tmp, 3 * step - 1, keep=2, merged_keys=slim)
+            loop.run_until_complete(client.reload_weights(str(broadcast_dir(tmp, 3 * step - 1) / "merged")))
             times["merged files, LoRA-adapted weights only + reload"].append(time.perf_counter() - t0)
+            slim_lps = loop.run_until_complete(client.prompt_logprobs(served, probe))
+            t0 = time.perf_counter()
+            publish_adapter(model, tmp, 3 * step, keep=2)
+            loop.run_until_complete(client.merge_lora(str(broadcast_dir(tmp, 3 * step))))
+            times[factors].append(time.perf_counter() - t0)
+            merged_lps = loop.run_until_complete(client.prompt_logprobs(served, probe))
+            gaps.append(max(abs(a - b) for a, b in zip(slim_lps, merged_lps, strict=True)))
             t0 = time.perf_counter()
             pusher.push(model, step)
             times["nccl push"].append(time.perf_counter() - t0)
@@ -95,16 +130,7 @@ def main() -> int:
         pusher.close()
     finally:
         harness.stop(proc)
-    base = statistics.median(times["merged files + reload"][1:])
-    lines = ["# Weight broadcast: time from optimizer step to vLLM serving the new weights", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()} ({args.device}), model "
-             f"`{args.model}`, LoRA r16 on all linear layers, {args.rounds} rounds; command: "
-             f"`python bench/weight_sync.py {' '.join(sys.argv[1:])}`.", "",
-             "| path | first round (s) | median of the rest (s) | ratio to the baseline |", "|---|---|---|---|"]
-    for name, ts in times.items():
-        med = statistics.median(ts[1:])
-        lines.append(f"| {name}{' (baseline)' if name == 'merged files + reload' else ''} | {ts[0]:.3f} | {med:.3f} | "
-                     f"{med / base:.2f} |")
+    lines = report(args, times, gaps, len(probe))
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

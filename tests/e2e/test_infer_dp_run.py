@@ -1,9 +1,9 @@
 """`tidal grpo --infer.dp 2`: co-locate with two real vLLM servers of the bundled model.
 
 Both servers must answer completions (the orchestrator spreads requests over them), both must load every policy
-the run samples with (CPU co-locate: merged weights reloaded in place; or pushed by the trainer with
-`weight_broadcast: nccl`, over gloo here), and nothing may be left running after the run. The run is strictly
-on-policy (max_async_level 0), so a server left on an older policy would show as a mismatch_kl far above the
+the run samples with (CPU co-locate: the LoRA factors merged in place in each server's worker; or pushed by the
+trainer with `weight_broadcast: nccl`, over gloo here), and nothing may be left running after the run. The run is
+strictly on-policy (max_async_level 0), so a server left on an older policy would show as a mismatch_kl far above the
 ~1e-12 of fp32 noise. Each server's lines in `logs/infer.log` carry its `[dp{i}:{port}]` prefix, which is how
 requests and reloads are counted per server.
 """
@@ -45,7 +45,7 @@ def per_server(log: str, pattern: str) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("broadcast", ["merged", "nccl"])
+@pytest.mark.parametrize("broadcast", ["factors", "nccl"])  # factors: the CPU default, merged in each worker
 def test_colocate_with_two_inference_servers(tmp_path, broadcast):
     run_dir, port, steps = tmp_path / "run", free_port_pair(), 3
     nccl = ["--orch.weight_broadcast.type", "nccl"] if broadcast == "nccl" else []
@@ -78,7 +78,7 @@ def test_colocate_with_two_inference_servers(tmp_path, broadcast):
     used = {int(s) for k in range(1, steps + 1)
             for s in TrainingBatch.load(run_dir / "rollouts" / f"step_{k}.safetensors").policy_steps}
     assert used == set(range(steps)), used
-    if broadcast == "merged":
+    if broadcast == "factors":  # one /collective_rpc tidal_merge_lora per policy and server
         reloads = per_server(log, r'"POST /collective_rpc HTTP/1.1" 200')
         assert reloads == {"dp0": steps - 1, "dp1": steps - 1}, reloads
     else:  # the trainer pushes every step's policy (the last one too) into both servers

@@ -21,14 +21,15 @@ def configs(**orch: object) -> tuple[TrainConfig, InferConfig, OrchConfig]:
     return TrainConfig(model="m"), InferConfig(model="m"), OrchConfig.model_validate(orch)
 
 
-def test_two_cpu_cores_with_overlap_vllm_on_core_0_trainer_on_core_1_with_merged_reloads():
+def test_two_cpu_cores_with_overlap_vllm_on_core_0_trainer_on_core_1_with_worker_merges():
     co = derive_colocate(*configs(max_async_level=1), CPU2)
     p = co.placement
     assert (p.device, p.vllm_cores, p.trainer_cores) == ("cpu", (0,), (1,))
     assert co.train.cpu_affinity == [1] and co.orch.max_async_level == 1
     assert dict(p.infer_env) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     assert p.notices == (CPU_NO_LORA_NOTICE, "CPU only: vLLM on cores 0, trainer on cores [1]")
-    assert co.orch.weight_broadcast.reload == "merged" and co.train.broadcast_merged and co.infer.weight_reload
+    # a LoRA policy reaches vLLM as its factors, merged in its worker (bench/WEIGHT_SYNC.md): no merged copy written
+    assert co.orch.weight_broadcast.reload == "factors" and not co.train.broadcast_merged and co.infer.weight_reload
     assert not co.infer.enable_lora  # no adapter reaches vLLM: it serves (and vLLM-CPU compiles) the plain model
 
 
@@ -37,7 +38,7 @@ def test_vllm_runs_without_lora_on_cpu_exactly_when_no_adapter_reaches_it():
 
     infer = InferConfig(model="tidal:tiny-reverse")
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), infer, OrchConfig(), CPU2)
-    assert co.orch.weight_broadcast.reload == "merged" and not co.infer.enable_lora
+    assert co.orch.weight_broadcast.reload == "factors" and not co.infer.enable_lora
     assert "--enable-lora" not in vllm_argv(co.infer) and infer.enable_lora  # the user's config is untouched
     explicit = InferConfig(model="tidal:tiny-reverse", enable_lora=True)  # infer.yaml sets it: kept
     co = derive_colocate(TrainConfig(model="tidal:tiny-reverse"), explicit, OrchConfig(), CPU2)
@@ -114,7 +115,7 @@ def test_odd_core_count_gives_vllm_the_smaller_half():
 def test_one_core_is_not_split():
     co = derive_colocate(*configs(), Machine(cores=(3,)))
     assert co.placement.vllm_cores is None and co.train.cpu_affinity is None and not co.placement.infer_env
-    assert co.orch.weight_broadcast.reload == "merged"  # still a CPU-only machine
+    assert co.orch.weight_broadcast.reload == "factors"  # still a CPU-only machine
 
 
 def test_gpu_machine_leaves_cores_and_reload_alone():
@@ -308,9 +309,9 @@ def test_served_adapters_need_lora_and_a_large_enough_rank_on_vllm():
         derive_colocate(train, InferConfig(model="m", max_lora_rank=16), orch, GPU16)
     with pytest.raises(ConfigError, match="infer enable_lora is false"):
         derive_colocate(train, InferConfig(model="m", enable_lora=False), orch, GPU16)
-    # CPU co-location reloads merged weights: no adapter reaches vLLM, so its LoRA settings do not matter
+    # CPU co-location merges the factors in vLLM's worker: no adapter reaches vLLM, its LoRA settings do not matter
     co = derive_colocate(train, InferConfig(model="m", max_lora_rank=16), orch, CPU2)
-    assert co.orch.weight_broadcast.reload == "merged" and co.infer.max_lora_rank == 16
+    assert co.orch.weight_broadcast.reload == "factors" and co.infer.max_lora_rank == 16
     nccl = OrchConfig.model_validate({"weight_broadcast": {"type": "nccl"}})
     assert derive_colocate(train, InferConfig(model="m", enable_lora=False), nccl, GPU16).infer.enable_lora is False
 

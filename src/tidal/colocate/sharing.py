@@ -34,7 +34,7 @@ def refusal(train: TrainConfig, infer: InferConfig, orch: OrchConfig, device: st
         (any(a.split("=")[0] in QUANTIZATION_ARGS for a in infer.extra_args),
          "infer extra_args quantize vLLM's base (--quantization): its quantized layout is kernel-specific and "
          "not viewable as the trainer's projections"),
-        (wb.type == "nccl" or wb.reload == "merged",
+        (wb.type == "nccl" or wb.reload in ("merged", "factors"),
          f"orch weight_broadcast (type {wb.type}, reload {wb.reload}) writes merged weights into vLLM's base, "
          f"which the trainer's frozen base would then see; sharing needs LoRA adapters (reload lora/auto)"),
     ]

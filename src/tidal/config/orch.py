@@ -180,10 +180,27 @@ class OrchConfig(StrictModel):
                              "(every requested group is kept); set dynamic_sampling: true or "
                              "buffer.online_difficulty_filtering: true, or leave oversampling_factor at 1.0")
         self._check_in_flight()
+        self._check_factors()
         if self.max_async_level > self.max_off_policy_steps:
             raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
                              f"max_off_policy_steps ({self.max_off_policy_steps})")
         return self
+
+    def _check_factors(self) -> None:
+        """Keys `weight_broadcast.reload: factors` (the LoRA merge inside vLLM's worker) does not combine with; the
+        trainer's and the server's side are checked by `tidal grpo` (`tidal.colocate.factors`)."""
+        wb = self.weight_broadcast
+        if wb.reload != "factors":
+            return
+        why = {"client.backend": self.client.backend != "vllm" and f"'{self.client.backend}' (the merge runs inside "
+               "vLLM's worker)",
+               "weight_broadcast.type": wb.type == "nccl" and "'nccl' (the trainer pushes merged weights itself)",
+               "weight_broadcast.policy_zero": wb.policy_zero == "published" and "'published' (a QLoRA trainer's "
+               "dequantized base, which the factors would have to be merged into; vLLM keeps the original)"}
+        for key, reason in why.items():
+            if reason:
+                raise ValueError(f"weight_broadcast.reload: factors does not combine with {key}: {reason}; set "
+                                 f"weight_broadcast.reload: merged or change {key}")
 
     def _check_in_flight(self) -> None:
         """Keys that `async_mode: in_flight` does not combine with (refused, never ignored)."""

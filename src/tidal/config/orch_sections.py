@@ -338,12 +338,16 @@ class WeightBroadcastSection(StrictModel):
     """(nccl) Rendezvous port (see `host`)."""
     timeout: float = Field(1200, gt=0)
     """(nccl) Seconds to wait for a policy push (one push by the trainer; a server's catch-up after a restart)."""
-    reload: Literal["auto", "lora", "merged"] = "auto"
+    reload: Literal["auto", "lora", "merged", "factors"] = "auto"
     """How vLLM picks up policy n: `lora` loads `broadcasts/step_n` as a LoRA adapter; `merged` reloads the
     full weights the trainer merged (`train.broadcast_merged`, `infer.weight_reload`), which serves at vLLM's
-    plain speed (its CPU LoRA path is ~5x slower). `auto`: `merged` in `tidal grpo` on a CPU-only machine
-    (the three configs are set together), else `lora`. `merged` set by hand in `tidal grpo` sets the other two
-    as well; in three-process mode set them yourself."""
+    plain speed (its CPU LoRA path is ~5x slower); `factors` (LoRA, vLLM): the trainer publishes the adapter only
+    (~20 MB for SmolLM2-135M against a ~425 MB merged copy) and each vLLM worker merges it into its weights in place,
+    W_base + scale * B A from an exact copy of the adapted base weights it keeps (one more copy of them in memory;
+    `tidal.inference.backends.vllm.lora_merge`; needs `infer.weight_reload`, `train.broadcast_merged: false`; refused
+    with QLoRA, QeRL noise, full fine-tuning, SGLang, infer tp > 1 and a quantized checkpoint). `auto`: `merged` in
+    `tidal grpo` on a CPU-only machine (the three configs are set together), else `lora`. `merged` or `factors` set
+    by hand in `tidal grpo` sets the other two as well; in three-process mode set them yourself."""
     policy_zero: Literal["served", "published"] = "served"
     """Which weights sample the first batches. `served`: the model vLLM loaded (a policy 0 the trainer publishes
     anyway is reloaded once it appears). `published`: wait for the trainer's policy 0 (`broadcasts/step_0/merged`,

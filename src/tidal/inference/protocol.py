@@ -143,3 +143,8 @@ class InferenceClient(Protocol):
     async def reload_weights(self, path: str) -> None:
         """Reload full weights in place from checkpoint directory `path` on every server."""
         ...
+
+    async def merge_lora(self, path: str) -> None:
+        """Serve the LoRA policy in adapter directory `path` by merging its factors into the weights inside every
+        server (orch `weight_broadcast.reload: factors`; vLLM only)."""
+        ...

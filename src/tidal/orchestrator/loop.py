@@ -145,6 +145,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
         base = await served_base_model(parts.client, cfg)
         wb = cfg.weight_broadcast
         policy = PolicyTracker(parts.client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
+                               factors=wb.reload == "factors",
                                pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
                                expect=(cfg.model.lora_rank, cfg.model.lora_alpha),
                                await_base=wb.policy_zero == "published",

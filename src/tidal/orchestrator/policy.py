@@ -10,6 +10,8 @@ newest one, per `weight_broadcast`, before any request samples with it (a load t
 the step's attempt, which is retried with the policy loaded again everywhere):
 - `reload: lora`: load it as the runtime LoRA adapter `{lora_adapter}-step-{m}` (and unload the previous one);
 - `reload: merged`: reload the merged full weights in place;
+- `reload: factors`: have each server's worker merge the adapter's factors into its weights in place
+  (`tidal.inference.backends.vllm.lora_merge`; like `merged`, the change reaches running requests);
 - `type: nccl`: the trainer pushed the weights already; check every server's weight version and, when one is
   behind (it restarted), ask the trainer to push again.
 A publication is identified by its step and stamp, so a policy that a resumed trainer published again is
@@ -53,13 +55,14 @@ class PolicyTracker:
     def __init__(self, client: InferenceClient, base_model: str, run_dir: Path, prefix: str,
                  merged: bool = False, pushed_timeout_s: float | None = None,
                  expect: tuple[int | None, float | None] = (None, None), await_base: bool = False,
-                 identity: IdentityCheck | None = None) -> None:
+                 identity: IdentityCheck | None = None, factors: bool = False) -> None:
         self.identity = identity or IdentityCheck(enabled=False)  # orch weight_broadcast.policy_check
         self.await_base = await_base  # orch weight_broadcast.policy_zero: published
         self.base_stamp = 0  # the published policy 0 every server serves as its base (0: none loaded)
         self.client, self.base_model, self.run_dir, self.prefix = client, base_model, run_dir, prefix
         self.expect = expect  # orch model.lora_rank / lora_alpha: a published adapter must match them
-        self.merged = merged
+        self.factors = factors  # orch weight_broadcast.reload: factors (merged in place inside vLLM's workers)
+        self.merged = merged or factors  # the weights change in place: running requests may see the new policy
         self.pushed_timeout_s = pushed_timeout_s  # set: the trainer pushes weights (weight_broadcast nccl)
         self.step = 0
         self.model = base_model
@@ -185,6 +188,14 @@ class PolicyTracker:
             self.model, self.step = self.base_model, 0
         elif self.pushed_timeout_s is not None:
             self.step = await self._await_push(newest)
+        elif self.factors:
+            path = broadcast_dir(self.run_dir, newest)
+            if not (path / "adapter_config.json").is_file():
+                raise ValueError(f"{path} holds no LoRA adapter (the trainer trains full weights, train lora: false): "
+                                 f"weight_broadcast.reload: factors needs LoRA; set it to merged")
+            weights.check_adapter(path, *self.expect)
+            await self.client.merge_lora(str(path))
+            self.step = newest
         elif self.merged:
             path = weights.merged_dir(self.run_dir, newest)
             if not path.is_dir():

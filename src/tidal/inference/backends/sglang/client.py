@@ -220,6 +220,11 @@ class SglangClient(VllmClient):
 
         return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
 
+    async def merge_lora(self, path: str) -> None:
+        """Not with SGLang (refused up front: orch `weight_broadcast.reload: factors` needs vLLM's worker)."""
+        raise BackendUnsupported("orch weight_broadcast.reload: factors merges LoRA factors inside vLLM's worker; "
+                                 "SGLang has no such route: use reload: merged or lora")
+
     async def reload_weights(self, path: str) -> None:
         """Reload full weights in place from checkpoint directory `path` on every server (`/update_weights_from_disk`,
         which also flushes the radix cache: its KV entries were computed with the old weights)."""

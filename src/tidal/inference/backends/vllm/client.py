@@ -408,6 +408,27 @@ class VllmClient:
 
         await asyncio.gather(*(one(u) for u in self.urls))
 
+    async def merge_lora(self, path: str) -> None:
+        """Serve the LoRA policy in `path` (a PEFT adapter directory) on every server by merging its factors into
+        the weights inside each worker (`tidal.inference.backends.vllm.lora_merge`, orch `weight_broadcast.reload:
+        factors`), then drop the prefix cache. Needs `infer.weight_reload` (the dev route and tidal's worker
+        extension)."""
+        async def one(url: str) -> None:
+            root = server_root(url)
+            try:
+                out = await self._post(f"{root}/collective_rpc",
+                                       {"method": "tidal_merge_lora", "kwargs": {"adapter_dir": path}})
+            except InferenceError as exc:
+                if "404" in str(exc) or "tidal_merge_lora" in str(exc):
+                    raise InferenceError(f"{root} cannot merge LoRA factors in its worker (no /collective_rpc or "
+                                         f"no tidal worker extension): start it with infer weight_reload: true, or "
+                                         f"set orch weight_broadcast.reload: merged ({exc})") from exc
+                raise
+            log.debug("%s merged %s: %s", root, path, out)
+            await self._post(f"{root}/reset_prefix_cache", {})
+
+        await asyncio.gather(*(one(u) for u in self.urls))
+
     async def unload_adapter(self, name: str) -> None:
         results = await asyncio.gather(*(self._post(f"{server_root(u)}/v1/unload_lora_adapter",
                                                     {"lora_name": name}) for u in self.urls),

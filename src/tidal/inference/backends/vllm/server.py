@@ -37,8 +37,9 @@ from tidal.procs import bind_host, check_port_free
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
-WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.SharedWeightsExtension"
-"""vLLM `--worker-extension-cls` of infer `export_base_weights` (CUDA IPC handles of the base weights)."""
+WORKER_EXTENSION = "tidal.inference.backends.vllm.worker_ext.TidalWorkerExtension"
+"""vLLM `--worker-extension-cls` with infer `export_base_weights` (CUDA IPC handles of the base weights) or
+`weight_reload` (its dev route also serves orch `weight_broadcast.reload: factors`: the in-worker LoRA merge)."""
 
 
 def server_module() -> str:
@@ -128,7 +129,7 @@ def vllm_argv(cfg: InferConfig) -> list[str]:
         argv += ["--tool-call-parser", cfg.tool_call_parser]
     if cfg.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", cfg.kv_cache_dtype]
-    if cfg.export_base_weights:  # the co-located trainer borrows the base weights (worker_ext.py)
+    if cfg.export_base_weights or cfg.weight_reload:  # base-weight export, in-worker LoRA merge (worker_ext.py)
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if cfg.weight_broadcast_type == "nccl":
         from tidal.inference.backends.vllm.weight_transfer import transfer_backend
@@ -270,8 +271,9 @@ def cpu_lora_notice(cfg: InferConfig, cpu: bool) -> str | None:
         return None
     return ("tidal grpo-infer: vLLM on CPU with LoRA adapters (infer enable_lora: true; vLLM-CPU also leaves a "
             "LoRA-enabled model uncompiled): rollouts run ~5x slower than `tidal grpo` on the same cores, which serves "
-            "merged weights on CPU; to match it set infer enable_lora: false and weight_reload: true, orch "
-            "weight_broadcast.reload: merged, train broadcast_merged: true")
+            "merged weights on CPU; to match it set infer enable_lora: false and weight_reload: true, and orch "
+            "weight_broadcast.reload: factors (the LoRA factors merged in vLLM's worker, its default) or "
+            "weight_broadcast.reload: merged with train broadcast_merged: true")
 
 
 def serve(cfg: InferConfig) -> int:

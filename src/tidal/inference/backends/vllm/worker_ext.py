@@ -1,4 +1,6 @@
-"""vLLM worker extension: hand a co-located trainer CUDA IPC handles of the served base weights.
+"""vLLM worker extension: hand a co-located trainer CUDA IPC handles of the served base weights, and merge a LoRA
+policy's factors into the served weights (`tidal.inference.backends.vllm.lora_merge`, orch `weight_broadcast.reload:
+factors`).
 
 vLLM mixes the class named by `--worker-extension-cls` into its GPU worker (vLLM 0.24 and 0.32:
 `ParallelConfig.worker_extension_cls`), so its methods run in the worker process that holds the model and can be
@@ -7,7 +9,8 @@ called through `collective_rpc`; tidal calls `tidal_export_base` over the dev-mo
 worker's dict as JSON. The dict holds, per parameter of the served model (`named_parameters`, names as vLLM has
 them, LoRA `base_layer` levels included), its `tidal.inference.backends.vllm.ipc` handle, plus the GPU's UUID, so the
 trainer opens the handles on the same physical GPU whatever its device numbering. Nothing is copied; the worker keeps
-owning the memory. Started by `tidal.inference.backends.vllm.server` with infer `export_base_weights: true`.
+owning the memory. `tidal.inference.backends.vllm.server` starts vLLM with `TidalWorkerExtension` (both) whenever it
+opens the dev routes for the extension's callers: infer `export_base_weights: true` or `weight_reload: true`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 from typing import Any
 
 from tidal.inference.backends.vllm.ipc import FORMAT, device_uuid, encode
+from tidal.inference.backends.vllm.lora_merge import LoraMergeExtension
 
 
 class SharedWeightsExtension:
@@ -51,3 +55,8 @@ class SharedWeightsExtension:
         index = first.device.index if first.device.index is not None else 0
         return {"format": FORMAT, "gpu_uuid": device_uuid(index), "pid": os.getpid(),
                 "tensors": {name: encode(p) for name, p in params.items()}}
+
+
+class TidalWorkerExtension(SharedWeightsExtension, LoraMergeExtension):
+    """tidal's `--worker-extension-cls`: the base-weight export (`tidal_export_base`, `tidal_base_layout`) and the
+    in-worker LoRA merge (`tidal_merge_lora`)."""
