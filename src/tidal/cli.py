@@ -141,9 +141,10 @@ def cmd_serve(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.colocate import pool
 
     if args.stop or args.status:
-        if ov or any(getattr(args, c) for c in ("train", "infer", "orch", "model")) or args.dry_run:
-            raise ConfigError(f"--{'stop' if args.stop else 'status'} takes no config files, overrides or --dry-run: "
-                              "it acts on the running pool")
+        if ov or any(getattr(args, c) for c in ("train", "infer", "orch", "model")) or args.dry_run or \
+                args.no_trainer:
+            raise ConfigError(f"--{'stop' if args.stop else 'status'} takes no config files, overrides, --dry-run or "
+                              "--no-trainer: it acts on the running pool")
         return pool.stop() if args.stop else pool.status()
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     co = start.derive(train, infer, orch, calibrate=False)
@@ -151,7 +152,7 @@ def cmd_serve(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         print(dump(co.infer))
         return 0
     setup_logging("serve")
-    return pool.serve(co)
+    return pool.serve(co, keep_trainer=not args.no_trainer)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -348,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument(f"--{c}", metavar="FILE", help=f"{c}.yaml the runs will use (default: bundled example)")
     w.add_argument("--stop", action="store_true", help="stop the running pool (and everything it started)")
     w.add_argument("--status", action="store_true", help="print the running pool's state (exit 1: none runs)")
+    w.add_argument("--no-trainer", action="store_true", help="keep vLLM only, not the trainer's base model (on CPU "
+                   "the pool keeps both by default; without it each run's trainer imports torch and loads the model)")
     for name, help_ in (("grpo-infer", "start the vLLM inference server"),
                         ("grpo-orch", "run the orchestrator"), ("grpo-train", "run the trainer"),
                         ("sft", "supervised warm start on an environment's reference completions")):

@@ -12,6 +12,7 @@ tests/e2e/test_warm_pool_run.py runs it with real vLLM and real runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -217,3 +218,19 @@ def test_the_pool_refuses_a_run_its_kept_trainer_cannot_train():
     assert any(d.startswith("tidal code: the pool runs /elsewhere/tidal") for d in pool.trainer_differences(state, co))
     state.trainer = None  # a pool without a kept trainer: its runs load their own
     assert pool.trainer_differences(state, other) == []
+
+
+def test_a_pool_keeps_no_trainer_when_told_or_where_it_cannot_fork(tmp_path, monkeypatch, capsys):
+    from tidal.cli import main
+    from tidal.colocate.start import derive
+    from tidal.config import InferConfig, OrchConfig
+
+    co = derive(TrainConfig(model=MODEL), InferConfig(model=MODEL), OrchConfig(), calibrate=False)
+    child, why = pool.start_kept_trainer(co, tmp_path, keep=False)
+    assert child is None and why is not None and "--no-trainer" in why
+    gpu = dataclasses.replace(co, placement=dataclasses.replace(co.placement, device="cuda"))
+    child, why = pool.start_kept_trainer(gpu, tmp_path)
+    assert child is None and why is not None and "cannot fork" in why
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
+    assert main(["serve", "--stop", "--no-trainer"]) == 2
+    assert "--no-trainer" in capsys.readouterr().err

@@ -20,9 +20,11 @@ this machine, so that the next run's first step needs no vLLM start-up (20-70 s 
   run then starts its orchestrator and trainer at once and watches the pool's server like its own (a pool that dies
   ends the run; it is not restarted by the run).
 
-Not kept warm: the trainer's base model (each run's trainer loads it, ~2-6 s on CPU, while nothing else waits for
-it: the orchestrator's first rollouts run meanwhile). Refused in a pool: SGLang, the nccl weight push, shared base
-weights (the trainer would hold tensors of a server it does not own).
+On a CPU placement the pool also keeps the trainer's base model loaded (`tidal.colocate.warm_trainer`, started
+here beside vLLM; `tidal serve --no-trainer` keeps vLLM only): an attached run's trainer is forked from it, after
+`trainer_differences` found nothing that differs (the train keys that decide the base, one rank, the same tidal
+checkout). Refused in a pool: SGLang, the nccl weight push, shared base weights (the trainer would hold tensors of a
+server it does not own).
 """
 
 from __future__ import annotations
@@ -304,12 +306,14 @@ def check_servable(co: Colocated, directory: Path) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def start_kept_trainer(co: Colocated, directory: Path) -> tuple[procs.Child | None, str | None]:
+def start_kept_trainer(co: Colocated, directory: Path, keep: bool = True) -> tuple[procs.Child | None, str | None]:
     """The pool's kept trainer (`tidal.colocate.warm_trainer`) started on `directory/train.yaml`, or None and why
-    the pool keeps none (a GPU placement, several trainer ranks)."""
+    the pool keeps none (`tidal serve --no-trainer`: `keep` False; a GPU placement; several trainer ranks)."""
     from tidal.colocate.warm_trainer import LOG_FILE as TRAINER_LOG
     from tidal.colocate.warm_trainer import STATE_FILE as TRAINER_STATE
 
+    if not keep:
+        return None, "tidal serve --no-trainer: vLLM only, so each run's trainer loads the model itself"
     if co.placement.device != "cpu":
         return None, (f"placement {co.placement.device}: a process holding CUDA cannot fork, so each run's trainer "
                       f"loads the model itself")
@@ -341,9 +345,9 @@ def _raise_on_term(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
-    """`tidal serve`: start the pool's server for `co` and keep it until SIGTERM / Ctrl-C (module docs); returns
-    the exit code (0 stopped, 1 the server died)."""
+def serve(co: Colocated, start_timeout_s: float = 600.0, keep_trainer: bool = True) -> int:
+    """`tidal serve`: start the pool's server for `co` (and, with `keep_trainer`, its kept trainer) and keep them
+    until SIGTERM / Ctrl-C (module docs); returns the exit code (0 stopped, 1 one of them died)."""
     import yaml
 
     from tidal.inference.precision import trainer_dtype
@@ -364,7 +368,7 @@ def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
     child = procs.Child("infer", [sys.executable, "-m", "tidal.cli", "grpo-infer", str(directory / "infer.yaml")],
                         log_path=directory / LOG_FILE, env=co.placement.infer_env)
     print(f"[tidal] warm pool: starting vLLM for {co.infer.model} (log: {directory / LOG_FILE})", flush=True)
-    kept, kept_off = start_kept_trainer(co, directory)
+    kept, kept_off = start_kept_trainer(co, directory, keep_trainer)
     children = [child, *([kept] if kept is not None else [])]
     try:
         procs.wait_healthy(list(co.placement.health_urls), child, start_timeout_s)
