@@ -92,9 +92,13 @@ class Variant:
             import tempfile  # compile cache the shared one
 
             from tidal.inference.backends.vllm.server import inductor_cache
+            from tidal.models.sources.gguf import cache_root
 
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
             env["TIDAL_CACHE"] = tempfile.mkdtemp(prefix=f"pool-{self.name}-", dir=log_dir)
+            for shared in ("gguf", "wheels", "hashes"):  # converted models (a real GGUF): the user's
+                if (cache_root() / shared).is_dir():
+                    (Path(env["TIDAL_CACHE"]) / shared).symlink_to(cache_root() / shared)
         if self.fresh_caches:
             import tempfile
 
