@@ -50,6 +50,8 @@ from tidal.paths import write_atomic
 SOCKET_FILE = "trainer.sock"
 STATE_FILE = "trainer.json"
 LOG_FILE = "trainer.log"
+REQUEST_TIMEOUT_S = 30.0
+"""How long the kept process waits for a connected relay's request."""
 SOCKET_PATH_MAX = 107
 """Linux's limit on a unix socket's path (`sun_path`, less the NUL)."""
 
@@ -262,9 +264,11 @@ def serve_forks(kept: Kept, listener: socket.socket) -> NoReturn:
         if not ready:
             continue
         conn, _ = listener.accept()
+        conn.settimeout(REQUEST_TIMEOUT_S)  # a relay that connects and says nothing must not hold the pool
         try:
             req = _recv(conn)
             _, fds, _, _ = socket.recv_fds(conn, 1, 2)
+            conn.settimeout(None)
         except (OSError, ValueError) as exc:
             log.warning("a relay's request could not be read (%r)", exc)
             conn.close()
