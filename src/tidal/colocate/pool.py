@@ -313,10 +313,9 @@ def start_kept_trainer(co: Colocated, directory: Path, keep: bool = True) -> tup
     from tidal.colocate.warm_trainer import STATE_FILE as TRAINER_STATE
 
     if not keep:
-        return None, "tidal serve --no-trainer: vLLM only, so each run's trainer loads the model itself"
+        return None, "started with --no-trainer: vLLM only"
     if co.placement.device != "cpu":
-        return None, (f"placement {co.placement.device}: a process holding CUDA cannot fork, so each run's trainer "
-                      f"loads the model itself")
+        return None, f"placement {co.placement.device}: a process holding CUDA cannot fork"
     if co.train.gpus > 1:
         return None, f"train gpus {co.train.gpus}: the kept trainer is one process"
     (directory / TRAINER_STATE).unlink(missing_ok=True)
