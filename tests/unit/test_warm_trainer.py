@@ -234,3 +234,21 @@ def test_a_pool_keeps_no_trainer_when_told_or_where_it_cannot_fork(tmp_path, mon
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
     assert main(["serve", "--stop", "--no-trainer"]) == 2
     assert "--no-trainer" in capsys.readouterr().err
+
+
+def test_status_shows_the_kept_trainers_current_record(tmp_path, monkeypatch, capsys):
+    from tidal.colocate.start import derive
+    from tidal.config import InferConfig, OrchConfig
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
+    directory = pool.pool_dir()
+    directory.mkdir(parents=True)
+    co = derive(TrainConfig(model=MODEL), InferConfig(model=MODEL), OrchConfig(), calibrate=False)
+    (directory / "trainer.json").write_text(json.dumps({"pid": 1, "forks": 3, "checks": [{"same": True}]}))
+    pool.PoolState(pid=os.getpid(), infer_pid=os.getpid(), model=MODEL, infer=co.infer.model_dump(mode="json"),
+                   infer_env={}, health_urls=[], base_urls=[], base_dir="/x", probe_ids=[3], probe_base=[0.0],
+                   dtype="float32", ready_s=1.0, trainer={"pid": 1, "socket": str(directory / "trainer.sock")},
+                   code=pool.tidal_code()).write(directory)
+    assert pool.status() == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["trainer"]["forks"] == 3 and shown["trainer"]["checks"] == [{"same": True}]
