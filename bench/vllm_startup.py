@@ -78,6 +78,8 @@ class Variant:
     pool: bool = False
     """`tidal grpo` runs attach to a warm pool (`tidal serve`, docs/warm-pool.md) started for them beforehand, its
     start not timed: the first step of a run whose vLLM is already loaded (the reset to the base weights included)."""
+    pool_args: list[str] = field(default_factory=list)
+    """More `tidal serve` arguments (`--no-trainer`: vLLM kept, the trainer's base model not)."""
     fresh_caches: bool = False
     """Start as on a fresh machine (or after a reboot emptied /tmp): tidal's cache (the Inductor cache under it) and
     vLLM's (`VLLM_CACHE_ROOT`: model inspection, compile cache) are new empty directories for each run."""
@@ -90,9 +92,13 @@ class Variant:
             import tempfile  # compile cache the shared one
 
             from tidal.inference.backends.vllm.server import inductor_cache
+            from tidal.models.sources.gguf import cache_root
 
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
             env["TIDAL_CACHE"] = tempfile.mkdtemp(prefix=f"pool-{self.name}-", dir=log_dir)
+            for shared in ("gguf", "wheels", "hashes"):  # converted models (a real GGUF): the user's
+                if (cache_root() / shared).is_dir():
+                    (Path(env["TIDAL_CACHE"]) / shared).symlink_to(cache_root() / shared)
         if self.fresh_caches:
             import tempfile
 
@@ -130,7 +136,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",
             args=["--infer.enable_lora", "false", "--infer.enforce_eager", "true"]),
     Variant("pool", "a warm pool (`tidal serve`) started before the run and not timed; the run attaches to its vLLM, "
-            "resets it to the base weights and starts no vLLM (`tidal grpo` rows only)", pool=True),
+            "resets it to the base weights and starts no vLLM, and its trainer is forked from the pool's kept trainer "
+            "(torch imported, base model loaded) (`tidal grpo` rows only)", pool=True),
+    Variant("pool-vllm", "a warm pool that keeps vLLM only (`tidal serve --no-trainer`): the run's trainer imports "
+            "torch and loads the model itself (`tidal grpo` rows only)", pool=True, pool_args=["--no-trainer"]),
     Variant("cold", "as on a fresh machine or after a reboot: empty tidal and vLLM caches (issue 68; `make setup` "
             "fills them, so a user's first run is the default row)", fresh_caches=True),
     Variant("cold-eager", "empty caches, and vLLM eager (infer enforce_eager: nothing to compile; slower rollouts)",
@@ -241,19 +250,19 @@ class GrpoRun:
     """The launcher's `first step done` line: orchestrator / trainer ready, first batch (s since vLLM started)."""
 
 
-def time_grpo(variant: Variant, steps: int, log_dir: Path) -> GrpoRun:
+def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | None = None) -> GrpoRun:
     """`tidal grpo` on the bundled example with the variant's overrides: launch to the launcher's `inference
     ready` line (and its phases), to the first metrics row (first step trained), to exit; the medians of rollout
-    and step time over steps >= 3."""
+    and step time over steps >= 3. `configs`: `--train/--infer/--orch` files (None: the bundled example)."""
     import json
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
     port = free_port()
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
-            "--infer.port", str(port), *variant.args, *variant.grpo_args]
+            "--infer.port", str(port), *(configs or []), *variant.args, *variant.grpo_args]
     env = variant.environ(log_dir)
-    pool = start_pool(port, variant.args, env, out) if variant.pool else None
+    pool = start_pool(port, [*(configs or []), *variant.args, *variant.pool_args], env, out) if variant.pool else None
     metrics, first = out / "metrics.jsonl", float("nan")
     start = time.monotonic()
     child = harness.start(f"{variant.name}-grpo", argv, out / "launcher.log", env=env)
@@ -300,8 +309,8 @@ def fmt_grpo(r: GrpoRun) -> str:
             f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
 
 
-def grpo_table(runs: list[GrpoRun], steps: int) -> str:
-    lines = [f"`tidal grpo`, bundled example, {steps} steps:", "",
+def grpo_table(runs: list[GrpoRun], steps: int, what: str = "bundled example") -> str:
+    lines = [f"`tidal grpo`, {what}, {steps} steps:", "",
              "| variant | vLLM ready s | phases s | milestones (s since vLLM started) | first step done s | "
              "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step-1 mismatch_kl | load 1-min |",
              "|---|---|---|---|---|---|---|---|---|---|",
@@ -336,20 +345,25 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=0,
                     help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
     ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
+    ap.add_argument("--configs", type=Path, help="with --grpo-steps: a directory with train.yaml, infer.yaml and "
+                    "orch.yaml for the `tidal grpo` runs (e.g. examples/real_model; default: the bundled example)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     variants = [VARIANTS[v] for v in args.variants.split(",")]
     runs: list[Run] = []
     grpo: list[GrpoRun] = []
+    configs = ([arg for c in ("train", "infer", "orch") for arg in (f"--{c}", str(args.configs / f"{c}.yaml"))]
+               if args.configs else None)
     for _ in range(args.rounds):
         for v in [] if args.grpo_only and args.grpo_steps else variants:
             runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
-            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir))
+            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs))
             print(fmt_grpo(grpo[-1]), flush=True)
-    report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps)] if grpo else []))
+    what = str(args.configs or "bundled example")
+    report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps, what)] if grpo else []))
     print(report)
     if args.write:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")

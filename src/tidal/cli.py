@@ -141,9 +141,10 @@ def cmd_serve(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.colocate import pool
 
     if args.stop or args.status:
-        if ov or any(getattr(args, c) for c in ("train", "infer", "orch", "model")) or args.dry_run:
-            raise ConfigError(f"--{'stop' if args.stop else 'status'} takes no config files, overrides or --dry-run: "
-                              "it acts on the running pool")
+        if ov or any(getattr(args, c) for c in ("train", "infer", "orch", "model")) or args.dry_run or \
+                args.no_trainer:
+            raise ConfigError(f"--{'stop' if args.stop else 'status'} takes no config files, overrides, --dry-run or "
+                              "--no-trainer: it acts on the running pool")
         return pool.stop() if args.stop else pool.status()
     train, infer, orch = (load(c, getattr(args, c), ov) for c in ("train", "infer", "orch"))
     co = start.derive(train, infer, orch, calibrate=False)
@@ -151,7 +152,7 @@ def cmd_serve(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         print(dump(co.infer))
         return 0
     setup_logging("serve")
-    return pool.serve(co)
+    return pool.serve(co, keep_trainer=not args.no_trainer)
 
 
 def cmd_infer(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -223,7 +224,16 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     cfg = load_single("train", args, ov)
     if cfg is None:
         return 0
-    from tidal.trainer import distributed, grpo
+    run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
+    if args.warm_trainer:  # attached to the warm pool: this process only relays (no torch import here)
+        if args.start_gate or cfg.gpus > 1:
+            raise ConfigError("--warm-trainer (a trainer forked from the warm pool) takes no --start-gate and runs one "
+                              f"rank (train gpus is {cfg.gpus})")
+        from tidal.colocate.warm_trainer import run_forked
+
+        return run_forked(Path(args.warm_trainer), cfg, run_dir)
+    from tidal.trainer import distributed
+    from tidal.trainer.command import run_trainer
 
     # started with vLLM by `tidal grpo` on a GPU: imports done, CUDA untouched (tidal.colocate.start_order)
     if args.start_gate:
@@ -243,37 +253,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         return distributed.launch_ranks(cfg.gpus, args.argv, cfg.cpu_affinity)
     rank = distributed.env_ranks()
     setup_logging(f"[train r{rank.rank}]" if rank.sharded else "[train]")
-    run_dir = Path(args.output_dir) if args.output_dir else find_run_dir(cfg.output_dir)
-    rollouts_dir(run_dir).mkdir(parents=True, exist_ok=True)
-    from tidal.checkpoint import CheckpointError
-    from tidal.trainer.memory import TrainerOutOfMemory, exits_on_oom
-    from tidal.trainer.publish.broadcast import SlimReloadError
-    from tidal.trainer.step.health import MismatchError
-    from tidal.transport.batch import BatchFormatError
-
-    try:
-        ranks, device = distributed.init_ranks(cfg.gpus, cfg.device, cfg.batch_timeout_s + 600)
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(str(exc)) from None
-    if ranks.sharded:
-        cfg = cfg.model_copy(update={"device": device,
-                                     "cpu_affinity": distributed.rank_cores(cfg.cpu_affinity, ranks)})
-    from tidal.procs import EXPORT_FAILED
-    from tidal.trainer.publish.export import GGUFExportError
-
-    try:
-        with exits_on_oom(cfg):
-            grpo.run(cfg, run_dir, ranks)
-    except (MismatchError, CheckpointError, BatchFormatError, TimeoutError, TrainerOutOfMemory,
-            SlimReloadError) as exc:
-        logging.getLogger("tidal.trainer").error("stopping: %s", exc)
-        return 1
-    except GGUFExportError as exc:  # trained to the end; the file asked for is missing (exit code says so)
-        logging.getLogger("tidal.trainer").error("%s", exc)
-        distributed.close(ranks)
-        return EXPORT_FAILED
-    distributed.close(ranks)
-    return 0
+    return run_trainer(cfg, run_dir)
 
 
 def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
@@ -369,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument(f"--{c}", metavar="FILE", help=f"{c}.yaml the runs will use (default: bundled example)")
     w.add_argument("--stop", action="store_true", help="stop the running pool (and everything it started)")
     w.add_argument("--status", action="store_true", help="print the running pool's state (exit 1: none runs)")
+    w.add_argument("--no-trainer", action="store_true", help="keep vLLM only, not the trainer's base model (on CPU "
+                   "the pool keeps both by default; without it each run's trainer imports torch and loads the model)")
     for name, help_ in (("grpo-infer", "start the vLLM inference server"),
                         ("grpo-orch", "run the orchestrator"), ("grpo-train", "run the trainer"),
                         ("sft", "supervised warm start on an environment's reference completions")):
@@ -393,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["grpo-train"].add_argument(
         "--start-gate", metavar="FILE", help="wait until FILE exists before building the model (tidal grpo sets it "
         "on a GPU: vLLM sizes its memory first)")
+    sub.choices["grpo-train"].add_argument(
+        "--warm-trainer", metavar="SOCKET", help="run this trainer as a fork of the warm pool's kept base (tidal grpo "
+        "sets it when attached to `tidal serve`: docs/warm-pool.md)")
     e = sub.add_parser("env-server", help="serve an environment over HTTP (for orch env[].address)")
     e.add_argument("env_id", help="registered id or package.module:Class")
     e.add_argument("--args", default="{}", help="environment arguments as JSON")

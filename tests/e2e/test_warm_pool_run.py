@@ -5,8 +5,12 @@ One pool, then: a run of another base model is refused (exit 2, both names) befo
 time unchanged); the first one's merged policies change what the pool serves, and the second's attach resets it:
 its step-1 mismatch KL is at the float32 level (the rollouts came from the base the trainer trains); a run killed
 outright (SIGKILL of its launcher) leaves the pool healthy and its attach lock free; `tidal serve --stop` leaves
-nothing of the pool running. TIDAL_CACHE points at the test's directory (the pool's state and lock), the Inductor
-cache at the shared one (a cold compile is not what this tests).
+nothing of the pool running. The trainer half (`tidal.colocate.warm_trainer`): each run's trainer is forked from
+the pool's kept process (no torch import, no model load: its log says so), the kept base's SHA-256 is unchanged after
+each run (run 1 trained at a high learning rate; run 2's step-1 mismatch KL above also fails if its base were run 1's
+policy), the killed run's forked trainer dies with it, and `--stop` ends the kept process too. TIDAL_CACHE points at
+the test's directory (the pool's state and lock), the Inductor cache at the shared one (a cold compile is not what
+this tests).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tidal.config.orch import ClientSection
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.backends.vllm.server import inductor_cache
 from tidal.monitor.metrics import read_metrics
-from tidal.procs.reaper import group_alive
+from tidal.procs.reaper import group_alive, pid_alive
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -111,6 +115,17 @@ def test_warm_pool_serves_runs_resets_to_base_and_stops_clean(tmp_path):
         assert served_probe(url, state["probe_ids"]) == pytest.approx(state["probe_base"], abs=1e-4)
         server = vllm_pids(port)
         assert state["infer_pid"] in server
+        kept = state["trainer"]
+        assert kept is not None and kept["key"]["model"] == MODEL and pid_alive(kept["pid"]), state
+
+        def kept_record() -> dict:
+            return json.loads((pool_dir / "trainer.json").read_text())
+
+        def forked_trainer(run_dir: Path) -> int:
+            text = (run_dir / "logs" / "train.log").read_text()
+            assert "forked from the warm pool's kept process" in text and "kept loaded by the warm pool" in text, \
+                text[-2000:]
+            return int(text.split("trainer pid ")[1].split()[0])
 
         other = build("qwen3", tmp_path / "other")  # another base model: refused before anything starts
         code, out, _ = run_grpo(tmp_path, env, port, "other", "--model", str(other), "--orch.max_steps", "2")
@@ -126,6 +141,14 @@ def test_warm_pool_serves_runs_resets_to_base_and_stops_clean(tmp_path):
             assert "attached to the warm pool" in out and "starting vLLM" not in out, out[-3000:]
             assert not (run_dir / "logs" / "infer.log").exists()
             assert seen <= server, f"{name} started vLLM processes of its own: {seen - server}"
+            assert "forked from the warm pool's kept trainer" in out, out[-3000:]
+            trainer = forked_trainer(run_dir)
+            deadline = time.monotonic() + 60  # the kept process checks its base once the fork has ended
+            while not any(c["pid"] == trainer for c in kept_record()["checks"]):
+                assert time.monotonic() < deadline, kept_record()
+                time.sleep(0.2)
+            check = next(c for c in kept_record()["checks"] if c["pid"] == trainer)
+            assert check["same"] and check["digest"] == kept["digest"], (check, kept["digest"])
             runs.append(read_metrics(run_dir / "metrics.jsonl"))
             if name == "run1":  # the pool now serves run 1's last merged policy, not the base
                 moved = gap(served_probe(url, state["probe_ids"]), state["probe_base"])
@@ -145,12 +168,17 @@ def test_warm_pool_serves_runs_resets_to_base_and_stops_clean(tmp_path):
         while not (metrics.exists() and read_metrics(metrics)):
             assert run.poll() is None and time.monotonic() < deadline, (run.stdout.read() if run.poll() else "")[-3000:]
             time.sleep(0.5)
+        trainer = forked_trainer(tmp_path / "killed")
         os.kill(run.pid, signal.SIGKILL)
         run.wait(timeout=30)
         deadline = time.monotonic() + 60
         while group_alive(run.pid) and time.monotonic() < deadline:  # the reaper ends the rest of the run
             time.sleep(0.2)
         assert not group_alive(run.pid)
+        while pid_alive(trainer) and time.monotonic() < deadline:  # its relay is gone: the forked trainer follows
+            time.sleep(0.2)
+        assert not pid_alive(trainer), f"the killed run's forked trainer {trainer} still runs"
+        assert pid_alive(kept["pid"])
         assert httpx.get(f"{url.removesuffix('/v1')}/health", timeout=5).status_code == 200
         assert vllm_pids(port) == server and pool.poll() is None
         with (pool_dir / "attach.lock").open("a+") as lock:
@@ -162,6 +190,7 @@ def test_warm_pool_serves_runs_resets_to_base_and_stops_clean(tmp_path):
         pool.proc.wait(timeout=30)
         assert pool.poll() == 0, pool.tail(20)
         assert not vllm_pids(port) and not group_alive(state["infer_pid"]) and not group_alive(pool.proc.pid)
+        assert not group_alive(kept["pid"]) and not pid_alive(kept["pid"])
         assert not (pool_dir / "state.json").exists()
     finally:
         procs.stop([pool])

@@ -363,6 +363,28 @@ def test_serve_flags(capsys, tmp_path, monkeypatch):
     assert run(capsys, "serve", "--stop", "--dry-run")[0] == 2
 
 
+def test_serve_no_trainer_and_grpo_train_warm_trainer(capsys, tmp_path, monkeypatch):
+    """`tidal serve --no-trainer` starts the pool without its kept trainer (`keep_trainer` False; default True);
+    `tidal grpo-train --warm-trainer SOCKET` relays to the pool's kept trainer (`run_forked` on that socket, the
+    run's config and directory) and takes no `--start-gate`."""
+    from tidal.colocate import pool, warm_trainer
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
+    seen: list[bool] = []
+    monkeypatch.setattr(pool, "serve", lambda co, keep_trainer=True: seen.append(keep_trainer) or 0)
+    assert run(capsys, "serve", "--no-trainer")[0] == 0 and run(capsys, "serve")[0] == 0
+    assert seen == [False, True]
+    relayed: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(warm_trainer, "run_forked", lambda sock, cfg, run_dir: relayed.append(
+        (sock, cfg.learning_rate, run_dir)) or 7)
+    code, _, _ = run(capsys, "grpo-train", "--warm-trainer", str(tmp_path / "s.sock"), "--output-dir",
+                     str(tmp_path / "r"), "--train.learning_rate", "0.0042")
+    assert code == 7 and relayed == [(tmp_path / "s.sock", 0.0042, tmp_path / "r")]
+    code, _, err = run(capsys, "grpo-train", "--warm-trainer", str(tmp_path / "s.sock"), "--output-dir",
+                       str(tmp_path / "r"), "--start-gate", str(tmp_path / "g"))
+    assert code == 2 and "--warm-trainer" in err and len(relayed) == 1
+
+
 # --- tidal eval --------------------------------------------------------------------------------------------------
 
 EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no-base": ("base", False),
@@ -459,15 +481,16 @@ CHECKS: dict[str, dict[str, Any]] = {
                   "--output-dir": ORCH_RUN, "--model": test_grpo_orch_dry_run},
     "grpo-train": {"config": test_grpo_train_dry_run, "--dry-run": test_grpo_train_dry_run,
                    "--resume": test_grpo_train_dry_run, "--output-dir": TRAIN_RUN,
-                   "--model": test_grpo_train_dry_run, "--start-gate": TRAIN_RUN},
+                   "--model": test_grpo_train_dry_run, "--start-gate": TRAIN_RUN,
+                   "--warm-trainer": test_serve_no_trainer_and_grpo_train_warm_trainer},
     "sft": {"config": test_sft_bundled_config_dry_run, "--dry-run": test_sft_bundled_config_dry_run,
             "--output-dir": test_sft_output_dir_is_where_the_result_goes, "--model": test_sft_bundled_config_dry_run},
     "env-server": {"env_id": test_env_server, "--args": test_env_server, "--host": test_env_server,
                    "--port": test_env_server},
     "report": {"RUN_DIR": test_report, "--out": test_report},
     "serve-tinker": {flag: test_serve_tinker for flag in TINKER},
-    "serve": dict.fromkeys(("--train", "--infer", "--orch", "--model", "--stop", "--status", "--dry-run"),
-                           test_serve_flags),
+    "serve": {**dict.fromkeys(("--train", "--infer", "--orch", "--model", "--stop", "--status", "--dry-run"),
+                              test_serve_flags), "--no-trainer": test_serve_no_trainer_and_grpo_train_warm_trainer},
     "eval": {**{flag: test_eval_flag_sets_its_key for flag in EVAL},
              **{flag: test_eval_env_flags_config_file_quiet_and_dry_run for flag in (
                  "config", "--env", "--env-args", "--env-address", "--chat-template-kwargs", "--quiet", "--dry-run")}},

@@ -20,9 +20,11 @@ this machine, so that the next run's first step needs no vLLM start-up (20-70 s 
   run then starts its orchestrator and trainer at once and watches the pool's server like its own (a pool that dies
   ends the run; it is not restarted by the run).
 
-Not kept warm: the trainer's base model (each run's trainer loads it, ~2-6 s on CPU, while nothing else waits for
-it: the orchestrator's first rollouts run meanwhile). Refused in a pool: SGLang, the nccl weight push, shared base
-weights (the trainer would hold tensors of a server it does not own).
+On a CPU placement the pool also keeps the trainer's base model loaded (`tidal.colocate.warm_trainer`, started
+here beside vLLM; `tidal serve --no-trainer` keeps vLLM only): an attached run's trainer is forked from it, after
+`trainer_differences` found nothing that differs (the train keys that decide the base, one rank, the same tidal
+checkout). Refused in a pool: SGLang, the nccl weight push, shared base weights (the trainer would hold tensors of a
+server it does not own).
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ class PoolState:
     """The dtype vLLM serves in (the identity check's tolerance)."""
     ready_s: float
     """Seconds from the pool's start until its server answered."""
+    trainer: dict[str, Any] | None = None
+    """The kept trainer (`tidal.colocate.warm_trainer`'s `trainer.json`: pid, socket, the train keys its base was
+    loaded for, the base's SHA-256); None when the pool keeps none (`trainer_off` says why)."""
+    trainer_off: str | None = None
+    """Why the pool keeps no trainer (a GPU: a CUDA process cannot fork)."""
+    code: str = ""
+    """The tidal package the pool runs (a run of another checkout is refused: the kept trainer runs the pool's code)."""
 
     def write(self, directory: Path) -> None:
         write_atomic(directory / STATE_FILE, json.dumps(asdict(self), indent=1))
@@ -121,6 +130,27 @@ def differences(state: PoolState, co: Colocated) -> list[str]:
     return out
 
 
+def tidal_code() -> str:
+    """The directory of the tidal package this process runs."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def trainer_differences(state: PoolState, co: Colocated) -> list[str]:
+    """Each reason the pool's kept trainer cannot train this run (`train KEY: pool X, run Y`, the base's keys
+    `tidal.config.train.BASE_MODEL_KEYS`; several trainer ranks; another tidal checkout); [] without a kept trainer."""
+    if state.trainer is None:
+        return []
+    from tidal.config.train import base_model_key
+
+    kept, run = state.trainer.get("key", {}), base_model_key(co.train)
+    out = [f"train {k}: pool {kept.get(k)!r}, this run {run.get(k)!r}" for k in run if kept.get(k) != run.get(k)]
+    if co.train.gpus > 1:
+        out.append(f"train gpus: the pool's kept trainer is one process, this run asks for {co.train.gpus}")
+    if state.code != tidal_code():
+        out.append(f"tidal code: the pool runs {state.code or 'an older tidal'}, this run {tidal_code()}")
+    return out
+
+
 def check_matches(state: PoolState, co: Colocated) -> None:
     """`ConfigError` (exit 2) unless the pool serves exactly what this run would start (module docs)."""
     where = f"the warm pool (`tidal serve`, pid {state.pid}, {pool_dir() / STATE_FILE})"
@@ -134,6 +164,10 @@ def check_matches(state: PoolState, co: Colocated) -> None:
     diff = differences(state, co)
     if diff:
         raise ConfigError(f"{where} serves {state.model} with other settings than this run derives: "
+                          f"{'; '.join(diff)}; start the pool with the run's config files and overrides, or {stop}")
+    diff = trainer_differences(state, co)
+    if diff:
+        raise ConfigError(f"{where} keeps the trainer's base model loaded for other settings than this run's: "
                           f"{'; '.join(diff)}; start the pool with the run's config files and overrides, or {stop}")
 
 
@@ -253,35 +287,77 @@ async def score_probe(co: Colocated) -> tuple[list[int], list[float]]:
         await client.close()
 
 
-def _raise_on_term(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
-    """`tidal serve`: start the pool's server for `co` and keep it until SIGTERM / Ctrl-C (module docs); returns
-    the exit code (0 stopped, 1 the server died)."""
-    import yaml
-
+def check_servable(co: Colocated, directory: Path) -> None:
+    """`ConfigError` unless a pool for `co` can start here: none runs already, nothing in `co` is refused in a pool,
+    and vLLM's bind and ports pass `tidal grpo`'s checks (`tidal.colocate.start.check_startable`)."""
     from tidal.inference.backends.bind import InsecureBindError, check_bind_secure
-    from tidal.inference.precision import trainer_dtype
-    from tidal.models.sources import resolve_model
 
-    directory = pool_dir()
     running = PoolState.read(directory)
     if running is not None:
         raise ConfigError(f"a warm pool already runs (pid {running.pid}, model {running.model}); stop it first "
                           f"(`tidal serve --stop`)")
     if (why := refusal(co)) is not None:
         raise ConfigError(why)
-    try:  # the checks of `tidal grpo` that need the machine (`tidal.colocate.start.check_startable`), for vLLM's ports
+    try:
         check_bind_secure(co.infer)
         for port in range(co.placement.port, co.placement.port + co.infer.dp):
             procs.check_port_free(co.placement.host, port)
     except (procs.PortInUseError, InsecureBindError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def start_kept_trainer(co: Colocated, directory: Path, keep: bool = True) -> tuple[procs.Child | None, str | None]:
+    """The pool's kept trainer (`tidal.colocate.warm_trainer`) started on `directory/train.yaml`, or None and why
+    the pool keeps none (`tidal serve --no-trainer`: `keep` False; a GPU placement; several trainer ranks)."""
+    from tidal.colocate.warm_trainer import LOG_FILE as TRAINER_LOG
+    from tidal.colocate.warm_trainer import STATE_FILE as TRAINER_STATE
+
+    if not keep:
+        return None, "started with --no-trainer: vLLM only"
+    if co.placement.device != "cpu":
+        return None, f"placement {co.placement.device}: a process holding CUDA cannot fork"
+    if co.train.gpus > 1:
+        return None, f"train gpus {co.train.gpus}: the kept trainer is one process"
+    (directory / TRAINER_STATE).unlink(missing_ok=True)
+    child = procs.Child("trainer", [sys.executable, "-m", "tidal.colocate.warm_trainer", str(directory / "train.yaml"),
+                                    str(directory)], log_path=directory / TRAINER_LOG)
+    print(f"[tidal] warm pool: loading the trainer's base model to keep (log: {directory / TRAINER_LOG})", flush=True)
+    return child, None
+
+
+def wait_kept_trainer(child: procs.Child, directory: Path, timeout_s: float) -> dict[str, Any]:
+    """The kept trainer's `trainer.json` once it listens; `procs.NotHealthy` when it exits or time runs out."""
+    from tidal.colocate.warm_trainer import STATE_FILE as TRAINER_STATE
+
+    path, start = directory / TRAINER_STATE, time.monotonic()
+    while True:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            state: dict[str, Any] = json.loads(path.read_text())
+            if state.get("pid") == child.pid:
+                return state
+        if child.poll() is not None or time.monotonic() - start > timeout_s:
+            raise procs.NotHealthy([str(path)], time.monotonic() - start, child.poll(), child.tail(5))
+        time.sleep(0.2)
+
+
+def _raise_on_term(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(co: Colocated, start_timeout_s: float = 600.0, keep_trainer: bool = True) -> int:
+    """`tidal serve`: start the pool's server for `co` (and, with `keep_trainer`, its kept trainer) and keep them
+    until SIGTERM / Ctrl-C (module docs); returns the exit code (0 stopped, 1 one of them died)."""
+    import yaml
+
+    from tidal.inference.precision import trainer_dtype
+    from tidal.models.sources import resolve_model
+
+    directory = pool_dir()
+    check_servable(co, directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / STATE_FILE).unlink(missing_ok=True)  # a stale one (a pool killed outright)
     write_atomic(directory / "infer.yaml", yaml.safe_dump(co.infer.model_dump(mode="json"), sort_keys=False))
+    write_atomic(directory / "train.yaml", yaml.safe_dump(co.train.model_dump(mode="json"), sort_keys=False))
     if os.getpgrp() != os.getpid():  # its own process group (started with `&` from a script: not the script's)
         with contextlib.suppress(OSError):
             os.setsid()
@@ -291,26 +367,32 @@ def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
     child = procs.Child("infer", [sys.executable, "-m", "tidal.cli", "grpo-infer", str(directory / "infer.yaml")],
                         log_path=directory / LOG_FILE, env=co.placement.infer_env)
     print(f"[tidal] warm pool: starting vLLM for {co.infer.model} (log: {directory / LOG_FILE})", flush=True)
+    kept, kept_off = start_kept_trainer(co, directory, keep_trainer)
+    children = [child, *([kept] if kept is not None else [])]
     try:
         procs.wait_healthy(list(co.placement.health_urls), child, start_timeout_s)
+        trainer = wait_kept_trainer(kept, directory, start_timeout_s) if kept is not None else None
         ids, lps = asyncio.run(score_probe(co))
         dtype = co.infer.dtype if co.infer.dtype != "auto" else trainer_dtype("auto", co.placement.device)
         PoolState(pid=os.getpid(), infer_pid=child.proc.pid, model=co.infer.model,
                   infer=co.infer.model_dump(mode="json"), infer_env=dict(co.placement.infer_env),
                   health_urls=list(co.placement.health_urls), base_urls=list(co.placement.base_urls),
                   base_dir=resolve_model(co.infer.model), probe_ids=ids, probe_base=lps, dtype=dtype,
-                  ready_s=time.monotonic() - t0).write(directory)
+                  ready_s=time.monotonic() - t0, trainer=trainer, trainer_off=kept_off,
+                  code=tidal_code()).write(directory)
+        kept_line = "and the trainer's base model kept loaded" if trainer else f"no trainer kept ({kept_off})"
         print(f"[tidal] warm pool ready after {time.monotonic() - t0:.1f} s: vLLM serves {co.infer.model} at "
-              f"{co.placement.base_url}; `tidal grpo` runs of this model attach to it; stop: tidal serve --stop",
-              flush=True)
-        while child.poll() is None:
+              f"{co.placement.base_url}, {kept_line}; `tidal grpo` runs of this model attach to it; stop: tidal "
+              f"serve --stop", flush=True)
+        while (dead := next((c for c in children if c.poll() is not None), None)) is None:
             time.sleep(0.5)
-        print(f"[tidal] warm pool: vLLM exited with code {child.poll()}; last lines of {directory / LOG_FILE}:\n"
-              f"{child.tail(15)}", file=sys.stderr, flush=True)
+        print(f"[tidal] warm pool: {dead.name} exited with code {dead.poll()}; last lines of {dead.log_path}:\n"
+              f"{dead.tail(15)}", file=sys.stderr, flush=True)
         return 1
     except procs.NotHealthy as exc:
-        print(f"[tidal] warm pool: vLLM did not start ({exc}); last lines of {directory / LOG_FILE}:\n"
-              f"{child.tail(15)}", file=sys.stderr, flush=True)
+        dead = next((c for c in children if c.poll() is not None), child)
+        print(f"[tidal] warm pool: {dead.name} did not start ({exc}); last lines of {dead.log_path}:\n"
+              f"{dead.tail(15)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("[tidal] warm pool: stopping vLLM", flush=True)
@@ -319,7 +401,7 @@ def serve(co: Colocated, start_timeout_s: float = 600.0) -> int:
         state = PoolState.read(directory)
         if state is not None and state.pid == os.getpid():
             (directory / STATE_FILE).unlink(missing_ok=True)
-        procs.stop([child])
+        procs.stop(children)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -339,10 +421,12 @@ def stop() -> int:
     if pid_alive(state.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(state.pid, signal.SIGKILL)  # its reaper then ends what it started
-    if group_alive(state.infer_pid):  # vLLM's own group (the API server leads it; its engine runs in it)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(state.infer_pid, signal.SIGKILL)
-    gone = wait_group_gone(state.infer_pid, 10.0) and not pid_alive(state.pid)
+    groups = [state.infer_pid, *([int(state.trainer["pid"])] if state.trainer else [])]
+    for group in groups:  # vLLM's own group (the API server leads it); the kept trainer's (its forks run in it)
+        if group_alive(group):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+    gone = all(wait_group_gone(group, 10.0) for group in groups) and not pid_alive(state.pid)
     (pool_dir() / STATE_FILE).unlink(missing_ok=True)
     print(f"[tidal] warm pool (pid {state.pid}, {state.model}) {'stopped' if gone else 'NOT fully stopped'}",
           flush=True)
@@ -356,5 +440,8 @@ def status() -> int:
         print("[tidal] no warm pool is running", flush=True)
         return 1
     view = {k: v for k, v in asdict(state).items() if k not in ("probe_ids", "probe_base")}
+    if state.trainer is not None:  # its current record (forks, checks of the kept base)
+        with contextlib.suppress(OSError, ValueError):
+            view["trainer"] = json.loads(Path(state.trainer["socket"]).with_name("trainer.json").read_text())
     print(json.dumps(view, indent=1), flush=True)
     return 0

@@ -176,4 +176,19 @@ def _start(co: Colocated, pool: Attached | None, *, live: bool, resume_hint: str
                         teacher_env=co.teacher.env if co.teacher is not None else None,
                         teacher_restarts=infer_restarts,  # the teacher shares nothing with the trainer
                         plan=start_plan(place.device, startup),
-                        pool=PoolServer(pool.state.infer_pid, pool.log_path) if pool is not None else None)
+                        pool=PoolServer(pool.state.infer_pid, pool.log_path) if pool is not None else None,
+                        warm_trainer=kept_trainer(pool))
+
+
+def kept_trainer(pool: Attached | None) -> Path | None:
+    """The socket of the warm pool's kept trainer this run's trainer is forked from (`tidal.colocate.warm_trainer`),
+    or None (no pool; a pool that keeps none: said in a line, with why)."""
+    if pool is None:
+        return None
+    if pool.state.trainer is None:
+        print(f"[tidal] the warm pool keeps no trainer ({pool.state.trainer_off}): this run's trainer loads the "
+              f"model itself", flush=True)
+        return None
+    print(f"[tidal] this run's trainer is forked from the warm pool's kept trainer (pid {pool.state.trainer['pid']}: "
+          f"torch imported, base model loaded)", flush=True)
+    return Path(pool.state.trainer["socket"])

@@ -374,8 +374,9 @@ class Starter:
 
     def __init__(self, cli: list[str], run_dir: Path, configs: dict[str, Path], plan: StartPlan,
                  milestones: Milestones, emit: Callable[[str, str], None] | None, echo_inproc: bool,
-                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None) -> None:
+                 orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None, warm_trainer: Path | None = None) -> None:
         self.cli, self.run_dir, self.configs, self.plan = cli, run_dir, configs, plan
+        self.warm = ["--warm-trainer", str(warm_trainer)] if warm_trainer is not None else []
         self.milestones, self.emit, self.echo_inproc, self.orchestrator = milestones, emit, echo_inproc, orchestrator
         self.orch: Component | None = None
         self.train: Component | None = None
@@ -392,7 +393,7 @@ class Starter:
             started.append(self.orch)
         if self.plan.train_early == early:
             gate = ["--start-gate", str(infer_ready_path(self.run_dir))] if early and self.plan.train_gated else []
-            self.train = Child("train", [*self.cli, "grpo-train", str(self.configs["train"]), *run, *gate],
+            self.train = Child("train", [*self.cli, "grpo-train", str(self.configs["train"]), *run, *gate, *self.warm],
                                logs / "train.log", echo=True, emit=self.emit,
                                on_line=lambda line: self.milestones.feed("train", line))
             started.append(self.train)
@@ -452,10 +453,9 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                  orchestrator: Callable[[], Coroutine[Any, Any, Any]] | None = None,
                  teacher_health: str | None = None, teacher_env: Mapping[str, str] | None = None,
                  teacher_restarts: int | None = None, plan: StartPlan | None = None,
-                 pool: PoolServer | None = None) -> int:
+                 pool: PoolServer | None = None, warm_trainer: Path | None = None) -> int:
     """Supervise the three components; returns the process exit code (0 done, 1 failure, 130 interrupted,
-    `EXPORT_FAILED`: trained, a final export missing; `WRONG_POLICY`: the orchestrator's policy identity check
-    stopped the run).
+    `EXPORT_FAILED`: trained, a final export missing; `WRONG_POLICY`: the policy identity check stopped the run).
     `plan`: which components start with vLLM (`tidal.colocate.start_order.start_plan`; None: both after `/health`).
     `orchestrator`: run this coroutine function in this process (`InProcess`) instead of a `grpo-orch` child.
     `live` (a terminal) shows a progress board under the scrolling log lines; otherwise plain lines.
@@ -464,10 +464,10 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
     server (`tidal.colocate.teacher`) starts beside inference (`grpo-infer` on that config, log `logs/teacher.log`,
     `teacher_env` added), waited for at `teacher_health`, restarted like inference (`teacher_restarts` times, None:
     `infer_restarts`) and stopped with the run. `pool`: the warm pool's server this run attached to
-    (`tidal.colocate.pool`), used instead of starting vLLM: watched, never restarted nor stopped."""
-    health = [health_url] if isinstance(health_url, str) else list(health_url)
-    logs = logs_dir(run_dir)
-    cli = [python, "-m", "tidal.cli"]
+    (`tidal.colocate.pool`), used instead of starting vLLM: watched, never restarted nor stopped; `warm_trainer`:
+    the pool's kept trainer's socket (it forks this run's trainer: `tidal.colocate.warm_trainer`)."""
+    health, logs, cli = [health_url] if isinstance(health_url, str) else list(health_url), logs_dir(run_dir), \
+        [python, "-m", "tidal.cli"]
     start_reaper()  # if this launcher is killed outright, nothing it started survives it
     children: list[Component] = []
     # Installed explicitly: a process started in the background by a non-interactive shell inherits SIGINT
@@ -490,7 +490,8 @@ def run_colocate(python: str, run_dir: Path, configs: dict[str, Path], health_ur
                                 infer_restarts if teacher_restarts is None else teacher_restarts)
         if teacher is not None and teacher.child is not None:  # on-policy distillation: beside the policy's vLLM
             children, servers = [*children, teacher.child], [*servers, teacher]
-        starter = Starter(cli, run_dir, configs, plan or SEQUENTIAL, milestones, emit, board is None, orchestrator)
+        starter = Starter(cli, run_dir, configs, plan or SEQUENTIAL, milestones, emit, board is None, orchestrator,
+                          warm_trainer)
         early = starter.start(early=True)
         children += early
         wait_healthy(health, infer, infer_start_timeout_s, watch=early)

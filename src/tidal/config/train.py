@@ -534,3 +534,16 @@ class TrainConfig(StrictModel):
                 raise ValueError("set either micro_batch_tokens (a token budget per micro-batch) or "
                                  "per_device_train_batch_size (rows per micro-batch), not both")
         return self
+
+
+BASE_MODEL_KEYS = ("model", "device", "recipe", "trust_remote_code", "rope_scaling", "attention", "qlora_bnb",
+                   "qlora_fp8", "share_base_weights")
+"""The train keys that decide the frozen base model the trainer builds before any adapter or recipe touches it
+(`tidal.trainer.model.load.load_base`): a base loaded for one value of each (the warm pool's kept trainer,
+`tidal.colocate.warm_trainer`) is the base of every run with the same values, and of no other."""
+
+
+def base_model_key(cfg: TrainConfig) -> dict[str, Any]:
+    """`BASE_MODEL_KEYS` of `cfg` (JSON values)."""
+    dumped = cfg.model_dump(mode="json")
+    return {k: dumped.get(k) for k in BASE_MODEL_KEYS}

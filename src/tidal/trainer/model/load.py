@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tidal.config.load import ConfigError
-from tidal.config.train import TrainConfig
+from tidal.config.train import BASE_MODEL_KEYS, TrainConfig, base_model_key
 from tidal.models.families import has_linear_attention
 from tidal.trainer.model.activations import apply_activation_policy
 from tidal.trainer.model.hf import (
@@ -156,19 +156,56 @@ def load_policy(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.device]:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # so per-device calls (peak memory, RNG states) mean this GPU
     kind = qlora_kind(cfg)
-    if cfg.share_base_weights is True:  # the frozen base is vLLM's tensors (tidal.trainer.model.shared_base)
-        from tidal.trainer.model.shared_base import load_shared_base
-
-        model = load_shared_base(cfg, device, resolve_dtype(cfg.recipe, device))
-    else:
-        model = load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),
-                                trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling, quantized=kind,
-                                attention=cfg.attention)
+    model = take_kept(cfg)
+    if model is None:
+        model = load_base(cfg, device)
     if kind is not None:
         r = base_report(model, kind)
         log.info("QLoRA base (%s): %d linear layers, %.1f M parameters in %.2f MiB (%.3f bytes/parameter, scales "
                  "included)", kind.upper(), r["layers"], r["params"] / 1e6, r["bytes"] / 2**20, r["bytes_per_param"])
     return prepare_policy(model, cfg, device), device
+
+
+def load_base(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen base model train `cfg` trains on `device` (what `BASE_MODEL_KEYS` decide, nothing else): vLLM's own
+    tensors with `share_base_weights` (`tidal.trainer.model.shared_base`), else the checkpoint (`load_base_model`)."""
+    if cfg.share_base_weights is True:
+        from tidal.trainer.model.shared_base import load_shared_base
+
+        return load_shared_base(cfg, device, resolve_dtype(cfg.recipe, device))
+    return load_base_model(cfg.model, device, resolve_dtype(cfg.recipe, device),  # type: ignore[no-any-return]
+                           trust_remote_code=cfg.trust_remote_code, rope_scaling=cfg.rope_scaling,
+                           quantized=qlora_kind(cfg), attention=cfg.attention)
+
+
+_kept: tuple[dict[str, Any], torch.nn.Module] | None = None
+"""A base loaded ahead of the run (`keep_base`) and the `base_model_key` it was loaded for."""
+
+
+def keep_base(model: torch.nn.Module, key: dict[str, Any]) -> None:
+    """Make `model` (a `load_base` of a config whose `base_model_key` is `key`) the base the next `load_policy` of a
+    config with the same key builds on instead of loading one: the warm pool's trainer process loads it once and
+    forks a trainer per run (`tidal.colocate.warm_trainer`; each fork's writes stay its own)."""
+    global _kept
+    _kept = (dict(key), model)
+
+
+def take_kept(cfg: TrainConfig) -> torch.nn.Module | None:
+    """The kept base (`keep_base`), once, if it was loaded for `cfg`'s `base_model_key`; None when none is kept. A
+    kept base of another key is a `ConfigError` naming the keys: never a run on a base loaded for other values."""
+    global _kept
+    if _kept is None:
+        return None
+    key, model = _kept
+    want = base_model_key(cfg)
+    if want != key:
+        diff = "; ".join(f"train {k}: kept {key.get(k)!r}, this run {want.get(k)!r}" for k in BASE_MODEL_KEYS
+                         if key.get(k) != want.get(k))
+        raise ConfigError(f"the base model kept for this trainer was loaded for other train settings ({diff}); "
+                          f"start the warm pool with this run's train config, or run without it")
+    _kept = None
+    log.info("base model %s: the one kept loaded by the warm pool's trainer (no load)", cfg.model)
+    return model
 
 
 def prepare_policy(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
