@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,12 +179,15 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                                         parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
                                         scorer=parts.scorer, buffer=parts.buffer, outage=outage)
             # 2. assemble
+            t_assemble = time.monotonic()
             done = assemble(step, got, cfg, parts.scorer, parts.filters, parts.custom)
+            counts["timing/assemble_s"] = time.monotonic() - t_assemble
             progress = parts.progress
             progress.step, progress.total_tokens = step, progress.total_tokens + done.generated_tokens
             progress.total_samples += len(done.flat)
             done.batch.metrics |= step_metrics(parts, got, done, counts) | policy.identity.metrics()
-            # 3. hand over
+            # 3. hand over (`timing/handoff_at`: the trainer measures the hand-over's latency from it)
+            done.batch.metrics["timing/handoff_at"] = time.time()
             await parts.sink.put(done.batch)
             # 4. bookkeeping
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
