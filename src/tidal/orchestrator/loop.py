@@ -124,9 +124,10 @@ async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
 
 
 def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[str, float]) -> dict[str, float]:
-    """Progress, buffer and timing metrics of a step (beside those of its batch)."""
+    """Progress, buffer and timing metrics of a step (beside those of its batch); `timing/handoff_at`: the wall
+    clock as the batch is handed over (the trainer turns it into `timing/handoff_s`)."""
     p = parts.progress
-    return {**counts, **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
+    return {**counts, "timing/handoff_at": time.time(), **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
             "progress/total_samples": p.total_samples, "rollout_time_s": got.rollout_time_s,
             "weights_wait_s": got.waited_s,
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
@@ -186,8 +187,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
             progress.step, progress.total_tokens = step, progress.total_tokens + done.generated_tokens
             progress.total_samples += len(done.flat)
             done.batch.metrics |= step_metrics(parts, got, done, counts) | policy.identity.metrics()
-            # 3. hand over (`timing/handoff_at`: the trainer measures the hand-over's latency from it)
-            done.batch.metrics["timing/handoff_at"] = time.time()
+            # 3. hand over (`timing/handoff_at` set by step_metrics: the trainer measures the hand-over from it)
             await parts.sink.put(done.batch)
             # 4. bookkeeping
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
