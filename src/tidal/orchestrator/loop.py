@@ -127,9 +127,9 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
     """Progress, buffer and timing metrics of a step (beside those of its batch); `timing/handoff_at`: the wall
     clock as the batch is handed over (the trainer turns it into `timing/handoff_s`)."""
     p = parts.progress
-    return {**counts, "timing/handoff_at": time.time(), **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
+    return {**counts, **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
             "progress/total_samples": p.total_samples, "rollout_time_s": got.rollout_time_s,
-            "weights_wait_s": got.waited_s,
+            "weights_wait_s": got.waited_s, "timing/handoff_at": time.time(),
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
 
 
