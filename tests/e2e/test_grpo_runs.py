@@ -34,7 +34,8 @@ def small(steps: int = 3) -> list[str]:
     return ["--orch.max_steps", str(steps), *ORCH_SMALL, *TRAIN_SMALL]
 REQUIRED = ["step", "reward/mean", "reward/std", "seq_len/mean", "mismatch_kl", "masked", "loss", "grad_norm",
             "tokens", "step_time_s", "rollout_tokens_per_s", "trainer_tokens_per_s", "off_policy_level",
-            "token_mult_prob_error", "entropy", "frac_reward_zero_std", "completions/mean_length", "policy/probe_gap"]
+            "token_mult_prob_error", "entropy", "frac_reward_zero_std", "completions/mean_length", "policy/probe_gap",
+            "timing/assemble_s", "timing/handoff_s", "timing/publish_s"]  # the step accounting (docs/orchestrator.md)
 
 
 def check_metrics(run_dir: Path, steps: int) -> list[dict]:
@@ -45,6 +46,8 @@ def check_metrics(run_dir: Path, steps: int) -> list[dict]:
         assert not missing, f"step {r['step']} lacks {missing}"
         assert r["tokens"] > 0 and np.isfinite(r["loss"]) and r["grad_norm"] >= 0
         assert 0 <= r["policy/probe_gap"] <= 0.01, "the policy identity check passed: vLLM served each policy"
+        assert 0 <= r["timing/handoff_s"] < 60 and 0 <= r["timing/assemble_s"] < r["step_time_s"] + 60
+        assert "timing/handoff_at" not in r, "the trainer turns the orchestrator's stamp into timing/handoff_s"
     assert abs(rows[0]["mismatch_kl"]) <= 1e-3, "step 1 samples and trains the same policy"
     assert rows[0]["off_policy_level"] == 0 and rows[-1]["policy_step"] >= 1
     return rows

@@ -27,6 +27,7 @@ from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker, required_policy
 from tidal.orchestrator.scoring import Scorer
 from tidal.rewards import ServiceUnavailable
+from tidal.transport import weights
 
 
 async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
@@ -47,6 +48,13 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
     if not filler.kept.env.is_outage(cfg.env_outage.fraction):
         filler.shortfall(counts, f"batch {step}")
     return filler.kept
+
+
+def policy_ready(policy: PolicyTracker) -> dict[str, float]:
+    """`timing/policy_ready_s`: seconds from the newly served policy's `STABLE` marker to now, ready to sample
+    (the hand-over of a policy: the orchestrator's poll, vLLM's reload and the identity check); none for the base."""
+    stamp = weights.policy_stamp(policy.run_dir, policy.step) if policy.step else 0
+    return {"timing/policy_ready_s": max(0.0, time.time() - stamp / 1e9)} if stamp else {}
 
 
 async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, client: InferenceClient,
@@ -72,8 +80,11 @@ async def sample_step(step: int, cfg: OrchConfig, env: Any, rng: random.Random, 
         try:
             if await client.discover():
                 policy.invalidate()  # servers joined the elastic pool: load the policy on all of them
+            served = policy.step
             waited = await policy.ensure(required_policy(step, cfg.max_async_level), timeout)
             t0 = time.monotonic()
+            if policy.step != served:
+                counts |= policy_ready(policy)
             buffer.new_step()
             assert scorer is not None
             got = await collect_groups(step, cfg, env, rng, client, base, policy, counts, scorer, buffer)

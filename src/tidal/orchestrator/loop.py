@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,11 +124,12 @@ async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
 
 
 def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[str, float]) -> dict[str, float]:
-    """Progress, buffer and timing metrics of a step (beside those of its batch)."""
+    """Progress, buffer and timing metrics of a step (beside those of its batch); `timing/handoff_at`: the wall
+    clock as the batch is handed over (the trainer turns it into `timing/handoff_s`)."""
     p = parts.progress
     return {**counts, **parts.buffer.metrics(), **parts.env.take_metrics(), "progress/total_tokens": p.total_tokens,
             "progress/total_samples": p.total_samples, "rollout_time_s": got.rollout_time_s,
-            "weights_wait_s": got.waited_s,
+            "weights_wait_s": got.waited_s, "timing/handoff_at": time.time(),
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
 
 
@@ -179,12 +181,14 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                                         parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
                                         scorer=parts.scorer, buffer=parts.buffer, outage=outage)
             # 2. assemble
+            t_assemble = time.monotonic()
             done = assemble(step, got, cfg, parts.scorer, parts.filters, parts.custom)
+            counts["timing/assemble_s"] = time.monotonic() - t_assemble
             progress = parts.progress
             progress.step, progress.total_tokens = step, progress.total_tokens + done.generated_tokens
             progress.total_samples += len(done.flat)
             done.batch.metrics |= step_metrics(parts, got, done, counts) | policy.identity.metrics()
-            # 3. hand over
+            # 3. hand over (`timing/handoff_at` set by step_metrics: the trainer measures the hand-over from it)
             await parts.sink.put(done.batch)
             # 4. bookkeeping
             if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:

@@ -403,16 +403,18 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     sync_view(p)
     tm["memory/peak_gb"] = peak.measure(p.ranks)
     train_time = time.monotonic() - t0
-    push_time = probe_time = 0.0
+    push_time = probe_time = publish_time = 0.0
     noise = qerl_noise(cfg, step)
     if p.ranks.main:
         assert p.view is not None
         push_time = pusher.push_policy(p.view, run_dir, step) if pusher else 0.0
         t1 = time.monotonic()
         probe = prober.record(p.view, step) if prober is not None else None
-        probe_time = time.monotonic() - t1
+        t2 = time.monotonic()
+        probe_time = t2 - t1
         publish_adapter(p.view, run_dir, step, keep=cfg.max_async_level + 2, merged_keys=merged_keys, noise=noise,
                         probe=probe)
+        publish_time = time.monotonic() - t2
     ckpt_time = 0.0
     if cfg.ckpt.interval and step % cfg.ckpt.interval == 0:
         t1 = time.monotonic()
@@ -421,7 +423,7 @@ def train_and_publish(step: int, batch: TrainingBatch, p: Policy, cfg: TrainConf
     return {**tm, "lr": lr, "optimizer_steps": optimizer_steps(p.opt), "train_time_s": train_time,
             "broadcast_time_s": time.monotonic() - t0 - train_time - ckpt_time, "ckpt_time_s": ckpt_time,
             **({"push_time_s": push_time} if pusher else {}), "trainer_ranks": p.ranks.world,
-            **({"probe_time_s": probe_time} if prober else {}),
+            **({"probe_time_s": probe_time} if prober else {}), "timing/publish_s": publish_time,
             **({"qerl/sigma": noise[0] if noise else 0.0} if cfg.noise_scheduler.enabled else {}),
             "trainer_tokens_per_s": tm["processed_tokens"] / max(train_time, 1e-9)}
 
@@ -531,6 +533,8 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
             break
         step += 1
         waited = time.monotonic() - wait_start
+        if "timing/handoff_at" in batch.metrics:  # the orchestrator's put -> here: write, poll, read
+            batch.metrics["timing/handoff_s"] = time.time() - batch.metrics.pop("timing/handoff_at")
         record = {"step": step, **batch.metrics, "policy_step": batch.policy_step,
                   "off_policy_level": batch.off_policy_level, "max_steps": batch.max_steps,
                   "resumed_from": resumed_from, "wait_time_s": waited,

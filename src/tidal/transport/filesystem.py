@@ -3,6 +3,10 @@
 
 A batch file exists only once complete. When the orchestrator has written its last batch it writes
 `rollouts/DONE` holding that step number, so a trainer with no `max_steps` of its own knows when to stop.
+
+The trainer looks for its batch every `POLL_S` (one `stat`): the hand-over's latency is half of that on average
+(it was 50 ms: ~25 ms a step on the critical path when training on-policy); `DONE`, needed once a run, is read
+at most every `DONE_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ from pathlib import Path
 from tidal.paths import atomic_file, batch_path, done_path, rollouts_dir, write_atomic
 from tidal.transport.batch import TrainingBatch
 from tidal.transport.waiting import BatchWait
+
+POLL_S = 0.005
+"""Seconds between two looks for the awaited batch file (a `stat` each: ~200 a second while the trainer waits)."""
+DONE_EVERY_S = 0.25
+"""Seconds between two reads of `rollouts/DONE` while waiting (it only ends a run: no need to read it per poll)."""
 
 
 class BatchWriter:
@@ -54,17 +63,19 @@ class BatchReader:
         except (FileNotFoundError, ValueError):
             return None
 
-    def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
+    def wait(self, step: int, timeout_s: float, poll_s: float = POLL_S,
              on_wait: Callable[[float], None] | None = None,
              on_tick: Callable[[], None] | None = None) -> TrainingBatch | None:
         """Batch `step`, or None when the orchestrator finished before it. TimeoutError after `timeout_s`."""
         path = batch_path(self.run_dir, step)
         clock = BatchWait(step, str(path), timeout_s, on_wait, on_tick=on_tick)
+        done_read = -DONE_EVERY_S
         while True:
             if path.exists():
                 return TrainingBatch.load(path)
-            done = self.done_step()
-            if done is not None and done < step:
-                return None
+            if (now := time.monotonic()) - done_read >= DONE_EVERY_S:
+                done, done_read = self.done_step(), now
+                if done is not None and done < step:
+                    return None
             clock.tick()
             time.sleep(poll_s)

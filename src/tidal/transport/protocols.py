@@ -33,6 +33,6 @@ class BatchSource(Protocol):
     where: str
     """Where batches come from, for messages."""
 
-    def wait(self, step: int, timeout_s: float, poll_s: float = 0.05,
+    def wait(self, step: int, timeout_s: float, poll_s: float = 0.005,
              on_wait: Callable[[float], None] | None = None,
              on_tick: Callable[[], None] | None = None) -> TrainingBatch | None: ...

@@ -4,9 +4,11 @@ shared filesystem needed for them.
 The orchestrator binds a ROUTER socket at `host:port` and keeps the batches it produced in memory; the trainer
 connects a DEALER socket and asks for batch n (a JSON request). The reply is the batch's safetensors bytes
 (`TrainingBatch.to_bytes`, never pickle), "wait" when it is not produced yet, or "done" when the orchestrator
-finished before n. A request for n acknowledges every batch before n, which is then dropped; at most `hwm`
-unacknowledged batches are kept: the orchestrator waits before producing more (backpressure). A trainer that
-gets no answer (orchestrator restarting) reconnects and asks again, up to its `batch_timeout_s`.
+finished before n. A request for a batch not produced yet is held up to `HOLD_S` and answered the moment the
+batch is put (or the run finishes): the trainer gets it without a poll interval's latency. A request for n
+acknowledges every batch before n, which is then dropped; at most `hwm` unacknowledged batches are kept: the
+orchestrator waits before producing more (backpressure). A trainer that gets no answer (orchestrator restarting)
+reconnects and asks again, up to its `batch_timeout_s`.
 
 Resume: batches live in the orchestrator's memory, so a trainer that resumes from step t needs an orchestrator
 that produces t+1 again — resume the orchestrator from a checkpoint <= t (`ckpt.resume_step`). A request for a
@@ -30,6 +32,10 @@ from tidal.transport.waiting import BatchWait
 
 log = logging.getLogger("tidal.transport")
 
+HOLD_S = 1.0
+"""Seconds the orchestrator holds a request for a batch not produced yet before it answers "wait" (well under the
+trainer's reply timeout, 5 s): a batch put meanwhile is sent at once."""
+
 
 class ZmqBatchServer:
     """Orchestrator side: serve batches to the trainer."""
@@ -45,6 +51,8 @@ class ZmqBatchServer:
         self.done: int | None = None
         self.first_held: int | None = None  # the first batch this orchestrator produced (after a resume: m + 1)
         self.where = f"tcp://{host}:{port}"
+        self.held: dict[bytes, int] = {}  # trainer identity -> the step it asked for, not produced yet
+        self._finishing: asyncio.Task[None] | None = None
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -66,8 +74,23 @@ class ZmqBatchServer:
                 msg = (f"batch {step} is no longer held by the orchestrator (zmq keeps batches in memory); resume "
                        f"the orchestrator from a checkpoint at or before step {step - 1}")
                 await self.sock.send_multipart([ident, b"", b"error", msg.encode()])
-            else:
-                await self.sock.send_multipart([ident, b"", b"wait", b""])
+            else:  # held: answered by `put` / `finish`, or "wait" after HOLD_S
+                self.held[ident] = step
+                asyncio.get_running_loop().call_later(HOLD_S, self._release, ident, step)
+
+    def _release(self, ident: bytes, step: int) -> None:
+        if self.held.get(ident) == step and not self.sock.closed:
+            del self.held[ident]
+            asyncio.ensure_future(self.sock.send_multipart([ident, b"", b"wait", b""]))
+
+    async def _answer_held(self) -> None:
+        for ident, step in list(self.held.items()):
+            if step in self.batches:
+                del self.held[ident]
+                await self.sock.send_multipart([ident, b"", b"batch", self.batches[step]])
+            elif self.done is not None and step > self.done:
+                del self.held[ident]
+                await self.sock.send_multipart([ident, b"", b"done", str(self.done).encode()])
 
     async def put(self, batch: TrainingBatch) -> None:
         """Hold `batch` for the trainer, first waiting while `hwm` batches are unacknowledged."""
@@ -76,9 +99,11 @@ class ZmqBatchServer:
         while len([s for s in self.batches if s > self.acked]) >= self.hwm:
             await asyncio.sleep(0.05)
         self.batches[batch.step] = batch.to_bytes()
+        await self._answer_held()
 
     def finish(self, last_step: int) -> None:
         self.done = last_step
+        self._finishing = asyncio.get_running_loop().create_task(self._answer_held())
 
     async def close(self, linger_s: float = 5.0) -> None:
         """Keep answering for up to `linger_s` (so the trainer hears "done"), then close."""
