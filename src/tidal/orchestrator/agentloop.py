@@ -8,10 +8,14 @@ With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i`. Model
 (partial rollouts: `PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
 partial-rollout rules apply as to any rollout.
 
-Stitching: each session's trained row is its last (`Session.rows[-1]`); a group trains against one prompt, so the
-group's prompt is the longest common prefix of its rows' prompts and each row's own rest of prompt goes before its
-completion tokens with loss mask 0 (context, never re-tokenized). A failed session (`Session.failure`) becomes a
-rollout with `env_error` (no loss, not judged); one that made no call has no tokens.
+Stitching: a session is one rollout; its last row (`Session.rows[-1]`, the one holding the final answer) is the
+rollout's completion. A group trains against one prompt, so the group's prompt is the longest common prefix of those
+rows' prompts and each row's own rest of prompt goes before its completion tokens with loss mask 0 (context, never
+re-tokenized). The session's earlier rows (forks: calls that did not extend the conversation) are training rows of
+their own (`Completion.extra_rows`, each with its whole prompt), scored with the session: every row of a session
+gets the session's reward and the group advantage of the session (as AReaL and verifiers do; agent args
+`train_forks: false` leaves them out). A failed session (`Session.failure`) becomes a rollout with `env_error` (no
+loss, not judged, no extra rows); one that made no call has no tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from tidal.config.orch import SamplingSection
 from tidal.envs.agent import AgentEnv
-from tidal.envs.agent.session import Session
+from tidal.envs.agent.session import Row, Session
 from tidal.envs.base import Example
 from tidal.envs.splice import tool_suffix
 from tidal.inference.protocol import Completion, InferenceClient
@@ -72,7 +76,7 @@ async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int]
     sessions = [env.new_session(example, seq_len) for _ in range(n)]
     await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i))
                            for i, s in enumerate(sessions)))
-    return stitch(sessions, prompt_ids)
+    return stitch(sessions, prompt_ids, env.args.train_forks)
 
 
 def common_prefix(rows: list[list[int]]) -> list[int]:
@@ -84,9 +88,9 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
     return first[:k]
 
 
-def stitch(sessions: list[Session], prompt_ids: list[int]) -> list[Completion]:
-    """The sessions' trained rows as rollouts of one prompt (module doc); `prompt_ids`: the example's prompt, used
-    when no session made a call."""
+def stitch(sessions: list[Session], prompt_ids: list[int], train_forks: bool = True) -> list[Completion]:
+    """The sessions' rows as rollouts of one prompt (module doc); `prompt_ids`: the example's prompt, used when no
+    session made a call; `train_forks`: a session's earlier rows ride along as `Completion.extra_rows`."""
     prompts = [s.rows[-1].prompt_ids for s in sessions if s.rows]
     prompt = common_prefix(prompts) if prompts else list(prompt_ids)
     if not prompt:
@@ -101,11 +105,21 @@ def stitch(sessions: list[Session], prompt_ids: list[int]) -> list[Completion]:
         row = s.rows[-1]
         rest = row.prompt_ids[len(prompt):]
         vers = [None] * len(rest) + row.versions
+        forks = [fork_row(r) for r in s.rows[:-1]] if train_forks and s.failure is None else []
         out.append(Completion(rest + row.ids, [0.0] * len(rest) + row.logprobs, s.last_answer, row.finish, None,
                               [0] * len(rest) + row.mask, messages=row.history[len(row.prompt_messages):],
                               environment=s, env_error=why(s), prompt_ids=prompt,
-                              versions=fill_versions(vers)))
+                              versions=fill_versions(vers), extra_rows=forks or None))
     return out
+
+
+def fork_row(row: Row) -> Completion:
+    """A session's earlier row as a training row of its own: its whole prompt, its tokens (model tokens mask 1 with
+    their logprobs, spliced tokens mask 0), its text the last assistant message of its conversation."""
+    text = next((m.get("content") or "" for m in reversed(row.history) if m["role"] == "assistant"), "")
+    return Completion(list(row.ids), list(row.logprobs), text, row.finish, None, list(row.mask),
+                      messages=row.history[len(row.prompt_messages):], prompt_ids=list(row.prompt_ids),
+                      versions=fill_versions(list(row.versions)))
 
 
 def why(s: Session) -> str | None:

@@ -12,8 +12,8 @@ ids (token in). Otherwise (history rewritten or summarised, a side call with ano
 turn cut at `max_tokens` or a `stop` string, a turn that ended at a token the template does not end turns with) the
 call starts a new row: a fork, counted. Sampled tokens get loss mask 1 with their logprobs; spliced tokens mask 0. A
 call whose temperature or top_p differs from the run's is sampled as asked but its tokens are context (mask 0): the
-trainer scores every token at the run's sampling distribution. The session's trained row is its last (the one
-holding the final answer); earlier rows are counted (`agent/rows`), not trained.
+trainer scores every token at the run's sampling distribution. Every row is trained (`AgentArgs.train_forks`), with
+the session's reward and advantage (`tidal.orchestrator.agentloop.stitch`); the last row holds the final answer.
 """
 
 from __future__ import annotations
