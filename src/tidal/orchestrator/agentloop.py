@@ -21,6 +21,7 @@ loss, not judged, no extra rows); one that made no call has no tokens.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from tidal.config.orch import SamplingSection
@@ -54,18 +55,35 @@ class ClientBackend:
         t, p = params.get("temperature"), params.get("top_p")
         return (t is None or float(t) == self.temperature) and (p is None or float(p) == self.sampling.top_p)
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any]) -> Completion:
+    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any],
+                     on_text: Callable[[str], None] | None = None) -> Completion:
         max_tokens = min(max_tokens, self.sampling.max_tokens or max_tokens)
         extra: dict[str, Any] = {**extra_sampling(self.sampling, max_tokens), "skip_special_tokens": False}
         if params.get("stop"):
             extra["stop"] = list(params["stop"])
         seed = None if self.seed is None else self.seed + TURN_SEED_STRIDE * call + self.index
-        if self.on_policy(params):
-            return await self.turns.next(prompt_ids, max_tokens, seed, extra)
-        if params.get("top_p") is not None:
-            extra["top_p"] = float(params["top_p"])
+        on_policy = self.on_policy(params)
         temp = self.temperature if params.get("temperature") is None else float(params["temperature"])
+        if not on_policy and params.get("top_p") is not None:
+            extra["top_p"] = float(params["top_p"])
+        if on_text is not None and self.streams():
+            def until(text: str, _: int) -> bool:
+                on_text(text)
+                return False  # an observer: the turn ends where vLLM ends it
+
+            return await self.client.sample_stream(self.turns.model, prompt_ids, max_tokens,  # type: ignore[attr-defined]
+                                                   temp, asyncio.Event(), seed, extra, until)
+        if on_policy:
+            return await self.turns.next(prompt_ids, max_tokens, seed, extra)
         return (await self.client.sample(self.turns.model, prompt_ids, 1, max_tokens, temp, seed, extra))[0]
+
+    def streams(self) -> bool:
+        """Whether a streamed call is sampled as a streamed request (token by token): on a client that streams,
+        with each turn one request (`Turns`; partial rollouts continue a turn across policy switches, and a
+        call then streams once its turn is sampled) and no routed experts asked for (they come with whole
+        answers only)."""
+        return (type(self.turns) is Turns and hasattr(self.client, "sample_stream")
+                and not getattr(self.client.cfg, "return_routed_experts", False))
 
 
 async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
