@@ -133,11 +133,16 @@ def forking_program(base_url: str, api_key: str, example: dict[str, Any]) -> flo
 
 def anthropic_program(base_url: str, api_key: str, example: dict[str, Any], stream: bool = False,
                       with_tools: bool = True) -> None:
-    """The 3-turn conversation through the `anthropic` SDK (tool_use / tool_result blocks; `stream`: through
-    `messages.stream`, the SDK's event accumulator; `with_tools`: False sends no tools)."""
+    """The 3-turn conversation through the `anthropic` SDK (`anthropic_turns`) at the session's Anthropic base URL."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0)
+    anthropic_turns(client, example, stream, with_tools)
+
+
+def anthropic_turns(client: Any, example: dict[str, Any], stream: bool = False, with_tools: bool = True) -> None:
+    """The 3-turn conversation through an `anthropic.Anthropic` client (tool_use / tool_result blocks; `stream`:
+    through `messages.stream`, the SDK's event accumulator; `with_tools`: False sends no tools)."""
     tools = [{"name": "reverse", "description": "Reverse a text.", "input_schema": TOOLS[0]["function"]["parameters"]}]
     text = example["info"]["text"]
     system = example["prompt"][0]["content"]
@@ -182,11 +187,24 @@ def crashing_program(base_url: str, api_key: str, example: dict[str, Any]) -> No
 
 
 def main() -> None:
-    """As a command: the 3-turn conversation from the environment tidal gives a program (`OPENAI_*`)."""
-    import openai
+    """As a command: the 3-turn conversation from the environment tidal gives a program (`OPENAI_*`); argument
+    `fork`: then a side call with a rewritten history (a fork: a second training row); `anthropic`: through the
+    `anthropic` SDK instead (`ANTHROPIC_*`)."""
+    import sys
 
     example = json.loads(os.environ["TIDAL_AGENT_EXAMPLE"])
-    openai_turns(openai.OpenAI(max_retries=0), example)  # reads OPENAI_BASE_URL / OPENAI_API_KEY
+    if "anthropic" in sys.argv[1:]:
+        import anthropic
+
+        anthropic_turns(anthropic.Anthropic(max_retries=0), example)  # reads ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY
+        return
+    import openai
+
+    client = openai.OpenAI(max_retries=0)  # reads OPENAI_BASE_URL / OPENAI_API_KEY
+    openai_turns(client, example)
+    if "fork" in sys.argv[1:]:
+        summary = [*example["prompt"][:-1], {"role": "user", "content": example["info"]["text"][::-1]}]
+        client.chat.completions.create(model=MODEL, messages=summary, tools=TOOLS)
 
 
 if __name__ == "__main__":
