@@ -36,7 +36,7 @@ def agent(base_url, api_key, example):  # a closure over `seen`: called in this 
     return 1.0 if seen[-1] else 0.0
 
 args = GRPOConfig(output_dir=sys.argv[2], num_generations=4, per_device_train_batch_size=8, max_steps=1,
-                  max_completion_length=48, max_prompt_length=64, learning_rate=1e-3, logging_steps=1,
+                  max_completion_length=48, max_prompt_length=464, learning_rate=1e-3, logging_steps=1,
                   save_strategy="no", vllm_server_port=int(sys.argv[3]), seed=0)
 trainer = GRPOTrainer(model=sys.argv[1], args=args, train_dataset=rows, agent=agent,
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
