@@ -6,7 +6,9 @@ asking for another temperature or top_p is sampled so, its tokens context only: 
 call capped at `sampling.max_tokens` and what `seq_len` leaves, special tokens kept in the text (tool-call markers).
 With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i`. Model turns go through the group's `Turns`
 (partial rollouts: `PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
-partial-rollout rules apply as to any rollout.
+partial-rollout rules apply as to any rollout. A streamed call (`stream: true`) is sampled as a streamed request of
+the same sampling keys (`VllmClient.sample_stream`, `ClientBackend.streams`), its text handed to the endpoint as it
+arrives (`tidal.envs.agent.stream`).
 
 Stitching: a session is one rollout; its last row (`Session.rows[-1]`, the one holding the final answer) is the
 rollout's completion. A group trains against one prompt, so the group's prompt is the longest common prefix of those
