@@ -1,6 +1,8 @@
 """`GRPOTrainer(agent=...)` for real (vLLM + trainer subprocesses, the orchestrator and the agent program in the
 script's process): a closure on the stock `openai` SDK runs the 3-turn tool conversation of `tests.e2e.agent_env`
-once per rollout against its session, its return value is the reward, and every trained token is a sampled one."""
+once per rollout against its session, its return value is the reward, and every trained token is a sampled one
+(`bf16=False`: float32 training, so mismatch_kl is at the float32 level; with TRL's default bf16 autocast on CPU
+it was 2.1e-4)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def agent(base_url, api_key, example):  # a closure over `seen`: called in this 
 
 args = GRPOConfig(output_dir=sys.argv[2], num_generations=4, per_device_train_batch_size=8, max_steps=1,
                   max_completion_length=48, max_prompt_length=464, learning_rate=1e-3, logging_steps=1,
-                  save_strategy="no", vllm_server_port=int(sys.argv[3]), seed=0)
+                  save_strategy="no", vllm_server_port=int(sys.argv[3]), seed=0, bf16=False)
 trainer = GRPOTrainer(model=sys.argv[1], args=args, train_dataset=rows, agent=agent,
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 out = trainer.train()
