@@ -22,6 +22,8 @@ TOOLS = [{"type": "function", "function": {"name": "reverse", "description": "Re
                                            "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
                                                           "required": ["text"]}}}]
 MODEL = "policy"
+DELTAS: list[int] = []
+"""Per streamed call of an in-process program: the text deltas its stream carried (token by token: several)."""
 
 
 def calling_tool_model(dst: Path) -> Path:
@@ -42,17 +44,18 @@ def calling_tool_model(dst: Path) -> Path:
     return dst
 
 
-def openai_turns(client: Any, example: dict[str, Any], rounds: int = 2, stream: bool = False) -> list[Any]:
+def openai_turns(client: Any, example: dict[str, Any], rounds: int = 2, stream: bool = False,
+                 tools: bool = True) -> list[Any]:
     """The 3-turn conversation on the example's prompt through an `openai.OpenAI` client; returns the messages sent
-    last plus the answer."""
+    last plus the answer. `tools`: False sends no tools (the model's text is all content)."""
     messages: list[Any] = list(example["prompt"])
     text = example["info"]["text"]
+    kw: dict[str, Any] = {"tools": TOOLS} if tools else {}
     for turn in range(rounds + 1):
         if stream:
-            msg = collect_stream(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                                stream=True))
+            msg = collect_stream(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw))
         else:
-            msg = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
+            msg = client.chat.completions.create(model=MODEL, messages=messages, **kw).choices[0].message
         messages.append(msg)
         if turn == rounds:
             break
@@ -70,17 +73,19 @@ def openai_turns(client: Any, example: dict[str, Any], rounds: int = 2, stream: 
 
 def collect_stream(stream: Any) -> dict[str, Any]:
     """An assistant message (dict) from `chat.completion.chunk`s."""
-    content, calls = "", {}
+    content, calls, deltas = "", {}, 0
     for chunk in stream:
         if not chunk.choices:
             continue
         d = chunk.choices[0].delta
         content += d.content or ""
+        deltas += bool(d.content)
         for tc in d.tool_calls or []:
             c = calls.setdefault(tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
             c["id"] += tc.id or ""
             c["function"]["name"] += tc.function.name or ""
             c["function"]["arguments"] += tc.function.arguments or ""
+    DELTAS.append(deltas)
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [calls[k] for k in sorted(calls)]
@@ -101,6 +106,19 @@ def streaming_program(base_url: str, api_key: str, example: dict[str, Any]) -> N
     openai_turns(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0), example, stream=True)
 
 
+def untooled_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
+    """The 3-turn conversation without tools (a user follow-up between turns)."""
+    import openai
+
+    openai_turns(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0), example, tools=False)
+
+
+def untooled_streaming_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
+    import openai
+
+    openai_turns(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0), example, stream=True, tools=False)
+
+
 def forking_program(base_url: str, api_key: str, example: dict[str, Any]) -> float:
     """Two turns, then a rewritten history (the first answer summarised away): a fork. Returns a reward of 0.25."""
     import openai
@@ -113,20 +131,28 @@ def forking_program(base_url: str, api_key: str, example: dict[str, Any]) -> flo
     return 0.25
 
 
-def anthropic_program(base_url: str, api_key: str, example: dict[str, Any], stream: bool = False) -> None:
-    """The 3-turn conversation through the `anthropic` SDK (tool_use / tool_result blocks; `stream`: through
-    `messages.stream`, the SDK's event accumulator)."""
+def anthropic_program(base_url: str, api_key: str, example: dict[str, Any], stream: bool = False,
+                      with_tools: bool = True) -> None:
+    """The 3-turn conversation through the `anthropic` SDK (`anthropic_turns`) at the session's Anthropic base URL."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, max_retries=0)
+    anthropic_turns(client, example, stream, with_tools)
+
+
+def anthropic_turns(client: Any, example: dict[str, Any], stream: bool = False, with_tools: bool = True) -> None:
+    """The 3-turn conversation through an `anthropic.Anthropic` client (tool_use / tool_result blocks; `stream`:
+    through `messages.stream`, the SDK's event accumulator; `with_tools`: False sends no tools)."""
     tools = [{"name": "reverse", "description": "Reverse a text.", "input_schema": TOOLS[0]["function"]["parameters"]}]
     text = example["info"]["text"]
     system = example["prompt"][0]["content"]
     messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"][-1]["content"]}]
     for turn in range(3):
-        kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "system": system, "messages": messages, "tools": tools}
+        kw: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "system": system, "messages": messages,
+                              **({"tools": tools} if with_tools else {})}
         if stream:
             with client.messages.stream(**kw) as events:
+                DELTAS.append(sum(e.type == "content_block_delta" and e.delta.type == "text_delta" for e in events))
                 msg = events.get_final_message()
         else:
             msg = client.messages.create(**kw)
@@ -143,6 +169,14 @@ def anthropic_streaming_program(base_url: str, api_key: str, example: dict[str, 
     anthropic_program(base_url, api_key, example, stream=True)
 
 
+def anthropic_untooled_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
+    anthropic_program(base_url, api_key, example, with_tools=False)
+
+
+def anthropic_untooled_streaming_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
+    anthropic_program(base_url, api_key, example, stream=True, with_tools=False)
+
+
 def crashing_program(base_url: str, api_key: str, example: dict[str, Any]) -> None:
     """One call, then a crash."""
     import openai
@@ -153,11 +187,24 @@ def crashing_program(base_url: str, api_key: str, example: dict[str, Any]) -> No
 
 
 def main() -> None:
-    """As a command: the 3-turn conversation from the environment tidal gives a program (`OPENAI_*`)."""
-    import openai
+    """As a command: the 3-turn conversation from the environment tidal gives a program (`OPENAI_*`); argument
+    `fork`: then a side call with a rewritten history (a fork: a second training row); `anthropic`: through the
+    `anthropic` SDK instead (`ANTHROPIC_*`)."""
+    import sys
 
     example = json.loads(os.environ["TIDAL_AGENT_EXAMPLE"])
-    openai_turns(openai.OpenAI(max_retries=0), example)  # reads OPENAI_BASE_URL / OPENAI_API_KEY
+    if "anthropic" in sys.argv[1:]:
+        import anthropic
+
+        anthropic_turns(anthropic.Anthropic(max_retries=0), example)  # reads ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY
+        return
+    import openai
+
+    client = openai.OpenAI(max_retries=0)  # reads OPENAI_BASE_URL / OPENAI_API_KEY
+    openai_turns(client, example)
+    if "fork" in sys.argv[1:]:
+        summary = [*example["prompt"][:-1], {"role": "user", "content": example["info"]["text"][::-1]}]
+        client.chat.completions.create(model=MODEL, messages=summary, tools=TOOLS)
 
 
 if __name__ == "__main__":

@@ -125,15 +125,32 @@ def test_three_turn_tool_sessions_are_one_row_spliced_by_the_rule(agent_server):
     assert env.take_metrics()["agent/calls"] == 0, "counters reset once taken"
 
 
-def test_streaming_and_non_streaming_give_the_same_row(agent_server):
-    _, plain = run_group(agent_server, function="tests.e2e.agent_env:openai_program")
-    _, streamed = run_group(agent_server, function="tests.e2e.agent_env:streaming_program")
-    for a, b in zip(plain, streamed, strict=True):
+@pytest.mark.parametrize(("plain", "streaming"), [
+    ("openai_program", "streaming_program"),
+    ("untooled_program", "untooled_streaming_program"),
+    ("anthropic_program", "anthropic_streaming_program"),
+    ("anthropic_untooled_program", "anthropic_untooled_streaming_program"),
+])
+def test_streaming_and_non_streaming_give_the_same_row(agent_server, plain, streaming):
+    """Through the real SDKs (stream=True): the same rows as the plain answers; without tools (the model's text is
+    all content) each turn's text arrives token by token (several deltas a call)."""
+    from tests.e2e import agent_env
+
+    _, a_rows = run_group(agent_server, function=f"tests.e2e.agent_env:{plain}")
+    agent_env.DELTAS.clear()
+    _, b_rows = run_group(agent_server, function=f"tests.e2e.agent_env:{streaming}")
+    assert len(agent_env.DELTAS) == 3 * N, agent_env.DELTAS
+    if "untooled" in plain:
+        assert min(agent_env.DELTAS) > 1, f"text deltas per streamed call: {agent_env.DELTAS}"
+    for a, b in zip(a_rows, b_rows, strict=True):
+        assert b.env_error is None, b.env_error
         assert a.environment.calls == b.environment.calls == 3
+        assert b.environment.forks == 0, "every streamed answer, echoed back, extended the row"
         assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids and a.mask == b.mask
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         assert a.messages is not None and b.messages is not None
         assert [m["role"] for m in a.messages] == [m["role"] for m in b.messages]
+        assert [m.get("content") for m in a.messages] == [m.get("content") for m in b.messages]
 
 
 def test_anthropic_sdk_session_with_tool_use_is_one_spliced_row(agent_server):
@@ -145,14 +162,6 @@ def test_anthropic_sdk_session_with_tool_use_is_one_spliced_row(agent_server):
         check_spliced(agent_server, s)
         check_row(c, s)
     assert any(m["role"] == "tool" for c in comps for m in c.messages), "tool_result blocks became tool messages"
-
-
-def test_anthropic_streaming_gives_the_same_rows(agent_server):
-    _, plain = run_group(agent_server, function="tests.e2e.agent_env:anthropic_program")
-    _, streamed = run_group(agent_server, function="tests.e2e.agent_env:anthropic_streaming_program")
-    for a, b in zip(plain, streamed, strict=True):
-        assert b.env_error is None, b.env_error
-        assert a.token_ids == b.token_ids and a.mask == b.mask and a.environment.calls == b.environment.calls == 3
 
 
 def test_command_program_gets_the_sdk_environment(agent_server):
@@ -173,6 +182,15 @@ def test_a_rewritten_history_forks_and_is_counted(agent_server):
         assert s.rows[-1].prompt_ids == s.log[2].prompt_ids, "the fork's row starts from its own rendering"
         check_row_of_fork = c.prompt_ids + c.token_ids
         assert check_row_of_fork == s.log[2].prompt_ids + s.log[2].token_ids
+        fork = c.extra_rows[0]  # the first two calls' row, forked off: trained too, its own prompt
+        assert fork.prompt_ids == s.log[0].prompt_ids
+        assert fork.prompt_ids + fork.token_ids == s.log[1].prompt_ids + s.log[1].token_ids
+        assert [t for t, m in zip(fork.token_ids, fork.mask, strict=True) if m] == s.log[0].token_ids + \
+            s.log[1].token_ids, "exactly its sampled tokens carry mask 1"
+    batch, _ = build_batch(1, [comps[0].prompt_ids], [comps], np.zeros(N), [np.ones(len(c.token_ids))
+                                                                             for c in comps], 0, CFG)
+    assert batch.num_samples == 2 * N and int(batch.loss_mask.sum()) == sum(
+        len(r.token_ids) for c in comps for r in c.environment.log), "every sampled token of both rows is trained"
     assert env.score_rollouts(EXAMPLE, comps) == [0.25] * N, "reward auto: the program's returned reward"
     m = env.take_metrics()
     assert m["agent/forks"] == N and m["agent/rows"] == 2 * N and m["agent/calls"] == 3 * N

@@ -9,15 +9,8 @@ import json
 import pytest
 
 from tidal.config.environments import EnvSection
-from tidal.envs.agent.wire import (
-    WireError,
-    anthropic_messages,
-    anthropic_stream,
-    canonical,
-    openai_answer,
-    openai_messages,
-    openai_stream,
-)
+from tidal.envs.agent.stream import anthropic_stream, openai_stream
+from tidal.envs.agent.wire import WireError, anthropic_messages, canonical, openai_answer, openai_messages
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "reverse", "arguments": '{"text": "abc"}'}}
 RETURNED = {"role": "assistant", "content": "", "tool_calls": [CALL]}

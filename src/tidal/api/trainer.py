@@ -24,6 +24,8 @@ dict of them); `reward_funcs` may be left out when the environments score themse
 model, loaded once in this process). `processing_class`, `optimizers` (a class and kwargs) and `rollout_func`
 (TRL's custom-rollout hook, sampling through tidal's vLLM server: `tidal.orchestrator.rollout_func`) are
 `tidal.api.args`; `callbacks` (transformers TrainerCallbacks, fed from the run's metrics) `tidal.api.callbacks`.
+`agent` (tidal's own: a user's agent program trained unchanged through the per-session OpenAI / Anthropic endpoint,
+docs/agents.md) is `tidal.api.agent`.
 """
 
 from __future__ import annotations
@@ -177,8 +179,10 @@ class GRPOTrainer:
     def __init__(self, model: str, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: Any = None, optimizers: Any = (None, None), peft_config: Any = None, tools: Any = None,
-                 environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None) -> None:
+                 environment_factory: Any = None, rollout_func: Any = None, quantization_config: Any = None,
+                 agent: Any = None) -> None:
         from tidal.api import args as api_args  # TRL's other arguments: used, or refused with the reason
+        from tidal.api.agent import agent_args
 
         api_args.refuse_unsupported(quantization_config=quantization_config)
         if not isinstance(model, str | Path):
@@ -192,8 +196,15 @@ class GRPOTrainer:
         self.processing_class = processing_class
         self.train_rows = as_rows(train_dataset, "train_dataset")
         self.eval_sets = eval_sets(eval_dataset)
+        if agent is not None and (tools is not None or environment_factory is not None or rollout_func is not None):
+            raise ValueError("GRPOTrainer(agent=...) runs your own agent program, which owns its loop and tools; "
+                             "drop tools / environment_factory / rollout_func (or agent)")
         self.tooling = make_tooling(tools, environment_factory, self.args.max_tool_calling_iterations)
-        self.reward_funcs = ([] if reward_funcs in (None, []) and self.tooling is not None and self.tooling.has_reward
+        no_funcs = reward_funcs in (None, [])
+        self.agent = agent_args(agent, not no_funcs)
+        """The `agent` environment's args (`tidal.api.agent`), or None."""
+        self.reward_funcs = ([] if no_funcs and (self.tooling is not None and self.tooling.has_reward
+                                                 or self.agent is not None)
                              else reward_functions(reward_funcs, self.args.reward_weights))
         api_args.check_reward_processing_classes(reward_processing_classes, self.reward_funcs)
         self.rollout_func = api_args.rollout_function(rollout_func, self.model, self.args, processing_class,
@@ -251,12 +262,23 @@ class GRPOTrainer:
         write_rows(self.train_rows, data / "train.jsonl")
         orch = orch.model_copy(deep=True)
         orch.env[0].args = {"path": str((data / "train.jsonl").resolve())}
+        if self.agent is not None:  # the rows are the examples an agent program gets (`tidal.api.agent`)
+            orch.env[0] = self.agent_env(orch.env[0])
         if orch.eval is not None:
-            for section in orch.eval.env:  # one per eval dataset, named as given
+            for i, section in enumerate(orch.eval.env):  # one per eval dataset, named as given
                 path = data / f"{section.name}.jsonl"
                 write_rows(self.eval_sets[str(section.name)], path)
                 section.args = {"path": str(path.resolve())}
+                if self.agent is not None:  # evaluated through the agent program too
+                    orch.eval.env[i] = self.agent_env(section)
         return orch
+
+    def agent_env(self, dataset: Any) -> Any:
+        """The `agent` environment whose examples are those of the `dataset` environment section `dataset`."""
+        from tidal.config.environments import EnvSection
+
+        return EnvSection(id="agent", name=dataset.name,
+                          args={**(self.agent or {}), "task": {"id": "dataset", "args": dataset.args}})
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Run GRPO to the end; raises RuntimeError naming the failed component and its log.

@@ -48,6 +48,11 @@ class AgentArgs(StrictModel):
     max_session_tokens: int | None = Field(None, ge=1)
     """Sampled tokens per session over all calls (null: only `seq_len` limits a row); a call past them fails the
     episode."""
+    train_forks: bool = True
+    """Train a session's forked rows: a call that does not extend the session's conversation (history rewritten or
+    summarised, a side call with another system prompt) starts a new row; every row of a session is trained with
+    the session's reward and group advantage. false: only the session's last row (the final answer's) is trained,
+    the others are counted (`agent/rows`) and dropped."""
     tool_format: Literal["auto", "hermes", "mistral", "llama3_json"] = "auto"
     """How the model writes tool calls (`tidal.envs.tools.parse_tool_calls`), parsed into `tool_calls` / `tool_use`."""
     max_concurrency: int = Field(64, ge=1)

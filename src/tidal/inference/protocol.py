@@ -65,6 +65,15 @@ class Completion:
     fields: dict[str, Any] | None = None
     """Extra fields a rollout function returned for this completion (`GRPOTrainer(rollout_func=...)`,
     `tidal.orchestrator.rollout_func`), passed to reward functions as keyword arguments; None: none."""
+    extra_rows: list[Completion] | None = None
+    """More training rows of this rollout (an agent session's rows forked off its conversation,
+    `tidal.envs.agent`): each with its own whole `prompt_ids`, trained after this row with this rollout's reward,
+    advantage and loss mask (a filter or a failure masks them all); None: this one row."""
+
+    def training_rows(self, prompt: list[int]) -> list[tuple[list[int], Completion]]:
+        """(prompt ids, completion) of each training row of this rollout, `prompt` being its group's prompt: this
+        completion, then its `extra_rows` (the order of the batch's samples and of a teacher's sequences)."""
+        return [(prompt, self), *((list(x.prompt_ids or []), x) for x in self.extra_rows or [])]
 
 
 def server_root(base_url: str) -> str:

@@ -6,22 +6,29 @@ asking for another temperature or top_p is sampled so, its tokens context only: 
 call capped at `sampling.max_tokens` and what `seq_len` leaves, special tokens kept in the text (tool-call markers).
 With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i`. Model turns go through the group's `Turns`
 (partial rollouts: `PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
-partial-rollout rules apply as to any rollout.
+partial-rollout rules apply as to any rollout. A streamed call (`stream: true`) is sampled as a streamed request of
+the same sampling keys (`VllmClient.sample_stream`, `ClientBackend.streams`), its text handed to the endpoint as it
+arrives (`tidal.envs.agent.stream`).
 
-Stitching: each session's trained row is its last (`Session.rows[-1]`); a group trains against one prompt, so the
-group's prompt is the longest common prefix of its rows' prompts and each row's own rest of prompt goes before its
-completion tokens with loss mask 0 (context, never re-tokenized). A failed session (`Session.failure`) becomes a
-rollout with `env_error` (no loss, not judged); one that made no call has no tokens.
+Stitching: a session is one rollout; its last row (`Session.rows[-1]`, the one holding the final answer) is the
+rollout's completion. A group trains against one prompt, so the group's prompt is the longest common prefix of those
+rows' prompts and each row's own rest of prompt goes before its completion tokens with loss mask 0 (context, never
+re-tokenized). The session's earlier rows (forks: calls that did not extend the conversation) are training rows of
+their own (`Completion.extra_rows`, each with its whole prompt), scored with the session: every row of a session
+gets the session's reward and the group advantage of the session (as AReaL and verifiers do; agent args
+`train_forks: false` leaves them out). A failed session (`Session.failure`) becomes a rollout with `env_error` (no
+loss, not judged, no extra rows); one that made no call has no tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from tidal.config.orch import SamplingSection
 from tidal.envs.agent import AgentEnv
-from tidal.envs.agent.session import Session
+from tidal.envs.agent.session import Row, Session
 from tidal.envs.base import Example
 from tidal.envs.splice import tool_suffix
 from tidal.inference.protocol import Completion, InferenceClient
@@ -50,18 +57,35 @@ class ClientBackend:
         t, p = params.get("temperature"), params.get("top_p")
         return (t is None or float(t) == self.temperature) and (p is None or float(p) == self.sampling.top_p)
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any]) -> Completion:
+    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any],
+                     on_text: Callable[[str], None] | None = None) -> Completion:
         max_tokens = min(max_tokens, self.sampling.max_tokens or max_tokens)
         extra: dict[str, Any] = {**extra_sampling(self.sampling, max_tokens), "skip_special_tokens": False}
         if params.get("stop"):
             extra["stop"] = list(params["stop"])
         seed = None if self.seed is None else self.seed + TURN_SEED_STRIDE * call + self.index
-        if self.on_policy(params):
-            return await self.turns.next(prompt_ids, max_tokens, seed, extra)
-        if params.get("top_p") is not None:
-            extra["top_p"] = float(params["top_p"])
+        on_policy = self.on_policy(params)
         temp = self.temperature if params.get("temperature") is None else float(params["temperature"])
+        if not on_policy and params.get("top_p") is not None:
+            extra["top_p"] = float(params["top_p"])
+        if on_text is not None and self.streams():
+            def until(text: str, _: int) -> bool:
+                on_text(text)
+                return False  # an observer: the turn ends where vLLM ends it
+
+            return await self.client.sample_stream(self.turns.model, prompt_ids, max_tokens,  # type: ignore[attr-defined]
+                                                   temp, asyncio.Event(), seed, extra, until)
+        if on_policy:
+            return await self.turns.next(prompt_ids, max_tokens, seed, extra)
         return (await self.client.sample(self.turns.model, prompt_ids, 1, max_tokens, temp, seed, extra))[0]
+
+    def streams(self) -> bool:
+        """Whether a streamed call is sampled as a streamed request (token by token): on a client that streams,
+        with each turn one request (`Turns`; partial rollouts continue a turn across policy switches, and a
+        call then streams once its turn is sampled) and no routed experts asked for (they come with whole
+        answers only)."""
+        return (type(self.turns) is Turns and hasattr(self.client, "sample_stream")
+                and not getattr(self.client.cfg, "return_routed_experts", False))
 
 
 async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int], n: int, sampling: SamplingSection,
@@ -72,7 +96,7 @@ async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int]
     sessions = [env.new_session(example, seq_len) for _ in range(n)]
     await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i))
                            for i, s in enumerate(sessions)))
-    return stitch(sessions, prompt_ids)
+    return stitch(sessions, prompt_ids, env.args.train_forks)
 
 
 def common_prefix(rows: list[list[int]]) -> list[int]:
@@ -84,9 +108,9 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
     return first[:k]
 
 
-def stitch(sessions: list[Session], prompt_ids: list[int]) -> list[Completion]:
-    """The sessions' trained rows as rollouts of one prompt (module doc); `prompt_ids`: the example's prompt, used
-    when no session made a call."""
+def stitch(sessions: list[Session], prompt_ids: list[int], train_forks: bool = True) -> list[Completion]:
+    """The sessions' rows as rollouts of one prompt (module doc); `prompt_ids`: the example's prompt, used when no
+    session made a call; `train_forks`: a session's earlier rows ride along as `Completion.extra_rows`."""
     prompts = [s.rows[-1].prompt_ids for s in sessions if s.rows]
     prompt = common_prefix(prompts) if prompts else list(prompt_ids)
     if not prompt:
@@ -101,11 +125,21 @@ def stitch(sessions: list[Session], prompt_ids: list[int]) -> list[Completion]:
         row = s.rows[-1]
         rest = row.prompt_ids[len(prompt):]
         vers = [None] * len(rest) + row.versions
+        forks = [fork_row(r) for r in s.rows[:-1]] if train_forks and s.failure is None else []
         out.append(Completion(rest + row.ids, [0.0] * len(rest) + row.logprobs, s.last_answer, row.finish, None,
                               [0] * len(rest) + row.mask, messages=row.history[len(row.prompt_messages):],
                               environment=s, env_error=why(s), prompt_ids=prompt,
-                              versions=fill_versions(vers)))
+                              versions=fill_versions(vers), extra_rows=forks or None))
     return out
+
+
+def fork_row(row: Row) -> Completion:
+    """A session's earlier row as a training row of its own: its whole prompt, its tokens (model tokens mask 1 with
+    their logprobs, spliced tokens mask 0), its text the last assistant message of its conversation."""
+    text = next((m.get("content") or "" for m in reversed(row.history) if m["role"] == "assistant"), "")
+    return Completion(list(row.ids), list(row.logprobs), text, row.finish, None, list(row.mask),
+                      messages=row.history[len(row.prompt_messages):], prompt_ids=list(row.prompt_ids),
+                      versions=fill_versions(list(row.versions)))
 
 
 def why(s: Session) -> str | None:

@@ -4,7 +4,9 @@ Rewards are the weighted sums of the reward functions (`combine_rewards`; a comp
 None gets 0 and is counted); advantages follow `advantage.*` (`compute_advantages`); enforced filters mask
 completions out of the loss, and so does a failure on the environment's side (`Completion.env_error`: no loss,
 advantage 0, out of every baseline and reward metric; `env/failed`, `env/dropped_groups`: `outage`). The batch holds
-prompt + completion token ids per sample (loss on the completion's model tokens only), vLLM's logprobs (each token's
+prompt + completion token ids per sample (loss on the completion's model tokens only; a rollout with several
+training rows, `Completion.extra_rows` (an agent session's forks), is one sample per row, each row with the
+rollout's reward, advantage and loss mask, `row_advantage`), vLLM's logprobs (each token's
 true behaviour logprob, whatever policy sampled it: nothing recomputes them), the per-token advantages, the policy
 versions that sampled each sample (`policy_steps`, start, and `policy_steps_end`; `staleness`) and the temperature
 it was sampled at. A batch whose oldest policy lags more than `max_off_policy_steps` behind is written empty (its
@@ -80,8 +82,13 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     (samples, groups) the stream dropped."""
     if isinstance(versions, int):
         versions = [(versions, versions)] * len(groups)
-    starts = [v[0] for v, cs in zip(versions, groups, strict=True) for _ in cs]
-    ends = [v[1] for v, cs in zip(versions, groups, strict=True) for _ in cs]
+    comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
+    group_of = [v for v, cs in zip(versions, groups, strict=True) for _ in cs]
+    # (rollout index, prompt, completion) per sample: a rollout with `extra_rows` (an agent session's forks) is
+    # several samples, each with the rollout's reward, advantage, loss mask and policy versions
+    rows = [(k, p, x) for k, (prompt, c) in enumerate(comps) for p, x in c.training_rows(prompt)]
+    starts = [group_of[k][0] for k, _, _ in rows]
+    ends = [group_of[k][1] for k, _, _ in rows]
     policy_step = min(starts, default=max(0, step - 1))
     lag = staleness(step, policy_step)
     keep = lag <= cfg.max_off_policy_steps
@@ -91,16 +98,16 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     adv: list[np.ndarray] = []
     lengths: list[int] = []
     truncated: list[bool] = []
-    comps = [(prompt, c) for prompt, cs in zip(prompts, groups, strict=True) for c in cs]
-    token_versions: list[int] | None = [] if any(c.versions is not None for _, c in comps) else None
-    for k, ((prompt, c), a) in enumerate(zip(comps, advantages, strict=True)):
+    token_versions: list[int] | None = [] if any(c.versions is not None for _, _, c in rows) else None
+    for i, (k, prompt, c) in enumerate(rows):
         if token_versions is not None:  # partial rollouts: the version of each token (prompt: the sample's start)
-            token_versions += [starts[k]] * len(prompt) + (c.versions or [starts[k]] * len(c.token_ids))
+            token_versions += [starts[i]] * len(prompt) + (c.versions or [starts[i]] * len(c.token_ids))
         tokens += prompt + c.token_ids
         keep_loss = 0 if masked is not None and masked[k] else 1
         mask += [0] * len(prompt) + [keep_loss * m for m in (c.mask or [1] * len(c.token_ids))]
         lps += [0.0] * len(prompt) + c.logprobs
-        adv += [np.zeros(len(prompt)), a]
+        a = advantages[k]
+        adv += [np.zeros(len(prompt)), a if c is comps[k][1] else np.full(len(c.token_ids), row_advantage(a))]
         lengths.append(len(prompt) + len(c.token_ids))
         truncated.append(c.finish_reason == "length")
     n = len(lengths)
@@ -112,7 +119,8 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     temperature = temperature_at(cfg.sampling, cfg.max_steps, step)
     batch = TrainingBatch(step=step, temperature=temperature, tokens=np.array(tokens),
                           lengths=np.array(lengths), loss_mask=np.array(mask), inference_logprobs=np.array(lps),
-                          advantages=flat_adv, rewards=rewards if keep else np.zeros(0),
+                          advantages=flat_adv, rewards=np.asarray(rewards)[[k for k, _, _ in rows]] if keep else
+                          np.zeros(0),
                           policy_steps=np.array(starts if keep else [], dtype=np.int32),
                           policy_steps_end=np.array(ends if keep else [], dtype=np.int32),
                           truncated=np.array(truncated),
@@ -120,7 +128,7 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
                           max_tokens=max_completion_tokens(cfg.sampling, cfg.seq_len), teacher_logprobs=flat_teacher,
                           max_steps=cfg.max_steps,
                           routed_experts=batch_routes([(n, c.routed_experts if c.mask is None else None)
-                                                       for n, (_, c) in zip(lengths, comps, strict=False)]),
+                                                       for n, (_, _, c) in zip(lengths, rows, strict=False)]),
                           **(image_arrays(prompts, groups, images) if keep and images else {}))
     metrics = {"advantage/abs_mean": float(np.mean([np.abs(a).mean() if a.size else 0.0 for a in advantages])),
                "seq_len/mean": float(np.mean(lengths or [0])), "samples": n, "dropped_off_policy": 0 if keep else n,
@@ -128,6 +136,12 @@ def build_batch(step: int, prompts: list[list[int]], groups: list[list[Completio
     metrics |= staleness_metrics(step, starts, ends, dropped_stale[0] + (0 if keep else n),
                                  dropped_stale[1] + (0 if keep else len(groups)))
     return batch, metrics
+
+
+def row_advantage(a: np.ndarray) -> float:
+    """The advantage of a rollout's extra row (`Completion.extra_rows`): its main row's (constant for outcome
+    advantages; the mean of its per-token advantages for process ones); 0 for a main row with no token."""
+    return float(a.mean()) if a.size else 0.0
 
 
 def pick_samples(flat: list[tuple[Example, Completion]], rewards: np.ndarray, advantages: list[np.ndarray],

@@ -167,5 +167,6 @@ async def teacher_logprobs(teacher: InferenceClient, section: TeacherSection, go
     if any(got.images):
         raise ValueError("orch teacher: teacher logprobs of prompts with images are not supported (vLLM's "
                          "prompt_logprobs take token ids without the images); drop `teacher` or the images")
-    seqs = [p + c.token_ids for p, comps in zip(got.prompts, got.groups, strict=True) for c in comps]
+    seqs = [p + x.token_ids for prompt, comps in zip(got.prompts, got.groups, strict=True) for c in comps
+            for p, x in c.training_rows(prompt)]  # every training row, in the batch's order
     return await teacher.prompt_logprobs_many(section.model, seqs, section.max_concurrency)

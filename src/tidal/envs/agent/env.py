@@ -12,6 +12,7 @@ under `reward: program`) is the environment's failure: not judged, no loss, outs
 
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 from typing import Any
@@ -23,6 +24,8 @@ from tidal.envs.agent.server import AgentServer
 from tidal.envs.agent.session import Backend, Session
 from tidal.envs.base import Environment, Example
 from tidal.envs.remote import example_to_json
+
+log = logging.getLogger("tidal.agent")
 
 COUNTERS = ("agent/sessions", "agent/calls", "agent/forks", "agent/rows", "agent/off_policy_calls", "agent/failures")
 
@@ -38,6 +41,13 @@ class AgentEnv(Environment):
         self.server = AgentServer(args.model, args.tool_format, args.max_concurrency, args.port)
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.has_reward = args.reward == "program" or task.has_reward
+        self.said_ignored = False
+
+    @property
+    def uses_program_reward(self) -> bool:
+        """Whether a reward the program reports scores its session (`reward: program`, or `auto` with a task that
+        has a reward column); else it is ignored, and said once."""
+        return self.args.reward == "program" or self.args.reward == "auto" and self.has_reward
 
     def sample(self, rng: random.Random) -> Example:
         return self.task.sample(rng)
@@ -82,6 +92,12 @@ class AgentEnv(Environment):
             self.server.close(session)
         if reward is not None:
             session.reward = reward
+        if session.reward is not None and not self.uses_program_reward and not self.said_ignored:
+            self.said_ignored = True
+            log.warning("the agent program reported a reward, which this run does not use: agent args.reward is "
+                        "%r and %s; set reward: program to train on it (said once)", self.args.reward,
+                        "the task's reward scores" if self.args.reward == "task" else
+                        f"the task environment '{self.task.id}' has no reward of its own")
         session.failure = session.failure or failure
         if session.failure is None and not session.rows:
             session.failure = "the program made no model call"

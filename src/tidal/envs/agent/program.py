@@ -90,3 +90,22 @@ class Program:
         return None, float(value)
 
 
+
+
+def import_path_of(fn: Any) -> str:
+    """An import path (`AgentArgs.function`) of a callable of this process: its own when importing it gives it back,
+    else a name in this module (`tidal.envs.agent.program:local_<id>`), valid in this process only, which holds it
+    (the Python API, `GRPOTrainer(agent=fn)`: its orchestrator runs in the script's process, so closures, lambdas and
+    `__main__` functions are called where they live; nothing is pickled)."""
+    import importlib
+
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and name.isidentifier():
+        try:
+            if getattr(importlib.import_module(module), name) is fn:
+                return f"{module}:{name}"
+        except (ImportError, AttributeError):
+            pass
+    local = f"local_{id(fn):x}"
+    globals()[local] = fn
+    return f"{__name__}:{local}"

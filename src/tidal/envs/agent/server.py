@@ -27,22 +27,21 @@ import hmac
 import logging
 import secrets
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.envs.agent.session import Backend, Session, SessionFailed
+from tidal.envs.agent.stream import AnthropicWriter, OpenAIWriter, Writer
 from tidal.envs.agent.wire import (
     WireError,
     anthropic_answer,
     anthropic_messages,
-    anthropic_stream,
     anthropic_tools,
     openai_answer,
     openai_messages,
-    openai_stream,
     openai_tools,
 )
 from tidal.envs.splice import turn_text
@@ -80,6 +79,8 @@ class AgentServer:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self.calls: set[asyncio.Task[None]] = set()
+        """Streamed calls being sampled (held so they finish even when their client has gone)."""
 
     @property
     def root(self) -> str:
@@ -151,8 +152,10 @@ class AgentServer:
             raise WireError(f"model {body.get('model')!r} is not served here: the policy being trained is "
                             f"{self.model!r} (agent args.model)")
 
-    async def complete(self, sid: str, headers: Any, body: dict[str, Any], kind: str) -> tuple[Any, dict[str, Any]]:
-        """Parse one call (`kind`: openai or anthropic), sample it in its session; (completion, message)."""
+    async def complete(self, sid: str, headers: Any, body: dict[str, Any], kind: str,
+                       on_text: Callable[[str, bool], None] | None = None) -> tuple[Any, dict[str, Any]]:
+        """Parse one call (`kind`: openai or anthropic), sample it in its session; (completion, message).
+        `on_text(text so far, tools parsed)`: called as the turn's text grows (a streamed call)."""
         session, backend = self.find(sid, headers)
         if not isinstance(body, dict):
             raise WireError("the request body must be a JSON object")
@@ -185,9 +188,87 @@ class AgentServer:
                             f"(supported: auto, none)")
         params = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
                   "stop": [stop] if isinstance(stop, str) else stop or None}
+        parse = bool(tools) and mode != "none"
+        grow = None if on_text is None else lambda text: on_text(text, parse)
         async with self.sem:
             return await session.call(backend, messages, tools, max_tokens, params,
-                                      lambda c: reply_message(c, self.fmt, bool(tools) and mode != "none"))
+                                      lambda c: reply_message(c, self.fmt, parse), grow)
+
+
+def failure(server: AgentServer, sid: str, exc: BaseException) -> tuple[int, str]:
+    """(status, message) of a call that failed: a refused request 400, a session's limit or key its own status,
+    anything else (inference failed) 502, which also fails the episode."""
+    if isinstance(exc, WireError):
+        return 400, str(exc)
+    if isinstance(exc, SessionFailed):
+        return exc.status, str(exc)
+    session = server.sessions.get(sid, (None,))[0]
+    why = f"sampling failed: {type(exc).__name__}: {str(exc)[:500]}"
+    if session is not None:
+        session.failure = session.failure or why
+    log.warning("agent session %s: %s", sid, why)
+    return 502, why
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'openai' else 'msg'}-{secrets.token_hex(12)}"
+
+
+def usage_of(session: Session, c: Any) -> dict[str, int]:
+    n_in, n_out = session.last_prompt_len, len(c.token_ids)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+async def streamed(server: AgentServer, sid: str, headers: Any, body: dict[str, Any], kind: str) -> Any:
+    """A streamed call: sampled as a task whose text reaches the client as it grows (`tidal.envs.agent.stream`).
+    A failure before the first token is answered with its status like a plain call; one after it ends the stream
+    with an error event. The call completes (and is recorded in its row) even if the client goes away."""
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    async def call() -> None:
+        try:
+            done = await server.complete(sid, headers, body, kind, lambda text, tools: queue.put_nowait(
+                ("text", (text, tools))))
+            queue.put_nowait(("done", done))
+        except Exception as exc:  # noqa: BLE001 - handed to the response
+            queue.put_nowait(("error", exc))
+
+    task = asyncio.get_running_loop().create_task(call())
+    server.calls.add(task)
+    task.add_done_callback(server.calls.discard)
+    first = await queue.get()
+    if first[0] == "error":
+        raise first[1]
+    call_id = new_id(kind)
+    opts = body.get("stream_options") or {}
+    session = server.sessions[sid][0]
+
+    def writer(tools: bool) -> Writer:
+        return (OpenAIWriter(server.model, call_id, tools, bool(opts.get("include_usage"))) if kind == "openai"
+                else AnthropicWriter(server.model, call_id, tools))
+
+    async def events() -> AsyncIterator[str]:
+        item, w = first, None
+        while True:
+            what, value = item
+            if what == "text":
+                w = w or writer(value[1])
+                for e in w.text(value[0], session.last_prompt_len):
+                    yield e
+            elif what == "done":
+                c, message = value
+                w = w or writer(bool(message.get("tool_calls")))
+                for e in w.finish(message, c.finish_reason, usage_of(session, c)):
+                    yield e
+                return
+            else:
+                w = w or writer(False)
+                for e in w.error(*failure(server, sid, value)):
+                    yield e
+                return
+            item = await queue.get()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def openai_error(status: int, message: str) -> Any:
@@ -213,29 +294,14 @@ def build_app(server: AgentServer) -> Any:
                 body = await request.json()
             except ValueError:
                 raise WireError("the request body is not JSON") from None
+            if isinstance(body, dict) and body.get("stream"):
+                return await streamed(server, sid, request.headers, body, kind)
             c, message = await server.complete(sid, request.headers, body, kind)
-        except WireError as exc:
-            return error(400, str(exc))
-        except SessionFailed as exc:
-            return error(exc.status, str(exc))
-        except Exception as exc:  # noqa: BLE001 - inference failed: the episode fails, the program is told why
-            session = server.sessions.get(sid, (None,))[0]
-            why = f"sampling failed: {type(exc).__name__}: {str(exc)[:500]}"
-            if session is not None:
-                session.failure = session.failure or why
-            log.warning("agent session %s: %s", sid, why)
-            return error(502, why)
+        except Exception as exc:  # noqa: BLE001 - answered with the status it calls for (`failure`)
+            return error(*failure(server, sid, exc))
         session = server.sessions[sid][0]
-        n_in, n_out = session.last_prompt_len, len(c.token_ids)
-        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-        call_id = f"{'chatcmpl' if kind == 'openai' else 'msg'}-{secrets.token_hex(12)}"
-        if body.get("stream"):
-            events = (openai_stream(server.model, call_id, message, c.finish_reason, usage,
-                                    bool((body.get("stream_options") or {}).get("include_usage")))
-                      if kind == "openai" else anthropic_stream(server.model, call_id, message, c.finish_reason, usage))
-            return StreamingResponse(iter(events), media_type="text/event-stream")
         make = openai_answer if kind == "openai" else anthropic_answer
-        return JSONResponse(make(server.model, call_id, message, c.finish_reason, usage))
+        return JSONResponse(make(server.model, new_id(kind), message, c.finish_reason, usage_of(session, c)))
 
     @app.post("/s/{sid}/v1/chat/completions")
     async def chat(sid: str, request: Request) -> Any:

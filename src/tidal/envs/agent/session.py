@@ -12,8 +12,8 @@ ids (token in). Otherwise (history rewritten or summarised, a side call with ano
 turn cut at `max_tokens` or a `stop` string, a turn that ended at a token the template does not end turns with) the
 call starts a new row: a fork, counted. Sampled tokens get loss mask 1 with their logprobs; spliced tokens mask 0. A
 call whose temperature or top_p differs from the run's is sampled as asked but its tokens are context (mask 0): the
-trainer scores every token at the run's sampling distribution. The session's trained row is its last (the one
-holding the final answer); earlier rows are counted (`agent/rows`), not trained.
+trainer scores every token at the run's sampling distribution. Every row is trained (`AgentArgs.train_forks`), with
+the session's reward and advantage (`tidal.orchestrator.agentloop.stitch`); the last row holds the final answer.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ class Backend(Protocol):
         """The splice rule's tokens for `new` after `history` (`tidal.envs.splice.tool_suffix`)."""
         ...
 
-    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any]) -> Any:
+    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any],
+                     on_text: Callable[[str], None] | None = None) -> Any:
         """One completion (`tidal.inference.protocol.Completion`) of `prompt_ids`; `params`: the call's
-        `temperature`, `top_p`, `stop` (None: the run's)."""
+        `temperature`, `top_p`, `stop` (None: the run's); `on_text`: called with the text so far as tokens arrive
+        (a streamed call; the same sampling request and tokens as without it)."""
         ...
 
     def on_policy(self, params: dict[str, Any]) -> bool:
@@ -122,9 +124,11 @@ class Session:
 
     async def call(self, backend: Backend, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    max_tokens: int | None, params: dict[str, Any],
-                   reply: Callable[[Any], dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+                   reply: Callable[[Any], dict[str, Any]],
+                   on_text: Callable[[str], None] | None = None) -> tuple[Any, dict[str, Any]]:
         """Sample one call's completion (token in), recording it in its row; returns the Completion and the
-        assistant message `reply` made of it (template form: what the program must send back to extend the row)."""
+        assistant message `reply` made of it (template form: what the program must send back to extend the row).
+        `on_text`: a streamed call's observer (`Backend.sample`)."""
         async with self.lock:
             if self.failure is not None:
                 raise SessionFailed(409, f"session {self.id} has already failed: {self.failure}")
@@ -148,7 +152,7 @@ class Session:
                                 f"the session used its max_session_tokens={self.max_tokens}")
                 raise SessionFailed(400, f"session {self.id}: {self.failure}")
             self.last_prompt_len = len(prompt)
-            c = await backend.sample(prompt, min(room, max_tokens or room), self.calls, params)
+            c = await backend.sample(prompt, min(room, max_tokens or room), self.calls, params, on_text)
             self.calls += 1
             self.sampled += len(c.token_ids)
             self.log.append(CallRecord(prompt, list(c.token_ids), list(messages), row is not None))

@@ -3,8 +3,8 @@
 Both APIs' requests become the chat-template form tidal renders (`role`, `content` as a string, assistant
 `tool_calls` with JSON-string arguments, `tool` messages with `tool_call_id`); `canonical` reduces a message to what
 decides whether a conversation extends another (so the assistant message a program sends back, as the SDK
-re-serialises it, equals the one the endpoint returned). Answers are ordinary API objects (non-streaming) or
-server-sent events; a stream is written once the turn is sampled (the same tokens as the non-streaming answer).
+re-serialises it, equals the one the endpoint returned). Answers are ordinary API objects; streamed answers are
+written token by token by `tidal.envs.agent.stream`.
 Simplifications: text content only (image parts are refused with 400), one choice per call.
 """
 
@@ -144,25 +144,6 @@ def openai_finish(message: dict[str, Any], finish: str) -> str:
     return "tool_calls" if message.get("tool_calls") else "length" if finish == "length" else "stop"
 
 
-def openai_stream(model: str, call_id: str, message: dict[str, Any], finish: str, usage: dict[str, int],
-                  include_usage: bool) -> list[str]:
-    """The same answer as `chat.completion.chunk` server-sent events, ending with `[DONE]`."""
-    head = {"id": call_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-
-    def chunk(delta: dict[str, Any], reason: str | None) -> str:
-        return f"data: {json.dumps({**head, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': reason}]})}\n\n"
-
-    events = [chunk({"role": "assistant", "content": ""}, None)]
-    if message["content"]:
-        events.append(chunk({"content": message["content"]}, None))
-    for k, c in enumerate(message.get("tool_calls") or []):
-        events.append(chunk({"tool_calls": [{"index": k, **c}]}, None))
-    events.append(chunk({}, openai_finish(message, finish)))
-    if include_usage:
-        events.append(f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n")
-    return [*events, "data: [DONE]\n\n"]
-
-
 def anthropic_content(message: dict[str, Any]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
     for c in message.get("tool_calls") or []:
@@ -182,27 +163,3 @@ def anthropic_answer(model: str, call_id: str, message: dict[str, Any], finish: 
             "content": anthropic_content(message), "stop_reason": anthropic_stop(message, finish),
             "stop_sequence": None, "usage": {"input_tokens": usage["prompt_tokens"],
                                              "output_tokens": usage["completion_tokens"]}}
-
-
-def anthropic_stream(model: str, call_id: str, message: dict[str, Any], finish: str, usage: dict[str, int]
-                     ) -> list[str]:
-    """The same answer as Anthropic's stream events (message_start, content blocks, message_delta, message_stop)."""
-    def ev(kind: str, data: dict[str, Any]) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
-
-    start = {**anthropic_answer(model, call_id, message, finish, usage), "content": [], "stop_reason": None}
-    start["usage"] = {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}
-    events = [ev("message_start", {"message": start})]
-    for k, b in enumerate(anthropic_content(message)):
-        if b["type"] == "text":
-            events.append(ev("content_block_start", {"index": k, "content_block": {"type": "text", "text": ""}}))
-            events.append(ev("content_block_delta", {"index": k, "delta": {"type": "text_delta", "text": b["text"]}}))
-        else:
-            events.append(ev("content_block_start", {"index": k, "content_block": {**b, "input": {}}}))
-            events.append(ev("content_block_delta", {"index": k, "delta": {"type": "input_json_delta",
-                                                                           "partial_json": json.dumps(b["input"])}}))
-        events.append(ev("content_block_stop", {"index": k}))
-    events.append(ev("message_delta", {"delta": {"stop_reason": anthropic_stop(message, finish),
-                                                 "stop_sequence": None},
-                                       "usage": {"output_tokens": usage["completion_tokens"]}}))
-    return [*events, ev("message_stop", {})]
