@@ -4,8 +4,8 @@ The program is examples/agent/calc_agent.py, unchanged: it asks the model "What 
 3-digit operands) with an `add` calculator tool described in its own system prompt, runs the tool when the model
 calls it (Hermes `<tool_call>` JSON), sends the result back as a `tool` message and asks again (at most 3 calls).
 The reward is the task's: 1 when the last integer of the last answer is A + B. `tidal grpo` trains
-`tidal:smollm2-135m-instruct` (LoRA, float32, on-policy, CPU) with examples/agent/calc-orch.yaml and
-examples/real_model's trainer and inference configs; each rollout is one run of the program against its session.
+`tidal:smollm2-135m-instruct` (LoRA, float32, on-policy, CPU) with the configs in examples/agent/smollm2/; each
+rollout is one run of the program against its session.
 
 Per seed: the training reward of each step (first 3 vs last 3), `mismatch_kl` of every step (every step is
 on-policy: at the float32 level when every trained token is exactly a sampled one), the calls per session (1 + the
@@ -35,8 +35,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import harness  # noqa: E402 - the benches' one harness (tidal.procs)
 
 MODEL = "tidal:smollm2-135m-instruct"
-ORCH = REPO / "examples" / "agent" / "calc-orch.yaml"
-REAL = REPO / "examples" / "real_model"
+CONFIGS = REPO / "examples" / "agent" / "smollm2"
 PROGRAM = "examples/agent/calc_agent.py"
 
 
@@ -54,14 +53,13 @@ def child_env() -> dict[str, str]:
 
 
 def grpo_cmd(args: argparse.Namespace, seed: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(REAL / "train.yaml"),
-            "--infer", str(REAL / "infer.yaml"), "--orch", str(ORCH), "--output-dir", str(run_dir),
+    return [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(CONFIGS / "train.yaml"),
+            "--infer", str(CONFIGS / "infer.yaml"), "--orch", str(CONFIGS / "orch.yaml"), "--output-dir", str(run_dir),
             "--orch.env", f"[{agent_env(args.program, args.low, args.high)}]",
             "--orch.max_steps", str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
             "--orch.rollouts_per_example", str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens),
-            "--orch.seq_len", "512", "--train.sequence_len", "512",
             "--orch.seed", str(seed), "--orch.sampling.seed", str(seed), "--train.seed", str(seed),
-            "--train.learning_rate", str(args.lr), "--train.export.gguf", "null", "--infer.port", str(args.port)]
+            "--train.learning_rate", str(args.lr), "--infer.port", str(args.port)]
 
 
 def one_seed(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
@@ -100,7 +98,7 @@ def greedy(args: argparse.Namespace, work: Path, adapters: list[str]) -> dict[st
     `adapters`: label -> accuracy and 95% interval; plus `command`."""
     out = work / "eval.json"
     cmd = [sys.executable, "-m", "tidal.cli", "eval", "--model", MODEL, "--env",
-           agent_env("function", args.low, args.high), "--num-examples", str(args.eval_examples),
+           agent_env("function", args.low, args.high), "--num-examples", str(args.eval_examples), "--seed", "7",
            "--max-tokens", str(args.max_tokens), "--max-model-len", "512", "--out", str(out), "--quiet",
            "--show-samples", "1", *(a for p in adapters for a in ("--adapter", p))]
     code, text = harness.run(cmd, work / "eval.log", 3600, env=child_env(), name="agent-eval")

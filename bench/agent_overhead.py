@@ -120,11 +120,11 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
 async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from tidal.config.orch import SamplingSection
     from tidal.config.orch_sections import ClientSection
-    from tidal.inference.backends.vllm.client import VLLMClient
+    from tidal.inference.backends.vllm.client import VllmClient
 
-    client = VLLMClient(ClientSection(base_url=[url]))
+    client = VllmClient(ClientSection(base_url=[url]))
     model = (await client.wait_ready())[0]
-    sampling = SamplingSection(max_tokens=args.max_tokens, temperature=args.temperature)
+    sampling = SamplingSection(max_tokens=args.max_tokens)  # the temperature goes to the groups (0: greedy)
     sides = {k: v for k, v in envs(args.low, args.high).items() if k in args.sides}
     rounds: list[list[dict[str, Any]]] = []
     for r in range(args.rounds + 1):  # round 0 warms every side up (imports, the endpoint's start, caches)
