@@ -149,6 +149,58 @@ async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
     return {"model": model, "rounds": rounds}
 
 
+class StubBackend:
+    """A backend that answers at once (`--stub`): call 0 a Hermes tool call, later calls an answer; no engine, so a
+    session's time is the endpoint's own cost (HTTP, JSON, the SDK, session stitching) and the program's."""
+
+    CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
+
+    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return list(range(80))
+
+    async def suffix(self, history: list[dict[str, Any]], new: list[dict[str, Any]], stop_id: int,
+                     tools: list[dict[str, Any]] | None) -> list[int]:
+        return list(range(12))
+
+    def on_policy(self, params: dict[str, Any]) -> bool:
+        return True
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int, call: int, params: dict[str, Any]) -> Any:
+        from tidal.inference.protocol import Completion
+
+        text = (self.CALL if call == 0 else "The answer is 42.") + "<|im_end|>"
+        n = 24 if call == 0 else 6
+        return Completion(list(range(n)), [-0.1] * n, text, "stop", [""] * (n - 1) + ["<|im_end|>"])
+
+
+async def stub(args: argparse.Namespace) -> dict[str, Any]:
+    """`--stub`: per side (endpoint-fn, endpoint-cmd) the seconds and this process's CPU seconds of
+    `--prompts` x `--generations` sessions at once, each 2 calls, against `StubBackend`."""
+    out: dict[str, Any] = {}
+    sides = envs(args.low, args.high)
+    rng = random.Random(args.seed)
+    for side in [s for s in args.sides if s != "toolloop"]:
+        env = sides[side]
+        runs = []
+        for r in range(args.rounds + 1):
+            sessions = [env.new_session(env.sample(rng), 512) for _ in range(args.prompts * args.generations)]
+            t0, c0 = time.monotonic(), os.times()
+            await asyncio.gather(*(env.run_session(s, StubBackend()) for s in sessions))
+            c1 = os.times()
+            if r:
+                runs.append({"seconds": time.monotonic() - t0, "calls": sum(s.calls for s in sessions),
+                             "cpu_s": (c1.user + c1.system - c0.user - c0.system),
+                             "children_cpu_s": (c1.children_user + c1.children_system - c0.children_user
+                                                - c0.children_system),
+                             "failures": sum(s.failure is not None for s in sessions)})
+        await env.server.stop()
+        out[side] = runs
+        last = runs[-1]
+        print(f"agent-overhead --stub {side}: {statistics.mean(x['seconds'] for x in runs):.2f} s for "
+              f"{len(sessions)} sessions, {last['calls']} calls, {last['failures']} failures", flush=True)
+    return out
+
+
 def same_ids(rounds: list[list[dict[str, Any]]], side: str) -> tuple[int, int]:
     """(rows whose tokens equal the tool loop's, rows) over every round."""
     same = total = 0
@@ -225,6 +277,8 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=999)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-step-s", type=float, default=0.0, help="a trainer step's seconds (0: no per-step row)")
+    ap.add_argument("--stub", action="store_true", help="the endpoint's own cost: a backend that answers at once, "
+                    "no vLLM (prints per side; writes --json with a -stub suffix)")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--port", type=int, default=8560)
     ap.add_argument("--work", default="/tmp/tidal-bench-agent-overhead")
@@ -236,6 +290,11 @@ def main() -> None:
     args.sides = ["toolloop", *(s for s in args.sides if s != "toolloop")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.stub:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+        res = asyncio.run(stub(args))
+        Path(args.json).with_name(Path(args.json).stem + "-stub.json").write_text(json.dumps(res, indent=1))
+        return
     cmd = [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", args.model, "--infer.port",
            str(args.port), "--infer.max_model_len", "512", "--infer.enable_lora", "false"]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
