@@ -140,6 +140,11 @@ async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
             done.append(await one_step(side, env, client, model, exs, prompts, args, sampling))
             print(f"agent-overhead: round {r} {side}: {done[-1]['seconds']:.2f} s, {done[-1]['sampled_tokens']} "
                   f"sampled tokens, {done[-1]['turns']:.2f} turns, load {done[-1]['load']:.1f}", flush=True)
+        by = {d["side"]: d for d in done}
+        for d in done:  # rows equal, token for token, to the tool loop's (greedy: the same conversations)
+            d["equal_rows"] = sum(a == b for a, b in zip(by["toolloop"]["ids"], d.pop("ids"), strict=True)) \
+                if d is not by["toolloop"] else len(d["ids"])
+        by["toolloop"].pop("ids")
         if r > 0:
             rounds.append(done)
     for s in sides.values():
@@ -203,13 +208,8 @@ async def stub(args: argparse.Namespace) -> dict[str, Any]:
 
 def same_ids(rounds: list[list[dict[str, Any]]], side: str) -> tuple[int, int]:
     """(rows whose tokens equal the tool loop's, rows) over every round."""
-    same = total = 0
-    for done in rounds:
-        by = {d["side"]: d for d in done}
-        if side in by and "toolloop" in by:
-            for a, b in zip(by["toolloop"]["ids"], by[side]["ids"], strict=True):
-                same += a == b
-                total += 1
+    same = sum(d["equal_rows"] for done in rounds for d in done if d["side"] == side)
+    total = sum(d["equal_rows"] for done in rounds for d in done if d["side"] == "toolloop")
     return same, total
 
 
@@ -279,6 +279,7 @@ def main() -> None:
     ap.add_argument("--train-step-s", type=float, default=0.0, help="a trainer step's seconds (0: no per-step row)")
     ap.add_argument("--stub", action="store_true", help="the endpoint's own cost: a backend that answers at once, "
                     "no vLLM (prints per side; writes --json with a -stub suffix)")
+    ap.add_argument("--report-only", action="store_true", help="write --out from --json, running nothing")
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--port", type=int, default=8560)
     ap.add_argument("--work", default="/tmp/tidal-bench-agent-overhead")
@@ -290,6 +291,13 @@ def main() -> None:
     args.sides = ["toolloop", *(s for s in args.sides if s != "toolloop")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.report_only:  # the report again from --json (e.g. with --train-step-s measured since)
+        saved = json.loads(Path(args.json).read_text())
+        train_step_s = args.train_step_s
+        args.__dict__.update({k: v for k, v in saved["args"].items() if k != "train_step_s"})
+        args.train_step_s, sys.argv[1:] = train_step_s, saved.get("argv", [])
+        Path(args.out).write_text(report(args, saved, f"{os.cpu_count()} CPUs"))
+        return
     if args.stub:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
         res = asyncio.run(stub(args))
@@ -304,11 +312,8 @@ def main() -> None:
         result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1"))
     finally:
         harness.stop(child)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "argv": sys.argv[1:], **result}, indent=1))
     Path(args.out).write_text(report(args, result, f"{os.cpu_count()} CPUs"))
-    for done in result["rounds"]:
-        for d in done:
-            d.pop("ids")
-    Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))
     print(f"agent-overhead: wrote {args.out}", flush=True)
 
 
