@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=999)
     ap.add_argument("--program", choices=["command", "function"], default="command")
     ap.add_argument("--eval-only", action="store_true", help="no training: the greedy evaluation of the saved runs")
+    ap.add_argument("--report-only", action="store_true", help="no runs: the report again from --json")
     ap.add_argument("--eval-examples", type=int, default=64)
     ap.add_argument("--port", type=int, default=8550)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -230,7 +231,7 @@ def main() -> None:
     work, path = Path(args.work), Path(args.json)
     work.mkdir(parents=True, exist_ok=True)
     data = load(path, workload(args))
-    for seed in [] if args.eval_only else args.seeds:
+    for seed in [] if args.eval_only or args.report_only else args.seeds:
         run = one_seed(args, work, seed)
         data["runs"][str(seed)] = run
         a, b = first_last(run)
