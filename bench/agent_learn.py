@@ -171,8 +171,9 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> str:
         f"Written by bench/agent_learn.py on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the machine is "
         f"shared (2 CPUs, other sessions' tests and benches running: the mean 1-min load of each run is given).",
         "",
-        f"Workload: `{MODEL}`, examples/agent/calc_agent.py run unchanged as a {wl['program']} (program "
-        f"`{'command' if wl['program'] == 'command' else 'function'}` form) against its session, task `addition` "
+        f"Workload: `{MODEL}`, examples/agent/calc_agent.py run unchanged against its session as a "
+        f"{'command (a process per session)' if wl['program'] == 'command' else 'function (agent args.function)'}, "
+        f"task `addition` "
         f"{wl['low']}..{wl['high']}, {wl['prompts']} prompts x {wl['generations']} sessions per step, <= "
         f"{wl['max_tokens']} tokens per call, <= 3 calls per session, {wl['steps']} steps, lr {wl['lr']}, LoRA r16 / "
         f"alpha 32, float32, on-policy (tidal's CPU default). Reward: the task's, 1 when the last integer of the "
