@@ -14,7 +14,8 @@ serve every side. The workload is the calculator agent of examples/agent/calc_ag
 The trainer step is the same on every side (the rows have the same shape), so a rollout phase's ratio bounds the
 per-step ratio from above; the report also gives the per-step ratio with a measured trainer step time
 (`--train-step-s`, from bench/AGENT-LEARN.md) added to both sides.
-Greedy sampling by default (temperature 0): every side then samples the same conversations (the report checks the
+Near-greedy sampling by default (temperature 0.001: vLLM refuses n > 1 at 0): every side then samples the same
+conversations (the report checks the
 tokens and turns of each side). Rounds run the sides in a rotating order (A B C, B C A, C A B, ...), each round on
 the same examples, so load on the shared machine falls on every side alike; per-round ratios to the tool loop give
 min / median / max.
@@ -272,7 +273,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=0.001,
+                    help="0.001: argmax in practice (vLLM refuses n > 1 at temperature 0)")
     ap.add_argument("--low", type=int, default=100)
     ap.add_argument("--high", type=int, default=999)
     ap.add_argument("--seed", type=int, default=0)
