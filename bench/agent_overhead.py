@@ -15,10 +15,9 @@ The trainer step is the same on every side (the rows have the same shape), so a 
 per-step ratio from above; the report also gives the per-step ratio with a measured trainer step time
 (`--train-step-s`, from bench/AGENT-LEARN.md) added to both sides.
 Near-greedy sampling by default (temperature 0.001: vLLM refuses n > 1 at 0): every side then samples the same
-conversations (the report checks the
-tokens and turns of each side). Rounds run the sides in a rotating order (A B C, B C A, C A B, ...), each round on
-the same examples, so load on the shared machine falls on every side alike; per-round ratios to the tool loop give
-min / median / max.
+conversations (the report checks the tokens and turns of each side). Rounds run the sides in a rotating order
+(A B C, B C A, C A B, ...), each round on the same examples, so load on the shared machine falls on every side
+alike; per-round ratios to the tool loop give min / median / max.
 
     flock /tmp/tidal-vllm.lock python bench/agent_overhead.py --rounds 6
 """
