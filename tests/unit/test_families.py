@@ -51,7 +51,7 @@ def test_every_cell_names_a_test_that_exists():
                 assert param[:-1] in (set(ARCHS) if ids is None else ids) or (path.endswith("test_arch_matrix.py")
                                                                               and param[:-1] in ARCHS), cell.test
             named += 1
-    assert named > 8 * len(FAMILIES)
+    assert named > 7 * len(FAMILIES)  # (the Gemma 4 VLM row claims less: its serving is open)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
