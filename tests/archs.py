@@ -53,6 +53,9 @@ class Arch:
     `overrides` then make its `text_config`, and the checks run its text path (text prompts only)."""
     top: dict[str, Any] = field(default_factory=dict)
     """A VLM config's own fields beside `text_config` / `vision_config` (token ids inside the tiny vocabulary)."""
+    cpu_refused: str = ""
+    """The architecture when tidal refuses to serve it on vLLM-CPU (`tidal.models.arch.CPU_MISSERVED`: vLLM loads it
+    but serves it wrongly): the vLLM matrix leaves it out and tests/unit/test_cpu_served.py checks the refusal."""
 
 
 QWEN35_TEXT: dict[str, Any] = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
@@ -108,8 +111,9 @@ ARCHS: dict[str, Arch] = {
                        top={"mm_tokens_per_image": 4, "boi_token_index": 120, "eoi_token_index": 121,
                             "image_token_index": 122}),
     "gemma4-vlm": Arch("Gemma4Config", GEMMA4_TEXT,
-                       "Gemma 4 VLM checkpoint (`Gemma4ForConditionalGeneration`), its text path",
-                       linear=GEMMA4_LINEAR,
+                       "Gemma 4 VLM checkpoint (`Gemma4ForConditionalGeneration`), its text path (refused on "
+                       "vLLM-CPU, which serves it wrongly: not in the vLLM matrix)",
+                       linear=GEMMA4_LINEAR, cpu_refused="Gemma4ForConditionalGeneration",
                        vision={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
                                "patch_size": 8, "pooling_kernel_size": 2, "position_embedding_size": 64},

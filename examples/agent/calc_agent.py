@@ -11,7 +11,7 @@ from openai import OpenAI
 
 SYSTEM = ('You have a calculator. To add two numbers, write <tool_call>{"name": "add", "arguments": {"a": 12, '
           '"b": 30}}</tool_call> and wait for the result. Then answer with the number.')
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+TOOLS: list = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 
 
@@ -33,6 +33,8 @@ def main(base_url=None, api_key=None, example=None):
         if not msg.tool_calls:
             break
         for call in msg.tool_calls:  # run the tools the model called
+            if call.type != "function":
+                continue
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": add(**json.loads(call.function.arguments))})
     print(msg.content)

@@ -85,7 +85,12 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
     if infer.backend == "vllm":
         from tidal.inference.backends.vllm.support import check_vision_imports
 
-        check_vision_imports(str((served.get("architectures") or ["?"])[0]), infer.model)
+        architecture = str((served.get("architectures") or ["?"])[0])
+        check_vision_imports(architecture, infer.model)
+        from tidal.inference.backends.vllm.server import on_cpu
+        from tidal.models.arch import check_cpu_served
+
+        check_cpu_served(architecture, infer.model, on_cpu())  # loaded by vLLM-CPU, but served wrongly
     check_teacher(train, orch)
     for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
         check_local_model(model, where)

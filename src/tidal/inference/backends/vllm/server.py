@@ -284,10 +284,11 @@ def serve(cfg: InferConfig) -> int:
     from tidal.inference.backends import dp
     from tidal.inference.backends.vllm.support import check_weight_transfer
     from tidal.inference.precision import check_lora_dtype
-    from tidal.models.arch import check_cpu_moe_lora, read_arch
+    from tidal.models.arch import check_cpu_moe_lora, check_cpu_served, read_arch
 
     info = read_arch(resolve_model(cfg.model))
     check_cpu_moe_lora(info, cfg.model, on_cpu(), cfg.enable_lora)
+    check_cpu_served(info.architecture, cfg.model, on_cpu())
     if cfg.return_routed_experts:
         from tidal.models.routes import check_engine_routes
 
