@@ -180,8 +180,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
                 got = await sample_step(step, cfg, parts.env, parts.rng, parts.client, base, policy, counts,
                                         parts.teacher, first_after_resume=step == resumed_at + 1 and resumed_at > 0,
                                         scorer=parts.scorer, buffer=parts.buffer, outage=outage)
-            # 2. assemble
-            t_assemble = time.monotonic()
+            t_assemble = time.monotonic()  # 2. assemble
             done = assemble(step, got, cfg, parts.scorer, parts.filters, parts.custom)
             counts["timing/assemble_s"] = time.monotonic() - t_assemble
             progress = parts.progress
