@@ -59,7 +59,7 @@ def run_variant(url: str, run_dir: Path, name: str, train: list[str], orch: list
     return rows
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_combined_algorithm_options_run(vllm_server, tmp_path):
     run_dir = tmp_path / "run"
     rows = run_variant(vllm_server, run_dir, "combined",

@@ -86,7 +86,7 @@ def test_trl_shaped_script_trains_with_closures_and_leaves_nothing_running(tmp_p
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_yaml_dataset_env_with_standard_prompts_and_an_import_path_reward(tmp_path):
     """`tidal grpo` with `env: [{id: dataset}]` of standard (plain-text) prompts and a reward function by import
     path: the prompts go to vLLM as text, the function gets strings and the `answer` column (no errors)."""

@@ -100,7 +100,7 @@ def assert_nothing_left(groups: set[int], port: int) -> None:
     assert not port_in_use(port) and not port_in_use(port + 1)
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_a_noised_student_distilled_from_the_bundled_model_gets_closer_to_it(tmp_path):
     """The student: the bundled model with N(0, (1.5 std)^2) noise on its projection weights (reward ~0.2 against
     the bundled model's ~0.45); reward-free distillation (advantage.type none, teacher_tau 1), full fine-tuning,

@@ -35,6 +35,7 @@ def wait_for(cond, proc, log, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # a whole run (~50-90 s on 2 cores): make test-all; the outage rules: tests/unit/test_env_outage.py
 def test_env_server_killed_and_restarted_mid_run_is_an_outage_waited_out(tmp_path):
     env_port, run_dir, log = free_port(), tmp_path / "run", tmp_path / "grpo.log"
     url = f"http://127.0.0.1:{env_port}"

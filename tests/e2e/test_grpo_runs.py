@@ -165,7 +165,7 @@ def test_colocate_run_trains_and_exits_cleanly(tmp_path):
         assert_phases_get_every_core(watch)
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_three_process_run_serves_the_trained_adapter(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()

@@ -27,7 +27,7 @@ def batches(run_dir: Path, steps: int) -> list[TrainingBatch]:
     return [TrainingBatch.load(run_dir / "rollouts" / f"step_{s}.safetensors") for s in range(1, steps + 1)]
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_in_flight_lora_run_drops_stale_groups_and_records_versions(vllm_server, tmp_path):
     run_dir, steps = tmp_path / "run", 3
     tr = tidal("grpo-train", "--output-dir", str(run_dir), "--train.max_async_level", "0")

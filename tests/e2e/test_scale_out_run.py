@@ -15,7 +15,7 @@ from tests.e2e.test_grpo_runs import alive, assert_adapter_changed, assert_serve
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_colocate_run_with_two_trainer_ranks(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(3), "--train.gpus", "2",

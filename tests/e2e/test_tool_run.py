@@ -46,7 +46,7 @@ def grpo(model: Path, run_dir: Path, steps: int, env: str, *extra: str) -> None:
     assert proc.returncode == 0, out[-4000:]
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_tool_calling_run(tmp_path):
     """(No warm start: `tagged_tool_model` writes `<tool_call>` blocks already; they do not parse, so each rollout
     gets an error tool turn and goes on.)"""

@@ -17,7 +17,7 @@ from tests.e2e.test_resume_runs import vllm_server_process, wait_steps
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, outage, API)
+@pytest.mark.slow  # a whole run: make test-all (the default suite keeps the bundled run, ctrl-c, API)
 def test_colocate_run_over_zmq_with_pushed_weights_survives_an_inference_restart(tmp_path):
     run_dir, port, steps = tmp_path / "run", free_port(), 6
     proc = tidal("grpo", "--output-dir", str(run_dir), "--infer.port", str(port), *small(steps),
