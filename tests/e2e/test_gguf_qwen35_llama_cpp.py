@@ -20,8 +20,6 @@ without -exp(A_log).
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -29,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_CPP = Path(os.environ.get("TIDAL_LLAMA_CPP") or ROOT / ".venv" / "llama-cpp")
+from tests.e2e.llama_cpp_run import MARKS, greedy_report
+
 STEPS = 16
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 MESSAGES = [[{"role": "user", "content": "What is 12 + 30? Answer with a number."}],
@@ -39,24 +37,12 @@ MESSAGES = [[{"role": "user", "content": "What is 12 + 30? Answer with a number.
             [{"role": "user", "content": "the lazy dog"}, {"role": "assistant", "content": "jumps over the fox"},
              {"role": "user", "content": "and then? ünïcode naïve 🦙"}]]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (LLAMA_CPP / "llama_cpp").is_dir(),
-                       reason=f"no llama.cpp build at {LLAMA_CPP}: run `make llama-cpp` (llama-cpp-python from its "
-                              "sdist, ~15-20 min on 2 cores) or set TIDAL_LLAMA_CPP"),
-    pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs gguf (make setup-dev installs it)"),
-]
+pytestmark = MARKS
 
 
 def llama_cpp(model: Path, texts: list[str], tmp: Path, f32_cache: bool) -> dict:
     """What tests/e2e/llama_cpp_greedy.py reports for `model`."""
-    req = tmp / f"{model.stem}.json"
-    req.write_text(json.dumps({"texts": texts, "specials": SPECIALS, "max_tokens": STEPS, "f32_cache": f32_cache}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LLAMA_CPP), *sys.path])}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "llama_cpp_greedy.py"), str(model), str(req)],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return greedy_report(model, texts, SPECIALS, STEPS, tmp, f32_cache)
 
 
 def hf_greedy(model, ids: list[int]) -> tuple[list[float], list[int]]:
