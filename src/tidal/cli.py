@@ -203,6 +203,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.procs.reaper import start_reaper
 
     start_reaper()  # environment servers it spawns die with it, however it dies
+    from tidal.envs.agent.env import AgentProgramBroken
     from tidal.procs import WRONG_POLICY
     from tidal.transport.probe import PolicyMismatch
 
@@ -211,7 +212,7 @@ def cmd_orch(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except PolicyMismatch as exc:  # one line: step, path, distances (tidal.orchestrator.identity)
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return WRONG_POLICY
-    except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError) as exc:
+    except (InferenceUnreachable, InferenceError, CheckpointError, TimeoutError, AgentProgramBroken) as exc:
         logging.getLogger("tidal.orch").error("stopping: %s", exc)
         return 1
     except (NotMultimodal, BackendUnsupported) as exc:  # the run cannot be served: bad input, not a failure to retry

@@ -51,8 +51,10 @@ def agent_server(tmp_path_factory):
         kill_group(proc)
 
 
-def run_group(server: tuple[str, str], example: Example = EXAMPLE, **args: Any) -> tuple[Any, list[Any]]:
-    """One group of `example` run by the program in `args` (the agent env's args), through `agent_group`."""
+def run_group(server: tuple[str, str], example: Example = EXAMPLE, groups: int = 1, **args: Any
+              ) -> tuple[Any, list[Any]]:
+    """`groups` groups of `example` (one environment) run by the program in `args` (the agent env's args), through
+    `agent_group`; the last group's rollouts."""
     url, model = server
     env = make_env("agent", {"task": {"id": "reverse-text"}, **args})
 
@@ -62,8 +64,11 @@ def run_group(server: tuple[str, str], example: Example = EXAMPLE, **args: Any) 
             await client.wait_ready()
             prompt = await client.tokenize_prompt(model, example.prompt)
             try:
-                return await agent_group(client, model, prompt, N, CFG.sampling, CFG.seq_len, CFG.sampling.seed, 1.0,
-                                         env, example)
+                got: list[Any] = []
+                for _ in range(groups):
+                    got = await agent_group(client, model, prompt, N, CFG.sampling, CFG.seq_len, CFG.sampling.seed,
+                                            1.0, env, example)
+                return got
             finally:
                 await env.server.stop()
         finally:
@@ -197,7 +202,11 @@ def test_a_rewritten_history_forks_and_is_counted(agent_server):
 
 
 def test_crashing_and_hanging_programs_train_nothing(agent_server, tmp_path):
-    env, crashed = run_group(agent_server, function="tests.e2e.agent_env:crashing_program")
+    from tidal.envs.agent.env import BROKEN_AFTER
+
+    env, crashed = run_group(agent_server, function="tests.e2e.agent_env:crashing_program",
+                             groups=BROKEN_AFTER // N)  # a broken program's count: these called first
+    assert env.take_metrics()["agent/failures"] == BROKEN_AFTER // N * N, "episodes failed, the run went on"
     assert all("RuntimeError: the agent crashed" in (c.env_error or "") for c in crashed)
     ok = judged(crashed)
     assert not ok.any() and not keeps_group(ok), "failed episodes are not judged: the group is dropped"

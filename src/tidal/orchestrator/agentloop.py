@@ -96,6 +96,7 @@ async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int]
     sessions = [env.new_session(example, seq_len) for _ in range(n)]
     await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i))
                            for i, s in enumerate(sessions)))
+    env.stop_if_broken()
     return stitch(sessions, prompt_ids, env.args.train_forks)
 
 

@@ -7,7 +7,10 @@ counts what happened (`take_metrics`: `agent/sessions`, `agent/calls`, `agent/fo
 reward or the task environment's reward of the session's last assistant answer. An episode that failed (the program
 exited non-zero, raised, ran past `timeout_s`, broke `max_calls` or the token budget, made no call, or gave no reward
 under `reward: program`) is the environment's failure: not judged, no loss, outside its group's baseline
-(`Completion.env_error`), and counted.
+(`Completion.env_error`), and counted. A program that is broken rather than down - the run's first
+`BROKEN_AFTER` sessions all failed before any model call, and no session has made one yet - stops the run at once
+(`AgentProgramBroken`, naming the first failure), instead of being waited out as an environment outage
+(`env_outage.timeout_s`): nothing has been trained, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from tidal.envs.remote import example_to_json
 
 log = logging.getLogger("tidal.agent")
 
+BROKEN_AFTER = 8
+"""Sessions failed before their first model call, with no session of the run having made one, that stop the run."""
 COUNTERS = ("agent/sessions", "agent/calls", "agent/forks", "agent/rows", "agent/off_policy_calls", "agent/failures")
+
+
+class AgentProgramBroken(RuntimeError):
+    """The agent program failed its first `BROKEN_AFTER` sessions before any model call (module doc): the run stops
+    (`tidal grpo-orch` exits 1 with this message)."""
 
 
 class AgentEnv(Environment):
@@ -42,6 +52,10 @@ class AgentEnv(Environment):
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.has_reward = args.reward == "program" or task.has_reward
         self.said_ignored = False
+        self.called = False
+        """Whether any session of this run has made a model call."""
+        self.silent_failures: list[str] = []
+        """Why sessions failed before their first model call, while `called` is False."""
 
     @property
     def uses_program_reward(self) -> bool:
@@ -104,6 +118,9 @@ class AgentEnv(Environment):
         if session.failure is None and self.args.reward == "program" and session.reward is None:
             session.failure = ("the program reported no reward (agent args.reward: program): return a number, or "
                                "POST {\"reward\": x} to TIDAL_AGENT_REWARD_URL")
+        self.called = self.called or session.calls > 0
+        if session.failure is not None and session.calls == 0 and not self.called:
+            self.silent_failures.append(session.failure)
         c = self.counts
         c["agent/sessions"] += 1
         c["agent/calls"] += session.calls
@@ -111,6 +128,15 @@ class AgentEnv(Environment):
         c["agent/rows"] += len(session.rows)
         c["agent/off_policy_calls"] += session.off_policy_calls
         c["agent/failures"] += session.failure is not None
+
+    def stop_if_broken(self) -> None:
+        """AgentProgramBroken when the program is broken rather than down (module doc); called after each group."""
+        if not self.called and len(self.silent_failures) >= BROKEN_AFTER:
+            program = " ".join(self.program.argv) if self.program.argv else self.args.function
+            raise AgentProgramBroken(
+                f"the agent program ({program}) failed its first {len(self.silent_failures)} sessions before any "
+                f"model call, so it is broken rather than an environment outage; nothing was trained. The first "
+                f"failure: {self.silent_failures[0][:1500]}")
 
     def take_metrics(self) -> dict[str, float]:
         """The counters since the last call (then reset)."""
