@@ -40,6 +40,7 @@ import harness  # noqa: E402 - the benches' one harness (tidal.procs)
 MODEL = "tidal:smollm2-135m-instruct"
 CONFIGS = REPO / "examples" / "agent" / "smollm2"
 MODULES = {"openai": "calc_agent", "anthropic": "calc_agent_anthropic"}
+SFT_JSON = REPO / "bench" / "agent_learn-sft.json"
 JSONS = {"openai": REPO / "bench" / "agent_learn.json", "anthropic": REPO / "bench" / "agent_learn-anthropic.json"}
 
 
@@ -58,8 +59,36 @@ def child_env() -> dict[str, str]:
     return harness.child_env(REPO)
 
 
+def base_model(args: argparse.Namespace) -> str:
+    """The policy RL starts from: the warm-started model (`--sft`) unless `--no-warm-start`."""
+    return str(Path(args.work) / "sft") if args.warm_start else MODEL
+
+
+def sft(args: argparse.Namespace) -> dict[str, Any]:
+    """The `tidal sft` warm start on the agent's reference transcripts (examples/agent/calc_sft.py), full weights
+    (float32) saved to `{work}/sft`."""
+    out = Path(args.work) / "sft"
+    cmd = [sys.executable, "-m", "tidal.cli", "sft", "--output-dir", str(Path(args.work) / "sft-run"),
+           "--train.model", MODEL, "--train.lora", "false", "--train.max_steps", str(args.sft_steps),
+           "--train.learning_rate", str(args.sft_lr), "--train.warmup_steps", "0", "--train.lr_scheduler_type",
+           "constant", "--train.sequence_len", "512", "--train.per_device_train_batch_size", "8", "--train.seed", "0",
+           "--sft.examples_per_step", str(args.sft_examples),
+           "--sft.env", "examples.agent.calc_sft:CalcToolTranscripts",
+           "--sft.env_args", f"{{low: {args.low}, high: {args.high}, answer_share: {args.sft_answer_share}}}",
+           "--sft.save_to", str(out)]
+    start, load0 = time.monotonic(), os.getloadavg()[0]
+    code, text = harness.run(cmd, Path(args.work) / "sft.log", 1200, env=child_env(), name="agent-sft")
+    if code != 0:
+        raise RuntimeError(f"tidal sft failed (exit {code}): {text[-3000:]}")
+    return {"command": " ".join(cmd), "total_s": time.monotonic() - start, "load_at_start": load0,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.sft_steps,
+            "lr": args.sft_lr,
+            "examples_per_step": args.sft_examples, "answer_share": args.sft_answer_share}
+
+
 def grpo_cmd(args: argparse.Namespace, seed: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(CONFIGS / "train.yaml"),
+    return [sys.executable, "-m", "tidal.cli", "grpo", "--model", base_model(args),
+            "--train", str(CONFIGS / "train.yaml"),
             "--infer", str(CONFIGS / "infer.yaml"), "--orch", str(CONFIGS / "orch.yaml"), "--output-dir", str(run_dir),
             "--orch.env", f"[{agent_env(args)}]",
             "--orch.max_steps", str(args.steps), "--orch.batch_size", str(args.prompts * args.generations),
@@ -105,7 +134,7 @@ def greedy(args: argparse.Namespace, work: Path, adapters: list[str]) -> dict[st
     `adapters`: label -> accuracy and 95% interval; plus `command`."""
     out = work / "eval.json"
     env = agent_env(argparse.Namespace(**{**vars(args), "program": "function"}))
-    cmd = [sys.executable, "-m", "tidal.cli", "eval", "--model", MODEL, "--env", env, "--num-examples",
+    cmd = [sys.executable, "-m", "tidal.cli", "eval", "--model", base_model(args), "--env", env, "--num-examples",
            str(args.eval_examples), "--seed", "7", "--max-tokens", str(args.max_tokens), "--max-model-len", "512",
            "--out", str(out), "--quiet", "--show-samples", "1", *(a for p in adapters for a in ("--adapter", p))]
     code, text = harness.run(cmd, work / "eval.log", 3600, env=child_env(), name="agent-eval")
@@ -121,7 +150,7 @@ def greedy(args: argparse.Namespace, work: Path, adapters: list[str]) -> dict[st
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("steps", "prompts", "generations", "max_tokens", "lr", "low", "high",
-                                          "program", "sdk", "tool_prompt")}
+                                          "program", "sdk", "tool_prompt", "warm_start")}
 
 
 def load(path: Path, wl: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +281,13 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=999)
     ap.add_argument("--program", choices=["command", "function"], default="function")
     ap.add_argument("--tool-prompt", choices=["system", "program"], default="system")
+    ap.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                    help="start RL from the `tidal sft` warm start in {work}/sft (made by --sft)")
+    ap.add_argument("--sft", action="store_true", help="first run the warm start (then the seeds given)")
+    ap.add_argument("--sft-steps", type=int, default=12)
+    ap.add_argument("--sft-lr", type=float, default=5e-5)
+    ap.add_argument("--sft-examples", type=int, default=16)
+    ap.add_argument("--sft-answer-share", type=float, default=0.5)
     ap.add_argument("--eval-only", action="store_true", help="no training: the greedy evaluation of the saved runs")
     ap.add_argument("--report-only", action="store_true", help="no runs: the report again from the json files")
     ap.add_argument("--eval-examples", type=int, default=64)
@@ -263,6 +299,9 @@ def main() -> None:
     work, path = Path(args.work) / args.sdk, JSONS[args.sdk]
     work.mkdir(parents=True, exist_ok=True)
     data = load(path, workload(args))
+    if args.sft:
+        SFT_JSON.write_text(json.dumps(sft(args), indent=1))
+        print(f"agent-learn: warm start saved to {base_model(args)}", flush=True)
     for seed in [] if args.eval_only or args.report_only else args.seeds:
         run = one_seed(args, work, seed)
         data["runs"][str(seed)] = run
