@@ -212,3 +212,36 @@ def test_system_tool_prompt_needs_hermes_calls(tmp_path: Path):
                                      "tool_format": "mistral"})
     with pytest.raises(ValueError, match="tool_prompt"):
         EnvSection(id="agent", args={"command": "x", "task": {"id": "reverse-text"}, "tool_prompt": "prompt"})
+
+
+def test_the_warm_start_transcripts_are_what_the_endpoint_renders_for_the_calculator_agent():
+    """examples/agent/calc_sft.py (the SmolLM2 bench's `tidal sft` data) renders both model turns exactly as the
+    endpoint does for examples/agent/calc_agent.py under `tool_prompt: system`; its references are the turns."""
+    import random
+
+    from examples.agent.calc_agent import main
+    from examples.agent.calc_sft import CalcToolTranscripts
+    from tidal.trainer.sft import render_prompt
+
+    tok = tokenizer(SMOLLM2_TEMPLATE)
+    env = CalcToolTranscripts(low=100, high=999, answer_share=0.5)
+    turns = {}
+    for seed in range(40):
+        ex = env.sample(random.Random(seed))
+        turns.setdefault(ex.info["reference"] == ex.answer, (ex, env.reference_completion(ex)))
+    (call_ex, call), (answer_ex, answer) = turns[False], turns[True]
+    assert answer_ex.info["reference"] == answer == answer_ex.answer
+    a, b = call_ex.info["a"], call_ex.info["b"]
+    backend = TemplateBackend(tok, [call, str(a + b)])
+    example = {"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}]}
+
+    def probe(url: str, key: str) -> None:
+        main(url, key, example)
+
+    session, _ = serve(backend, probe, "system")
+    assert session.calls == 2 and session.forks == 0, "the program called the tool and sent its result back"
+    assert backend.prompts[0] == render_prompt(tok, call_ex.prompt)
+    expected = [*call_ex.prompt, {"role": "assistant", "content": call},  # the answer turn's shape in calc_sft
+                {"role": "user", "content": f"<tool_response>\n{a + b}\n</tool_response>"}]
+    assert backend.prompts[1] == render_prompt(tok, expected)
+    assert answer_ex.prompt[-2]["content"].startswith("<tool_call>\n")
