@@ -221,6 +221,7 @@ def test_the_warm_start_transcripts_are_what_the_endpoint_renders_for_the_calcul
 
     from examples.agent.calc_agent import main
     from examples.agent.calc_sft import CalcToolTranscripts
+
     from tidal.trainer.sft import render_prompt
 
     tok = tokenizer(SMOLLM2_TEMPLATE)
