@@ -68,8 +68,8 @@ def sft(args: argparse.Namespace) -> dict[str, Any]:
     """The `tidal sft` warm start on the agent's reference transcripts (examples/agent/calc_sft.py), full weights
     (float32) saved to `{work}/sft`."""
     out = Path(args.work) / "sft"
-    cmd = [sys.executable, "-m", "tidal.cli", "sft", "--output-dir", str(Path(args.work) / "sft-run"),
-           "--train.model", MODEL, "--train.lora", "false", "--train.max_steps", str(args.sft_steps),
+    cmd = [sys.executable, "-m", "tidal.cli", "sft", "--train.model", MODEL, "--train.lora", "false",
+           "--train.max_steps", str(args.sft_steps),
            "--train.learning_rate", str(args.sft_lr), "--train.warmup_steps", "0", "--train.lr_scheduler_type",
            "constant", "--train.sequence_len", "512", "--train.per_device_train_batch_size", "8", "--train.seed", "0",
            "--sft.examples_per_step", str(args.sft_examples),
