@@ -23,7 +23,7 @@ def agent_run(model, run_dir, program: str, steps: int, *more: str) -> tuple[str
     """`tidal grpo` of `python -m tests.e2e.agent_env PROGRAM` (8 sessions a step, 4 per example) for `steps` steps;
     (its output, its metrics rows), after checking that it exited 0."""
     env = ("[{id: agent, args: {command: [" + sys.executable + ", -m, tests.e2e.agent_env, " + program + "], "
-           "task: {id: reverse-text}, timeout_s: 120}}]")
+           "task: {id: reverse-text}, timeout_s: 120, tool_prompt: program}}]")
     proc = tidal("grpo", "--model", str(model), "--output-dir", str(run_dir), "--infer.port", str(free_port()),
                  "--orch.max_steps", str(steps), "--orch.env", env, "--orch.batch_size", "8",
                  "--orch.rollouts_per_example", "4", "--orch.sampling.max_tokens", "48", "--orch.seq_len", "512",

@@ -40,7 +40,8 @@ def agent(base_url, api_key, example):  # a closure over `seen`: called in this 
 args = GRPOConfig(output_dir=sys.argv[2], num_generations=4, per_device_train_batch_size=8, max_steps=1,
                   max_completion_length=48, max_prompt_length=464, learning_rate=1e-3, logging_steps=1,
                   save_strategy="no", vllm_server_port=int(sys.argv[3]), seed=0, bf16=False)
-trainer = GRPOTrainer(model=sys.argv[1], args=args, train_dataset=rows, agent=agent,
+trainer = GRPOTrainer(model=sys.argv[1], args=args, train_dataset=rows,
+                      agent={"function": agent, "tool_prompt": "program"},
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
 out = trainer.train()
 print("RESULT " + json.dumps({"step": out.global_step, "sessions": len(seen)}))

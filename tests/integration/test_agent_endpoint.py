@@ -56,7 +56,8 @@ def run_group(server: tuple[str, str], example: Example = EXAMPLE, groups: int =
     """`groups` groups of `example` (one environment) run by the program in `args` (the agent env's args), through
     `agent_group`; the last group's rollouts."""
     url, model = server
-    env = make_env("agent", {"task": {"id": "reverse-text"}, **args})
+    env = make_env("agent", {"task": {"id": "reverse-text"}, "tool_prompt": "program", **args})
+    # tool_prompt program: the model writes its calls untold, and its template (like SmolLM2's) ignores tools=
 
     async def go() -> list[Any]:
         client = VllmClient(ClientSection(base_url=[url]))

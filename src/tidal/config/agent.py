@@ -55,6 +55,14 @@ class AgentArgs(StrictModel):
     the others are counted (`agent/rows`) and dropped."""
     tool_format: Literal["auto", "hermes", "mistral", "llama3_json"] = "auto"
     """How the model writes tool calls (`tidal.envs.tools.parse_tool_calls`), parsed into `tool_calls` / `tool_use`."""
+    tool_prompt: Literal["template", "system", "program"] = "template"
+    """How a call's `tools` reach the model (`tidal.envs.agent.toolprompt`). `template`: the chat template renders
+    them; a call with tools whose template renders the same tokens with and without them (it ignores `tools=`, as
+    SmolLM2's does) is answered 400 naming the model and these ways out. `system`: tidal writes them, Hermes style,
+    into the system message (a `<tools>` block and the `<tool_call>` instruction; assistant calls as `<tool_call>`
+    text, tool results as `<tool_response>` user turns) and renders without `tools=`; needs `tool_format` auto or
+    hermes. `program`: the program's own prompt describes its tools; `tools` only make the endpoint parse the model's
+    calls, and the template renders what it renders."""
     max_concurrency: int = Field(64, ge=1)
     """Model calls sampled at once through the endpoint (all sessions); the others wait."""
     port: int = Field(0, ge=0, le=65535)
@@ -72,6 +80,9 @@ class AgentArgs(StrictModel):
                 raise ValueError(f"agent args.function '{self.function}' is not an import path 'package.module:fn'")
         if isinstance(self.command, list) and not self.command or self.command == "":
             raise ValueError("agent args.command is empty")
+        if self.tool_prompt == "system" and self.tool_format not in ("auto", "hermes"):
+            raise ValueError(f"agent args.tool_prompt 'system' writes Hermes <tool_call> instructions, but "
+                             f"tool_format is '{self.tool_format}': set tool_format to hermes (or auto)")
         if self.task.id == "agent":
             raise ValueError("agent args.task.id names the environment that gives examples; it cannot be 'agent'")
         return self

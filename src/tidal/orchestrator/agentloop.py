@@ -46,6 +46,11 @@ class ClientBackend:
         self.client, self.turns, self.sampling, self.temperature = client, turns, sampling, temperature
         self.seed, self.index = seed, index
 
+    @property
+    def model(self) -> str:
+        """The policy's name on the inference server (named in the endpoint's errors)."""
+        return self.turns.model
+
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         return await self.client.tokenize_chat(self.turns.model, messages, tools, add_generation_prompt=True)
 

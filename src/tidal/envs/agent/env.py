@@ -48,7 +48,8 @@ class AgentEnv(Environment):
     def __init__(self, args: AgentArgs, task: Environment) -> None:
         self.args, self.task = args, task
         self.program = Program(args.command, args.function, args.timeout_s)
-        self.server = AgentServer(args.model, args.tool_format, args.max_concurrency, args.port)
+        self.server = AgentServer(args.model, args.tool_format, args.max_concurrency, args.port,
+                                  args.tool_prompt)
         self.counts = dict.fromkeys(COUNTERS, 0.0)
         self.has_reward = args.reward == "program" or task.has_reward
         self.said_ignored = False

@@ -16,7 +16,8 @@ do is answered 400 naming it: `n` > 1, a `logit_bias`, a model name that is not 
 request keys the endpoint does not know, `parallel_tool_calls: false` (`user`, `metadata` and `store` are taken and
 not used: they do not change sampling). Calls are sampled at most `max_concurrency` at once. The model's tool-call
 text is parsed in its own format (`tidal.envs.tools.parse_tool_calls`) into `tool_calls` / `tool_use`; a turn whose
-calls do not all parse is answered as plain text.
+calls do not all parse is answered as plain text. A call's `tools` reach the model by `AgentArgs.tool_prompt`
+(`tidal.envs.agent.toolprompt`): with `template` (default), tools the chat template ignores are answered 400.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import secrets
 import socket
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.envs.agent.session import Backend, Session, SessionFailed
 from tidal.envs.agent.stream import AnthropicWriter, OpenAIWriter, Writer
+from tidal.envs.agent.toolprompt import SystemToolsBackend, tools_ignored
 from tidal.envs.agent.wire import (
     WireError,
     anthropic_answer,
@@ -70,8 +73,12 @@ def reply_message(c: Any, fmt: str, parse: bool) -> dict[str, Any]:
 class AgentServer:
     """The sessions and the HTTP server in front of them (see the module doc)."""
 
-    def __init__(self, model: str, tool_format: str, max_concurrency: int, port: int = 0) -> None:
-        self.model, self.fmt, self.port = model, tool_format, port
+    def __init__(self, model: str, tool_format: str, max_concurrency: int, port: int = 0,
+                 tool_prompt: str = "template") -> None:
+        self.model, self.fmt, self.port, self.tool_prompt = model, tool_format, port, tool_prompt
+        self.ignored: dict[str, bool] = {}
+        """Per tool list (JSON): whether the chat template renders the same tokens without it (`tool_prompt`
+        template)."""
         self.sessions: dict[str, tuple[Session, Backend]] = {}
         self.max_concurrency = max_concurrency
         self.sem = asyncio.Semaphore(max_concurrency)
@@ -152,6 +159,31 @@ class AgentServer:
             raise WireError(f"model {body.get('model')!r} is not served here: the policy being trained is "
                             f"{self.model!r} (agent args.model)")
 
+    async def tool_backend(self, backend: Backend, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None) -> Backend:
+        """The backend that renders this call's `tools` by `tool_prompt` (module doc of
+        `tidal.envs.agent.toolprompt`); WireError (400) when the template would drop them."""
+        if not tools or self.tool_prompt == "program":
+            return backend
+        if self.tool_prompt == "system":
+            return SystemToolsBackend(backend)
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.ignored:
+            self.ignored[key] = await tools_ignored(backend, messages, tools)
+            if self.ignored[key]:
+                log.warning("agent endpoint: the chat template of %s ignores `tools`; calls with tools are answered "
+                            "400 (agent args.tool_prompt: system or program)", getattr(backend, "model", self.model))
+        if self.ignored[key]:
+            served = getattr(backend, "model", None)
+            raise WireError(
+                f"the chat template of the model being trained ({served or self.model!r}) ignores `tools`: it renders "
+                f"the same tokens with and without this request's tools, so the model would never see them (tidal "
+                f"does not drop them silently). Set agent args.tool_prompt: system (tidal writes the tools into the "
+                f"system message, Hermes <tool_call> style), or tool_prompt: program (your program's own prompt "
+                f"describes its tools; tools= then only makes the endpoint parse the model's calls), or give the "
+                f"model a chat template that renders tools (infer `chat_template`)")
+        return backend
+
     async def complete(self, sid: str, headers: Any, body: dict[str, Any], kind: str,
                        on_text: Callable[[str, bool], None] | None = None) -> tuple[Any, dict[str, Any]]:
         """Parse one call (`kind`: openai or anthropic), sample it in its session; (completion, message).
@@ -189,6 +221,7 @@ class AgentServer:
         params = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
                   "stop": [stop] if isinstance(stop, str) else stop or None}
         parse = bool(tools) and mode != "none"
+        backend = await self.tool_backend(backend, messages, tools)
         grow = None if on_text is None else lambda text: on_text(text, parse)
         async with self.sem:
             return await session.call(backend, messages, tools, max_tokens, params,
