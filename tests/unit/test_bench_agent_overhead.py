@@ -48,7 +48,8 @@ class SeededClient:
     def completion(self, prompt_ids: list[int], seed: int, max_tokens: int) -> Completion:
         rng = random.Random(hashlib.sha256(f"{prompt_ids}|{seed}".encode()).hexdigest())
         if rng.random() < 0.67:
-            text = f'<tool_call>{{"name": "add", "arguments": {{"a": {rng.randint(1, 99)}, "b": {rng.randint(1, 9)}}}}}</tool_call>'
+            a, b = rng.randint(1, 99), rng.randint(1, 9)
+            text = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
         else:
             text = f"It is {rng.randint(1, 999)}."
         ids = [*self.tok.encode(text, add_special_tokens=False), self.eos][:max_tokens]
