@@ -119,6 +119,17 @@ def compare(done: list[dict[str, Any]]) -> None:
         d.pop("rows"), d.pop("masks")
 
 
+def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The json and the report of the rounds so far (after each round: a run stopped early keeps what it measured)."""
+    from agent_overhead_report import report
+
+    result.update({"args": vars(args), "argv": sys.argv[1:], "machine": f"{os.cpu_count()} CPUs",
+                   "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if result["rounds"]:
+        Path(args.out).write_text(report(args, result, sys.argv[1:]))
+
+
 async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | None) -> dict[str, Any]:
     from tidal.config.orch import SamplingSection
     from tidal.config.orch_sections import ClientSection
@@ -149,8 +160,14 @@ async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | Non
             compare(done)
             print("agent-overhead: rows equal to the tool loop's: " + ", ".join(
                 f"{d['side']} {d['equal_rows']}/{args.prompts * args.generations}" for d in done), flush=True)
+            calls = next(d["calls"] for d in done if d["side"] == "toolloop")
+            if r == 0 and calls < args.min_calls:
+                print(f"agent-overhead: {calls:.2f} model calls a rollout in the warm-up round, fewer than "
+                      f"--min-calls {args.min_calls:g}: not the multi-turn workload asked for (exit 3)", flush=True)
+                raise SystemExit(3)
             if r > 0:
                 rounds.append(done)
+                save(args, {"model": model, "rounds": rounds})
     finally:
         for s in sides.values():
             if hasattr(s, "server"):
@@ -176,6 +193,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="orch sampling.seed")
     ap.add_argument("--train-step-s", type=float, default=0.0, help="a trainer step's seconds (0: no per-step row)")
+    ap.add_argument("--min-calls", type=float, default=0.0,
+                    help="stop after the warm-up round when the tool loop's rollouts make fewer model calls on average")
     ap.add_argument("--allow-unequal", action="store_true", help="print ratios even when rows differ (flagged)")
     ap.add_argument("--report-only", action="store_true", help="write --out from --json, running nothing")
     ap.add_argument("--port", type=int, default=8650)
@@ -207,10 +226,7 @@ def main() -> None:
         result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1", wl, child.pid))
     finally:
         harness.stop(child)
-    result.update({"args": vars(args), "argv": sys.argv[1:], "machine": f"{os.cpu_count()} CPUs",
-                   "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    Path(args.out).write_text(report(args, result, sys.argv[1:]))
+    save(args, result)
     print(f"agent-overhead: wrote {args.out}", flush=True)
 
 
