@@ -2,7 +2,9 @@
 (bench/agent_workloads.py) at once against a backend that answers at once (call 0 and 1: a Hermes tool call, later
 calls an answer), so a session's time is the endpoint's (HTTP, JSON, session stitching) and the program's (its
 interpreter and `import openai` as a command, the `openai` SDK). Also the command form's parts that are the program's
-alone: `python -c pass` and `python -c "import openai"` as many times, at once, through `tidal.procs.run`.
+alone: `python -c pass` and `python -c "import openai"` as many times, at once, through `tidal.procs.run`; and the
+function form's per-session client: `openai.OpenAI(...)` (httpx builds an SSL context for each) against one client's
+`.with_options(base_url=..., api_key=...)` (which shares its HTTP client).
 
     python bench/agent_stub.py --workload calc --rounds 3 [--profile /tmp/agent.prof]
 
@@ -79,6 +81,18 @@ async def bare_programs(n: int) -> dict[str, Any]:
         c1 = os.times()
         out[name] = {"seconds": time.monotonic() - t0,
                      "children_cpu_s": c1.children_user + c1.children_system - c0.children_user - c0.children_system}
+    import openai
+
+    base = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")
+    for name, make in (("openai.OpenAI(...) in this process", lambda i: openai.OpenAI(
+            base_url=f"http://127.0.0.1:9/s/{i}/v1", api_key="k")),
+                       ("one client's .with_options(base_url=..., api_key=...)", lambda i: base.with_options(
+                           base_url=f"http://127.0.0.1:9/s/{i}/v1", api_key="k"))):
+        c0 = os.times()
+        for i in range(n):
+            make(i)
+        c1 = os.times()
+        out[name] = {"seconds": 0.0, "children_cpu_s": 0.0, "cpu_s": c1.user + c1.system - c0.user - c0.system}
     return out
 
 
@@ -111,7 +125,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if "endpoint-cmd" in args.sides:
         out["bare"] = await bare_programs(n)
         for k, v in out["bare"].items():
-            print(f"agent-stub {k} x {n}: {v['seconds']:.2f} s, children CPU {v['children_cpu_s']:.2f} s", flush=True)
+            print(f"agent-stub {k} x {n}: {v['seconds']:.2f} s, children CPU {v['children_cpu_s']:.2f} s, CPU here "
+                  f"{v.get('cpu_s', 0.0):.3f} s", flush=True)
     return out
 
 
