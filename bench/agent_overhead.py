@@ -9,7 +9,9 @@ orchestrator samples a batch, from drawing the prompt ids to the last rollout. S
 - `toolloop`: `tidal.orchestrator.toolloop.tool_group` on the twin (the program's prompt and tool);
 - `endpoint-fn`: `tidal.orchestrator.agentloop.agent_group` running the program as a function (a worker thread, the
   `openai` SDK over HTTP to the endpoint);
-- `endpoint-cmd`: the same program as a command (one Python process per session).
+- `endpoint-cmd`: the same program as a command (one Python process per session);
+- `endpoint-fn-shared` (not by default): the program's loop with one `openai` client for all sessions
+  (bench/agent_shared.py), so that its difference to `endpoint-fn` is the program's own client construction.
 
 Like for like: every side samples at temperature 1 (`--temperature`) with the orchestrator's seeds (group i of round r
 seeded `sample_seed(sampling, r, i)`, turn k of rollout i `turn_seed`: the tool loop's n-completion first request
@@ -45,7 +47,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 import harness  # noqa: E402 - the benches' one harness (tidal.procs)
 
-SIDES = ("toolloop", "endpoint-fn", "endpoint-cmd")
+SIDES = ("toolloop", "endpoint-fn", "endpoint-cmd", "endpoint-fn-shared")
 
 
 def cpu_of(pid: int | None) -> float:
@@ -185,7 +187,7 @@ def main() -> None:
     ap.add_argument("--shots", action=argparse.BooleanOptionalAction, default=True,
                     help="calc: one worked conversation at the head of each prompt")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:3]))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -220,6 +222,7 @@ def main() -> None:
     wl = workload(args.workload, args.model, work, args.shots)
     cmd = [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", wl.model, "--infer.port",
            str(args.port), "--infer.max_model_len", str(args.seq_len), "--infer.enable_lora", "false"]
+    args.load_before = os.getloadavg()[0]  # the machine before this run (its command side's programs raise it)
     child = harness.start("vllm", cmd, work / "vllm.log", env=harness.child_env(REPO))
     try:
         harness.wait_ready(child, f"http://127.0.0.1:{args.port}/health", 900)

@@ -47,9 +47,11 @@ def header(args: Any, result: dict[str, Any], argv: list[str]) -> list[str]:
         "# What the agent endpoint costs: the same multi-turn conversations through the endpoint and the tool loop "
         "(`bench/agent_overhead.py`)", "",
         f"Written by bench/agent_overhead.py on {result['written']} on {result['machine']}; 1-min load average during "
-        f"the rounds {min(loads):.1f}-{max(loads):.1f} (mean {statistics.mean(loads):.1f}), the shared machine's "
-        f"heavy lock held: compare the ratios of this one invocation only.", "",
-        f"Command: `flock /tmp/tidal-heavy.lock python bench/agent_overhead.py {' '.join(argv)}`", "",
+        f"the rounds {min(loads):.1f}-{max(loads):.1f} (mean {statistics.mean(loads):.1f}; before the run "
+        f"{getattr(args, 'load_before', float('nan')):.1f}: the command side's {args.prompts * args.generations} "
+        f"Python processes at once raise it), the shared machine's heavy lock held: compare the ratios of this one "
+        f"invocation only.", "",
+        f"Command (under /tmp/tidal-heavy.lock): `python bench/agent_overhead.py {' '.join(argv)}`", "",
         f"Workload `{args.workload}`: `{result['model']}` on one vLLM server (`tidal grpo-infer`), "
         f"{WORKLOADS[args.workload]}{shots}. A step's rollout phase = {args.prompts} examples x {args.generations} "
         f"rollouts at once, from tokenizing the prompts to the last rollout; temperature {args.temperature:g}, orch "
@@ -73,7 +75,7 @@ def table(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list[st
                  if quote else "not quoted (rows differ)")
 
         def mean(key: str) -> float:
-            return statistics.mean(per_side(rounds, side, key))  # noqa: B023 - used at once
+            return max(0.0, statistics.mean(per_side(rounds, side, key)))  # noqa: B023 - used at once
 
         lines.append(f"| {side} | {statistics.mean(secs):.2f} | {min(secs):.2f}-{max(secs):.2f} | {ratio} | "
                      f"{same}/{total} | {mean('sampled_tokens'):.0f} | {mean('calls'):.2f} | "

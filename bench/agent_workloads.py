@@ -99,6 +99,8 @@ class Workload:
     """The task environment (`{id, args}`), as the agent env's `task`."""
     function: str
     """The program as a function (`AgentArgs.function`)."""
+    shared: str
+    """The same program with one client for every session (bench/agent_shared.py), as a function."""
     command: list[str]
     """The program as a command (`AgentArgs.command`)."""
     system: str | None
@@ -116,11 +118,26 @@ class Workload:
 
         task, system, tool = self.build_task(), self.system, self.tool
 
+        class AsTheProgramSees(Tooling):
+            """A turn whose calls do not all parse ends the rollout: the endpoint answers such a turn as plain text
+            (no `tool_calls`), so the program, which runs tool calls only, stops there; the tool loop would answer
+            the broken call with an error message and go on."""
+
+            def open(self, row: dict[str, Any]) -> Any:
+                session = super().open(row)
+                answer = session.after_turn
+
+                async def after_turn(history: list[dict[str, Any]], calls: list[Any]) -> Any:
+                    return None if any(c.error is not None for c in calls) else await answer(history, calls)
+
+                session.after_turn = after_turn  # type: ignore[method-assign]
+                return session
+
         class Twin(Environment):
             """The program's conversation in process: its system prompt + the example's prompt, its tool."""
 
             id = f"bench-twin-{self.name}"
-            tooling = Tooling([tool], fmt="hermes", max_iterations=2)
+            tooling = AsTheProgramSees([tool], fmt="hermes", max_iterations=2)
 
             def sample(self, rng: random.Random) -> Example:
                 return self.prompted(task.sample(rng))
@@ -139,6 +156,7 @@ class Workload:
 
         return {"toolloop": Twin(),
                 "endpoint-fn": make_agent({"function": self.function, **common}, build),
+                "endpoint-fn-shared": make_agent({"function": self.shared, **common}, build),
                 "endpoint-cmd": make_agent({"command": self.command, **common}, build)}
 
 
@@ -150,8 +168,8 @@ def workload(name: str, model: str | None, work: Path, shots: bool) -> Workload:
 
         return Workload("calc", model or "tidal:smollm2-135m-instruct",
                         {"id": "bench-sum3", "args": {"low": 100, "high": 999, "shots": shots}},
-                        "examples.agent.calc_agent:main", [sys.executable, str(REPO / "examples/agent/calc_agent.py")],
-                        SYSTEM, add)
+                        "examples.agent.calc_agent:main", "agent_shared:calc_main",
+                        [sys.executable, str(REPO / "examples/agent/calc_agent.py")], SYSTEM, add)
     if name == "reverse":
         if model is None:
             import importlib
@@ -162,6 +180,6 @@ def workload(name: str, model: str | None, work: Path, shots: bool) -> Workload:
                 importlib.import_module("tests.e2e.agent_env").calling_tool_model(dst)
             model = str(dst)
         return Workload("reverse", model, {"id": "reverse-text", "args": {"min_len": 4, "max_len": 12}},
-                        "bench.agent_reverse:main", [sys.executable, str(REPO / "bench/agent_reverse.py")], None,
-                        reverse)
+                        "bench.agent_reverse:main", "agent_shared:reverse_main",
+                        [sys.executable, str(REPO / "bench/agent_reverse.py")], None, reverse)
     raise ValueError(f"unknown workload {name!r} (calc, reverse)")

@@ -84,19 +84,22 @@ def test_the_endpoint_and_the_tool_loop_hold_the_same_conversations(tok, tmp_pat
     async def go() -> list[dict[str, Any]]:
         try:
             return [await agent_overhead.one_step(side, envs[side], client, "m", examples, [5, 100008], args,
-                                                  sampling, None) for side in ("toolloop", "endpoint-fn")]
+                                                  sampling, None)
+                    for side in ("toolloop", "endpoint-fn", "endpoint-fn-shared")]
         finally:
             await envs["endpoint-fn"].server.stop()
+            await envs["endpoint-fn-shared"].server.stop()
 
     done = asyncio.run(go())
-    loop, fn = done
-    assert fn["failures"] == 0
+    loop, fn, shared = done
+    assert fn["failures"] == shared["failures"] == 0
+    assert shared["rows"] == fn["rows"], "the shared-client program holds the same conversations"
     assert loop["calls"] == fn["calls"] > 1.5, "multi-turn: tool rounds before the answer"
     assert loop["with_tool_round"] == fn["with_tool_round"] >= 4
     assert loop["rows"] == fn["rows"] and loop["masks"] == fn["masks"]
     fn["rows"][3] = [*fn["rows"][3], 7]  # one token more in one rollout
     agent_overhead.compare(done)
-    assert [d["equal_rows"] for d in done] == [8, 7] and fn["first_unequal"] == 3
+    assert [d["equal_rows"] for d in done] == [8, 7, 8] and fn["first_unequal"] == 3
 
 
 def test_the_report_quotes_no_ratio_when_rows_differ():
