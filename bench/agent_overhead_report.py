@@ -38,6 +38,13 @@ def equal_rows(rounds: list[list[dict[str, Any]]], side: str, per_round: int) ->
     return sum(per_side(rounds, side, "equal_rows")), per_round * len(rounds)  # type: ignore[arg-type]
 
 
+def before(args: Any) -> str:
+    """The load before the run, when recorded, and why the rounds' is higher with the command side."""
+    cmd = (f": the command side's {args.prompts * args.generations} Python processes at once raise it"
+           if "endpoint-cmd" in args.sides else "")
+    return f"; before the run {args.load_before:.1f}{cmd}" if getattr(args, "load_before", None) is not None else ""
+
+
 def header(args: Any, result: dict[str, Any], argv: list[str]) -> list[str]:
     rounds = result["rounds"]
     loads = [d["load"] for done in rounds for d in done]
@@ -47,10 +54,8 @@ def header(args: Any, result: dict[str, Any], argv: list[str]) -> list[str]:
         "# What the agent endpoint costs: the same multi-turn conversations through the endpoint and the tool loop "
         "(`bench/agent_overhead.py`)", "",
         f"Written by bench/agent_overhead.py on {result['written']} on {result['machine']}; 1-min load average during "
-        f"the rounds {min(loads):.1f}-{max(loads):.1f} (mean {statistics.mean(loads):.1f}; before the run "
-        f"{getattr(args, 'load_before', float('nan')):.1f}: the command side's {args.prompts * args.generations} "
-        f"Python processes at once raise it), the shared machine's heavy lock held: compare the ratios of this one "
-        f"invocation only.", "",
+        f"the rounds {min(loads):.1f}-{max(loads):.1f} (mean {statistics.mean(loads):.1f}{before(args)}), the "
+        f"shared machine's heavy lock held: compare the ratios of this one invocation only.", "",
         f"Command (under /tmp/tidal-heavy.lock): `python bench/agent_overhead.py {' '.join(argv)}`", "",
         f"Workload `{args.workload}`: `{result['model']}` on one vLLM server (`tidal grpo-infer`), "
         f"{WORKLOADS[args.workload]}{shots}. A step's rollout phase = {args.prompts} examples x {args.generations} "
