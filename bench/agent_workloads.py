@@ -149,7 +149,11 @@ class Workload:
             def reward(self, example: Example, completion: str) -> float:
                 return task.reward(example, completion)
 
-        common = {"task": self.task, "max_calls": 4, "timeout_s": 600, "tool_format": "hermes"}
+        common: dict[str, Any] = {"task": self.task, "max_calls": 4, "timeout_s": 600, "tool_format": "hermes"}
+        from tidal.config.agent import AgentArgs
+
+        if "tool_prompt" in AgentArgs.model_fields:  # where the endpoint checks templates that ignore tools: both
+            common["tool_prompt"] = "program"  # workloads' programs (and twins) describe their tools themselves
 
         def build(id_: str, args: dict[str, Any]) -> Any:
             return tasks()[id_](**args)
