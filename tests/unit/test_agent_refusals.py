@@ -61,7 +61,8 @@ def test_openai_sdk_is_refused_clearly():
                status_of(lambda: chat(model="policy", messages=MSGS, presence_penalty=0.5)),
                status_of(lambda: chat(model="policy", messages=MSGS, parallel_tool_calls=False)),
                status_of(lambda: chat(model="policy", messages=[{"role": "user", "content": [
-                   {"type": "image_url", "image_url": {"url": "data:,"}}]}]))]
+                   {"type": "image_url", "image_url": {"url": "data:,"}}]}])),
+               status_of(lambda: chat(model="policy", messages=MSGS, seed=3))]
         assert [m.id for m in ok.models.list().data] == ["policy"]
         assert status_of(lambda: wrong.models.list()).startswith("401")
         return out
@@ -76,6 +77,7 @@ def test_openai_sdk_is_refused_clearly():
     assert got[6].startswith("400") and "presence_penalty" in got[6]
     assert got[7].startswith("400") and "parallel_tool_calls" in got[7]
     assert got[8].startswith("400") and "image_url" in got[8]
+    assert got[9].startswith("400") and "seed=3" in got[9] and "sampling.seed" in got[9], "a seed is never ignored"
     assert session.calls == 0 and session.failure is None, "refused calls are not the episode's failure"
 
 

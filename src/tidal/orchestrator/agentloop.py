@@ -4,8 +4,11 @@ The sessions sample through `ClientBackend`: the group's policy on the inference
 rule for extending calls (`tidal.envs.splice`), the run's sampling keys (`sampling`, the step's temperature; a call
 asking for another temperature or top_p is sampled so, its tokens context only: `tidal.envs.agent.session`), each
 call capped at `sampling.max_tokens` and what `seq_len` leaves, special tokens kept in the text (tool-call markers).
-With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i`. Model turns go through the group's `Turns`
-(partial rollouts: `PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
+A call that starts a row is rendered once per group for the same messages and tools (the `n` sessions of an example
+usually open alike). With `sampling.seed`, call k of session i is seeded `seed + 7919 * k + i` (`rollout.turn_seed`,
+the tool loop's rule: a session that makes the tool loop's calls samples its tokens); a `seed` in a call is refused
+(400), as the group's sessions would then sample alike. Model turns go through the group's `Turns` (partial rollouts:
+`PartialTurns`, which continues a turn across a policy switch), so staleness, in-flight and
 partial-rollout rules apply as to any rollout. A streamed call (`stream: true`) is sampled as a streamed request of
 the same sampling keys (`VllmClient.sample_stream`, `ClientBackend.streams`), its text handed to the endpoint as it
 arrives (`tidal.envs.agent.stream`).
@@ -23,6 +26,7 @@ loss, not judged, no extra rows); one that made no call has no tokens.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,19 +36,20 @@ from tidal.envs.agent.session import Row, Session
 from tidal.envs.base import Example
 from tidal.envs.splice import tool_suffix
 from tidal.inference.protocol import Completion, InferenceClient
-from tidal.orchestrator.rollout import Turns, fill_versions
+from tidal.orchestrator.rollout import Turns, fill_versions, turn_seed
 from tidal.orchestrator.sampling import extra_sampling
-
-TURN_SEED_STRIDE = 7919
 
 
 class ClientBackend:
     """What the sessions of one group sample with (`tidal.envs.agent.session.Backend`)."""
 
     def __init__(self, client: InferenceClient, turns: Turns, sampling: SamplingSection, temperature: float,
-                 seed: int | None, index: int) -> None:
+                 seed: int | None, index: int, renders: dict[str, asyncio.Future[list[int]]] | None = None) -> None:
         self.client, self.turns, self.sampling, self.temperature = client, turns, sampling, temperature
         self.seed, self.index = seed, index
+        self.renders: dict[str, asyncio.Future[list[int]]] = {} if renders is None else renders
+        """Renderings by (messages, tools), shared by the group's sessions: the `n` sessions of one example usually
+        open with the same messages, which the server then renders once, not `n` times."""
 
     @property
     def model(self) -> str:
@@ -52,7 +57,17 @@ class ClientBackend:
         return self.turns.model
 
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        return await self.client.tokenize_chat(self.turns.model, messages, tools, add_generation_prompt=True)
+        key = json.dumps([messages, tools], sort_keys=True)
+        task = self.renders.get(key)
+        if task is None:
+            task = self.renders[key] = asyncio.ensure_future(
+                self.client.tokenize_chat(self.turns.model, messages, tools, add_generation_prompt=True))
+        try:
+            return list(await asyncio.shield(task))  # one session cancelled does not cancel the others' rendering
+        except Exception:
+            if self.renders.get(key) is task:
+                del self.renders[key]  # a failed rendering is asked again by the next call
+            raise
 
     async def suffix(self, history: list[dict[str, Any]], new: list[dict[str, Any]], stop_id: int,
                      tools: list[dict[str, Any]] | None) -> list[int]:
@@ -68,7 +83,7 @@ class ClientBackend:
         extra: dict[str, Any] = {**extra_sampling(self.sampling, max_tokens), "skip_special_tokens": False}
         if params.get("stop"):
             extra["stop"] = list(params["stop"])
-        seed = None if self.seed is None else self.seed + TURN_SEED_STRIDE * call + self.index
+        seed = turn_seed(self.seed, call, self.index)
         on_policy = self.on_policy(params)
         temp = self.temperature if params.get("temperature") is None else float(params["temperature"])
         if not on_policy and params.get("top_p") is not None:
@@ -99,7 +114,8 @@ async def agent_group(client: InferenceClient, model: str, prompt_ids: list[int]
     """`n` sessions of `example` run by the environment's program, as `n` rollouts (module doc)."""
     how = turns or Turns(client, model, temperature)
     sessions = [env.new_session(example, seq_len) for _ in range(n)]
-    await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i))
+    renders: dict[str, asyncio.Future[list[int]]] = {}
+    await asyncio.gather(*(env.run_session(s, ClientBackend(client, how, sampling, temperature, seed, i, renders))
                            for i, s in enumerate(sessions)))
     env.stop_if_broken()
     return stitch(sessions, prompt_ids, env.args.train_forks)

@@ -60,6 +60,20 @@ class Turns:
         return (await self.client.sample(self.model, prompt_ids, 1, max_tokens, self.temperature, seed, extra))[0]
 
 
+TURN_SEED_STRIDE = 7919
+"""Seeds of later turns: turn k of rollout i of a group seeded `seed` gets `seed + 7919 k + i` (`turn_seed`)."""
+
+
+def turn_seed(seed: int | None, turn: int, index: int) -> int | None:
+    """The sampling seed of model turn `turn` (0: the first) of rollout `index` of a group seeded `seed` (None:
+    unseeded): `seed + 7919 turn + index`. Turn 0 is what vLLM gives child `index` of one request for `n`
+    completions seeded `seed` (`seed + index`, vllm/v1/engine/parallel_sampling.py), so a rollout sampled turn by
+    turn on its own (the agent endpoint, one request per call) draws the same tokens as the same rollout of the tool
+    loop's group request. Every multi-turn path uses this one rule (`multi_turn_group`, `toolloop.tool_group`,
+    `agentloop.ClientBackend`)."""
+    return None if seed is None else seed + TURN_SEED_STRIDE * turn + index
+
+
 def fill_versions(versions: list[int | None]) -> list[int] | None:
     """Per-token policy versions of a rollout whose environment tokens (None) sit between model turns: each
     environment token takes the version of the model token before it (the turn it answers; the first model token's
@@ -160,8 +174,7 @@ async def multi_turn_group(client: InferenceClient, model: str, prompt_ids: list
             ids, lps, text = ids + reply_ids, lps + [0.0] * len(reply_ids), text + reply
             mask += [0] * len(reply_ids)
             vers += [None] * len(reply_ids)
-            turn_seed = None if seed is None else seed + 7919 * turn + i
-            nxt = await how.next(prompt_ids + ids, room, turn_seed, {**extra, "min_tokens": 0})
+            nxt = await how.next(prompt_ids + ids, room, turn_seed(seed, turn, i), {**extra, "min_tokens": 0})
             ids, lps, text = ids + nxt.token_ids, lps + nxt.logprobs, text + nxt.text
             mask += [1] * len(nxt.token_ids)
             vers += [None] * len(nxt.token_ids) if nxt.versions is None else nxt.versions

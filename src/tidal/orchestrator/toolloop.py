@@ -36,7 +36,7 @@ from tidal.envs.base import Environment, Example
 from tidal.envs.splice import tool_suffix, turn_text
 from tidal.envs.tools import ToolCall, Tooling, parse_tool_calls
 from tidal.inference.protocol import Completion, InferenceClient
-from tidal.orchestrator.rollout import Turns, fill_versions
+from tidal.orchestrator.rollout import Turns, fill_versions, turn_seed
 from tidal.orchestrator.sampling import extra_sampling
 
 
@@ -132,8 +132,7 @@ async def tool_group(client: InferenceClient, model: str, prompt_ids: list[int],
 
     def sampler(i: int) -> Any:
         async def sample_next(ids: list[int], room: int, round_: int) -> Completion:
-            turn_seed = None if seed is None else seed + 7919 * round_ + i
-            return await how.next(ids, room, turn_seed, {**extra, "min_tokens": 0})
+            return await how.next(ids, room, turn_seed(seed, round_, i), {**extra, "min_tokens": 0})
         return sample_next
 
     out = list(await asyncio.gather(*(one_rollout(client, how.model, prompt_ids, messages, c, s, tooling, budget,

@@ -12,7 +12,8 @@ as the Anthropic SDK does):
                                         `max_tokens`, `stop_sequences`
   POST /s/SID/reward  {"reward": x}     the program's reward for its episode
 An unknown session is answered 404, a wrong key 401. What would break the sampling contract or that tidal does not
-do is answered 400 naming it: `n` > 1, a `logit_bias`, a model name that is not the policy, forced tool choices,
+do is answered 400 naming it: `n` > 1, a `logit_bias`, a `seed` (tidal seeds each call from orch `sampling.seed`:
+`tidal.orchestrator.agentloop`), a model name that is not the policy, forced tool choices,
 request keys the endpoint does not know, `parallel_tool_calls: false` (`user`, `metadata` and `store` are taken and
 not used: they do not change sampling). Calls are sampled at most `max_concurrency` at once. The model's tool-call
 text is parsed in its own format (`tidal.envs.tools.parse_tool_calls`) into `tool_calls` / `tool_use`; a turn whose
@@ -53,7 +54,7 @@ from tidal.envs.tools import parse_tool_calls
 log = logging.getLogger("tidal.agent")
 
 OPENAI_KEYS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-                         "max_completion_tokens", "stop", "stream", "stream_options", "n", "logit_bias", "user",
+                         "max_completion_tokens", "stop", "stream", "stream_options", "n", "logit_bias", "seed", "user",
                          "metadata", "store", "parallel_tool_calls"})
 ANTHROPIC_KEYS = frozenset({"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature",
                             "top_p", "stop_sequences", "stream", "metadata"})
@@ -206,6 +207,10 @@ class AgentServer:
                                 "(leave it unset or true)")
             if body.get("logit_bias"):
                 raise WireError("logit_bias changes the sampling distribution the trainer scores; tidal refuses it")
+            if body.get("seed") is not None:
+                raise WireError(f"seed={body['seed']!r}: tidal seeds every call itself, from orch sampling.seed "
+                                f"(call k of the group's session i: seed + 7919 k + i, the tool loop's rule, so the "
+                                f"group's sessions differ and a seeded run repeats); leave seed unset")
             messages, tools = openai_messages(body.get("messages")), openai_tools(body.get("tools"))
             stop = body.get("stop")
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
