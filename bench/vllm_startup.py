@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -248,19 +249,25 @@ class GrpoRun:
     load: float
     milestones: str = ""
     """The launcher's `first step done` line: orchestrator / trainer ready, first batch (s since vLLM started)."""
+    last_step_s: float = math.nan
+    """Median step time over the run's last 5 steps (s/step at the end of a run)."""
+    out: str = ""
+    """The run's output directory (metrics.jsonl: the per-step `timing/*` accounting)."""
 
 
-def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | None = None) -> GrpoRun:
+def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | None = None,
+              extra: list[str] | None = None) -> GrpoRun:
     """`tidal grpo` on the bundled example with the variant's overrides: launch to the launcher's `inference
     ready` line (and its phases), to the first metrics row (first step trained), to exit; the medians of rollout
-    and step time over steps >= 3. `configs`: `--train/--infer/--orch` files (None: the bundled example)."""
+    and step time over steps >= 3. `configs`: `--train/--infer/--orch` files (None: the bundled example); `extra`:
+    more `tidal grpo` arguments for every variant (`--grpo-args`)."""
     import json
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
     port = free_port()
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
-            "--infer.port", str(port), *(configs or []), *variant.args, *variant.grpo_args]
+            "--infer.port", str(port), *(configs or []), *(extra or []), *variant.args, *variant.grpo_args]
     env = variant.environ(log_dir)
     pool = start_pool(port, [*(configs or []), *variant.args, *variant.pool_args], env, out) if variant.pool else None
     metrics, first = out / "metrics.jsonl", float("nan")
@@ -271,12 +278,12 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | 
             if math.isnan(first) and metrics.exists() and metrics.read_text().strip():
                 first = time.monotonic() - start
             time.sleep(0.1)
+        total = time.monotonic() - start  # the run's own exit (a pool's stop below is not the run's time)
     finally:
         harness.stop(child)
         if pool is not None:
             subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
             harness.stop(pool)
-    total = time.monotonic() - start
     if code != 0:
         raise RuntimeError(f"{variant.name}: tidal grpo exited {code}; see {out / 'launcher.log'}")
     text = (out / "launcher.log").read_text()
@@ -288,7 +295,8 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | 
                    (ready.group(2) or "") if ready else "", first, total,
                    statistics.median(r["rollout_time_s"] for r in steady),
                    statistics.median(r["step_time_s"] for r in steady), float(rows[0].get("mismatch_kl", "nan")),
-                   os.getloadavg()[0], told.group(1) if told else "")
+                   os.getloadavg()[0], told.group(1) if told else "",
+                   statistics.median(r["step_time_s"] for r in rows[-5:]), str(out))
 
 
 def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> harness.Child:
@@ -306,14 +314,16 @@ def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> ha
 
 def fmt_grpo(r: GrpoRun) -> str:
     return (f"| {r.variant} | **{r.ready_s:.1f}** | {r.phases} | {r.milestones or '-'} | **{r.first_step_s:.1f}** | "
-            f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
+            f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.last_step_s:.2f} | {r.mismatch_kl:.1e} | "
+            f"{r.load:.2f} |")
 
 
 def grpo_table(runs: list[GrpoRun], steps: int, what: str = "bundled example") -> str:
     lines = [f"`tidal grpo`, {what}, {steps} steps:", "",
              "| variant | vLLM ready s | phases s | milestones (s since vLLM started) | first step done s | "
-             "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step-1 mismatch_kl | load 1-min |",
-             "|---|---|---|---|---|---|---|---|---|---|",
+             "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step s (last 5) | step-1 mismatch_kl | "
+             "load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
              *(fmt_grpo(r) for r in runs), "", "Medians:", ""]
     for name in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == name]
@@ -322,7 +332,8 @@ def grpo_table(runs: list[GrpoRun], steps: int, what: str = "bundled example") -
             return statistics.median(getattr(r, key) for r in mine)
 
         lines.append(f"- {name}: vLLM ready {med('ready_s'):.1f} s, first step {med('first_step_s'):.1f} s, whole run "
-                     f"{med('total_s'):.1f} s, rollout {med('rollout_s'):.2f} s/step, step {med('step_s'):.2f} s "
+                     f"{med('total_s'):.1f} s, rollout {med('rollout_s'):.2f} s/step, step {med('step_s'):.2f} s, "
+                     f"last 5 {med('last_step_s'):.2f} s/step "
                      f"({len(mine)} runs)")
     return "\n".join(lines)
 
@@ -347,6 +358,8 @@ def main() -> None:
     ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
     ap.add_argument("--configs", type=Path, help="with --grpo-steps: a directory with train.yaml, infer.yaml and "
                     "orch.yaml for the `tidal grpo` runs (e.g. examples/real_model; default: the bundled example)")
+    ap.add_argument("--grpo-args", default="", help="with --grpo-steps: more `tidal grpo` arguments for every "
+                    "variant, one shell-quoted string (e.g. \"--train.export.gguf null\" for bench/learn.py's runs)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -360,8 +373,8 @@ def main() -> None:
             runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
-            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs))
-            print(fmt_grpo(grpo[-1]), flush=True)
+            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs, shlex.split(args.grpo_args)))
+            print(fmt_grpo(grpo[-1]), f"({grpo[-1].out})", flush=True)
     what = str(args.configs or "bundled example")
     report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps, what)] if grpo else []))
     print(report)
