@@ -164,10 +164,10 @@ def count_family(pid: int) -> int:
     return len(out.split())
 
 
-async def burst(base: str, n: int, tokens: int) -> float:
+async def burst(base: str, n: int, tokens: int, model: str = "tidal:tiny-reverse") -> float:
     """Tokens/s of `n` concurrent completions of exactly `tokens` tokens (sampling at temperature 1, logprobs 1,
     as tidal's rollouts ask)."""
-    body = {"model": "tidal:tiny-reverse", "prompt": [1, 5, 9, 17, 33, 41, 3], "max_tokens": tokens,
+    body = {"model": model, "prompt": [1, 5, 9, 17, 33, 41, 3], "max_tokens": tokens,
             "temperature": 1.0, "logprobs": 1, "ignore_eos": True, "min_tokens": tokens}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as client:
         async def one(i: int) -> int:
@@ -180,9 +180,12 @@ async def burst(base: str, n: int, tokens: int) -> float:
         return sum(done) / (time.monotonic() - start)
 
 
-def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> Run:
+def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path, infer: Path = EXAMPLE) -> Run:
+    import yaml
+
     port = free_port()
-    argv = [sys.executable, "-m", "tidal.cli", "grpo-infer", str(EXAMPLE), "--infer.port", str(port),
+    model = yaml.safe_load(infer.read_text())["model"]
+    argv = [sys.executable, "-m", "tidal.cli", "grpo-infer", str(infer), "--infer.port", str(port),
             *variant.args]
     env = variant.environ(log_dir)
     log_path = log_dir / f"{variant.name}-{port}.log"
@@ -204,7 +207,7 @@ def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> R
         ready = time.monotonic() - start
         load = os.getloadavg()
         processes = count_family(child.pid)
-        rates = [asyncio.run(burst(base, requests, tokens)) for _ in range(4)]
+        rates = [asyncio.run(burst(base, requests, tokens, model)) for _ in range(4)]
     finally:
         harness.stop(child)
     phases, prev = {}, 0.0
@@ -356,8 +359,9 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=0,
                     help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
     ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
-    ap.add_argument("--configs", type=Path, help="with --grpo-steps: a directory with train.yaml, infer.yaml and "
-                    "orch.yaml for the `tidal grpo` runs (e.g. examples/real_model; default: the bundled example)")
+    ap.add_argument("--configs", type=Path, help="a directory with train.yaml, infer.yaml and orch.yaml: its "
+                    "infer.yaml for the `tidal grpo-infer` starts (and their bursts' model), all three for the `tidal "
+                    "grpo` runs (e.g. examples/real_model; default: the bundled example)")
     ap.add_argument("--grpo-args", default="", help="with --grpo-steps: more `tidal grpo` arguments for every "
                     "variant, one shell-quoted string (e.g. \"--train.export.gguf null\" for bench/learn.py's runs)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
@@ -370,7 +374,8 @@ def main() -> None:
                if args.configs else None)
     for _ in range(args.rounds):
         for v in [] if args.grpo_only and args.grpo_steps else variants:
-            runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
+            runs.append(time_start(v, args.requests, args.tokens, args.log_dir,
+                                   args.configs / "infer.yaml" if args.configs else EXAMPLE))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
             grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs, shlex.split(args.grpo_args)))
