@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -163,10 +164,10 @@ def count_family(pid: int) -> int:
     return len(out.split())
 
 
-async def burst(base: str, n: int, tokens: int) -> float:
+async def burst(base: str, n: int, tokens: int, model: str = "tidal:tiny-reverse") -> float:
     """Tokens/s of `n` concurrent completions of exactly `tokens` tokens (sampling at temperature 1, logprobs 1,
     as tidal's rollouts ask)."""
-    body = {"model": "tidal:tiny-reverse", "prompt": [1, 5, 9, 17, 33, 41, 3], "max_tokens": tokens,
+    body = {"model": model, "prompt": [1, 5, 9, 17, 33, 41, 3], "max_tokens": tokens,
             "temperature": 1.0, "logprobs": 1, "ignore_eos": True, "min_tokens": tokens}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as client:
         async def one(i: int) -> int:
@@ -179,9 +180,12 @@ async def burst(base: str, n: int, tokens: int) -> float:
         return sum(done) / (time.monotonic() - start)
 
 
-def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> Run:
+def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path, infer: Path = EXAMPLE) -> Run:
+    import yaml
+
     port = free_port()
-    argv = [sys.executable, "-m", "tidal.cli", "grpo-infer", str(EXAMPLE), "--infer.port", str(port),
+    model = yaml.safe_load(infer.read_text())["model"]
+    argv = [sys.executable, "-m", "tidal.cli", "grpo-infer", str(infer), "--infer.port", str(port),
             *variant.args]
     env = variant.environ(log_dir)
     log_path = log_dir / f"{variant.name}-{port}.log"
@@ -203,7 +207,7 @@ def time_start(variant: Variant, requests: int, tokens: int, log_dir: Path) -> R
         ready = time.monotonic() - start
         load = os.getloadavg()
         processes = count_family(child.pid)
-        rates = [asyncio.run(burst(base, requests, tokens)) for _ in range(4)]
+        rates = [asyncio.run(burst(base, requests, tokens, model)) for _ in range(4)]
     finally:
         harness.stop(child)
     phases, prev = {}, 0.0
@@ -248,19 +252,25 @@ class GrpoRun:
     load: float
     milestones: str = ""
     """The launcher's `first step done` line: orchestrator / trainer ready, first batch (s since vLLM started)."""
+    last_step_s: float = math.nan
+    """Median step time over the run's last 5 steps (s/step at the end of a run)."""
+    out: str = ""
+    """The run's output directory (metrics.jsonl: the per-step `timing/*` accounting)."""
 
 
-def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | None = None) -> GrpoRun:
+def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | None = None,
+              extra: list[str] | None = None) -> GrpoRun:
     """`tidal grpo` on the bundled example with the variant's overrides: launch to the launcher's `inference
     ready` line (and its phases), to the first metrics row (first step trained), to exit; the medians of rollout
-    and step time over steps >= 3. `configs`: `--train/--infer/--orch` files (None: the bundled example)."""
+    and step time over steps >= 3. `configs`: `--train/--infer/--orch` files (None: the bundled example); `extra`:
+    more `tidal grpo` arguments for every variant (`--grpo-args`)."""
     import json
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"grpo-{variant.name}-", dir=log_dir))
     port = free_port()
     argv = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(out), "--orch.max_steps", str(steps),
-            "--infer.port", str(port), *(configs or []), *variant.args, *variant.grpo_args]
+            "--infer.port", str(port), *(configs or []), *(extra or []), *variant.args, *variant.grpo_args]
     env = variant.environ(log_dir)
     pool = start_pool(port, [*(configs or []), *variant.args, *variant.pool_args], env, out) if variant.pool else None
     metrics, first = out / "metrics.jsonl", float("nan")
@@ -271,12 +281,12 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | 
             if math.isnan(first) and metrics.exists() and metrics.read_text().strip():
                 first = time.monotonic() - start
             time.sleep(0.1)
+        total = time.monotonic() - start  # the run's own exit (a pool's stop below is not the run's time)
     finally:
         harness.stop(child)
         if pool is not None:
             subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
             harness.stop(pool)
-    total = time.monotonic() - start
     if code != 0:
         raise RuntimeError(f"{variant.name}: tidal grpo exited {code}; see {out / 'launcher.log'}")
     text = (out / "launcher.log").read_text()
@@ -288,7 +298,8 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | 
                    (ready.group(2) or "") if ready else "", first, total,
                    statistics.median(r["rollout_time_s"] for r in steady),
                    statistics.median(r["step_time_s"] for r in steady), float(rows[0].get("mismatch_kl", "nan")),
-                   os.getloadavg()[0], told.group(1) if told else "")
+                   os.getloadavg()[0], told.group(1) if told else "",
+                   statistics.median(r["step_time_s"] for r in rows[-5:]), str(out))
 
 
 def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> harness.Child:
@@ -306,14 +317,16 @@ def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> ha
 
 def fmt_grpo(r: GrpoRun) -> str:
     return (f"| {r.variant} | **{r.ready_s:.1f}** | {r.phases} | {r.milestones or '-'} | **{r.first_step_s:.1f}** | "
-            f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.mismatch_kl:.1e} | {r.load:.2f} |")
+            f"{r.total_s:.1f} | {r.rollout_s:.2f} | {r.step_s:.2f} | {r.last_step_s:.2f} | {r.mismatch_kl:.1e} | "
+            f"{r.load:.2f} |")
 
 
 def grpo_table(runs: list[GrpoRun], steps: int, what: str = "bundled example") -> str:
     lines = [f"`tidal grpo`, {what}, {steps} steps:", "",
              "| variant | vLLM ready s | phases s | milestones (s since vLLM started) | first step done s | "
-             "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step-1 mismatch_kl | load 1-min |",
-             "|---|---|---|---|---|---|---|---|---|---|",
+             "whole run s | rollout s/step (steps >= 3) | step s (steps >= 3) | step s (last 5) | step-1 mismatch_kl | "
+             "load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
              *(fmt_grpo(r) for r in runs), "", "Medians:", ""]
     for name in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == name]
@@ -322,7 +335,8 @@ def grpo_table(runs: list[GrpoRun], steps: int, what: str = "bundled example") -
             return statistics.median(getattr(r, key) for r in mine)
 
         lines.append(f"- {name}: vLLM ready {med('ready_s'):.1f} s, first step {med('first_step_s'):.1f} s, whole run "
-                     f"{med('total_s'):.1f} s, rollout {med('rollout_s'):.2f} s/step, step {med('step_s'):.2f} s "
+                     f"{med('total_s'):.1f} s, rollout {med('rollout_s'):.2f} s/step, step {med('step_s'):.2f} s, "
+                     f"last 5 {med('last_step_s'):.2f} s/step "
                      f"({len(mine)} runs)")
     return "\n".join(lines)
 
@@ -345,8 +359,11 @@ def main() -> None:
     ap.add_argument("--grpo-steps", type=int, default=0,
                     help="also run each variant as `tidal grpo` for this many steps (time to the first step)")
     ap.add_argument("--grpo-only", action="store_true", help="with --grpo-steps: skip the `tidal grpo-infer` starts")
-    ap.add_argument("--configs", type=Path, help="with --grpo-steps: a directory with train.yaml, infer.yaml and "
-                    "orch.yaml for the `tidal grpo` runs (e.g. examples/real_model; default: the bundled example)")
+    ap.add_argument("--configs", type=Path, help="a directory with train.yaml, infer.yaml and orch.yaml: its "
+                    "infer.yaml for the `tidal grpo-infer` starts (and their bursts' model), all three for the `tidal "
+                    "grpo` runs (e.g. examples/real_model; default: the bundled example)")
+    ap.add_argument("--grpo-args", default="", help="with --grpo-steps: more `tidal grpo` arguments for every "
+                    "variant, one shell-quoted string (e.g. \"--train.export.gguf null\" for bench/learn.py's runs)")
     ap.add_argument("--write", action="store_true", help="write the table into bench/STARTUP.md")
     args = ap.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -357,11 +374,12 @@ def main() -> None:
                if args.configs else None)
     for _ in range(args.rounds):
         for v in [] if args.grpo_only and args.grpo_steps else variants:
-            runs.append(time_start(v, args.requests, args.tokens, args.log_dir))
+            runs.append(time_start(v, args.requests, args.tokens, args.log_dir,
+                                   args.configs / "infer.yaml" if args.configs else EXAMPLE))
             print(fmt_run(runs[-1]), flush=True)
         for v in variants if args.grpo_steps else []:
-            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs))
-            print(fmt_grpo(grpo[-1]), flush=True)
+            grpo.append(time_grpo(v, args.grpo_steps, args.log_dir, configs, shlex.split(args.grpo_args)))
+            print(fmt_grpo(grpo[-1]), f"({grpo[-1].out})", flush=True)
     what = str(args.configs or "bundled example")
     report = "\n\n".join(([table(runs)] if runs else []) + ([grpo_table(grpo, args.grpo_steps, what)] if grpo else []))
     print(report)

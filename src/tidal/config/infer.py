@@ -109,11 +109,12 @@ class InferConfig(StrictModel):
     enable_prefix_caching: bool | None = None
     """Prefix caching (null: vLLM's default)."""
     block_size: int | None = Field(None, ge=1)
-    """Tokens per KV-cache block (vLLM's `--block-size`; null: vLLM's default, 128 on CPU, 16 on GPUs). Prefix
-    caching shares whole blocks only, so on CPU the n completions of a prompt shorter than 128 tokens share none of
-    its prefill; 32 lets them share all but its last partial block (vLLM-CPU wants a multiple of 32). Rollout time
-    per step with 32 against 128: not yet measured on a quiet machine (`bench/vllm_startup.py --variants
-    default,block32 --grpo-steps 8 --grpo-only`), so tidal does not change vLLM's default. SGLang: `--page-size`."""
+    """Tokens per KV-cache block (vLLM's `--block-size`; null: 32 on CPU, vLLM's default elsewhere: 16 on GPUs, and
+    on CPU for a model with recurrent-state layers such as Qwen3.5, whose block vLLM aligns itself). Prefix caching
+    shares whole blocks only, so with vLLM-CPU's own 128 the n completions of a prompt shorter than 128 tokens share
+    none of its prefill; 32 lets them share all but its last partial block (vLLM-CPU wants a multiple of 32).
+    Measured on SmolLM2-135M, bench-learn workload: rollouts 8.47 s/step with 32 against 10.38 with 128, the whole
+    8-step run 253 against 271 s, the same samples and mismatch_kl (bench/GOALS-68.md). SGLang: `--page-size`."""
     log_stats: bool | None = None
     """vLLM's engine statistics: the periodic throughput lines in its log and its `vllm:*` Prometheus metrics at
     `/metrics` (false passes `--disable-log-stats`; the process metrics tidal reads there stay). null: on, except
