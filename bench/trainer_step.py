@@ -25,7 +25,7 @@ Modes:
   for a bfloat16 vLLM.
 
 Run under the machine's heavy lock, e.g.
-`flock /tmp/tidal-heavy.lock python bench/trainer_step.py --profile padded --variants padded flat`.
+`flock /tmp/tidal-heavy.lock python bench/trainer_step.py --profile main --variants main new`.
 Every result is also one line `TRAINER_STEP {json}` on stdout.
 """
 
@@ -58,19 +58,25 @@ REAL_LENGTHS = (
     64, 12, 44, 64, 64, 3, 12, 54, 5, 30, 64, 63, 17, 12)
 """Completion lengths of two SmolLM2 steps of the bench-learn workload (examples/real_model, `tidal grpo`, steps 1
 and 2 of a run on this machine: mean 40.8 tokens)."""
+MAIN = {"_flat": False, "_eager_head": False}
+"""The bench keys that turn this branch's two cuts off: the trainer as main ran it."""
 VARIANTS: dict[str, dict[str, Any]] = {
-    "padded": {"_flat": False},
-    "noshare": {"prompt_sharing": False, "_flat": False},
-    "flat": {},
-    "flat-512": {"sequence_len": 512, "per_device_train_batch_size": 4},
-    "padded-512": {"sequence_len": 512, "per_device_train_batch_size": 4, "_flat": False},
+    "main": MAIN,
+    "noshare": {"prompt_sharing": False, **MAIN},
+    "flat": {"_eager_head": False},
+    "head": {"_flat": False},
+    "new": {},
+    "new-512": {"sequence_len": 512, "per_device_train_batch_size": 4},
+    "main-512": {"sequence_len": 512, "per_device_train_batch_size": 4, **MAIN},
     "bf16": {"recipe": "bf16"},
-    "bf16-padded": {"recipe": "bf16", "_flat": False},
-    "1thread": {"_threads": 1},
+    "bf16-main": {"recipe": "bf16", **MAIN},
+    "new-1thread": {"_threads": 1},
 }
-"""`--variants`: train keys over train.yaml's (`flat` = train.yaml as `tidal grpo` runs it: `prompt_sharing: auto`,
-micro-batches packed flat); a key starting with `_` is the bench's own: `_threads`, torch threads for that variant's
-steps; `_flat: false`, the micro-batches' rows padded as before (`tidal.trainer.grpo.flat_rows` answering no)."""
+"""`--variants`: train keys over train.yaml's (`new` = train.yaml as `tidal grpo` runs it on this branch:
+`prompt_sharing: auto`, flat micro-batches, the frozen head differentiated in the forward); a key starting with `_`
+is the bench's own: `_threads`, torch threads for that variant's steps; `_flat: false`, the micro-batches' rows
+padded as before (`tidal.trainer.grpo.flat_rows` answering no); `_eager_head: false`, the lm_head recomputed in the
+backward as before (`tidal.trainer.step.logprobs`)."""
 
 
 def load_avg() -> float:
@@ -143,11 +149,14 @@ class Setup:
         import torch
 
         from tidal.trainer import grpo
+        from tidal.trainer.step import logprobs
 
-        before, flat = torch.get_num_threads(), grpo.flat_rows
+        before, flat, apply = torch.get_num_threads(), grpo.flat_rows, logprobs._ChunkedLogprobs.apply
         torch.set_num_threads(self.threads)
         if self.keys.get("_flat", True) is False:
             grpo.flat_rows = lambda model, batch: False
+        if self.keys.get("_eager_head", True) is False:  # argument 7 of the Function: `eager`
+            logprobs._ChunkedLogprobs.apply = lambda *a: apply(*a[:6], False, *a[7:])  # type: ignore[method-assign]
         try:
             t0 = time.perf_counter()
             out = grpo.train_step(self.policy, self.opt, self.batch, self.cfg, self.device, self.pad_id)
@@ -155,6 +164,7 @@ class Setup:
         finally:
             torch.set_num_threads(before)
             grpo.flat_rows = flat
+            logprobs._ChunkedLogprobs.apply = apply  # type: ignore[method-assign]
         if self.first is None:
             self.first = {k: out[k] for k in ("loss", "grad_norm/pre_clip", "micro_batches", "processed_tokens",
                                                "packing_efficiency", "mismatch_kl") if k in out}
