@@ -8,7 +8,8 @@ examples/real_model/train.yaml plus bench/learn.py's `trl` loss keys): SmolLM2-1
 micro-batch. The batch: 8 addition prompts (the `addition` environment's, through the model's own chat template: 45
 tokens each, as vLLM renders them), 8 completions each whose lengths are drawn from `REAL_LENGTHS` (the completion
 lengths of two real SmolLM2 steps of that workload, 3..64 tokens, 37% at the 64-token cap), random token ids (their
-values do not change the work), group-normalized rewards with every group carrying signal unless `--zero-groups`
+values do not change the work) whose inference logprobs are the float32 policy's own (as from a float32 vLLM:
+importance ratios 1), group-normalized rewards with every group carrying signal unless `--zero-groups`
 (a late-run batch: early in a run most groups carry none and skip their backward, `skip_zero_gradient`).
 
 Modes:
@@ -118,6 +119,23 @@ def build_batch(tokenizer: Any, seed: int, prompts: int = 8, group: int = 8, zer
                          policy_steps=np.zeros(k, dtype=np.int64), truncated=np.zeros(k, dtype=bool))
 
 
+def score(policy: Any, batch: Any, pad_id: int) -> np.ndarray:
+    """(tokens,) float32 logprobs of `batch`'s loss tokens under `policy` (no grad; 0 elsewhere), in batch order."""
+    import torch
+
+    from tidal.trainer.step.logprobs import forward_logprobs
+    from tidal.trainer.step.packing import pack
+
+    out = np.zeros(len(batch.tokens), dtype=np.float32)
+    starts = np.r_[0, np.cumsum(batch.lengths)[:-1]]
+    for m in pack(batch, 256, 8, pad_id):
+        with torch.no_grad():
+            lp = forward_logprobs(policy, m.input_ids, m.position_ids, loss_mask=m.loss_mask)
+        keep = m.loss_mask & (m.seq_ids >= 0)
+        out[starts[m.seq_ids[keep].numpy()] + m.position_ids[keep].numpy()] = lp[keep].float().numpy()
+    return out
+
+
 def train_config(overrides: dict[str, Any]) -> Any:
     """train.yaml of examples/real_model with bench-learn's loss keys and `overrides` (keys without `_`)."""
     from tidal.config.load import load_config
@@ -219,9 +237,10 @@ def compare(setups: list[Setup], rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
-def precision_gap(batch: Any, pad_id: int) -> dict[str, Any]:
+def precision_gap(batch: Any, pad_id: int, vllm: bool = False) -> dict[str, Any]:
     """mismatch_kl (k3, per completion token) between float32 logprobs and bf16 autocast / bf16-weight ones on
-    `batch` (the base model plus a fresh LoRA, whose B = 0: the base)."""
+    `batch` (the base model plus a fresh LoRA, whose B = 0: the base); `vllm`: also against the batch's own
+    inference logprobs (a real batch sampled by the base policy)."""
     import torch
 
     from tidal.trainer.model.load import load_policy
@@ -246,10 +265,13 @@ def precision_gap(batch: Any, pad_id: int) -> dict[str, Any]:
     delattr(policy, AUTOCAST_ATTR)
     policy.to(torch.bfloat16)
     weights = logprobs()
+    pairs = {"bf16_autocast_vs_fp32": (cast, fp32), "bf16_weights_vs_fp32": (weights, fp32),
+             "bf16_autocast_vs_bf16_weights": (cast, weights)}
+    if vllm:  # the batch's own logprobs: a float32 vLLM's
+        served = torch.cat([m.inference_logprobs[m.loss_mask] for m in mbs]).double()
+        pairs |= {"fp32_vs_vllm_fp32": (fp32, served), "bf16_autocast_vs_vllm_fp32": (cast, served)}
     n = float(fp32.numel())
-    gap = {name: drift_sums(a, b)["mismatch_kl"] / n
-           for name, (a, b) in {"bf16_autocast_vs_fp32": (cast, fp32), "bf16_weights_vs_fp32": (weights, fp32),
-                                "bf16_autocast_vs_bf16_weights": (cast, weights)}.items()}
+    gap = {name: drift_sums(a, b)["mismatch_kl"] / n for name, (a, b) in pairs.items()}
     gap |= {"max_abs_logprob_diff_autocast_vs_fp32": float((cast - fp32).abs().max()),
             "mean_abs_logprob_diff_autocast_vs_fp32": float((cast - fp32).abs().mean()), "tokens": int(n)}
     return gap
@@ -264,6 +286,9 @@ def main() -> int:
     ap.add_argument("--precision", action="store_true", help="the bf16 logprob gap (module doc)")
     ap.add_argument("--zero-groups", type=int, default=0, help="groups whose rewards are all equal")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--real-batch", type=Path, default=None,
+                    help="a rollouts/step_N.safetensors of a bench-learn run sampled by the base policy: --precision "
+                         "also on its tokens, against its float32 vLLM logprobs")
     args = ap.parse_args()
 
     import torch
@@ -274,6 +299,11 @@ def main() -> int:
     tokenizer = load_tokenizer(str(resolve_model(MODEL)))
     batch = build_batch(tokenizer, args.seed, zero_groups=args.zero_groups)
     pad_id = tokenizer.pad_token_id or 0
+    from tidal.trainer.model.load import load_policy
+
+    scorer, _ = load_policy(train_config({}))
+    batch.inference_logprobs[:] = score(scorer.eval(), batch, pad_id)  # as if a float32 vLLM sampled it
+    del scorer
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load "
           f"{load_avg():.2f}; batch: {batch.num_samples} samples, {int(batch.lengths.sum())} tokens, "
           f"{int(batch.loss_mask.sum())} completion tokens, {args.zero_groups} zero-signal groups", flush=True)
@@ -291,6 +321,12 @@ def main() -> int:
     if args.precision:
         gap = precision_gap(batch, pad_id)
         print("TRAINER_STEP " + json.dumps({"mode": "precision", **gap, "load_1min": load_avg()}), flush=True)
+    if args.precision and args.real_batch is not None:
+        from tidal.transport.batch import TrainingBatch
+
+        gap = precision_gap(TrainingBatch.load(args.real_batch), pad_id, vllm=True)
+        print("TRAINER_STEP " + json.dumps({"mode": "precision", "batch": str(args.real_batch), **gap,
+                                            "load_1min": load_avg()}), flush=True)
     return 0
 
 
