@@ -41,7 +41,7 @@ from tidal.trainer.distributed import (
 )
 from tidal.trainer.memory import peak_gib, reset_peak
 from tidal.trainer.model import kernels, router_replay
-from tidal.trainer.model.attention import prompt_sharing_blocker, uses_flex
+from tidal.trainer.model.attention import flat_rows_blocker, prompt_sharing_blocker, uses_flex
 from tidal.trainer.model.attention.flex import compiled_graphs
 from tidal.trainer.model.noise import qerl_noise
 from tidal.trainer.model.quant import qlora_kind
@@ -65,7 +65,7 @@ from tidal.trainer.step.loss import (
     policy_loss,
     zero_gradient,
 )
-from tidal.trainer.step.packing import MicroBatch, pack, packing_efficiency, shared_tokens
+from tidal.trainer.step.packing import FLAT_MAX_TOKENS, MicroBatch, pack, packing_efficiency, shared_tokens
 from tidal.trainer.step.schedule import OptimizerStep, plan
 from tidal.transport import BatchSource, weights
 from tidal.transport.batch import TrainingBatch
@@ -258,7 +258,7 @@ def _packed(model: torch.nn.Module, batch: TrainingBatch, cfg: TrainConfig, pad_
         mbs = pack(batch, cfg.sequence_len, cfg.per_device_train_batch_size, pad_id,
                    drop_truncated=cfg.loss.mask_truncated_completions, max_tokens=cfg.micro_batch_tokens,
                    share_prompts=shares_prompts(model, cfg, batch), apart=apart,
-                   one_per_row=packing_rule(model.config) == ONE_PER_ROW)
+                   one_per_row=packing_rule(model.config) == ONE_PER_ROW, flat=flat_rows(model, batch))
         return mbs, plan([mb.input_ids.numel() for mb in mbs], ranks.world, cfg.gradient_accumulation_steps,
                          cfg.steps_per_generation)
 
@@ -476,6 +476,12 @@ def shares_prompts(model: torch.nn.Module, cfg: TrainConfig, batch: TrainingBatc
     """Whether this step packs each prompt once (train `prompt_sharing`; `tidal.trainer.step.packing`)."""
     return (cfg.prompt_sharing is not False and not batch.has_images
             and prompt_sharing_blocker(model.config, cfg.sequence_len) is None)
+
+
+def flat_rows(model: torch.nn.Module, batch: TrainingBatch) -> bool:
+    """Whether this step packs each micro-batch as one row without padding (`tidal.trainer.step.packing`'s `flat`:
+    the same update for fewer tokens; tidal's per-sample attention on text batches)."""
+    return not batch.has_images and flat_rows_blocker(model.config, FLAT_MAX_TOKENS) is None
 
 
 def slim_reloads(cfg: TrainConfig) -> bool:

@@ -21,6 +21,16 @@ parameter of the lm_head (tied embeddings, a LoRA-wrapped head): the head module
 weight never read directly. Positions outside `loss_mask` get 0 (in both paths): the loss, the old/reference
 logprobs and the drift metrics read loss tokens only.
 
+A frozen head (LoRA on the linear layers, which leaves the lm_head and a tied embedding frozen: the usual case)
+needs no recomputation: each logprob depends on its own position's hidden state only, so the forward, with
+autograd on, differentiates each chunk right away and keeps the (N, H) gradient of every logprob w.r.t. its hidden
+state (as many values as the hidden states the recomputing path keeps), and the backward only scales it by the
+incoming gradient. One lm_head matmul and one (chunk, vocab) log-softmax fewer per loss token (the lm_head's
+share of a SmolLM2 step: bench/TRAINER-STEP.md); the same math, rounded in another order (the incoming gradient
+multiplies after the matmul instead of before), equal to the recomputing path to float64 rounding
+(tests/unit/test_logprobs_chunked.py). A forward without autograd (no-grad scoring, skipped micro-batches) does
+none of it.
+
 The full-logits path (the model's own `forward`, then `token_logprobs`) is kept for `chunk_size` 0 and for
 architectures not in `LOGIT_TRANSFORMS`, whose logits the chunked path might not reproduce (one warning per
 architecture). tests/unit/test_logprobs_chunked.py checks every listed architecture against the model's logits.
@@ -193,18 +203,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float,
-                chunk: int, with_entropy: bool, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool, eager: bool,
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dt = torch.promote_types(hidden.dtype, torch.float32)
         lp = hidden.new_empty(hidden.shape[0], dtype=dt)  # (N,)
         ent = hidden.new_empty(hidden.shape[0] if with_entropy else 0, dtype=dt)  # (N,) or (0,)
+        dlp = torch.empty_like(hidden) if eager else None  # (N, H): d logprob_i / d hidden_i (a frozen head)
         ctx.rng = _RngState(hidden.device)
         with torch.profiler.record_function(LM_HEAD):
             for s in range(0, hidden.shape[0], chunk):
-                ls = torch.log_softmax(_chunk_logits(head, hidden[s:s + chunk], temperature), dim=-1)  # (c, V)
-                lp[s:s + chunk] = ls.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+                with torch.enable_grad() if eager else contextlib.nullcontext():
+                    h = hidden[s:s + chunk].detach().requires_grad_(True) if eager else hidden[s:s + chunk]
+                    ls = torch.log_softmax(_chunk_logits(head, h, temperature), dim=-1)  # (c, V)
+                    part = ls.gather(-1, targets[s:s + chunk, None]).squeeze(-1)  # (c,)
+                if dlp is not None:  # rows are independent: the gradient of the sum is each row's own
+                    dlp[s:s + chunk] = torch.autograd.grad(part, h, torch.ones_like(part))[0]
+                    ls, part = ls.detach(), part.detach()
+                lp[s:s + chunk] = part
                 if with_entropy:
                     ent[s:s + chunk] = -(ls.exp().mul_(ls)).sum(-1)
-        ctx.save_for_backward(hidden, targets, *params)
+        ctx.eager = dlp is not None
+        if dlp is not None:
+            ctx.save_for_backward(dlp)
+        else:
+            ctx.save_for_backward(hidden, targets, *params)
         ctx.head, ctx.temperature, ctx.chunk = head, temperature, chunk
         dev = hidden.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -213,9 +235,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor, _grad_ent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.eager:  # a frozen head: the forward kept each logprob's gradient w.r.t. its hidden state
+            (dlp,) = ctx.saved_tensors
+            return (dlp * grad_lp[:, None].to(dlp.dtype), None, None, None, None, None, None)
         hidden, targets, *params = ctx.saved_tensors
         want_h = bool(ctx.needs_input_grad[0])
-        want_p = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        want_p = [i for i, need in enumerate(ctx.needs_input_grad[7:]) if need]
         grad_h = torch.empty_like(hidden) if want_h else None  # (N, H)
         grad_p: list[torch.Tensor | None] = [None] * len(params)
         dev, cast, cast_dtype = ctx.autocast
@@ -237,7 +262,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     acc = grad_p[i]
                     if g is not None:
                         grad_p[i] = g if acc is None else acc.add_(g)  # summed over chunks
-        return (grad_h, None, None, None, None, None, *grad_p)
+        return (grad_h, None, None, None, None, None, None, *grad_p)
 
 
 def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Head, temperature: float = 1.0,
@@ -245,12 +270,14 @@ def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: Head, te
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(N, H) final hidden states and (N,) next tokens -> (N,) logprobs (at least float32, differentiable w.r.t.
     `hidden` and the lm_head's trainable parameters) and, with `with_entropy`, the (N,) detached entropies;
-    `chunk_size` positions at a time, recomputed in the backward."""
+    `chunk_size` positions at a time; recomputed in the backward, or, for a head without trainable parameters,
+    differentiated in the forward (module doc)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     params = [p for p in head.lm_head.parameters() if p.requires_grad]
+    eager = torch.is_grad_enabled() and hidden.requires_grad and not params
     lp, ent = _ChunkedLogprobs.apply(hidden, targets.long(), head, float(temperature), int(chunk_size),
-                                     with_entropy, *params)
+                                     with_entropy, eager, *params)
     return lp, (ent if with_entropy else None)
 
 

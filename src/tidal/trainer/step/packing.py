@@ -27,6 +27,14 @@ and causally to itself (`tidal.trainer.model.attention.layout_mask`, which the m
 `attention_mask`); the forward is the unshared one's, token for token, and the prompt's gradient is the sum of
 what each completion sends it. A unit longer than `sequence_len` is cut into several, each with its own copy of
 the prompt. The shared tokens count as the unit's first sample (`seq_ids`); they carry no loss.
+
+Padding-free micro-batches (`flat`): a micro-batch of several rows is padded to its longest row, and padding runs
+through every matmul of the model (on the bench-learn workload 11% of the tokens a step processes at 8 x 256 with
+shared prompts, 22% at 4 x 512: bench/TRAINER-STEP.md). With `flat` each micro-batch is one row, its rows' units
+laid back to back: the same samples in the same micro-batch (so the same update), no padding at all. Only for an
+attention kernel whose cost does not grow with the row's width (tidal's per-sample kernel, `tidal.trainer.model.
+attention.per_sample`: one SDPA call per sample whatever the row holds), and only while the flat row stays within
+`FLAT_MAX_TOKENS` (the (1, 1, T, T) boolean mask transformers or `layout_mask` builds for the row is T² bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ import torch
 from tidal.trainer.model.attention import layout_mask, uses_flex
 from tidal.trainer.model.attention.flex import layout_block_mask
 from tidal.transport.batch import TrainingBatch
+
+FLAT_MAX_TOKENS = 8192
+"""The longest row `flat` packing makes (its boolean mask: 64 MiB); a longer micro-batch keeps its padded rows."""
 
 
 @dataclass
@@ -189,11 +200,13 @@ def units(batch: TrainingBatch, capacity: int, share_prompts: bool) -> list[Unit
 
 
 def layout(packed: list[Unit], sequence_len: int, rows_per_micro_batch: int, max_tokens: int | None,
-           apart: list[bool] | None = None, one_per_row: bool = False) -> list[list[list[Unit]]]:
+           apart: list[bool] | None = None, one_per_row: bool = False,
+           flat: bool = False) -> list[list[list[Unit]]]:
     """The micro-batches (each a list of rows, each a list of units) of `packed`; with `apart` (per sample), the
     units whose samples are all flagged are laid out on their own, after the others: no row or micro-batch mixes
     them (train `skip_zero_gradient` flags the samples whose loss has zero gradient). `one_per_row`: each unit in
-    a row of its own (longest first)."""
+    a row of its own (longest first). `flat`: each micro-batch's rows joined into one row (module doc) when it
+    holds at most `FLAT_MAX_TOKENS` tokens."""
     classes = [packed] if apart is None else [[u for u in packed if not all(apart[i] for i in u.samples)],
                                               [u for u in packed if all(apart[i] for i in u.samples)]]
     out: list[list[list[Unit]]] = []
@@ -203,30 +216,36 @@ def layout(packed: list[Unit], sequence_len: int, rows_per_micro_batch: int, max
             rows = [[u] for row in rows for u in row]
         row_lengths = [sum(cls[u].length for u in row) for row in rows]
         for members in group_rows(row_lengths, rows_per_micro_batch, max_tokens):
-            out.append([[cls[u] for u in rows[r]] for r in members])
+            group = [[cls[u] for u in rows[r]] for r in members]
+            if flat and sum(row_lengths[r] for r in members) <= FLAT_MAX_TOKENS:
+                group = [[u for row in group for u in row]]
+            out.append(group)
     return out
 
 
 def pack(batch: TrainingBatch, sequence_len: int, rows_per_micro_batch: int, pad_id: int = 0,
          drop_truncated: bool = False, max_tokens: int | None = None,
          share_prompts: bool = False, apart: list[bool] | None = None,
-         one_per_row: bool = False) -> list[MicroBatch]:
+         one_per_row: bool = False, flat: bool = False) -> list[MicroBatch]:
     """Pack `batch` into micro-batches of `rows_per_micro_batch` rows, or of at most `max_tokens` padded tokens
     (see module doc and `group_rows`). `drop_truncated` clears the loss mask of samples flagged `truncated`
     (mask_truncated_completions). `share_prompts`: the samples of one prompt share its tokens (module doc; text
     batches only). `apart`: per sample, those packed on their own, after the others (`layout`). `one_per_row`:
-    every sample in a row of its own (models with linear-attention layers; module doc)."""
+    every sample in a row of its own (models with linear-attention layers; module doc). `flat`: each
+    micro-batch one row, no padding (module doc; text batches, not with `one_per_row`)."""
     if share_prompts and batch.has_images:
         raise ValueError("shared prompts are for text batches; this batch has images")
     if share_prompts and one_per_row:
         raise ValueError("shared prompts put several samples in a row; one_per_row forbids that")
+    if flat and (one_per_row or batch.has_images):
+        raise ValueError("flat micro-batches are for text batches packed several samples to a row")
     if int(batch.lengths.max(initial=0)) > sequence_len:
         assign_rows(batch.lengths, sequence_len)  # raises, naming the samples
     spans = batch.samples()
     teacher = batch.teacher_logprobs
     out: list[MicroBatch] = []
     for group in layout(units(batch, sequence_len, share_prompts), sequence_len, rows_per_micro_batch, max_tokens,
-                        apart, one_per_row):
+                        apart, one_per_row, flat):
         width = max(sum(u.length for u in row) for row in group)
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
         pos = np.zeros((len(group), width), dtype=np.int64)

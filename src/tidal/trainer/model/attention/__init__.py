@@ -25,8 +25,8 @@ from tidal.trainer.model.attention import dense, flex, per_sample
 from tidal.trainer.model.attention.layout import Span, layout, layout_mask, segments, spans_mask, token_layout
 from tidal.trainer.profile import ATTENTION
 
-__all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "implementation", "layout", "layout_mask",
-           "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout", "uses_flex"]
+__all__ = ["ATTN_IMPLEMENTATION", "KINDS", "Span", "choose", "flat_rows_blocker", "implementation", "layout",
+           "layout_mask", "prompt_sharing_blocker", "register", "segments", "spans_mask", "token_layout", "uses_flex"]
 
 ATTN_IMPLEMENTATION = per_sample.NAME
 """The per-sample kernel's transformers name (what `register()` returns)."""
@@ -111,13 +111,41 @@ def prompt_sharing_blocker(config: Any, sequence_len: int) -> str | None:
     if has_linear_attention(config):
         return ("it has linear-attention layers (a recurrent state and a convolution window run along the row, "
                 "so its samples are packed one per row: tidal.models.families)")
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None) or []
-    windowed = (getattr(config, "use_sliding_window", True) is not False
-                and (not kinds or "sliding_attention" in kinds))
-    if window is not None and windowed and int(window) < sequence_len:
+    window = _window(config)
+    if window is not None and window < sequence_len:
         return f"its sliding-window layers ({window} tokens) are shorter than train sequence_len ({sequence_len})"
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, dense.NAME, per_sample.NAME, flex.NAME):
         return f"its attention implementation {impl!r} does not take a boolean attention mask"
+    return None
+
+
+def _window(config: Any) -> int | None:
+    """The sliding window of the model's windowed layers (None: no such layer)."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    windowed = (getattr(config, "use_sliding_window", True) is not False
+                and (not kinds or "sliding_attention" in kinds))
+    return int(window) if window is not None and windowed else None
+
+
+def flat_rows_blocker(config: Any, width: int) -> str | None:
+    """Why a model with this transformers `config` should keep padded rows rather than one flat row of up to `width`
+    tokens per micro-batch (`tidal.trainer.step.packing`'s `flat`; None: flat rows fit). Flat rows pay only where
+    the attention costs the same whatever the row holds: tidal's per-sample kernel, and only where it runs (it
+    hands a soft-capped layer, or a sliding window shorter than the row, to SDPA over the whole row, T² scores).
+    Models with linear-attention layers (one sample per row) and vision-language models are left out."""
+    from tidal.models.families import has_linear_attention
+
+    if getattr(config, "_attn_implementation", None) != per_sample.NAME:
+        return "its attention kernel is not tidal's per-sample one"
+    if getattr(config, "vision_config", None) is not None:
+        return "it is a vision-language model"
+    if has_linear_attention(config):
+        return "it has linear-attention layers (one sample per row)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "its attention soft-caps its logits (the per-sample kernel hands such layers to SDPA)"
+    window = _window(config)
+    if window is not None and window < width:
+        return f"its sliding-window layers ({window} tokens) are shorter than a flat row ({width})"
     return None
