@@ -28,7 +28,7 @@ SHIM = Path(__file__).resolve().parent / "forkshim"
 _wait, _burst, _time_start = vs.harness.wait_ready, vs.burst, vs.time_start
 
 
-def wait_ready(child: Any, url: str, budget_s: float, started: float | None = None, poll_s: float = 0.5) -> float:
+def ready_capped(child: Any, url: str, budget_s: float, started: float | None = None, poll_s: float = 0.5) -> float:
     return _wait(child, url, min(budget_s, 150.0), started, poll_s)
 
 
@@ -46,7 +46,7 @@ def time_start(variant: vs.Variant, *args: Any, **kwargs: Any) -> vs.Run:
 
 
 def main() -> None:
-    vs.harness.wait_ready, vs.burst, vs.time_start = wait_ready, burst, time_start
+    vs.harness.wait_ready, vs.burst, vs.time_start = ready_capped, burst, time_start
     base = vs.VARIANTS["nolora"]
     vs.VARIANTS["nolora-fork"] = dataclasses.replace(base, name="nolora-fork", src=f"{SHIM}:{base.src}",
                                                      env={**base.env, "STARTBENCH_FORK": "1"})
