@@ -345,8 +345,9 @@ class WeightBroadcastSection(StrictModel):
     (~20 MB for SmolLM2-135M against a ~425 MB merged copy) and each vLLM worker merges it into its weights in place,
     W_base + scale * B A from an exact copy of the adapted base weights it keeps (one more copy of them in memory;
     `tidal.inference.backends.vllm.lora_merge`; needs `infer.weight_reload`, `train.broadcast_merged: false`; refused
-    with QLoRA, QeRL noise, full fine-tuning, SGLang, infer tp > 1 and a quantized checkpoint). `auto`: `merged` in
-    `tidal grpo` on a CPU-only machine (the three configs are set together), else `lora`. `merged` or `factors` set
+    with QLoRA, QeRL noise, full fine-tuning, SGLang, infer tp > 1 and a quantized checkpoint). `auto`: in `tidal grpo`
+    on a CPU-only machine `factors` for a LoRA policy the merge can serve, else `merged` (the three configs are set
+    together); `lora` elsewhere. `merged` or `factors` set
     by hand in `tidal grpo` sets the other two as well; in three-process mode set them yourself."""
     policy_zero: Literal["served", "published"] = "served"
     """Which weights sample the first batches. `served`: the model vLLM loaded (a policy 0 the trainer publishes
