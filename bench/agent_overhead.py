@@ -103,6 +103,7 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
             "tool_messages": statistics.mean(tool_msgs),
             "with_tool_round": sum(t > 0 for t in tool_msgs), "reward": statistics.mean(rewards),
             "failures": sum(c.env_error is not None for c in comps), "load": os.getloadavg()[0],
+            "_batch": (prompts, groups, rewards) if side == "toolloop" else None,
             "rows": [[*(c.prompt_ids or p), *c.token_ids] for p, g in zip(prompts, groups, strict=True) for c in g],
             "masks": [[0] * len(c.prompt_ids or p) + list(c.mask or [1] * len(c.token_ids))
                       for p, g in zip(prompts, groups, strict=True) for c in g]}
@@ -118,7 +119,7 @@ def compare(done: list[dict[str, Any]]) -> None:
         d["first_unequal"] = next((i for i, (a, b) in enumerate(zip(ref["rows"], d["rows"], strict=True)) if a != b),
                                   None)
     for d in done:
-        d.pop("rows"), d.pop("masks")
+        d.pop("rows"), d.pop("masks"), d.pop("_batch")
 
 
 def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -132,7 +133,21 @@ def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
         Path(args.out).write_text(report(args, result, sys.argv[1:]))
 
 
-async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | None) -> dict[str, Any]:
+def train_round(trainer: Any, done: list[dict[str, Any]], r: int) -> None:
+    """`--trainer`: one trainer step on the tool loop's rows of this round (bench/agent_trainstep.py); its figures
+    go into every side's record (the same rows, so the same trainer work where the rows are equal)."""
+    if trainer is None:
+        return
+    got = trainer.step(*next(d["_batch"] for d in done if d["side"] == "toolloop"))
+    print(f"agent-overhead: round {r} trainer step: {got['train_s']:.2f} s, {got['groups_with_signal']}/"
+          f"{got['groups']} groups with signal, {got['train_tokens']} tokens, mismatch_kl {got['mismatch_kl']:.2e}, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    got["train_load"] = os.getloadavg()[0]
+    for d in done:
+        d.update(got)
+
+
+async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | None, trainer: Any) -> dict[str, Any]:
     from tidal.config.orch import SamplingSection
     from tidal.config.orch_sections import ClientSection
     from tidal.inference.backends.vllm.client import VllmClient
@@ -159,6 +174,7 @@ async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | Non
                       f"{d['calls']:.2f} calls, {d['tool_messages']:.2f} tool results a rollout, cpu "
                       f"{d['own_cpu_s']:.2f}+{d['children_cpu_s']:.2f} s, vLLM cpu {d['vllm_cpu_s']:.2f} s, "
                       f"load {d['load']:.1f}", flush=True)
+            train_round(trainer, done, r)
             compare(done)
             print("agent-overhead: rows equal to the tool loop's: " + ", ".join(
                 f"{d['side']} {d['equal_rows']}/{args.prompts * args.generations}" for d in done), flush=True)
@@ -194,7 +210,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=0, help="orch sampling.max_tokens (0: null, module doc)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="orch sampling.seed")
-    ap.add_argument("--train-step-s", type=float, default=0.0, help="a trainer step's seconds (0: no per-step row)")
+    ap.add_argument("--train-step-s", type=float, default=0.0,
+                    help="a trainer step's seconds added to every side (0: none; --trainer measures it instead)")
+    ap.add_argument("--trainer", default=None,
+                    help="a train.yaml: one real trainer step per round on the tool loop's rows (agent_trainstep.py), "
+                         "timed; the report then gives the per-training-step ratios")
+    ap.add_argument("--adapter", default=None, help="a LoRA adapter merged into --model first (agent_trainstep.py)")
     ap.add_argument("--min-calls", type=float, default=0.0,
                     help="stop after the warm-up round when the tool loop's rollouts make fewer model calls on average")
     ap.add_argument("--allow-unequal", action="store_true", help="print ratios even when rows differ (flagged)")
@@ -219,6 +240,12 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     from agent_workloads import workload
 
+    if args.adapter:  # the policy = --model with this LoRA adapter merged in (vLLM serves it without LoRA)
+        from agent_trainstep import merged
+
+        if not args.model:
+            ap.error("--adapter needs --model (the adapter's base model directory)")
+        args.model = merged(args.model, Path(args.adapter), work / "merged")
     wl = workload(args.workload, args.model, work, args.shots)
     cmd = [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", wl.model, "--infer.port",
            str(args.port), "--infer.max_model_len", str(args.seq_len), "--infer.enable_lora", "false"]
@@ -226,7 +253,12 @@ def main() -> None:
     child = harness.start("vllm", cmd, work / "vllm.log", env=harness.child_env(REPO))
     try:
         harness.wait_ready(child, f"http://127.0.0.1:{args.port}/health", 900)
-        result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1", wl, child.pid))
+        trainer = None
+        if args.trainer:  # built before the rounds (its load is no step's); torch then lives in this process
+            from agent_trainstep import TrainerStep
+
+            trainer = TrainerStep(Path(args.trainer), wl.model, args.generations)
+        result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1", wl, child.pid, trainer))
     finally:
         harness.stop(child)
     save(args, result)
