@@ -24,7 +24,15 @@ and seeds, so load on the shared machine falls on every side alike; per-round ra
 recorded per side and step: this process's CPU seconds, its children's (the command's programs) and the vLLM
 server's (its whole process tree).
 
+Per training step (`--trainer TRAIN_YAML`): after each round's sides, one real trainer step
+(bench/agent_trainstep.py: the policy built from that file as `tidal grpo` builds it, the orchestrator's
+`build_batch`, `tidal.trainer.grpo.train_step`) on the tool loop's rows of the round, timed; where the rows are equal
+it is every side's trainer work, so a side's step = its rollout phase + that step (the on-policy default runs them
+one after the other). `--adapter DIR` merges a LoRA adapter into `--model` first (vLLM serves the merged model).
+
     flock /tmp/tidal-heavy.lock python bench/agent_overhead.py --workload calc --rounds 4
+    flock /tmp/tidal-heavy.lock python bench/agent_overhead.py --workload calc --model SFT_DIR --adapter ADAPTER \
+        --trainer examples/agent/smollm2/train.yaml --rounds 3
     python bench/agent_overhead.py --stub --workload calc   # the endpoint's own cost, no engine (agent_stub.py)
 """
 
@@ -198,7 +206,7 @@ def main() -> None:
     from agent_overhead_report import report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["calc", "reverse"], default="calc")
+    ap.add_argument("--workload", choices=["calc", "addition", "reverse"], default="calc")
     ap.add_argument("--model", default=None, help="another model than the workload's own (a local directory)")
     ap.add_argument("--shots", action=argparse.BooleanOptionalAction, default=True,
                     help="calc: one worked conversation at the head of each prompt")
@@ -245,7 +253,10 @@ def main() -> None:
 
         if not args.model:
             ap.error("--adapter needs --model (the adapter's base model directory)")
-        args.model = merged(args.model, Path(args.adapter), work / "merged")
+        import hashlib
+
+        tag = hashlib.sha1(str(Path(args.adapter).resolve()).encode()).hexdigest()[:8]
+        args.model = merged(args.model, Path(args.adapter), work / f"merged-{tag}")
     wl = workload(args.workload, args.model, work, args.shots)
     cmd = [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", wl.model, "--infer.port",
            str(args.port), "--infer.max_model_len", str(args.seq_len), "--infer.enable_lora", "false"]

@@ -15,6 +15,9 @@ GOAL = 1.05
 WORKLOADS = {
     "calc": "the calculator agent of examples/agent/calc_agent.py (a plain `openai`-SDK program): 'What is A + B + "
             "C?' (100..999) under its system prompt, its `add` tool, <= 3 model calls",
+    "addition": "the calculator agent of examples/agent/calc_agent.py as bench/agent_learn.py trains it (a plain "
+                "`openai`-SDK program): 'What is A + B?' (the `addition` task, 100..999), its `add` tool written into "
+                "its system message by tidal (`tool_prompt: system`, the twin's the same way), <= 3 model calls",
     "reverse": "bench/agent_reverse.py (a plain `openai`-SDK program): reverse-text's prompts, a `reverse` tool, <= 3 "
                "model calls, on the bundled model whose tag tokens are renamed into a Hermes tool call "
                "(`tests.e2e.agent_env.calling_tool_model`)",
