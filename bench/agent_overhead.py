@@ -79,6 +79,15 @@ def cpu_of(pid: int | None) -> float:
     return total
 
 
+def tool_results(message: dict[str, Any]) -> int:
+    """How many tool results `message` carries: a `tool` message one; a user turn of `<tool_response>` blocks (the
+    `addition` twin's, `tool_prompt: system`) one a block."""
+    if message.get("role") == "tool":
+        return 1
+    content = message.get("content")
+    return content.count("<tool_response>") if message.get("role") == "user" and isinstance(content, str) else 0
+
+
 async def one_step(side: str, env: Any, client: Any, model: str, examples: list[Any], seeds: list[int | None],
                    args: argparse.Namespace, sampling: Any, vllm_pid: int | None) -> dict[str, Any]:
     """One rollout phase of `side`: every group at once, from tokenizing the prompts (the orchestrator's
@@ -88,7 +97,7 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
     from tidal.orchestrator.toolloop import tool_group
 
     exs = [env.prompted(ex) for ex in examples] if side == "toolloop" else examples
-    tools = env.tooling.schemas if side == "toolloop" else None
+    tools = env.tooling.schemas if side == "toolloop" and env.render_tools else None
     group = tool_group if side == "toolloop" else agent_group
     t0, cpu0, v0 = time.monotonic(), os.times(), cpu_of(vllm_pid)
     prompts = await asyncio.gather(*(client.tokenize_prompt(model, ex.prompt, tools) for ex in exs))
@@ -100,7 +109,7 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
     comps = [c for g in groups for c in g]
     rewards = [r for ex, g in zip(exs, groups, strict=True) for r in env.score_rollouts(ex, g)]
     calls = [sum(1 for m in c.messages or [] if m.get("role") == "assistant") for c in comps]
-    tool_msgs = [sum(1 for m in c.messages or [] if m.get("role") == "tool") for c in comps]
+    tool_msgs = [sum(tool_results(m) for m in c.messages or []) for c in comps]
     return {"side": side, "seconds": seconds,
             "own_cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
             "children_cpu_s": cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system,

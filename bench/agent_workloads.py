@@ -155,6 +155,9 @@ class Workload:
 
             id = f"bench-twin-{self.name}"
             tooling = AsTheProgramSees([tool], fmt="hermes", max_iterations=2)
+            render_tools = not in_system
+            """Whether the prompt is rendered with the tools' schemas (`tools=`): not where the system message
+            carries them (as the endpoint renders `tool_prompt: system`)."""
 
             def sample(self, rng: random.Random) -> Example:
                 return self.prompted(task.sample(rng))
