@@ -123,7 +123,20 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
             "_batch": (prompts, groups, rewards) if side == "toolloop" else None,
             "rows": [[*(c.prompt_ids or p), *c.token_ids] for p, g in zip(prompts, groups, strict=True) for c in g],
             "masks": [[0] * len(c.prompt_ids or p) + list(c.mask or [1] * len(c.token_ids))
-                      for p, g in zip(prompts, groups, strict=True) for c in g]}
+                      for p, g in zip(prompts, groups, strict=True) for c in g],
+            "lps": [[0.0] * len(c.prompt_ids or p) + list(c.logprobs)
+                    for p, g in zip(prompts, groups, strict=True) for c in g]}
+
+
+def divergence(ref: dict[str, Any], d: dict[str, Any], i: int) -> dict[str, Any]:
+    """Where row `i` of side `d` leaves the tool loop's: the first differing position, the tokens there (and their
+    sampled logprobs), and the largest gap between the two sides' logprobs of the same tokens before it (0 when
+    both engines computed the same numbers; ~1e-6 when float32 rounding differed, e.g. with the batch's makeup)."""
+    a, b, la, lb = ref["rows"][i], d["rows"][i], ref["lps"][i], d["lps"][i]
+    k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    gap = max((abs(x - y) for x, y in zip(la[:k], lb[:k], strict=True)), default=0.0)
+    return {"row": i, "position": k, "lengths": [len(a), len(b)], "tokens": [a[k:k + 4], b[k:k + 4]],
+            "logprobs": [la[k:k + 1], lb[k:k + 1]], "max_logprob_gap_before": gap}
 
 
 def compare(done: list[dict[str, Any]]) -> None:
@@ -135,8 +148,10 @@ def compare(done: list[dict[str, Any]]) -> None:
                                                                            d["masks"], strict=True))
         d["first_unequal"] = next((i for i, (a, b) in enumerate(zip(ref["rows"], d["rows"], strict=True)) if a != b),
                                   None)
+        d["unequal"] = [divergence(ref, d, i) for i, (a, b) in enumerate(zip(ref["rows"], d["rows"], strict=True))
+                        if a != b][:4]
     for d in done:
-        d.pop("rows"), d.pop("masks"), d.pop("_batch")
+        d.pop("rows"), d.pop("masks"), d.pop("lps"), d.pop("_batch")
 
 
 def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -195,6 +210,11 @@ async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | Non
             compare(done)
             print("agent-overhead: rows equal to the tool loop's: " + ", ".join(
                 f"{d['side']} {d['equal_rows']}/{args.prompts * args.generations}" for d in done), flush=True)
+            for d in done:
+                for u in d["unequal"]:
+                    print(f"agent-overhead: round {r} {d['side']} row {u['row']} leaves the tool loop's at position "
+                          f"{u['position']} (lengths {u['lengths']}, tokens {u['tokens']}, logprobs {u['logprobs']}, "
+                          f"largest logprob gap before it {u['max_logprob_gap_before']:.2e})", flush=True)
             calls = next(d["calls"] for d in done if d["side"] == "toolloop")
             if r == 0 and calls < args.min_calls:
                 print(f"agent-overhead: {calls:.2f} model calls a rollout in the warm-up round, fewer than "

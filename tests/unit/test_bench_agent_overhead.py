@@ -103,6 +103,9 @@ def test_the_endpoint_and_the_tool_loop_hold_the_same_conversations(tok, tmp_pat
     fn["rows"][3] = [*fn["rows"][3], 7]  # one token more in one rollout
     agent_overhead.compare(done)
     assert [d["equal_rows"] for d in done] == [8, 7, 8] and fn["first_unequal"] == 3
+    u = fn["unequal"]  # where it leaves the tool loop's row: at the added token, after identical logprobs
+    assert len(u) == 1 and u[0]["row"] == 3 and u[0]["position"] == u[0]["lengths"][0] == u[0]["lengths"][1] - 1
+    assert u[0]["tokens"] == [[], [7]] and u[0]["max_logprob_gap_before"] == 0.0 and shared["unequal"] == []
 
 
 def test_the_report_quotes_no_ratio_when_rows_differ():
