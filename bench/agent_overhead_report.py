@@ -117,8 +117,8 @@ def per_step(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list
              "rows of the round, the same for every side where its rows are equal. Trainer step "
              f"{statistics.mean(train):.2f} s mean ({min(train):.2f}-{max(train):.2f}); groups with reward signal "
              f"(the others skip their backward, as in a run) {min(signal)}-{max(signal)} of {args.prompts}; the "
-             f"trainer's mismatch_kl {kl[0]:.1e} in the first measured round (after the warm-up round's step the "
-             "trainer's policy has moved and vLLM's has not, so later rounds are off-policy by one step). Left out: "
+             f"trainer's mismatch_kl {kl[0]:.1e} in the first measured round (vLLM's policy is never reloaded: once a "
+             "round's step has updated the trainer's, later rounds are off-policy, which changes no token). Left out: "
              "publishing, the identity probe and vLLM's reload (~1-2 s a step, the same on both sides: the ratios "
              "below would be smaller with them).", "",
              "| side | rollout s/step mean | trainer s/step mean | step s mean | per-step ratio to tool loop min / "
