@@ -116,6 +116,16 @@ class Workload:
     """The agent env's `tool_prompt` (`program`: the program's prompt describes its tool; `system`: tidal writes it
     into the system message, and the twin too)."""
 
+    def program_tool(self) -> Any:
+        """The program's own tool function, as its loop calls it (`fn(**arguments)`, whatever name the call gives)."""
+        if self.name == "reverse":
+            from agent_reverse import reverse as program_reverse
+
+            return program_reverse
+        from examples.agent.calc_agent import add as program_add
+
+        return program_add
+
     def build_task(self) -> Any:
         return tasks()[self.task["id"]](**self.task["args"])
 
@@ -127,25 +137,28 @@ class Workload:
         from tidal.envs.tools import Tooling
 
         task, system, tool, in_system = self.build_task(), self.system, self.tool, self.tool_prompt == "system"
+        program_tool = self.program_tool()
         if in_system:  # as the endpoint renders the program's system message with its tools (module doc)
             from examples.agent.calc_agent import TOOLS
 
             system = (system + "\n\n" if system else "") + tools_block(TOOLS)
 
         class AsTheProgramSees(Tooling):
-            """A turn whose calls do not all parse ends the rollout: the endpoint answers such a turn as plain text
-            (no `tool_calls`), so the program, which runs tool calls only, stops there; the tool loop would answer
-            the broken call with an error message and go on."""
+            """The tool answered as the program answers it: every call, whatever tool it names, runs the program's
+            own function on the call's arguments (the program's loop does; the tool loop's session would answer an
+            unknown name or arguments the typed signature refuses with its own `{"error": ...}`), and a turn whose
+            calls do not all parse ends the rollout (the endpoint answers such a turn as plain text, no
+            `tool_calls`, so the program stops there; the tool loop would answer with an error and go on)."""
 
             def open(self, row: dict[str, Any]) -> Any:
                 session = super().open(row)
-                answer = session.after_turn
 
                 async def after_turn(history: list[dict[str, Any]], calls: list[Any]) -> Any:
-                    if any(c.error is not None for c in calls):
+                    if not calls or any(c.error is not None for c in calls):
                         return None
-                    results = await answer(history, calls)
-                    return with_tools_in_system(results, None) if in_system and results else results
+                    results = [{"role": "tool", "name": c.name, "content": program_tool(**c.arguments)}
+                               for c in calls]
+                    return with_tools_in_system(results, None) if in_system else results
 
                 session.after_turn = after_turn  # type: ignore[method-assign]
                 return session

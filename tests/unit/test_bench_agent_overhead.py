@@ -49,7 +49,11 @@ class SeededClient:
         rng = random.Random(hashlib.sha256(f"{prompt_ids}|{seed}".encode()).hexdigest())
         if rng.random() < 0.67:
             a, b = rng.randint(1, 99), rng.randint(1, 9)
-            text = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+            # now and then a call as small models write them: another tool name, an extra or a missing argument
+            # (the program runs its `add` on them all; its twin must answer the same)
+            name, extra = rng.choice([("add", ""), ("add", ""), ("plus", ""), ("add", ', "c": 1')])
+            args = f'"a": {a}, "b": {b}{extra}' if rng.random() < 0.8 else f'"a": {a}'
+            text = f'<tool_call>{{"name": "{name}", "arguments": {{{args}}}}}</tool_call>'
         else:
             text = f"It is {rng.randint(1, 999)}."
         ids = [*self.tok.encode(text, add_special_tokens=False), self.eos][:max_tokens]
