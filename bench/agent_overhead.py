@@ -24,7 +24,15 @@ and seeds, so load on the shared machine falls on every side alike; per-round ra
 recorded per side and step: this process's CPU seconds, its children's (the command's programs) and the vLLM
 server's (its whole process tree).
 
+Per training step (`--trainer TRAIN_YAML`): after each round's sides, one real trainer step
+(bench/agent_trainstep.py: the policy built from that file as `tidal grpo` builds it, the orchestrator's
+`build_batch`, `tidal.trainer.grpo.train_step`) on the tool loop's rows of the round, timed; where the rows are equal
+it is every side's trainer work, so a side's step = its rollout phase + that step (the on-policy default runs them
+one after the other). `--adapter DIR` merges a LoRA adapter into `--model` first (vLLM serves the merged model).
+
     flock /tmp/tidal-heavy.lock python bench/agent_overhead.py --workload calc --rounds 4
+    flock /tmp/tidal-heavy.lock python bench/agent_overhead.py --workload calc --model SFT_DIR --adapter ADAPTER \
+        --trainer examples/agent/smollm2/train.yaml --rounds 3
     python bench/agent_overhead.py --stub --workload calc   # the endpoint's own cost, no engine (agent_stub.py)
 """
 
@@ -71,6 +79,15 @@ def cpu_of(pid: int | None) -> float:
     return total
 
 
+def tool_results(message: dict[str, Any]) -> int:
+    """How many tool results `message` carries: a `tool` message one; a user turn of `<tool_response>` blocks (the
+    `addition` twin's, `tool_prompt: system`) one a block."""
+    if message.get("role") == "tool":
+        return 1
+    content = message.get("content")
+    return content.count("<tool_response>") if message.get("role") == "user" and isinstance(content, str) else 0
+
+
 async def one_step(side: str, env: Any, client: Any, model: str, examples: list[Any], seeds: list[int | None],
                    args: argparse.Namespace, sampling: Any, vllm_pid: int | None) -> dict[str, Any]:
     """One rollout phase of `side`: every group at once, from tokenizing the prompts (the orchestrator's
@@ -80,7 +97,7 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
     from tidal.orchestrator.toolloop import tool_group
 
     exs = [env.prompted(ex) for ex in examples] if side == "toolloop" else examples
-    tools = env.tooling.schemas if side == "toolloop" else None
+    tools = env.tooling.schemas if side == "toolloop" and env.render_tools else None
     group = tool_group if side == "toolloop" else agent_group
     t0, cpu0, v0 = time.monotonic(), os.times(), cpu_of(vllm_pid)
     prompts = await asyncio.gather(*(client.tokenize_prompt(model, ex.prompt, tools) for ex in exs))
@@ -92,7 +109,7 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
     comps = [c for g in groups for c in g]
     rewards = [r for ex, g in zip(exs, groups, strict=True) for r in env.score_rollouts(ex, g)]
     calls = [sum(1 for m in c.messages or [] if m.get("role") == "assistant") for c in comps]
-    tool_msgs = [sum(1 for m in c.messages or [] if m.get("role") == "tool") for c in comps]
+    tool_msgs = [sum(tool_results(m) for m in c.messages or []) for c in comps]
     return {"side": side, "seconds": seconds,
             "own_cpu_s": cpu1.user + cpu1.system - cpu0.user - cpu0.system,
             "children_cpu_s": cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system,
@@ -103,9 +120,23 @@ async def one_step(side: str, env: Any, client: Any, model: str, examples: list[
             "tool_messages": statistics.mean(tool_msgs),
             "with_tool_round": sum(t > 0 for t in tool_msgs), "reward": statistics.mean(rewards),
             "failures": sum(c.env_error is not None for c in comps), "load": os.getloadavg()[0],
+            "_batch": (prompts, groups, rewards) if side == "toolloop" else None,
             "rows": [[*(c.prompt_ids or p), *c.token_ids] for p, g in zip(prompts, groups, strict=True) for c in g],
             "masks": [[0] * len(c.prompt_ids or p) + list(c.mask or [1] * len(c.token_ids))
-                      for p, g in zip(prompts, groups, strict=True) for c in g]}
+                      for p, g in zip(prompts, groups, strict=True) for c in g],
+            "lps": [[0.0] * len(c.prompt_ids or p) + list(c.logprobs)
+                    for p, g in zip(prompts, groups, strict=True) for c in g]}
+
+
+def divergence(ref: dict[str, Any], d: dict[str, Any], i: int) -> dict[str, Any]:
+    """Where row `i` of side `d` leaves the tool loop's: the first differing position, the tokens there (and their
+    sampled logprobs), and the largest gap between the two sides' logprobs of the same tokens before it (0 when
+    both engines computed the same numbers; ~1e-6 when float32 rounding differed, e.g. with the batch's makeup)."""
+    a, b, la, lb = ref["rows"][i], d["rows"][i], ref["lps"][i], d["lps"][i]
+    k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    gap = max((abs(x - y) for x, y in zip(la[:k], lb[:k], strict=True)), default=0.0)
+    return {"row": i, "position": k, "lengths": [len(a), len(b)], "tokens": [a[k:k + 4], b[k:k + 4]],
+            "logprobs": [la[k:k + 1], lb[k:k + 1]], "max_logprob_gap_before": gap}
 
 
 def compare(done: list[dict[str, Any]]) -> None:
@@ -117,8 +148,10 @@ def compare(done: list[dict[str, Any]]) -> None:
                                                                            d["masks"], strict=True))
         d["first_unequal"] = next((i for i, (a, b) in enumerate(zip(ref["rows"], d["rows"], strict=True)) if a != b),
                                   None)
+        d["unequal"] = [divergence(ref, d, i) for i, (a, b) in enumerate(zip(ref["rows"], d["rows"], strict=True))
+                        if a != b][:4]
     for d in done:
-        d.pop("rows"), d.pop("masks")
+        d.pop("rows"), d.pop("masks"), d.pop("lps"), d.pop("_batch")
 
 
 def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -132,7 +165,21 @@ def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
         Path(args.out).write_text(report(args, result, sys.argv[1:]))
 
 
-async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | None) -> dict[str, Any]:
+def train_round(trainer: Any, done: list[dict[str, Any]], r: int) -> None:
+    """`--trainer`: one trainer step on the tool loop's rows of this round (bench/agent_trainstep.py); its figures
+    go into every side's record (the same rows, so the same trainer work where the rows are equal)."""
+    if trainer is None:
+        return
+    got = trainer.step(*next(d["_batch"] for d in done if d["side"] == "toolloop"))
+    print(f"agent-overhead: round {r} trainer step: {got['train_s']:.2f} s, {got['groups_with_signal']}/"
+          f"{got['groups']} groups with signal, {got['train_tokens']} tokens, mismatch_kl {got['mismatch_kl']:.2e}, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    got["train_load"] = os.getloadavg()[0]
+    for d in done:
+        d.update(got)
+
+
+async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | None, trainer: Any) -> dict[str, Any]:
     from tidal.config.orch import SamplingSection
     from tidal.config.orch_sections import ClientSection
     from tidal.inference.backends.vllm.client import VllmClient
@@ -159,9 +206,15 @@ async def bench(args: argparse.Namespace, url: str, wl: Any, vllm_pid: int | Non
                       f"{d['calls']:.2f} calls, {d['tool_messages']:.2f} tool results a rollout, cpu "
                       f"{d['own_cpu_s']:.2f}+{d['children_cpu_s']:.2f} s, vLLM cpu {d['vllm_cpu_s']:.2f} s, "
                       f"load {d['load']:.1f}", flush=True)
+            train_round(trainer, done, r)
             compare(done)
             print("agent-overhead: rows equal to the tool loop's: " + ", ".join(
                 f"{d['side']} {d['equal_rows']}/{args.prompts * args.generations}" for d in done), flush=True)
+            for d in done:
+                for u in d["unequal"]:
+                    print(f"agent-overhead: round {r} {d['side']} row {u['row']} leaves the tool loop's at position "
+                          f"{u['position']} (lengths {u['lengths']}, tokens {u['tokens']}, logprobs {u['logprobs']}, "
+                          f"largest logprob gap before it {u['max_logprob_gap_before']:.2e})", flush=True)
             calls = next(d["calls"] for d in done if d["side"] == "toolloop")
             if r == 0 and calls < args.min_calls:
                 print(f"agent-overhead: {calls:.2f} model calls a rollout in the warm-up round, fewer than "
@@ -182,7 +235,7 @@ def main() -> None:
     from agent_overhead_report import report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["calc", "reverse"], default="calc")
+    ap.add_argument("--workload", choices=["calc", "addition", "reverse"], default="calc")
     ap.add_argument("--model", default=None, help="another model than the workload's own (a local directory)")
     ap.add_argument("--shots", action=argparse.BooleanOptionalAction, default=True,
                     help="calc: one worked conversation at the head of each prompt")
@@ -194,7 +247,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=0, help="orch sampling.max_tokens (0: null, module doc)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="orch sampling.seed")
-    ap.add_argument("--train-step-s", type=float, default=0.0, help="a trainer step's seconds (0: no per-step row)")
+    ap.add_argument("--train-step-s", type=float, default=0.0,
+                    help="a trainer step's seconds added to every side (0: none; --trainer measures it instead)")
+    ap.add_argument("--trainer", default=None,
+                    help="a train.yaml: one real trainer step per round on the tool loop's rows (agent_trainstep.py), "
+                         "timed; the report then gives the per-training-step ratios")
+    ap.add_argument("--adapter", default=None, help="a LoRA adapter merged into --model first (agent_trainstep.py)")
     ap.add_argument("--min-calls", type=float, default=0.0,
                     help="stop after the warm-up round when the tool loop's rollouts make fewer model calls on average")
     ap.add_argument("--allow-unequal", action="store_true", help="print ratios even when rows differ (flagged)")
@@ -219,6 +277,15 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     from agent_workloads import workload
 
+    if args.adapter:  # the policy = --model with this LoRA adapter merged in (vLLM serves it without LoRA)
+        from agent_trainstep import merged
+
+        if not args.model:
+            ap.error("--adapter needs --model (the adapter's base model directory)")
+        import hashlib
+
+        tag = hashlib.sha1(str(Path(args.adapter).resolve()).encode()).hexdigest()[:8]
+        args.model = merged(args.model, Path(args.adapter), work / f"merged-{tag}")
     wl = workload(args.workload, args.model, work, args.shots)
     cmd = [sys.executable, "-m", "tidal.cli", "grpo-infer", "--infer.model", wl.model, "--infer.port",
            str(args.port), "--infer.max_model_len", str(args.seq_len), "--infer.enable_lora", "false"]
@@ -226,7 +293,12 @@ def main() -> None:
     child = harness.start("vllm", cmd, work / "vllm.log", env=harness.child_env(REPO))
     try:
         harness.wait_ready(child, f"http://127.0.0.1:{args.port}/health", 900)
-        result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1", wl, child.pid))
+        trainer = None
+        if args.trainer:  # built before the rounds (its load is no step's); torch then lives in this process
+            from agent_trainstep import TrainerStep
+
+            trainer = TrainerStep(Path(args.trainer), wl.model, args.generations)
+        result = asyncio.run(bench(args, f"http://127.0.0.1:{args.port}/v1", wl, child.pid, trainer))
     finally:
         harness.stop(child)
     save(args, result)

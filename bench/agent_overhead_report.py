@@ -15,6 +15,9 @@ GOAL = 1.05
 WORKLOADS = {
     "calc": "the calculator agent of examples/agent/calc_agent.py (a plain `openai`-SDK program): 'What is A + B + "
             "C?' (100..999) under its system prompt, its `add` tool, <= 3 model calls",
+    "addition": "the calculator agent of examples/agent/calc_agent.py as bench/agent_learn.py trains it (a plain "
+                "`openai`-SDK program): 'What is A + B?' (the `addition` task, 100..999), its `add` tool written into "
+                "its system message by tidal (`tool_prompt: system`, the twin's the same way), <= 3 model calls",
     "reverse": "bench/agent_reverse.py (a plain `openai`-SDK program): reverse-text's prompts, a `reverse` tool, <= 3 "
                "model calls, on the bundled model whose tag tokens are renamed into a Hermes tool call "
                "(`tests.e2e.agent_env.calling_tool_model`)",
@@ -89,6 +92,54 @@ def table(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list[st
     return lines
 
 
+def step_ratios(rounds: list[list[dict[str, Any]]], side: str) -> list[float]:
+    """Per round: (the side's rollout phase + the round's trainer step) / (the tool loop's + the same step)."""
+    out = []
+    for done in rounds:
+        by = {d["side"]: d for d in done}
+        if side in by:
+            t = by["toolloop"]
+            out.append((by[side]["seconds"] + by[side]["train_s"]) / (t["seconds"] + t["train_s"]))
+    return out
+
+
+def per_step(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list[str]:
+    """`--trainer`: the per-training-step table and verdict (rollout phase + the round's real trainer step)."""
+    if not rounds or "train_s" not in rounds[0][0]:
+        return []
+    n = args.prompts * args.generations
+    train = [done[0]["train_s"] for done in rounds]
+    signal = [done[0]["groups_with_signal"] for done in rounds]
+    kl = [done[0]["mismatch_kl"] for done in rounds]
+    lines = ["", f"**Per training step** (`--trainer {args.trainer}`): each round's rollout phase plus one real "
+             "trainer step (`tidal.trainer.grpo.train_step`, policy and optimizer built by `build_policy` from that "
+             "file, the batch by the orchestrator's `build_batch` with group-relative advantages) on the tool loop's "
+             "rows of the round, the same for every side where its rows are equal. Trainer step "
+             f"{statistics.mean(train):.2f} s mean ({min(train):.2f}-{max(train):.2f}); groups with reward signal "
+             f"(the others skip their backward, as in a run) {min(signal)}-{max(signal)} of {args.prompts}; the "
+             f"trainer's mismatch_kl {kl[0]:.1e} in the first measured round (vLLM's policy is never reloaded: once a "
+             "round's step has updated the trainer's, later rounds are off-policy, which changes no token). Left out: "
+             "publishing, the identity probe and vLLM's reload (~1-2 s a step, the same on both sides: the ratios "
+             "below would be smaller with them).", "",
+             "| side | rollout s/step mean | trainer s/step mean | step s mean | per-step ratio to tool loop min / "
+             "median / max | rows equal to the tool loop's |", "|---|---|---|---|---|---|"]
+    for side in args.sides:
+        secs = per_side(rounds, side, "seconds")
+        rs = step_ratios(rounds, side)
+        same, total = equal_rows(rounds, side, n)
+        ratio = ("1" if side == "toolloop" else f"{min(rs):.3f} / {statistics.median(rs):.3f} / {max(rs):.3f}"
+                 if quote else "not quoted (rows differ)")
+        lines.append(f"| {side} | {statistics.mean(secs):.2f} | {statistics.mean(train):.2f} | "
+                     f"{statistics.mean(secs) + statistics.mean(train):.2f} | {ratio} | {same}/{total} |")
+    if quote:
+        lines.append("")
+        for side in args.sides[1:]:
+            med = statistics.median(step_ratios(rounds, side))
+            lines.append(f"- `{side}`: median ratio {med:.3f} per training step: "
+                         f"{'within' if med <= GOAL else 'over'} the 5% goal (<= {GOAL:.2f}).")
+    return lines
+
+
 def verdict(args: Any, rounds: list[list[dict[str, Any]]], quote: bool, all_equal: bool) -> list[str]:
     n = args.prompts * args.generations
     if not quote:
@@ -119,8 +170,10 @@ def report(args: Any, result: dict[str, Any], argv: list[str]) -> str:
     all_equal = all(equal_rows(rounds, side, n)[0] == equal_rows(rounds, side, n)[1] for side in args.sides)
     quote = all_equal or args.allow_unequal
     lines = header(args, result, argv) + table(args, rounds, quote) + verdict(args, rounds, quote, all_equal)
+    lines += per_step(args, rounds, quote)
     lines += ["", "Per round (seconds, in the order run; rows equal to the tool loop's):", ""]
     for i, done in enumerate(rounds, 1):
+        train = f"; trainer step {done[0]['train_s']:.2f}" if "train_s" in done[0] else ""
         lines.append(f"- round {i}: " + ", ".join(f"{d['side']} {d['seconds']:.2f} ({d['equal_rows']}/{n})"
-                                                  for d in done))
+                                                  for d in done) + train)
     return "\n".join(lines) + "\n"

@@ -10,6 +10,11 @@ own loop). Given the same sampled tokens, both sides then hold the same conversa
   `--shots`, the example's prompt opens with one worked conversation (a question, two `add` calls and their
   results, the answer), so that the model, which otherwise never calls the tool, imitates it: two tool rounds and
   an answer.
+- `addition`: examples/agent/calc_agent.py as bench/agent_learn.py trains it: "What is A + B?" (the `addition`
+  task, 100..999) with `tool_prompt: system` (tidal writes the `add` tool's Hermes block into the program's system
+  message and its results back as a user turn of `<tool_response>` blocks); `--model` the policy (e.g. the
+  agent-learn runs' warm start with an RL adapter merged in: it calls the tool, ~2 calls a session). The twin's
+  system message and tool results are written the same way (`tidal.envs.agent.toolprompt.with_tools_in_system`).
 - `reverse`: the bundled model with its tag tokens renamed (`tests.e2e.agent_env.calling_tool_model`: untrained, it
   writes `<tool_call>{"name": "reverse", "arguments": {"text": "..."}}</tool_call>`), reverse-text's prompts and
   bench/agent_reverse.py's `reverse(text)` tool. A model ~100x cheaper per token than SmolLM2, so the endpoint's
@@ -84,9 +89,10 @@ def tasks() -> dict[str, Any]:
         def reward(self, example: Example, completion: str) -> float:
             return float(last_integer(completion) == example.answer)
 
+    from tidal.envs.addition import Addition
     from tidal.envs.reverse_text import ReverseText
 
-    return {"bench-sum3": Sum3, "reverse-text": ReverseText}
+    return {"bench-sum3": Sum3, "reverse-text": ReverseText, "addition": Addition}
 
 
 @dataclass
@@ -106,6 +112,19 @@ class Workload:
     system: str | None
     """The system message the program puts before the example's prompt (None: it sends the prompt as it is)."""
     tool: Any
+    tool_prompt: str = "program"
+    """The agent env's `tool_prompt` (`program`: the program's prompt describes its tool; `system`: tidal writes it
+    into the system message, and the twin too)."""
+
+    def program_tool(self) -> Any:
+        """The program's own tool function, as its loop calls it (`fn(**arguments)`, whatever name the call gives)."""
+        if self.name == "reverse":
+            from agent_reverse import reverse as program_reverse
+
+            return program_reverse
+        from examples.agent.calc_agent import add as program_add
+
+        return program_add
 
     def build_task(self) -> Any:
         return tasks()[self.task["id"]](**self.task["args"])
@@ -113,22 +132,33 @@ class Workload:
     def envs(self) -> dict[str, Any]:
         """{side: environment}: the tool loop's twin and the endpoint's agent env, program as function / command."""
         from tidal.envs.agent.env import make_agent
+        from tidal.envs.agent.toolprompt import tools_block, with_tools_in_system
         from tidal.envs.base import Environment, Example
         from tidal.envs.tools import Tooling
 
-        task, system, tool = self.build_task(), self.system, self.tool
+        task, system, tool, in_system = self.build_task(), self.system, self.tool, self.tool_prompt == "system"
+        program_tool = self.program_tool()
+        if in_system:  # as the endpoint renders the program's system message with its tools (module doc)
+            from examples.agent.calc_agent import TOOLS
+
+            system = (system + "\n\n" if system else "") + tools_block(TOOLS)
 
         class AsTheProgramSees(Tooling):
-            """A turn whose calls do not all parse ends the rollout: the endpoint answers such a turn as plain text
-            (no `tool_calls`), so the program, which runs tool calls only, stops there; the tool loop would answer
-            the broken call with an error message and go on."""
+            """The tool answered as the program answers it: every call, whatever tool it names, runs the program's
+            own function on the call's arguments (the program's loop does; the tool loop's session would answer an
+            unknown name or arguments the typed signature refuses with its own `{"error": ...}`), and a turn whose
+            calls do not all parse ends the rollout (the endpoint answers such a turn as plain text, no
+            `tool_calls`, so the program stops there; the tool loop would answer with an error and go on)."""
 
             def open(self, row: dict[str, Any]) -> Any:
                 session = super().open(row)
-                answer = session.after_turn
 
                 async def after_turn(history: list[dict[str, Any]], calls: list[Any]) -> Any:
-                    return None if any(c.error is not None for c in calls) else await answer(history, calls)
+                    if not calls or any(c.error is not None for c in calls):
+                        return None
+                    results = [{"role": "tool", "name": c.name, "content": program_tool(**c.arguments)}
+                               for c in calls]
+                    return with_tools_in_system(results, None) if in_system else results
 
                 session.after_turn = after_turn  # type: ignore[method-assign]
                 return session
@@ -138,6 +168,9 @@ class Workload:
 
             id = f"bench-twin-{self.name}"
             tooling = AsTheProgramSees([tool], fmt="hermes", max_iterations=2)
+            render_tools = not in_system
+            """Whether the prompt is rendered with the tools' schemas (`tools=`): not where the system message
+            carries them (as the endpoint renders `tool_prompt: system`)."""
 
             def sample(self, rng: random.Random) -> Example:
                 return self.prompted(task.sample(rng))
@@ -152,8 +185,8 @@ class Workload:
         common: dict[str, Any] = {"task": self.task, "max_calls": 4, "timeout_s": 600, "tool_format": "hermes"}
         from tidal.config.agent import AgentArgs
 
-        if "tool_prompt" in AgentArgs.model_fields:  # where the endpoint checks templates that ignore tools: both
-            common["tool_prompt"] = "program"  # workloads' programs (and twins) describe their tools themselves
+        if "tool_prompt" in AgentArgs.model_fields:  # where the endpoint checks templates that ignore tools: the
+            common["tool_prompt"] = self.tool_prompt  # program (`program`) or tidal (`system`) describes them
 
         def build(id_: str, args: dict[str, Any]) -> Any:
             return tasks()[id_](**args)
@@ -174,6 +207,13 @@ def workload(name: str, model: str | None, work: Path, shots: bool) -> Workload:
                         {"id": "bench-sum3", "args": {"low": 100, "high": 999, "shots": shots}},
                         "examples.agent.calc_agent:main", "agent_shared:calc_main",
                         [sys.executable, str(REPO / "examples/agent/calc_agent.py")], SYSTEM, add)
+    if name == "addition":
+        from examples.agent.calc_agent import SYSTEM
+
+        return Workload("addition", model or "tidal:smollm2-135m-instruct",
+                        {"id": "addition", "args": {"low": 100, "high": 999}},
+                        "examples.agent.calc_agent:main", "agent_shared:calc_main",
+                        [sys.executable, str(REPO / "examples/agent/calc_agent.py")], SYSTEM, add, "system")
     if name == "reverse":
         if model is None:
             import importlib
@@ -186,4 +226,4 @@ def workload(name: str, model: str | None, work: Path, shots: bool) -> Workload:
         return Workload("reverse", model, {"id": "reverse-text", "args": {"min_len": 4, "max_len": 12}},
                         "bench.agent_reverse:main", "agent_shared:reverse_main",
                         [sys.executable, str(REPO / "bench/agent_reverse.py")], None, reverse)
-    raise ValueError(f"unknown workload {name!r} (calc, reverse)")
+    raise ValueError(f"unknown workload {name!r} (calc, addition, reverse)")

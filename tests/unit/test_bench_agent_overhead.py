@@ -49,7 +49,11 @@ class SeededClient:
         rng = random.Random(hashlib.sha256(f"{prompt_ids}|{seed}".encode()).hexdigest())
         if rng.random() < 0.67:
             a, b = rng.randint(1, 99), rng.randint(1, 9)
-            text = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+            # now and then a call as small models write them: another tool name, an extra or a missing argument
+            # (the program runs its `add` on them all; its twin must answer the same)
+            name, extra = rng.choice([("add", ""), ("add", ""), ("plus", ""), ("add", ', "c": 1')])
+            args = f'"a": {a}, "b": {b}{extra}' if rng.random() < 0.8 else f'"a": {a}'
+            text = f'<tool_call>{{"name": "{name}", "arguments": {{{args}}}}}</tool_call>'
         else:
             text = f"It is {rng.randint(1, 999)}."
         ids = [*self.tok.encode(text, add_special_tokens=False), self.eos][:max_tokens]
@@ -67,15 +71,18 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(tool_model(tmp_path_factory.mktemp("m") / "model"))
 
 
-def test_the_endpoint_and_the_tool_loop_hold_the_same_conversations(tok, tmp_path):
+@pytest.mark.parametrize("name", ["calc", "addition"])
+def test_the_endpoint_and_the_tool_loop_hold_the_same_conversations(tok, tmp_path, name):
+    """`calc`: the program's prompt describes its tool; `addition`: tidal writes the tool into the system message and
+    its results as a user turn (`tool_prompt: system`), the twin the same way."""
     import agent_overhead
     from agent_workloads import workload
 
     from tidal.config.orch import SamplingSection
 
-    wl = workload("calc", "m", tmp_path, True)
+    wl = workload(name, "m", tmp_path, True)
     envs = wl.envs()
-    args = argparse.Namespace(generations=4, seq_len=1024, temperature=1.0)
+    args = argparse.Namespace(generations=4, seq_len=4096, temperature=1.0)  # the tool block: ~900 tokens here
     sampling = SamplingSection(max_tokens=None, seed=5)
     task = wl.build_task()
     examples = [task.sample(random.Random(i)) for i in range(2)]
@@ -100,6 +107,9 @@ def test_the_endpoint_and_the_tool_loop_hold_the_same_conversations(tok, tmp_pat
     fn["rows"][3] = [*fn["rows"][3], 7]  # one token more in one rollout
     agent_overhead.compare(done)
     assert [d["equal_rows"] for d in done] == [8, 7, 8] and fn["first_unequal"] == 3
+    u = fn["unequal"]  # where it leaves the tool loop's row: at the added token, after identical logprobs
+    assert len(u) == 1 and u[0]["row"] == 3 and u[0]["position"] == u[0]["lengths"][0] == u[0]["lengths"][1] - 1
+    assert u[0]["tokens"] == [[], [7]] and u[0]["max_logprob_gap_before"] == 0.0 and shared["unequal"] == []
 
 
 def test_the_report_quotes_no_ratio_when_rows_differ():
@@ -122,3 +132,29 @@ def test_the_report_quotes_no_ratio_when_rows_differ():
     assert "15/16" in text and "No ratio quoted" in text and "1.025" not in text
     args.allow_unequal = True
     assert "Flagged" in report(args, result, [])
+
+
+def test_the_report_gives_per_training_step_ratios_with_the_rounds_trainer_step():
+    """`--trainer`: a side's step = its rollout phase + the round's trainer step (the same rows, the same work): per
+    round (side + train) / (tool loop + train), then min / median / max, judged against the 5% goal."""
+    from agent_overhead_report import report, step_ratios
+
+    def side(name: str, seconds: float, train: float) -> dict[str, Any]:
+        return {"side": name, "seconds": seconds, "equal_rows": 8, "load": 1.0, "own_cpu_s": 0.1,
+                "children_cpu_s": 0.0, "vllm_cpu_s": 1.0, "sampled_tokens": 100, "calls": 2.0, "tool_messages": 1.0,
+                "with_tool_round": 8, "reward": 0.5, "train_s": train, "groups_with_signal": 2, "groups": 2,
+                "train_tokens": 900, "mismatch_kl": 1e-11, "loss": 0.0}
+
+    rounds = [[side("toolloop", 10.0, 30.0), side("endpoint-fn", 12.0, 30.0)],
+              [side("endpoint-fn", 14.0, 20.0), side("toolloop", 10.0, 20.0)],
+              [side("toolloop", 10.0, 10.0), side("endpoint-fn", 11.0, 10.0)]]
+    assert step_ratios(rounds, "endpoint-fn") == pytest.approx([42 / 40, 34 / 30, 21 / 20])
+    args = argparse.Namespace(workload="addition", shots=True, prompts=2, generations=4, temperature=1.0, seed=0,
+                              seq_len=512, sides=["toolloop", "endpoint-fn"], train_step_s=0.0, allow_unequal=False,
+                              trainer="train.yaml")
+    text = report(args, {"model": "m", "written": "now", "machine": "2 CPUs", "rounds": rounds}, [])
+    assert "1.050 / 1.050 / 1.133" in text and "median ratio 1.050 per training step: within the 5% goal" in text
+    assert "trainer step 30.00" in text  # the per-round line
+    rounds[2][1]["seconds"] = 13.0  # the median moves to round 3's 23/20
+    text = report(args, {"model": "m", "written": "now", "machine": "2 CPUs", "rounds": rounds}, [])
+    assert "median ratio 1.133 per training step: over the 5% goal" in text
