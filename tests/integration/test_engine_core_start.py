@@ -1,8 +1,8 @@
 """Issue 68, infer `engine_core_start`: a real `tidal grpo-infer` on the bundled model (LoRA on, tidal's in-engine
 worker) forks vLLM's engine core from its API server by default (`auto`) instead of spawning it, and serves from it;
 timing-free evidence: the engine core says so naming its parent, which is the server `tidal grpo-infer` became
-(exec keeps the pid); with `spawn` no such line. Ctrl-C to the API
-server alone still ends the engine core (no orphan)."""
+(exec keeps the pid); with `spawn` no such line. Ctrl-C or kill -9 to the API server alone still ends the engine
+core (no orphan)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,10 @@ def complete(port: int) -> list[int]:
     return [len(c["text"]) for c in r.json()["choices"]]
 
 
-def test_the_engine_core_is_forked_from_the_api_server_serves_and_dies_with_it(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_the_engine_core_is_forked_from_the_api_server_serves_and_dies_with_it(tmp_path, sig):
+    """ctrl-c to the API server alone: vLLM's shutdown ends the forked engine core; kill -9 of it: tidal's reaper
+    (`tidal.procs.reaper`, started by `tidal grpo-infer` before it became the server) does."""
     proc, port, log, f = start(tmp_path)
     try:
         assert len(complete(port)) == 4
@@ -62,7 +65,7 @@ def test_the_engine_core_is_forked_from_the_api_server_serves_and_dies_with_it(t
         assert m, text[-3000:]
         core, parent = int(m.group(1)), int(m.group(2))
         assert parent == proc.pid and core in children(proc.pid), (core, parent, proc.pid, children(proc.pid))
-        os.kill(proc.pid, signal.SIGINT)  # ctrl-c to the API server alone
+        os.kill(proc.pid, sig)  # to the API server alone
         proc.wait(timeout=60)
         deadline = time.monotonic() + 30
         while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
