@@ -1,15 +1,18 @@
 """Start-up cuts measured for issue 68 (bench/GOALS-68.md, "Start-up cuts measured"): bench/vllm_startup.py with
 three more variants of `tidal grpo`'s CPU server (LoRA off), for `tidal grpo-infer` starts:
 
-- `nolora-fork`: the engine core forked from the API server instead of spawned (bench/forkshim/sitecustomize.py on
-  the server's PYTHONPATH, STARTBENCH_FORK=1): no second import of torch + vLLM;
+- `nolora-spawn`: vLLM-CPU's own spawned engine core (infer `engine_core_start: spawn`), the start before issue 68;
+  `nolora` is tidal's default since then, the engine core forked from the API server (`auto`,
+  `tidal.inference.backends.vllm.fork_core`): no second import of torch + vLLM. (The first measurement forked it
+  through an experiment's sitecustomize shim, since replaced by that patch.)
+- `spawn`: `default` (LoRA on; with `--grpo-steps`, `make run`'s `tidal grpo`) with the spawned engine core;
 - `nolora-mnbt512`: a 512-token warm-up forward instead of 2,048 (`--max-num-batched-tokens 512`);
 - `block128`: vLLM-CPU's own 128-token KV block (tidal's CPU default is 32 since issue 68; `tidal grpo` rows).
 
 A start that does not answer within 150 s, or a burst over 120 s, is reported as failed and the invocation goes on
 (a forked process can hang on inherited OpenMP state). Run under the heavy-work lock:
 
-    PYTHONPATH=src python bench/startup_cuts.py --variants nolora,nolora-fork,nolora-mnbt512 \
+    PYTHONPATH=src python bench/startup_cuts.py --variants nolora-spawn,nolora --rounds 2 \
         --configs examples/real_model --requests 32 --tokens 48
 """
 
@@ -24,7 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_startup as vs  # noqa: E402 - the one start-up bench; this adds variants to it
 
-SHIM = Path(__file__).resolve().parent / "forkshim"
 _wait, _burst, _time_start = vs.harness.wait_ready, vs.burst, vs.time_start
 
 
@@ -48,8 +50,10 @@ def time_start(variant: vs.Variant, *args: Any, **kwargs: Any) -> vs.Run:
 def main() -> None:
     vs.harness.wait_ready, vs.burst, vs.time_start = ready_capped, burst, time_start
     base = vs.VARIANTS["nolora"]
-    vs.VARIANTS["nolora-fork"] = dataclasses.replace(base, name="nolora-fork", src=f"{SHIM}:{base.src}",
-                                                     env={**base.env, "STARTBENCH_FORK": "1"})
+    vs.VARIANTS["nolora-spawn"] = dataclasses.replace(
+        base, name="nolora-spawn", args=[*base.args, "--infer.engine_core_start", "spawn"])
+    vs.VARIANTS["spawn"] = dataclasses.replace(vs.VARIANTS["default"], name="spawn",
+                                               args=["--infer.engine_core_start", "spawn"])
     vs.VARIANTS["nolora-mnbt512"] = dataclasses.replace(
         base, name="nolora-mnbt512", args=[*base.args, "--infer.extra_args", '["--max-num-batched-tokens", "512"]'])
     vs.VARIANTS["block128"] = dataclasses.replace(vs.VARIANTS["default"], name="block128",

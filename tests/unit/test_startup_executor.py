@@ -44,8 +44,10 @@ def test_worker_threads_follow_vllms_binding(cpu, bind, threads):
 def test_nobind_leaves_omp_num_threads_as_set(cpu):
     cpu.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     cpu.setenv("OMP_NUM_THREADS", "3")
-    env = vllm_env(CFG)
+    env = vllm_env(CFG.model_copy(update={"engine_core_start": "spawn"}))
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "3"
+    env = vllm_env(CFG)  # a forked engine core: the count travels to it, the API server runs one thread
+    assert env["TIDAL_ENGINE_OMP_THREADS"] == "3" and env["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.parametrize("physical, reserved, threads", [(2, None, 1), (8, None, 7), (1, None, 1), (8, "2", 6),

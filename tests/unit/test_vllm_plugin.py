@@ -60,7 +60,8 @@ def test_register_installs_every_patch_and_the_gloo_backend_once():
                CPUModelRunner._bookkeeping_sync)
     plugin.register()  # vLLM may call it again: nothing is wrapped twice
     assert plugin.installed() == {"tied_head": True, "block_ids": True, "seeded_cpu": True,
-                                  "vl_imports": vl_imports.needed(), "gdn_fp32": True}
+                                  "vl_imports": vl_imports.needed(), "gdn_fp32": True,
+                                  "fork_core": False}  # only where server.vllm_env asks for it (test_engine_core_start)
     assert wrapped == (layerwise.finalize_layerwise_processing, Scheduler.schedule, CPUModelRunner._sample,
                        CPUModelRunner._bookkeeping_sync)
     assert getattr(layerwise.finalize_layerwise_processing, tied_head._MARK)

@@ -27,6 +27,7 @@ Each raises `ConfigError` (the CLI exits 2; the Python API raises it as a `Value
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tidal.config.infer import InferConfig
@@ -87,10 +88,11 @@ def check_run(train: TrainConfig, infer: InferConfig, orch: OrchConfig, reward_f
 
         architecture = str((served.get("architectures") or ["?"])[0])
         check_vision_imports(architecture, infer.model)
-        from tidal.inference.backends.vllm.server import on_cpu
+        from tidal.inference.backends.vllm.server import engine_core_fork, on_cpu
         from tidal.models.arch import check_cpu_served
 
         check_cpu_served(architecture, infer.model, on_cpu())  # loaded by vLLM-CPU, but served wrongly
+        engine_core_fork(infer, os.environ)  # infer engine_core_start: fork where it cannot hold
     check_teacher(train, orch)
     for model, where in named_models(orch.reward_funcs, reward_funcs):  # a Hub id loads when first used
         check_local_model(model, where)

