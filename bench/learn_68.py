@@ -212,7 +212,7 @@ def main() -> None:
     if args.notes:
         lines += [Path(args.notes).read_text(), ""]
     out.write_text("\n".join(lines))
-    print(f"learn_68: wrote {out} ({len(runs)} runs, {len(evals) - ('_meta' in evals)} evaluated)")
+    print(f"learn_68: wrote {out} ({len(runs)} runs, {sum(r['adapter'] in evals for r in runs)} adapters evaluated)")
 
 
 if __name__ == "__main__":
