@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -185,7 +186,7 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tida
            "--train.learning_rate", str(args.lr),
            "--train.lora_rank", str(args.lora_rank), "--train.lora_alpha", str(args.lora_alpha),
            "--train.export.gguf", "null", "--infer.port", str(args.port), *ALGORITHMS[args.tidal_algorithm],
-           *MODES[mode]]
+           *MODES[mode], *shlex.split(args.tidal_extra)]
     log = work / f"{mode}_seed{seed}.log"
     total, arrivals = watch(cmd, log, run_dir / "metrics.jsonl", env_with(), 3 * 3600)
     from tidal.monitor.metrics import read_metrics
@@ -197,6 +198,7 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tida
     lag = sorted({int(r.get("off_policy_level", 0)) for r in rows})
     phases = phase_cpu(CPU)
     return {"framework": "tidal", "mode": mode, "seed": seed, "algorithm": args.tidal_algorithm, "total_s": total,
+            "lr": args.lr, "extra": args.tidal_extra, "rows": rows,
             "off_policy_levels": lag, "machine": machine_id(), "date": time.strftime("%Y-%m-%d"), "phases": phases,
             "adapter": str(run_dir / "final" / "adapter"),
             "load": statistics.mean(LOADS or [float("nan")]),
@@ -505,6 +507,12 @@ def main() -> None:
                     help="tidal's loss and advantages: TRL's (default) or the example's (see ALGORITHMS)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the finished runs of an earlier invocation with the same workload (--work's runs.json)")
+    ap.add_argument("--no-eval", action="store_true",
+                    help="run and save the runs (--work's runs.json) only: no `tidal eval`, no report (evaluate them "
+                         "later, e.g. under the machine's heavy lock, with bench/learn_68.py)")
+    ap.add_argument("--tidal-extra", default="",
+                    help="more `tidal grpo` arguments for every tidal run (one shell-quoted string, e.g. "
+                         "'--orch.dynamic_sampling true'); recorded in the runs and their workload")
     ap.add_argument("--work", default="/tmp/tidal-bench-learn")
     ap.add_argument("--out", default=str(REPO / "bench" / "LEARN.md"))
     args = ap.parse_args()
@@ -524,6 +532,8 @@ def main() -> None:
     model_dir = resolve_model(MODEL)  # dequantized once before either trainer's clock starts
     workload = {k: getattr(args, k) for k in ("steps", "prompts", "generations", "max_tokens", "lr", "lora_rank",
                                                "lora_alpha")}
+    if args.tidal_extra:
+        workload["tidal_extra"] = args.tidal_extra
     done = load_runs(work / "runs.json", workload, args.tidal_algorithm) if args.reuse else {}
     runs: list[dict[str, Any]] = []
     for seed in sorted({s for v in seeds.values() for s in v}):
@@ -537,6 +547,9 @@ def main() -> None:
             runs.append(run)
             print(f"bench-learn: {mode} seed {seed}: {run['total_s']:.0f} s", flush=True)
             save_runs(work / "runs.json", workload, [*runs, *(r for k, r in done.items() if r not in runs)])
+    if args.no_eval:
+        print(f"bench-learn: --no-eval: runs saved in {work / 'runs.json'}, nothing evaluated", flush=True)
+        return
     evals = greedy_eval(work, runs, args.cross_check)
     speed = eval_speed(work, [r for r in runs if r["framework"] == "tidal"])
     out = Path(args.out)
