@@ -37,6 +37,13 @@ def ratios(rounds: list[list[dict[str, Any]]], side: str, key: str = "seconds") 
     return out
 
 
+def ratio_cell(side: str, rs: list[float], quote: bool) -> str:
+    """A table's ratio cell: min / median / max against the tool loop, "1" for it, nothing quoted on unequal rows."""
+    if side == "toolloop":
+        return "1"
+    return f"{min(rs):.3f} / {statistics.median(rs):.3f} / {max(rs):.3f}" if quote else "not quoted (rows differ)"
+
+
 def equal_rows(rounds: list[list[dict[str, Any]]], side: str, per_round: int) -> tuple[int, int]:
     return sum(per_side(rounds, side, "equal_rows")), per_round * len(rounds)  # type: ignore[arg-type]
 
@@ -77,10 +84,8 @@ def table(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list[st
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for side in args.sides:
         secs = per_side(rounds, side, "seconds")
-        rs = ratios(rounds, side)
         same, total = equal_rows(rounds, side, n)
-        ratio = ("1" if side == "toolloop" else f"{min(rs):.3f} / {statistics.median(rs):.3f} / {max(rs):.3f}"
-                 if quote else "not quoted (rows differ)")
+        ratio = ratio_cell(side, ratios(rounds, side), quote)
 
         def mean(key: str) -> float:
             return max(0.0, statistics.mean(per_side(rounds, side, key)))  # noqa: B023 - used at once
@@ -125,10 +130,8 @@ def per_step(args: Any, rounds: list[list[dict[str, Any]]], quote: bool) -> list
              "median / max | rows equal to the tool loop's |", "|---|---|---|---|---|---|"]
     for side in args.sides:
         secs = per_side(rounds, side, "seconds")
-        rs = step_ratios(rounds, side)
         same, total = equal_rows(rounds, side, n)
-        ratio = ("1" if side == "toolloop" else f"{min(rs):.3f} / {statistics.median(rs):.3f} / {max(rs):.3f}"
-                 if quote else "not quoted (rows differ)")
+        ratio = ratio_cell(side, step_ratios(rounds, side), quote)
         lines.append(f"| {side} | {statistics.mean(secs):.2f} | {statistics.mean(train):.2f} | "
                      f"{statistics.mean(secs) + statistics.mean(train):.2f} | {ratio} | {same}/{total} |")
     if quote:
