@@ -7,7 +7,9 @@ three more variants of `tidal grpo`'s CPU server (LoRA off), for `tidal grpo-inf
   through an experiment's sitecustomize shim, since replaced by that patch.)
 - `spawn`: `default` (LoRA on; with `--grpo-steps`, `make run`'s `tidal grpo`) with the spawned engine core;
 - `nolora-mnbt512`: a 512-token warm-up forward instead of 2,048 (`--max-num-batched-tokens 512`);
-- `block128`: vLLM-CPU's own 128-token KV block (tidal's CPU default is 32 since issue 68; `tidal grpo` rows).
+- `block128`: vLLM-CPU's own 128-token KV block (tidal's CPU default is 32 since issue 68; `tidal grpo` rows);
+- `nolora-bf16`: the server in bfloat16 (infer `dtype: bfloat16`; tidal's CPU default is float32): vLLM-CPU's bf16
+  kernels (AVX512-BF16 where the CPU has it) against float32, for the rollout side of bf16 on CPU.
 
 A start that does not answer within 150 s, or a burst over 120 s, is reported as failed and the invocation goes on
 (a forked process can hang on inherited OpenMP state). Run under the heavy-work lock:
@@ -58,6 +60,8 @@ def main() -> None:
         base, name="nolora-mnbt512", args=[*base.args, "--infer.extra_args", '["--max-num-batched-tokens", "512"]'])
     vs.VARIANTS["block128"] = dataclasses.replace(vs.VARIANTS["default"], name="block128",
                                                   args=["--infer.block_size", "128"])
+    vs.VARIANTS["nolora-bf16"] = dataclasses.replace(
+        base, name="nolora-bf16", args=[*base.args, "--infer.dtype", "bfloat16"])
     vs.main()
 
 

@@ -72,6 +72,26 @@ def test_the_merge_matches_a_float64_reference_and_starts_from_the_base():
     assert torch.equal(merged_weight(bf16, torch.zeros(2, 8), torch.zeros(8, 2), 2.0, torch.float32), bf16.float())
 
 
+def test_a_float32_checkpoint_served_in_bfloat16_keeps_updates_below_a_bfloat16_step():
+    """bf16(W + delta), rounded once: a delta far below half a bfloat16 step of W still moves the served weights
+    the way the float32 policy moves (round-to-nearest of W + delta against W's own rounding), where adding it to
+    bf16(W) would round every element back to bf16(W). Checked against the float64 sum rounded to bfloat16."""
+    torch.manual_seed(1)
+    w = (torch.rand(256, 128) + 0.5) * 0.05 * torch.randn(256, 128).sign()  # |w| in [0.025, 0.075)
+    a, b = torch.randn(8, 128) * 0.05, torch.randn(256, 8) * 1e-5
+    d = (b.double() @ a.double()) * 2.0
+    assert float(d.abs().max()) < 2 ** -9 * float(w.abs().min())  # smaller than half a bf16 step of any weight
+    got = merged_weight(w, a, b, 2.0, torch.bfloat16)
+    ref = (w.double() + d).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and int((got != ref).sum()) <= 2  # float32's sum rounds like float64's
+    assert int((got != w.bfloat16()).sum()) > 100  # the update reaches the served weights
+    # the served change correlates with the update: sum over the flips of sign agreement
+    moved = got.double() - w.bfloat16().double()
+    assert float((moved * d).sum()) > 0
+    rounded_twice = w.bfloat16() + d.to(torch.bfloat16)  # the old arithmetic: every update rounded away
+    assert int((rounded_twice != w.bfloat16()).sum()) < int((got != w.bfloat16()).sum()) // 10
+
+
 @pytest.mark.parametrize("key,value", [("use_dora", True), ("modules_to_save", ["lm_head"]), ("fan_in_fan_out", True),
                                        ("rank_pattern", {"q_proj": 4}), ("alpha_pattern", {"q_proj": 4}),
                                        ("bias", "all")])

@@ -91,10 +91,15 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
-    """W_base (in `dtype`, vLLM's) + (B @ A) * scale: what the trainer's merged copy holds for this weight."""
-    w = base.to(dtype=dtype, copy=True)
-    w += delta(a.to(w.device), b.to(w.device), scale).to(dtype)
-    return w
+    """W_base + (B @ A) * scale in `dtype` (vLLM's): what the trainer's merged copy holds for this weight, as a
+    merged reload would load it. The sum is taken in the wider of the checkpoint's dtype and float32 and rounded to
+    `dtype` once: a float32 checkpoint served in bfloat16 gets bf16(W + delta), not bf16(bf16(W) + delta), which
+    would drop every update smaller than half a bfloat16 step of its weight (early in a run, nearly all of them:
+    the sampler would keep the base policy while the trainer scores the new one)."""
+    wide = torch.promote_types(base.dtype, torch.float32)
+    w = base.to(dtype=wide, copy=True)
+    w += delta(a.to(w.device), b.to(w.device), scale).to(wide)
+    return w if dtype == wide else w.to(dtype)
 
 
 def read_base(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
