@@ -149,3 +149,23 @@ def test_the_trainer_probe_against_a_float64_forward_and_published_before_stable
         weights.publish = orig
     assert PROBE_FILE in seen["files"] and STABLE not in seen["files"] and (out / STABLE).exists()
     assert ProbeRecord.read(out) == rec and ProbeRecord.read(tmp_path) is None
+
+
+def test_a_cpu_bf16_trainer_publishes_its_probe_as_bfloat16():
+    """Train `recipe: bf16` on CPU keeps float32 weights and autocasts the matmuls: the probe's logprobs carry bf16
+    rounding, so its record names bfloat16 (tolerance 0.1), not the weights' float32 (0.01)."""
+    from tidal.trainer.model.precision import apply_recipe
+    from tidal.trainer.publish.probe import Prober, score
+
+    class Tok:
+        def __len__(self) -> int:
+            return 96
+
+    torch.manual_seed(0)
+    model = tiny("llama")
+    assert Prober(model, Tok()).dtype == "float32"
+    fp32 = score(model, probe_ids(96))
+    model = apply_recipe(model, "bf16", torch.device("cpu"))
+    prober = Prober(model, Tok())
+    assert prober.dtype == "bfloat16" and tolerance(prober.dtype) == 0.1
+    assert 0 < distance(prober.base, fp32) < 0.1  # the autocast forward's rounding: what the record's dtype says

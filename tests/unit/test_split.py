@@ -156,6 +156,26 @@ def test_infer_dtype_auto_follows_the_trainer():
     assert cpu_bf16.infer.dtype == "float32"  # bf16 on CPU autocasts float32 weights
 
 
+def test_a_16bit_vllm_beside_a_float32_trainer_gets_the_16bit_identity_tolerance():
+    """CPU, float32 weights, vLLM asked for bfloat16: the served policy differs by bf16 rounding (a probe gap of
+    ~0.05 on SmolLM2, bench/LEARN-68.md), which the float32 tolerance 0.01 would call a wrong policy at step 1."""
+    cpu = Machine(cores=(0, 1))
+    for recipe in ("fp32", "bf16"):
+        co = derive_colocate(TrainConfig(model="m", recipe=recipe), InferConfig(model="m", dtype="bfloat16"),
+                             OrchConfig(), cpu)
+        assert co.orch.weight_broadcast.policy_check_tolerance == 0.1
+        assert any("policy_check_tolerance 0.1" in n for n in co.placement.notices)
+    same = derive_colocate(TrainConfig(model="m"), InferConfig(model="m"), OrchConfig(), cpu)  # float32 both
+    assert same.orch.weight_broadcast.policy_check_tolerance is None
+    mine = OrchConfig.model_validate({"weight_broadcast": {"policy_check_tolerance": 0.02}})  # the user's wins
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", dtype="bfloat16"), mine, cpu)
+    assert co.orch.weight_broadcast.policy_check_tolerance == 0.02
+    merged = OrchConfig.model_validate({"weight_broadcast": {"reload": "merged"}})  # a bf16 trainer, float32 vLLM
+    co = derive_colocate(TrainConfig(model="m"), InferConfig(model="m", dtype="float32", enable_lora=False), merged,
+                         GPU)
+    assert co.orch.weight_broadcast.policy_check_tolerance is None  # the trainer's bf16 record carries 0.1
+
+
 def test_float32_vllm_with_lora_on_a_gpu_is_refused_before_anything_starts():
     with pytest.raises(ConfigError, match="infer dtype float32 with enable_lora on a GPU"):
         derive_colocate(TrainConfig(model="m"), InferConfig(model="m", dtype="float32"), OrchConfig(), GPU)

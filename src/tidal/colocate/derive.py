@@ -87,6 +87,7 @@ from tidal.config.train import TrainConfig
 from tidal.inference.precision import check_lora_dtype, trainer_dtype
 from tidal.models.memory import train_estimate
 from tidal.models.routes import colocate_replay
+from tidal.transport.probe import TOLERANCE
 
 if TYPE_CHECKING:
     from tidal.models.arch import ArchInfo
@@ -473,9 +474,23 @@ def lora_rank(d: Derivation) -> Derivation:
 
 
 def precision(d: Derivation) -> Derivation:
-    """One precision for the run (`couple_precision`)."""
+    """One precision for the run (`couple_precision`). A 16-bit vLLM beside a float32 trainer (an explicit infer
+    `dtype`) samples a policy that differs from the trainer's by 16-bit rounding: the policy identity check, whose
+    tolerance otherwise follows the trainer's dtype (`tidal.transport.probe.TOLERANCE`), gets the served dtype's,
+    unless orch `weight_broadcast.policy_check_tolerance` is set."""
     infer, note = couple_precision(d.train, d.infer, d.device)
-    return d.but(infer=infer, note=note)
+    d = d.but(infer=infer, note=note)
+    wb = d.orch.weight_broadcast
+    served, trained = infer.dtype, trainer_dtype(d.train.recipe, d.device)
+    if served == trained or served not in TOLERANCE or wb.policy_check_tolerance is not None:
+        return d
+    if TOLERANCE[served] <= TOLERANCE[trained]:
+        return d
+    tol = TOLERANCE[served]
+    return d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb.model_copy(
+        update={"policy_check_tolerance": tol})}),
+        note=f"vLLM serves in {served}: orch weight_broadcast.policy_check_tolerance {tol:g} ({served}'s rounding), "
+             f"not the trainer's {trained} {TOLERANCE[trained]:g}")
 
 
 ON_POLICY_NOTICE = ("CPU only: on-policy (orch max_async_level 0, tidal grpo's default on one CPU machine): "

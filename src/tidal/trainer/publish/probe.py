@@ -24,9 +24,12 @@ log = logging.getLogger("tidal.trainer")
 
 
 def compute_dtype(model: torch.nn.Module) -> str:
-    """The dtype the model's forward computes in, by its input embedding (`TOLERANCE`'s key: `float32`, ...)."""
+    """The dtype the model's forward computes in (`TOLERANCE`'s key: `float32`, ...): its autocast dtype where it has
+    one (train `recipe: bf16` on CPU: float32 weights, bfloat16 matmuls), else its input embedding's."""
+    from tidal.trainer.model.precision import autocast_dtype
+
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
-    dtype = emb.weight.dtype if emb is not None else next(model.parameters()).dtype
+    dtype = autocast_dtype(model) or (emb.weight.dtype if emb is not None else next(model.parameters()).dtype)
     return str(dtype).removeprefix("torch.")
 
 
