@@ -26,11 +26,13 @@ $(DEV_STAMP): pyproject.toml scripts/setup_env.sh
 	touch $(STAMP) $(DEV_STAMP)
 
 ## Fill the start-up caches off the critical path (issue 68): one GRPO step of the bundled example compiles vLLM's
-## model into tidal's cache (<TIDAL_CACHE>/inductor, kept across reboots) and records vLLM's model inspection, so the
-## next `tidal grpo` starts warm (bench/STARTUP.md, variants cold and default). `setup-real` does the same for SmolLM2.
+## model and saves it (infer aot_compile true: vLLM's AOT artifact under VLLM_CACHE_ROOT, ~/.cache/vllm, kept across
+## reboots; the next starts of this configuration load it instead of tracing the model) and records vLLM's model
+## inspection, so the next `tidal grpo` starts warm (bench/STARTUP.md, bench/GOALS-68.md). `setup-real` does the same
+## for SmolLM2.
 warm:
 	@d=$$(mktemp -d) && echo "setup: one GRPO step of the bundled example to fill the start-up caches ($$d)" && \
-	  $(BIN)/tidal grpo --output-dir $$d --orch.max_steps 1 > $$d.log 2>&1 \
+	  $(BIN)/tidal grpo --output-dir $$d --orch.max_steps 1 --infer.aot_compile true > $$d.log 2>&1 \
 	  && rm -rf $$d $$d.log || { echo "setup: the warm-up run failed; its log: $$d.log"; exit 1; }
 
 ## Train the bundled tiny model on reverse-text: real vLLM + orchestrator + trainer, in one command.
@@ -42,7 +44,8 @@ setup-real: setup
 	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=gguf REAL_MODEL=1 bash scripts/setup_env.sh
 	@d=$$(mktemp -d) && echo "setup-real: one GRPO step of the real example to fill its start-up caches ($$d)" && \
 	  $(BIN)/tidal grpo --train examples/real_model/train.yaml --infer examples/real_model/infer.yaml \
-	    --orch examples/real_model/orch.yaml --output-dir $$d --orch.max_steps 1 > $$d.log 2>&1 \
+	    --orch examples/real_model/orch.yaml --output-dir $$d --orch.max_steps 1 --infer.aot_compile true \
+	    > $$d.log 2>&1 \
 	  && rm -rf $$d $$d.log || { echo "setup-real: the warm-up run failed; its log: $$d.log"; exit 1; }
 
 ## Train a real model: SmolLM2-135M-Instruct (tidal:smollm2-135m-instruct) on two-number addition, 30 steps (~5 min

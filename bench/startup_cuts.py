@@ -8,6 +8,9 @@ three more variants of `tidal grpo`'s CPU server (LoRA off), for `tidal grpo-inf
 - `spawn`: `default` (LoRA on; with `--grpo-steps`, `make run`'s `tidal grpo`) with the spawned engine core;
 - `nolora-mnbt512`: a 512-token warm-up forward instead of 2,048 (`--max-num-batched-tokens 512`);
 - `block128`: vLLM-CPU's own 128-token KV block (tidal's CPU default is 32 since issue 68; `tidal grpo` rows);
+- `nolora-aot-new`: `nolora-aot` (infer `aot_compile: true`) with an empty vLLM cache made for this invocation: its
+  first round is a configuration never compiled before (a new `max_model_len`, model directory, ...; the empty cache
+  also redoes vLLM's model inspection, ~9 s of `engine_start`), the next ones load the artifact that round saved;
 - `nolora-bf16`: the server in bfloat16 (infer `dtype: bfloat16`; tidal's CPU default is float32): vLLM-CPU's bf16
   kernels (AVX512-BF16 where the CPU has it) against float32, for the rollout side of bf16 on CPU.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,9 @@ def main() -> None:
         base, name="nolora-mnbt512", args=[*base.args, "--infer.extra_args", '["--max-num-batched-tokens", "512"]'])
     vs.VARIANTS["block128"] = dataclasses.replace(vs.VARIANTS["default"], name="block128",
                                                   args=["--infer.block_size", "128"])
+    fresh = tempfile.mkdtemp(prefix="aot-fresh-")
+    vs.VARIANTS["nolora-aot-new"] = dataclasses.replace(
+        vs.VARIANTS["nolora-aot"], name="nolora-aot-new", env={"VLLM_CACHE_ROOT": fresh})
     vs.VARIANTS["nolora-bf16"] = dataclasses.replace(
         base, name="nolora-bf16", args=[*base.args, "--infer.dtype", "bfloat16"])
     vs.main()

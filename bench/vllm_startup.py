@@ -126,12 +126,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("uni-allcores", "uni executor with torch's default thread count (VLLM_CPU_OMP_THREADS_BIND=nobind: tidal "
             "leaves OMP_NUM_THREADS unset, so the engine core uses every core)",
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
-    Variant("nolora", "LoRA off (vLLM then torch.compiles the model with inductor; tidal sets VLLM_USE_AOT_COMPILE=0 "
-            "on CPU, so torch's compile caches serve later starts)", args=["--infer.enable_lora", "false"]),
+    Variant("nolora", "LoRA off (vLLM then torch.compiles the model with inductor; infer aot_compile auto: a saved "
+            "AOT model is loaded where one exists, else torch's compile caches serve the start)",
+            args=["--infer.enable_lora", "false"]),
     Variant("nolora-mp", "LoRA off, mp executor", args=["--infer.enable_lora", "false", "--infer.extra_args",
                                                          '["--distributed-executor-backend", "mp"]']),
-    Variant("nolora-aot", "LoRA off, VLLM_USE_AOT_COMPILE=1 (vLLM's default: its AOT artifact fails to load on CPU, so "
-            "every start compiles)", args=["--infer.enable_lora", "false"], env={"VLLM_USE_AOT_COMPILE": "1"}),
+    Variant("nolora-aot", "LoRA off, infer aot_compile true (vLLM's AOT compile: the first start compiles and saves, "
+            "later ones load it through tidal's aot_cpu patch; before it, every start compiled)",
+            args=["--infer.enable_lora", "false", "--infer.aot_compile", "true"]),
     Variant("block32", "32-token KV blocks (infer block_size 32; vLLM-CPU's default is 128): the n completions of a "
             "prompt share its prefill but for the last partial block", args=["--infer.block_size", "32"]),
     Variant("nolora-eager", "LoRA off, enforce_eager (no torch.compile)",

