@@ -1,5 +1,5 @@
 """The co-locate GPU split (`tidal.colocate.split`) against the figures measured on an H100 with vLLM 0.24 (issue 26,
-2026-11-24), the precision rule (`tidal.colocate.derive.couple_precision`) on a fake GPU machine, and what
+2026-11-24), the precision rule (`tidal.inference.precision.couple_precision`) on a fake GPU machine, and what
 `derive_colocate` does with both. Pure arithmetic: no GPU needed."""
 
 from __future__ import annotations

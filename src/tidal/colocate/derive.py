@@ -84,10 +84,9 @@ from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
-from tidal.inference.precision import check_lora_dtype, trainer_dtype
+from tidal.inference.precision import couple_precision, served_tolerance
 from tidal.models.memory import train_estimate
 from tidal.models.routes import colocate_replay
-from tidal.transport.probe import TOLERANCE
 
 if TYPE_CHECKING:
     from tidal.models.arch import ArchInfo
@@ -335,22 +334,6 @@ def moe_on_cpu(train: TrainConfig, infer: InferConfig, orch: OrchConfig) -> tupl
             "weights of the LoRA-adapted modules (experts stay as loaded)")
 
 
-def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
-    """One precision for the run: infer `dtype: auto` becomes the trainer's weight dtype (bfloat16 on a GPU unless
-    train `recipe: fp32`; float32 on CPU, as `tidal.trainer.model.load.resolve_dtype`), so vLLM samples the policy the
-    trainer scores. An explicit dtype is kept, with a notice when it differs from the trainer's (measured on an
-    H100: a float32 vLLM beside a bf16 trainer gave mismatch_kl 2e-3 to 9e-3 per step, against <= 1e-3 wanted);
-    float32 with LoRA on a GPU is refused (`check_lora_dtype`). Returns (infer, notice or None)."""
-    trainer = trainer_dtype(train.recipe, device)
-    if infer.dtype == "auto":
-        infer = infer.model_copy(update={"dtype": trainer})
-    check_lora_dtype(infer, device == "cuda")
-    if infer.dtype != trainer:
-        return infer, (f"vLLM serves in {infer.dtype} (infer dtype) while the trainer trains in {trainer}: their "
-                       f"logprobs differ by the rounding (mismatch_kl); infer dtype: auto follows the trainer")
-    return infer, None
-
-
 def route_replay(d: Derivation) -> Derivation:
     """Train `router_replay` resolved on for this model, engine and machine (`tidal.models.routes`): vLLM returns
     routed experts and the orchestrator asks for them."""
@@ -474,23 +457,16 @@ def lora_rank(d: Derivation) -> Derivation:
 
 
 def precision(d: Derivation) -> Derivation:
-    """One precision for the run (`couple_precision`). A 16-bit vLLM beside a float32 trainer (an explicit infer
-    `dtype`) samples a policy that differs from the trainer's by 16-bit rounding: the policy identity check, whose
-    tolerance otherwise follows the trainer's dtype (`tidal.transport.probe.TOLERANCE`), gets the served dtype's,
-    unless orch `weight_broadcast.policy_check_tolerance` is set."""
+    """One precision for the run (`couple_precision`), and the identity check's tolerance for it
+    (`served_tolerance`)."""
     infer, note = couple_precision(d.train, d.infer, d.device)
     d = d.but(infer=infer, note=note)
     wb = d.orch.weight_broadcast
-    served, trained = infer.dtype, trainer_dtype(d.train.recipe, d.device)
-    if served == trained or served not in TOLERANCE or wb.policy_check_tolerance is not None:
+    tol, why = served_tolerance(d.train, infer, d.device, wb.policy_check_tolerance)
+    if tol is None:
         return d
-    if TOLERANCE[served] <= TOLERANCE[trained]:
-        return d
-    tol = TOLERANCE[served]
     return d.but(orch=d.orch.model_copy(update={"weight_broadcast": wb.model_copy(
-        update={"policy_check_tolerance": tol})}),
-        note=f"vLLM serves in {served}: orch weight_broadcast.policy_check_tolerance {tol:g} ({served}'s rounding), "
-             f"not the trainer's {trained} {TOLERANCE[trained]:g}")
+        update={"policy_check_tolerance": tol})}), note=why)
 
 
 ON_POLICY_NOTICE = ("CPU only: on-policy (orch max_async_level 0, tidal grpo's default on one CPU machine): "
