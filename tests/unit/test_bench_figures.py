@@ -70,3 +70,22 @@ def test_a_cited_collapse_names_the_commit_that_holds_it():
     old = subprocess.run(["git", "show", "6a0478c:bench/LEARN.md"], capture_output=True, text=True, cwd=ROOT)
     if old.returncode == 0:  # a checkout with the history
         assert "collapsed" in old.stdout
+
+
+def test_the_quoted_learn_68_accuracies_are_the_recorded_ones():
+    """README.md and docs/performance.md quote tidal's defaults and TRL's greedy accuracy over 5 seeds each from
+    bench/learn_68.json (issue 68): the mean ± sample std recomputed from its evaluations."""
+    import json
+    import statistics
+
+    saved = json.loads((ROOT / "bench" / "learn_68.json").read_text())
+
+    def accuracy(arm: str) -> str:
+        accs = [saved["evals"][r["adapter"]]["accuracy"] for r in saved["runs"] if r["arm"] == arm]
+        assert len(accs) == 5, (arm, len(accs))
+        return f"{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}"
+
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+    for arm in ("lr2e-4", "trl"):
+        assert f"**{accuracy(arm)}**" in readme and f"**{accuracy(arm)}**" in perf, arm
+    assert "bench/LEARN-68.md" in readme and "bench/LEARN-68.md" in perf
