@@ -37,3 +37,27 @@ def test_reward_at_reads_the_last_three_steps_done_by_x():
     assert abs(learn68.reward_at(r, 61.0, "time") - 0.3) < 1e-12  # steps done at 40, 50, 60 s
     assert abs(learn68.reward_at(r, 70.0, "time") - 0.6) < 1e-12  # the last 3 of 4
     assert learn68.reward_at(r, 39.0, "time") != learn68.reward_at(r, 39.0, "time")  # nan: no step done yet
+
+
+def test_the_time_goal_marks_the_runs_that_reach_each_trl_seeds_final_reward_within_a_sixth():
+    trl = {**run([0.0] * 10 + [0.5] * 5, step_s=60.0), "framework": "TRL", "arm": "trl", "total_s": 960.0}
+    fast = {**run([0.1, 0.5, 0.5, 0.5, 0.5]), "seed": 0}  # 3-step running mean 0.5 at step 4: 70 s
+    slow = {**run([0.1] * 15 + [0.5] * 3), "seed": 1}  # at step 18: 210 s, past 960 / 6 = 160 s
+    never = {**run([0.1] * 5), "seed": 2}
+    lines = learn68.time_goal([trl, fast, slow, never])
+    row = next(ln for ln in lines if ln.startswith("| 0 | 0.500 | 960 | 160 |"))
+    assert "2/3 reached, 1 in time (s0 70*, s1 210)" in row, row
+    assert learn68.time_goal([fast]) == [], "no TRL run: no table"
+
+
+def test_the_accuracy_goal_says_which_side_of_trls_spread_an_arm_lies():
+    def tagged(arm: str, seed: int, framework: str = "tidal") -> dict:
+        return {**run([0.1]), "arm": arm, "seed": seed, "framework": framework, "adapter": f"{arm}{seed}"}
+
+    accs = {"trl": [0.60, 0.62, 0.64], "hi": [0.80, 0.82, 0.84], "mid": [0.55, 0.70, 0.62], "lo": [0.40, 0.41, 0.61]}
+    runs = [tagged(a, s, "TRL" if a == "trl" else "tidal") for a, xs in accs.items() for s in range(len(xs))]
+    evals = {f"{a}{s}": {"accuracy": x} for a, xs in accs.items() for s, x in enumerate(xs)}
+    rows = {ln.split(" | ")[0]: ln for ln in learn68.accuracy_goal(runs, evals) if ln.startswith("| ")}
+    assert rows["| hi"].endswith("| +0.200 | above | above |"), rows["| hi"]
+    assert rows["| mid"].endswith("| no | no |"), rows["| mid"]
+    assert rows["| lo"].endswith("| below | no |"), rows["| lo"]  # mean ± std below, its range overlaps TRL's
