@@ -105,6 +105,17 @@ class OrchConfig(StrictModel):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage) and sample
     replacements."""
+    extend_flat_groups: int = Field(0, ge=0)
+    """More completions for a group whose rewards all agree (no learning signal), `async_mode: gated` only
+    (`tidal.orchestrator.extend`): up to this many times, `rollouts_per_example` more completions of the same prompt
+    are sampled (for every such group of a round at once, by the same policy) until its pooled rewards differ. The
+    group then trains on `rollouts_per_example` of them: every completion whose reward differs from the first
+    draw's, up to half the group, and the rest of the first draw's reward, both at random; their advantages take
+    the pooled completions' mean as the baseline (and, with `advantage.scale_rewards: group`, their std), so a
+    prompt solved once in 24 tries scores that success against 1/24, not 1/8. A group still flat after the rounds
+    trains on its first draw. `reward/sampled_mean` is the mean of every group's first draw (the policy's reward as
+    without this key); `extend/*` counts the groups and completions. Needs `advantage.type: default` without
+    `length_weighted_mean` or `normalize_then_sum`, and `rollouts_per_example` >= 2. 0: off."""
     max_sampling_rounds: int = Field(4, ge=1)
     """Sampling rounds per batch (both `async_mode`s, `orchestrator.fill`): with group filters on, a batch still
     short after them is filled with dropped groups (counted in `buffer/filled_with_dropped`); without, further
@@ -181,10 +192,31 @@ class OrchConfig(StrictModel):
                              "buffer.online_difficulty_filtering: true, or leave oversampling_factor at 1.0")
         self._check_in_flight()
         self._check_factors()
+        self._check_extend()
         if self.max_async_level > self.max_off_policy_steps:
             raise ValueError(f"max_async_level ({self.max_async_level}) must not exceed "
                              f"max_off_policy_steps ({self.max_off_policy_steps})")
         return self
+
+    def _check_extend(self) -> None:
+        """What `extend_flat_groups` needs (refused, never ignored)."""
+        if not self.extend_flat_groups:
+            return
+        adv, n = self.advantage, self.extend_flat_groups
+        why = {"async_mode": self.async_mode != "gated" and f"'{self.async_mode}' (the in-flight stream hands groups "
+               "over one by one; extending them is built for gated batches only)",
+               "rollouts_per_example": self.rollouts_per_example < 2 and f"{self.rollouts_per_example} (a group of "
+               "one has no signal to find)",
+               "advantage.type": adv.type != "default" and f"'{adv.type}' (the pooled baseline replaces the default "
+               "group baseline only)",
+               "advantage.length_weighted_mean": adv.length_weighted_mean and "true (the pooled baseline is a plain "
+               "mean)",
+               "advantage.multi_objective_aggregation": adv.multi_objective_aggregation == "normalize_then_sum"
+               and "'normalize_then_sum' (it normalizes each function within the trained group)"}
+        for key, reason in why.items():
+            if reason:
+                raise ValueError(f"extend_flat_groups: {n} does not combine with {key} {reason}; set "
+                                 f"extend_flat_groups: 0 or change {key}")
 
     def _check_factors(self) -> None:
         """Keys `weight_broadcast.reload: factors` (the LoRA merge inside vLLM's worker) does not combine with; the

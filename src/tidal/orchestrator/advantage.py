@@ -15,6 +15,8 @@ Rollouts are laid out group by group (`group_size` completions of the same promp
   normalized over the batch (`gdpo_advantages`); a rollout no function scored gets advantage 0.
 - Rollouts failed on the environment's side (`judged` False: `tidal.orchestrator.outage`) take no part in any
   baseline or std and get advantage 0.
+- Pooled groups (orch `extend_flat_groups`): a group chosen from a larger pool of completions takes the pool's
+  judged mean as its baseline and, with `scale_rewards: group`, the pool's std (`pooled_advantages`).
 - Custom: `import_path` names `module:function` (or `module.function`) called as
   `fn(rewards=..., lengths=..., group_size=..., **kwargs)`, returning one advantage per rollout.
 """
@@ -71,6 +73,30 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = 
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
     return adv.reshape(-1)
+
+
+def pooled_advantages(adv: np.ndarray, rewards: np.ndarray, group_size: int,
+                      pools: Sequence[tuple[float, float] | None], scale_rewards: str = "none",
+                      judged: np.ndarray | None = None) -> np.ndarray:
+    """`group_advantages`' (N,) `adv` with each group that was chosen from a larger pool (orch `extend_flat_groups`:
+    `pools[g]` is (mean, std) of its pooled judged rewards, None for the others) taken against the pool:
+    `(r_i - mean) / s` with `s` the pool's std + EPS (`group`), the batch's judged std + EPS (`batch`, as
+    `group_advantages` takes it) or 1 (`none`); unjudged rollouts 0."""
+    r = _groups(np.asarray(rewards, dtype=np.float64), group_size)
+    j = np.ones(r.shape, dtype=bool) if judged is None else _groups(np.asarray(judged, dtype=bool), group_size)
+    if len(pools) != r.shape[0]:
+        raise ValueError(f"{len(pools)} pools for {r.shape[0]} groups")
+    out = _groups(np.array(adv, dtype=np.float64), group_size).copy()
+    batch_std = _std(r[j]) + EPS
+    for g, pool in enumerate(pools):
+        if pool is None:
+            continue
+        mean, std = pool
+        scale = {"group": std + EPS, "batch": batch_std, "none": 1.0}.get(scale_rewards)
+        if scale is None:
+            raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+        out[g] = np.where(j[g], (r[g] - mean) / scale, 0.0)
+    return out.reshape(-1)
 
 
 def _judged_advantages(r: np.ndarray, j: np.ndarray, scale_rewards: str, lengths: np.ndarray | None,
@@ -202,12 +228,14 @@ def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np
                        step_rewards: list[list[tuple[int, float]]] | None,
                        custom: Callable[..., Any] | None, judged: np.ndarray | None = None,
                        per_func: np.ndarray | None = None,
-                       weights: Sequence[float] | None = None) -> list[np.ndarray]:
+                       weights: Sequence[float] | None = None,
+                       pools: Sequence[tuple[float, float] | None] | None = None) -> list[np.ndarray]:
     """One per-token advantage array per completion, following orch `advantage` (`type`: group-relative,
     process rewards, or a custom function); completions come in groups of `group_size`. `judged` (N,) bool: the
     rollouts the environment judged; the others (`outage`) get advantage 0 and stay out of every baseline (a
     custom function sees their group's judged mean as their reward). `per_func` (N, K) and `weights`: the
-    rewards of each function, for `multi_objective_aggregation: normalize_then_sum`."""
+    rewards of each function, for `multi_objective_aggregation: normalize_then_sum`. `pools`: per group, (mean, std)
+    of the pool it was chosen from (`pooled_advantages`; the default type only)."""
     j = np.ones(len(comp_lens), dtype=bool) if judged is None else np.asarray(judged, dtype=bool)
     if advantage.type == "none":  # reward-free distillation: the trainer's teacher term is the whole signal
         return [np.zeros(int(n)) for n in comp_lens]
@@ -232,4 +260,8 @@ def compute_advantages(advantage: AdvantageSection, group_size: int, rewards: np
     else:
         adv = group_advantages(rewards, group_size, advantage.scale_rewards, comp_lens, advantage.length_weighted_mean,
                                j)
+        if pools is not None and any(p is not None for p in pools):
+            if advantage.length_weighted_mean:
+                raise ValueError("pooled baselines (orch extend_flat_groups) need length_weighted_mean false")
+            adv = pooled_advantages(adv, rewards, group_size, pools, advantage.scale_rewards, j)
     return [np.full(int(n), v) for v, n in zip(adv, comp_lens, strict=True)]

@@ -31,6 +31,7 @@ from tidal.inference.protocol import Completion
 from tidal.models.routes import batch_routes
 from tidal.orchestrator.advantage import combine_rewards, compute_advantages
 from tidal.orchestrator.distill import distill_metrics
+from tidal.orchestrator.extend import sampled_mean
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.groups import StepSample
 from tidal.orchestrator.outage import judged
@@ -187,8 +188,9 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
     comp_lens = np.array([len(c.token_ids) for _, c in flat])
     steps = ([scorer.step_rewards(ex, c) if c.env_error is None else [] for ex, c in flat]
              if cfg.advantage.type == "process" else None)
+    pools = [(p.mean, p.std) if p is not None else None for p in got.pools] if any(got.pools) else None
     advantages = compute_advantages(cfg.advantage, cfg.rollouts_per_example, rewards, comp_lens, steps, custom, ok,
-                                    per_func, scorer.weights)
+                                    per_func, scorer.weights, pools)
     masked, filter_metrics = filters.apply([c for _, c in flat])
     masked = masked | ~ok  # an unjudged rollout carries no loss
     batch, metrics = build_batch(step, got.prompts, got.groups, rewards, advantages, got.versions, cfg,
@@ -198,6 +200,8 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
         metrics |= distill_metrics(batch, sample.teacher_time_s)
     metrics |= rollout_metrics(np.where(ok, rewards, np.nan), per_func, scorer.names, comp_lens,
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
+    if cfg.extend_flat_groups:
+        metrics["reward/sampled_mean"] = sampled_mean(rewards, ok, cfg.rollouts_per_example, got.pools)
     metrics |= scorer.take_error_counts()
     metrics["completions/empty"] = float((comp_lens == 0).sum())
     metrics |= {"env/failed": float((~ok).sum()), "env/dropped_groups": float(got.env.dropped_groups)}

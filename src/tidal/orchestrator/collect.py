@@ -3,9 +3,10 @@
 `sample_step` passes the async gate (`policy.PolicyTracker.ensure`), then `collect_groups` samples the batch in
 rounds (`fill.Filler`): each round draws the examples it asks for (through the buffer: no duplicates, difficulty
 pools), asks for `rollouts_per_example` completions of each (all in flight at once, from server-tokenized prompt
-ids; multi-turn environments run their turns, environments with tools the loop of `toolloop`), scores every group
-and offers it to the filler, which judges it, keeps or spares it and tops the batch up (`fill` module doc: the rule
-is the in-flight stream's). A step whose inference requests fail (the server died or restarted) is sampled again
+ids; multi-turn environments run their turns, environments with tools the loop of `toolloop`), scores every group,
+gives the groups with no signal more completions (orch `extend_flat_groups`, `extend`) and offers each to the
+filler, which judges it, keeps or spares it and tops the batch up (`fill` module doc: the rule is the in-flight
+stream's). A step whose inference requests fail (the server died or restarted) is sampled again
 once the server answers, with the same examples and the policy loaded again (`fill.Retries`). A step that is an
 environment outage is waited out and sampled again (`outage`; one outage state per run, shared with every waiter).
 With a `teacher`, its logprobs of every sequence come along. A prompt's images (`tidal.envs.images`) are encoded
@@ -21,8 +22,9 @@ from tidal.config.orch import OrchConfig
 from tidal.envs.images import prompt_images
 from tidal.inference.protocol import InferenceClient, InferenceError
 from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.extend import extend_groups
 from tidal.orchestrator.fill import Filler, Retries, with_teacher
-from tidal.orchestrator.groups import Collected, StepSample, draw_prompts, group_rollouts
+from tidal.orchestrator.groups import Collected, Pool, StepSample, draw_prompts, group_rollouts
 from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker, required_policy
 from tidal.orchestrator.scoring import Scorer
@@ -40,10 +42,15 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         examples, prompts = await draw_prompts(env, rng, client, base, ask, cfg, counts, buffer)
         images = [prompt_images(ex.prompt) for ex in examples]
         groups = await group_rollouts(step, cfg, env, client, policy.model, examples, prompts, filler.scored, images)
-        for ex, p, g, im in zip(examples, prompts, groups, images, strict=True):
+        scores = [scorer.score(ex, g, step) for ex, g in zip(examples, groups, strict=True)]
+        pools: list[Pool | None] = [None] * len(groups)
+        if cfg.extend_flat_groups:  # more completions for the groups with no signal (`extend`)
+            groups, scores, pools = await extend_groups(step, cfg, env, client, policy.model, examples, prompts,
+                                                        groups, scores, images, scorer, filler.scored, counts)
+        for ex, p, g, s, im, pool in zip(examples, prompts, groups, scores, images, pools, strict=True):
             p = g[0].prompt_ids or p  # an environment's reset observation changed the prompt
             version = (policy.step, policy.step)  # gated: the whole batch is sampled by the one served policy
-            filler.offer(ex, p, g, scorer.score(ex, g, step), im, version)
+            filler.offer(ex, p, g, s, im, version, pool)
     filler.top_up()
     if not filler.kept.env.is_outage(cfg.env_outage.fraction):
         filler.shortfall(counts, f"batch {step}")

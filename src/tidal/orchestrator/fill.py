@@ -35,7 +35,7 @@ from tidal.envs.base import Example
 from tidal.inference.protocol import Completion, InferenceClient, InferenceError
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.buffer import Buffer
-from tidal.orchestrator.groups import Collected, StepSample, teacher_logprobs
+from tidal.orchestrator.groups import Collected, Pool, StepSample, teacher_logprobs
 from tidal.orchestrator.outage import judged
 from tidal.orchestrator.policy import PolicyTracker
 
@@ -86,8 +86,9 @@ class Filler:
         return ask
 
     def offer(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray,
-              images: list[bytes] | None = None, version: tuple[int, int] = (0, 0)) -> bool:
-        """Judge one scored group and keep or spare it; whether it went into the batch."""
+              images: list[bytes] | None = None, version: tuple[int, int] = (0, 0), pool: Pool | None = None) -> bool:
+        """Judge one scored group and keep or spare it; whether it went into the batch. `pool`: the group was chosen
+        from more completions (`extend`)."""
         self.scored += 1
         if not self.kept.env.add(group):  # fewer than 2 rollouts judged (the others failed on the environment's side)
             return False
@@ -95,7 +96,7 @@ class Filler:
         if not ok:
             self.buffer.counts["buffer/dropped_groups"] += 1
         keep = ok and not self.full
-        (self.kept if keep else self.spare).add(example, prompt, group, scores, images, version)
+        (self.kept if keep else self.spare).add(example, prompt, group, scores, images, version, pool)
         return keep
 
     def top_up(self) -> None:

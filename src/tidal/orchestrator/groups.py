@@ -90,6 +90,21 @@ def tool_schemas(env: Any, example: Example) -> list[dict[str, Any]] | None:
     return e.tooling.schemas if getattr(e, "tooling", None) is not None else None
 
 
+@dataclass(frozen=True)
+class Pool:
+    """A group trained on completions chosen from a larger pool (orch `extend_flat_groups`, `extend`): what its
+    advantages and `reward/sampled_mean` need of the pool."""
+
+    mean: float
+    """Mean of the pooled judged rewards: the group's baseline."""
+    std: float
+    """Their unbiased std (0 for fewer than 2): the `scale_rewards: group` scale."""
+    size: int
+    """Judged completions pooled."""
+    first_mean: float
+    """Mean of the first draw's judged rewards (the `rollouts_per_example` sampled before any extension)."""
+
+
 @dataclass
 class Collected:
     """The groups chosen for one batch, with their scores."""
@@ -105,21 +120,24 @@ class Collected:
     """(start, end) policy versions that produced each group (`staleness` module doc)."""
     env: EnvFailures = field(default_factory=EnvFailures)
     """Failures on the environment's side among every group scored for the batch (`outage`)."""
+    pools: list[Pool | None] = field(default_factory=list)
+    """Each group's pool when it was chosen from more completions (orch `extend_flat_groups`); None: as sampled."""
 
     def add(self, example: Example, prompt: list[int], group: list[Completion], scores: np.ndarray,
-            images: list[bytes] | None = None, version: tuple[int, int] = (0, 0)) -> None:
+            images: list[bytes] | None = None, version: tuple[int, int] = (0, 0), pool: Pool | None = None) -> None:
         self.examples.append(example)
         self.prompts.append(prompt)
         self.groups.append(group)
         self.per_func.append(scores)
         self.images.append(images or [])
         self.versions.append(version)
+        self.pools.append(pool)
 
     def extend(self, other: Collected, limit: int) -> None:
         """Take the first `limit` groups of `other`."""
         for i in range(min(limit, len(other.examples))):
             self.add(other.examples[i], other.prompts[i], other.groups[i], other.per_func[i], other.images[i],
-                     other.versions[i])
+                     other.versions[i], other.pools[i])
 
 
 async def group_rollouts(step: int, cfg: OrchConfig, env: Any, client: InferenceClient, model: str,
