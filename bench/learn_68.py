@@ -21,7 +21,10 @@ time goal). This script then
 
 Simplifications: samples generated are counted from the orchestrator's per-step `buffer/*` metrics, exact with
 `oversampling_factor` 1.0 and no environment failures (each round asks for exactly the missing groups, so every
-accepted group is kept): generated groups = groups per batch - `buffer/filled_with_dropped` + `buffer/dropped_groups`.
+accepted group is kept): generated groups = groups per batch - `buffer/filled_with_dropped` + `buffer/dropped_groups`,
+plus `extend/completions` (orch `extend_flat_groups`' extra completions). With `extend_flat_groups` a run's reward
+curve is `reward/sampled_mean` (the groups' first draws: the policy's reward; bench/learn.py), not the trained
+completions' `reward/mean`, which the choice of both rewards raises.
 A run's mean 1-min load is in its row: above ~3 on this 2-core machine it shared the CPU and its times are not
 timings.
 """
@@ -42,7 +45,7 @@ import learn  # noqa: E402 - bench/learn.py: greedy_eval, spread, final_reward, 
 
 REPO = Path(__file__).resolve().parents[1]
 KEEP = ("step", "reward/mean", "step_time_s", "buffer/dropped_groups", "buffer/filled_with_dropped", "buffer/rounds",
-        "mismatch_kl")
+        "mismatch_kl", "reward/sampled_mean", "extend/completions", "extend/groups", "extend/found_signal")
 """Per-step metrics kept from each tidal run."""
 
 
@@ -92,7 +95,7 @@ def generated(run: dict[str, Any]) -> list[int]:
     groups, out, total = w["prompts"], [], 0
     for r in run.get("rows") or [{}] * len(run["curve"]):
         g = groups - int(r.get("buffer/filled_with_dropped", 0)) + int(r.get("buffer/dropped_groups", 0))
-        total += g * w["generations"]
+        total += g * w["generations"] + int(r.get("extend/completions", 0))
         out.append(total)
     return out
 
