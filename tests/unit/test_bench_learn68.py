@@ -30,6 +30,11 @@ def test_generated_counts_dropped_groups_and_not_the_top_up_twice():
     assert learn68.generated(run([0.1, 0.2])) == [64, 128], "no buffer metrics (TRL): every sample trained"
 
 
+def test_generated_counts_the_extra_completions_of_extended_groups():
+    rows = [{"extend/completions": 64.0}, {"extend/completions": 24.0, "buffer/dropped_groups": 1.0}, {}]
+    assert learn68.generated(run([0.1, 0.2, 0.3], rows)) == [128, 128 + 64 + 24 + 8, 128 + 96 + 64]
+
+
 def test_reward_at_reads_the_last_three_steps_done_by_x():
     r = run([0.0, 0.3, 0.6, 0.9], [{"buffer/dropped_groups": 8.0}] * 4)  # 16 groups sampled a step
     assert abs(learn68.reward_at(r, 128, "trained") - 0.15) < 1e-12
