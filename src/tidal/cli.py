@@ -441,6 +441,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+FAST_EXIT = frozenset({"grpo", "grpo-train", "grpo-orch"})
+"""Commands whose process ends through `tidal.procs.exit.fast_exit` (1-2 s of interpreter teardown skipped)."""
+
+
+def entry() -> None:
+    """The `tidal` command (and `python -m tidal.cli`): `main` on the process's arguments; the commands of
+    `FAST_EXIT` then end the process without the interpreter's teardown, unless the environment sets
+    `TIDAL_FAST_EXIT=0` (the interpreter's full shutdown, as before; bench/exit_tail.py's baseline)."""
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT and os.environ.get("TIDAL_FAST_EXIT", "1") != "0":
+        from tidal.procs.exit import fast_exit
+
+        fast_exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    entry()

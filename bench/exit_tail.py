@@ -1,0 +1,90 @@
+"""The end of a run: from the trainer's last step to `tidal grpo`'s exit, with the fast exit (`tidal.procs.exit`: the
+trainer and the launcher skip the interpreter's module teardown) and without (`TIDAL_FAST_EXIT=0`, the full shutdown
+as before), alternating in one invocation on the bundled example; writes bench/EXIT-TAIL.md.
+
+    /work/notes/heavy python bench/exit_tail.py --rounds 3 --steps 5
+
+Each run's output lines are timed as they arrive: `last step` (the trainer's `step N/N` line), `report` (its `run
+report` line: the last thing the trainer does), `complete` (the launcher's `run complete`, once it saw the trainer
+exit) and `exit` (the command's exit, after vLLM's stop). The tail is `exit - last step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MARKS = {"last step": None, "report": re.compile(r"\[train\].*run report: "),
+         "complete": re.compile(r"\[tidal\] run complete")}
+
+
+def one(fast: bool, steps: int, work: Path) -> dict[str, float]:
+    """One `tidal grpo` of the bundled example; the seconds since its start of each mark (module doc)."""
+    env = {**os.environ, "TIDAL_FAST_EXIT": "1" if fast else "0"}
+    cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(work), "--orch.max_steps", str(steps)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    got: dict[str, float] = {}
+    assert proc.stdout is not None
+    last = re.compile(rf"\[train\].*step {steps}/{steps} ")
+    for line in proc.stdout:
+        now = time.monotonic() - t0
+        if last.search(line):
+            got["last step"] = now
+        for name, pattern in MARKS.items():
+            if pattern is not None and pattern.search(line):
+                got[name] = now
+    if proc.wait() != 0:
+        raise SystemExit(f"exit_tail: {' '.join(cmd)} exited with {proc.returncode}")
+    got["exit"] = time.monotonic() - t0
+    got["load"] = os.getloadavg()[0]
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=str(REPO / "bench" / "EXIT-TAIL.md"))
+    args = ap.parse_args()
+    rows: list[tuple[int, str, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory(prefix="exit-tail-") as tmp:
+        for r in range(1, args.rounds + 1):
+            for fast in (False, True):
+                name = "fast exit" if fast else "full shutdown"
+                got = one(fast, args.steps, Path(tmp) / f"{r}-{int(fast)}")
+                rows.append((r, name, got))
+                print(f"round {r} {name}: tail {got['exit'] - got['last step']:.2f} s, whole {got['exit']:.1f} s",
+                      flush=True)
+    lines = ["# The end of a run, with and without the fast exit (bench/exit_tail.py)", "",
+             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python bench/exit_tail.py --rounds "
+             f"{args.rounds} --steps {args.steps}`, the bundled example ({args.steps} steps), the two variants "
+             "alternating; seconds since the command's start.", "",
+             "| round | variant | last step | report | complete | exit | tail (exit - last step) | report -> complete "
+             "| complete -> exit | whole | load 1-min |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r, name, g in rows:
+        lines.append(f"| {r} | {name} | {g['last step']:.2f} | {g['report']:.2f} | {g['complete']:.2f} | "
+                     f"{g['exit']:.2f} | **{g['exit'] - g['last step']:.2f}** | {g['complete'] - g['report']:.2f} | "
+                     f"{g['exit'] - g['complete']:.2f} | {g['exit']:.1f} | {g['load']:.2f} |")
+    tails = {name: [g["exit"] - g["last step"] for _, n, g in rows if n == name]
+             for name in ("full shutdown", "fast exit")}
+    gaps = {name: [g["complete"] - g["report"] for _, n, g in rows if n == name] for name in tails}
+    med = {name: statistics.median(v) for name, v in tails.items()}
+    lines += ["", f"Median tail: full shutdown {med['full shutdown']:.2f} s, fast exit {med['fast exit']:.2f} s "
+              f"(ratio {med['fast exit'] / med['full shutdown']:.2f}); the trainer's report line to the launcher's "
+              f"`run complete` (the trainer's exit): {statistics.median(gaps['full shutdown']):.2f} s against "
+              f"{statistics.median(gaps['fast exit']):.2f} s.", ""]
+    Path(args.out).write_text("\n".join(lines))
+    print(f"exit_tail: wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
