@@ -15,36 +15,47 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - scripts/harness.py: children through tidal.procs
+
+BUDGET_S = 600.0
+"""Longest one run may take."""
 MARKS = {"last step": None, "report": re.compile(r"\[train\].*run report: "),
          "complete": re.compile(r"\[tidal\] run complete")}
 
 
 def one(fast: bool, steps: int, work: Path) -> dict[str, float]:
-    """One `tidal grpo` of the bundled example; the seconds since its start of each mark (module doc)."""
-    env = {**os.environ, "TIDAL_FAST_EXIT": "1" if fast else "0"}
+    """One `tidal grpo` of the bundled example (a `harness` child); the seconds since its start of each mark (module
+    doc)."""
+    env = harness.child_env(TIDAL_FAST_EXIT="1" if fast else "0")
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(work), "--orch.max_steps", str(steps)]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    got: dict[str, float] = {}
-    assert proc.stdout is not None
     last = re.compile(rf"\[train\].*step {steps}/{steps} ")
-    for line in proc.stdout:
+    got: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    def on_line(line: str) -> None:
         now = time.monotonic() - t0
         if last.search(line):
             got["last step"] = now
         for name, pattern in MARKS.items():
             if pattern is not None and pattern.search(line):
                 got[name] = now
-    if proc.wait() != 0:
-        raise SystemExit(f"exit_tail: {' '.join(cmd)} exited with {proc.returncode}")
-    got["exit"] = time.monotonic() - t0
+
+    child = harness.start("grpo", cmd, work.parent / f"{work.name}.log", env, on_line=on_line)
+    try:
+        code = child.wait(timeout=BUDGET_S)
+        got["exit"] = time.monotonic() - t0
+    finally:
+        harness.stop(child)
+    child.tail()  # the output pump has read every line
+    if code != 0:
+        raise SystemExit(f"exit_tail: {' '.join(cmd)} exited with {code}; log {work.parent / f'{work.name}.log'}")
     got["load"] = os.getloadavg()[0]
     return got
 

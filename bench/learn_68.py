@@ -217,13 +217,15 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
         ys = [c[2] for c in r["curve"]]
         axes[0].plot(generated(r), ys, style, color=colors[r["arm"]], alpha=0.7, marker=".", label=label)
         axes[1].plot([c[0] for c in r["curve"]], ys, style, color=colors[r["arm"]], alpha=0.7, marker=".")
-    axes[0].set_xlabel("samples generated (dropped groups included)")
+    axes[0].set_xlabel("samples generated (dropped groups and extensions included)")
     axes[1].set_xlabel("wall-clock s since the command started (TRL dashed)")
     for ax in axes:
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("SmolLM2-135M-Instruct, addition, 8x8x64, 15 steps: tidal arms and TRL (one line per seed)")
+    steps = sorted({len(r["curve"]) for r in runs})
+    fig.suptitle(f"SmolLM2-135M-Instruct, addition, 8x8x64, {'/'.join(map(str, steps))} steps: tidal arms and TRL "
+                 "(one line per seed)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
