@@ -1,6 +1,7 @@
 """What every `GroupStream` test against the shared vLLM server sets up: a client that waits for the server, policy 0
 followed in the run directory, the stream started over the orch config's environments, and all of it closed again
-whatever the test does (`open_stream`); `take_first` takes batch 1 and returns it with its counts and the stream."""
+whatever the test does (`open_stream`); `take_first` takes batch 1 and returns it with its counts and the stream.
+`gated_batch` is the gated mode's counterpart: batch 1 sampled by `collect_groups` on policy 0."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from tests.conftest import MODEL
 from tidal.config.orch import ClientSection, OrchConfig
 from tidal.inference.backends.vllm.client import VllmClient
 from tidal.orchestrator.buffer import Buffer
+from tidal.orchestrator.collect import collect_groups
 from tidal.orchestrator.envmix import EnvMix
+from tidal.orchestrator.groups import Collected
 from tidal.orchestrator.policy import PolicyTracker
 from tidal.orchestrator.scoring import Scorer
 from tidal.orchestrator.stream import GroupStream
@@ -53,3 +56,23 @@ def take_first(vllm_server: str, cfg: OrchConfig, seed: int, run_dir: Path, *,
             return await stream.take(1, counts), counts, stream
 
     return asyncio.run(go())
+
+
+def gated_batch(vllm_server: str, cfg: OrchConfig, run_dir: Path, counts: dict[str, float],
+                ) -> tuple[Collected, Scorer, Buffer]:
+    """Batch 1 of `cfg` in the gated mode (`collect_groups`, examples drawn with `random.Random(5)`) on policy 0 of
+    the shared server; returns it with the scorer and the buffer that judged it (`counts` gets the step's counts)."""
+    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
+    scorer = Scorer(env.envs, cfg)
+
+    async def go() -> Collected:
+        client = VllmClient(ClientSection(base_url=[vllm_server]))
+        try:
+            await client.wait_ready()
+            policy = PolicyTracker(client, MODEL, run_dir, "default")
+            buffer.new_step()
+            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy, counts, scorer, buffer)
+        finally:
+            await client.close()
+
+    return asyncio.run(go()), scorer, buffer

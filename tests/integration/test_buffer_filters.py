@@ -6,21 +6,12 @@ The reward: 1.0 for every completion of a prompt whose text has even length (a g
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import numpy as np
 import pytest
 
-from tests.conftest import MODEL
-from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.backends.vllm.client import VllmClient
+from tests.integration.streams import gated_batch
+from tidal.config.orch import OrchConfig
 from tidal.orchestrator.advantage import combine_rewards
-from tidal.orchestrator.buffer import Buffer
-from tidal.orchestrator.collect import collect_groups
-from tidal.orchestrator.envmix import EnvMix
-from tidal.orchestrator.policy import PolicyTracker
-from tidal.orchestrator.scoring import Scorer
 
 pytestmark = pytest.mark.vllm
 
@@ -36,21 +27,7 @@ def collect(url: str, tmp_path, counts: dict[str, float] | None = None, **kw):
         "env_reward_weight": 0.0,
         "reward_funcs": [{"import_path": "tests.integration.test_buffer_filters:split_reward"}],
         **kw})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-    scorer = Scorer(env.envs, cfg)
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[url]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            buffer.new_step()
-            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy,
-                                        {} if counts is None else counts, scorer, buffer)
-        finally:
-            await client.close()
-
-    got = asyncio.run(go())
+    got, scorer, buffer = gated_batch(url, cfg, tmp_path, {} if counts is None else counts)
     stds = [float(np.std(combine_rewards(s, scorer.weights)[0])) for s in got.per_func]
     return got, stds, buffer.metrics()
 

@@ -7,24 +7,15 @@ never leaves a group flat-free."""
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import numpy as np
 import pytest
 
-from tests.conftest import MODEL
-from tidal.config.orch import ClientSection, OrchConfig
-from tidal.inference.backends.vllm.client import VllmClient
+from tests.integration.streams import gated_batch
+from tidal.config.orch import OrchConfig
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.assemble import assemble
-from tidal.orchestrator.buffer import Buffer
-from tidal.orchestrator.collect import collect_groups
-from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.groups import StepSample
-from tidal.orchestrator.policy import PolicyTracker
-from tidal.orchestrator.scoring import Scorer
 
 pytestmark = pytest.mark.vllm
 
@@ -47,21 +38,8 @@ def collect(url: str, tmp_path, reward: str, **kw):
         "batch_size": 8, "rollouts_per_example": 4, "seq_len": 256,
         "sampling": {"max_tokens": 8, "seed": 11}, "env_reward_weight": 0.0,
         "reward_funcs": [{"import_path": f"tests.integration.test_extend_groups:{reward}"}], **kw})
-    env, buffer = EnvMix(cfg.env, cfg.buffer.env_ratios), Buffer(cfg.buffer, cfg.dynamic_sampling)
-    scorer = Scorer(env.envs, cfg)
     counts: dict[str, float] = {}
-
-    async def go():
-        client = VllmClient(ClientSection(base_url=[url]))
-        try:
-            await client.wait_ready()
-            policy = PolicyTracker(client, MODEL, tmp_path, "default")
-            buffer.new_step()
-            return await collect_groups(1, cfg, env, random.Random(5), client, MODEL, policy, counts, scorer, buffer)
-        finally:
-            await client.close()
-
-    got = asyncio.run(go())
+    got, scorer, _ = gated_batch(url, cfg, tmp_path, counts)
     done = assemble(1, StepSample(got, 0.0, 1.0), cfg, scorer, Filters([], None), None)
     return got, counts, done, scorer
 
