@@ -8,7 +8,12 @@ single-digit problems, 33% on [1, 20]) -- between 5% and 50%, so GRPO groups hav
 layers, lr 5e-4, float32, on-policy), then one `tidal eval` of the base model and every run's final adapter on the
 environment's fixed eval set (greedy, one vLLM with merged reloads), 95% Wilson intervals. Train and eval problems
 come from the same small space (LOW..HIGH squared pairs), so the check is "learns the task", not "generalizes".
-Simplifications: few steps and short completions (CPU, shared machine); the reward is the env's own; no TRL side.
+`--trl-seeds` adds TRL 1.16's GRPOTrainer (bench/trl_grpo.py, its defaults: loss `dapo`, beta 0, std-scaled group
+advantages, transformers generation) on the same workload, seed by seed, and its final adapters to the same
+`tidal eval`: issue 68's learning goal ("at equal samples tidal's defaults learn more than TRL's, on bench-learn and
+one more task") on a second task and a second real model: no tidal default was tuned on them (the workload's
+learning rate is the one with which tidal's first run there learned, bench/LEARN-GEMMA-EXPLORED.md; TRL runs it too).
+Simplifications: few steps and short completions (CPU); the reward is the env's own.
 Every vLLM start must hold the shared lock: run it as `flock /tmp/tidal-vllm.lock python bench/learn_gemma.py`.
 `--deadline HH:MM` (UTC) stops starting runs that could not finish by then; the rows written so far stay, marked.
 `--temperature` sets the training rollouts' sampling temperature (orch `sampling.temperature`). Seeds can train in
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,6 +39,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import harness  # noqa: E402 - the benches' one harness (tidal.procs)
 
 MODEL = "tidal:gemma3-270m"
+TRL_DIR = Path(os.environ.get("TIDAL_BENCH_TRL", REPO / ".venv" / "bench-trl"))
+"""TRL 1.16 without its dependencies (`make bench-trl`), first on the TRL runs' PYTHONPATH."""
 
 
 def env_arg(args: argparse.Namespace) -> str:
@@ -85,6 +93,51 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     return out
 
 
+def env_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The environment's arguments as `env_arg` gives them to tidal (bench/trl_grpo.py's `--env-args`)."""
+    return {"prompt_format": "text", "low": args.low, "high": args.high, "eval_size": args.eval_size}
+
+
+def trl(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
+    """One TRL 1.16 GRPOTrainer run (bench/trl_grpo.py, TRL's defaults: loss `dapo`, beta 0, rewards scaled by the
+    group's std, transformers generation, gradient checkpointing) on the same workload as `grpo`: the same problems
+    (the env's sampler, seed `seed`), prompts x completions per optimizer step, tokens, temperature, learning rate,
+    LoRA r16/alpha 32 on all linear layers, float32; its summary like `grpo`'s, reused the same way."""
+    summary = work / f"trl_seed{seed}.json"
+    recipe = {k: getattr(args, k) for k in RECIPE}
+    if summary.exists():
+        done = json.loads(summary.read_text())
+        if done.get("recipe") == recipe and Path(done["adapter"]).is_dir():
+            return {**done, "reused": True}
+        raise RuntimeError(f"{summary}: a run of another recipe ({done.get('recipe')}) is in {work}: use another "
+                           f"--work")
+    from tidal.models.sources import resolve_model
+
+    out, adapter = work / f"trl_seed{seed}_steps.json", work / f"trl_seed{seed}_adapter"
+    cmd = [sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--env", "addition", "--env-args",
+           json.dumps(env_args(args)), "--model", str(resolve_model(MODEL)), "--out", str(out), "--steps",
+           str(args.steps), "--prompts", str(args.prompts), "--generations", str(args.generations), "--max-tokens",
+           str(args.max_tokens), "--lr", str(args.lr), "--temperature", str(args.temperature), "--seed", str(seed),
+           "--save-adapter", str(adapter)]
+    t0 = time.monotonic()
+    code, text = harness.run(cmd, work / f"trl_seed{seed}.log", args.run_budget_s, env=harness.child_env(TRL_DIR),
+                             name=f"trl_seed{seed}")
+    if code != 0:
+        raise RuntimeError(f"TRL seed {seed} failed (exit {code}): {text[-2000:]}")
+    steps = json.loads(out.read_text())["steps"]
+    rewards = [s["reward"] for s in steps]
+    k = min(3, len(rewards))
+    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
+    res = {"framework": "TRL", "seed": seed, "total_s": time.monotonic() - t0, "adapter": str(adapter),
+           "step_s": statistics.mean(gaps) if gaps else steps[0]["elapsed_s"],
+           "reward_first": statistics.mean(rewards[:k]), "reward_last": statistics.mean(rewards[-k:]),
+           "mismatch_kl_1": float("nan"), "steps": len(steps), "recipe": recipe, "rewards": rewards}
+    from tidal.paths import write_atomic
+
+    write_atomic(summary, json.dumps(res, indent=1))
+    return res
+
+
 def greedy(args: argparse.Namespace, work: Path, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """`tidal eval` of the base model and the runs' adapters: label -> accuracy with its 95% Wilson interval."""
     out = work / "eval.json"
@@ -122,23 +175,36 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
              f"{args.eval_size}-problem set, 95% Wilson interval in brackets.", ""]
     base = evals.get("base") if evals else None
     lines += [f"Base model greedy accuracy: {fmt(base)}", "",
-              "| seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
-              "greedy before | greedy after |", "|---|---|---|---|---|---|---|---|---|"]
+              "| side | seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
+              "greedy before | greedy after |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         after = evals.get(r["adapter"]) if evals else None
-        lines.append(f"| {r['seed']} | {r['steps']} | {r['step_s']:.1f} | {r['total_s']:.0f} | "
-                     f"{r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['mismatch_kl_1']:.1e} | {fmt(base)} | "
-                     f"{fmt(after)} |")
-    if evals and runs and all(r["adapter"] in evals for r in runs):
-        accs = [evals[r["adapter"]][0] for r in runs]
+        lines.append(f"| {r.get('framework', 'tidal')} | {r['seed']} | {r['steps']} | {r['step_s']:.1f} | "
+                     f"{r['total_s']:.0f} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | "
+                     f"{r['mismatch_kl_1']:.1e} | {fmt(base)} | {fmt(after)} |")
+    sides = {side: [r for r in runs if r.get("framework", "tidal") == side] for side in ("tidal", "TRL")}
+    summary: dict[str, tuple[float, float, float, float]] = {}
+    for side, rs in sides.items():
+        if not (evals and rs and all(r["adapter"] in evals for r in rs)):
+            continue
+        accs = [evals[r["adapter"]][0] for r in rs]
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        lines += ["", f"After, over {len(accs)} seeds: {statistics.mean(accs):.3f} +- {sd:.3f} (sample std); "
-                  f"before: {base[0]:.3f}." if base else ""]
+        summary[side] = (statistics.mean(accs), sd, min(accs), max(accs))
+        lines += ["", f"{side}, greedy after, over {len(accs)} seeds: {statistics.mean(accs):.3f} +- {sd:.3f} "
+                  f"({min(accs):.3f}-{max(accs):.3f}; sample std); whole runs {min(r['total_s'] for r in rs):.0f}-"
+                  f"{max(r['total_s'] for r in rs):.0f} s, {statistics.mean(r['step_s'] for r in rs):.1f} s/step."]
         if base:
-            above = sum(evals[r["adapter"]][0] > base[2] for r in runs)
-            clear = sum(evals[r["adapter"]][1] > base[2] for r in runs)
-            lines += ["", f"Seeds whose greedy accuracy after is above the base's interval (> {base[2]:.3f}): "
-                      f"{above} of {len(runs)}; whose own interval lies wholly above it: {clear} of {len(runs)}."]
+            above = sum(evals[r["adapter"]][0] > base[2] for r in rs)
+            clear = sum(evals[r["adapter"]][1] > base[2] for r in rs)
+            lines += ["", f"{side} seeds whose greedy accuracy after is above the base's interval (> {base[2]:.3f}): "
+                      f"{above} of {len(rs)}; whose own interval lies wholly above it: {clear} of {len(rs)}."]
+    if len(summary) == 2:
+        (m1, s1, lo1, hi1), (m2, s2, lo2, hi2) = summary["tidal"], summary["TRL"]
+        spread = "outside" if (m1 - s1 > m2 + s2 or m2 - s2 > m1 + s1) else "inside"
+        ranges = "do not overlap" if (lo1 > hi2 or lo2 > hi1) else "overlap"
+        lines += ["", f"Issue 68's learning goal on this second task and second real model, at equal samples: tidal "
+                  f"{m1:.3f} against TRL {m2:.3f}, difference {m1 - m2:+.3f}, {spread} the spread (mean +- std "
+                  f"intervals), min-max ranges {ranges}."]
     if evals:
         lines += ["", "Greedy completions (first 3 problems):", ""]
         lines += [f"- {label}: {json.dumps(s)}" for label, s in evals["samples"].items()]
@@ -152,7 +218,9 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="tidal's seeds")
+    p.add_argument("--trl-seeds", type=int, nargs="*", default=[],
+                   help="TRL 1.16's seeds on the same workload (bench/trl_grpo.py; `make bench-trl` installs TRL)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
@@ -178,15 +246,17 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     note = "Complete."
-    for seed in args.seeds:
+    plan = [(grpo, seed) for seed in args.seeds] + [(trl, seed) for seed in args.trl_seeds]
+    for run, seed in plan:
         if args.deadline:
             hh, mm = (int(x) for x in args.deadline.split(":"))
             now = time.gmtime()
             left = (hh * 60 + mm - now.tm_hour * 60 - now.tm_min) * 60
             if left < args.reserve_s + (runs[-1]["total_s"] if runs else 300):
-                note = f"PARTIAL: seeds {[r['seed'] for r in runs]} of {args.seeds} ran before the deadline."
+                note = (f"PARTIAL: runs {[(r.get('framework', 'tidal'), r['seed']) for r in runs]} of seeds "
+                        f"{args.seeds} (tidal) and {args.trl_seeds} (TRL) ran before the deadline.")
                 break
-        runs.append(grpo(args, work, seed))
+        runs.append(run(args, work, seed))
         write(args, runs, None, "PARTIAL: training rows so far, evaluation pending.")
     if args.no_eval:
         write(args, runs, None, f"PARTIAL: training rows only (--no-eval). {note}")

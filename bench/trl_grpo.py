@@ -28,6 +28,10 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="bf16: GRPOConfig(bf16=True), autocast on CPU (the model stays float32 there)")
     ap.add_argument("--env", default="reverse-text", choices=["reverse-text", "addition"])
+    ap.add_argument("--env-args", default="{}",
+                    help="the environment's arguments, JSON (tidal's env `args`: e.g. addition's prompt_format text, "
+                         "low, high for bench/learn_gemma.py's base-model task)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPOConfig's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=32)
@@ -46,15 +50,18 @@ def main() -> None:
     from tidal.envs import make_env
     from tidal.envs.reverse_text import extract_answer, similarity
 
-    env = make_env(args.env, {})
+    env = make_env(args.env, json.loads(args.env_args))
     rng = random.Random(args.seed)
     rows = [env.sample(rng) for _ in range(args.prompts * (args.steps + 2))]
     data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in rows])
 
+    def text(completion) -> str:  # conversational prompts give message lists, plain-text prompts strings
+        return completion if isinstance(completion, str) else completion[0]["content"]
+
     def reverse_reward(completions, answer, **kwargs):
         if args.env == "addition":
-            return [env.reward(ex, c[0]["content"]) for c, ex in zip(completions, example_of(answer), strict=True)]
-        return [similarity(extract_answer(c[0]["content"]), a) for c, a in zip(completions, answer, strict=True)]
+            return [env.reward(ex, text(c)) for c, ex in zip(completions, example_of(answer), strict=True)]
+        return [similarity(extract_answer(text(c)), a) for c, a in zip(completions, answer, strict=True)]
 
     def example_of(answers):
         from tidal.envs.base import Example
@@ -64,7 +71,8 @@ def main() -> None:
     per_device = args.prompts * args.generations // 4
     cfg = GRPOConfig(output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps,
                      per_device_train_batch_size=per_device, gradient_accumulation_steps=4,
-                     num_generations=args.generations, max_completion_length=args.max_tokens, temperature=1.0,
+                     num_generations=args.generations, max_completion_length=args.max_tokens,
+                     temperature=args.temperature,
                      learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, report_to=[],
                      save_strategy="no", use_cpu=args.device == "cpu",
                      bf16=args.device != "cpu" or args.precision == "bf16",

@@ -95,3 +95,26 @@ def test_wandb_offline_sink_needs_no_network(tmp_path, monkeypatch):
         assert json.dumps(r["reward/mean"]).encode() in raw
     assert b"distributions/reward" in raw and b"reward/mean" in raw
     assert list(runs[0].rglob("samples_*.table.json")), "the samples table was logged"
+
+
+def test_preload_imports_matplotlib_in_a_thread_and_the_report_then_draws(tmp_path):
+    """`preload` (the trainer calls it when ready): a fresh interpreter without pyplot has it, on Agg, once the
+    daemon thread ends, and a report written afterwards still has every panel."""
+    import subprocess
+    import sys
+
+    fake_run(tmp_path)
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from tidal.monitor.report import preload, write_report\n"
+            "assert 'matplotlib.pyplot' not in sys.modules\n"
+            "t = preload()\n"
+            "assert t.daemon\n"
+            "t.join(120)\n"
+            "assert not t.is_alive()\n"
+            "import matplotlib\n"
+            "print(matplotlib.get_backend().lower(), 'matplotlib.pyplot' in sys.modules)\n"
+            f"print(write_report(Path({str(tmp_path)!r})).read_text().count('data:image/png'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["agg", "True", str(len(PANELS))]

@@ -527,6 +527,10 @@ def run(cfg: TrainConfig, run_dir: Path, ranks: Ranks = SINGLE) -> int:
              f" (+{ranks.world - 1} more ranks, FSDP2 zero_level {cfg.zero_level})" if ranks.sharded else "",
              f"{sum(q.numel() for q in (p.view or p.model).parameters() if q.requires_grad):,}",
              source.where if source else "-")
+    if ranks.main:  # the report's matplotlib, imported while this trainer waits for its first batch
+        from tidal.monitor.report import preload
+
+        preload()
     guard = MismatchGuard(cfg.mismatch_guard)
     peaks = PeakWatch(cfg, p.device)
     step_times: list[float] = []
