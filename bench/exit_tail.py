@@ -7,6 +7,9 @@ as before), alternating in one invocation on the bundled example; writes bench/E
 Each run's output lines are timed as they arrive: `last step` (the trainer's `step N/N` line), `report` (its `run
 report` line: the last thing the trainer does), `complete` (the launcher's `run complete`, once it saw the trainer
 exit) and `exit` (the command's exit, after vLLM's stop). The tail is `exit - last step`.
+
+`--baseline-src DIR` compares two versions of tidal instead, both with the fast exit: DIR (another checkout's `src`,
+e.g. a git worktree of an earlier commit, first on the children's PYTHONPATH) against this checkout's, alternating.
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ MARKS = {"last step": None, "report": re.compile(r"\[train\].*run report: "),
          "complete": re.compile(r"\[tidal\] run complete")}
 
 
-def one(fast: bool, steps: int, work: Path) -> dict[str, float]:
-    """One `tidal grpo` of the bundled example (a `harness` child); the seconds since its start of each mark (module
-    doc)."""
-    env = harness.child_env(TIDAL_FAST_EXIT="1" if fast else "0")
+def one(env: dict[str, str], steps: int, work: Path) -> dict[str, float]:
+    """One `tidal grpo` of the bundled example (a `harness` child, environment `env`); the seconds since its start of
+    each mark (module doc)."""
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--output-dir", str(work), "--orch.max_steps", str(steps)]
     last = re.compile(rf"\[train\].*step {steps}/{steps} ")
     got: dict[str, float] = {}
@@ -65,19 +67,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=str(REPO / "bench" / "EXIT-TAIL.md"))
+    ap.add_argument("--baseline-src", help="another checkout's src: compare it with this one's (module doc)")
     args = ap.parse_args()
+    if args.baseline_src:
+        src = Path(args.baseline_src).resolve()
+        if not (src / "tidal" / "cli.py").is_file():
+            raise SystemExit(f"exit_tail: --baseline-src {src} holds no tidal package")
+        variants = {"baseline": harness.child_env(src, TIDAL_FAST_EXIT="1"),
+                    "this checkout": harness.child_env(TIDAL_FAST_EXIT="1")}
+    else:
+        variants = {"full shutdown": harness.child_env(TIDAL_FAST_EXIT="0"),
+                    "fast exit": harness.child_env(TIDAL_FAST_EXIT="1")}
     rows: list[tuple[int, str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="exit-tail-") as tmp:
         for r in range(1, args.rounds + 1):
-            for fast in (False, True):
-                name = "fast exit" if fast else "full shutdown"
-                got = one(fast, args.steps, Path(tmp) / f"{r}-{int(fast)}")
+            for k, (name, env) in enumerate(variants.items()):
+                got = one(env, args.steps, Path(tmp) / f"{r}-{k}")
                 rows.append((r, name, got))
                 print(f"round {r} {name}: tail {got['exit'] - got['last step']:.2f} s, whole {got['exit']:.1f} s",
                       flush=True)
-    lines = ["# The end of a run, with and without the fast exit (bench/exit_tail.py)", "",
+    base, new = variants
+    what = (f"this checkout's src against {args.baseline_src}'s, both with the fast exit" if args.baseline_src
+            else "with and without the fast exit")
+    flag = f" --baseline-src {args.baseline_src}" if args.baseline_src else ""
+    lines = [f"# The end of a run, {what} (bench/exit_tail.py)", "",
              f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python bench/exit_tail.py --rounds "
-             f"{args.rounds} --steps {args.steps}`, the bundled example ({args.steps} steps), the two variants "
+             f"{args.rounds} --steps {args.steps}{flag}`, the bundled example ({args.steps} steps), the two variants "
              "alternating; seconds since the command's start.", "",
              "| round | variant | last step | report | complete | exit | tail (exit - last step) | report -> complete "
              "| complete -> exit | whole | load 1-min |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -85,14 +100,15 @@ def main() -> None:
         lines.append(f"| {r} | {name} | {g['last step']:.2f} | {g['report']:.2f} | {g['complete']:.2f} | "
                      f"{g['exit']:.2f} | **{g['exit'] - g['last step']:.2f}** | {g['complete'] - g['report']:.2f} | "
                      f"{g['exit'] - g['complete']:.2f} | {g['exit']:.1f} | {g['load']:.2f} |")
-    tails = {name: [g["exit"] - g["last step"] for _, n, g in rows if n == name]
-             for name in ("full shutdown", "fast exit")}
+    tails = {name: [g["exit"] - g["last step"] for _, n, g in rows if n == name] for name in variants}
     gaps = {name: [g["complete"] - g["report"] for _, n, g in rows if n == name] for name in tails}
+    reports = {name: [g["report"] - g["last step"] for _, n, g in rows if n == name] for name in tails}
     med = {name: statistics.median(v) for name, v in tails.items()}
-    lines += ["", f"Median tail: full shutdown {med['full shutdown']:.2f} s, fast exit {med['fast exit']:.2f} s "
-              f"(ratio {med['fast exit'] / med['full shutdown']:.2f}); the trainer's report line to the launcher's "
-              f"`run complete` (the trainer's exit): {statistics.median(gaps['full shutdown']):.2f} s against "
-              f"{statistics.median(gaps['fast exit']):.2f} s.", ""]
+    lines += ["", f"Median tail: {base} {med[base]:.2f} s, {new} {med[new]:.2f} s (ratio {med[new] / med[base]:.2f}); "
+              f"the trainer's last step to its report line: {statistics.median(reports[base]):.2f} s against "
+              f"{statistics.median(reports[new]):.2f} s; the report line to the launcher's `run complete` (the "
+              f"trainer's exit): {statistics.median(gaps[base]):.2f} s against {statistics.median(gaps[new]):.2f} s.",
+              ""]
     Path(args.out).write_text("\n".join(lines))
     print(f"exit_tail: wrote {args.out}", flush=True)
 
