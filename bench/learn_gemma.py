@@ -157,6 +157,13 @@ def greedy(args: argparse.Namespace, work: Path, runs: list[dict[str, Any]]) -> 
     return res
 
 
+def cpu_model() -> str:
+    """This machine's CPU model (/proc/cpuinfo), or 'an unknown CPU'."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "an unknown CPU")
+
+
 def fmt(acc: tuple[float, float, float] | None) -> str:
     return "-" if acc is None else f"{acc[0]:.3f} [{acc[1]:.3f}, {acc[2]:.3f}]"
 
@@ -166,8 +173,9 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
     from tidal.paths import write_atomic
 
     lines = ["# A base model learns: `tidal:gemma3-270m` on addition as plain text (`bench/learn_gemma.py`)", "",
-             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on a shared 2-core machine (other jobs "
-             f"ran meanwhile: times are not comparable across invocations). {note}", "",
+             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_model()}, {os.cpu_count()} cores; "
+             f"the runs of one invocation run one at a time (times from other invocations or machines do not "
+             f"compare). {note}", "",
              f"Workload: Gemma 3 270M base (Q4_K_M GGUF dequantized to float32), `addition` prompt_format text, "
              f"A, B in [{args.low}, {args.high}], {args.prompts} prompts x {args.generations} completions x <= "
              f"{args.max_tokens} tokens per step at temperature {args.temperature}, {args.steps} steps, lr {args.lr}, "
