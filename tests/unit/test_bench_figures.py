@@ -89,3 +89,22 @@ def test_the_quoted_learn_68_accuracies_are_the_recorded_ones():
     for arm in ("lr2e-4", "trl"):
         assert f"**{accuracy(arm)}**" in readme and f"**{accuracy(arm)}**" in perf, arm
     assert "bench/LEARN-68.md" in readme and "bench/LEARN-68.md" in perf
+
+
+def test_the_quoted_gemma_accuracies_are_the_recorded_ones():
+    """README.md and docs/performance.md quote tidal's and TRL's greedy accuracy on the second task (Gemma 3 270M
+    base, bench/LEARN-GEMMA-TRL.json, 5 seeds each): the mean ± sample std recomputed from its evaluations."""
+    import json
+    import statistics
+
+    saved = json.loads((ROOT / "bench" / "LEARN-GEMMA-TRL.json").read_text())
+
+    def accuracy(side: str) -> str:
+        accs = [saved["evals"][r["adapter"]][0] for r in saved["runs"] if r.get("framework", "tidal") == side]
+        assert len(accs) == 5, (side, len(accs))
+        return f"{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}"
+
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+    for side in ("tidal", "TRL"):
+        assert f"**{accuracy(side)}**" in readme and f"**{accuracy(side)}**" in perf, side
+    assert "bench/LEARN-GEMMA-TRL.md" in readme and "bench/LEARN-GEMMA-TRL.md" in perf
