@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
@@ -38,7 +38,11 @@ def main() -> None:
     ap.add_argument("--save-adapter", default=None)
     ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
                     help="TRL's GRPOConfig gradient_checkpointing (TRL 1.16's default: on)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     script_start = time.monotonic()
 
     import torch
