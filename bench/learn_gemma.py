@@ -51,6 +51,18 @@ def env_arg(args: argparse.Namespace) -> str:
 RECIPE = ("steps", "prompts", "generations", "max_tokens", "lr", "temperature", "low", "high")
 
 
+def finished(summary: Path, recipe: dict[str, Any]) -> dict[str, Any] | None:
+    """The run whose summary is `summary`, marked reused, when it finished with `recipe` and its adapter is there;
+    None when it never finished; a run of another recipe in the same work directory is an error."""
+    if not summary.exists():
+        return None
+    done = json.loads(summary.read_text())
+    if done.get("recipe") == recipe and Path(done["adapter"]).is_dir():
+        return {**done, "reused": True}
+    raise RuntimeError(f"{summary}: a run of another recipe ({done.get('recipe')}) is in {summary.parent}: use "
+                       f"another --work")
+
+
 def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     """One `tidal grpo` run; its metrics summary and final adapter. A run of the same recipe already finished in
     `work` (its summary `seed{seed}.json`, written last) is reused, so seeds can train in separate invocations
@@ -58,12 +70,8 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     run_dir = work / f"seed{seed}"
     summary = work / f"seed{seed}.json"
     recipe = {k: getattr(args, k) for k in RECIPE}
-    if summary.exists():
-        done = json.loads(summary.read_text())
-        if done.get("recipe") == recipe and Path(done["adapter"]).is_dir():
-            return {**done, "reused": True}
-        raise RuntimeError(f"{summary}: a run of another recipe ({done.get('recipe')}) is in {work}: use another "
-                           f"--work")
+    if (done := finished(summary, recipe)) is not None:
+        return done
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(EXAMPLE / "train.yaml"), "--infer",
            str(EXAMPLE / "infer.yaml"), "--orch", str(EXAMPLE / "orch.yaml"), "--model", MODEL, "--output-dir",
            str(run_dir), "--orch.env", f"[{env_arg(args)}]", "--orch.max_steps", str(args.steps),
@@ -105,12 +113,8 @@ def trl(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     LoRA r16/alpha 32 on all linear layers, float32; its summary like `grpo`'s, reused the same way."""
     summary = work / f"trl_seed{seed}.json"
     recipe = {k: getattr(args, k) for k in RECIPE}
-    if summary.exists():
-        done = json.loads(summary.read_text())
-        if done.get("recipe") == recipe and Path(done["adapter"]).is_dir():
-            return {**done, "reused": True}
-        raise RuntimeError(f"{summary}: a run of another recipe ({done.get('recipe')}) is in {work}: use another "
-                           f"--work")
+    if (done := finished(summary, recipe)) is not None:
+        return done
     from tidal.models.sources import resolve_model
 
     out, adapter = work / f"trl_seed{seed}_steps.json", work / f"trl_seed{seed}_adapter"
