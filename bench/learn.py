@@ -206,7 +206,8 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tida
             "first_step_s": float(first.group(1)) if first else arrivals[0],
             "step_s": statistics.mean(r["step_time_s"] for r in rows[1:] or rows),
             "mismatch_kl_1": rows[0]["mismatch_kl"],
-            # orch extend_flat_groups: the first draws' reward (the trained completions' is raised by the choice)
+            # orch extend_flat_groups / guide_flat_groups: the sampled reward (the trained one is raised by the
+            # choice or by the reference answers)
             "curve": [(t, r["step"] * args.prompts * args.generations, r.get("reward/sampled_mean", r["reward/mean"]))
                       for t, r in zip(arrivals, rows, strict=False)]}
 

@@ -45,7 +45,8 @@ import learn  # noqa: E402 - bench/learn.py: greedy_eval, spread, final_reward, 
 
 REPO = Path(__file__).resolve().parents[1]
 KEEP = ("step", "reward/mean", "step_time_s", "buffer/dropped_groups", "buffer/filled_with_dropped", "buffer/rounds",
-        "mismatch_kl", "reward/sampled_mean", "extend/completions", "extend/groups", "extend/found_signal")
+        "mismatch_kl", "reward/sampled_mean", "extend/completions", "extend/groups", "extend/found_signal",
+        "guide/groups", "guide/completions")
 """Per-step metrics kept from each tidal run."""
 
 

@@ -16,7 +16,9 @@ learning rate is the one with which tidal's first run there learned, bench/LEARN
 Simplifications: few steps and short completions (CPU); the reward is the env's own.
 Every vLLM start must hold the shared lock: run it as `flock /tmp/tidal-vllm.lock python bench/learn_gemma.py`.
 `--deadline HH:MM` (UTC) stops starting runs that could not finish by then; the rows written so far stay, marked.
-`--temperature` sets the training rollouts' sampling temperature (orch `sampling.temperature`). Seeds can train in
+`--temperature` sets the training rollouts' sampling temperature (orch `sampling.temperature`); `--tidal-extra` passes
+more `tidal grpo` arguments to tidal's runs only (an arm such as `--orch.guide_flat_groups 1`; its rewards are then the
+sampled ones, `reward/sampled_mean`). Seeds can train in
 separate invocations (`--no-eval`, one lock hold each, same `--work`): a finished run of the same recipe is reused, and
 a last invocation listing every seed evaluates them all in one `tidal eval`.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -69,7 +72,7 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
     (one lock hold each) and be evaluated together by a last one."""
     run_dir = work / f"seed{seed}"
     summary = work / f"seed{seed}.json"
-    recipe = {k: getattr(args, k) for k in RECIPE}
+    recipe = {k: getattr(args, k) for k in RECIPE} | ({"tidal_extra": args.tidal_extra} if args.tidal_extra else {})
     if (done := finished(summary, recipe)) is not None:
         return done
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(EXAMPLE / "train.yaml"), "--infer",
@@ -79,7 +82,7 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
            str(args.generations), "--orch.sampling.max_tokens", str(args.max_tokens), "--orch.seed", str(seed),
            "--orch.sampling.seed", str(seed), "--orch.sampling.temperature", str(args.temperature), "--train.seed",
            str(seed), "--train.learning_rate", str(args.lr), "--train.export.gguf", "null", "--infer.port",
-           str(args.port)]
+           str(args.port), *shlex.split(args.tidal_extra)]
     t0 = time.monotonic()
     code, text = harness.run(cmd, work / f"seed{seed}.log", args.run_budget_s, env=harness.child_env(),
                              name=f"grpo_seed{seed}")
@@ -89,12 +92,12 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     k = min(3, len(rows))
+    rewards = [r.get("reward/sampled_mean", r["reward/mean"]) for r in rows]  # the policy's (orch guide_flat_groups)
     out = {"seed": seed, "total_s": time.monotonic() - t0, "adapter": str(run_dir / "final" / "adapter"),
             "step_s": statistics.mean(r["step_time_s"] for r in rows[1:] or rows),
-            "reward_first": statistics.mean(r["reward/mean"] for r in rows[:k]),
-            "reward_last": statistics.mean(r["reward/mean"] for r in rows[-k:]),
+            "reward_first": statistics.mean(rewards[:k]), "reward_last": statistics.mean(rewards[-k:]),
             "mismatch_kl_1": rows[0]["mismatch_kl"], "steps": len(rows), "recipe": recipe,
-            "rewards": [r["reward/mean"] for r in rows]}
+            "rewards": rewards}
     from tidal.paths import write_atomic
 
     write_atomic(summary, json.dumps(out, indent=1))
@@ -183,8 +186,10 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
              f"Workload: Gemma 3 270M base (Q4_K_M GGUF dequantized to float32), `addition` prompt_format text, "
              f"A, B in [{args.low}, {args.high}], {args.prompts} prompts x {args.generations} completions x <= "
              f"{args.max_tokens} tokens per step at temperature {args.temperature}, {args.steps} steps, lr {args.lr}, "
-             f"LoRA r16/alpha 32 (all linear), on-policy. Greedy accuracy: `tidal eval` on the env's fixed "
-             f"{args.eval_size}-problem set, 95% Wilson interval in brackets.", ""]
+             f"LoRA r16/alpha 32 (all linear), on-policy"
+             f"{f'; tidal with `{args.tidal_extra}` (its rewards: the sampled ones)' if args.tidal_extra else ''}. "
+             f"Greedy accuracy: `tidal eval` on the env's fixed {args.eval_size}-problem set, 95% Wilson interval in "
+             f"brackets.", ""]
     base = evals.get("base") if evals else None
     lines += [f"Base model greedy accuracy: {fmt(base)}", "",
               "| side | seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
@@ -240,6 +245,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="orch sampling.temperature of the training rollouts (the trainer scores at it too)")
+    p.add_argument("--tidal-extra", default="", help="more `tidal grpo` arguments of tidal's runs (part of their "
+                   "recipe, e.g. \"--orch.guide_flat_groups 1\"); TRL's runs do not take them")
     p.add_argument("--low", type=int, default=0)
     p.add_argument("--high", type=int, default=19)
     p.add_argument("--eval-size", type=int, default=128)

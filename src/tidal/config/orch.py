@@ -116,6 +116,19 @@ class OrchConfig(StrictModel):
     trains on its first draw. `reward/sampled_mean` is the mean of every group's first draw (the policy's reward as
     without this key); `extend/*` counts the groups and completions. Needs `advantage.type: default` without
     `length_weighted_mean` or `normalize_then_sum`, and `rollouts_per_example` >= 2. 0: off."""
+    guide_flat_groups: int = Field(0, ge=0)
+    """Reference-answer guidance (LUFFY), `async_mode: gated` only (`tidal.orchestrator.guide`): in a group whose
+    rewards all agree and whose example has a reference answer (`answer`), this many of its completions are replaced
+    by the reference completion (`guide_template` with the answer, then the model's EOS token) when that scores
+    higher than the group. Its logprobs are the served policy's (vLLM's prompt logprobs), so it trains as a
+    completion the sampler could have drawn, with the group's advantages; `reward/sampled_mean` is the sampled
+    groups' reward and `guide/*` counts the guided groups and the skipped ones. Needs sampling `temperature` 1 (no
+    `temp_scheduler`), no `top_p`/`top_k`/`min_p`/`repetition_penalty`/`min_tokens` (prompt logprobs are
+    untempered and untruncated), single-turn environments without tools or a rollout function, fewer than
+    `rollouts_per_example`, and what `extend_flat_groups` needs of `advantage`. 0: off."""
+    guide_template: str = "{answer}"
+    """The reference completion's text, `{answer}` replaced by the example's answer (e.g. `"The answer is
+    {answer}."`; with `guide_flat_groups`)."""
     max_sampling_rounds: int = Field(4, ge=1)
     """Sampling rounds per batch (both `async_mode`s, `orchestrator.fill`): with group filters on, a batch still
     short after them is filled with dropped groups (counted in `buffer/filled_with_dropped`); without, further
@@ -199,12 +212,31 @@ class OrchConfig(StrictModel):
         return self
 
     def _check_extend(self) -> None:
-        """What `extend_flat_groups` needs (refused, never ignored)."""
-        if not self.extend_flat_groups:
-            return
-        adv, n = self.advantage, self.extend_flat_groups
+        """What `extend_flat_groups` and `guide_flat_groups` need (refused, never ignored)."""
+        for key, n in (("extend_flat_groups", self.extend_flat_groups), ("guide_flat_groups", self.guide_flat_groups)):
+            if n:
+                self._check_pooled(key, n)
+        sp, n = self.sampling, self.guide_flat_groups
+        why = {"sampling.temperature": sp.temperature != 1.0 and f"{sp.temperature}",
+               "sampling.temp_scheduler": sp.temp_scheduler is not None and "set",
+               "sampling.top_p": sp.top_p != 1.0 and f"{sp.top_p}", "sampling.top_k": sp.top_k > 0 and f"{sp.top_k}",
+               "sampling.min_p": sp.min_p != 0.0 and f"{sp.min_p}",
+               "sampling.repetition_penalty": sp.repetition_penalty != 1.0 and f"{sp.repetition_penalty}",
+               "sampling.min_tokens": sp.min_tokens != 0 and f"{sp.min_tokens}"}
+        for key, value in why.items():
+            if n and value:
+                raise ValueError(f"guide_flat_groups: {n} does not combine with {key} {value}: a reference "
+                                 f"completion's logprobs are vLLM's prompt logprobs, untempered and untruncated, "
+                                 f"while sampled ones are not; set guide_flat_groups: 0 or {key} to its default")
+        if n >= self.rollouts_per_example:
+            raise ValueError(f"guide_flat_groups: {n} must be below rollouts_per_example "
+                             f"({self.rollouts_per_example}): a guided group keeps some of its own completions")
+
+    def _check_pooled(self, name: str, n: int) -> None:
+        """What a group trained against a baseline of its own (`groups.Pool`) needs of the run."""
+        adv = self.advantage
         why = {"async_mode": self.async_mode != "gated" and f"'{self.async_mode}' (the in-flight stream hands groups "
-               "over one by one; extending them is built for gated batches only)",
+               "over one by one; a group trained against a baseline of its own is built for gated batches only)",
                "rollouts_per_example": self.rollouts_per_example < 2 and f"{self.rollouts_per_example} (a group of "
                "one has no signal to find)",
                "advantage.type": adv.type != "default" and f"'{adv.type}' (the pooled baseline replaces the default "
@@ -215,8 +247,8 @@ class OrchConfig(StrictModel):
                and "'normalize_then_sum' (it normalizes each function within the trained group)"}
         for key, reason in why.items():
             if reason:
-                raise ValueError(f"extend_flat_groups: {n} does not combine with {key} {reason}; set "
-                                 f"extend_flat_groups: 0 or change {key}")
+                raise ValueError(f"{name}: {n} does not combine with {key} {reason}; set "
+                                 f"{name}: 0 or change {key}")
 
     def _check_factors(self) -> None:
         """Keys `weight_broadcast.reload: factors` (the LoRA merge inside vLLM's worker) does not combine with; the

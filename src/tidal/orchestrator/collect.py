@@ -4,13 +4,13 @@
 rounds (`fill.Filler`): each round draws the examples it asks for (through the buffer: no duplicates, difficulty
 pools), asks for `rollouts_per_example` completions of each (all in flight at once, from server-tokenized prompt
 ids; multi-turn environments run their turns, environments with tools the loop of `toolloop`), scores every group,
-gives the groups with no signal more completions (orch `extend_flat_groups`, `extend`) and offers each to the
-filler, which judges it, keeps or spares it and tops the batch up (`fill` module doc: the rule is the in-flight
-stream's). A step whose inference requests fail (the server died or restarted) is sampled again
-once the server answers, with the same examples and the policy loaded again (`fill.Retries`). A step that is an
-environment outage is waited out and sampled again (`outage`; one outage state per run, shared with every waiter).
-With a `teacher`, its logprobs of every sequence come along. A prompt's images (`tidal.envs.images`) are encoded
-once per group and travel with it to the batch."""
+gives the groups with no signal more completions (orch `extend_flat_groups`, `extend`) or their reference answer
+(orch `guide_flat_groups`, `guide`) and offers each to the filler, which judges it, keeps or spares it and tops the
+batch up (`fill` module doc: the rule is the in-flight stream's). A step whose inference requests fail (the server
+died or restarted) is sampled again once the server answers, with the same examples and the policy loaded again
+(`fill.Retries`). A step that is an environment outage is waited out and sampled again (`outage`; one outage state
+per run, shared with every waiter). With a `teacher`, its logprobs of every sequence come along. A prompt's images
+(`tidal.envs.images`) are encoded once per group and travel with it to the batch."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from tidal.orchestrator.buffer import Buffer
 from tidal.orchestrator.extend import extend_groups
 from tidal.orchestrator.fill import Filler, Retries, with_teacher
 from tidal.orchestrator.groups import Collected, Pool, StepSample, draw_prompts, group_rollouts
+from tidal.orchestrator.guide import guide_groups
 from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker, required_policy
 from tidal.orchestrator.scoring import Scorer
@@ -47,6 +48,9 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         if cfg.extend_flat_groups:  # more completions for the groups with no signal (`extend`)
             groups, scores, pools = await extend_groups(step, cfg, env, client, policy.model, examples, prompts,
                                                         groups, scores, images, scorer, filler.scored, counts)
+        if cfg.guide_flat_groups:  # the reference answer in the groups still without signal (`guide`)
+            groups, scores, pools = await guide_groups(step, cfg, client, policy.model, base, examples, prompts,
+                                                       groups, scores, pools, images, scorer, counts)
         for ex, p, g, s, im, pool in zip(examples, prompts, groups, scores, images, pools, strict=True):
             p = g[0].prompt_ids or p  # an environment's reset observation changed the prompt
             version = (policy.step, policy.step)  # gated: the whole batch is sampled by the one served policy

@@ -41,6 +41,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.groups import StepSample
+from tidal.orchestrator.guide import reference_eos
 from tidal.orchestrator.identity import IdentityCheck
 from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker
@@ -112,7 +113,8 @@ class Parts:
 
 
 async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
-    """The base model's name on the server: orch `model.name`, checked against what the server lists."""
+    """The base model's name on the server: orch `model.name`, checked against what the server lists (and, with
+    orch `guide_flat_groups`, that its files name the EOS token a reference completion ends with: `guide`)."""
     served = await client.wait_ready()
     base = cfg.model.name or (served[0] if served else None)
     if base is None:
@@ -120,6 +122,8 @@ async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
     if served and base not in served:
         raise ValueError(f"orch model.name '{base}' is not served at {cfg.client.base_url[0]} "
                          f"(served: {', '.join(served)})")
+    if cfg.guide_flat_groups:
+        reference_eos(base)
     return base
 
 

@@ -17,11 +17,13 @@ from typing import Any
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
+from tidal.envs.agent import AgentEnv
 from tidal.envs.base import Environment, has_chat_prompts
 from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
 from tidal.orchestrator.filters import Filters
+from tidal.orchestrator.guide import reference_eos
 from tidal.orchestrator.partial import ROLLOUT_FUNC_WHY
 from tidal.orchestrator.scoring import RewardFunc, Scorer
 
@@ -58,6 +60,7 @@ def build_scoring(cfg: OrchConfig, reward_funcs: list[RewardFunc] | None = None,
         env = EnvMix(cfg.env, cfg.buffer.env_ratios)
         give_tools(env.envs.values(), tooling, rollout_func)
         check_partial(cfg, env)
+        check_guide(cfg, env)
         return Scoring(env, Scorer(env.envs, cfg, reward_funcs), Filters(cfg.filters, cfg.model.name),
                        load_function(cfg.advantage.import_path) if cfg.advantage.import_path else None)
     except BUILD_ERRORS as exc:
@@ -75,6 +78,23 @@ def check_partial(cfg: OrchConfig, env: EnvMix) -> None:
             raise ValueError(f"partial_rollouts: {cfg.partial_rollouts} does not combine with env '{name}': it is "
                              f"sampled by a rollout function (GRPOTrainer(rollout_func=...)): {ROLLOUT_FUNC_WHY}. "
                              f"Set partial_rollouts: off, or sample with tidal's own environments")
+
+
+def check_guide(cfg: OrchConfig, env: EnvMix) -> None:
+    """orch `guide_flat_groups` writes one reference turn (`tidal.orchestrator.guide`): every environment must be
+    single-turn, without tools, an agent program or a rollout function, and the model must name its EOS token
+    (ValueError naming the environment or the model and the key)."""
+    if not cfg.guide_flat_groups:
+        return
+    for name, e in env.envs.items():
+        kind = ("a rollout function" if e.rollout_func is not None else "tools" if e.tooling is not None else
+                "an agent program" if isinstance(e, AgentEnv) else f"{e.max_turns} turns" if e.max_turns > 1 else "")
+        if kind:
+            raise ValueError(f"guide_flat_groups: {cfg.guide_flat_groups} does not combine with env '{name}': it "
+                             f"has {kind}, and a reference answer is one completion of one turn. Set "
+                             f"guide_flat_groups: 0 or train single-turn environments")
+    if cfg.model.name is not None:  # else the served model's, when the orchestrator starts (`loop.run`)
+        reference_eos(cfg.model.name)
 
 
 def teacher_url(cfg: OrchConfig) -> str:

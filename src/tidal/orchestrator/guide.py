@@ -1,0 +1,130 @@
+"""Reference-answer guidance for groups with no learning signal (orch `guide_flat_groups`; gated batches).
+
+A group whose judged rewards all agree trains on nothing. When every completion of a group failed and its example
+carries a reference answer (`Example.answer`), LUFFY (Yan et al. 2025, "Learning to Reason under Off-Policy
+Guidance") trains on the reference next to the model's own tries. `guide_groups` builds the reference completion
+of such a group: orch `guide_template` with `{answer}` filled in, tokenized by the server without special tokens,
+then the model's EOS token (`reference_eos`: generation_config.json's, else config.json's, the token vLLM stops at),
+scores it with the run's reward functions and, where it scores higher than the group, puts it in place of the
+group's last `guide_flat_groups` completions. Its logprobs are the served policy's (vLLM's prompt logprobs of the
+prompt and those tokens, untempered: the config refuses other temperatures and truncations), so the trainer's
+importance ratio treats it as a completion the sampler could have drawn. The group's advantages are those of the
+trained group (a `groups.Pool` of its own mean and unbiased std, so `scale_rewards: group` gives the usual
+values) and its `Pool.first_mean` is the sampled group's reward: `reward/sampled_mean` is the policy's reward, not
+raised by the references.
+
+Skipped, counted and said once: an example without an answer (`guide/no_answer`), a reference that does not
+score higher than the group (`guide/not_better`: the template does not satisfy the reward), one over
+`sampling.max_tokens` or `seq_len` (`guide/too_long`), a prompt with images (`guide/images`: prompt logprobs
+are taken from token ids). Counted per batch: `guide/groups` (groups guided) and `guide/completions`
+(reference completions trained). Groups chosen from a pool (orch `extend_flat_groups`) are left as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from tidal.config.orch import OrchConfig
+from tidal.envs.base import Example
+from tidal.inference.protocol import Completion, InferenceClient
+from tidal.models.sources import resolve_model
+from tidal.orchestrator.advantage import combine_rewards
+from tidal.orchestrator.extend import is_flat
+from tidal.orchestrator.groups import Pool
+from tidal.orchestrator.outage import judged
+from tidal.orchestrator.scoring import Scorer
+
+log = logging.getLogger("tidal.orch")
+_SAID: set[str] = set()
+WHY = {"no_answer": "its example has no reference answer",
+       "not_better": "its reference completion does not score higher than the group (does orch guide_template "
+                     "write the answer as the reward wants it?)",
+       "too_long": "its reference completion is longer than sampling.max_tokens or leaves no room under seq_len",
+       "images": "its prompt holds images (reference logprobs are taken from token ids)"}
+
+
+@functools.cache
+def reference_eos(model: str) -> int:
+    """The EOS token id of `model` (a config's model name), which ends a reference completion: the first of
+    generation_config.json's `eos_token_id`, else config.json's (and its `text_config`'s). ValueError when the
+    model directory has none."""
+    folder = Path(resolve_model(model))
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        for eos in (data.get("eos_token_id"), (data.get("text_config") or {}).get("eos_token_id")):
+            if isinstance(eos, list) and eos:
+                eos = eos[0]
+            if isinstance(eos, int):
+                return eos
+    raise ValueError(f"guide_flat_groups: model '{model}' ({folder}) names no eos_token_id in generation_config.json "
+                     f"or config.json, which ends a reference completion; set guide_flat_groups: 0")
+
+
+def _skip(reason: str, example: Example, counts: dict[str, float]) -> None:
+    """Count a flat group left unguided (`guide/<reason>`) and say so once per reason."""
+    counts[f"guide/{reason}"] = counts.get(f"guide/{reason}", 0.0) + 1
+    if reason not in _SAID:
+        _SAID.add(reason)
+        log.warning("guide_flat_groups: a flat group of environment '%s' is not guided: %s (counted in guide/%s; "
+                    "said once)", example.task or "?", WHY[reason], reason)
+
+
+async def reference(cfg: OrchConfig, client: InferenceClient, model: str, base: str, example: Example,
+                    prompt: list[int], counts: dict[str, float]) -> Completion | None:
+    """`example`'s reference completion as the served policy `model` would have sampled it (module doc), or None
+    when it is too long (counted); `base`: the served base model (its EOS ends the completion)."""
+    text = cfg.guide_template.replace("{answer}", example.answer)
+    ids = [*await client.tokenize_text(model, text), reference_eos(base)]
+    budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt))
+    if len(ids) > budget:
+        _skip("too_long", example, counts)
+        return None
+    lps = (await client.prompt_logprobs(model, [*prompt, *ids]))[len(prompt):]
+    return Completion(ids, lps, text, "stop", prompt_ids=None)
+
+
+async def guide_groups(step: int, cfg: OrchConfig, client: InferenceClient, model: str, base: str,
+                       examples: list[Example], prompts: list[list[int]], groups: list[list[Completion]],
+                       scores: list[np.ndarray], pools: list[Pool | None], images: list[list[bytes]], scorer: Scorer,
+                       counts: dict[str, float]) -> tuple[list[list[Completion]], list[np.ndarray], list[Pool | None]]:
+    """The round's groups, scores and pools with every flat group guided where its reference scores higher
+    (module doc). `prompts`: the prompt ids each group continues; `model`: the served policy's name; `base`: the
+    served base model's."""
+    out_groups, out_scores, out_pools = list(groups), [np.asarray(s) for s in scores], list(pools)
+    n = cfg.guide_flat_groups
+    for i, (ex, g) in enumerate(zip(examples, groups, strict=True)):
+        rewards, ok = combine_rewards(out_scores[i], scorer.weights)[0], judged(g)
+        if pools[i] is not None or not is_flat(rewards, ok) or not ok.all():
+            continue
+        reason = "no_answer" if not ex.answer else "images" if images[i] else None
+        ref = None if reason else await reference(cfg, client, model, base, ex, g[0].prompt_ids or prompts[i], counts)
+        if reason:
+            _skip(reason, ex, counts)
+        if ref is None:
+            continue
+        ref_scores = np.repeat(scorer.score(ex, [ref], step), n, axis=0)
+        if combine_rewards(ref_scores, scorer.weights)[0][0] <= rewards[0]:
+            _skip("not_better", ex, counts)
+            continue
+        k = len(g) - n
+        out_groups[i] = [*g[:k], *[_copy(ref, g[0]) for _ in range(n)]]
+        out_scores[i] = np.concatenate([out_scores[i][:k], ref_scores])
+        trained = combine_rewards(out_scores[i], scorer.weights)[0]
+        out_pools[i] = Pool(float(trained.mean()), float(trained.std(ddof=1)), len(trained), float(rewards.mean()))
+        counts["guide/groups"] = counts.get("guide/groups", 0.0) + 1
+        counts["guide/completions"] = counts.get("guide/completions", 0.0) + n
+    return out_groups, out_scores, out_pools
+
+
+def _copy(ref: Completion, sampled: Completion) -> Completion:
+    """A reference completion of its own (rows are never shared), continuing the prompt `sampled` continued."""
+    return Completion(list(ref.token_ids), list(ref.logprobs), ref.text, ref.finish_reason,
+                      prompt_ids=sampled.prompt_ids)
