@@ -53,7 +53,8 @@ def complete(port: int) -> list[int]:
     return [len(c["text"]) for c in r.json()["choices"]]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL],
+                         ids=["ctrl-c", "kill-9"])  # ctrl-c: make test-all (default suite budget; kill-9 is the harder)
 def test_the_engine_core_is_forked_from_the_api_server_serves_and_dies_with_it(tmp_path, sig):
     """ctrl-c to the API server alone: vLLM's shutdown ends the forked engine core; kill -9 of it: tidal's reaper
     (`tidal.procs.reaper`, started by `tidal grpo-infer` before it became the server) does."""
@@ -78,6 +79,7 @@ def test_the_engine_core_is_forked_from_the_api_server_serves_and_dies_with_it(t
         f.close()
 
 
+@pytest.mark.slow  # the non-default `engine_core_start: spawn` (~40 s): make test-all
 def test_spawn_keeps_vllm_cpus_own_start(tmp_path):
     proc, port, log, f = start(tmp_path, "--infer.engine_core_start", "spawn", "--infer.enable_lora", "false")
     try:

@@ -46,6 +46,8 @@ def serve_once(tmp_path: Path, name: str, env: dict[str, str], *args: str) -> tu
     return log.read_text(), scored, samples
 
 
+@pytest.mark.slow  # three vLLM starts with cold compiles (~110 s on 2 cores): make test-all; the decision and the
+# artifact's checks are unit-tested in the default suite (tests/unit/test_aot_cpu.py)
 def test_auto_compiles_without_saving_true_saves_and_auto_then_loads_the_same_model(tmp_path):
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
     env.pop("VLLM_USE_AOT_COMPILE", None)
