@@ -22,6 +22,7 @@ are taken from token ids). Counted per batch: `guide/groups` (groups guided) and
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -96,29 +97,34 @@ async def guide_groups(step: int, cfg: OrchConfig, client: InferenceClient, mode
                        scores: list[np.ndarray], pools: list[Pool | None], images: list[list[bytes]], scorer: Scorer,
                        counts: dict[str, float]) -> tuple[list[list[Completion]], list[np.ndarray], list[Pool | None]]:
     """The round's groups, scores and pools with every flat group guided where its reference scores higher
-    (module doc). `prompts`: the prompt ids each group continues; `model`: the served policy's name; `base`: the
-    served base model's."""
+    (module doc; the references of a round are asked for at once). `prompts`: the prompt ids each group continues;
+    `model`: the served policy's name; `base`: the served base model's."""
     out_groups, out_scores, out_pools = list(groups), [np.asarray(s) for s in scores], list(pools)
     n = cfg.guide_flat_groups
+    todo: list[int] = []
     for i, (ex, g) in enumerate(zip(examples, groups, strict=True)):
         rewards, ok = combine_rewards(out_scores[i], scorer.weights)[0], judged(g)
         if pools[i] is not None or not is_flat(rewards, ok) or not ok.all():
             continue
-        reason = "no_answer" if not ex.answer else "images" if images[i] else None
-        ref = None if reason else await reference(cfg, client, model, base, ex, g[0].prompt_ids or prompts[i], counts)
-        if reason:
+        if reason := "no_answer" if not ex.answer else "images" if images[i] else None:
             _skip(reason, ex, counts)
+        else:
+            todo.append(i)
+    refs = await asyncio.gather(*(reference(cfg, client, model, base, examples[i],
+                                            groups[i][0].prompt_ids or prompts[i], counts) for i in todo))
+    for i, ref in zip(todo, refs, strict=True):
+        ex, g, flat = examples[i], groups[i], combine_rewards(out_scores[i], scorer.weights)[0]
         if ref is None:
             continue
         ref_scores = np.repeat(scorer.score(ex, [ref], step), n, axis=0)
-        if combine_rewards(ref_scores, scorer.weights)[0][0] <= rewards[0]:
+        if combine_rewards(ref_scores, scorer.weights)[0][0] <= flat[0]:
             _skip("not_better", ex, counts)
             continue
         k = len(g) - n
         out_groups[i] = [*g[:k], *[_copy(ref, g[0]) for _ in range(n)]]
         out_scores[i] = np.concatenate([out_scores[i][:k], ref_scores])
         trained = combine_rewards(out_scores[i], scorer.weights)[0]
-        out_pools[i] = Pool(float(trained.mean()), float(trained.std(ddof=1)), len(trained), float(rewards.mean()))
+        out_pools[i] = Pool(float(trained.mean()), float(trained.std(ddof=1)), len(trained), float(flat.mean()))
         counts["guide/groups"] = counts.get("guide/groups", 0.0) + 1
         counts["guide/completions"] = counts.get("guide/completions", 0.0) + n
     return out_groups, out_scores, out_pools
