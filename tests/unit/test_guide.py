@@ -12,8 +12,9 @@ from pydantic import ValidationError
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
+from tidal.envs.base import Example
 from tidal.orchestrator.advantage import EPS, group_advantages, pooled_advantages
-from tidal.orchestrator.guide import reference_eos
+from tidal.orchestrator.guide import fill_template, reference_eos
 from tidal.orchestrator.preflight import build_scoring
 
 
@@ -94,3 +95,13 @@ def test_a_guided_groups_pool_gives_its_usual_advantages(scale, seed):
            for r in g]
     np.testing.assert_allclose(got[:k], ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(got[k:], plain[k:])
+
+
+def test_the_template_takes_the_answer_and_the_examples_fields():
+    ex = Example(prompt="3 + 4 =", answer="7", info={"a": 3, "b": 4}, task="addition")
+    assert fill_template("{answer}", ex) == "7"
+    assert fill_template("{a} + {b} = {answer}", ex) == "3 + 4 = 7"
+    assert fill_template("\\\\boxed{{{answer}}}", ex) == "\\\\boxed{7}"
+    with pytest.raises(ValueError, match=r"'\{c\} = \{answer\}': KeyError\('c'\) for an example of environment "
+                                         r"'addition', whose fields are answer and \['a', 'b'\]"):
+        fill_template("{c} = {answer}", ex)

@@ -127,8 +127,9 @@ class OrchConfig(StrictModel):
     untempered and untruncated), single-turn environments without tools or a rollout function, fewer than
     `rollouts_per_example`, and what `extend_flat_groups` needs of `advantage`. 0: off."""
     guide_template: str = "{answer}"
-    """The reference completion's text, `{answer}` replaced by the example's answer (e.g. `"The answer is
-    {answer}."`; with `guide_flat_groups`)."""
+    """The reference completion's text (with `guide_flat_groups`), Python format fields filled in: `{answer}` the
+    example's answer, any other name a field of its `info` (e.g. `"{a} + {b} = {answer}"` for `addition`); a
+    field the example lacks stops the run naming it."""
     max_sampling_rounds: int = Field(4, ge=1)
     """Sampling rounds per batch (both `async_mode`s, `orchestrator.fill`): with group filters on, a batch still
     short after them is filled with dropped groups (counted in `buffer/filled_with_dropped`); without, further

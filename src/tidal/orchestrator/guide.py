@@ -3,15 +3,15 @@
 A group whose judged rewards all agree trains on nothing. When every completion of a group failed and its example
 carries a reference answer (`Example.answer`), LUFFY (Yan et al. 2025, "Learning to Reason under Off-Policy
 Guidance") trains on the reference next to the model's own tries. `guide_groups` builds the reference completion
-of such a group: orch `guide_template` with `{answer}` filled in, tokenized by the server without special tokens,
-then the model's EOS token (`reference_eos`: generation_config.json's, else config.json's, the token vLLM stops at),
-scores it with the run's reward functions and, where it scores higher than the group, puts it in place of the
-group's last `guide_flat_groups` completions. Its logprobs are the served policy's (vLLM's prompt logprobs of the
-prompt and those tokens, untempered: the config refuses other temperatures and truncations), so the trainer's
-importance ratio treats it as a completion the sampler could have drawn. The group's advantages are those of the
-trained group (a `groups.Pool` of its own mean and unbiased std, so `scale_rewards: group` gives the usual
-values) and its `Pool.first_mean` is the sampled group's reward: `reward/sampled_mean` is the policy's reward, not
-raised by the references.
+of such a group: orch `guide_template` with `{answer}` and the example's `info` fields filled in (`fill_template`),
+tokenized by the server without special tokens, then the model's EOS token (`reference_eos`: generation_config.json's,
+else config.json's, the token vLLM stops at), scores it with the run's reward functions and, where it scores higher
+than the group, puts it in place of the group's last `guide_flat_groups` completions. Its logprobs are the served
+policy's (vLLM's prompt logprobs of the prompt and those tokens, untempered: the config refuses other temperatures
+and truncations), so the trainer's importance ratio treats it as a completion the sampler could have drawn. The
+group's advantages are those of the trained group (a `groups.Pool` of its own mean and unbiased std, so
+`scale_rewards: group` gives the usual values) and its `Pool.first_mean` is the sampled group's reward:
+`reward/sampled_mean` is the policy's reward, not raised by the references.
 
 Skipped, counted and said once: an example without an answer (`guide/no_answer`), a reference that does not
 score higher than the group (`guide/not_better`: the template does not satisfy the reward), one over
@@ -78,11 +78,22 @@ def _skip(reason: str, example: Example, counts: dict[str, float]) -> None:
                     "said once)", example.task or "?", WHY[reason], reason)
 
 
+def fill_template(template: str, example: Example) -> str:
+    """orch `guide_template` with `{answer}` and the example's `info` fields (`{a}`, ...) filled in (str.format
+    rules: `{{` for a brace); ValueError naming a field the example lacks."""
+    try:
+        return template.format_map({**example.info, "answer": example.answer})
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"orch guide_template {template!r}: {exc!r} for an example of environment "
+                         f"'{example.task or '?'}', whose fields are answer and {sorted(example.info) or 'no info'}"
+                         ) from None
+
+
 async def reference(cfg: OrchConfig, client: InferenceClient, model: str, base: str, example: Example,
                     prompt: list[int], counts: dict[str, float]) -> Completion | None:
     """`example`'s reference completion as the served policy `model` would have sampled it (module doc), or None
     when it is too long (counted); `base`: the served base model (its EOS ends the completion)."""
-    text = cfg.guide_template.replace("{answer}", example.answer)
+    text = fill_template(cfg.guide_template, example)
     ids = [*await client.tokenize_text(model, text), reference_eos(base)]
     budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt))
     if len(ids) > budget:
