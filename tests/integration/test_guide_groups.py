@@ -103,7 +103,7 @@ def test_a_reference_that_scores_no_higher_leaves_the_group_as_sampled(vllm_serv
     plain, _, _, rewards0 = collect(vllm_server, tmp_path)
     got, counts, _, _ = collect(vllm_server, tmp_path, guide_flat_groups=1, guide_template="answer: {answer}")
     flat = [i for i, r in enumerate(rewards0) if not r.any()]
-    tried = counts.get("guide/not_better", 0) + counts.get("guide/too_long", 0)
-    assert counts["guide/not_better"] and tried == len(flat) and counts.get("guide/groups", 0) == 0
+    tried = counts.get("guide/no_gain", 0) + counts.get("guide/too_long", 0)
+    assert counts["guide/no_gain"] and tried == len(flat) and counts.get("guide/groups", 0) == 0
     assert [[c.token_ids for c in g] for g in got.groups] == [[c.token_ids for c in g] for g in plain.groups]
     assert all(p is None for p in got.pools)

@@ -13,11 +13,12 @@ group's advantages are those of the trained group (a `groups.Pool` of its own me
 `scale_rewards: group` gives the usual values) and its `Pool.first_mean` is the sampled group's reward:
 `reward/sampled_mean` is the policy's reward, not raised by the references.
 
-Skipped, counted and said once: an example without an answer (`guide/no_answer`), a reference that does not
-score higher than the group (`guide/not_better`: the template does not satisfy the reward), one over
+Skipped, counted and said once: an example without an answer (`guide/no_answer`), a reference that scores what
+the group does (`guide/no_gain`: a group that solves its prompt already, or a template that does not satisfy the
+reward) or lower (`guide/not_better`), one over
 `sampling.max_tokens` or `seq_len` (`guide/too_long`), a prompt with images (`guide/images`: prompt logprobs
-are taken from token ids). Counted per batch: `guide/groups` (groups guided) and `guide/completions`
-(reference completions trained). Groups chosen from a pool (orch `extend_flat_groups`) are left as they are.
+are taken from token ids). Counted per batch: `guide/groups` (groups guided) and `guide/completions` (reference
+completions trained). Groups chosen from a pool (orch `extend_flat_groups`) are left as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from tidal.orchestrator.scoring import Scorer
 log = logging.getLogger("tidal.orch")
 _SAID: set[str] = set()
 WHY = {"no_answer": "its example has no reference answer",
-       "not_better": "its reference completion does not score higher than the group (does orch guide_template "
+       "no_gain": "its reference completion scores what the group does (a group that solves its prompt already; "
+                  "if no group is ever guided, does orch guide_template write the answer as the reward wants it?)",
+       "not_better": "its reference completion scores lower than the group (does orch guide_template "
                      "write the answer as the reward wants it?)",
        "too_long": "its reference completion is longer than sampling.max_tokens or leaves no room under seq_len",
        "images": "its prompt holds images (reference logprobs are taken from token ids)"}
@@ -91,16 +94,21 @@ def fill_template(template: str, example: Example) -> str:
 
 async def reference(cfg: OrchConfig, client: InferenceClient, model: str, base: str, example: Example,
                     prompt: list[int], counts: dict[str, float]) -> Completion | None:
-    """`example`'s reference completion as the served policy `model` would have sampled it (module doc), or None
-    when it is too long (counted); `base`: the served base model (its EOS ends the completion)."""
+    """`example`'s reference completion (module doc) without its logprobs yet, or None when it is too long
+    (counted); `base`: the served base model (its EOS ends the completion)."""
     text = fill_template(cfg.guide_template, example)
     ids = [*await client.tokenize_text(model, text), reference_eos(base)]
     budget = min(cfg.sampling.max_tokens or cfg.seq_len, cfg.seq_len - len(prompt))
     if len(ids) > budget:
         _skip("too_long", example, counts)
         return None
-    lps = (await client.prompt_logprobs(model, [*prompt, *ids]))[len(prompt):]
-    return Completion(ids, lps, text, "stop", prompt_ids=None)
+    return Completion(ids, [], text, "stop", prompt_ids=None)
+
+
+async def with_logprobs(client: InferenceClient, model: str, ref: Completion, prompt: list[int]) -> Completion:
+    """`ref` with the served policy `model`'s logprobs of its tokens after `prompt` (vLLM's prompt logprobs)."""
+    ref.logprobs = (await client.prompt_logprobs(model, [*prompt, *ref.token_ids]))[len(prompt):]
+    return ref
 
 
 async def guide_groups(step: int, cfg: OrchConfig, client: InferenceClient, model: str, base: str,
@@ -108,11 +116,11 @@ async def guide_groups(step: int, cfg: OrchConfig, client: InferenceClient, mode
                        scores: list[np.ndarray], pools: list[Pool | None], images: list[list[bytes]], scorer: Scorer,
                        counts: dict[str, float]) -> tuple[list[list[Completion]], list[np.ndarray], list[Pool | None]]:
     """The round's groups, scores and pools with every flat group guided where its reference scores higher
-    (module doc; the references of a round are asked for at once). `prompts`: the prompt ids each group continues;
-    `model`: the served policy's name; `base`: the served base model's."""
+    (module doc; a round's references are tokenized at once, scored, and those that score higher get their
+    logprobs at once). `prompts`: the prompt ids each group continues; `model`: the served policy's name; `base`:
+    the served base model's."""
     out_groups, out_scores, out_pools = list(groups), [np.asarray(s) for s in scores], list(pools)
-    n = cfg.guide_flat_groups
-    todo: list[int] = []
+    n, todo = cfg.guide_flat_groups, []
     for i, (ex, g) in enumerate(zip(examples, groups, strict=True)):
         rewards, ok = combine_rewards(out_scores[i], scorer.weights)[0], judged(g)
         if pools[i] is not None or not is_flat(rewards, ok) or not ok.all():
@@ -121,16 +129,23 @@ async def guide_groups(step: int, cfg: OrchConfig, client: InferenceClient, mode
             _skip(reason, ex, counts)
         else:
             todo.append(i)
-    refs = await asyncio.gather(*(reference(cfg, client, model, base, examples[i],
-                                            groups[i][0].prompt_ids or prompts[i], counts) for i in todo))
+    prompt = {i: groups[i][0].prompt_ids or prompts[i] for i in todo}
+    refs = await asyncio.gather(*(reference(cfg, client, model, base, examples[i], prompt[i], counts) for i in todo))
+    better: dict[int, tuple[Completion, np.ndarray]] = {}
     for i, ref in zip(todo, refs, strict=True):
-        ex, g, flat = examples[i], groups[i], combine_rewards(out_scores[i], scorer.weights)[0]
         if ref is None:
             continue
-        ref_scores = np.repeat(scorer.score(ex, [ref], step), n, axis=0)
-        if combine_rewards(ref_scores, scorer.weights)[0][0] <= flat[0]:
-            _skip("not_better", ex, counts)
-            continue
+        ref_scores = np.repeat(scorer.score(examples[i], [ref], step), n, axis=0)
+        gain = combine_rewards(ref_scores, scorer.weights)[0][0] - combine_rewards(out_scores[i], scorer.weights)[0][0]
+        if gain > 0:
+            better[i] = (ref, ref_scores)
+        elif gain < 0:
+            _skip("not_better", examples[i], counts)
+        else:
+            _skip("no_gain", examples[i], counts)
+    await asyncio.gather(*(with_logprobs(client, model, ref, prompt[i]) for i, (ref, _) in better.items()))
+    for i, (ref, ref_scores) in better.items():
+        g, flat = groups[i], combine_rewards(out_scores[i], scorer.weights)[0]
         k = len(g) - n
         out_groups[i] = [*g[:k], *[_copy(ref, g[0]) for _ in range(n)]]
         out_scores[i] = np.concatenate([out_scores[i][:k], ref_scores])
