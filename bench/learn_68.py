@@ -110,6 +110,16 @@ def reward_at(run: dict[str, Any], x: float, axis: str) -> float:
     return statistics.mean(done[-3:]) if done else float("nan")
 
 
+def machines(runs: list[dict[str, Any]]) -> str:
+    """Which machine each arm's runs ran on (times compare only between runs of one machine)."""
+    arms: dict[str, list[str]] = {}
+    for r in runs:
+        seen = arms.setdefault(r.get("machine", "?"), [])
+        seen += [] if r["arm"] in seen else [r["arm"]]
+    return "Runs ran on " + "; ".join(f"{m}: {', '.join(a)}" for m, a in arms.items()) + \
+        " (times compare only between runs of one machine; accuracies do)."
+
+
 def acc(evals: dict[str, Any], run: dict[str, Any]) -> float:
     return float(evals.get(run["adapter"], {}).get("accuracy", float("nan")))
 
@@ -259,7 +269,8 @@ def main() -> None:
     meta = "; ".join(f"{m['adapters']} adapters in {m['seconds']:.0f} s after vLLM's {m['ready_s']:.0f} s (load "
                      f"{m['load']:.1f}, {m['date']})" for m in evals.get("_meta", []))
     lines = ["# Issue 68 item 4: more learned per sample (bench/learn_68.py)", "",
-             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {learn.machine_id()}.", "",
+             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {learn.machine_id()}. {machines(runs)}",
+             "",
              f"Greedy accuracy: `tidal eval`, the addition task's fixed 256 problems, 48 tokens; base model "
              f"{base.get('accuracy', float('nan')):.3f} [{base.get('lo', float('nan')):.3f}, "
              f"{base.get('hi', float('nan')):.3f}]. Evaluations: {meta or 'none yet'}.", "",
