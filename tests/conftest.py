@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,18 +10,36 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 from tests.session_reaper import pytest_sessionstart  # noqa: F401  (the session's reaper: see that module)
 
+T = TypeVar("T")
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tidal:tiny-reverse"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def on_server(url: str, call: Callable[[Any], Awaitable[T]]) -> T:
+    """`call(client)` with a `VllmClient` on the server at `url` (closed afterwards), run to its result."""
+    from tidal.config.orch_sections import ClientSection
+    from tidal.inference.backends.vllm.client import VllmClient
+
+    async def go() -> T:
+        client = VllmClient(ClientSection(base_url=[url]))
+        try:
+            return await call(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
 
 
 def free_port() -> int:

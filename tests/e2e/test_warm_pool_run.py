@@ -15,7 +15,6 @@ this tests).
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import json
 import os
@@ -31,10 +30,8 @@ import psutil
 import pytest
 
 from tests.archs import build
-from tests.conftest import MODEL, free_port
+from tests.conftest import MODEL, free_port, on_server
 from tidal import procs
-from tidal.config.orch import ClientSection
-from tidal.inference.backends.vllm.client import VllmClient
 from tidal.inference.backends.vllm.server import inductor_cache
 from tidal.monitor.metrics import read_metrics
 from tidal.procs.reaper import group_alive, pid_alive
@@ -50,13 +47,7 @@ def cli(*args: str) -> list[str]:
 
 
 def served_probe(url: str, ids: list[int]) -> list[float]:
-    async def go() -> list[float]:
-        client = VllmClient(ClientSection(base_url=[url]))
-        try:
-            return await client.prompt_logprobs(MODEL, ids)
-        finally:
-            await client.close()
-    return asyncio.run(go())
+    return on_server(url, lambda client: client.prompt_logprobs(MODEL, ids))
 
 
 def gap(a: list[float], b: list[float]) -> float:

@@ -8,16 +8,12 @@ bundled model's completions almost never are, so most groups are flat at 0."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, on_server
 from tests.integration.streams import gated_batch
 from tidal.config.orch import OrchConfig
-from tidal.config.orch_sections import ClientSection
-from tidal.inference.backends.vllm.client import VllmClient
 from tidal.models.sources import resolve_model
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.assemble import assemble
@@ -45,14 +41,7 @@ def collect(url: str, tmp_path, **kw):
 
 
 def tokenize(url: str, text: str) -> list[int]:
-    async def go() -> list[int]:
-        client = VllmClient(ClientSection(base_url=[url]))
-        try:
-            return await client.tokenize_text(MODEL, text)
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
+    return on_server(url, lambda client: client.tokenize_text(MODEL, text))
 
 
 def transformers_logprobs(prompt: list[int], ids: list[int]) -> np.ndarray:
