@@ -34,6 +34,7 @@ import numpy as np
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.inference.protocol import Completion, InferenceClient
+from tidal.models.config import model_config, text_config
 from tidal.models.sources import resolve_model
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.extend import is_flat
@@ -58,16 +59,15 @@ def reference_eos(model: str) -> int:
     generation_config.json's `eos_token_id`, else config.json's (and its `text_config`'s). ValueError when the
     model directory has none."""
     folder = Path(resolve_model(model))
-    for name in ("generation_config.json", "config.json"):
-        path = folder / name
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        for eos in (data.get("eos_token_id"), (data.get("text_config") or {}).get("eos_token_id")):
-            if isinstance(eos, list) and eos:
-                eos = eos[0]
-            if isinstance(eos, int):
-                return eos
+    gen = folder / "generation_config.json"  # the house reads config.json (`tidal.models.config`), not this one
+    config = model_config(str(folder), missing_ok=True)
+    candidates = [json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None,
+                  config.get("eos_token_id"), text_config(config).get("eos_token_id")]
+    for eos in candidates:
+        if isinstance(eos, list) and eos:
+            eos = eos[0]
+        if isinstance(eos, int):
+            return eos
     raise ValueError(f"guide_flat_groups: model '{model}' ({folder}) names no eos_token_id in generation_config.json "
                      f"or config.json, which ends a reference completion; set guide_flat_groups: 0")
 
