@@ -89,24 +89,31 @@ class Variant:
         """The run's environment: this process's, the variant's `src` on PYTHONPATH and its variables (fresh caches:
         new empty ones)."""
         env = {**os.environ, "PYTHONPATH": self.src, "PYTHONUNBUFFERED": "1", **self.env}
-        if self.pool:  # the pool's state and lock in a directory of its own (not a pool the user runs), the
-            import tempfile  # compile cache the shared one
+        import tempfile
 
-            from tidal.inference.backends.vllm.server import inductor_cache
-            from tidal.models.sources.gguf import cache_root
+        if self.pool:  # the pool's state and lock in a directory of its own (not a pool the user runs), the
+            from tidal.inference.backends.vllm.server import inductor_cache  # compile cache the shared one
 
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
             env["TIDAL_CACHE"] = tempfile.mkdtemp(prefix=f"pool-{self.name}-", dir=log_dir)
-            for shared in ("gguf", "wheels", "hashes"):  # converted models (a real GGUF): the user's
-                if (cache_root() / shared).is_dir():
-                    (Path(env["TIDAL_CACHE"]) / shared).symlink_to(cache_root() / shared)
+            share_models(Path(env["TIDAL_CACHE"]))
         if self.fresh_caches:
-            import tempfile
-
             fresh = Path(tempfile.mkdtemp(prefix=f"caches-{self.name}-", dir=log_dir))
             env.update(TIDAL_CACHE=str(fresh / "tidal"), VLLM_CACHE_ROOT=str(fresh / "vllm"))
             env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            share_models(fresh / "tidal")
         return env
+
+
+def share_models(cache: Path) -> None:
+    """The user's converted models (a real GGUF dequantized once, the wheels' files, their hashes) linked into the
+    tidal cache `cache`: what `make setup-real` converts is kept; compile caches and a pool's state are not shared."""
+    from tidal.models.sources.gguf import cache_root
+
+    cache.mkdir(parents=True, exist_ok=True)
+    for shared in ("gguf", "wheels", "hashes"):
+        if (cache_root() / shared).is_dir():
+            (cache / shared).symlink_to(cache_root() / shared)
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -143,8 +150,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "(torch imported, base model loaded) (`tidal grpo` rows only)", pool=True),
     Variant("pool-vllm", "a warm pool that keeps vLLM only (`tidal serve --no-trainer`): the run's trainer imports "
             "torch and loads the model itself (`tidal grpo` rows only)", pool=True, pool_args=["--no-trainer"]),
-    Variant("cold", "as on a fresh machine or after a reboot: empty tidal and vLLM caches (issue 68; `make setup` "
-            "fills them, so a user's first run is the default row)", fresh_caches=True),
+    Variant("cold", "as on a fresh machine or after a reboot: empty compile and model-inspection caches (tidal's and "
+            "vLLM's; issue 68; `make setup` fills them, so a user's first run is the default row); converted models "
+            "kept (`make setup-real` converts them once)", fresh_caches=True),
     Variant("cold-eager", "empty caches, and vLLM eager (infer enforce_eager: nothing to compile; slower rollouts)",
             args=["--infer.enforce_eager", "true"], fresh_caches=True),
 ]}

@@ -1,0 +1,271 @@
+"""Issue 68's goal rows in one invocation (item 5): writes bench/GOALS-68-ROWS.md and bench/goals_68_rows.json.
+
+One invocation, every row one after the other on this machine (take its heavy lock: `flock /tmp/tidal-heavy.lock`):
+- **bundled** (`make run`'s run: `tidal grpo` of the bundled example, 20 steps; bench/vllm_startup.py's `time_grpo`):
+  `cold` (empty compile and model-inspection caches: a fresh machine, or a reboot, before `make setup`), `warm` (the
+  caches `make setup` leaves) and `pool` (attached to a warm pool, `tidal serve`, started before it and not timed);
+- **real** (SmolLM2-135M-Instruct on the bench-learn workload, bench/learn.py's `tidal_run`: examples/real_model,
+  8 prompts x 8 completions, <= 64 tokens, 15 steps, tidal's own algorithm at lr 2e-4, one seed): `cold` (compile
+  caches empty, the converted model kept: `make setup-real` converts it, the caches are what a reboot loses), `warm`,
+  `pool`, and `guided` (warm, with reference-answer guidance in the task's form: orch `guide_flat_groups` 1,
+  `guide_template` "{a} + {b} = {answer}"); then one `tidal eval` (greedy, the task's 256 fixed problems) of their
+  final adapters.
+Per row: vLLM ready, first step done (since the command's start), whole run, s/step (median of the last 5 steps);
+per real row also greedy accuracy and, against each recorded TRL run of bench/learn_68.json (the same workload, TRL
+alone under the lock, 5 seeds; on the machine that file names), the time this row took to reach that TRL run's final
+reward (mean of its last 5 steps) against 1/6 of that TRL run's whole time. The report's goal table is computed from
+the rows; a goal not met says its gap.
+
+    flock /tmp/tidal-heavy.lock .venv/bin/python bench/goals_68.py [--seed 0] [--rows bundled-cold,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learn  # noqa: E402 - bench/learn.py: tidal_run, greedy_eval, final_reward, time_to_reach
+import vllm_startup as vs  # noqa: E402 - bench/vllm_startup.py: time_grpo, start_pool, the variants' environments
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "GOALS-68-ROWS.md"
+JSON = REPO / "bench" / "goals_68_rows.json"
+TRL = REPO / "bench" / "learn_68.json"
+GUIDE = "--orch.guide_flat_groups 1 --orch.guide_template '\"{a} + {b} = {answer}\"'"
+ROWS = ("bundled-cold", "bundled-warm", "bundled-pool", "real-cold", "real-warm", "real-pool", "real-guided")
+BASE = "base model (eval only)"
+VARIANT = {"cold": "cold", "warm": "default", "pool": "pool", "guided": "default"}
+"""Each row kind's bench/vllm_startup.py variant (its environment: fresh caches, a warm pool)."""
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment replaced by `env` meanwhile (learn.tidal_run starts its child with a copy)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def bundled_row(kind: str, steps: int, log_dir: Path) -> dict[str, Any]:
+    """`tidal grpo` of the bundled example (what `make run` runs) as variant `kind`."""
+    r = vs.time_grpo(vs.VARIANTS[VARIANT[kind]], steps, log_dir)
+    return {"row": f"bundled-{kind}", "ready_s": r.ready_s, "phases": r.phases, "first_step_s": r.first_step_s,
+            "total_s": r.total_s, "last5_step_s": r.last_step_s, "mismatch_kl_1": r.mismatch_kl, "load": r.load,
+            "out": r.out}
+
+
+def learn_args(seed: int, port: int, extra: str) -> argparse.Namespace:
+    """bench/learn.py's arguments for tidal's run of the bench-learn workload (its defaults, lr 2e-4, tidal's own
+    algorithm: bench/LEARN-68.md's `lr2e-4` arm, tidal's defaults)."""
+    return argparse.Namespace(steps=15, prompts=8, generations=8, max_tokens=64, lr=2e-4, lora_rank=16, lora_alpha=32,
+                              port=port, tidal_algorithm="example", tidal_extra=extra, seeds=[seed])
+
+
+def real_row(kind: str, seed: int, log_dir: Path) -> dict[str, Any]:
+    """The bench-learn workload's tidal run as variant `kind` (a pool started first for `pool`, not timed)."""
+    variant = vs.VARIANTS[VARIANT[kind]]
+    work = Path(tempfile.mkdtemp(prefix=f"real-{kind}-", dir=log_dir))
+    env = variant.environ(log_dir)
+    port = vs.free_port()
+    args = learn_args(seed, port, GUIDE if kind == "guided" else "")
+    pool = None
+    if variant.pool:
+        configs = [a for c in ("train", "infer", "orch") for a in (f"--{c}", str(learn.EXAMPLE / f"{c}.yaml"))]
+        pool = vs.start_pool(port, configs, env, work)
+    try:
+        with environ(env):
+            run = learn.tidal_run(args, work, seed)
+    finally:
+        if pool is not None:
+            import subprocess
+
+            subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
+            vs.harness.stop(pool)
+    steps = [r["step_time_s"] for r in run["rows"]]
+    return {"row": f"real-{kind}", "seed": seed, "extra": args.tidal_extra, "ready_s": run["ready_s"],
+            "first_step_s": run["first_step_s"], "total_s": run["total_s"],
+            "last5_step_s": statistics.median(steps[-5:]), "mismatch_kl_1": run["mismatch_kl_1"], "load": run["load"],
+            "curve": run["curve"],
+            "adapter": run["adapter"], "out": str(work)}
+
+
+def trl_runs() -> list[dict[str, Any]]:
+    """The recorded TRL runs of the same workload (bench/learn_68.json): curve, whole time, machine."""
+    saved = json.loads(TRL.read_text())
+    return [r for r in saved["runs"] if r["framework"] == "TRL"]
+
+
+def reach(row: dict[str, Any], trl: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per TRL run: its final reward, 1/6 of its whole time, and when `row` first reached that reward."""
+    out = []
+    for t in trl:
+        target = learn.final_reward(t)
+        out.append({"trl_seed": t["seed"], "target": target, "sixth_s": t["total_s"] / 6,
+                    "reached_s": learn.time_to_reach(row, target)})
+    return out
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def rows_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| row | vLLM ready s | first step done s | whole run s | s/step (last 5) | step-1 mismatch_kl | "
+           "greedy accuracy [95%] | TRL's final reward in 1/6 of its time | mean 1-min load |", "|---" * 9 + "|"]
+    for r in rows:
+        acc = r.get("accuracy")
+        acc_s = f"{acc['accuracy']:.3f} [{acc['lo']:.3f}, {acc['hi']:.3f}]" if acc else "-"
+        hits = r.get("reach")
+        reach_s = (f"{sum(h['reached_s'] is not None and h['reached_s'] <= h['sixth_s'] for h in hits)} of "
+                   f"{len(hits)} TRL seeds (reached at {', '.join(fmt(h['reached_s'], 0) for h in hits)} s; 1/6: "
+                   f"{', '.join(fmt(h['sixth_s'], 0) for h in hits)} s)") if hits else "-"
+        out.append(f"| {r['row']} | {fmt(r['ready_s'])} | **{fmt(r['first_step_s'])}** | {fmt(r['total_s'])} | "
+                   f"{fmt(r['last5_step_s'], 2)} | {r['mismatch_kl_1']:.1e} | {acc_s} | {reach_s} | "
+                   f"{fmt(r['load'], 2)} |")
+    return out
+
+
+def goals(rows: list[dict[str, Any]], trl_acc: list[float]) -> list[str]:
+    """Issue 68's goals against this invocation's rows (a goal whose row did not run says so)."""
+    by = {r["row"]: r for r in rows}
+
+    def goal(name: str, row: str, key: str, limit: float) -> str:
+        r = by.get(row)
+        if r is None:
+            return f"| {name} | {row} | not run | - |"
+        v = r[key]
+        return f"| {name} | {row} | {v:.1f} | {'yes' if v <= limit else f'no (+{v - limit:.1f})'} |"
+
+    out = ["| goal | row | measured | met? (gap) |", "|---|---|---|---|",
+           goal("`make run` whole <= 30 s after setup", "bundled-warm", "total_s", 30),
+           goal("real model, first step <= 30 s after setup", "real-warm", "first_step_s", 30),
+           goal("... with a warm pool <= 10 s", "real-pool", "first_step_s", 10),
+           goal("<= 6 s per step at the end of a run (real model)", "real-warm", "last5_step_s", 6)]
+    for name in ("real-warm", "real-guided"):
+        r = by.get(name)
+        if r is None or "reach" not in r:
+            continue
+        hit = sum(h["reached_s"] is not None and h["reached_s"] <= h["sixth_s"] for h in r["reach"])
+        out.append(f"| TRL's final reward in <= 1/6 of TRL's time, every TRL seed | {name} | {hit} of "
+                   f"{len(r['reach'])} | {'yes' if hit == len(r['reach']) else 'no'} |")
+        if "accuracy" in r and trl_acc:
+            mean, sd = statistics.mean(trl_acc), statistics.stdev(trl_acc)
+            a = r["accuracy"]["accuracy"]
+            out.append(f"| greedy accuracy above TRL's (mean {mean:.3f} +- {sd:.3f} over {len(trl_acc)} seeds) | "
+                       f"{name} | {a:.3f} (one seed) | {'above the mean' if a > mean else 'below the mean'}; "
+                       f"{'outside' if a > mean + sd else 'inside'} TRL's spread (one seed says no more) |")
+    return out
+
+
+def run_rows(names: list[str], seed: int, log_dir: Path, saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each named row, in order; every finished one saved at once (temp + rename) should a later one fail."""
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        family, kind = name.split("-", 1)
+        started = time.strftime("%H:%M:%S")
+        row = bundled_row(kind, 20, log_dir) if family == "bundled" else real_row(kind, seed, log_dir)
+        row.update(started=started, machine=learn.machine_id())
+        rows.append(row)
+        print(f"goals_68: {name}: first step {row['first_step_s']:.1f} s, whole {row['total_s']:.1f} s", flush=True)
+        save({**saved, "rows": rows})
+    return rows
+
+
+def save(data: dict[str, Any]) -> None:
+    tmp = JSON.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(JSON)
+
+
+def evaluate(rows: list[dict[str, Any]], log_dir: Path) -> None:
+    """One `tidal eval` of the real rows' final adapters (and the base model, appended as a row of its own);
+    accuracies into the rows."""
+    real = [r for r in rows if "adapter" in r]
+    got = learn.greedy_eval(log_dir, real, cross_check=0)
+    for r in real:
+        r["accuracy"] = {k: got[r["adapter"]][k] for k in ("accuracy", "lo", "hi")}
+    nan = float("nan")
+    rows.append({"row": BASE, "accuracy": {k: got["base"][k] for k in ("accuracy", "lo", "hi")}, "ready_s": nan,
+                 "first_step_s": nan, "total_s": nan, "last5_step_s": nan, "mismatch_kl_1": nan, "load": nan})
+
+
+def report(data: dict[str, Any]) -> str:
+    rows, trl = data["rows"], data["trl"]
+    trl_machines = sorted({t.get("machine", "?") for t in trl})
+    lines = [
+        "# Issue 68's goal rows, one invocation (item 5)", "",
+        f"`{data['command']}`, {data['date']}, on {data['machine']}. Generated by bench/goals_68.py (its module doc "
+        "says what each row runs); every row ran one after the other in this invocation, nothing else running "
+        "beside it (the machine's heavy lock). The TRL runs the time and accuracy goals compare with are the "
+        f"recorded ones of bench/learn_68.json (5 seeds, the same workload, alone under the lock, on "
+        f"{'; '.join(trl_machines)}): a TRL time taken on a faster machine makes the 1/6 goal harder here.", "",
+        "## Goals", "", *goals(rows, data["trl_accuracy"]), "",
+        "## Rows", "", *rows_table(rows), "",
+        "Phases of vLLM's start (bundled rows): " + "; ".join(f"{r['row']}: {r['phases']}" for r in rows
+                                                              if r.get("phases")) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0, help="the real rows' seed")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/tidal-goals-68"))
+    ap.add_argument("--finish", action="store_true", help="no runs: finish bench/goals_68_rows.json's saved rows "
+                    "(reach, the evaluation where missing) and write the report")
+    args = ap.parse_args()
+    names = args.rows.split(",")
+    if unknown := [n for n in names if n not in ROWS]:
+        ap.error(f"--rows: unknown {', '.join(unknown)}")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.finish:
+        data = json.loads(JSON.read_text())
+    else:
+        trl = trl_runs()
+        evals = json.loads(TRL.read_text())["evals"]
+        data = {"command": "python bench/goals_68.py " + " ".join(sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC"),
+                "machine": f"{platform.node()} ({os.cpu_count()} cores, {vs.cpu_model()})",
+                "trl": [{"seed": t["seed"], "total_s": t["total_s"], "machine": t.get("machine", "?"),
+                         "final_reward": learn.final_reward(t)} for t in trl],
+                "trl_accuracy": [evals[t["adapter"]]["accuracy"] for t in trl if t["adapter"] in evals]}
+        data["rows"] = run_rows(names, args.seed, args.log_dir, data)
+    finish(data, args.log_dir)
+    print(f"goals_68: wrote {OUT} and {JSON}", flush=True)
+
+
+def finish(data: dict[str, Any], log_dir: Path) -> None:
+    """Each real row's reach of the TRL runs' final rewards, its greedy accuracy (one `tidal eval` for the rows that
+    lack one), then the JSON and the report."""
+    trl = trl_runs()
+    rows = [r for r in data["rows"] if r["row"] != BASE]
+    for r in rows:
+        if "curve" in r:
+            r["reach"] = reach(r, trl)
+    if any("adapter" in r and "accuracy" not in r for r in rows):
+        evaluate(rows, log_dir)
+    else:
+        rows += [r for r in data["rows"] if r["row"] == BASE]
+    data["rows"] = rows
+    save(data)
+    OUT.write_text(report(data))
+
+
+if __name__ == "__main__":
+    main()
