@@ -7,9 +7,10 @@ One invocation, every row one after the other on this machine (take its heavy lo
 - **real** (SmolLM2-135M-Instruct on the bench-learn workload, bench/learn.py's `tidal_run`: examples/real_model,
   8 prompts x 8 completions, <= 64 tokens, 15 steps, tidal's own algorithm at lr 2e-4, one seed): `cold` (compile
   caches empty, the converted model kept: `make setup-real` converts it, the caches are what a reboot loses), `warm`,
-  `pool`, and `guided` (warm, with reference-answer guidance in the task's form: orch `guide_flat_groups` 1,
-  `guide_template` "{a} + {b} = {answer}"); then one `tidal eval` (greedy, the task's 256 fixed problems) of their
-  final adapters.
+  `pool` (tidal's defaults: reference-answer guidance on, orch `guide_flat_groups: auto`, the addition task writing
+  worked answers), and `unguided` (warm, `--orch.guide_flat_groups 0`: the defaults before guidance, bench/
+  LEARN-68.md's `lr2e-4` arm); then one `tidal eval` (greedy, the task's 256 fixed problems) of their final
+  adapters.
 Per row: vLLM ready, first step done (since the command's start), whole run, s/step (median of the last 5 steps);
 per real row also greedy accuracy and, against each recorded TRL run of bench/learn_68.json (the same workload, TRL
 alone under the lock, 5 seeds; on the machine that file names), the time this row took to reach that TRL run's final
@@ -42,10 +43,10 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "GOALS-68-ROWS.md"
 JSON = REPO / "bench" / "goals_68_rows.json"
 TRL = REPO / "bench" / "learn_68.json"
-GUIDE = "--orch.guide_flat_groups 1 --orch.guide_template '\"{a} + {b} = {answer}\"'"
-ROWS = ("bundled-cold", "bundled-warm", "bundled-pool", "real-cold", "real-warm", "real-pool", "real-guided")
+UNGUIDED = "--orch.guide_flat_groups 0"
+ROWS = ("bundled-cold", "bundled-warm", "bundled-pool", "real-cold", "real-warm", "real-pool", "real-unguided")
 BASE = "base model (eval only)"
-VARIANT = {"cold": "cold", "warm": "default", "pool": "pool", "guided": "default"}
+VARIANT = {"cold": "cold", "warm": "default", "pool": "pool", "unguided": "default"}
 """Each row kind's bench/vllm_startup.py variant (its environment: fresh caches, a warm pool)."""
 
 
@@ -71,8 +72,8 @@ def bundled_row(kind: str, steps: int, log_dir: Path) -> dict[str, Any]:
 
 
 def learn_args(seed: int, port: int, extra: str) -> argparse.Namespace:
-    """bench/learn.py's arguments for tidal's run of the bench-learn workload (its defaults, lr 2e-4, tidal's own
-    algorithm: bench/LEARN-68.md's `lr2e-4` arm, tidal's defaults)."""
+    """bench/learn.py's arguments for tidal's run of the bench-learn workload (tidal's defaults: lr 2e-4, its own
+    algorithm; `extra`: more `tidal grpo` arguments)."""
     return argparse.Namespace(steps=15, prompts=8, generations=8, max_tokens=64, lr=2e-4, lora_rank=16, lora_alpha=32,
                               port=port, tidal_algorithm="example", tidal_extra=extra, seeds=[seed])
 
@@ -83,7 +84,7 @@ def real_row(kind: str, seed: int, log_dir: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"real-{kind}-", dir=log_dir))
     env = variant.environ(log_dir)
     port = vs.free_port()
-    args = learn_args(seed, port, GUIDE if kind == "guided" else "")
+    args = learn_args(seed, port, UNGUIDED if kind == "unguided" else "")
     pool = None
     if variant.pool:
         configs = [a for c in ("train", "infer", "orch") for a in (f"--{c}", str(learn.EXAMPLE / f"{c}.yaml"))]
@@ -157,7 +158,7 @@ def goals(rows: list[dict[str, Any]], trl_acc: list[float]) -> list[str]:
            goal("real model, first step <= 30 s after setup", "real-warm", "first_step_s", 30),
            goal("... with a warm pool <= 10 s", "real-pool", "first_step_s", 10),
            goal("<= 6 s per step at the end of a run (real model)", "real-warm", "last5_step_s", 6)]
-    for name in ("real-warm", "real-guided"):
+    for name in ("real-warm", "real-unguided"):
         r = by.get(name)
         if r is None or "reach" not in r:
             continue

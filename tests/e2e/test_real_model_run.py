@@ -43,6 +43,9 @@ def test_smollm2_grpo_two_steps_on_policy(tmp_path):
     assert rows[0]["off_policy_level"] == 0
     assert abs(rows[0]["mismatch_kl"]) <= 1e-6, rows[0]["mismatch_kl"]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    # orch guide_flat_groups auto (the default): the addition task writes worked answers, so guidance is on
+    assert "reference-answer guidance on (orch guide_flat_groups auto: env addition" in out, out[-4000:]
+    assert all("reward/sampled_mean" in r for r in rows)
     gguf_file = run_dir / "final" / "gguf" / "model-f16.gguf"
     assert gguf_file.is_file() and (run_dir / "final" / "adapter" / "adapter_model.safetensors").is_file()
     import gguf
@@ -85,6 +88,7 @@ def test_gemma3_base_grpo_two_steps_on_plain_text_prompts(tmp_path):
 
     batch = TrainingBatch.load(run_dir / "rollouts" / "step_1.safetensors")
     assert all(int(batch.tokens[s][0]) == 2 for s in batch.samples()), "Gemma's <bos> (id 2) opens every prompt"
+    assert "reference-answer guidance on (orch guide_flat_groups auto: env addition" in out, out[-4000:]
     assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").is_file()
 
 

@@ -5,6 +5,7 @@ against a float64 reference (the guided group's own pool is the usual group base
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.envs.base import Example
 from tidal.orchestrator.advantage import EPS, group_advantages, pooled_advantages
-from tidal.orchestrator.guide import fill_template, reference_eos
+from tidal.orchestrator.guide import auto_off, fill_template, reference_eos, reference_text, resolved
 from tidal.orchestrator.preflight import build_scoring
 
 
@@ -105,3 +106,71 @@ def test_the_template_takes_the_answer_and_the_examples_fields():
     with pytest.raises(ValueError, match=r"'\{c\} = \{answer\}': KeyError\('c'\) for an example of environment "
                                          r"'addition', whose fields are answer and \['a', 'b'\]"):
         fill_template("{c} = {answer}", ex)
+
+
+def envs_of(cfg: OrchConfig) -> dict:
+    return build_scoring(cfg).env.envs
+
+
+def test_auto_guides_a_run_whose_environments_write_worked_answers(caplog):
+    """`auto` (the default) resolves to 1 for `addition` (it writes worked answers) and says so; to 0 for an
+    environment that does not, or a run that guidance does not fit, saying why; a number stays as it is."""
+    assert OrchConfig().guide_flat_groups == "auto" and OrchConfig().guide_count() == 0
+    cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 4, "env": [{"id": "addition"}]})
+    with caplog.at_level("INFO", logger="tidal.orch"):
+        on = resolved(cfg, envs_of(cfg), "tidal:tiny-reverse")
+    assert on.guide_flat_groups == 1 and on.guide_count() == 1
+    assert "guidance on (orch guide_flat_groups auto: env addition writes" in caplog.text
+    for kw, why in [({"env": [{"id": "reverse-text"}]}, "env reverse-text writes no worked reference answers"),
+                    ({"env": [{"id": "addition"}, {"id": "reverse-text"}]}, "env reverse-text writes no worked"),
+                    ({"sampling": {"temperature": 0.7}}, "does not combine with sampling.temperature 0.7"),
+                    ({"async_mode": "in_flight"}, "does not combine with async_mode 'in_flight'"),
+                    ({"rollouts_per_example": 1, "batch_size": 4}, "does not combine with rollouts_per_example 1")]:
+        cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 4, "env": [{"id": "addition"}],
+                                         **kw})
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tidal.orch"):
+            assert resolved(cfg, envs_of(cfg), "tidal:tiny-reverse").guide_flat_groups == 0, kw
+        assert f"guidance off (orch guide_flat_groups auto): {''}" in caplog.text and why in caplog.text, caplog.text
+    explicit = orch(env=[{"id": "reverse-text"}], guide_flat_groups=2)
+    assert resolved(explicit, envs_of(explicit), "tidal:tiny-reverse").guide_flat_groups == 2
+
+
+def test_auto_leaves_a_model_without_eos_unguided(tmp_path, caplog):
+    cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 4, "env": [{"id": "addition"}]})
+    with caplog.at_level("INFO", logger="tidal.orch"):
+        out = resolved(cfg, envs_of(cfg), model_dir(tmp_path, "m", {"config.json": {}}))
+    assert out.guide_flat_groups == 0 and "names no eos_token_id" in caplog.text
+
+
+def test_auto_leaves_a_multi_turn_environment_unguided():
+    cfg = OrchConfig.model_validate({"batch_size": 8, "rollouts_per_example": 4, "env": [{"id": "calculator"}]})
+    env = envs_of(cfg)
+    env["calculator"].worked_reference = True  # an instance that says so: still 3 turns
+    assert "env 'calculator' has 3 turns" in auto_off(cfg, env, "tidal:tiny-reverse")
+
+
+@pytest.mark.parametrize("fmt", ["chat", "text"])
+def test_without_a_template_the_environment_writes_the_reference(fmt):
+    """guide_template None (the default): the example's environment's reference completion, which for `addition`
+    is the worked answer its reward accepts; an environment without one gives none (its groups stay unguided)."""
+    cfg = orch(env=[{"id": "addition", "args": {"prompt_format": fmt}}])
+    env = envs_of(cfg)
+    ex = env["addition"].sample(random.Random(3))
+    ex.task = "addition"
+    text = reference_text(cfg, env, ex)
+    a, b = ex.info["a"], ex.info["b"]
+    assert text == (f"{a} + {b} = {a + b}" if fmt == "chat" else f" {a + b}")
+    assert env["addition"].reward(ex, text) == 1.0
+    assert reference_text(cfg.model_copy(update={"guide_template": "{answer}"}), env, ex) == str(a + b)
+    plain = orch(env=[{"id": "calculator"}], guide_flat_groups=0)
+    calc = envs_of(plain)
+    calc["calculator"].reference_completion = lambda _ex: (_ for _ in ()).throw(NotImplementedError())
+    assert reference_text(plain, calc, Example(prompt="x", answer="1", task="calculator")) is None
+
+
+def test_a_negative_count_is_refused():
+    with pytest.raises(ValidationError, match="guide_flat_groups must be >= 0 or auto, got -1"):
+        orch(guide_flat_groups=-1)
+    with pytest.raises(ValidationError):
+        orch(guide_flat_groups="sometimes")

@@ -116,20 +116,25 @@ class OrchConfig(StrictModel):
     trains on its first draw. `reward/sampled_mean` is the mean of every group's first draw (the policy's reward as
     without this key); `extend/*` counts the groups and completions. Needs `advantage.type: default` without
     `length_weighted_mean` or `normalize_then_sum`, and `rollouts_per_example` >= 2. 0: off."""
-    guide_flat_groups: int = Field(0, ge=0)
+    guide_flat_groups: int | Literal["auto"] = "auto"
     """Reference-answer guidance (LUFFY), `async_mode: gated` only (`tidal.orchestrator.guide`): in a group whose
     rewards all agree and whose example has a reference answer (`answer`), this many of its completions are replaced
-    by the reference completion (`guide_template` with the answer, then the model's EOS token) when that scores
-    higher than the group. Its logprobs are the served policy's (vLLM's prompt logprobs), so it trains as a
-    completion the sampler could have drawn, with the group's advantages; `reward/sampled_mean` is the sampled
-    groups' reward and `guide/*` counts the guided groups and the skipped ones. Needs sampling `temperature` 1 (no
-    `temp_scheduler`), no `top_p`/`top_k`/`min_p`/`repetition_penalty`/`min_tokens` (prompt logprobs are
-    untempered and untruncated), single-turn environments without tools or a rollout function, fewer than
-    `rollouts_per_example`, and what `extend_flat_groups` needs of `advantage`. 0: off."""
-    guide_template: str = "{answer}"
+    by the reference completion (`guide_template`, else the environment's own reference completion, then the model's
+    EOS token) when that scores higher than the group. Its logprobs are the served policy's (vLLM's prompt
+    logprobs), so it trains as a completion the sampler could have drawn, with the group's advantages;
+    `reward/sampled_mean` is the sampled groups' reward and `guide/*` counts the guided groups and the skipped ones.
+    Needs sampling `temperature` 1 (no `temp_scheduler`), no `top_p`/`top_k`/`min_p`/`repetition_penalty`/
+    `min_tokens` (prompt logprobs are untempered and untruncated), single-turn environments without tools or a
+    rollout function, fewer than `rollouts_per_example`, and what `extend_flat_groups` needs of `advantage` (a
+    number here that the run does not meet is refused). `auto`: 1 when every training environment writes worked
+    reference answers (`Environment.worked_reference`: `addition`) and the run meets those needs, else 0; the
+    orchestrator says at its start which and why. 0: off."""
+    guide_template: str | None = None
     """The reference completion's text (with `guide_flat_groups`), Python format fields filled in: `{answer}` the
     example's answer, any other name a field of its `info` (e.g. `"{a} + {b} = {answer}"` for `addition`); a
-    field the example lacks stops the run naming it."""
+    field the example lacks stops the run naming it. None: each environment's own reference completion
+    (`Environment.reference_completion`; an environment without one leaves its groups unguided, counted in
+    `guide/no_reference`)."""
     max_sampling_rounds: int = Field(4, ge=1)
     """Sampling rounds per batch (both `async_mode`s, `orchestrator.fill`): with group filters on, a batch still
     short after them is filled with dropped groups (counted in `buffer/filled_with_dropped`); without, further
@@ -213,28 +218,45 @@ class OrchConfig(StrictModel):
         return self
 
     def _check_extend(self) -> None:
-        """What `extend_flat_groups` and `guide_flat_groups` need (refused, never ignored)."""
-        for key, n in (("extend_flat_groups", self.extend_flat_groups), ("guide_flat_groups", self.guide_flat_groups)):
-            if n:
-                self._check_pooled(key, n)
-        sp, n = self.sampling, self.guide_flat_groups
-        why = {"sampling.temperature": sp.temperature != 1.0 and f"{sp.temperature}",
-               "sampling.temp_scheduler": sp.temp_scheduler is not None and "set",
-               "sampling.top_p": sp.top_p != 1.0 and f"{sp.top_p}", "sampling.top_k": sp.top_k > 0 and f"{sp.top_k}",
-               "sampling.min_p": sp.min_p != 0.0 and f"{sp.min_p}",
-               "sampling.repetition_penalty": sp.repetition_penalty != 1.0 and f"{sp.repetition_penalty}",
-               "sampling.min_tokens": sp.min_tokens != 0 and f"{sp.min_tokens}"}
-        for key, value in why.items():
-            if n and value:
-                raise ValueError(f"guide_flat_groups: {n} does not combine with {key} {value}: a reference "
-                                 f"completion's logprobs are vLLM's prompt logprobs, untempered and untruncated, "
-                                 f"while sampled ones are not; set guide_flat_groups: 0 or {key} to its default")
-        if n >= self.rollouts_per_example:
-            raise ValueError(f"guide_flat_groups: {n} must be below rollouts_per_example "
-                             f"({self.rollouts_per_example}): a guided group keeps some of its own completions")
+        """What `extend_flat_groups` and an explicit `guide_flat_groups` need (refused, never ignored)."""
+        if self.extend_flat_groups and (why := self._pooled_conflict("extend_flat_groups", self.extend_flat_groups)):
+            raise ValueError(why)
+        n = self.guide_flat_groups
+        if n != "auto" and n < 0:
+            raise ValueError(f"guide_flat_groups must be >= 0 or auto, got {n}")
+        if n != "auto" and n and (why := self.guide_conflict(n)):
+            raise ValueError(why)
 
-    def _check_pooled(self, name: str, n: int) -> None:
-        """What a group trained against a baseline of its own (`groups.Pool`) needs of the run."""
+    def guide_count(self) -> int:
+        """`guide_flat_groups` as a count: `auto` is resolved to one when the orchestrator starts
+        (`tidal.orchestrator.guide.resolved`, which needs the environments and the served model) and counts 0 in a
+        config not yet resolved."""
+        return 0 if self.guide_flat_groups == "auto" else self.guide_flat_groups
+
+    def guide_conflict(self, n: int) -> str | None:
+        """Why `guide_flat_groups: n` cannot run with the rest of this config (the refusal), or None."""
+        if why := self._pooled_conflict("guide_flat_groups", n):
+            return why
+        sp = self.sampling
+        why_not = {"sampling.temperature": sp.temperature != 1.0 and f"{sp.temperature}",
+                   "sampling.temp_scheduler": sp.temp_scheduler is not None and "set",
+                   "sampling.top_p": sp.top_p != 1.0 and f"{sp.top_p}",
+                   "sampling.top_k": sp.top_k > 0 and f"{sp.top_k}",
+                   "sampling.min_p": sp.min_p != 0.0 and f"{sp.min_p}",
+                   "sampling.repetition_penalty": sp.repetition_penalty != 1.0 and f"{sp.repetition_penalty}",
+                   "sampling.min_tokens": sp.min_tokens != 0 and f"{sp.min_tokens}"}
+        for key, value in why_not.items():
+            if value:
+                return (f"guide_flat_groups: {n} does not combine with {key} {value}: a reference completion's "
+                        f"logprobs are vLLM's prompt logprobs, untempered and untruncated, while sampled ones are "
+                        f"not; set guide_flat_groups: 0 or {key} to its default")
+        if n >= self.rollouts_per_example:
+            return (f"guide_flat_groups: {n} must be below rollouts_per_example ({self.rollouts_per_example}): a "
+                    f"guided group keeps some of its own completions")
+        return None
+
+    def _pooled_conflict(self, name: str, n: int) -> str | None:
+        """Why a group trained against a baseline of its own (`groups.Pool`) cannot run with this config, or None."""
         adv = self.advantage
         why = {"async_mode": self.async_mode != "gated" and f"'{self.async_mode}' (the in-flight stream hands groups "
                "over one by one; a group trained against a baseline of its own is built for gated batches only)",
@@ -248,8 +270,8 @@ class OrchConfig(StrictModel):
                and "'normalize_then_sum' (it normalizes each function within the trained group)"}
         for key, reason in why.items():
             if reason:
-                raise ValueError(f"{name}: {n} does not combine with {key} {reason}; set "
-                                 f"{name}: 0 or change {key}")
+                return f"{name}: {n} does not combine with {key} {reason}; set {name}: 0 or change {key}"
+        return None
 
     def _check_factors(self) -> None:
         """Keys `weight_broadcast.reload: factors` (the LoRA merge inside vLLM's worker) does not combine with; the

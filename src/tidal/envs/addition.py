@@ -6,6 +6,8 @@ model's habit of restating the sum and rambling on ("12 + 30 = 42. This is ...")
 follows, so the policy learns to answer and stop. `eval_examples`: a fixed set of `eval_size` problems (seed
 `eval_seed`; 256 by default, so that one problem is 0.4 points; the first 64 are the 64-problem set of earlier
 releases), the same at every evaluation, in `tidal eval` and in `examples/real_model/greedy_eval.py`.
+`reference_completion`: the worked answer ("A + B = C"; " C" after a plain-text prompt), which reference-answer
+guidance trains on by default (`worked_reference`; orch `guide_flat_groups: auto`) and SFT takes as its target.
 
 `prompt_format: text` is the task for a base model (no chat template, e.g. `tidal:gemma3-270m`): the prompt is the
 plain string "A + B =" (TRL's "standard" format, sent with no template), which a pre-trained model continues; it
@@ -32,6 +34,7 @@ class Addition(Environment):
     """Sums of two integers in [`low`, `high`]."""
 
     id = "addition"
+    worked_reference = True  # reference-answer guidance's default (orch guide_flat_groups auto): bench/LEARN-68.md
 
     def __init__(self, low: int = 10, high: int = 99, eval_size: int = 256, eval_seed: int = 1234,
                  prompt_format: str = "chat") -> None:
@@ -61,7 +64,11 @@ class Addition(Environment):
         return 1.0 if last_integer(completion) == example.answer else 0.0
 
     def reference_completion(self, example: Example) -> str:
-        return example.answer
+        """The worked answer: "A + B = C" to the chat question (what the instruct model writes when it gets it
+        right), " C" after the plain-text prompt "A + B =" (its continuation)."""
+        if self.prompt_format == "text":
+            return f" {example.answer}"
+        return f"{example.info['a']} + {example.info['b']} = {example.answer}"
 
     def eval_examples(self) -> list[Example] | None:
         rng = random.Random(self.eval_seed)

@@ -48,6 +48,10 @@ class Environment(ABC):
     rollout_func: Any = None
     """A rollout function that samples this environment's groups instead of tidal
     (`tidal.orchestrator.rollout_func.RolloutFunc`, `GRPOTrainer(rollout_func=...)`); None: tidal samples them."""
+    worked_reference: bool = False
+    """Whether `reference_completion` writes a worked answer in the form the policy should learn (not only the bare
+    answer): orch `guide_flat_groups: auto` turns reference-answer guidance on for a run whose training environments
+    all say so (`tidal.orchestrator.guide`)."""
     has_reward: bool = True
     """Whether `reward` scores completions; False (the `dataset` environment): only the run's reward
     functions do, and the environment gets no reward column."""

@@ -200,7 +200,7 @@ def assemble(step: int, sample: StepSample, cfg: OrchConfig, scorer: Scorer, fil
         metrics |= distill_metrics(batch, sample.teacher_time_s)
     metrics |= rollout_metrics(np.where(ok, rewards, np.nan), per_func, scorer.names, comp_lens,
                                np.array([c.finish_reason == "length" for _, c in flat]), cfg.rollouts_per_example)
-    if cfg.extend_flat_groups or cfg.guide_flat_groups:
+    if cfg.extend_flat_groups or cfg.guide_count():
         metrics["reward/sampled_mean"] = sampled_mean(rewards, ok, cfg.rollouts_per_example, got.pools)
     metrics |= scorer.take_error_counts()
     metrics["completions/empty"] = float((comp_lens == 0).sum())

@@ -48,7 +48,7 @@ async def collect_groups(step: int, cfg: OrchConfig, env: Any, rng: random.Rando
         if cfg.extend_flat_groups:  # more completions for the groups with no signal (`extend`)
             groups, scores, pools = await extend_groups(step, cfg, env, client, policy.model, examples, prompts,
                                                         groups, scores, images, scorer, filler.scored, counts)
-        if cfg.guide_flat_groups:  # the reference answer in the groups still without signal (`guide`)
+        if cfg.guide_count():  # the reference answer in the groups still without signal (`guide`)
             groups, scores, pools = await guide_groups(step, cfg, client, policy.model, base, examples, prompts,
                                                        groups, scores, pools, images, scorer, counts)
         for ex, p, g, s, im, pool in zip(examples, prompts, groups, scores, images, pools, strict=True):

@@ -41,7 +41,7 @@ from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import Evaluator
 from tidal.orchestrator.filters import Filters
 from tidal.orchestrator.groups import StepSample
-from tidal.orchestrator.guide import reference_eos
+from tidal.orchestrator.guide import reference_eos, resolved
 from tidal.orchestrator.identity import IdentityCheck
 from tidal.orchestrator.outage import Outage
 from tidal.orchestrator.policy import PolicyTracker
@@ -122,7 +122,7 @@ async def served_base_model(client: InferenceClient, cfg: OrchConfig) -> str:
     if served and base not in served:
         raise ValueError(f"orch model.name '{base}' is not served at {cfg.client.base_url[0]} "
                          f"(served: {', '.join(served)})")
-    if cfg.guide_flat_groups:
+    if cfg.guide_count():
         reference_eos(base)
     return base
 
@@ -149,6 +149,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
     stream: GroupStream | None = None
     try:
         base = await served_base_model(parts.client, cfg)
+        cfg = resolved(cfg, parts.env.envs, base)  # orch guide_flat_groups auto: on or off for this run, said once
         wb = cfg.weight_broadcast
         policy = PolicyTracker(parts.client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
                                factors=wb.reload == "factors",

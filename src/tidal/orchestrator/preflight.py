@@ -17,13 +17,12 @@ from typing import Any
 
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
-from tidal.envs.agent import AgentEnv
 from tidal.envs.base import Environment, has_chat_prompts
 from tidal.orchestrator.advantage import load_function
 from tidal.orchestrator.envmix import EnvMix
 from tidal.orchestrator.evaluation import eval_env
 from tidal.orchestrator.filters import Filters
-from tidal.orchestrator.guide import reference_eos
+from tidal.orchestrator.guide import reference_eos, unfit
 from tidal.orchestrator.partial import ROLLOUT_FUNC_WHY
 from tidal.orchestrator.scoring import RewardFunc, Scorer
 
@@ -84,12 +83,10 @@ def check_guide(cfg: OrchConfig, env: EnvMix) -> None:
     """orch `guide_flat_groups` writes one reference turn (`tidal.orchestrator.guide`): every environment must be
     single-turn, without tools, an agent program or a rollout function, and the model must name its EOS token
     (ValueError naming the environment or the model and the key)."""
-    if not cfg.guide_flat_groups:
+    if not cfg.guide_count():
         return
     for name, e in env.envs.items():
-        kind = ("a rollout function" if e.rollout_func is not None else "tools" if e.tooling is not None else
-                "an agent program" if isinstance(e, AgentEnv) else f"{e.max_turns} turns" if e.max_turns > 1 else "")
-        if kind:
+        if kind := unfit(e):
             raise ValueError(f"guide_flat_groups: {cfg.guide_flat_groups} does not combine with env '{name}': it "
                              f"has {kind}, and a reference answer is one completion of one turn. Set "
                              f"guide_flat_groups: 0 or train single-turn environments")
