@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import MODEL, on_server
 from tests.integration.streams import gated_batch
 from tidal.config.orch import OrchConfig
+from tidal.envs.reverse_text import CLOSE, OPEN
 from tidal.models.sources import resolve_model
 from tidal.orchestrator.advantage import combine_rewards
 from tidal.orchestrator.assemble import assemble
@@ -26,6 +27,12 @@ pytestmark = pytest.mark.vllm
 
 def exact(completions, answer, **_):
     return [1.0 if c[-1]["content"].strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def tagged(completions, answer, **_):
+    """1.0 for exactly `reverse_text`'s own reference completion (the answer in its tags)."""
+    return [1.0 if c[-1]["content"].strip() == f"{OPEN}{a}{CLOSE}" else 0.0
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def collect(url: str, tmp_path, **kw):
@@ -61,7 +68,7 @@ def test_a_failed_group_trains_on_the_reference_answer_as_the_policy_scores_it(v
     assert flat, "the bundled model's 8-token tries should fail some group entirely"
     assert counts0.get("guide/groups", 0) == 0
 
-    got, counts, done, rewards = collect(vllm_server, tmp_path, guide_flat_groups=1)
+    got, counts, done, rewards = collect(vllm_server, tmp_path, guide_flat_groups=1, guide_template="{answer}")
     guided = [i for i in flat if len(tokenize(vllm_server, got.examples[i].answer)) < 24]  # room for the EOS
     assert guided and counts["guide/groups"] == counts["guide/completions"] == len(guided)
     assert counts.get("guide/too_long", 0) == len(flat) - len(guided)
@@ -96,3 +103,20 @@ def test_a_reference_that_scores_no_higher_leaves_the_group_as_sampled(vllm_serv
     assert counts["guide/no_gain"] and tried == len(flat) and counts.get("guide/groups", 0) == 0
     assert [[c.token_ids for c in g] for g in got.groups] == [[c.token_ids for c in g] for g in plain.groups]
     assert all(p is None for p in got.pools)
+
+
+def test_without_a_template_the_environment_writes_the_reference(vllm_server, tmp_path):
+    """guide_template unset: the reference is the environment's own `reference_completion` (reverse_text's answer in
+    its tags), tokenized by the server and ended by EOS, trained where the run's reward prefers it."""
+    reward = [{"import_path": "tests.integration.test_guide_groups:tagged"}]
+    plain, _, _, rewards0 = collect(vllm_server, tmp_path, reward_funcs=reward)
+    got, counts, _, rewards = collect(vllm_server, tmp_path, reward_funcs=reward, guide_flat_groups=1)
+    flat = [i for i, r in enumerate(rewards0) if not r.any()]
+    guided = [i for i in flat if got.pools[i] is not None]
+    assert guided and counts["guide/groups"] == len(guided)
+    assert counts.get("guide/too_long", 0) == len(flat) - len(guided)
+    for i in guided:
+        ex, ref = got.examples[i], got.groups[i][3]
+        assert ref.text == f"{OPEN}{ex.answer}{CLOSE}"
+        assert ref.token_ids == [*tokenize(vllm_server, ref.text), reference_eos(MODEL)]
+        assert rewards[i].tolist() == [0.0, 0.0, 0.0, 1.0]

@@ -137,6 +137,15 @@ def step_metrics(parts: Parts, got: StepSample, done: Assembled, counts: dict[st
             "rollout_tokens_per_s": done.generated_tokens / max(got.rollout_time_s, 1e-9)}
 
 
+def policy_tracker(cfg: OrchConfig, client: InferenceClient, base: str, run_dir: Path) -> PolicyTracker:
+    """The run's `PolicyTracker`: which policy the server serves, loaded as orch `weight_broadcast` says."""
+    wb = cfg.weight_broadcast
+    return PolicyTracker(client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
+                         factors=wb.reload == "factors", pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
+                         expect=(cfg.model.lora_rank, cfg.model.lora_alpha), await_base=wb.policy_zero == "published",
+                         identity=IdentityCheck(wb.policy_check, wb.policy_check_tolerance))
+
+
 async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,
               tooling: Any = None, stop: threading.Event | None = None, rollout_func: Any = None) -> int:
     """Produce batches until `max_steps`; returns the number written. `reward_funcs`: reward functions given in
@@ -150,13 +159,7 @@ async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | N
     try:
         base = await served_base_model(parts.client, cfg)
         cfg = resolved(cfg, parts.env.envs, base)  # orch guide_flat_groups auto: on or off for this run, said once
-        wb = cfg.weight_broadcast
-        policy = PolicyTracker(parts.client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
-                               factors=wb.reload == "factors",
-                               pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
-                               expect=(cfg.model.lora_rank, cfg.model.lora_alpha),
-                               await_base=wb.policy_zero == "published",
-                               identity=IdentityCheck(wb.policy_check, wb.policy_check_tolerance))
+        policy = policy_tracker(cfg, parts.client, base, run_dir)
         log.info("orchestrator ready: %s, %d prompts x %d rollouts per step, writing to %s", base,
                  cfg.batch_size // cfg.rollouts_per_example, cfg.rollouts_per_example, parts.sink.where)
         step = resumed_at = parts.progress.step
