@@ -112,13 +112,23 @@ def trl_runs() -> list[dict[str, Any]]:
     return [r for r in saved["runs"] if r["framework"] == "TRL"]
 
 
+def trl_here(path: Path) -> list[dict[str, Any]]:
+    """TRL runs of the same workload taken on this machine (a bench/learn.py `--modes trl` work directory's
+    runs.json, e.g. `bench/learn.py --modes trl --seeds 0 --lr 5e-4 --no-eval --work DIR`): same-machine times."""
+    saved = json.loads(path.read_text())
+    runs = [r for r in saved["runs"] if r["framework"] == "TRL"]
+    if not runs or saved["workload"] != trl_runs()[0]["workload"]:
+        raise SystemExit(f"{path}: no TRL run of bench/learn_68.json's workload")
+    return runs
+
+
 def reach(row: dict[str, Any], trl: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per TRL run: its final reward, 1/6 of its whole time, and when `row` first reached that reward."""
     out = []
     for t in trl:
         target = learn.final_reward(t)
-        out.append({"trl_seed": t["seed"], "target": target, "sixth_s": t["total_s"] / 6,
-                    "reached_s": learn.time_to_reach(row, target)})
+        out.append({"trl_seed": t["seed"], "target": target, "sixth_s": t["total_s"] / 6, "trl_total_s": t["total_s"],
+                    "machine": t.get("machine", "?"), "reached_s": learn.time_to_reach(row, target)})
     return out
 
 
@@ -164,8 +174,9 @@ def goals(rows: list[dict[str, Any]], trl_acc: list[float]) -> list[str]:
         if r is None or "reach" not in r:
             continue
         hit = sum(h["reached_s"] is not None and h["reached_s"] <= h["sixth_s"] for h in r["reach"])
-        out.append(f"| TRL's final reward in <= 1/6 of TRL's time, every TRL seed | {name} | {hit} of "
-                   f"{len(r['reach'])} | {'yes' if hit == len(r['reach']) else 'no'} |")
+        out.append(f"| TRL's final reward in <= 1/6 of TRL's time, every TRL seed (recorded TRL runs) | {name} | "
+                   f"{hit} of {len(r['reach'])} | {'yes' if hit == len(r['reach']) else 'no'} |")
+        out += [same_machine(name, r, h) for h in r.get("reach_here", [])]
         if "accuracy" in r and trl_acc:
             mean, sd = statistics.mean(trl_acc), statistics.stdev(trl_acc)
             a = r["accuracy"]["accuracy"]
@@ -173,6 +184,15 @@ def goals(rows: list[dict[str, Any]], trl_acc: list[float]) -> list[str]:
                        f"{name} | {a:.3f} (one seed) | {'above the mean' if a > mean else 'below the mean'}; "
                        f"{'outside' if a > mean + sd else 'inside'} TRL's spread (one seed says no more) |")
     return out
+
+
+def same_machine(name: str, row: dict[str, Any], h: dict[str, Any]) -> str:
+    """The 1/6 goal's line against a TRL run taken on this machine."""
+    got = h["reached_s"]
+    return (f"| ... against TRL seed {h['trl_seed']} on this machine (whole run {h['trl_total_s']:.0f} s, final reward "
+            f"{h['target']:.3f}) | {name} | reached at {fmt(got, 0)} s, 1/6 = {h['sixth_s']:.0f} s; whole run "
+            f"{h['trl_total_s'] / row['total_s']:.2f}x shorter | "
+            f"{'yes' if got is not None and got <= h['sixth_s'] else 'no'} |")
 
 
 def run_rows(names: list[str], seed: int, log_dir: Path, saved: dict[str, Any]) -> list[dict[str, Any]]:
@@ -229,6 +249,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the real rows' seed")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/tidal-goals-68"))
+    ap.add_argument("--trl-here", type=Path, help="a bench/learn.py `--modes trl` runs.json of the same workload "
+                    "taken on this machine: the 1/6 goal also against it (same-machine times)")
     ap.add_argument("--finish", action="store_true", help="no runs: finish bench/goals_68_rows.json's saved rows "
                     "(reach, the evaluation where missing) and write the report")
     args = ap.parse_args()
@@ -248,6 +270,8 @@ def main() -> None:
                          "final_reward": learn.final_reward(t)} for t in trl],
                 "trl_accuracy": [evals[t["adapter"]]["accuracy"] for t in trl if t["adapter"] in evals]}
         data["rows"] = run_rows(names, args.seed, args.log_dir, data)
+    if args.trl_here:
+        data["trl_here"] = str(args.trl_here)
     finish(data, args.log_dir)
     print(f"goals_68: wrote {OUT} and {JSON}", flush=True)
 
@@ -257,9 +281,10 @@ def finish(data: dict[str, Any], log_dir: Path) -> None:
     lack one), then the JSON and the report."""
     trl = trl_runs()
     rows = [r for r in data["rows"] if r["row"] != BASE]
+    here = trl_here(Path(data["trl_here"])) if data.get("trl_here") else []
     for r in rows:
         if "curve" in r:
-            r["reach"] = reach(r, trl)
+            r["reach"], r["reach_here"] = reach(r, trl), reach(r, here)
     if any("adapter" in r and "accuracy" not in r for r in rows):
         evaluate(rows, log_dir)
     else:
