@@ -124,3 +124,24 @@ def test_the_quoted_gemma_accuracies_are_the_recorded_ones():
     for side in ("tidal", "TRL"):
         assert f"**{accuracy(side)}**" in readme and f"**{accuracy(side)}**" in perf, side
     assert "bench/LEARN-GEMMA-TRL.md" in readme and "bench/LEARN-GEMMA-TRL.md" in perf
+
+
+def test_the_quoted_make_run_times_are_one_invocations_rows():
+    """README.md's `make run` times (warm, with a warm pool, on a cold cache) are the rows of the one invocation it
+    cites (bench/goals_68_rows.json, issue 68 item 5), and the real model's rows carry the new default's greedy
+    accuracy, which repeats bench/learn_68.json's `guideq` seed 0 (a seeded run of the same reference text)."""
+    import json
+
+    saved = json.loads((ROOT / "bench" / "goals_68_rows.json").read_text())
+    rows = {r["row"]: r for r in saved["rows"]}
+    readme = flat("README.md")
+    warm, pool, cold = rows["bundled-warm"], rows["bundled-pool"], rows["bundled-cold"]
+    assert f"takes {warm['total_s']:.1f} s once `.venv` exists (the first step at {warm['first_step_s']:.1f} s" \
+        in readme
+    assert f"{pool['total_s']:.1f} s, the first step at {pool['first_step_s']:.1f} s, with a warm pool" in readme
+    assert f"{cold['total_s']:.1f} s on a cold compile cache" in readme
+    assert "bench/GOALS-68-ROWS.md" in readme
+    learn68 = json.loads((ROOT / "bench" / "learn_68.json").read_text())
+    (guideq0,) = [r for r in learn68["runs"] if r["arm"] == "guideq" and r["seed"] == 0]
+    assert rows["real-warm"]["accuracy"]["accuracy"] == learn68["evals"][guideq0["adapter"]]["accuracy"]
+    assert f"({rows['real-warm']['accuracy']['accuracy']:.3f}; [bench/GOALS-68-ROWS.md]" in readme
