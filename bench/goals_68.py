@@ -23,7 +23,6 @@ the rows; a goal not met says its gap.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -31,7 +30,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +46,6 @@ ROWS = ("bundled-cold", "bundled-warm", "bundled-pool", "real-cold", "real-warm"
 BASE = "base model (eval only)"
 VARIANT = {"cold": "cold", "warm": "default", "pool": "pool", "unguided": "default"}
 """Each row kind's bench/vllm_startup.py variant (its environment: fresh caches, a warm pool)."""
-
-
-@contextlib.contextmanager
-def environ(env: dict[str, str]) -> Iterator[None]:
-    """This process's environment replaced by `env` meanwhile (learn.tidal_run starts its child with a copy)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def bundled_row(kind: str, steps: int, log_dir: Path) -> dict[str, Any]:
@@ -90,20 +75,15 @@ def real_row(kind: str, seed: int, log_dir: Path) -> dict[str, Any]:
         configs = [a for c in ("train", "infer", "orch") for a in (f"--{c}", str(learn.EXAMPLE / f"{c}.yaml"))]
         pool = vs.start_pool(port, configs, env, work)
     try:
-        with environ(env):
-            run = learn.tidal_run(args, work, seed)
+        run = learn.tidal_run(args, work, seed, env={**env, "TIDAL_PLAIN": "1"})  # as learn.env_with sets it
     finally:
         if pool is not None:
-            import subprocess
-
-            subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
-            vs.harness.stop(pool)
+            vs.stop_pool(pool, env)
     steps = [r["step_time_s"] for r in run["rows"]]
     return {"row": f"real-{kind}", "seed": seed, "extra": args.tidal_extra, "ready_s": run["ready_s"],
             "first_step_s": run["first_step_s"], "total_s": run["total_s"],
             "last5_step_s": statistics.median(steps[-5:]), "mismatch_kl_1": run["mismatch_kl_1"], "load": run["load"],
-            "curve": run["curve"],
-            "adapter": run["adapter"], "out": str(work)}
+            "curve": run["curve"], "adapter": run["adapter"], "out": str(work)}
 
 
 def trl_runs() -> list[dict[str, Any]]:
@@ -132,6 +112,11 @@ def reach(row: dict[str, Any], trl: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
+def in_time(hits: list[dict[str, Any]]) -> int:
+    """How many of `reach`'s TRL runs the row reached within 1/6 of their time."""
+    return sum(h["reached_s"] is not None and h["reached_s"] <= h["sixth_s"] for h in hits)
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
@@ -143,7 +128,7 @@ def rows_table(rows: list[dict[str, Any]]) -> list[str]:
         acc = r.get("accuracy")
         acc_s = f"{acc['accuracy']:.3f} [{acc['lo']:.3f}, {acc['hi']:.3f}]" if acc else "-"
         hits = r.get("reach")
-        reach_s = (f"{sum(h['reached_s'] is not None and h['reached_s'] <= h['sixth_s'] for h in hits)} of "
+        reach_s = (f"{in_time(hits)} of "
                    f"{len(hits)} TRL seeds (reached at {', '.join(fmt(h['reached_s'], 0) for h in hits)} s; 1/6: "
                    f"{', '.join(fmt(h['sixth_s'], 0) for h in hits)} s)") if hits else "-"
         kl = r["mismatch_kl_1"]
@@ -173,7 +158,7 @@ def goals(rows: list[dict[str, Any]], trl_acc: list[float]) -> list[str]:
         r = by.get(name)
         if r is None or "reach" not in r:
             continue
-        hit = sum(h["reached_s"] is not None and h["reached_s"] <= h["sixth_s"] for h in r["reach"])
+        hit = in_time(r["reach"])
         out.append(f"| TRL's final reward in <= 1/6 of TRL's time, every TRL seed (recorded TRL runs) | {name} | "
                    f"{hit} of {len(r['reach'])} | {'yes' if hit == len(r['reach']) else 'no'} |")
         out += [same_machine(name, r, h) for h in r.get("reach_here", [])]

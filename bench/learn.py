@@ -175,8 +175,9 @@ def machine_id() -> str:
     return f"{platform.node()} / {model} / {os.cpu_count()} CPUs"
 
 
-def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tidal") -> dict[str, Any]:
-    """One `tidal grpo` run of the example with the bench's workload."""
+def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tidal",
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One `tidal grpo` run of the example with the bench's workload; `env`: its environment (default `env_with()`)."""
     run_dir = work / f"{mode}_seed{seed}"
     cmd = [sys.executable, "-m", "tidal.cli", "grpo", "--train", str(EXAMPLE / "train.yaml"),
            "--infer", str(EXAMPLE / "infer.yaml"), "--orch", str(EXAMPLE / "orch.yaml"), "--output-dir", str(run_dir),
@@ -188,7 +189,7 @@ def tidal_run(args: argparse.Namespace, work: Path, seed: int, mode: str = "tida
            "--train.export.gguf", "null", "--infer.port", str(args.port), *ALGORITHMS[args.tidal_algorithm],
            *MODES[mode], *shlex.split(args.tidal_extra)]
     log = work / f"{mode}_seed{seed}.log"
-    total, arrivals = watch(cmd, log, run_dir / "metrics.jsonl", env_with(), 3 * 3600)
+    total, arrivals = watch(cmd, log, run_dir / "metrics.jsonl", env or env_with(), 3 * 3600)
     from tidal.monitor.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")

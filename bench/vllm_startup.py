@@ -295,8 +295,7 @@ def time_grpo(variant: Variant, steps: int, log_dir: Path, configs: list[str] | 
     finally:
         harness.stop(child)
         if pool is not None:
-            subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
-            harness.stop(pool)
+            stop_pool(pool, env)
     if code != 0:
         raise RuntimeError(f"{variant.name}: tidal grpo exited {code}; see {out / 'launcher.log'}")
     text = (out / "launcher.log").read_text()
@@ -323,6 +322,12 @@ def start_pool(port: int, args: list[str], env: dict[str, str], out: Path) -> ha
             raise RuntimeError(f"the warm pool did not start; see {out / 'pool.log'}")
         time.sleep(0.2)
     return child
+
+
+def stop_pool(pool: harness.Child, env: dict[str, str]) -> None:
+    """Stop the warm pool `start_pool` started (`tidal serve --stop`, then its process group)."""
+    subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--stop"], env=env, timeout=120, check=False)
+    harness.stop(pool)
 
 
 def fmt_grpo(r: GrpoRun) -> str:
