@@ -162,3 +162,25 @@ def test_the_after_setup_invocation_ran_setup_before_its_warm_rows():
     readme_rows = {r["row"]: r for r in json.loads((ROOT / "bench" / "goals_68_rows.json").read_text())["rows"]}
     for name in ("real-warm", "real-unguided", "real-pool"):
         assert rows[name]["accuracy"] == readme_rows[name]["accuracy"], name
+
+
+def test_the_gemma_defaults_reading_is_its_runs_against_trls():
+    """bench/LEARN-GEMMA-DEFAULTS.md's reading (tidal at its own defaults on the second task against TRL's recorded
+    runs) quotes the mean ± sample std of both sides recomputed from the two JSONs, and tidal's runs set nothing but
+    the workload: the default learning rate, no extra `tidal grpo` flag (guidance is then the default's)."""
+    import json
+    import statistics
+
+    ours = json.loads((ROOT / "bench" / "LEARN-GEMMA-DEFAULTS.json").read_text())
+    trl = json.loads((ROOT / "bench" / "LEARN-GEMMA-TRL.json").read_text())
+    from tidal.config.train import TrainConfig
+
+    assert ours["args"]["lr"] == TrainConfig.model_fields["learning_rate"].default and not ours["args"]["tidal_extra"]
+
+    def accuracy(saved: dict, side: str) -> str:
+        accs = [saved["evals"][r["adapter"]][0] for r in saved["runs"] if r.get("framework", "tidal") == side]
+        assert len(accs) == 5, (side, len(accs))
+        return f"{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}"
+
+    text = flat("bench/LEARN-GEMMA-DEFAULTS.md")
+    assert f"**{accuracy(ours, 'tidal')} (0.586-0.719) against {accuracy(trl, 'TRL')} (0.453-0.602)**" in text
