@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 
 def dims(run: Path) -> dict[str, int]:
     """The run's model dimensions (its configs/train.yaml `model`, resolved as tidal resolves it)."""
+    from tidal.config.load import load_config
+    from tidal.config.train import TrainConfig
     from tidal.models.config import model_config, text_config
 
-    model = yaml.safe_load((run / "configs" / "train.yaml").read_text())["model"]
+    model = load_config(TrainConfig, run / "configs" / "train.yaml", {}).model
     c = text_config(model_config(model))
     heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
     head_dim = int(c.get("head_dim") or hidden // heads)
