@@ -360,6 +360,10 @@ class TrainConfig(StrictModel):
     """LoRA alpha (scale = alpha / r)."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """LoRA dropout."""
+    loraplus_lr_ratio: float | None = Field(None, ge=1)
+    """LoRA+ (Hayou et al. 2024; PEFT's `create_loraplus_optimizer`, LLaMA-Factory's key): the B matrices (and
+    any 1-D trainable tensor) learn at `learning_rate` x this ratio, the A matrices at `learning_rate` (the rate
+    the logs show); the schedule scales both. Null: one rate for all (plain LoRA). Needs `lora: true`."""
     disable_dropout: bool = False
     """Set every dropout module of the policy to p = 0 (LoRA's `lora_dropout` and the model's own; TRL's
     `disable_dropout`)."""
@@ -446,6 +450,13 @@ class TrainConfig(StrictModel):
         if self.loss.sync_ref_model and self.gpus > 1:
             raise ValueError(f"loss.sync_ref_model works with gpus: 1 only (got {self.gpus}): updating and "
                              f"checkpointing a sharded reference is not built")
+        return self
+
+    @model_validator(mode="after")
+    def _loraplus(self) -> TrainConfig:
+        if self.loraplus_lr_ratio is not None and not self.lora:
+            raise ValueError(f"loraplus_lr_ratio ({self.loraplus_lr_ratio}) sets the rate of LoRA's B matrices "
+                             "against their A matrices: it needs lora: true (full fine-tuning has no A and B)")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,8 @@ default: for tiny tensors the block scales cost more than they save). Its `state
 tensors and ints (all parameters share the two quantization maps; `tidal.trainer.state` stores a copy for each),
 so checkpoints resume it exactly (tests/unit/test_optim_8bit.py). Single rank only: its kernels cannot update
 FSDP2's sharded (DTensor) parameters, and the config refuses `adamw_8bit` with `gpus > 1`.
+`loraplus_lr_ratio` (LoRA+): either optimizer over two parameter groups, the LoRA A matrices at the learning rate
+and the B matrices at the rate times the ratio (PEFT builds the groups; tests/unit/test_loraplus.py).
 """
 
 from __future__ import annotations
@@ -37,11 +39,39 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     if not params:
         raise RuntimeError("the model has no trainable parameters (check lora_target_modules)")
     betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if cfg.loraplus_lr_ratio is not None:
+        return loraplus(model, cfg, betas)
     if cfg.optimizer == "adamw_8bit":
         return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
                           eps=cfg.adam_epsilon)
     return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
                              eps=cfg.adam_epsilon, **adamw_kernel(params))
+
+
+def loraplus(model: torch.nn.Module, cfg: TrainConfig, betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """LoRA+ (train `loraplus_lr_ratio`): PEFT's `create_loraplus_optimizer` over `model` with the optimizer
+    `optimizer` names: a group of the A matrices at `learning_rate`, one of the B matrices (and 1-D trainable
+    tensors) at `learning_rate x ratio`, both with `weight_decay` (norm weights and biases without, PEFT's rule).
+    PEFT's third group, LoRA on embeddings, cannot occur (tidal adapts linear layers only, `tidal.models.lora`);
+    it would learn at `learning_rate`. Empty groups are dropped: the optimizer's groups are the ones that train."""
+    from peft.optimizers import create_loraplus_optimizer
+
+    assert cfg.loraplus_lr_ratio is not None
+    kwargs: dict[str, object] = {"betas": betas, "eps": cfg.adam_epsilon, "weight_decay": cfg.weight_decay,
+                                 "loraplus_weight_decay": cfg.weight_decay,
+                                 "loraplus_lr_embedding": cfg.learning_rate}
+    cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    if cfg.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit
+        kwargs["min_8bit_size"] = MIN_8BIT_SIZE
+    else:
+        kwargs.update(adamw_kernel([p for p in model.parameters() if p.requires_grad]))
+    opt = create_loraplus_optimizer(model, cls, lr=cfg.learning_rate,  # type: ignore[arg-type]
+                                    loraplus_lr_ratio=cfg.loraplus_lr_ratio, **kwargs)
+    opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]
+    return opt
 
 
 def adamw_kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
