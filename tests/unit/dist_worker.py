@@ -47,15 +47,20 @@ def config(world: int, zero_level: int, accumulation: int, loss_type: str, lora:
 def main() -> None:
     out, zero, accs = Path(sys.argv[1]), int(sys.argv[2]), [int(a) for a in sys.argv[3].split(",")]
     loss_type = sys.argv[4] if len(sys.argv) > 4 else "dapo"
-    lora = not (len(sys.argv) > 5 and sys.argv[5] == "full")
+    mode = sys.argv[5] if len(sys.argv) > 5 else "lora"  # lora | full | loraplus
     ranks, device = distributed.init_ranks(int(__import__("os").environ.get("LOCAL_WORLD_SIZE", "1")), "cpu", 300)
     for acc in accs:
-        cfg = config(ranks.world, zero, acc, loss_type, lora)
+        cfg = config(ranks.world, zero, acc, loss_type, mode != "full")
+        if mode == "loraplus":  # train loraplus_lr_ratio on sharded ranks: AdamW kept, its two groups checked
+            cfg = cfg.model_copy(update={"learning_rate": 1e-3, "loraplus_lr_ratio": 8.0})
         p = build_policy(cfg, 10, ranks)
-        # plain SGD: AdamW's first step is lr * sign(g), which turns float-summation noise in near-zero
-        # gradients into lr-sized differences; SGD shows the gradients themselves (AdamW is element-wise and
-        # sharded the same way)
-        p.opt = torch.optim.SGD([q for q in p.model.parameters() if q.requires_grad], lr=0.5)
+        if mode == "loraplus":
+            (out / f"lrs_rank{ranks.rank}.json").write_text(json.dumps([g["lr"] for g in p.opt.param_groups]))
+        else:
+            # plain SGD: AdamW's first step is lr * sign(g), which turns float-summation noise in near-zero
+            # gradients into lr-sized differences; SGD shows the gradients themselves (AdamW is element-wise and
+            # sharded the same way)
+            p.opt = torch.optim.SGD([q for q in p.model.parameters() if q.requires_grad], lr=0.5)
         m = train_step(p.model, p.opt, fixed_batch(), cfg, torch.device(device), p.pad_id, ranks=ranks, sched=p.sched,
                        reference=p.reference)
         sync_view(p)

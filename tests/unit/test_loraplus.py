@@ -7,6 +7,8 @@ refused where it cannot apply."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,32 @@ def test_the_trainers_policy_trains_with_the_two_rates():
     assert b and a and len(a) + len(b) == len(moved)
     assert all(v == pytest.approx(8e-3, rel=1e-3) for v in b)
     assert max(a) == 0.0
+
+
+def test_two_gloo_ranks_train_the_two_groups(tmp_path):
+    """The same on two torch.distributed ranks (gloo, FSDP2-sharded LoRA parameters, tests/unit/dist_worker.py): each
+    rank's optimizer has both groups at their rates, and after one optimizer step every B moved by up to `lr x
+    ratio` and every A is still its initial value (the one-rank policy builder's, the same seed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.unit.dist_worker import config as dist_config
+    from tidal.trainer.policy import build_policy
+
+    worker = Path(__file__).with_name("dist_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(worker), str(tmp_path), "1", "8", "dapo", "loraplus"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"lrs_rank{rank}.json").read_text()) == pytest.approx([1e-3, 8e-3])
+    after = load_file(str(tmp_path / "params_acc8.safetensors"))
+    start = build_policy(dist_config(1, 1, 16, "dapo").model_copy(update={"learning_rate": 1e-3,
+                                                                          "loraplus_lr_ratio": 8.0}), 10)
+    initial = {n: q.detach() for n, q in start.model.named_parameters() if q.requires_grad}
+    assert after.keys() == initial.keys()
+    assert all(float(v.abs().max()) == pytest.approx(8e-3, rel=1e-3) for k, v in after.items() if "lora_B" in k)
+    assert all(torch.equal(v, initial[k]) for k, v in after.items() if "lora_A" in k)
