@@ -91,6 +91,25 @@ def test_the_quoted_learn_68_accuracies_are_the_recorded_ones():
     assert "bench/LEARN-68.md" in readme and "bench/LEARN-68.md" in perf
 
 
+
+def test_the_quoted_loraplus_accuracies_are_the_recorded_ones():
+    """docs/algorithms.md's LoRA+ section quotes five arms of bench/learn_68.json (LoRA+ at ratio 4 and 16, plain
+    LoRA at 8e-4, 4e-4 and 2e-4, guidance on): each mean ± sample std recomputed from the arm's 5 evaluations, and the
+    LoRA+ runs really set the key."""
+    import json
+    import statistics
+
+    saved = json.loads((ROOT / "bench" / "learn_68.json").read_text())
+    doc = flat("docs/algorithms.md")
+    section = doc[doc.index("## LoRA+"):doc.index("## Advantages")]
+    for arm in ("lp4", "g8e-4", "lp16", "guide4e-4", "guideq"):
+        runs = [r for r in saved["runs"] if r["arm"] == arm]
+        accs = [saved["evals"][r["adapter"]]["accuracy"] for r in runs]
+        assert len(accs) == 5, (arm, len(accs))
+        assert f"{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}" in section, arm
+        if arm.startswith("lp"):
+            assert all(f"--train.loraplus_lr_ratio {arm[2:]}" in json.dumps(r) for r in runs), arm
+
 def test_the_quoted_guided_gemma_accuracy_is_the_recorded_one():
     """README.md and docs/performance.md quote the guided runs' greedy accuracy on the second task
     (bench/LEARN-GEMMA-GUIDE.json, 5 seeds each side): the mean ± sample std recomputed from its evaluations."""
