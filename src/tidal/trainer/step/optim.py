@@ -40,7 +40,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         raise RuntimeError("the model has no trainable parameters (check lora_target_modules)")
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.loraplus_lr_ratio is not None:
-        return loraplus(model, cfg, betas)
+        return loraplus(model, params, cfg, betas)
     if cfg.optimizer == "adamw_8bit":
         return adamw_8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas,
                           eps=cfg.adam_epsilon)
@@ -48,12 +48,14 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
                              eps=cfg.adam_epsilon, **adamw_kernel(params))
 
 
-def loraplus(model: torch.nn.Module, cfg: TrainConfig, betas: tuple[float, float]) -> torch.optim.Optimizer:
-    """LoRA+ (train `loraplus_lr_ratio`): PEFT's `create_loraplus_optimizer` over `model` with the optimizer
-    `optimizer` names: a group of the A matrices at `learning_rate`, one of the B matrices (and 1-D trainable
-    tensors) at `learning_rate x ratio`, both with `weight_decay` (norm weights and biases without, PEFT's rule).
-    PEFT's third group, LoRA on embeddings, cannot occur (tidal adapts linear layers only, `tidal.models.lora`);
-    it would learn at `learning_rate`. Empty groups are dropped: the optimizer's groups are the ones that train."""
+def loraplus(model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: TrainConfig,
+             betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """LoRA+ (train `loraplus_lr_ratio`): PEFT's `create_loraplus_optimizer` over `model` (its trainable
+    `params`) with the optimizer `optimizer` names: a group of the A matrices at `learning_rate`, one of the B
+    matrices (and 1-D trainable tensors) at `learning_rate x ratio`, both with `weight_decay` (norm weights and
+    biases without, PEFT's rule). PEFT's third group, LoRA on embeddings, cannot occur (tidal adapts linear
+    layers only, `tidal.models.lora`); it would learn at `learning_rate`. Empty groups are dropped: the
+    optimizer's groups are the ones that train."""
     from peft.optimizers import create_loraplus_optimizer
 
     assert cfg.loraplus_lr_ratio is not None
@@ -67,7 +69,7 @@ def loraplus(model: torch.nn.Module, cfg: TrainConfig, betas: tuple[float, float
         cls = bnb.optim.AdamW8bit
         kwargs["min_8bit_size"] = MIN_8BIT_SIZE
     else:
-        kwargs.update(adamw_kernel([p for p in model.parameters() if p.requires_grad]))
+        kwargs.update(adamw_kernel(params))
     opt = create_loraplus_optimizer(model, cls, lr=cfg.learning_rate,  # type: ignore[arg-type]
                                     loraplus_lr_ratio=cfg.loraplus_lr_ratio, **kwargs)
     opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]
