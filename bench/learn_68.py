@@ -8,7 +8,10 @@ seed alone under the machine's heavy lock too (its wall times are timings: TRL's
 time goal). This script then
 - `--eval`: runs one `tidal eval` (greedy, the addition task's fixed 256 problems, one vLLM, merged reloads) over the
   base model and every final adapter of the arms not yet in bench/learn_68.json (take the heavy lock for it; one
-  invocation may be split in several by `--max-adapters`), and records the accuracies there;
+  invocation may be split in several by `--max-adapters`), and records the accuracies there; `--eval-size N` takes
+  the task's first N fixed problems instead (the first 256 are the default set: each adapter's accuracy on those is
+  recorded too, a check against the 256-problem figures), kept in its own `--json` / `--out` (a JSON file holds one
+  evaluation size: the greedy accuracy's eval noise, ~0.028 at 256 problems, is most of an arm's spread);
 - always: copies each run's curve and per-step metrics into bench/learn_68.json (the work directories live in /tmp)
   and writes the report from that file alone: per-seed table, mean ± sample std (min-max) per arm, the reward at equal
   samples trained, at equal samples generated (dynamic sampling generates more than it trains on: dropped groups count)
@@ -73,18 +76,23 @@ def collect(arms: list[tuple[str, Path]], trl: Path | None, known: list[dict[str
     return sorted(runs.values(), key=lambda r: (r["arm"], int(r["seed"])))
 
 
-def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most: int) -> None:
-    """`tidal eval` of at most `most` adapters not yet in `evals` (and the base model), into `evals`."""
+def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most: int, size: int) -> None:
+    """`tidal eval` of at most `most` adapters not yet in `evals` (and the base model) on the first `size` fixed
+    problems, into `evals` (with `first256`, the accuracy on the first 256, when `size` is larger)."""
     todo = [r for r in runs if r["adapter"] not in evals and Path(r["adapter"]).is_dir()][:most]
     if not todo:
         print("learn_68: every adapter is evaluated", flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    got = learn.greedy_eval(work, todo, cross_check=0)
+    got = learn.greedy_eval(work, todo, cross_check=0, eval_size=size)
     for key, value in got.items():
         if isinstance(value, dict) and "accuracy" in value:
+            if len(value["rewards"]) != size:
+                raise RuntimeError(f"tidal eval scored {len(value['rewards'])} problems for {key}, not {size}")
             evals[key] = {k: value[k] for k in ("accuracy", "lo", "hi")}
+            if size > 256:
+                evals[key]["first256"] = statistics.mean(value["rewards"][:256])
     evals.setdefault("_meta", []).append({"adapters": len(todo), "seconds": got["seconds"], "ready_s": got["ready_s"],
                                          "wall_s": time.monotonic() - t0, "load": os.getloadavg()[0],
                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
@@ -134,7 +142,8 @@ def table(runs: list[dict[str, Any]], evals: dict[str, Any]) -> list[str]:
                    f"{r['step_s']:.1f} | {r['first_step_s']:.1f} | {r['total_s']:.0f} | "
                    f"{generated(r)[-1]} | {statistics.mean(c[2] for c in r['curve'][:5]):.3f} | "
                    f"{learn.final_reward(r):.3f} | {e.get('accuracy', float('nan')):.3f} "
-                   f"[{e.get('lo', float('nan')):.3f}, {e.get('hi', float('nan')):.3f}] | {r.get('load', 0):.1f} |")
+                   f"[{e.get('lo', float('nan')):.3f}, {e.get('hi', float('nan')):.3f}]"
+                   + (f" (first 256: {e['first256']:.3f})" if "first256" in e else "") + f" | {r.get('load', 0):.1f} |")
     return out
 
 
@@ -197,8 +206,8 @@ def accuracy_goal(runs: list[dict[str, Any]], evals: dict[str, Any]) -> list[str
     tm, ts = statistics.mean(trl), statistics.stdev(trl)
     out = [f"Greedy accuracy against TRL's ({len(trl)} seeds: {learn.spread(trl, 3)}), issue 68's \"outside the "
            f"spread\": the arms' mean ± std intervals apart (above or below TRL's), and (stricter) their min-max "
-           f"ranges apart.", "",
-           "| arm | seeds | mean - TRL's mean | mean ± std apart | ranges apart |", "|---|---|---|---|---|"]
+           f"ranges apart; Welch's t of the two means.", "",
+           "| arm | seeds | mean - TRL's mean | mean ± std apart | ranges apart | Welch t |", "|---" * 6 + "|"]
     for arm in sorted({r["arm"] for r in runs if r["framework"] != "TRL"}):
         accs = [a for a in (acc(evals, r) for r in runs if r["arm"] == arm) if a == a]
         if not accs:
@@ -206,7 +215,9 @@ def accuracy_goal(runs: list[dict[str, Any]], evals: dict[str, Any]) -> list[str
         m, sd = statistics.mean(accs), statistics.stdev(accs) if len(accs) > 1 else 0.0
         apart = "above" if m - sd > tm + ts else "below" if m + sd < tm - ts else "no"
         ranges = "above" if min(accs) > max(trl) else "below" if max(accs) < min(trl) else "no"
-        out.append(f"| {arm} | {len(accs)} | {m - tm:+.3f} | {apart} | {ranges} |")
+        se = (sd ** 2 / len(accs) + ts ** 2 / len(trl)) ** 0.5
+        out.append(f"| {arm} | {len(accs)} | {m - tm:+.3f} | {apart} | {ranges} | "
+                   f"{(m - tm) / se if se else float('nan'):.1f} |")
     return out
 
 
@@ -239,6 +250,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
                  "(one line per seed)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -252,30 +264,37 @@ def main() -> None:
     ap.add_argument("--json", default=str(REPO / "bench" / "learn_68.json"))
     ap.add_argument("--out", default=str(REPO / "bench" / "LEARN-68.md"))
     ap.add_argument("--notes", default=None, help="a markdown file whose text goes after the tables (the reading)")
+    ap.add_argument("--eval-size", type=int, default=256,
+                    help="fixed problems per evaluation (a --json file holds one size)")
     args = ap.parse_args()
     path = Path(args.json)
-    saved = json.loads(path.read_text()) if path.is_file() else {"runs": [], "evals": {}}
+    saved = json.loads(path.read_text()) if path.is_file() else {"runs": [], "evals": {}, "eval_size": args.eval_size}
+    if saved.get("eval_size", 256) != args.eval_size:
+        sys.exit(f"learn_68: {path} holds evaluations on {saved.get('eval_size', 256)} problems, not --eval-size "
+                 f"{args.eval_size}: give another --json")
     arms = [(a.split("=", 1)[0], Path(a.split("=", 1)[1])) for a in args.arm]
     runs = collect(arms, Path(args.trl) if args.trl else None, saved["runs"])
     evals = saved["evals"]
     if args.eval:
-        evaluate(runs, evals, Path("/tmp/ls-learn/eval") / time.strftime("%H%M%S"), args.max_adapters)
+        evaluate(runs, evals, Path("/tmp/ls-learn/eval") / time.strftime("%H%M%S"), args.max_adapters, args.eval_size)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"runs": runs, "evals": evals}, indent=1))
+    tmp.write_text(json.dumps({"runs": runs, "evals": evals, "eval_size": args.eval_size}, indent=1))
     tmp.replace(path)
     out = Path(args.out)
-    plot(runs, out.with_name("learn-68.png"))
+    png = out.with_name(out.stem.lower() + ".png")
+    plot(runs, png)
     base = evals.get("base", {})
     meta = "; ".join(f"{m['adapters']} adapters in {m['seconds']:.0f} s after vLLM's {m['ready_s']:.0f} s (load "
                      f"{m['load']:.1f}, {m['date']})" for m in evals.get("_meta", []))
     lines = ["# Issue 68 item 4: more learned per sample (bench/learn_68.py)", "",
              f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {learn.machine_id()}. {machines(runs)}",
              "",
-             f"Greedy accuracy: `tidal eval`, the addition task's fixed 256 problems, 48 tokens; base model "
+             f"Greedy accuracy: `tidal eval`, the addition task's first {args.eval_size} fixed problems, 48 tokens; "
+             f"base model "
              f"{base.get('accuracy', float('nan')):.3f} [{base.get('lo', float('nan')):.3f}, "
              f"{base.get('hi', float('nan')):.3f}]. Evaluations: {meta or 'none yet'}.", "",
              *table(runs, evals), "", *summary(runs, evals), "", *time_goal(runs), "",
-             *accuracy_goal(runs, evals), "", "![reward vs samples and time](learn-68.png)", ""]
+             *accuracy_goal(runs, evals), "", f"![reward vs samples and time]({png.name})", ""]
     if args.notes:
         lines += [Path(args.notes).read_text(), ""]
     out.write_text("\n".join(lines))
