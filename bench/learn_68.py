@@ -86,6 +86,15 @@ def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     got = learn.greedy_eval(work, todo, cross_check=0, eval_size=size)
+    record(evals, got, size)
+    evals.setdefault("_meta", []).append({"adapters": len(todo), "seconds": got["seconds"], "ready_s": got["ready_s"],
+                                         "wall_s": time.monotonic() - t0, "load": os.getloadavg()[0],
+                                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+
+
+def record(evals: dict[str, Any], got: dict[str, Any], size: int) -> None:
+    """`learn.greedy_eval`'s labels into `evals`: accuracy and its 95% interval, and with `size` above 256 the
+    accuracy on the first 256 problems (the default set); a label scored on another number of problems is an error."""
     for key, value in got.items():
         if isinstance(value, dict) and "accuracy" in value:
             if len(value["rewards"]) != size:
@@ -93,9 +102,6 @@ def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most
             evals[key] = {k: value[k] for k in ("accuracy", "lo", "hi")}
             if size > 256:
                 evals[key]["first256"] = statistics.mean(value["rewards"][:256])
-    evals.setdefault("_meta", []).append({"adapters": len(todo), "seconds": got["seconds"], "ready_s": got["ready_s"],
-                                         "wall_s": time.monotonic() - t0, "load": os.getloadavg()[0],
-                                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
 
 
 def generated(run: dict[str, Any]) -> list[int]:

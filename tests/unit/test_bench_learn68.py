@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 spec = importlib.util.spec_from_file_location("bench_learn_68", BENCH / "learn_68.py")
@@ -63,6 +65,30 @@ def test_the_accuracy_goal_says_which_side_of_trls_spread_an_arm_lies():
     runs = [tagged(a, s, "TRL" if a == "trl" else "tidal") for a, xs in accs.items() for s in range(len(xs))]
     evals = {f"{a}{s}": {"accuracy": x} for a, xs in accs.items() for s, x in enumerate(xs)}
     rows = {ln.split(" | ")[0]: ln for ln in learn68.accuracy_goal(runs, evals) if ln.startswith("| ")}
-    assert rows["| hi"].endswith("| +0.200 | above | above |"), rows["| hi"]
-    assert rows["| mid"].endswith("| no | no |"), rows["| mid"]
-    assert rows["| lo"].endswith("| below | no |"), rows["| lo"]  # mean ± std below, its range overlaps TRL's
+
+    def welch(arm: str) -> str:  # Welch's t in float64 numpy (sample variances, ddof 1)
+        x, y = np.array(accs[arm], dtype=np.float64), np.array(accs["trl"], dtype=np.float64)
+        return f"{(x.mean() - y.mean()) / np.sqrt(x.var(ddof=1) / x.size + y.var(ddof=1) / y.size):.1f}"
+
+    assert rows["| hi"].endswith(f"| +0.200 | above | above | {welch('hi')} |"), rows["| hi"]
+    assert rows["| mid"].endswith(f"| no | no | {welch('mid')} |"), rows["| mid"]
+    assert rows["| lo"].endswith(f"| below | no | {welch('lo')} |"), rows["| lo"]  # std below, range overlaps TRL's
+    assert welch("hi") == "12.2" and welch("lo") == "-2.1"  # by hand: 0.2 / sqrt(2 x 0.0004 / 3); -0.147 / 0.0693
+
+
+def test_record_keeps_the_accuracy_on_the_first_256_of_a_larger_set_and_refuses_a_short_one():
+    rng = np.random.default_rng()
+    rewards = rng.integers(0, 2, size=1024).astype(np.float64)
+    got = {"seconds": 1.0, "a0": {"accuracy": rewards.mean(), "lo": 0.1, "hi": 0.9, "rewards": rewards.tolist()}}
+    evals: dict = {}
+    learn68.record(evals, got, 1024)
+    assert evals["a0"]["accuracy"] == rewards.mean() and "seconds" not in evals
+    assert abs(evals["a0"]["first256"] - rewards[:256].mean()) < 1e-12
+    learn68.record(small := {}, {"b": {**got["a0"], "rewards": rewards[:256].tolist()}}, 256)
+    assert "first256" not in small["b"], "the default set: nothing to split off"
+    try:
+        learn68.record({}, got, 2048)
+    except RuntimeError as e:
+        assert "1024 problems" in str(e) and "not 2048" in str(e)
+    else:
+        raise AssertionError("a label scored on fewer problems than asked must not be recorded")
