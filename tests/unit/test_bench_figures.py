@@ -203,3 +203,23 @@ def test_the_gemma_defaults_reading_is_its_runs_against_trls():
 
     text = flat("bench/LEARN-GEMMA-DEFAULTS.md")
     assert f"**{accuracy(ours, 'tidal')} (0.586-0.719) against {accuracy(trl, 'TRL')} (0.453-0.602)**" in text
+
+
+def test_the_quoted_1024_problem_accuracies_are_the_recorded_ones():
+    """README.md and docs/performance.md quote tidal's defaults and TRL on 1024 problems from bench/learn_68_1024.json:
+    the mean ± sample std recomputed from its evaluations, which really took 1024 problems, and the intervals apart."""
+    import json
+    import statistics
+
+    saved = json.loads((ROOT / "bench" / "learn_68_1024.json").read_text())
+    assert saved["eval_size"] == 1024
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+    stats = {}
+    for arm in ("default", "trl"):
+        accs = [saved["evals"][r["adapter"]]["accuracy"] for r in saved["runs"] if r["arm"] == arm]
+        assert len(accs) == 5, (arm, len(accs))
+        stats[arm] = (statistics.mean(accs), statistics.stdev(accs))
+        quoted = f"**{stats[arm][0]:.3f} ± {stats[arm][1]:.3f}**"
+        assert quoted in readme and quoted in perf, arm
+    assert stats["default"][0] - stats["default"][1] > stats["trl"][0] + stats["trl"][1], "the text says: apart"
+    assert "bench/LEARN-68-1024.md" in readme and "bench/LEARN-68-1024.md" in perf
