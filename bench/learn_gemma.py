@@ -47,8 +47,8 @@ TRL_DIR = Path(os.environ.get("TIDAL_BENCH_TRL", REPO / ".venv" / "bench-trl"))
 
 
 def env_arg(args: argparse.Namespace) -> str:
-    return (f"{{id: addition, args: {{prompt_format: text, low: {args.low}, high: {args.high}, "
-            f"eval_size: {args.eval_size}}}}}")
+    """The environment as `tidal grpo` / `tidal eval` take it (YAML flow), from `env_args`."""
+    return "{id: addition, args: " + json.dumps(env_args(args)) + "}"
 
 
 RECIPE = ("steps", "prompts", "generations", "max_tokens", "lr", "temperature", "low", "high")
@@ -106,7 +106,8 @@ def grpo(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
 
 def env_args(args: argparse.Namespace) -> dict[str, Any]:
     """The environment's arguments as `env_arg` gives them to tidal (bench/trl_grpo.py's `--env-args`)."""
-    return {"prompt_format": "text", "low": args.low, "high": args.high, "eval_size": args.eval_size}
+    evaluated = {"eval_all": True} if args.eval_all else {"eval_size": args.eval_size}
+    return {"prompt_format": "text", "low": args.low, "high": args.high, **evaluated}
 
 
 def trl(args: argparse.Namespace, work: Path, seed: int) -> dict[str, Any]:
@@ -171,6 +172,15 @@ def cpu_model() -> str:
     return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "an unknown CPU")
 
 
+def evaluated(args: argparse.Namespace) -> str:
+    """What the greedy accuracy was measured on, in words."""
+    if args.eval_all:
+        n = (args.high - args.low + 1) ** 2
+        return (f"every one of the task's {n} problems once (`eval_all`: its exact greedy accuracy, no sampling "
+                f"noise; the intervals treat them as a sample)")
+    return f"the env's fixed {args.eval_size}-problem set (drawn with replacement, seed 1234)"
+
+
 def fmt(acc: tuple[float, float, float] | None) -> str:
     return "-" if acc is None else f"{acc[0]:.3f} [{acc[1]:.3f}, {acc[2]:.3f}]"
 
@@ -188,8 +198,7 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
              f"{args.max_tokens} tokens per step at temperature {args.temperature}, {args.steps} steps, lr {args.lr}, "
              f"LoRA r16/alpha 32 (all linear), on-policy"
              f"{f'; tidal with `{args.tidal_extra}` (its rewards: the sampled ones)' if args.tidal_extra else ''}. "
-             f"Greedy accuracy: `tidal eval` on the env's fixed {args.eval_size}-problem set, 95% Wilson interval in "
-             f"brackets.", ""]
+             f"Greedy accuracy: `tidal eval` on {evaluated(args)}, 95% Wilson interval in brackets.", ""]
     base = evals.get("base") if evals else None
     lines += [f"Base model greedy accuracy: {fmt(base)}", "",
               "| side | seed | steps | s/step | total (s) | reward first 3 | reward last 3 | step-1 mismatch_kl | "
@@ -219,9 +228,10 @@ def write(args: argparse.Namespace, runs: list[dict[str, Any]], evals: dict[str,
         (m1, s1, lo1, hi1), (m2, s2, lo2, hi2) = summary["tidal"], summary["TRL"]
         spread = "outside" if (m1 - s1 > m2 + s2 or m2 - s2 > m1 + s1) else "inside"
         ranges = "do not overlap" if (lo1 > hi2 or lo2 > hi1) else "overlap"
+        se = (s1 ** 2 / len(sides["tidal"]) + s2 ** 2 / len(sides["TRL"])) ** 0.5
         lines += ["", f"Issue 68's learning goal on this second task and second real model, at equal samples: tidal "
                   f"{m1:.3f} against TRL {m2:.3f}, difference {m1 - m2:+.3f}, {spread} the spread (mean +- std "
-                  f"intervals), min-max ranges {ranges}."]
+                  f"intervals), min-max ranges {ranges}, Welch's t {(m1 - m2) / se if se else float('nan'):.1f}."]
     if evals:
         lines += ["", "Greedy completions (first 3 problems):", ""]
         lines += [f"- {label}: {json.dumps(s)}" for label, s in evals["samples"].items()]
@@ -249,7 +259,9 @@ def main() -> None:
                    "recipe, e.g. \"--orch.guide_flat_groups 1\"); TRL's runs do not take them")
     p.add_argument("--low", type=int, default=0)
     p.add_argument("--high", type=int, default=19)
-    p.add_argument("--eval-size", type=int, default=128)
+    p.add_argument("--eval-size", type=int, default=128, help="problems of the env's fixed eval set")
+    p.add_argument("--eval-all", action="store_true", help="evaluate every problem of the task once (addition's "
+                   "`eval_all`; --eval-size then unused and refused when given)")
     p.add_argument("--port", type=int, default=8377)
     p.add_argument("--run-budget-s", type=float, default=3600,
                    help="one `tidal grpo` run's limit (1800 s stopped a 20-step run at step 18 on the shared machine)")
@@ -261,6 +273,8 @@ def main() -> None:
     p.add_argument("--deadline", help="HH:MM UTC: start no run after it minus --reserve-s")
     p.add_argument("--reserve-s", type=float, default=900, help="time kept for the evaluation before the deadline")
     args = p.parse_args()
+    if args.eval_all and "--eval-size" in sys.argv:
+        p.error("--eval-all evaluates every problem: --eval-size would have no effect")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []

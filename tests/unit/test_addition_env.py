@@ -57,3 +57,23 @@ def test_text_format_is_a_plain_continuation_scored_by_its_first_number():
     assert all(isinstance(e.prompt, str) for e in env.eval_examples() or [])
     with pytest.raises(ValueError, match="prompt_format must be 'chat'"):
         Addition(prompt_format="plain")
+
+
+def test_eval_all_is_every_problem_of_the_task_once_in_order():
+    """`eval_all`: each (A, B) in [low, high] squared exactly once, A then B in order, each scored by its own sum;
+    eval_size / eval_seed beside it would be ignored, so they are refused, as is a task too large to enumerate."""
+    env = make_env("addition", {"low": 0, "high": 19, "prompt_format": "text", "eval_all": True})
+    examples = env.eval_examples() or []
+    pairs = [(e.info["a"], e.info["b"]) for e in examples]
+    assert len(pairs) == 400 and len(set(pairs)) == 400 and pairs == sorted(pairs)
+    assert pairs[0] == (0, 0) and pairs[-1] == (19, 19)
+    assert all(e.prompt == f"{a} + {b} =" and e.answer == str(a + b) for e, (a, b) in zip(examples, pairs, strict=True))
+    small = Addition(low=3, high=5, eval_all=True).eval_examples() or []
+    assert [e.info["a"] for e in small] == [3] * 3 + [4] * 3 + [5] * 3
+    with pytest.raises(ValueError, match="eval_all evaluates every problem"):
+        Addition(low=0, high=19, eval_all=True, eval_size=128)
+    with pytest.raises(ValueError, match="eval_all evaluates every problem"):
+        Addition(low=0, high=19, eval_all=True, eval_seed=7)
+    assert len(Addition(low=10, high=99, eval_all=True).eval_examples() or []) == 8100
+    with pytest.raises(ValueError, match="10201 problems, more than 10000"):
+        Addition(low=0, high=100, eval_all=True)
