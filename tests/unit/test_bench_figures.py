@@ -223,3 +223,38 @@ def test_the_quoted_1024_problem_accuracies_are_the_recorded_ones():
         assert quoted in readme and quoted in perf, arm
     assert stats["default"][0] - stats["default"][1] > stats["trl"][0] + stats["trl"][1], "the text says: apart"
     assert "bench/LEARN-68-1024.md" in readme and "bench/LEARN-68-1024.md" in perf
+
+
+def test_the_quoted_exact_gemma_accuracies_are_the_recorded_ones():
+    """README.md and docs/performance.md quote the second task's exact greedy accuracies: the same adapters as
+    bench/LEARN-GEMMA-DEFAULTS-TRL.json (tidal's defaults, TRL at 2e-4) and bench/LEARN-GEMMA-TRL.json (TRL at
+    1e-4), scored on every one of the task's problems once (`eval_all`); the mean ± sample std recomputed from the two
+    JSONs, tidal's interval and range above both of TRL's, and the base model scored alike in both invocations."""
+    import json
+    import statistics
+
+    every = json.loads((ROOT / "bench" / "LEARN-GEMMA-ALL.json").read_text())
+    trl1 = json.loads((ROOT / "bench" / "LEARN-GEMMA-ALL-TRL1E-4.json").read_text())
+    trained = {**{r["adapter"]: r for r in json.loads((ROOT / "bench" / "LEARN-GEMMA-DEFAULTS-TRL.json").read_text())[
+        "runs"]}, **{r["adapter"]: r for r in json.loads((ROOT / "bench" / "LEARN-GEMMA-TRL.json").read_text())["runs"]
+                     if r.get("framework") == "TRL"}}
+    for saved in (every, trl1):
+        args = saved["args"]
+        assert args["eval_all"] and saved["evals"]["examples"] == (args["high"] - args["low"] + 1) ** 2 == 400
+        assert all(trained[r["adapter"]]["rewards"] == r["rewards"] for r in saved["runs"])  # re-scored, not retrained
+    assert every["evals"]["base"] == trl1["evals"]["base"]
+    sides = {}
+    for name, saved, side, lr in (("tidal", every, "tidal", 2e-4), ("trl2", every, "TRL", 2e-4),
+                                  ("trl1", trl1, "TRL", 1e-4)):
+        runs = [r for r in saved["runs"] if r.get("framework", "tidal") == side]
+        assert len(runs) == 5 and all(r["recipe"]["lr"] == lr for r in runs), name
+        sides[name] = [saved["evals"][r["adapter"]][0] for r in runs]
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+    for name, accs in sides.items():
+        quoted = f"**{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}** ({min(accs):.3f}-{max(accs):.3f})"
+        assert quoted in readme and quoted in perf, name
+    ours = sides["tidal"]
+    for name in ("trl2", "trl1"):  # the text says: apart, ranges included
+        assert statistics.mean(ours) - statistics.stdev(ours) > statistics.mean(sides[name]) + statistics.stdev(
+            sides[name]) and min(ours) > max(sides[name]), name
+    assert "bench/LEARN-GEMMA-ALL.md" in readme and "bench/LEARN-GEMMA-ALL.md" in perf
