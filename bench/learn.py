@@ -237,17 +237,20 @@ EVAL_TOKENS = 48
 """Greedy completion tokens in the evaluation (greedy_eval.py's, and enough for any answer of the task)."""
 
 
-def greedy_eval(work: Path, runs: list[dict[str, Any]], cross_check: int, eval_size: int = 256) -> dict[str, Any]:
+def greedy_eval(work: Path, runs: list[dict[str, Any]], cross_check: int, eval_size: int = 256,
+                eval_seed: int | None = None) -> dict[str, Any]:
     """`tidal eval` of the base model and every run's final adapter on the task's fixed problem set (`eval_size`
-    problems, 256 by default; a larger set begins with the same 256: src/tidal/envs/addition.py; one vLLM, merged
+    problems, 256 by default; a larger set begins with the same 256: src/tidal/envs/addition.py; `eval_seed`: another
+    fixed set, drawn independently of the default one; one vLLM, merged
     reloads): label -> {accuracy, lo, hi, rewards}, plus `seconds` (sampling, vLLM ready excluded), `ready_s`, `rows`,
     and `cross_check`: greedy_eval.py (transformers) on the first `cross_check` problems for the base model and the
     first adapter, against tidal eval's rewards on the same problems (how many agree)."""
     out = work / "eval.json"
     cmd = [sys.executable, "-m", "tidal.cli", "eval", "--model", MODEL, "--env", "addition", "--max-tokens",
            str(EVAL_TOKENS), "--max-model-len", "512", "--out", str(out), "--quiet", "--show-samples", "2"]
-    if eval_size != 256:
-        cmd += ["--env-args", json.dumps({"eval_size": eval_size})]
+    if eval_size != 256 or eval_seed is not None:
+        cmd += ["--env-args", json.dumps({"eval_size": eval_size} | ({} if eval_seed is None else
+                                                                        {"eval_seed": eval_seed}))]
     for r in runs:
         cmd += ["--adapter", r["adapter"]]
     code, text = harness.run(cmd, work / "eval.log", 3600, env=env_with(), name="tidal_eval")

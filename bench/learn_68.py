@@ -76,31 +76,34 @@ def collect(arms: list[tuple[str, Path]], trl: Path | None, known: list[dict[str
     return sorted(runs.values(), key=lambda r: (r["arm"], int(r["seed"])))
 
 
-def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most: int, size: int) -> None:
+def evaluate(runs: list[dict[str, Any]], evals: dict[str, Any], work: Path, most: int, size: int,
+             seed: int | None = None) -> None:
     """`tidal eval` of at most `most` adapters not yet in `evals` (and the base model) on the first `size` fixed
-    problems, into `evals` (with `first256`, the accuracy on the first 256, when `size` is larger)."""
+    problems (of the set drawn with `seed`, when given), into `evals` (with `first256`, the accuracy on the first 256
+    of the default set, when `size` is larger)."""
     todo = [r for r in runs if r["adapter"] not in evals and Path(r["adapter"]).is_dir()][:most]
     if not todo:
         print("learn_68: every adapter is evaluated", flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    got = learn.greedy_eval(work, todo, cross_check=0, eval_size=size)
-    record(evals, got, size)
+    got = learn.greedy_eval(work, todo, cross_check=0, eval_size=size, eval_seed=seed)
+    record(evals, got, size, first256=seed is None)
     evals.setdefault("_meta", []).append({"adapters": len(todo), "seconds": got["seconds"], "ready_s": got["ready_s"],
                                          "wall_s": time.monotonic() - t0, "load": os.getloadavg()[0],
                                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
 
 
-def record(evals: dict[str, Any], got: dict[str, Any], size: int) -> None:
-    """`learn.greedy_eval`'s labels into `evals`: accuracy and its 95% interval, and with `size` above 256 the
-    accuracy on the first 256 problems (the default set); a label scored on another number of problems is an error."""
+def record(evals: dict[str, Any], got: dict[str, Any], size: int, first256: bool = True) -> None:
+    """`learn.greedy_eval`'s labels into `evals`: accuracy and its 95% interval, and with `size` above 256 (and
+    `first256`: the default set's problems) the accuracy on the first 256 problems (the default set); a label scored
+    on another number of problems is an error."""
     for key, value in got.items():
         if isinstance(value, dict) and "accuracy" in value:
             if len(value["rewards"]) != size:
                 raise RuntimeError(f"tidal eval scored {len(value['rewards'])} problems for {key}, not {size}")
             evals[key] = {k: value[k] for k in ("accuracy", "lo", "hi")}
-            if size > 256:
+            if size > 256 and first256:
                 evals[key]["first256"] = statistics.mean(value["rewards"][:256])
 
 
@@ -272,19 +275,25 @@ def main() -> None:
     ap.add_argument("--notes", default=None, help="a markdown file whose text goes after the tables (the reading)")
     ap.add_argument("--eval-size", type=int, default=256,
                     help="fixed problems per evaluation (a --json file holds one size)")
+    ap.add_argument("--eval-seed", type=int, default=None, help="draw the fixed problems with this seed instead of "
+                    "the task's own (1234): an independent set; a --json file holds one seed")
     args = ap.parse_args()
     path = Path(args.json)
-    saved = json.loads(path.read_text()) if path.is_file() else {"runs": [], "evals": {}, "eval_size": args.eval_size}
-    if saved.get("eval_size", 256) != args.eval_size:
-        sys.exit(f"learn_68: {path} holds evaluations on {saved.get('eval_size', 256)} problems, not --eval-size "
-                 f"{args.eval_size}: give another --json")
+    saved = json.loads(path.read_text()) if path.is_file() else {"runs": [], "evals": {}, "eval_size": args.eval_size,
+                                                                  "eval_seed": args.eval_seed}
+    if saved.get("eval_size", 256) != args.eval_size or saved.get("eval_seed") != args.eval_seed:
+        sys.exit(f"learn_68: {path} holds evaluations on {saved.get('eval_size', 256)} problems drawn with seed "
+                 f"{saved.get('eval_seed') or 'the default'}, not --eval-size {args.eval_size} --eval-seed "
+                 f"{args.eval_seed or 'the default'}: give another --json")
     arms = [(a.split("=", 1)[0], Path(a.split("=", 1)[1])) for a in args.arm]
     runs = collect(arms, Path(args.trl) if args.trl else None, saved["runs"])
     evals = saved["evals"]
     if args.eval:
-        evaluate(runs, evals, Path("/tmp/ls-learn/eval") / time.strftime("%H%M%S"), args.max_adapters, args.eval_size)
+        evaluate(runs, evals, Path("/tmp/ls-learn/eval") / time.strftime("%H%M%S"), args.max_adapters, args.eval_size,
+                 args.eval_seed)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"runs": runs, "evals": evals, "eval_size": args.eval_size}, indent=1))
+    tmp.write_text(json.dumps({"runs": runs, "evals": evals, "eval_size": args.eval_size, "eval_seed": args.eval_seed},
+                              indent=1))
     tmp.replace(path)
     out = Path(args.out)
     png = out.with_name(out.stem.lower() + ".png")
@@ -295,7 +304,9 @@ def main() -> None:
     lines = ["# Issue 68 item 4: more learned per sample (bench/learn_68.py)", "",
              f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {learn.machine_id()}. {machines(runs)}",
              "",
-             f"Greedy accuracy: `tidal eval`, the addition task's first {args.eval_size} fixed problems, 48 tokens; "
+             f"Greedy accuracy: `tidal eval`, the addition task's first {args.eval_size} fixed problems"
+             f"{'' if args.eval_seed is None else f' drawn with seed {args.eval_seed} (not the default set)'}, "
+             f"48 tokens; "
              f"base model "
              f"{base.get('accuracy', float('nan')):.3f} [{base.get('lo', float('nan')):.3f}, "
              f"{base.get('hi', float('nan')):.3f}]. Evaluations: {meta or 'none yet'}.", "",

@@ -92,3 +92,22 @@ def test_record_keeps_the_accuracy_on_the_first_256_of_a_larger_set_and_refuses_
         assert "1024 problems" in str(e) and "not 2048" in str(e)
     else:
         raise AssertionError("a label scored on fewer problems than asked must not be recorded")
+
+
+def test_an_independent_set_records_no_first256_and_its_json_refuses_another_seed(tmp_path):
+    """`--eval-seed`: problems drawn with another seed are not the default set, so no `first256` is split off; and a
+    --json that holds one seed's evaluations refuses to take another seed's (or the default set's)."""
+    import subprocess
+
+    rng = np.random.default_rng()
+    rewards = rng.integers(0, 2, size=512).astype(np.float64)
+    got = {"a0": {"accuracy": rewards.mean(), "lo": 0.1, "hi": 0.9, "rewards": rewards.tolist()}}
+    learn68.record(evals := {}, got, 512, first256=False)
+    assert evals["a0"]["accuracy"] == rewards.mean() and "first256" not in evals["a0"]
+    saved = tmp_path / "s.json"
+    saved.write_text('{"runs": [], "evals": {}, "eval_size": 512, "eval_seed": 1235}')
+    for extra in ([], ["--eval-seed", "7"]):
+        done = subprocess.run([sys.executable, str(BENCH / "learn_68.py"), "--json", str(saved), "--out",
+                               str(tmp_path / "r.md"), "--eval-size", "512", *extra], capture_output=True, text=True)
+        assert done.returncode != 0 and "drawn with seed 1235" in done.stderr, done.stderr
+        assert not (tmp_path / "r.md").exists()
