@@ -71,5 +71,22 @@ fi
 if [ -z "${GPU:-}" ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# tcmalloc for tidal's CPU processes (train / infer `malloc: auto`, tidal.procs.malloc; bench/ALLOCATOR.md): Debian's
+# libtcmalloc-minimal4 unpacked into the venv (apt-get download needs no root) unless the system has it; elsewhere
+# tidal runs with glibc's malloc and says so
+if [ -z "${GPU:-}" ] && ! "$VENV/bin/python" -c "import sys; from tidal.procs.malloc import find_tcmalloc; \
+sys.exit(find_tcmalloc() is None)" 2>/dev/null; then
+  t=$(mktemp -d)
+  if command -v apt-get >/dev/null && (cd "$t" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1) \
+      && dpkg-deb -x "$t"/libtcmalloc-minimal4_*.deb "$t/x"; then
+    mkdir -p "$VENV/lib/tidal-malloc"
+    cp -L "$(find "$t/x" -name 'libtcmalloc_minimal.so.4' | head -1)" "$VENV/lib/tidal-malloc/"
+    echo "setup: tcmalloc unpacked into $VENV/lib/tidal-malloc (Debian's libtcmalloc-minimal4)"
+  else
+    echo "setup: no tcmalloc (not a Debian / Ubuntu machine, or apt-get download failed): tidal's CPU processes use" \
+      "glibc's malloc (the trainer's step ~1.3x slower: bench/ALLOCATOR.md); apt install libtcmalloc-minimal4 for it"
+  fi
+  rm -rf "$t"
+fi
 "$VENV/bin/python" -c "import torch, transformers, peft, vllm; print('setup: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| peft', peft.__version__, '| vllm', vllm.__version__)"

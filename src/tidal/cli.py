@@ -233,6 +233,13 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
         from tidal.colocate.warm_trainer import run_forked
 
         return run_forked(Path(args.warm_trainer), cfg, run_dir)
+    from tidal.procs import malloc
+
+    try:  # before torch is imported: the process may execute itself again with tcmalloc preloaded
+        allocator = malloc.for_trainer(cfg.malloc, cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"tidal grpo-train: {allocator}", flush=True)
     from tidal.trainer import distributed
     from tidal.trainer.command import run_trainer
 
@@ -268,7 +275,14 @@ def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     if args.dry_run:
         print(f"# tidal sft: {cfg.sft.steps(cfg.max_steps)} steps, the result in {out}\n{dump(cfg)}")
         return 0
+    from tidal.procs import malloc
+
+    try:  # before torch is imported (train malloc, as grpo-train)
+        allocator = malloc.for_trainer(cfg.malloc, cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     setup_logging("[sft]")
+    logging.getLogger("tidal.sft").info("%s", allocator)
     from tidal.trainer import sft
 
     cfg.model = resolve_model(cfg.model)

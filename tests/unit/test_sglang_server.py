@@ -101,7 +101,7 @@ def test_the_api_key_comes_from_the_environment_and_logprobs_are_after_temperatu
 def test_a_key_sglang_cannot_map_exits_2_naming_it(key):
     away = {"cpu_kvcache_space_gib": 4.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "export_base_weights": True, "return_routed_experts": True, "engine_core_start": "spawn",
-            "aot_compile": True}[key]
+            "aot_compile": True, "malloc": "tcmalloc"}[key]
     with pytest.raises(ValueError, match=f"backend sglang: {key}"):
         InferConfig(model="m", backend="sglang", **{key: away})
     InferConfig(model="m", backend="vllm", **{key: away})  # vLLM takes it

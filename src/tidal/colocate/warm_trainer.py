@@ -295,6 +295,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [pool-trainer] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     cfg = TrainConfig.model_validate(yaml.safe_load(Path(argv[0]).read_text()))
+    from tidal.procs import malloc
+
+    try:  # the forked trainers inherit it
+        log.info("%s", malloc.for_trainer(cfg.malloc, cfg.device))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     directory = Path(argv[1])
     path = directory / SOCKET_FILE
     if len(str(path).encode()) > SOCKET_PATH_MAX:

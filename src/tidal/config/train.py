@@ -208,6 +208,13 @@ class TrainConfig(StrictModel):
     device: str = "auto"
     """Where to train: `auto` (CUDA when available, else CPU), `cpu`, `cuda` (the first visible GPU) or `cuda:N`
     (GPU N among those `CUDA_VISIBLE_DEVICES` lets the process see), e.g. to keep the trainer off vLLM's GPU."""
+    malloc: Literal["auto", "tcmalloc", "system"] = "auto"
+    """The trainer process's memory allocator (`tidal.procs.malloc`; the process executes itself once more with it
+    preloaded, before importing torch). `tcmalloc`: gperftools' libtcmalloc_minimal (exit 2 where it is not found;
+    `make setup` unpacks Debian's `libtcmalloc-minimal4` into the venv), which keeps freed memory where glibc's malloc
+    hands it back and faults it in again every step: the CPU step on bench-learn's batch 10.8 s against 14.1 s, the
+    same loss (bench/ALLOCATOR.md). `system`: glibc's malloc. `auto`: tcmalloc on the CPU where it is found, glibc's
+    on a GPU (not measured there) or where it is not (said in one line at start)."""
     per_device_train_batch_size: int = Field(2, ge=1)
     """Packed rows of `sequence_len` tokens per micro-batch (forward/backward pass)."""
     sequence_len: int = Field(1024, ge=16)

@@ -33,7 +33,7 @@ from tidal.config.infer import VALID_LORA_RANKS, InferConfig, round_lora_rank
 from tidal.inference.backends.bind import check_bind_secure
 from tidal.models.sources import resolve_model
 from tidal.models.sources.gguf import cache_root
-from tidal.procs import bind_host, check_port_free
+from tidal.procs import bind_host, check_port_free, malloc
 
 __all__ = ["VALID_LORA_RANKS", "round_lora_rank"]  # where they were first defined
 
@@ -272,6 +272,17 @@ def engine_core_fork(cfg: InferConfig, environ: Mapping[str, str]) -> bool:
     return why is None
 
 
+def server_malloc(cfg: InferConfig) -> Path | None:
+    """The allocator library the server is preloaded with (infer `malloc`, `tidal.procs.malloc`): tcmalloc's path, or
+    None for glibc's malloc; ConfigError where `tcmalloc` is asked for and not found."""
+    try:
+        return malloc.resolve(cfg.malloc, "infer malloc", on_cpu())
+    except ValueError as exc:
+        from tidal.config.load import ConfigError
+
+        raise ConfigError(str(exc)) from None
+
+
 def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: `environ` (default: this process's) with vLLM's variables for `cfg`."""
     from tidal.inference.backends.vllm import aot_cpu, fork_core
@@ -306,6 +317,7 @@ def vllm_env(cfg: InferConfig, environ: Mapping[str, str] | None = None) -> dict
         # first rollouts: the engine core grew 1.3-2.9 MiB per reload (native memory; with the cache off, flat:
         # bench/SOAK.md). vLLM's handlers keep their own per-shape cache, so their matmuls do not need it.
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
+    env = malloc.with_preload(env, server_malloc(cfg))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
@@ -387,8 +399,10 @@ def exec_server(cfg: InferConfig) -> None:
     resolve_model(cfg.model)
     check_port_free(host, cfg.port)
     argv = vllm_argv(cfg)
+    env = vllm_env(cfg)
     start_reaper()
-    print(f"tidal grpo-infer: starting vLLM ({argv[2]}) on {host}:{cfg.port}", flush=True)
+    print(f"tidal grpo-infer: starting vLLM ({argv[2]}) on {host}:{cfg.port}; "
+          f"{malloc.describe(server_malloc(cfg), cfg.malloc, on_cpu())}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, vllm_env(cfg))
+    os.execve(argv[0], argv, env)
