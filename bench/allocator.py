@@ -10,6 +10,12 @@ with `malloc: system` (glibc's) and with `tcmalloc` (its library preloaded, as t
 reports per allocator the median of each step's time over the rounds and the ratio tcmalloc / glibc.
 
 Run alone on the machine (the heavy lock): `flock /tmp/tidal-heavy.lock python bench/allocator.py`.
+
+`--e2e LABEL=ALLOCATOR=DIR ...` adds whole runs to the report: `bench/learn.py --modes tidal --seeds S --no-eval --work
+DIR` runs (tcmalloc for vLLM and the trainer, `auto`, or `--tidal-extra "--train.malloc system --infer.malloc
+system"`), read from DIR/runs.json and DIR/tidal_seed*/metrics.jsonl: whole run, the medians of steps 3 onwards of
+rollout, train and step time, and whether every run sampled the same rewards at every step (it should: an allocator
+moves no arithmetic). They are copied into bench/allocator.json, which the report is written from.
 """
 
 from __future__ import annotations
@@ -94,31 +100,66 @@ def report(runs: list[dict[str, Any]], steps: int) -> list[str]:
                     f"The first step's loss, grad norm and token counts are {alike}: {json.dumps(runs[0]['first'])}."]
 
 
+def e2e_run(label: str, kind: str, work: Path) -> dict[str, Any]:
+    """One bench/learn.py run's figures (module doc)."""
+    run = json.loads((work / "runs.json").read_text())["runs"][0]
+    rows = [json.loads(x) for x in (work / f"tidal_seed{run['seed']}" / "metrics.jsonl").read_text().splitlines() if x]
+    late = rows[2:] or rows
+    return {"label": label, "kind": kind, "work": str(work), "total_s": run["total_s"], "date": run["date"],
+            "load": run["load"], "steps": len(rows),
+            **{f"{k}_s": statistics.median(r[f"{k}_time_s"] for r in late) for k in ("rollout", "train", "step")},
+            "rewards": [r.get("reward/sampled_mean", r["reward/mean"]) for r in rows]}
+
+
+def e2e_report(runs: list[dict[str, Any]]) -> list[str]:
+    """The whole runs' table (module doc)."""
+    same = len({json.dumps(r["rewards"]) for r in runs}) == 1
+    lines = ["Whole runs (bench/learn.py, bench-learn workload; medians of steps 3 onwards):", "",
+             "| run | allocator (vLLM and trainer) | whole run s | rollout s | train s | step s | mean load |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {'glibc (system)' if r['kind'] == 'system' else r['kind']} | {r['total_s']:.0f} | "
+              f"{r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['step_s']:.2f} | {r['load']:.2f} |" for r in runs]
+    return lines + ["", f"Rewards at every step: {'the same in every run' if same else 'NOT the same in every run'}."]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="train steps per process (the first pays first touches)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "bench" / "ALLOCATOR.md"))
+    ap.add_argument("--e2e", nargs="*", default=[], metavar="LABEL=ALLOCATOR=DIR", help="whole runs (module doc)")
+    ap.add_argument("--from-json", action="store_true", help="no new measurement: rewrite the report from "
+                    "bench/allocator.json (plus any --e2e runs)")
     args = ap.parse_args()
     if args.child:
         print("ALLOCATOR " + json.dumps(child(args.steps)), flush=True)
         return
     from tidal.paths import write_atomic
 
-    runs = [measure(kind, args.steps) for _ in range(args.rounds) for kind in ("system", "tcmalloc")]
+    saved_path = Path(args.out).with_name("allocator.json")
+    saved = json.loads(saved_path.read_text()) if args.from_json else {}
+    runs = saved["runs"] if args.from_json else [measure(kind, args.steps) for _ in range(args.rounds)
+                                                 for kind in ("system", "tcmalloc")]
+    e2e = saved.get("e2e", []) + [e2e_run(*spec.split("=", 2)[:2], Path(spec.split("=", 2)[2])) for spec in args.e2e]
+    if args.from_json:
+        args.rounds, args.steps = saved["args"]["rounds"], saved["args"]["steps"]
     import platform
 
     cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
                 if x.startswith("model name")), platform.processor())
+    written = saved.get("written") or f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu}"
     lines = ["# The CPU trainer's step: glibc's malloc against tcmalloc (`bench/allocator.py`)", "",
-             f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu}, {os.cpu_count()} cores, "
+             f"Trainer steps measured {written}, {os.cpu_count()} cores, "
              f"{args.rounds} rounds of one fresh process per allocator, alternating (mean 1-min load "
              f"{statistics.mean(r['load_1min'] for r in runs):.2f}). Module doc of bench/allocator.py for the "
              f"workload.", "", *report(runs, args.steps)]
+    if e2e:
+        lines += ["", *e2e_report(e2e)]
     out = Path(args.out)
     write_atomic(out, "\n".join(lines) + "\n")
-    write_atomic(out.with_name("allocator.json"), json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    write_atomic(saved_path, json.dumps({"args": {k: v for k, v in vars(args).items() if k != "e2e"}, "runs": runs,
+                                         "written": written, "e2e": e2e}, indent=1))
     print("\n".join(lines))
 
 

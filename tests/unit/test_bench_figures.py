@@ -258,3 +258,22 @@ def test_the_quoted_exact_gemma_accuracies_are_the_recorded_ones():
         assert statistics.mean(ours) - statistics.stdev(ours) > statistics.mean(sides[name]) + statistics.stdev(
             sides[name]) and min(ours) > max(sides[name]), name
     assert "bench/LEARN-GEMMA-ALL.md" in readme and "bench/LEARN-GEMMA-ALL.md" in perf
+
+
+def test_the_quoted_allocator_ratios_are_the_recorded_ones():
+    """README.md and docs/performance.md quote tcmalloc's trainer-step ratios against glibc's malloc from
+    bench/allocator.json (medians over its alternating rounds of fresh processes), every process computing the same
+    first step."""
+    import json
+    import statistics
+
+    saved = json.loads((ROOT / "bench" / "allocator.json").read_text())
+    runs = saved["runs"]
+    assert saved["args"]["rounds"] >= 3 and len({json.dumps(r["first"], sort_keys=True) for r in runs}) == 1
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+    for step, words in ((0, "first step"), (1, "later steps")):
+        med = {k: statistics.median(r["steps"][step]["wall_s"] for r in runs if r["kind"] == k)
+               for k in ("system", "tcmalloc")}
+        quoted = f"**{med['tcmalloc'] / med['system']:.2f}x**"
+        assert quoted in readme and quoted in perf, (words, quoted)
+    assert "bench/ALLOCATOR.md" in readme and "bench/ALLOCATOR.md" in perf
