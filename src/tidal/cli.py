@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.procs import malloc
 
     try:  # before torch is imported: the process may execute itself again with tcmalloc preloaded
-        allocator = malloc.for_trainer(cfg.malloc, cfg.device)
+        allocator = malloc.for_trainer(cfg.malloc, cfg.device, may_exec=getattr(args, "own_process", False))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     print(f"tidal grpo-train: {allocator}", flush=True)
@@ -278,7 +278,7 @@ def cmd_sft(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     from tidal.procs import malloc
 
     try:  # before torch is imported (train malloc, as grpo-train)
-        allocator = malloc.for_trainer(cfg.malloc, cfg.device)
+        allocator = malloc.for_trainer(cfg.malloc, cfg.device, may_exec=getattr(args, "own_process", False))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     setup_logging("[sft]")
@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     rest, extra = extract_overrides(raw)
     args, unknown = build_parser().parse_known_args(rest)
     args.argv = raw  # grpo-train with several ranks starts them with the same arguments
+    args.own_process = argv is None  # the process is this command (`entry`): it may execute itself again (malloc)
     extra = unknown + extra
     handler, allowed = HANDLERS[args.command]
     try:

@@ -142,3 +142,12 @@ def test_grpo_train_refuses_tcmalloc_it_cannot_find_before_anything_starts(tmp_p
                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "train malloc: tcmalloc asked for" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_command_run_inside_another_program_never_replaces_it(monkeypatch):
+    """`tidal.cli.main([...])` inside a Python program (the tests do it): the trainer's allocator step must not
+    execute the host program again; it says the allocator stays the host's."""
+    lib = loadable()
+    monkeypatch.setenv(malloc.ENV_FILE, str(lib))
+    line = malloc.for_trainer("tcmalloc", "cpu", may_exec=False)
+    assert "the host process's own" in line and str(lib) in line and not malloc.loaded(lib)

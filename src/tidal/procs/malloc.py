@@ -130,10 +130,15 @@ def reexec_with(lib: Path | None) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def for_trainer(choice: Malloc, device: str) -> str:
+def for_trainer(choice: Malloc, device: str, may_exec: bool = True) -> str:
     """A trainer process's allocator: executes the process again with tcmalloc when train `malloc` resolves to it and
-    it is not loaded yet (`reexec_with`); returns the line to log. ValueError (exit 2) as `resolve`."""
+    it is not loaded yet (`reexec_with`); returns the line to log. ValueError (exit 2) as `resolve`. `may_exec`
+    False: the command runs inside another program (`tidal.cli.main` called with its arguments, as the tests do),
+    which must not be replaced: the allocator stays the process's own, and the line says so."""
     on_cpu = trainer_on_cpu(device)
     lib = resolve(choice, "train malloc", on_cpu)
+    if lib is not None and not may_exec and not loaded(lib):
+        return (f"malloc: the host process's own ({choice} would preload {lib}: this command runs inside another "
+                f"program)")
     reexec_with(lib)
     return describe(lib, choice, on_cpu)
