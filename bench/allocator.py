@@ -141,7 +141,10 @@ def main() -> None:
     saved = json.loads(saved_path.read_text()) if args.from_json else {}
     runs = saved["runs"] if args.from_json else [measure(kind, args.steps) for _ in range(args.rounds)
                                                  for kind in ("system", "tcmalloc")]
-    e2e = saved.get("e2e", []) + [e2e_run(*spec.split("=", 2)[:2], Path(spec.split("=", 2)[2])) for spec in args.e2e]
+    e2e = saved.get("e2e", [])
+    for spec in args.e2e:
+        label, kind, work = spec.split("=", 2)
+        e2e.append(e2e_run(label, kind, Path(work)))
     if args.from_json:
         args.rounds, args.steps = saved["args"]["rounds"], saved["args"]["steps"]
     import platform
