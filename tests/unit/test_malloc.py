@@ -144,10 +144,13 @@ def test_grpo_train_refuses_tcmalloc_it_cannot_find_before_anything_starts(tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_a_command_run_inside_another_program_never_replaces_it(monkeypatch):
+def test_a_command_run_inside_another_program_never_replaces_it(monkeypatch, tmp_path):
     """`tidal.cli.main([...])` inside a Python program (the tests do it): the trainer's allocator step must not
     execute the host program again; it says the allocator stays the host's."""
-    lib = loadable()
+    import shutil
+
+    lib = tmp_path / "libcopy.so"  # a file this process has certainly not loaded (torch may have loaded libgomp)
+    shutil.copy(loadable(), lib)
     monkeypatch.setenv(malloc.ENV_FILE, str(lib))
     line = malloc.for_trainer("tcmalloc", "cpu", may_exec=False)
     assert "the host process's own" in line and str(lib) in line and not malloc.loaded(lib)
