@@ -25,7 +25,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402 - the benches' one harness (tidal.procs)
 
 
 def child(steps: int) -> dict[str, Any]:
@@ -67,13 +68,13 @@ def measure(kind: str, steps: int) -> dict[str, Any]:
     from tidal.procs import malloc
 
     lib = malloc.resolve(kind, "bench --kinds", True)  # type: ignore[arg-type]
-    env = malloc.with_preload({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, lib)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps)], env=env, capture_output=True,
-                         text=True, timeout=1800)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("ALLOCATOR ")), None)
-    if out.returncode != 0 or line is None:
-        raise RuntimeError(f"{kind}: exit {out.returncode}: {out.stderr[-2000:]}")
+    env = malloc.with_preload({k: v for k, v in harness.child_env().items() if k != "LD_PRELOAD"}, lib)
+    log = Path("/tmp") / f"tidal-bench-allocator-{kind}.log"
+    code, text = harness.run([sys.executable, __file__, "--child", "--steps", str(steps)], log, 1800, env=env,
+                             name=f"allocator_{kind}")
+    line = next((x for x in text.splitlines() if x.startswith("ALLOCATOR ")), None)
+    if code != 0 or line is None:
+        raise RuntimeError(f"{kind}: exit {code}: {text[-2000:]}")
     got = json.loads(line.split(" ", 1)[1])
     if got["tcmalloc_loaded"] != (kind == "tcmalloc"):
         raise RuntimeError(f"{kind}: tcmalloc loaded is {got['tcmalloc_loaded']} in the child")
