@@ -61,6 +61,7 @@ MODEL_TYPES = {
     "Olmo2ForCausalLM": "olmo2", "SmolLM3ForCausalLM": "smollm3", "Glm4ForCausalLM": "glm4",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
+    "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 # Transforms strong enough to matter on random logits (the defaults are near the identity there).
 TRANSFORM_OVERRIDES: dict[str, dict[str, Any]] = {

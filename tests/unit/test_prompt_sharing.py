@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.archs import ARCHS, config_for
-from tidal.trainer.model.attention import ATTN_IMPLEMENTATION, layout, layout_mask, prompt_sharing_blocker, register
+from tidal.trainer.model.attention import layout, layout_mask, prompt_sharing_blocker
 from tidal.trainer.step.logprobs import forward_logprobs
 from tidal.trainer.step.packing import MicroBatch, pack, shared_tokens
 from tidal.transport.batch import TrainingBatch
@@ -110,14 +110,10 @@ def test_layout_mask_is_the_rule():
 
 
 def _models(name: str, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    from transformers import AutoModelForCausalLM
+    from tests.unit.test_packed_attention import _pair
 
-    register()
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config_for(name), attn_implementation="sdpa", dtype=dtype)
-    ours = AutoModelForCausalLM.from_config(config_for(name), attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
-    ours.load_state_dict(ref.state_dict())
-    return {"sdpa": ref.train(), "tidal": ours.train()}
+    ref, ours = _pair(name, dtype)
+    return {"sdpa": ref, "tidal": ours}
 
 
 def _run(model: torch.nn.Module, micro: list[MicroBatch], weight: dict[tuple[int, int], float],
@@ -138,9 +134,10 @@ def _run(model: torch.nn.Module, micro: list[MicroBatch], weight: dict[tuple[int
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_shared_prompts_give_the_unshared_logprobs_and_gradients(name):
-    """float64 (the MoE in float32: no float64 grouped-expert kernel); tidal's per-sample attention and SDPA with
-    the micro-batch's 4D mask (the GPU path). gemma2/3/4 (64-token sliding windows) are refused instead, and so is
-    qwen3.5 (linear attention: one sample per row, tests/unit/test_linear_attention_packing.py). Gradients to
+    """float64 (the MoE's experts one by one: transformers' grouped-expert matmul has no float64 kernel); tidal's
+    per-sample attention and SDPA with the micro-batch's 4D mask (the GPU path). gemma2/3/4 (64-token sliding
+    windows) are refused instead, and so is qwen3.5 (linear attention: one sample per row,
+    tests/unit/test_linear_attention_packing.py). Gradients to
     1e-6 relative: a shared prompt token sums its completions' gradients in one backward instead of in one copy
     each, and transformers' RMSNorm rounds through float32 even in a float64 model, which can turn a last-bit
     difference into a float32 one (a missing or wrong attention link would be off by far more)."""
@@ -159,13 +156,11 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(name):
         return
     assert prompt_sharing_blocker(cfg, 96) is None
     rng = np.random.default_rng()
-    moe = name == "qwen3-moe"
-    dtype = torch.float32 if moe else torch.float64
     batch = group_batch(rng, prompts=3, group=4)
     whole, shared = pack(batch, 96, 2), pack(batch, 96, 2, share_prompts=True)
     weight = {k: float(rng.normal()) for k in by_token(whole)}
-    atol, rtol = (1e-5, 1e-4) if moe else (1e-10, 1e-6)
-    for impl, model in _models(name, dtype).items():
+    atol, rtol = 1e-10, 1e-6
+    for impl, model in _models(name, torch.float64).items():
         lp_a, g_a = _run(model, whole, weight)
         lp_b, g_b = _run(model, shared, weight)
         assert lp_a.keys() == lp_b.keys() and lp_a

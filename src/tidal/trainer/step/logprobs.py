@@ -110,7 +110,8 @@ def _times_logit_scale(lm: Any) -> LogitTransform | None:
 
 PLAIN_HEADS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
-               "Phi3ForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM")
+               "Phi3ForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Glm4ForCausalLM", "Qwen3_5ForCausalLM",
+               "Qwen3_5MoeForCausalLM")
 LOGIT_TRANSFORMS: dict[str, Callable[[Any], LogitTransform | None]] = {
     **dict.fromkeys(PLAIN_HEADS, _plain),
     "Gemma2ForCausalLM": _softcap, "Gemma3ForCausalLM": _softcap,
