@@ -83,6 +83,7 @@ def test_eval_scores_base_and_adapter_as_transformers_decodes_them(tmp_path):
         assert s["pass@1"] <= s["pass@2"] <= s["pass@3"] and 0 <= g["cut/share"] <= 1
         assert len(row["samples"]) == N
     assert "vs_first" in tuned and "greedy/accuracy" in tuned["vs_first"]
+    assert not out.with_name("eval.json.partial").exists()  # the rows written as they finished, removed at the end
     assert "greedy accuracy" in text and "base" in text  # the terminal table
     path = resolve_model(MODEL)
     plain = load_base_model(path, torch.device("cpu"), torch.float32).eval()
@@ -98,7 +99,8 @@ def test_eval_scores_base_and_adapter_as_transformers_decodes_them(tmp_path):
 def test_eval_stops_on_an_adapter_row_vllm_serves_as_the_base_unless_the_check_is_off(tmp_path):
     """The policy identity check of `tidal eval`: an adapter published with its probe (as tidal's trainer publishes
     `broadcasts/step_n`), whose weights were then made a no-op, is served as the base model: exit 4 and one line
-    naming the row's adapter, the step and the distances; `--no-policy-check` scores it anyway."""
+    naming the row's adapter, the step and the distances; the base row scored before it is in the partial report
+    (`tidal.evaluate.partial`), and `--resume --no-policy-check` keeps it and scores the adapter row anyway."""
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
@@ -112,13 +114,18 @@ def test_eval_stops_on_an_adapter_row_vllm_serves_as_the_base_unless_the_check_i
     file = str(adapter / "adapter_model.safetensors")
     save_file({k: v * 0 if "lora_B" in k else v for k, v in load_file(file).items()}, file)
     args = ["eval", "--model", MODEL, "--env", "reverse-text", "--num-examples", "2", "--max-tokens", "4",
-            "--no-base", "--adapter", str(adapter), "--out", str(tmp_path / "eval.json"), "--quiet"]
+            "--adapter", str(adapter), "--out", str(tmp_path / "eval.json"), "--quiet"]
     proc = tidal(*args)
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 4, text[-3000:]
     [line] = [x for x in text.splitlines() if "policy identity check failed" in x]
     assert "at step 5" in line and str(adapter) in line and "it serves the base model" in line
     assert not (tmp_path / "eval.json").exists()
-    proc = tidal(*args, "--no-policy-check")
+    [base] = json.loads((tmp_path / "eval.json.partial").read_text())["rows"]
+    assert base["label"] == "base" and base["greedy"]["examples"] == 2
+    proc = tidal(*args, "--resume", "--no-policy-check")
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and (tmp_path / "eval.json").is_file(), text[-3000:]
+    rows = json.loads((tmp_path / "eval.json").read_text())["rows"]
+    assert rows[0] == {**base, "vs_first": {}} and rows[1]["adapter"] == str(adapter.resolve())
+    assert not (tmp_path / "eval.json.partial").exists()

@@ -69,7 +69,13 @@ class EvalConfig(StrictModel):
     show_samples: int = Field(3, ge=0)
     """Completions printed and stored per row (the first examples')."""
     out: str | None = None
-    """JSON report path (null: `eval.json` in the current directory); written whole (temp + rename)."""
+    """JSON report path (null: `eval.json` in the current directory); written whole (temp + rename). While rows
+    are scored, `<out>.partial` holds those finished (`tidal.evaluate.partial`); removed once the report is written."""
+    resume: bool = False
+    """Keep the rows of `<out>.partial` (an earlier invocation with this `out` that did not finish) whose target is
+    unchanged (the base model; an adapter with the same path and file contents) and score only the rest. Refused
+    (exit 2, before vLLM starts) when there is no partial report or it was scored with other settings (every key
+    but `adapters`, `base`, `out`, `port`, `policy_check`)."""
     policy_check: bool = True
     """The policy identity check (docs/orchestrator.md) of every adapter row: once vLLM serves the row's adapter
     (loaded or merged), its logprobs of a fixed 32-token probe are compared with the adapter's own (its

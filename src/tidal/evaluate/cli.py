@@ -52,6 +52,8 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--no-policy-check", dest="policy_check", action="store_false", default=None,
                    help="do not check that vLLM serves each adapter row (the policy identity check)")
     e.add_argument("--out", help="JSON report (default eval.json)")
+    e.add_argument("--resume", action="store_true", default=None, help="keep the rows an unfinished run with this "
+                   "--out wrote to OUT.partial (same settings, unchanged adapters); score the rest")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--dry-run", action="store_true", help="check the model, adapters, environment and examples; "
                    "start nothing")
@@ -85,7 +87,7 @@ def eval_config(args: argparse.Namespace) -> Any:
     for dest, key in FLAGS.items():
         if getattr(args, dest, None) is not None:
             data[key] = getattr(args, dest)
-    for dest in ("base", "greedy", "policy_check"):
+    for dest in ("base", "greedy", "policy_check", "resume"):
         if getattr(args, dest) is not None:
             data[dest] = getattr(args, dest)
     if args.chat_template_kwargs is not None:
@@ -127,7 +129,10 @@ def cmd_eval(args: argparse.Namespace, ov: dict[str, dict[str, str]]) -> int:
     except PolicyMismatch as exc:  # one line: row, path, distances (tidal.orchestrator.identity)
         print(f"tidal eval: {exc}", file=sys.stderr)
         return WRONG_POLICY
+    from tidal.evaluate.partial import remove
+
     out = Path(cfg.out or "eval.json")
     write_json(result, out)
+    remove(out)
     print_report(result, out)
     return 0

@@ -4,9 +4,11 @@ Order: every check first (the model resolves, each adapter fits it, the environm
 naming what is wrong), then one vLLM server (`tidal.evaluate.serve`), then per row (base model, adapters) the greedy
 and/or sampled completions of every example, scored by the environment as training scores them
 (`tidal.orchestrator.evaluation.sample_group`, the online `eval`'s own sampler), summarized by
-`tidal.monitor.eval_metrics.summarize` (the online `eval`'s metrics too). The examples are the environment's fixed
-eval set, or `num_examples` drawn from it (or generated) with `seed`; the sampled completions of example i use seed
-`seed + i` in every row, so two rows see the same random numbers where their policies agree.
+`tidal.monitor.eval_metrics.summarize` (the online `eval`'s metrics too). Each finished row goes to the partial
+report beside the JSON at once, and `resume` keeps the rows an unfinished invocation scored
+(`tidal.evaluate.partial`). The examples are the environment's fixed eval set, or `num_examples` drawn from it (or
+generated) with `seed`; the sampled completions of example i use seed `seed + i` in every row, so two rows see the
+same random numbers where their policies agree.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from tidal.config.evaluate import EvalConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import ClientSection, SamplingSection
 from tidal.envs import Environment, Example
+from tidal.evaluate import partial
 from tidal.evaluate.serve import Server, check_address
 from tidal.evaluate.targets import Target, resolve_targets
 from tidal.inference.protocol import Completion, InferenceClient
@@ -41,6 +44,8 @@ class Row:
     """`greedy` / `sampled` -> per example, its completions' rewards (for paired comparisons between rows)."""
     samples: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    fingerprint: str = ""
+    """What was scored: `base`, or the adapter's path and the sha256 of its files (`tidal.evaluate.partial`)."""
 
 
 @dataclass
@@ -92,6 +97,12 @@ class Plan:
     examples: list[Example]
     seq_len: int
     """Prompt + completion tokens at most (`max_model_len`, or the model's length capped at `DEFAULT_LEN`)."""
+    out: Path
+    """The JSON report's path (its partial report beside it: `tidal.evaluate.partial`)."""
+    kept: dict[int, Row] = field(default_factory=dict)
+    """Target index -> its row kept from the partial report (`resume`)."""
+    kept_serve: str | None = None
+    """How the kept rows were served (`lora` / `merged`); None without `resume`."""
 
 
 DEFAULT_LEN = 4096
@@ -132,7 +143,13 @@ def prepare(cfg: EvalConfig) -> Plan:
         chat = env.tooling is not None or any(not isinstance(ex.prompt, str) for ex in examples)
         check_chat_prompts(cfg.model, model_dir, cfg.chat_template, [name] if chat else [],
                            "chat_template (tidal eval --chat-template)")
-    return Plan(model_dir, targets, env, examples, seq_len)
+    out = Path(cfg.out or "eval.json")
+    serve, kept = partial.kept_rows(cfg, targets, out)
+    try:
+        rows = {i: Row(**{**r, "label": targets[i].label}) for i, r in kept.items()}
+    except TypeError as exc:
+        raise ConfigError(f"resume: {partial.partial_path(out)} holds rows of another tidal version ({exc})") from None
+    return Plan(model_dir, targets, env, examples, seq_len, out, rows, serve)
 
 
 def evaluate(cfg: EvalConfig, progress: bool = True, log_path: Path | None = None) -> EvalResult:
@@ -141,8 +158,14 @@ def evaluate(cfg: EvalConfig, progress: bool = True, log_path: Path | None = Non
     from tidal.procs.reaper import start_reaper
 
     plan = prepare(cfg)
-    out = Path(cfg.out or "eval.json")
+    out, name = plan.out, cfg.env.name or cfg.env.id
+    if len(plan.kept) == len(plan.targets):  # resume: every row scored already, nothing to start
+        rows = [plan.kept[i] for i in range(len(plan.targets))]
+        return EvalResult(rows, len(plan.examples), name, plan.kept_serve or "", 0.0, 0.0, cfg.model_dump(mode="json"))
     server = Server(cfg, plan.targets, on_cpu(), plan.seq_len, log_path or out.with_name(f"{out.stem}-vllm.log"))
+    if plan.kept and plan.kept_serve != server.mode:
+        raise ConfigError(f"resume: {partial.partial_path(out)}'s rows were served {plan.kept_serve}, this "
+                          f"invocation would serve {server.mode}: give serve: {plan.kept_serve}")
     start_reaper()
     try:
         ready = server.start(900.0 if cfg.address is None else 60.0)
@@ -151,15 +174,21 @@ def evaluate(cfg: EvalConfig, progress: bool = True, log_path: Path | None = Non
         sample_s = time.monotonic() - t1
     finally:
         server.stop()
-    return EvalResult(rows, len(plan.examples), cfg.env.name or cfg.env.id, server.mode, ready, sample_s,
-                      cfg.model_dump(mode="json"))
+    return EvalResult(rows, len(plan.examples), name, server.mode, ready, sample_s, cfg.model_dump(mode="json"))
 
 
 async def score_rows(cfg: EvalConfig, plan: Plan, server: Server, progress: bool) -> list[Row]:
     from tidal.inference.backends import make_client
 
     client = make_client(ClientSection(base_url=[f"{server.url}/v1"], chat_template_kwargs=cfg.chat_template_kwargs))
-    bar = Bar(len(plan.targets) * len(plan.examples) * (int(cfg.greedy) + int(cfg.samples > 0)), progress)
+    todo = [i for i in range(len(plan.targets)) if i not in plan.kept]
+    bar = Bar(len(todo) * len(plan.examples) * (int(cfg.greedy) + int(cfg.samples > 0)), progress)
+    done = dict(plan.kept)
+
+    def finished(i: int, row: Row) -> None:  # the partial report, after every row (tidal.evaluate.partial)
+        done[i] = row
+        partial.save(plan.out, cfg, server.mode, [asdict(done[j]) for j in sorted(done)])
+
     try:
         await client.wait_ready()
         tools = plan.env.tooling.schemas if plan.env.tooling is not None else None
@@ -167,16 +196,18 @@ async def score_rows(cfg: EvalConfig, plan: Plan, server: Server, progress: bool
                                               for ex in plan.examples)))
         if server.mode == "lora":
             await server.load_lora(client, plan.targets)
-            for i, target in enumerate(plan.targets):
-                await check_row(cfg, server, client, target, i)
-            return list(await asyncio.gather(*(score_row(cfg, plan, server, client, i, prompts, bar)
-                                               for i in range(len(plan.targets)))))
-        rows = []
-        for i, target in enumerate(plan.targets):  # merged: one row's weights at a time
-            await server.load_merged(client, target)
-            await check_row(cfg, server, client, target, i)
-            rows.append(await score_row(cfg, plan, server, client, i, prompts, bar))
-        return rows
+            for i in todo:
+                await check_row(cfg, server, client, plan.targets[i], i)
+
+            async def scored(i: int) -> None:
+                finished(i, await score_row(cfg, plan, server, client, i, prompts, bar))
+
+            await asyncio.gather(*(scored(i) for i in todo))
+        for i in todo if server.mode != "lora" else []:  # merged: one row's weights at a time
+            await server.load_merged(client, plan.targets[i])
+            await check_row(cfg, server, client, plan.targets[i], i)
+            finished(i, await score_row(cfg, plan, server, client, i, prompts, bar))
+        return [done[i] for i in range(len(plan.targets))]
     finally:
         bar.close()
         await client.close()
@@ -224,7 +255,8 @@ async def score_row(cfg: EvalConfig, plan: Plan, server: Server, client: Inferen
 
     target = plan.targets[index]
     name = server.served_name(target, index)
-    row = Row(target.label, None if target.adapter is None else str(target.adapter))
+    row = Row(target.label, None if target.adapter is None else str(target.adapter),
+              fingerprint=partial.fingerprint(target))
     sampling = SamplingSection(max_tokens=cfg.max_tokens)
     start = time.monotonic()
 
