@@ -45,7 +45,7 @@ def fingerprint(target: Target) -> str:
     for f in sorted(p for p in target.adapter.iterdir() if p.is_file()):
         digest.update(f"{f.name}\0{f.stat().st_size}\0".encode())
         with f.open("rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+            while block := fh.read(1 << 20):
                 digest.update(block)
     return f"{target.adapter.resolve()}@sha256:{digest.hexdigest()}"
 
