@@ -277,3 +277,40 @@ def test_the_quoted_allocator_ratios_are_the_recorded_ones():
         quoted = f"**{med['tcmalloc'] / med['system']:.2f}x**"
         assert quoted in readme and quoted in perf, (words, quoted)
     assert "bench/ALLOCATOR.md" in readme and "bench/ALLOCATOR.md" in perf
+
+
+def test_the_quoted_bf16_both_sides_figures_are_the_recorded_ones():
+    """README.md and docs/performance.md quote bench/learn_68_s83.json (times, the 1/6 goal's seed pairs, 256-problem
+    accuracies) and bench/learn_68_1024_s83.json (1024-problem accuracies): recomputed from the runs and evaluations,
+    the pairs with bench/learn.py's own `final_reward` and `time_to_reach`."""
+    import json
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    assert spec is not None and spec.loader is not None
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    readme, perf = flat("README.md"), flat("docs/performance.md")
+
+    def stats(xs: list[float], digits: int) -> str:
+        return f"**{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}**"
+
+    saved = json.loads((ROOT / "bench" / "learn_68_s83.json").read_text())
+    runs = {arm: [r for r in saved["runs"] if r["arm"] == arm] for arm in ("tcm-default", "tcm-bf16b", "trl")}
+    assert [len(v) for v in runs.values()] == [5, 5, 5] and saved["eval_size"] == 256
+    for arm, key in (("tcm-default", "0.734"), ("tcm-bf16b", "0.726")):
+        accs = [saved["evals"][r["adapter"]]["accuracy"] for r in runs[arm]]
+        assert stats(accs, 3) == f"**{key} ± {'0.037' if arm == 'tcm-default' else '0.035'}**"
+        assert stats(accs, 3) in perf
+    for arm in ("tcm-default", "tcm-bf16b"):
+        quoted = stats([r["total_s"] for r in runs[arm]], 0).removesuffix("**") + " s**"
+        assert quoted in readme and quoted in perf, (arm, quoted)
+    pairs = {arm: sum((x := learn.time_to_reach(r, learn.final_reward(t))) is not None and x <= t["total_s"] / 6
+                      for r in runs[arm] for t in runs["trl"]) for arm in ("tcm-default", "tcm-bf16b")}
+    assert pairs == {"tcm-default": 7, "tcm-bf16b": 24}
+    assert "on 24 of 25 seed pairs (float32: 7)" in readme and "**24 of 25** seed pairs (float32: 7)" in perf
+    big = json.loads((ROOT / "bench" / "learn_68_1024_s83.json").read_text())
+    assert big["eval_size"] == 1024
+    for arm in ("tcm-default", "tcm-bf16b"):
+        accs = [big["evals"][r["adapter"]]["accuracy"] for r in big["runs"] if r["arm"] == arm]
+        assert len(accs) == 5 and stats(accs, 3) in readme, arm
