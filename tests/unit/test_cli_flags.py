@@ -393,6 +393,7 @@ EVAL = {"--model": ("model", TINY), "--adapter": ("adapters", ["runs/a"]), "--no
         "--max-model-len": ("max_model_len", 300), "--address": ("address", "http://127.0.0.1:9"),
         "--serve": ("serve", "lora"), "--port": ("port", 8125), "--dtype": ("dtype", "bfloat16"),
         "--show-samples": ("show_samples", 5), "--out": ("out", "x.json"), "--no-policy-check": ("policy_check", False),
+        "--resume": ("resume", True),
         "--chat-template": ("chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")}
 """flag -> (EvalConfig key, a value other than its default); `eval_argv` adds what gives it effect (`--samples` for
 `--temperature`, `--no-greedy` and `--seed`, which seeds the sampled completions; `--temperature` alone is refused,
