@@ -203,10 +203,11 @@ async def score_rows(cfg: EvalConfig, plan: Plan, server: Server, progress: bool
                 finished(i, await score_row(cfg, plan, server, client, i, prompts, bar))
 
             await asyncio.gather(*(scored(i) for i in todo))
-        for i in todo if server.mode != "lora" else []:  # merged: one row's weights at a time
-            await server.load_merged(client, plan.targets[i])
-            await check_row(cfg, server, client, plan.targets[i], i)
-            finished(i, await score_row(cfg, plan, server, client, i, prompts, bar))
+        else:
+            for i in todo:  # merged: one row's weights at a time
+                await server.load_merged(client, plan.targets[i])
+                await check_row(cfg, server, client, plan.targets[i], i)
+                finished(i, await score_row(cfg, plan, server, client, i, prompts, bar))
         return [done[i] for i in range(len(plan.targets))]
     finally:
         bar.close()
