@@ -274,12 +274,12 @@ async def score_probe(co: Colocated) -> tuple[list[int], list[float]]:
     from tidal.inference.backends.vllm.client import VllmClient
     from tidal.models.config import model_config, text_config
     from tidal.models.sources import resolve_model
-    from tidal.transport.probe import probe_ids
+    from tidal.transport.probe import probe_ids, probe_length
 
     path = resolve_model(co.infer.model)
     rows = int(text_config(model_config(co.infer.model)).get("vocab_size") or 0)
     tokens = len(AutoTokenizer.from_pretrained(path, trust_remote_code=co.infer.trust_remote_code))
-    ids = probe_ids(min(n for n in (rows, tokens) if n))
+    ids = probe_ids(min(n for n in (rows, tokens) if n), probe_length(co.infer.max_model_len))
     client = VllmClient(co.orch.client)
     try:
         return ids, await client.prompt_logprobs(co.infer.model, ids)

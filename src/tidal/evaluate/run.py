@@ -224,7 +224,7 @@ async def check_row(cfg: EvalConfig, server: Server, client: InferenceClient, ta
     record = server.probe(target)
     name = server.served_name(target, index)
     await check_served(lambda ids: client.prompt_logprobs(name, ids), record, what="tidal eval's vLLM",
-                       path=str(target.adapter), off="tidal eval --no-policy-check")
+                       path=str(target.adapter), off="tidal eval --no-policy-check", context=server.seq_len)
 
 
 class Bar:

@@ -26,7 +26,7 @@ from tidal.config.load import ConfigError
 from tidal.evaluate.targets import Target
 from tidal.inference.protocol import InferenceClient
 from tidal.procs import Child, NotHealthy, free_port, wait_healthy
-from tidal.transport.probe import ProbeRecord, probe_ids
+from tidal.transport.probe import ProbeRecord, probe_ids, probe_length
 
 
 def serve_mode(cfg: EvalConfig, cpu: bool) -> str:
@@ -55,6 +55,7 @@ class Server:
 
     def __init__(self, cfg: EvalConfig, targets: list[Target], cpu: bool, seq_len: int, log_path: Path) -> None:
         self.mode, self.cpu = serve_mode(cfg, cpu), cpu
+        self.seq_len = seq_len  # vLLM's max_model_len: bounds the identity probe (`probe_length`)
         self.child: Child | None = None
         self.log_path = log_path
         self.merge_dir: Path | None = None
@@ -142,7 +143,7 @@ class Server:
 
         model_dir = resolve_model(self.cfg.model)
         base = self._model(model_dir)
-        ids = probe_ids(vocab_limit(base, load_tokenizer(model_dir)))
+        ids = probe_ids(vocab_limit(base, load_tokenizer(model_dir)), probe_length(self.seq_len, compute_dtype(base)))
         base_lps = score(base, ids)
         model = PeftModel.from_pretrained(base, str(target.adapter))
         try:

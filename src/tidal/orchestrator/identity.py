@@ -28,13 +28,17 @@ __all__ = ["IdentityCheck", "PolicyMismatch", "Scorer", "check_served"]
 
 
 async def check_served(score: Scorer, record: ProbeRecord, *, what: str, path: str, off: str,
-                       tol: float | None = None, times: int = 1) -> Verdict:
+                       tol: float | None = None, times: int = 1, context: int | None = None,
+                       earlier: dict[int, list[float]] | None = None) -> Verdict:
     """Score `record`'s probe `times` times through `score` (a round-robin client: once per server) and judge each
     answer; raises `PolicyMismatch` (one line: the step, `path`, the distances; `off`: the key that turns the check
-    off) on the first wrong one, else returns the verdict with the largest gap to the new policy."""
+    off) on the first wrong one, else returns the verdict with the largest gap to the new policy. `context`: the
+    sampler's longest sequence, when it may be shorter than the probe (its first tokens are scored then);
+    `earlier`: policies checked before (`judge`)."""
+    record = record.prefix(len(record.ids) if context is None else max(2, context - 1))
     worst: Verdict | None = None
     for _ in range(max(times, 1)):
-        v = judge(await score(record.ids), record, tolerance(record.dtype, tol))
+        v = judge(await score(record.ids), record, tolerance(record.dtype, tol), earlier)
         if not v.ok:
             raise PolicyMismatch(v.line(what, record.step, path, off))
         if worst is None or v.gap_new > worst.gap_new:
@@ -47,12 +51,16 @@ class IdentityCheck:
     """`tidal grpo`'s check after each policy load (orch `weight_broadcast.policy_check`), and its metrics."""
 
     OFF = "orch weight_broadcast.policy_check: false"
+    EARLIER = 8
+    """Policies checked before that each check also places the served one against (`judge`'s `earlier`): a sampler
+    stuck on one of them is caught within 1-4 steps under bf16 (bench/PROBE-68.md)."""
 
     def __init__(self, enabled: bool = True, tol: float | None = None) -> None:
         self.enabled, self.tol = enabled, tol
         self.gap = 0.0  # the served policy's distance to the one it should be (0: policy 0, the server's own)
         self.time_s = 0.0
         self.unchecked: set[int] = set()
+        self.earlier: dict[int, list[float]] = {}  # step -> probe logprobs of the last EARLIER policies checked
 
     async def after_load(self, client: InferenceClient, model: str, policy_dir: Path, step: int) -> None:
         """Policy `step` (from `policy_dir`) is loaded on every server of `client` as `model`: check each."""
@@ -66,11 +74,15 @@ class IdentityCheck:
             return
         t0 = time.monotonic()
         v = await check_served(lambda ids: client.prompt_logprobs(model, ids), record, what="the inference server",
-                               path=str(policy_dir), off=self.OFF, tol=self.tol, times=len(client.urls))
+                               path=str(policy_dir), off=self.OFF, tol=self.tol, times=len(client.urls),
+                               earlier={k: v for k, v in self.earlier.items() if k < step})
+        self.earlier[step] = record.new
+        for k in sorted(self.earlier)[:-self.EARLIER]:
+            del self.earlier[k]
         self.gap, self.time_s = v.gap_new, self.time_s + time.monotonic() - t0
-        log.info("policy %d identity check: probe gap %.3g (previous %s, base %s, tolerance %g)", step, v.gap_new,
+        log.info("policy %d identity check: probe gap %.3g (previous %s, base %s, tolerance %g)%s", step, v.gap_new,
                  "n/a" if v.gap_previous is None else f"{v.gap_previous:.3g}",
-                 "n/a" if v.gap_base is None else f"{v.gap_base:.3g}", v.tolerance)
+                 "n/a" if v.gap_base is None else f"{v.gap_base:.3g}", v.tolerance, v.placed())
 
     def metrics(self) -> dict[str, float]:
         """`policy/probe_gap` (the served policy's distance to the trainer's) and the check's time since the last

@@ -498,7 +498,7 @@ def make_prober(p: Policy, cfg: TrainConfig, run_dir: Path, resumed_from: int) -
             log.info("no policy identity probe: QeRL's noise makes vLLM serve another copy on purpose")
         return None
     assert p.view is not None
-    prober = Prober(p.view, p.tokenizer, p.reference, fresh=resumed_from == 0)
+    prober = Prober(p.view, p.tokenizer, p.reference, fresh=resumed_from == 0, context=cfg.sequence_len)
     if resumed_from:
         prober.resume_from(run_dir, resumed_from)
     return prober

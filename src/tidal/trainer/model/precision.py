@@ -33,7 +33,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,21 @@ def has_bf16_matmul() -> bool:
 def autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The dtype `model`'s forwards autocast to (`AUTOCAST_ATTR`); None: no autocast."""
     return getattr(model, AUTOCAST_ATTR, None)
+
+
+@contextlib.contextmanager
+def without_autocast(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: `model`'s forwards run in its weights' dtype (no `AUTOCAST_ATTR` autocast), e.g. the policy identity
+    probe, which scores the policy the float32 weights define rather than one bf16 rounding of it."""
+    holders = [m for m in model.modules() if m.__dict__.get(AUTOCAST_ATTR) is not None]
+    saved = [m.__dict__[AUTOCAST_ATTR] for m in holders]
+    for m in holders:
+        setattr(m, AUTOCAST_ATTR, None)
+    try:
+        yield
+    finally:
+        for m, dtype in zip(holders, saved, strict=True):
+            setattr(m, AUTOCAST_ATTR, dtype)
 
 
 def apply_recipe(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:

@@ -5,7 +5,10 @@ each policy.
 base model once (LoRA: adapters disabled; full fine-tuning: the frozen reference, or the model before its first
 step) and with each published policy, and hands `publish_adapter` a `ProbeRecord` holding the new policy's, the
 previously published one's and the base's logprobs, which it writes inside the policy's directory before its
-`STABLE`. Untempered logprobs through the trainer's own forward (what vLLM's prompt logprobs report). Not
+`STABLE`. Untempered logprobs through the trainer's own forward (what vLLM's prompt logprobs report), in its weights'
+dtype: under train `recipe: bf16` on CPU (float32 weights, bf16 autocast) the probe is scored without the autocast,
+so the record holds the policy the weights define, not one bf16 rounding of it (whose own noise, ~0.03 a token on
+SmolLM2, is as large as a step's move and blurs the projection `judge` makes: bench/PROBE-68.md). Not
 written for QeRL policies (their served copy carries noise on purpose: `tidal.trainer.model.noise`). The Tinker
 service publishes its sampler checkpoints' probes with the same `score`.
 """
@@ -18,14 +21,15 @@ from typing import Any
 
 import torch
 
-from tidal.transport.probe import ProbeRecord, probe_ids
+from tidal.transport.probe import ProbeRecord, probe_ids, probe_length
 
 log = logging.getLogger("tidal.trainer")
 
 
 def compute_dtype(model: torch.nn.Module) -> str:
-    """The dtype the model's forward computes in (`TOLERANCE`'s key: `float32`, ...): its autocast dtype where it has
-    one (train `recipe: bf16` on CPU: float32 weights, bfloat16 matmuls), else its input embedding's."""
+    """The dtype the model's forward computes in (`TOLERANCE`'s key: `float32`, ...; the sampler `tidal grpo` pairs
+    with it serves in it): its autocast dtype where it has one (train `recipe: bf16` on CPU: float32 weights,
+    bfloat16 matmuls), else its input embedding's. (`score` itself scores the probe without the autocast.)"""
     from tidal.trainer.model.precision import autocast_dtype
 
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
@@ -44,8 +48,9 @@ def vocab_limit(model: torch.nn.Module, tokenizer: Any) -> int:
 @torch.no_grad()
 def score(model: torch.nn.Module, ids: list[int]) -> list[float]:
     """Untempered logprob of each of `ids` given the ones before it (the first: 0), float32, through the trainer's
-    own forward (`forward_logprobs`: its autocast, attention and chunked head, as the loss sees the policy)."""
+    own forward (`forward_logprobs`: its attention and chunked head) in the weights' dtype (no autocast)."""
     from tidal.trainer.model import router_replay
+    from tidal.trainer.model.precision import without_autocast
     from tidal.trainer.step.logprobs import forward_logprobs
 
     router_replay.use(model, None)  # the routers choose, as vLLM's do for a plain prompt
@@ -54,19 +59,21 @@ def score(model: torch.nn.Module, ids: list[int]) -> list[float]:
     training = model.training
     model.eval()  # no dropout (train lora_dropout)
     try:
-        lp = forward_logprobs(model, x, torch.arange(len(ids), device=device)[None], 1.0)[0]  # (T,)
+        with without_autocast(model):
+            lp = forward_logprobs(model, x, torch.arange(len(ids), device=device)[None], 1.0)[0]  # (T,)
     finally:
         model.train(training)
     return [0.0, *lp[1:].float().cpu().tolist()]
 
 
 class Prober:
-    """The probe records of one trainer run (rank 0)."""
+    """The probe records of one trainer run (rank 0); `context`: the longest sequence the samplers take (train
+    `sequence_len`: `tidal grpo` refuses an infer `max_model_len` below it), which bounds the probe's length."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, reference: torch.nn.Module | None = None,
-                 fresh: bool = True) -> None:
-        self.ids = probe_ids(vocab_limit(model, tokenizer))
+                 fresh: bool = True, context: int | None = None) -> None:
         self.dtype = compute_dtype(model)
+        self.ids = probe_ids(vocab_limit(model, tokenizer), probe_length(context, self.dtype))
         self.base = self._base(model, reference, fresh)
         self.previous: list[float] | None = self.base
         self.previous_step: int | None = 0 if self.base is not None else None
