@@ -25,6 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "tidal:tiny-reverse"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# train `recipe: auto` on CPU is bf16 where the CPU has bfloat16 units (tidal.inference.precision.resolve_recipe):
+# pinned to fp32 here, so that no result depends on the CPU the suite runs on (and the subprocesses inherit it);
+# TIDAL_CPU_RECIPE=bf16 runs the suite in bf16 on purpose. tests/unit/test_cpu_recipe.py fakes the CPU's flags.
+os.environ.setdefault("TIDAL_CPU_RECIPE", "fp32")
 
 
 def on_server(url: str, call: Callable[[Any], Awaitable[T]]) -> T:

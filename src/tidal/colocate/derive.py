@@ -84,7 +84,7 @@ from tidal.config.infer import InferConfig
 from tidal.config.load import ConfigError
 from tidal.config.orch import OrchConfig
 from tidal.config.train import TrainConfig
-from tidal.inference.precision import couple_precision, served_tolerance
+from tidal.inference.precision import couple_precision, resolve_recipe, served_tolerance
 from tidal.models.memory import train_estimate
 from tidal.models.routes import colocate_replay
 
@@ -456,9 +456,19 @@ def lora_rank(d: Derivation) -> Derivation:
     return d.but(infer=d.infer.model_copy(update=check_lora_rank(d.train, d.infer)))
 
 
+CPU_BF16_NOTICE = ("train recipe auto on this CPU (bfloat16 units: AVX512-BF16 or AMX) is bf16: float32 weights, "
+                   "bfloat16 matmuls, vLLM in bfloat16; it learned as float32 did in 0.6x the time "
+                   "(bench/LEARN-68-1024-S83.md); train recipe: fp32 for float32 on both sides")
+
+
 def precision(d: Derivation) -> Derivation:
-    """One precision for the run (`couple_precision`), and the identity check's tolerance for it
-    (`served_tolerance`)."""
+    """One precision for the run: train `recipe: auto` made concrete on CPU (`resolve_recipe`: bf16 where the CPU
+    has bfloat16 units, with a notice; the trainer and the run's configs/train.yaml then say which), infer `dtype:
+    auto` following it (`couple_precision`), and the identity check's tolerance for it (`served_tolerance`)."""
+    if d.device == "cpu" and d.train.recipe == "auto":
+        recipe = resolve_recipe("auto", "cpu")
+        d = d.but(train=d.train.model_copy(update={"recipe": recipe}),
+                  note=CPU_BF16_NOTICE if recipe == "bf16" else None)
     infer, note = couple_precision(d.train, d.infer, d.device)
     d = d.but(infer=infer, note=note)
     wb = d.orch.weight_broadcast

@@ -64,10 +64,11 @@ class InferConfig(StrictModel):
     port: int = Field(8000, ge=1, le=65535)
     """Bind port."""
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
-    """Weights/activations dtype. `auto`: in `tidal grpo` the trainer's precision (bfloat16 on a GPU unless train
-    `recipe: fp32`, float32 on CPU; float32 with LoRA on a GPU is refused: vLLM's CUDA LoRA kernels take 16-bit
-    weights only); in `tidal grpo-infer` alone that of the default `recipe: auto` (bfloat16 on a GPU, float32 on
-    CPU). Never vLLM's own `auto`, which would serve a float32 model in 16 bits."""
+    """Weights/activations dtype. `auto`: in `tidal grpo` the trainer's matmul precision (bfloat16 on a GPU unless
+    train `recipe: fp32`; on CPU bfloat16 for train `recipe: bf16`, which `auto` is where the CPU has bfloat16
+    units, else float32; float32 with LoRA on a GPU is refused: vLLM's CUDA LoRA kernels take 16-bit weights only);
+    in `tidal grpo-infer` alone bfloat16 on a GPU, float32 on CPU (it knows no trainer). Never vLLM's own `auto`,
+    which would serve a float32 model in 16 bits."""
     max_model_len: int | None = Field(None, ge=16)
     """Maximum context length (null: the model's)."""
     enforce_eager: bool = False

@@ -1,8 +1,9 @@
 """Trainer config (`train.yaml`): the seed's SFT-inherited keys plus the GRPO `loss` section.
 
-Precision (`recipe`): `auto` (the default) is bfloat16 on GPU and float32 on CPU (vLLM CPU serves the bundled
-model in float32 too, so trainer and inference logprobs agree to ~1e-6). `bf16` on CPU keeps float32 weights and
-multiplies in bfloat16 (autocast; the fast CPU mode on CPUs with AVX512-BF16).
+Precision (`recipe`): `auto` (the default) is bfloat16 on GPU; on CPU bf16 where the CPU has bfloat16 units
+(AVX512-BF16 or AMX), else float32 (`tidal.inference.precision.resolve_recipe`; `tidal grpo` serves vLLM in the
+same precision). `bf16` on CPU keeps float32 weights and multiplies in bfloat16 (autocast); `fp32` keeps both sides
+in float32, where trainer and inference logprobs agree to ~1e-6.
 `fp8-hybrid` keeps those weights and runs the base model's linear matmuls in FP8 (real FP8 GEMMs on SM89+ GPUs,
 an emulation with the same casts and scales elsewhere, CPU included; `tidal.trainer.model.precision`). `nvfp4` and
 `qlora_fp4` need Blackwell FP4 matmuls and are refused. QLoRA bases (`qlora_bnb` NF4, `qlora_fp8` FP8) are
@@ -344,10 +345,12 @@ class TrainConfig(StrictModel):
     resume it exactly. Single rank only (`gpus: 1`). Seed 000's default is `adamw_8bit`; tidal's is `adamw`,
     which also runs sharded across ranks and matches float64 references exactly."""
     recipe: Literal["auto", "bf16", "fp32", "fp8-hybrid", "fp8_hybrid", "nvfp4"] = "auto"
-    """Precision recipe. `auto`: `bf16` on GPU, `fp32` on CPU. `bf16`: bfloat16 weights and matmuls on GPU; on
-    CPU float32 weights with bfloat16 matmuls (autocast; attention scores and lm_head in float32), 1.5-2x faster
-    where the CPU has AVX512-BF16 units, trainer logprobs then differ from a float32 vLLM by bf16 rounding
-    (`mismatch_kl` ~1e-4). `fp32`: float32. `fp8-hybrid` (or
+    """Precision recipe. `auto`: `bf16` on GPU; on CPU `bf16` where the CPU multiplies bfloat16 natively
+    (AVX512-BF16 or AMX; with a notice), else `fp32`; the environment variable `TIDAL_CPU_RECIPE` (`fp32`/`bf16`)
+    decides for CPU where set. `bf16`: bfloat16 weights and matmuls on GPU; on CPU float32 weights with bfloat16
+    matmuls (autocast; attention scores and lm_head in float32), 1.5-2x faster where the CPU has bfloat16 units, and
+    `tidal grpo` serves vLLM in bfloat16 beside it (infer `dtype: auto`; bench/LEARN-68-1024-S83.md: the same
+    greedy accuracy as float32 in 0.6x the time). `fp32`: float32 on both sides. `fp8-hybrid` (or
     `fp8_hybrid`): the weights stay in bf16 (float32 on CPU) and the base model's linear layers (not `lm_head`,
     not the LoRA A/B) multiply in FP8 (e4m3 inputs and weights, e5m2 gradients, per-tensor scales): torchao
     float8 training on SM89+ GPUs, the same casts emulated elsewhere (CPU included, with a notice). `nvfp4`:

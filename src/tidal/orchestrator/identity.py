@@ -77,8 +77,8 @@ class IdentityCheck:
                                path=str(policy_dir), off=self.OFF, tol=self.tol, times=len(client.urls),
                                earlier={k: v for k, v in self.earlier.items() if k < step})
         self.earlier[step] = record.new
-        for k in sorted(self.earlier)[:-self.EARLIER]:
-            del self.earlier[k]
+        while len(self.earlier) > self.EARLIER:
+            del self.earlier[min(self.earlier)]
         self.gap, self.time_s = v.gap_new, self.time_s + time.monotonic() - t0
         log.info("policy %d identity check: probe gap %.3g (previous %s, base %s, tolerance %g)%s", step, v.gap_new,
                  "n/a" if v.gap_previous is None else f"{v.gap_previous:.3g}",

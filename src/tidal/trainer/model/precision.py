@@ -1,6 +1,8 @@
 """Precision recipes (train `recipe`) applied to the policy after loading: which matmuls run in which format.
 
-- `auto` (the default): `bf16` on GPU, `fp32` on CPU.
+- `auto` (the default): `bf16` on GPU; on CPU `bf16` where the CPU multiplies bfloat16 natively (AVX512-BF16 or
+  AMX), else `fp32` (`tidal.inference.precision.resolve_recipe`; the environment variable `TIDAL_CPU_RECIPE` decides
+  instead where set).
 - `fp32`: nothing to do here; the model is loaded in float32.
 - `bf16` on GPU: nothing to do here; the model is loaded in bfloat16 (`model.resolve_dtype`).
 - `bf16` on CPU: mixed precision. The weights (and so the optimizer, checkpoints and broadcasts) stay float32;
@@ -36,10 +38,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from tidal.inference.precision import has_bf16_matmul, resolve_recipe
 
 log = logging.getLogger("tidal.trainer")
 
@@ -88,15 +91,6 @@ AUTOCAST_ATTR = "tidal_autocast_dtype"
 """Attribute of a model whose forwards run under autocast to that dtype (`recipe: bf16` on CPU)."""
 
 
-def has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX; read from /proc/cpuinfo on Linux)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def autocast_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The dtype `model`'s forwards autocast to (`AUTOCAST_ATTR`); None: no autocast."""
     return getattr(model, AUTOCAST_ATTR, None)
@@ -118,9 +112,11 @@ def without_autocast(model: torch.nn.Module) -> Iterator[None]:
 
 
 def apply_recipe(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:
-    """`model` with the matmuls of `recipe` (train `recipe`); `auto`/`fp32`, and `bf16` on GPU, return it
-    unchanged; `bf16` on CPU marks it for bfloat16 autocast (`AUTOCAST_ATTR`)."""
-    if recipe in ("fp32", "auto") or (recipe == "bf16" and device.type != "cpu"):
+    """`model` with the matmuls of `recipe` (train `recipe`; `auto` resolved by `resolve_recipe`: on CPU `bf16` where
+    the CPU has bfloat16 units); `fp32`, and `bf16` on GPU, return it unchanged; `bf16` on CPU marks it for
+    bfloat16 autocast (`AUTOCAST_ATTR`)."""
+    recipe = resolve_recipe(recipe, device.type)
+    if recipe == "fp32" or (recipe == "bf16" and device.type != "cpu"):
         return model
     if recipe == "bf16":
         setattr(model, AUTOCAST_ATTR, torch.bfloat16)
