@@ -314,3 +314,34 @@ def test_the_quoted_bf16_both_sides_figures_are_the_recorded_ones():
     for arm in ("tcm-default", "tcm-bf16b"):
         accs = [big["evals"][r["adapter"]]["accuracy"] for r in big["runs"] if r["arm"] == arm]
         assert len(accs) == 5 and stats(accs, 3) in readme, arm
+
+
+def test_the_quoted_bf16_default_figures_are_the_recorded_ones():
+    """README.md quotes bench/learn_68_s84.json (arm s84-auto: tidal's defaults with bf16 resolved on the bench CPU;
+    whole-run times, the 1/6 goal's seed pairs with bench/learn.py's own functions; s84-control's time against
+    tcm-bf16b's for the same seed) and bench/learn_68_1024_s84.json (1024-problem accuracy)."""
+    import json
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    assert spec is not None and spec.loader is not None
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    readme = flat("README.md")
+    saved = json.loads((ROOT / "bench" / "learn_68_s84.json").read_text())
+    runs = {arm: [r for r in saved["runs"] if r["arm"] == arm]
+            for arm in ("s84-auto", "trl", "s84-control", "tcm-bf16b")}
+    assert [len(runs[a]) for a in ("s84-auto", "trl")] == [5, 5]
+    totals = [r["total_s"] for r in runs["s84-auto"]]
+    assert f"**{statistics.mean(totals):.0f} ± {statistics.stdev(totals):.0f} s**" in readme
+    pairs = sum((x := learn.time_to_reach(r, learn.final_reward(t))) is not None and x <= t["total_s"] / 6
+                for r in runs["s84-auto"] for t in runs["trl"])
+    assert f"**{pairs} of 25** seed pairs" in readme and pairs == 23
+    control = runs["s84-control"][0]
+    before = next(r for r in runs["tcm-bf16b"] if r["seed"] == control["seed"])
+    slower = round(100 * (control["total_s"] / before["total_s"] - 1))
+    assert f"{slower}% slower ({control['total_s']:.0f} s against {before['total_s']:.0f} s)" in readme
+    big = json.loads((ROOT / "bench" / "learn_68_1024_s84.json").read_text())
+    accs = [big["evals"][r["adapter"]]["accuracy"] for r in big["runs"] if r["arm"] == "s84-auto"]
+    assert big["eval_size"] == 1024 and len(accs) == 5
+    assert f"**{statistics.mean(accs):.3f} ± {statistics.stdev(accs):.3f}**" in readme
