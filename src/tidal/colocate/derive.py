@@ -42,8 +42,9 @@ The user's configs are never modified. Derivations, in order:
   `moe_cpu`: a mixture of experts on CPU: vLLM without LoRA, LoRA training only (`moe_on_cpu`).
   `lora_rank`: when adapters go into vLLM (reload `lora`), infer must enable LoRA and `max_lora_rank` (unset:
   train's `lora_rank`) must hold train `lora_rank`.
-  `precision`: infer `dtype: auto` follows the trainer's precision (bfloat16 on a GPU unless train `recipe:
-  fp32`, float32 on CPU); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA kernels).
+  `precision`: train `recipe: auto` on CPU made concrete (bf16 where the CPU has bfloat16 units, with a notice; else
+  fp32) and infer `dtype: auto` following the trainer's matmuls (bfloat16 on a GPU unless train `recipe: fp32`; on
+  CPU bfloat16 for bf16, float32 for fp32); float32 with LoRA on a GPU is refused (vLLM's CUDA LoRA kernels).
   `cpu_cores`: on CPU, on-policy (`on_policy` below: rollouts and training take turns), vLLM's OpenMP threads
   and the trainer both get every core, one phase at a time; with overlap (max_async_level >= 1, or in-flight) the
   cores are split: vLLM's threads on the first half (at least one core per vLLM rank, dp x tp, while the trainer

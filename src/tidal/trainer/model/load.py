@@ -1,21 +1,20 @@
 """Load the policy: a transformers causal LM from a local directory, wrapped with PEFT LoRA adapters.
 
-Precision: float32 on CPU (matches vLLM CPU serving the bundled float32 model, so trainer and inference
-logprobs agree); bfloat16 on CUDA. Attention: train `attention` (`tidal.trainer.model.attention`: flex_attention with
-the packed layout's block mask on CUDA, per-sample SDPA on CPU); packed rows are read from restarting
-`position_ids` (checked by tests/unit/test_packing.py). Activation memory (selective checkpointing, offload) and
-compiled layers: `tidal.trainer.model.activations`. Liger Kernel's fused RMSNorm / SwiGLU / RoPE (train
-`liger_kernel`, CUDA): `tidal.trainer.model.kernels.liger`.
-
-The model is built the way vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's
-`from_pretrained`, and train `rope_scaling` is applied onto the Hugging Face config before the model is built
-(`tidal grpo` makes both follow infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs).
-QLoRA (`qlora_bnb`, `qlora_fp8`): the base's linear layers are quantized while loading (`tidal.trainer.model.quant`).
-Shared base weights (train `share_base_weights` resolved on by `tidal grpo`): the frozen base is built from the
-co-located vLLM's own tensors instead (`tidal.trainer.model.shared_base`).
-A vision-language model (its config has a `vision_config`) is built with `AutoModelForImageTextToText`, only for
-the families whose image inputs the trainer builds (`tidal.trainer.model.vision.TRAINABLE`; others are refused), and
-gets LoRA on its language model only (`VISION_MODULES` excluded).
+Precision: float32 weights on CPU (train `recipe: bf16`, the default where the CPU has bfloat16 units, autocasts the
+matmuls: `tidal.trainer.model.precision`); bfloat16 on CUDA. Attention: train `attention`
+(`tidal.trainer.model.attention`: flex_attention with the packed layout's block mask on CUDA, per-sample SDPA on CPU);
+packed rows are read from restarting `position_ids` (checked by tests/unit/test_packing.py). Activation memory
+(selective checkpointing, offload) and compiled layers: `tidal.trainer.model.activations`. Liger Kernel's fused
+RMSNorm / SwiGLU / RoPE (train `liger_kernel`, CUDA): `tidal.trainer.model.kernels.liger`. The model is built the way
+vLLM serves it: train `trust_remote_code` reaches the model's and the tokenizer's `from_pretrained`, and train
+`rope_scaling` is applied onto the Hugging Face config before the model is built (`tidal grpo` makes both follow
+infer.yaml). Device: train `device` (`cuda:N` picks one of the visible GPUs). QLoRA (`qlora_bnb`, `qlora_fp8`): the
+base's linear layers are quantized while loading (`tidal.trainer.model.quant`). Shared base weights (train
+`share_base_weights` resolved on by `tidal grpo`): the frozen base is built from the co-located vLLM's own tensors
+instead (`tidal.trainer.model.shared_base`). A vision-language model (its config has a `vision_config`) is built with
+`AutoModelForImageTextToText`, only for the families whose image inputs the trainer builds
+(`tidal.trainer.model.vision.TRAINABLE`; others are refused), and gets LoRA on its language model only
+(`VISION_MODULES` excluded).
 """
 
 from __future__ import annotations

