@@ -48,7 +48,7 @@ def trainer_side(run: Path, kept: Path, steps: list[int], length: int) -> tuple[
     torch.set_num_threads(2)
     model, _ = load_policy(cfg)
     ids = probe_ids(vocab_limit(model, load_tokenizer(resolve_model(cfg.model))), length)
-    with model.disable_adapter():
+    with model.disable_adapter():  # type: ignore[operator]
         out = [score(model, ids)]
     for n in steps:
         set_peft_model_state_dict(model, load_file(str(kept / f"step_{n}/adapter_model.safetensors")))
