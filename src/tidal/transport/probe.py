@@ -16,10 +16,11 @@ metric on those vectors). The rule, `judge`, has two triggers:
    (`TOLERANCE`; float32 0.01, bf16/fp16 0.1): a partial load, another model's weights, a stale policy far away.
 2. **Resolved at a stale policy**: for each stale policy the record holds (the previous one, the base), the served
    logprobs are projected on the line from the stale policy's (0) to the new one's (1): `position` =
-   <served - stale, new - stale> / |new - stale|^2, and the *resolution* is how far apart the two policies are
-   against the served noise: mean |new - stale| / mean |residual|, the residual being what the projection leaves
-   (the served vector's part off that line: numerical noise whichever of the two is served). A served policy
-   whose position is below 1/2 at a resolution >= `RESOLVED` (1) is the stale one. This is what tells policy n from
+   <served - stale, new - stale> / |new - stale|^2, and the *resolution* says whether that placement can be
+   trusted: >= 1 when the two policies are farther apart than the served noise (mean |new - stale| over the mean
+   residual, the residual being what the projection leaves: numerical noise whichever of the two is served) and
+   the position's standard error is <= 0.1. A served policy whose position is below 1/2 at a resolution >=
+   `RESOLVED` (1) is the stale one. This is what tells policy n from
    k under a 16-bit sampler, where the served noise (~0.04 on CPU in bf16) exceeds one step's move (~0.01-0.02)
    and so the distance alone cannot (bench/PROBE-68.md: real bf16 vLLM logprobs of 15 policies of a SmolLM2 run;
    at resolution >= 1 and 128 tokens the served policy sat at 0.73 or above, a stale one at 0.21 or below, over
@@ -50,9 +51,10 @@ beside a step); a float32 sampler sits ~1e-5 from it, so 32 tokens resolve any m
 PROBE_LEN_16BIT = 128
 """Tokens in the probe of a policy computed in 16 bits (train `recipe: bf16`, on CPU its autocast too), whose
 sampler's noise (~0.04 a token) exceeds one step's move: the projection needs more tokens to keep a served policy
-away from the stale end. bench/PROBE-68.md, replaying a bf16 vLLM's logprobs of 15 policies: at 32 tokens one
-served policy n sat at 0.40 (a false alarm), at 128 none below 0.73 and no stale one above 0.21; 256 barely more
-(0.75 / 0.09) for twice the cost (~0.8 s a step on 2 cores for SmolLM2-135M in float32)."""
+away from the stale end and place it tightly enough to be trusted. bench/PROBE-68.md, replaying a bf16 vLLM's
+logprobs of 15 policies: at 32 tokens few placements are trusted (a sampler stuck on the base caught after 8 steps),
+at 128 a served policy sat at 0.73 or more and a stale one at 0.21 or less, stuck samplers caught within 1-4 steps;
+256 barely better (0.75 / 0.09) for twice the cost (~0.8 s a step on 2 cores for SmolLM2-135M in float32)."""
 RESOLVED = 1.0
 """Resolution (`position`) from which `judge` trusts the projection (module doc)."""
 POSITION_SE = 0.1
