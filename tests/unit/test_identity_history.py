@@ -29,8 +29,8 @@ class Stuck:
         self.serving = 0
 
     async def prompt_logprobs(self, model: str, ids: list[int]) -> list[float]:
-        assert ids == DATA["ids"][:PROBE_LEN_16BIT]
-        return SERVED[self.serving]
+        assert ids == DATA["ids"][:len(ids)]
+        return SERVED[self.serving][:len(ids)]
 
 
 def publish(run: Path, n: int) -> Path:
@@ -73,3 +73,25 @@ def test_the_policies_checked_before_are_what_catches_a_late_stuck_sampler(tmp_p
     assert run_until(tmp_path, 10) == 11 and run_until(tmp_path / "9", 9) == 10
     monkeypatch.setattr(IdentityCheck, "EARLIER", 0)
     assert run_until(tmp_path / "none", 10) is None and run_until(tmp_path / "none9", 9) == 15
+
+
+def test_a_server_shorter_than_the_probe_scores_its_first_tokens(tmp_path):
+    """orch `seq_len` 50 (vLLM holds 50 tokens; the trainer published 128): the check sends the first 49 and judges
+    them against the record's first 49 (logprobs are causal); a stuck sampler is still caught."""
+    seen: list[int] = []
+
+    class Short(Stuck):
+        async def prompt_logprobs(self, model: str, ids: list[int]) -> list[float]:
+            seen.append(len(ids))
+            return await super().prompt_logprobs(model, ids)
+
+    check, client = IdentityCheck(context=50), Short()
+    for n in range(1, 4):
+        client.serving = n
+        asyncio.run(check.after_load(client, "m", publish(tmp_path, n), n))  # type: ignore[arg-type]
+    assert seen == [49, 49, 49]
+    client.serving = 3  # stuck on policy 3 from here
+    with pytest.raises(PolicyMismatch, match="it serves policy 3|it serves the previous policy") as err:
+        for n in range(4, len(TRAINER)):
+            asyncio.run(check.after_load(client, "m", publish(tmp_path, n), n))  # type: ignore[arg-type]
+    assert seen[-1] == 49 and len(seen) <= 3 + 5, (seen, str(err.value))

@@ -36,6 +36,7 @@ async def check_served(score: Scorer, record: ProbeRecord, *, what: str, path: s
     sampler's longest sequence, when it may be shorter than the probe (its first tokens are scored then);
     `earlier`: policies checked before (`judge`)."""
     record = record.prefix(len(record.ids) if context is None else max(2, context - 1))
+    earlier = {k: v[:len(record.ids)] for k, v in (earlier or {}).items()}
     worst: Verdict | None = None
     for _ in range(max(times, 1)):
         v = judge(await score(record.ids), record, tolerance(record.dtype, tol), earlier)
@@ -55,8 +56,10 @@ class IdentityCheck:
     """Policies checked before that each check also places the served one against (`judge`'s `earlier`): a sampler
     stuck on one of them is caught within 1-4 steps under bf16 (bench/PROBE-68.md)."""
 
-    def __init__(self, enabled: bool = True, tol: float | None = None) -> None:
-        self.enabled, self.tol = enabled, tol
+    def __init__(self, enabled: bool = True, tol: float | None = None, context: int | None = None) -> None:
+        """`context`: orch `seq_len`, which the servers hold (`tidal grpo` refuses an infer `max_model_len` below it):
+        a longer probe is scored on its first tokens (`check_served`)."""
+        self.enabled, self.tol, self.context = enabled, tol, context
         self.gap = 0.0  # the served policy's distance to the one it should be (0: policy 0, the server's own)
         self.time_s = 0.0
         self.unchecked: set[int] = set()
@@ -75,7 +78,7 @@ class IdentityCheck:
         t0 = time.monotonic()
         v = await check_served(lambda ids: client.prompt_logprobs(model, ids), record, what="the inference server",
                                path=str(policy_dir), off=self.OFF, tol=self.tol, times=len(client.urls),
-                               earlier={k: v for k, v in self.earlier.items() if k < step})
+                               earlier={k: v for k, v in self.earlier.items() if k < step}, context=self.context)
         self.earlier[step] = record.new
         while len(self.earlier) > self.EARLIER:
             del self.earlier[min(self.earlier)]

@@ -143,7 +143,7 @@ def policy_tracker(cfg: OrchConfig, client: InferenceClient, base: str, run_dir:
     return PolicyTracker(client, base, run_dir, cfg.model.lora_adapter, merged=wb.reload == "merged",
                          factors=wb.reload == "factors", pushed_timeout_s=wb.timeout if wb.type == "nccl" else None,
                          expect=(cfg.model.lora_rank, cfg.model.lora_alpha), await_base=wb.policy_zero == "published",
-                         identity=IdentityCheck(wb.policy_check, wb.policy_check_tolerance))
+                         identity=IdentityCheck(wb.policy_check, wb.policy_check_tolerance, cfg.seq_len))
 
 
 async def run(cfg: OrchConfig, run_dir: Path, reward_funcs: list[RewardFunc] | None = None,

@@ -196,8 +196,9 @@ class Verdict:
         tolerance, else none of the trainer's (a partial load, weights of another model)."""
         at = self.resolved_at
         if at is not None:
-            return (f"it serves {at[0]}: its logprobs sit at {at[1]:.2f} on the line from that policy at 0 to the "
-                    f"new one at 1, resolution {at[2]:.2g}")
+            who = at[0] if abs(at[1]) <= 0.25 else "an older policy than the new one"  # part way: between the two
+            return (f"it serves {who}: its logprobs sit at {at[1]:.2f} on the line from {at[0]} at 0 to the new "
+                    f"policy at 1, resolution {at[2]:.2g}")
         stale = {k: v for k, v in (("the base model", self.gap_base), ("the previous policy", self.gap_previous))
                  if v is not None}
         closest = min(stale, key=lambda k: stale[k]) if stale else None  # a tie (the previous is the base): base
