@@ -53,7 +53,7 @@ def test_the_rule_fires_on_a_stale_or_foreign_policy_and_names_the_closest():
     v = judge(list(base), rec, tol)
     assert not v.ok and v.diagnosis().startswith("it serves the base model: its logprobs sit at 0.00 ")
     first = judge(list(base), record(new, base, base), tol)  # policy 1: its previous is the base
-    assert first.diagnosis().startswith("it serves the previous policy")
+    assert first.diagnosis().startswith("it serves the base model")
     foreign = judge(list(base + 3.0), rec, tol)
     assert not foreign.ok and foreign.diagnosis().startswith("it serves none of the trainer's policies (closest: ")
     line = stale.line("the inference server", 7, "/run/broadcasts/step_7", "orch weight_broadcast.policy_check: false")

@@ -177,8 +177,8 @@ class Verdict:
         """Of the placements that put the served policy at the stale end (resolution >= `RESOLVED`, position below
         1/2), the one it sits closest to (position nearest 0: a served base also sits behind the previous policy, a
         served previous policy part way from the base); None: none does."""
-        at = [p for p in self.placements if p[2] >= RESOLVED and p[1] < 0.5]
-        return min(at, key=lambda p: abs(p[1])) if at else None
+        at = [p for p in self.placements if p[2] >= RESOLVED and p[1] < 0.5]  # a tie (the previous is the base): base
+        return min(at, key=lambda p: (round(abs(p[1]), 9), p[0] != "the base model")) if at else None
 
     @property
     def ok(self) -> bool:
