@@ -1,6 +1,6 @@
 """The run's precision: train `recipe: auto` made concrete (`resolve_recipe`: bf16 on a GPU; on CPU bf16 where the CPU
 multiplies bfloat16 natively, else fp32), infer `dtype: auto` resolved to the trainer's matmul precision
-(`compute_dtype`; a server started alone: `trainer_dtype`), and a float32 vLLM with LoRA on a GPU refused before it
+(`matmul_dtype`; a server started alone: `trainer_dtype`), and a float32 vLLM with LoRA on a GPU refused before it
 starts (`check_lora_dtype`). Used by `tidal grpo`'s derivation (`couple_precision`, `served_tolerance`, from
 `tidal.colocate.derive.precision`), the trainer (`tidal.trainer.model.load.prepare_policy`) and the servers
 `tidal grpo-infer` starts (vLLM, SGLang). Torch-free.
@@ -60,7 +60,7 @@ def resolve_recipe(recipe: str, device: str) -> str:
     return "bf16" if has_bf16_matmul() else "fp32"
 
 
-def compute_dtype(recipe: str, device: str) -> str:
+def matmul_dtype(recipe: str, device: str) -> str:
     """The dtype the trainer's matmuls run in for a resolved train `recipe` (`resolve_recipe`) on `device`: bfloat16
     for `bf16` (on a GPU its weights, on CPU its autocast) and on a GPU for the FP8 recipes' weights, else float32.
     Infer `dtype: auto` follows it in `tidal grpo` (`couple_precision`)."""
@@ -78,13 +78,13 @@ def trainer_dtype(recipe: str, device: str) -> str:
 
 
 def couple_precision(train: TrainConfig, infer: InferConfig, device: str) -> tuple[InferConfig, str | None]:
-    """One precision for the run: infer `dtype: auto` becomes the trainer's matmul precision (`compute_dtype` of the
+    """One precision for the run: infer `dtype: auto` becomes the trainer's matmul precision (`matmul_dtype` of the
     resolved recipe: bfloat16 on a GPU unless train `recipe: fp32`; on CPU bfloat16 for `recipe: bf16`, the default
     where the CPU has bfloat16 units, else float32), so vLLM samples the policy the trainer scores. An explicit
     dtype is kept, with a notice when it differs from the trainer's (measured on an H100: a float32 vLLM beside a
     bf16 trainer gave mismatch_kl 2e-3 to 9e-3 per step, against <= 1e-3 wanted); float32 with LoRA on a GPU is
     refused (`check_lora_dtype`). Returns (infer, notice or None)."""
-    trainer = compute_dtype(resolve_recipe(train.recipe, device), device)
+    trainer = matmul_dtype(resolve_recipe(train.recipe, device), device)
     if infer.dtype == "auto":
         infer = infer.model_copy(update={"dtype": trainer})
     check_lora_dtype(infer, device == "cuda")
@@ -102,7 +102,7 @@ def served_tolerance(train: TrainConfig, infer: InferConfig, device: str,
     which the trainer's float32 tolerance would call a wrong policy (`tidal.transport.probe.TOLERANCE`). (None, "")
     where the trainer's own tolerance holds or orch `weight_broadcast.policy_check_tolerance` is set; else (the
     served dtype's tolerance, the notice saying so)."""
-    served, trained = infer.dtype, compute_dtype(resolve_recipe(train.recipe, device), device)
+    served, trained = infer.dtype, matmul_dtype(resolve_recipe(train.recipe, device), device)
     if set_tolerance is not None or served not in TOLERANCE or TOLERANCE[served] <= TOLERANCE.get(trained, 0.0):
         return None, ""
     tol = TOLERANCE[served]

@@ -67,8 +67,8 @@ def score(model: torch.nn.Module, ids: list[int]) -> list[float]:
 
 
 class Prober:
-    """The probe records of one trainer run (rank 0); `context`: the longest sequence the samplers take (train
-    `sequence_len`: `tidal grpo` refuses an infer `max_model_len` below it), which bounds the probe's length."""
+    """The probe records of one trainer run (rank 0); `context`: train `sequence_len`, which bounds the probe's length
+    (a sampler holding fewer tokens is sent the probe's first ones: `tidal.orchestrator.identity.check_served`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, reference: torch.nn.Module | None = None,
                  fresh: bool = True, context: int | None = None) -> None:
